@@ -1,0 +1,46 @@
+"""Plain-torch references for KV movement: store into paged blocks, gather/scatter blocks.
+
+KV layout (block-major): the engine's cache is one tensor
+``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``; a layer's view
+``kv_cache[:, layer]`` is ``kv_layer: [num_blocks, 2, block_size, num_kv_heads, head_dim]``
+(strided: one block holds every layer, so blocks are far apart in a layer view).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, slot = block * BS + offset; < 0 means skip
+) -> None:
+    block_size = kv_layer.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    kv_layer[blocks, 0, offsets] = key[keep].to(kv_layer.dtype)
+    kv_layer[blocks, 1, offsets] = value[keep].to(kv_layer.dtype)
+
+
+def gather_blocks_ref(
+    cache: torch.Tensor,  # [NB, *block_shape]: any layout whose dim 0 is the block
+    block_ids: torch.Tensor,  # [N] int64
+    out: torch.Tensor | None = None,  # [N, *block_shape], contiguous
+) -> torch.Tensor:
+    if out is None:
+        out = torch.empty((block_ids.numel(), *cache.shape[1:]), dtype=cache.dtype,
+                          device=cache.device)
+    torch.index_select(cache, 0, block_ids, out=out)
+    return out
+
+
+def scatter_blocks_ref(
+    src: torch.Tensor,  # [N, *block_shape]
+    cache: torch.Tensor,  # [NB, *block_shape]
+    block_ids: torch.Tensor,  # [N] int64
+) -> None:
+    cache.index_copy_(0, block_ids, src)

@@ -1,0 +1,39 @@
+"""Plain-torch references for RMSNorm (with fused residual add) and rotary embedding."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]: added to x first when given
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normed, new_residual); new_residual is x (+ residual), the sum fed forward."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed.to(x.dtype) * weight).to(x.dtype), x
+
+
+def rope_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (NeoX / HF Llama) rotary embedding; returns new tensors."""
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions]  # [T, D]
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
