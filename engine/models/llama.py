@@ -1,0 +1,148 @@
+"""One decoder for the Llama family: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm),
+SmolLM2. Tokens of every request in a step are packed into one flat [T, hidden] batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, KernelSet, PagedAttention
+from engine.config import ModelConfig
+from engine.rope import cos_sin_table
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, kernels: KernelSet) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.k = kernels
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        out: tuple[torch.Tensor, torch.Tensor] = self.k.rms_norm(x, self.weight, self.eps,
+                                                                  residual)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, kernels) if cfg.qk_norm else None
+        self.attn = PagedAttention(kernels, self.d**-0.5)
+        self.k = kernels
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
+        q = q.reshape(t, self.nq, self.d)
+        k = k.reshape(t, self.nkv, self.d)
+        v = v.reshape(t, self.nkv, self.d)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
+            k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
+        q, k = self.k.rope(q, k, positions, cos_sin)
+        o = self.attn(q, k, v, kv_layer, meta)  # [T, Hq, D]
+        return self.o_proj(o.reshape(t, self.nq * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.self_attn = Attention(cfg, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, cos_sin, kv_layer, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        self.register_buffer(
+            "cos_sin", cos_sin_table(cfg.head_dim, max_positions, cfg.rope_theta, scaling),
+            persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_cache: [NB, L, 2, BS, Hkv, D]. Returns [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache[:, i], meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, hidden] -> [S, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies HF-named tensors into the fused layout; returns the names it used."""
+        params = dict(self.named_parameters())
+        nq, nkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        qkv_rows = {"q_proj": (0, nq * d), "k_proj": (nq * d, nkv * d),
+                    "v_proj": ((nq + nkv) * d, nkv * d)}
+        inter = self.cfg.intermediate_size
+        mlp_rows = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
+        used: set[str] = set()
+        for name, w in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, rows = name, None
+            for sub, span in qkv_rows.items():
+                if f".{sub}." in name:
+                    target, rows = name.replace(sub, "qkv_proj"), span
+            for sub, span in mlp_rows.items():
+                if f".{sub}." in name:
+                    target, rows = name.replace(sub, "gate_up_proj"), span
+            if target not in params:
+                raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
+            p = params[target]
+            with torch.no_grad():
+                dst = p if rows is None else p.narrow(0, rows[0], rows[1])
+                if dst.shape != w.shape:
+                    raise ValueError(f"model: weight {name!r} has shape {tuple(w.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(w.to(p.dtype))
+            used.add(name)
+        return used

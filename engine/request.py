@@ -1,0 +1,64 @@
+"""One request's state inside an engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.detokenizer import IncrementalDetokenizer
+
+# Stands in an output slot whose token was sampled but not yet read back to the host
+# (deferred output); the runner feeds the device-side value instead.
+PLACEHOLDER = -1
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-N alternatives (token id, logprob), best first
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # params.seed, or one the engine drew; random draws are f(seed, position)
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.QUEUED
+    output_token_ids: list[int] = field(default_factory=list)  # may end in PLACEHOLDERs
+    num_computed_tokens: int = 0  # tokens whose KV is in this engine's cache
+    block_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_emitted: int = 0  # output tokens already reported to the caller
+    num_preemptions: int = 0
+    prefill_only: bool = False  # producer: stop after token 0 and hold blocks for transfer
+    detok: IncrementalDetokenizer | None = None
+    full_text: str = ""  # detokenized output so far (cut at a stop string when one hits)
+    text_checked: int = 0  # full_text[:text_checked] has been searched for stop strings
+    num_text_sent: int = 0  # full_text[:num_text_sent] has been reported
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finished
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids

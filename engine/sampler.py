@@ -1,0 +1,108 @@
+"""Turns logits into tokens: penalties, min_tokens masking, temperature, top-k/p, min-p, and
+seeded draws that depend only on (seed, position); plus logprobs with top-N alternatives.
+
+Everything stays on the device: the result is a tensor the next deferred step can consume
+before the host has read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.random_draw import uniform_noise
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling inputs for S rows (one per request that samples this step)."""
+
+    temperature: torch.Tensor  # [S] float32; 0 = greedy
+    top_k: torch.Tensor  # [S] int64; 0 = off
+    top_p: torch.Tensor  # [S] float32
+    min_p: torch.Tensor  # [S] float32
+    seeds: torch.Tensor  # [S] int64
+    positions: torch.Tensor  # [S] int64: position of the token being sampled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    # Penalties (None when no row has one):
+    repetition: torch.Tensor | None = None  # [S] float32
+    frequency: torch.Tensor | None = None  # [S] float32
+    presence: torch.Tensor | None = None  # [S] float32
+    output_counts: torch.Tensor | None = None  # [S, V] float32: output-token counts
+    seen_mask: torch.Tensor | None = None  # [S, V] bool: in prompt or output
+    banned: torch.Tensor | None = None  # [S, V] bool: EOS/stop ids while under min_tokens
+    max_logprobs: int = -1  # -1: no row wants logprobs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [S] int64, on the device
+    logprobs: torch.Tensor | None = None  # [S] float32: logprob of the sampled token
+    top_ids: torch.Tensor | None = None  # [S, N] int64
+    top_logprobs: torch.Tensor | None = None  # [S, N] float32
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    if b.repetition is not None and b.seen_mask is not None:
+        r = b.repetition[:, None]
+        penalized = torch.where(logits > 0, logits / r, logits * r)
+        logits = torch.where(b.seen_mask, penalized, logits)
+    if b.output_counts is not None:
+        if b.frequency is not None:
+            logits = logits - b.frequency[:, None] * b.output_counts
+        if b.presence is not None:
+            logits = logits - b.presence[:, None] * (b.output_counts > 0).float()
+    return logits
+
+
+def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Zeroes probabilities outside top-k, top-p and min-p; keeps at least the best token."""
+    if b.any_min_p:
+        keep = probs >= b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = probs * keep
+    if b.any_top_k or b.any_top_p:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+        if b.any_top_k:
+            k = torch.where(b.top_k > 0, b.top_k, probs.shape[-1])
+            ranks = torch.arange(probs.shape[-1], device=probs.device)
+            drop |= ranks[None, :] >= k[:, None]
+        if b.any_top_p:
+            total = sorted_p.sum(dim=-1, keepdim=True)
+            before = sorted_p.cumsum(dim=-1) - sorted_p  # mass strictly above each token
+            drop |= before > b.top_p[:, None] * total
+        drop[:, 0] = False
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
+    """logits: [S, V] float32 -> SamplerOutput (device tensors)."""
+    out = SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+    if b.max_logprobs >= 0:
+        # Logprobs describe the model's own distribution, before any sampling transform.
+        lp = torch.log_softmax(logits, dim=-1)
+    logits = apply_penalties(logits, b)
+    if b.banned is not None:
+        logits = logits.masked_fill(b.banned, float("-inf"))
+    greedy_ids = logits.argmax(dim=-1)
+    if b.all_greedy:
+        out.token_ids = greedy_ids
+    else:
+        temp = torch.where(b.temperature > 0, b.temperature, 1.0)
+        probs = torch.softmax(logits / temp[:, None], dim=-1)
+        probs = _filter(probs, b)
+        # Exponential race: argmax(p / E), E ~ Exp(1), picks token i with probability p_i.
+        expo = -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
+        drawn = (probs / expo).argmax(dim=-1)
+        out.token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
+    if b.max_logprobs >= 0:
+        out.logprobs = lp.gather(-1, out.token_ids[:, None]).squeeze(-1)
+        if b.max_logprobs > 0:
+            out.top_logprobs, out.top_ids = lp.topk(b.max_logprobs, dim=-1)
+    return out
