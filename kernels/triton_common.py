@@ -1,0 +1,61 @@
+"""Launcher helpers shared by the Triton kernels: argument checks and dtype choices.
+
+Importing this imports triton; nothing in ``kernels/__init__.py`` imports it, so the CPU
+engine and the test conftest (which must set ``TRITON_INTERPRET`` first) stay in control.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def check(cond: bool, msg: str) -> None:
+    """Launcher argument check: a bad call is the caller's error, so ValueError, not assert."""
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
+    check(tuple(t.shape) == tuple(shape), f"{name}: expected shape {tuple(shape)}, got "
+          f"{tuple(t.shape)}")
+
+
+def check_float(name: str, t: torch.Tensor) -> None:
+    check(t.dtype in FLOAT_DTYPES, f"{name}: dtype {t.dtype} is not one of {FLOAT_DTYPES}")
+
+
+def check_int(name: str, t: torch.Tensor) -> None:
+    check(t.dtype in (torch.int32, torch.int64), f"{name}: expected int32/int64, got {t.dtype}")
+
+
+def check_device(*ts: torch.Tensor) -> None:
+    dev = ts[0].device
+    check(all(t.device == dev for t in ts), f"tensors on different devices: "
+          f"{[str(t.device) for t in ts]}")
+
+
+def compute_dtype(t: torch.Tensor) -> tl.dtype:
+    """The dtype a kernel does its matrix products in.
+
+    On the GPU that is the storage dtype (bf16/fp16 tensor cores, fp32 accumulate). CPU tensors
+    mean the Triton interpreter, whose numpy emulation gets bf16 arithmetic wrong, so there
+    every loaded value is upcast to float32 first.
+    """
+    return _TL_DTYPE[t.dtype] if t.is_cuda else tl.float32
+
+
+def inner_contiguous(t: torch.Tensor) -> bool:
+    """True when every dim but the first is laid out contiguously (dim 0 may be strided)."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:]), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True

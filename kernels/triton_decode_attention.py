@@ -1,0 +1,215 @@
+"""Triton decode attention over the paged KV cache, split-K (flash-decoding), GQA.
+
+One program owns (request, KV head, split): it loads that KV head's keys and values once
+and scores all ``G = Hq / Hkv`` query heads that share them, so HBM traffic is the KV
+bytes alone (the query group is padded to a 16-row tile for the tensor cores; decode is
+memory bound, the wasted rows are free). Long contexts with few (request, KV head) pairs
+are split along the sequence so the whole GPU streams KV; a small second kernel merges
+the splits by their log-sum-exp. See ref_attention.decode_attention_ref for the contract.
+
+Host syncs: none. Without a ``max_seq_len`` hint the split count is sized for the block
+table's capacity (``max_blocks * block_size``), an upper bound that costs empty splits an
+early exit and nothing else.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    check,
+    check_device,
+    check_float,
+    check_int,
+    check_shape,
+    compute_dtype,
+)
+
+LOG2E = 1.4426950408889634
+
+# Tile and launch defaults, tuned on an H200 (bench/kernels_bench.py); the launcher's
+# keyword arguments override them.
+BLOCK_N = 64  # KV tokens per inner-loop tile
+NUM_WARPS = 4
+NUM_STAGES = 3
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+PROGRAMS_PER_SM = 4  # split until (B * Hkv * splits) reaches this many programs per SM
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    s_qb, s_qh,  # q strides [B, Hq, D]; D is contiguous
+    s_cb, s_ckv, s_cs, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D is contiguous
+    s_btb,  # block_tables row stride
+    s_ob, s_oh,  # out strides [B, Hq, D]; D is contiguous
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    split_len,  # tokens per split, a multiple of BLOCK_N
+    num_splits,
+    G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    hq = kvh * G + g  # [BLOCK_G]: q heads sharing this KV head (SDPA's enable_gqa order)
+    gmask = g < G
+    q = tl.load(q_ptr + b * s_qb + hq[:, None] * s_qh + d[None, :], mask=gmask[:, None],
+                other=0.0).to(COMPUTE)  # [BLOCK_G, D]
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    kv_head = kv_ptr + kvh.to(tl.int64) * s_ch
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        nmask = n < end
+        blk = tl.load(bt_row + n // BS, mask=nmask, other=0).to(tl.int64)
+        row = kv_head + blk * s_cb + (n % BS) * s_cs  # [BLOCK_N] pointers to each token's K
+        k = tl.load(row[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(COMPUTE)
+        v = tl.load(row[:, None] + s_ckv + d[None, :], mask=nmask[:, None],
+                    other=0.0).to(COMPUTE)  # [BLOCK_N, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile has a valid token
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v)
+        m = m_new
+
+    # An empty split (start >= seq_len) leaves lsum == 0: it writes o = 0, lse = -inf.
+    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None]
+    if SPLIT:
+        part = (b * tl.num_programs(1) * G + hq).to(tl.int64) * num_splits + split  # [BLOCK_G]
+        tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=gmask[:, None])
+        lse = tl.where(lsum > 0.0, m + tl.log2(tl.maximum(lsum, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=gmask)
+    else:
+        tl.store(out_ptr + b * s_ob + hq[:, None] * s_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    s_ob, s_oh,
+    num_splits,
+    D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    smask = sp < num_splits
+    base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
+    lse = tl.load(part_lse_ptr + base + sp, mask=smask, other=float("-inf"))  # [BLOCK_S]
+    mx = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # empty splits weigh 0
+    o = tl.load(part_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=smask[:, None],
+                other=0.0)  # [BLOCK_S, D]
+    wsum = tl.sum(w, axis=0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.where(wsum > 0.0, wsum, 1.0)
+    tl.store(out_ptr + b * s_ob + h * s_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so CPU tests still exercise several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Enough splits to give every SM PROGRAMS_PER_SM programs, none under MIN_SPLIT_TOKENS."""
+    want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, Hq, D]: one query per request
+    kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context length including this token (>= 1)
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, D]
+    *,
+    max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the splits
+    num_splits: int | None = None,  # override the heuristic (tests, tuning)
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> torch.Tensor:
+    check(q.dim() == 3, "q: expected [B, Hq, D]")
+    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
+    bsz, hq, d = q.shape
+    _, _, bs, hkv, dk = kv_layer.shape
+    check(dk == d, f"head_dim mismatch: q {d}, kv {dk}")
+    check(d >= 16 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two >= 16")
+    check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == bsz, "block_tables: expected [B, *]")
+    check_shape("seq_lens", seq_lens, (bsz,))
+    check_float("q", q)
+    check_float("kv_layer", kv_layer)
+    check_int("block_tables", block_tables)
+    check_int("seq_lens", seq_lens)
+    check(q.stride(2) == 1 and kv_layer.stride(4) == 1, "q, kv_layer: head_dim must be contiguous")
+    check(block_tables.stride(1) == 1, "block_tables: rows must be contiguous")
+    if out is None:
+        out = torch.empty_like(q)
+    check_shape("out", out, q.shape)
+    check(out.stride(2) == 1, "out: head_dim must be contiguous")
+    check_device(q, kv_layer, block_tables, seq_lens, out)
+    if bsz == 0:
+        return out
+
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * bs
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
+    g = hq // hkv
+    split = num_splits > 1
+    if split:
+        part_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    _decode_kernel[(bsz, hkv, num_splits)](
+        q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale * LOG2E, split_len, num_splits,
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BS=bs,
+        BLOCK_N=block_n, SPLIT=split, COMPUTE=compute_dtype(kv_layer),
+        IEEE=kv_layer.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _merge_kernel[(bsz, hq)](
+            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        )
+    return out
+

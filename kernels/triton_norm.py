@@ -1,0 +1,139 @@
+"""Triton RMSNorm (with fused residual add) and rotate-half RoPE (see ref_norm.py).
+
+Both round exactly where the references round, so low-precision outputs match bit for
+bit up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import check, check_device, check_float, check_int, check_shape
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    s_x, s_r, s_o, s_nr,  # row strides; rows are contiguous
+    H, eps,
+    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0)
+        # Round the sum to the input dtype before using it, as the reference's x + residual.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(new_res_ptr + row * s_nr + cols, x, mask=mask)
+    xf = x.to(tl.float32)  # [BLOCK_H]
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    tl.store(out_ptr + row * s_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, H]: added to x first when given
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (normed, new_residual); new_residual is x (+ residual). Inputs are not modified."""
+    check(x.dim() == 2, "x: expected [T, H]")
+    num_tokens, hidden = x.shape
+    check_shape("weight", weight, (hidden,))
+    check_float("x", x)
+    check_float("weight", weight)
+    check(x.stride(1) == 1, "x: rows must be contiguous")
+    if residual is not None:
+        check_shape("residual", residual, x.shape)
+        check(residual.dtype == x.dtype, "residual: dtype must match x")
+        check(residual.stride(1) == 1, "residual: rows must be contiguous")
+        check_device(x, weight, residual)
+    check_device(x, weight)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    new_res = x if residual is None else torch.empty_like(out)
+    if num_tokens == 0:
+        return out, new_res
+    res = residual if residual is not None else x  # unused pointer when HAS_RES is False
+    block_h = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(num_tokens,)](
+        x, res, weight, out, new_res,
+        x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
+        hidden, eps,
+        HAS_RES=residual is not None, BLOCK_H=block_h,
+        num_warps=min(16, max(1, block_h // 512)),
+    )
+    return out, new_res
+
+
+@triton.jit
+def _rope_rows(x_ptr, o_ptr, s_xt, s_xh, s_ot, s_oh, t, cos, sin,
+               H: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < H
+    src = x_ptr + t * s_xt + h * s_xh + d  # [BLOCK_H, HALF]: first halves
+    x1 = tl.load(src, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
+    dst = o_ptr + t * s_ot + h * s_oh + d
+    ty = o_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, qo_ptr, ko_ptr, pos_ptr, cs_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_qot, s_qoh, s_kot, s_koh, s_cs,
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+):
+    # One program per token: cos/sin are loaded once and shared by all q and k heads.
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cs_ptr + pos * s_cs + d)  # [1, HALF] float32
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + d)
+    _rope_rows(q_ptr, qo_ptr, s_qt, s_qh, s_qot, s_qoh, t, cos, sin, HQ, HALF, BLOCK_HQ)
+    _rope_rows(k_ptr, ko_ptr, s_kt, s_kh, s_kot, s_koh, t, cos, sin, HKV, HALF, BLOCK_HKV)
+
+
+def rope(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int32/int64
+    cos_sin: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half (NeoX / HF Llama) rotary embedding; returns new tensors."""
+    check(q.dim() == 3 and k.dim() == 3, "q, k: expected [T, H, D]")
+    num_tokens, hq, d = q.shape
+    hkv = k.shape[1]
+    check_shape("k", k, (num_tokens, hkv, d))
+    check_shape("positions", positions, (num_tokens,))
+    check(cos_sin.dim() == 2 and cos_sin.shape[1] == d, "cos_sin: expected [max_pos, D]")
+    check(cos_sin.dtype == torch.float32 and cos_sin.stride(1) == 1,
+          "cos_sin: expected contiguous rows of float32")
+    check(d % 2 == 0 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two")
+    check(q.stride(2) == 1 and k.stride(2) == 1, "q, k: head_dim must be contiguous")
+    check_float("q", q)
+    check_float("k", k)
+    check_int("positions", positions)
+    check_device(q, k, positions, cos_sin)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    k_out = torch.empty_like(k, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return q_out, k_out
+    _rope_kernel[(num_tokens,)](
+        q, k, q_out, k_out, positions, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
+        HQ=hq, HKV=hkv, HALF=d // 2,
+        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+        num_warps=4,
+    )
+    return q_out, k_out

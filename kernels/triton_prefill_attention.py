@@ -1,0 +1,183 @@
+"""Triton prefill attention over the paged KV cache: ragged chunked prefill, causal, GQA.
+
+Every key and value comes from the cache (``store_kv`` for the chunk runs first), so a chunk
+of ``n`` queries after ``seq_len - n`` cached tokens is one case: query ``j`` sits at
+position ``seq_len - n + j`` and sees keys ``0 .. seq_len - n + j``. One program owns
+(query head, ``BLOCK_M`` queries of one request). Its key loop has an unmasked part (keys
+every query of the tile sees) and a masked part near the diagonal, so only the last one or
+two tiles pay for the causal mask. See ref_attention.prefill_attention_ref for the contract.
+
+Host syncs: the grid needs the longest chunk of the batch. Pass ``max_query_len`` (the
+scheduler knows it); without it the launcher reads it with one ``.item()``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    check,
+    check_device,
+    check_float,
+    check_int,
+    check_shape,
+    compute_dtype,
+)
+
+LOG2E = 1.4426950408889634
+
+# Tuned on an H200 (bench/kernels_bench.py); the launcher's keyword arguments override them.
+BLOCK_M = 128
+BLOCK_N = 64
+NUM_WARPS = 8
+NUM_STAGES = 3
+
+
+@triton.jit
+def _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale, qpos,
+                 lo, hi, seq_len,
+                 D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                 COMPUTE: tl.constexpr, IEEE: tl.constexpr):
+    """Online softmax over keys [lo, hi): accumulates into (acc, m, lsum) and returns them."""
+    d = tl.arange(0, D)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        if MASKED:
+            nmask = n < seq_len
+            blk = tl.load(bt_row + n // BS, mask=nmask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + n // BS).to(tl.int64)
+        row = kv_head + blk * s_cb + (n % BS) * s_cs  # [BLOCK_N]
+        if MASKED:
+            k = tl.load(row[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+            v = tl.load(row[:, None] + s_ckv + d[None, :], mask=nmask[:, None], other=0.0)
+        else:
+            k = tl.load(row[:, None] + d[None, :])  # [BLOCK_N, D]
+            v = tl.load(row[:, None] + s_ckv + d[None, :])
+        k = k.to(COMPUTE)
+        v = v.to(COMPUTE)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        if MASKED:
+            s = tl.where((n[None, :] <= qpos[:, None]) & (n[None, :] < seq_len), s,
+                         float("-inf"))
+        # Finite: each row's first tile holds key 0, which every row sees.
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v)
+        m = m_new
+    return acc, m, lsum
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+    s_qt, s_qh,  # q strides [T, Hq, D]; D is contiguous
+    s_cb, s_ckv, s_cs, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D is contiguous
+    s_btb,
+    s_ot, s_oh,
+    qk_scale,
+    G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
+):
+    hq = tl.program_id(0)  # fastest: the heads of one tile run together and share KV in L2
+    mt = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (latest) tiles first
+    b = tl.program_id(2)
+    q_start = tl.load(cu_ptr + b)
+    n_q = tl.load(cu_ptr + b + 1) - q_start
+    if mt * BLOCK_M >= n_q:
+        return
+    seq_len = tl.load(lens_ptr + b)
+    ctx = seq_len - n_q  # cached tokens before this chunk
+
+    mi = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the chunk
+    d = tl.arange(0, D)
+    mmask = mi < n_q
+    tok = (q_start + mi).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + hq * s_qh + d[None, :], mask=mmask[:, None],
+                other=0.0).to(COMPUTE)  # [BLOCK_M, D]
+    qpos = ctx + mi
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    kv_head = kv_ptr + (hq // G).to(tl.int64) * s_ch
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    # Keys below the tile's first query position are visible to all its queries.
+    diag = (ctx + mt * BLOCK_M) // BLOCK_N * BLOCK_N
+    hi = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
+    acc, m, lsum = _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale,
+                                qpos, 0, diag, seq_len, D, BS, BLOCK_N, False, COMPUTE, IEEE)
+    acc, m, lsum = _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale,
+                                qpos, diag, hi, seq_len, D, BS, BLOCK_N, True, COMPUTE, IEEE)
+    o = acc / lsum[:, None]
+    tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D]: the queries of every request's current chunk, packed
+    kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32: request b's queries are q[cu[b]:cu[b+1]]
+    seq_lens: torch.Tensor,  # [B] int32: context length after this chunk (cached + chunk)
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    *,
+    max_query_len: int | None = None,  # host-side max chunk length; avoids an .item()
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> torch.Tensor:
+    check(q.dim() == 3, "q: expected [T, Hq, D]")
+    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
+    num_tokens, hq, d = q.shape
+    _, _, bs, hkv, dk = kv_layer.shape
+    check(dk == d, f"head_dim mismatch: q {d}, kv {dk}")
+    check(d >= 16 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two >= 16")
+    check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    check(block_tables.dim() == 2, "block_tables: expected [B, max_blocks]")
+    bsz = block_tables.shape[0]
+    check_shape("cu_seqlens_q", cu_seqlens_q, (bsz + 1,))
+    check_shape("seq_lens", seq_lens, (bsz,))
+    check_float("q", q)
+    check_float("kv_layer", kv_layer)
+    for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q),
+                    ("seq_lens", seq_lens)):
+        check_int(name, t)
+    check(q.stride(2) == 1 and kv_layer.stride(4) == 1, "q, kv_layer: head_dim must be contiguous")
+    check(block_tables.stride(1) == 1, "block_tables: rows must be contiguous")
+    if out is None:
+        out = torch.empty_like(q)
+    check_shape("out", out, q.shape)
+    check(out.stride(2) == 1, "out: head_dim must be contiguous")
+    check_device(q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out)
+    if bsz == 0 or num_tokens == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())  # host sync
+    if max_query_len == 0:
+        return out
+    grid = (hq, triton.cdiv(max_query_len, block_m), bsz)
+    _prefill_kernel[grid](
+        q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out,
+        q.stride(0), q.stride(1),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        scale * LOG2E,
+        G=hq // hkv, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
+        COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

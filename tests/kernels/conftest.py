@@ -1,0 +1,55 @@
+"""Kernel tests: on a machine without CUDA, the Triton kernels run in Triton's interpreter.
+
+``TRITON_INTERPRET`` is read when a ``@triton.jit`` function is defined, so it is set here,
+at conftest import, before any test module imports ``kernels.triton_*`` (the ``kernels``
+package imports none of them).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+
+# ||out - ref|| / ||ref|| bounds. The references compute in float32 from the same stored
+# values, so the gap is the kernels' own rounding: bf16/fp16 probabilities fed to the PV
+# product on the GPU, and the interpreter's float32 -> bf16 cast, which truncates.
+REL_TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.double() - ref.double()).norm()
+    return float(diff / ref.double().norm().clamp_min(1e-30))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape
+    assert torch.isfinite(out).all(), "non-finite output: an element was not written"
+    err = rel_err(out, ref)
+    assert err < REL_TOL[dtype], f"relative error {err:.3g} >= {REL_TOL[dtype]:.3g}"
+
+
+@pytest.fixture
+def close() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
+    return assert_close
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return DEVICE
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    """A seeded generator per test: reproducible, and fresh data for every test."""
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(os.urandom(4)) if os.environ.get("KERNEL_TEST_RANDOM") else 0)
+    return g

@@ -1,0 +1,147 @@
+"""Triton paged attention (prefill and decode) against the torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (GQA ratio, head_dim): every ratio with each head dim
+HEADS = [(1, 64), (3, 128), (8, 64), (1, 128), (3, 64), (8, 128)]
+
+
+def paged_kv(lens: list[int], bs: int, hkv: int, d: int, dtype: torch.dtype,
+             gen: torch.Generator, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block-major cache [NB, L=2, 2, BS, Hkv, D] of random data (layer 1 returned as the
+    strided view [NB, 2, BS, Hkv, D]) and a block table [B, W] int32 of scattered blocks,
+    whose unused tail entries point at other requests' blocks (random data, not zeros)."""
+    per_req = [-(-n // bs) for n in lens]
+    num_blocks = sum(per_req) + 3
+    cache = torch.randn(num_blocks, 2, 2, bs, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.randint(0, num_blocks, (len(lens), max(per_req) + 2), generator=gen)
+    start = 0
+    for i, n in enumerate(per_req):
+        table[i, :n] = perm[start:start + n]
+        start += n
+    return cache.to(device)[:, 1], table.to(device=device, dtype=torch.int32)
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator,
+          device: torch.device) -> torch.Tensor:
+    return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+
+# --- decode ----------------------------------------------------------------------------
+
+# (batch lens, block size, Hkv, tile kwargs): small for the interpreter; real sizes on GPU.
+DECODE_SMALL = ([1, 16, 48, 37, 50], 16, 2, {"block_n": 16})
+
+
+def _decode_case(lens: list[int], bs: int, hkv: int, g: int, d: int, dtype: torch.dtype,
+                 gen: torch.Generator, device: torch.device, num_splits: int | None,
+                 kw: dict[str, int], close) -> None:
+    kv, table = paged_kv(lens, bs, hkv, d, dtype, gen, device)
+    q = _rand((len(lens), hkv * g, d), dtype, gen, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    ref = decode_attention_ref(q, kv, table, seq_lens, scale)
+    from kernels.triton_decode_attention import decode_attention
+    out = torch.full_like(q, float("nan"))
+    res = decode_attention(q, kv, table, seq_lens, scale, out=out, num_splits=num_splits, **kw)
+    assert res is out
+    close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("g,d", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode(g, d, dtype, num_splits, gen, device, close):
+    lens, bs, hkv, kw = DECODE_SMALL
+    _decode_case(lens, bs, hkv, g, d, dtype, gen, device, num_splits, kw, close)
+
+
+def test_decode_heuristic_splits_long_context(gen, device, close):
+    # One request, one KV head: the heuristic must split a 600-token context.
+    from kernels.triton_decode_attention import choose_num_splits
+    assert choose_num_splits(1, 1, 600, device) > 1
+    _decode_case([600], 16, 1, 4, 64, torch.bfloat16, gen, device, None, {"block_n": 32},
+                  close)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g,d", [(4, 128), (3, 128), (1, 64)])
+@pytest.mark.parametrize("batch,max_len,num_splits",
+                         [(32, 4096, None), (4, 32768, None), (256, 1024, None), (32, 4096, 1)])
+@pytest.mark.gpu
+@needs_cuda
+def test_decode_gpu(g, d, dtype, batch, max_len, num_splits, gen, close):
+    lens = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
+    lens[0] = max_len
+    _decode_case(lens, 16, 8, g, d, dtype, gen, torch.device("cuda"), num_splits, {}, close)
+
+
+
+# --- prefill ---------------------------------------------------------------------------
+
+# (cached tokens, chunk length) per request: empty chunk, single token, block multiples
+# (16) and not, chunk longer than one query tile.
+PREFILL_SMALL = [(0, 20), (16, 16), (37, 5), (5, 1), (10, 0), (3, 33)]
+
+
+def _prefill_case(reqs: list[tuple[int, int]], bs: int, hkv: int, g: int, d: int,
+                  dtype: torch.dtype, gen: torch.Generator, device: torch.device,
+                  kw: dict[str, int], close) -> None:
+    lens = [c + n for c, n in reqs]
+    kv, table = paged_kv(lens, bs, hkv, d, dtype, gen, device)
+    chunk = [n for _, n in reqs]
+    cu = torch.tensor([0] + chunk, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    q = _rand((sum(chunk), hkv * g, d), dtype, gen, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = d ** -0.5
+    ref = prefill_attention_ref(q, kv, table, cu, seq_lens, scale)
+    from kernels.triton_prefill_attention import prefill_attention
+    out = torch.full_like(q, float("nan"))
+    res = prefill_attention(q, kv, table, cu, seq_lens, scale, out=out, **kw)
+    assert res is out
+    close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("g,d", HEADS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill(g, d, dtype, gen, device, close):
+    _prefill_case(PREFILL_SMALL, 16, 1 if g == 8 else 2, g, d, dtype, gen, device,
+                  {"block_m": 16, "block_n": 16}, close)
+
+
+def test_prefill_max_query_len_hint(gen, device, close):
+    # The hint replaces the launcher's .item(); a hint above the true maximum is harmless.
+    _prefill_case([(8, 12), (0, 7)], 8, 1, 2, 64, torch.float32, gen, device,
+                  {"block_m": 16, "block_n": 16, "max_query_len": 40}, close)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g,d", [(4, 128), (3, 128), (1, 64), (8, 128)])
+@pytest.mark.gpu
+@needs_cuda
+def test_prefill_gpu(g, d, dtype, gen, close):
+    # A 4k fresh prompt, chunked prefills after long contexts, and a ragged mix.
+    reqs = [(0, 4096), (2048, 1024), (7000, 512), (123, 777), (0, 1), (4095, 1)]
+    _prefill_case(reqs, 16, 8 if g != 8 else 4, g, d, dtype, gen, torch.device("cuda"), {},
+                  close)
+
+
+
+def test_decode_rejects_bad_shapes(device):
+    from kernels.triton_decode_attention import decode_attention
+    kv = torch.zeros(4, 2, 16, 2, 64, device=device)
+    q = torch.zeros(2, 3, 64, device=device)  # 3 q heads over 2 KV heads
+    table = torch.zeros(2, 1, dtype=torch.int32, device=device)
+    lens = torch.ones(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="multiple"):
+        decode_attention(q, kv, table, lens, 1.0)
