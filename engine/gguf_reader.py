@@ -16,13 +16,15 @@ Torch is imported only by ``iter_gguf_tensors``; reading the config stays torch-
 
 from __future__ import annotations
 
+import mmap
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
-    import gguf
     import torch
 
 # GGUF architecture -> (HF architectures entry, HF model_type).
@@ -57,23 +59,103 @@ _GLOBAL_NAMES = {
 _SKIPPED = {"rope_freqs"}
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # the reader raises bare ValueError/struct errors on bad files
-        raise ValueError(f"model: {path} is not a readable GGUF file: {e}") from e
+# GGUF metadata value types (spec: ggml/docs/gguf.md) -> struct format, little-endian.
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+           10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+_MAGIC = b"GGUF"
 
 
-def gguf_metadata(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value as a plain Python value (str, int, float, bool or list)."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    shape: tuple[int, ...]  # row-major (outermost first): [out, in] for a matrix
+    qtype: int  # ggml type id (gguf.GGMLQuantizationType value)
+    offset: int  # absolute byte offset of the data in the file
 
 
-def _arch(reader: gguf.GGUFReader, path: str) -> str:
-    arch = gguf_metadata(reader, "general.architecture")
+class GGUFFile:
+    """The header of a GGUF file: metadata and tensor index, over a read-only mmap.
+
+    Our own parser rather than ``gguf.GGUFReader``: that one builds a numpy view per
+    string, which takes seconds on a 49k-token vocabulary; the router's start-up reads
+    this too and must stay well under a second.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._pos = 0
+            self.metadata, self.tensors = self._parse()
+        except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
+            raise ValueError(f"model: {path} is not a readable GGUF file: {e}") from e
+
+    def _read(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self._mm, self._pos)
+        self._pos += struct.calcsize(fmt)
+        return value
+
+    def _string(self) -> str:
+        n = self._read("<Q")
+        raw = self._mm[self._pos : self._pos + n]
+        self._pos += n
+        return raw.decode("utf-8")
+
+    def _value(self, vtype: int) -> Any:
+        if vtype == _STRING:
+            return self._string()
+        if vtype == _ARRAY:
+            etype, n = self._read("<I"), self._read("<Q")
+            if etype in _SCALAR:  # numeric arrays in one numpy read, not n unpacks
+                dt = np.dtype(_SCALAR[etype].replace("?", "b1"))
+                arr = np.frombuffer(self._mm, dtype=dt, count=n, offset=self._pos)
+                self._pos += n * dt.itemsize
+                return arr.tolist()
+            return [self._value(etype) for _ in range(n)]
+        if vtype not in _SCALAR:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        return self._read(_SCALAR[vtype])
+
+    def _parse(self) -> tuple[dict[str, Any], list[GGUFTensorInfo]]:
+        if self._mm[:4] != _MAGIC:
+            raise ValueError("bad magic (not GGUF)")
+        self._pos = 4
+        version = self._read("<I")
+        if version not in (2, 3):
+            raise ValueError(f"unsupported GGUF version {version} (or big-endian file)")
+        n_tensors, n_kv = self._read("<Q"), self._read("<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            meta[key] = self._value(self._read("<I"))
+        raw = []
+        for _ in range(n_tensors):
+            name = self._string()
+            dims = [self._read("<Q") for _ in range(self._read("<I"))]
+            raw.append((name, tuple(reversed(dims)), self._read("<I"), self._read("<Q")))
+        align = int(meta.get("general.alignment", 32))
+        start = -(-self._pos // align) * align  # tensor data begins at the next aligned byte
+        tensors = [GGUFTensorInfo(n, s, q, start + o) for n, s, q, o in raw]
+        return meta, tensors
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def raw_tensor(self, info: GGUFTensorInfo) -> np.ndarray:
+        """The tensor's bytes as uint8 ``[*outer, row_bytes]`` (the layout dequantize takes)."""
+        import gguf
+
+        block, type_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.qtype)]
+        row_bytes = info.shape[-1] // block * type_bytes
+        outer = int(np.prod(info.shape[:-1]))
+        data = np.frombuffer(self._mm, np.uint8, count=outer * row_bytes, offset=info.offset)
+        return data.reshape(*info.shape[:-1], row_bytes)
+
+
+def _arch(reader: GGUFFile, path: str) -> str:
+    arch = reader.get("general.architecture")
     if arch not in _ARCHES:
         raise ValueError(
             f"model: GGUF architecture {arch!r} in {path} is not supported "
@@ -82,11 +164,11 @@ def _arch(reader: gguf.GGUFReader, path: str) -> str:
     return str(arch)
 
 
-def _config_from_reader(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
+def _config_from_reader(reader: GGUFFile, path: str) -> dict[str, Any]:
     arch = _arch(reader, path)
 
     def meta(key: str, default: Any = None) -> Any:
-        return gguf_metadata(reader, f"{arch}.{key}", default)
+        return reader.get(f"{arch}.{key}", default)
 
     def required(key: str) -> Any:
         value = meta(key)
@@ -102,9 +184,8 @@ def _config_from_reader(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
     head_dim = int(meta("attention.key_length", meta("rope.dimension_count", hidden // heads)))
     tensor_names = {t.name for t in reader.tensors}
     vocab = meta("vocab_size")
-    if vocab is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else None
+    if vocab is None and "tokenizer.ggml.tokens" in reader.metadata:
+        vocab = len(reader.metadata["tokenizer.ggml.tokens"])
     if vocab is None:
         raise ValueError(f"model: GGUF {path} states no vocab size")
     hf_arch, model_type = _ARCHES[arch]
@@ -123,8 +204,8 @@ def _config_from_reader(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
         "head_dim": head_dim,
         # llama.cpp drops output.weight when the model ties it to the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "bos_token_id": gguf_metadata(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_metadata(reader, "tokenizer.ggml.eos_token_id"),
+        "bos_token_id": reader.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
@@ -140,7 +221,7 @@ def _config_from_reader(reader: gguf.GGUFReader, path: str) -> dict[str, Any]:
 
 def read_gguf_config(path: str) -> dict[str, Any]:
     """An HF ``config.json``-style dict for the model in the GGUF file at ``path``."""
-    return _config_from_reader(open_gguf(path), path)
+    return _config_from_reader(GGUFFile(path), path)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -173,7 +254,7 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
     import torch
 
-    reader = open_gguf(path)
+    reader = GGUFFile(path)
     config = _config_from_reader(reader, path)
     permuted = _arch(reader, path) in _PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -181,9 +262,8 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        # t.data is a read-only memmap of raw blocks; dequantize gives float32 [out, in].
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = w.reshape([int(d) for d in reversed(t.shape)])
+        # raw: uint8 [out, row_bytes] over the mmap; dequantize gives float32 [out, in].
+        w = gguf.quants.dequantize(reader.raw_tensor(t), gguf.GGMLQuantizationType(t.qtype))
         stem = t.name.split(".")[-2]
         if permuted and stem in heads:
             w = unpermute_qk_rows(w, heads[stem])
