@@ -1,0 +1,110 @@
+"""The transfer contract: a producer-side sender and a consumer-side receiver.
+
+Ownership: a transfer record lives from its first ``push`` / ``expect`` until the caller
+``release``s it, which is allowed only once ``poll`` reported it terminal. A terminal status
+means no byte of it will be read (sender) or written (receiver) again, so the caller may
+free / reuse its blocks exactly then. Cancels and deadlines first drain the operations
+already posted, so CANCELLED/TIMED_OUT can follow the cancel by up to the peer timeout.
+
+Threading: every method is thread-safe and non-blocking (except ``connect`` and ``close``)
+so an engine loop can call them between steps; real backends do all network work on one
+background I/O thread per sender/receiver, plus UCX's own progress thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from transfer.types import Accounting, TransferNotice, TransferStatus, TransferUpdate
+
+
+class _Side(abc.ABC):
+    @abc.abstractmethod
+    def poll(self) -> list[TransferUpdate]:
+        """Terminal updates since the last poll, each reported exactly once."""
+
+    @abc.abstractmethod
+    def status(self, request_id: str) -> TransferStatus:
+        """Current status; raises KeyError for an unknown or released request."""
+
+    @abc.abstractmethod
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        """Stops the transfer and tells the peer; a no-op on terminal or unknown requests."""
+
+    @abc.abstractmethod
+    def release(self, request_id: str) -> None:
+        """Forgets a terminal record; raises ValueError if it is not terminal yet."""
+
+    @abc.abstractmethod
+    def accounting(self) -> Accounting:
+        """This side's own books (tests check they return to empty)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Fails what is left, closes peers and deregisters the pool. Idempotent."""
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait(self, request_id: str, timeout: float) -> TransferUpdate:
+        """Test/bench helper: polls until ``request_id`` is terminal. Not for engine loops."""
+        end = time.monotonic() + timeout
+        while True:
+            for u in self.poll():
+                if u.request_id == request_id:
+                    return u
+                self._stash(u)
+            if time.monotonic() > end:
+                raise TimeoutError(f"{request_id}: not terminal after {timeout} s")
+            time.sleep(0.0005)
+
+    def _stash(self, u: TransferUpdate) -> None:
+        # wait() consumed another request's update: hand it back on the next poll
+        self._stashed = [*getattr(self, "_stashed", []), u]
+
+    def _take_stashed(self) -> list[TransferUpdate]:
+        out, self._stashed = getattr(self, "_stashed", []), []
+        return out
+
+
+class KVSender(_Side):
+    """Producer side: pushes source block runs into a consumer's reserved blocks."""
+
+    @abc.abstractmethod
+    def connect(self, address: str, timeout: float | None = None) -> None:
+        """Handshakes with the receiver advertised at ``address`` (blocking, idempotent).
+
+        Raises HandshakeError naming what differs (version, backend, layout fields)."""
+
+    @abc.abstractmethod
+    def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
+        """Queues src blocks -> dst blocks (one message per contiguous run).
+
+        The first push of a request creates its record with ``deadline`` (a
+        ``time.monotonic()`` value; default now + config.transfer_timeout_s). On CUDA the
+        current stream's work on the source blocks is awaited before bytes move."""
+
+    @abc.abstractmethod
+    def finish(self, request_id: str, notice: TransferNotice) -> None:
+        """The last message: token 0 and sampling state. DONE follows the consumer's ack."""
+
+
+class KVReceiver(_Side):
+    """Consumer side: accepts pushes into blocks it reserved, acks when all landed."""
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """What producers pass to ``connect`` (e.g. ``tcp://10.0.0.2:41234``)."""
+
+    @abc.abstractmethod
+    def expect(self, request_id: str, dst_block_ids: Sequence[int],
+               deadline: float | None = None) -> None:
+        """Reserves the request's blocks for pushes; DONE carries the notice."""

@@ -1,0 +1,130 @@
+"""The background I/O thread behind a network sender or receiver.
+
+Callers on any thread hand closures to ``call`` (fire and forget) or ``call_sync`` (waits
+for the result); only this thread touches ZMQ sockets, the data plane and the records, so
+the records need no lock beyond the one guarding the poll queue. A pipe wakes the loop
+out of its ZMQ poll as soon as a call is queued.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import msgpack
+import zmq
+
+from transfer.types import TransferUpdate
+
+BUSY_POLL_MS = 1  # loop period while data-plane ops are in flight (completion latency)
+IDLE_POLL_MS = 50  # loop period otherwise (deadline / heartbeat granularity)
+
+
+def pack(kind: str, body: dict[str, Any]) -> bytes:
+    return msgpack.packb([kind, body], use_bin_type=True)
+
+
+def unpack(data: bytes) -> tuple[str, dict[str, Any]]:
+    kind, body = msgpack.unpackb(data, raw=False)
+    return kind, body
+
+
+class IOLoop:
+    def __init__(self, name: str) -> None:
+        self.zctx = zmq.Context()
+        self.poller = zmq.Poller()
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._rfd, self._wfd = os.pipe()
+        os.set_blocking(self._rfd, False)
+        self.poller.register(self._rfd, zmq.POLLIN)
+        self._updates: list[TransferUpdate] = []
+        self._lock = threading.Lock()
+        self._stop = False
+        self.error: BaseException | None = None  # a crash of the loop, re-raised to callers
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------
+    def call(self, fn: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"transfer I/O thread died: {self.error!r}") from self.error
+        self._calls.put(fn)
+        os.write(self._wfd, b"x")
+
+    def call_sync(self, fn: Callable[[], Any], timeout: float) -> Any:
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # handed to the caller, not swallowed
+                fut.set_exception(e)
+
+        self.call(run)
+        return fut.result(timeout)
+
+    def take_updates(self) -> list[TransferUpdate]:
+        with self._lock:
+            out, self._updates = self._updates, []
+        return out
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self.call(self._set_stop)
+            self._thread.join(timeout)
+        os.close(self._rfd)
+        os.close(self._wfd)
+        self.zctx.destroy(linger=0)
+
+    # ---- loop side ---------------------------------------------------------------
+    def report(self, u: TransferUpdate) -> None:
+        with self._lock:
+            self._updates.append(u)
+
+    def _set_stop(self) -> None:
+        self._stop = True
+
+    def _run(self) -> None:
+        try:
+            self.on_start()
+            while not self._stop:
+                busy = self.busy()
+                events = dict(self.poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+                if self._rfd in events:
+                    try:
+                        os.read(self._rfd, 4096)
+                    except BlockingIOError:
+                        pass
+                while not self._calls.empty():
+                    self._calls.get()()
+                for sock in [s for s in events if s is not self._rfd]:
+                    self.on_readable(sock)
+                self.tick(time.monotonic())
+        except BaseException as e:  # keep the traceback for callers; never die silently
+            self.error = e
+            raise
+        finally:
+            self.on_stop()
+
+    # ---- hooks -------------------------------------------------------------------
+    def on_start(self) -> None:
+        """Creates sockets and the data plane on the loop thread."""
+
+    def busy(self) -> bool:
+        return False
+
+    def on_readable(self, sock: Any) -> None:
+        """Reads every message waiting on ``sock``."""
+
+    def tick(self, now: float) -> None:
+        """Progress ops, deadlines, heartbeats."""
+
+    def on_stop(self) -> None:
+        """Releases everything."""

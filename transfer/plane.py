@@ -1,0 +1,48 @@
+"""The narrow seam under the network sender/receiver: how bytes move, nothing else.
+
+All methods are called from the owning side's I/O thread only.
+Tags are 64-bit and unique per (sender session, message); the receiver matches on them.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from transfer.pool import KVPool
+
+
+class DataPlane(abc.ABC):
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    @abc.abstractmethod
+    def local_info(self) -> bytes:
+        """Opaque bytes a peer needs to reach this side (worker address, agent metadata)."""
+
+    @abc.abstractmethod
+    def add_peer(self, info: bytes) -> object:
+        """A handle for a peer from its ``local_info``."""
+
+    @abc.abstractmethod
+    def remove_peer(self, peer: object) -> None:
+        """Drops the peer; operations still posted to it are cancelled."""
+
+    @abc.abstractmethod
+    def send(self, peer: object, tag: int, src_block: int, dst_block: int,
+             num_blocks: int) -> object:
+        """Posts one run's bytes to the peer; returns an op for ``test``."""
+
+    @abc.abstractmethod
+    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int) -> object:
+        """Posts the landing of one run; ``dst_block`` None drains it to nowhere."""
+
+    @abc.abstractmethod
+    def test(self, op: object) -> bool:
+        """True once the op completed; raises TransferError if it failed."""
+
+    def progress(self) -> None:  # noqa: B027 - optional hook, most planes progress themselves
+        """Called every I/O-loop turn."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Deregisters the pool and releases every resource."""
