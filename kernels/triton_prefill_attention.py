@@ -7,8 +7,10 @@ position ``seq_len - n + j`` and sees keys ``0 .. seq_len - n + j``. One program
 every query of the tile sees) and a masked part near the diagonal, so only the last one or
 two tiles pay for the causal mask. See ref_attention.prefill_attention_ref for the contract.
 
-Host syncs: the grid needs the longest chunk of the batch. Pass ``max_query_len`` (the
-scheduler knows it); without it the launcher reads it with one ``.item()``.
+Host syncs: none. The grid is sized from shapes alone: request ``b``'s query tiles take the
+slots ``cu[b] // BLOCK_M + b ...``, which never overlap and fit in ``T // BLOCK_M + B``
+slots, and each program finds its request by binary search over ``cu_seqlens_q``. A
+request's spare slot (at most one each) exits at once.
 """
 
 from __future__ import annotations
@@ -86,14 +88,24 @@ def _prefill_kernel(
     s_btb,
     s_ot, s_oh,
     qk_scale,
+    num_reqs, search_steps,  # B, and ceil(log2(B + 1)) binary-search steps
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
 ):
     hq = tl.program_id(0)  # fastest: the heads of one tile run together and share KV in L2
-    mt = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (latest) tiles first
-    b = tl.program_id(2)
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)  # last requests' last tiles first
+    # Find the request owning this slot: the largest b with cu[b] // BLOCK_M + b <= slot.
+    lo = 0
+    hi = num_reqs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        owns = tl.load(cu_ptr + mid) // BLOCK_M + mid <= slot
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid)
+    b = lo
     q_start = tl.load(cu_ptr + b)
     n_q = tl.load(cu_ptr + b + 1) - q_start
+    mt = slot - (q_start // BLOCK_M + b)  # query tile within the request's chunk
     if mt * BLOCK_M >= n_q:
         return
     seq_len = tl.load(lens_ptr + b)
@@ -110,8 +122,8 @@ def _prefill_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    kv_head = kv_ptr + (hq // G).to(tl.int64) * s_ch
-    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    kv_head = kv_ptr + (hq // G) * s_ch  # small: Hkv * D
+    bt_row = bt_ptr + b * s_btb
     # Keys below the tile's first query position are visible to all its queries.
     diag = (ctx + mt * BLOCK_M) // BLOCK_N * BLOCK_N
     hi = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
@@ -133,7 +145,6 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
     *,
-    max_query_len: int | None = None,  # host-side max chunk length; avoids an .item()
     block_m: int = BLOCK_M,
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
@@ -164,18 +175,15 @@ def prefill_attention(
     check_device(q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out)
     if bsz == 0 or num_tokens == 0:
         return out
-    if max_query_len is None:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())  # host sync
-    if max_query_len == 0:
-        return out
-    grid = (hq, triton.cdiv(max_query_len, block_m), bsz)
+    check(num_tokens // block_m + bsz < 65536, "too many query tiles for grid dim 1")
+    grid = (hq, num_tokens // block_m + bsz)
     _prefill_kernel[grid](
         q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out,
         q.stride(0), q.stride(1),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        scale * LOG2E,
+        scale * LOG2E, bsz, bsz.bit_length(),
         G=hq // hkv, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
         COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
         num_warps=num_warps, num_stages=num_stages,

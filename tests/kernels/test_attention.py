@@ -119,10 +119,15 @@ def test_prefill(g, d, dtype, gen, device, close):
                   {"block_m": 16, "block_n": 16}, close)
 
 
-def test_prefill_max_query_len_hint(gen, device, close):
-    # The hint replaces the launcher's .item(); a hint above the true maximum is harmless.
-    _prefill_case([(8, 12), (0, 7)], 8, 1, 2, 64, torch.float32, gen, device,
-                  {"block_m": 16, "block_n": 16, "max_query_len": 40}, close)
+def test_prefill_many_requests(gen, device, close):
+    # 19 requests, mostly one-token chunks (as decode rows in a mixed batch), some empty:
+    # exercises the grid-slot -> request binary search over an odd, non-power-of-two B.
+    reqs = [(int(c), int(n)) for c, n in zip(torch.randint(0, 40, (19,), generator=gen),
+                                             torch.randint(0, 3, (19,), generator=gen),
+                                             strict=True)]
+    reqs[7] = (0, 21)
+    _prefill_case(reqs, 8, 1, 2, 64, torch.float32, gen, device,
+                  {"block_m": 16, "block_n": 16}, close)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
