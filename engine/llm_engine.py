@@ -43,15 +43,18 @@ class LLMEngine:
             model=model_name, dtype=config.dtype, block_size=config.block_size,
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, num_blocks=1)
-        num_blocks = config.num_kv_blocks or max(1, config.kv_cache_bytes
-                                                 // self.layout.block_nbytes)
+        # Never more than every seat filled to max_model_len could use.
+        cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
+        num_blocks = config.num_kv_blocks or max(1, min(cap, config.kv_cache_bytes
+                                                        // self.layout.block_nbytes))
         self.layout = KVLayout(**{**self.layout.__dict__, "num_blocks": num_blocks})
         dtype = getattr(torch, config.dtype)
         self.kv_cache = torch.zeros((num_blocks, *self.layout.block_shape), dtype=dtype,
                                     device=self.device)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_waiting)
+                                   config.max_num_batched_tokens, config.max_waiting,
+                                   self.max_model_len)
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.eos_token_ids,
@@ -60,6 +63,7 @@ class LLMEngine:
         self._inflight: InflightStep | None = None
         self._step_id = 0
         self._seed_rng = random.Random(config.seed)
+        self.num_preemptions = 0  # requests whose KV was dropped to be recomputed
         self.trace: TraceHook | None = None  # ("launch" | "read", step id), for tests/metrics
 
     @property
@@ -81,6 +85,11 @@ class LLMEngine:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens "
                 f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
+        need = self.blocks.blocks_for(len(prompt_token_ids) + params.max_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt + max_tokens needs {need} KV blocks, the pool has "
+                f"{self.blocks.num_blocks}")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams) -> Request:
@@ -132,6 +141,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.num_preemptions += len(sched.preempted)
         launched: InflightStep | None = None
         if sched.chunks:
             self._step_id += 1

@@ -56,6 +56,13 @@ class Request:
     def finished(self) -> bool:
         return self.state.finished
 
+    def needs_no_more_tokens(self, max_model_len: int) -> bool:
+        """True once the sampled (maybe unread) tokens reach a limit known in advance, so a
+        deferred engine does not launch a step whose token would be dropped anyway."""
+        n = len(self.output_token_ids)
+        return (n >= self.params.max_tokens or self.num_tokens >= max_model_len
+                or (self.prefill_only and n >= 1))
+
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]

@@ -39,7 +39,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_waiting: int) -> None:
+                 max_waiting: int, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
@@ -84,6 +85,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.needs_no_more_tokens(self.max_model_len):  # finishes when its step is read
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n > 0, f"{req.request_id} is running with nothing to compute"
             while not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):

@@ -1,0 +1,69 @@
+"""Sampler transforms on hand-made logits."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampler import SamplingBatch, apply_penalties, sample
+
+
+def _batch(n: int, **kw) -> SamplingBatch:
+    base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
+                top_p=torch.ones(n), min_p=torch.zeros(n),
+                seeds=torch.arange(n, dtype=torch.int64), positions=torch.zeros(n, dtype=torch.int64),
+                all_greedy=False, any_top_k=False, any_top_p=False, any_min_p=False)
+    base.update(kw)
+    return SamplingBatch(**base)
+
+
+LOGITS = torch.tensor([[0.0, 1.0, 2.0, 3.0, 2.5]])  # best: 3, then 4, then 2
+
+
+def _draws(b: SamplingBatch, n: int = 400) -> set[int]:
+    logits = LOGITS.repeat(n, 1)
+    b.seeds = torch.arange(n, dtype=torch.int64)
+    for name in ("temperature", "top_p", "min_p", "top_k"):
+        setattr(b, name, getattr(b, name).repeat(n))
+    b.positions = torch.zeros(n, dtype=torch.int64)
+    return set(sample(logits, b).token_ids.tolist())
+
+
+def test_greedy_and_temperature_zero_rows():
+    b = _batch(1, temperature=torch.zeros(1), all_greedy=True)
+    assert sample(LOGITS, b).token_ids.tolist() == [3]
+    mixed = _batch(2, temperature=torch.tensor([0.0, 1.0]))
+    assert sample(LOGITS.repeat(2, 1), mixed).token_ids[0].item() == 3
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert _draws(_batch(1)) == {0, 1, 2, 3, 4}
+    assert _draws(_batch(1, top_k=torch.tensor([2]), any_top_k=True)) == {3, 4}
+    assert _draws(_batch(1, top_k=torch.tensor([1]), any_top_k=True)) == {3}
+    # probs ~ [.03, .07, .19, .44, .27]: mass above token 4 is .44 (< .5) so it is kept
+    assert _draws(_batch(1, top_p=torch.tensor([0.5]), any_top_p=True)) == {3, 4}
+    assert _draws(_batch(1, top_p=torch.tensor([0.01]), any_top_p=True)) == {3}
+    # min_p 0.5: keep tokens with p >= 0.5 * p_max -> tokens 3 (1.0) and 4 (e^-0.5 = 0.61)
+    assert _draws(_batch(1, min_p=torch.tensor([0.5]), any_min_p=True)) == {3, 4}
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    counts = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
+    b = _batch(1, repetition=torch.tensor([2.0]), frequency=torch.tensor([0.5]),
+               presence=torch.tensor([0.25]), output_counts=counts,
+               seen_mask=torch.tensor([[True, True, False, True]]))
+    out = apply_penalties(logits.clone(), b)
+    # token 0: 2/2 - 0.5*2 - 0.25 = -0.25; token 1: -1*2 - 0.5 - 0.25 = -2.75;
+    # token 2: untouched; token 3 (prompt only): 1/2
+    assert torch.allclose(out, torch.tensor([[-0.25, -2.75, 0.5, 0.5]]))
+
+
+def test_banned_tokens_and_logprobs():
+    b = _batch(1, temperature=torch.zeros(1), all_greedy=True,
+               banned=torch.tensor([[False, False, False, True, False]]), max_logprobs=2)
+    out = sample(LOGITS, b)
+    assert out.token_ids.tolist() == [4]  # 3 is banned (e.g. EOS under min_tokens)
+    ref = torch.log_softmax(LOGITS, -1)
+    assert torch.allclose(out.logprobs, ref[:, 4])
+    assert out.top_ids.tolist() == [[3, 4]]  # alternatives from the unmodified distribution
+    assert torch.allclose(out.top_logprobs, ref[:, [3, 4]])
