@@ -56,10 +56,14 @@ class _Side(abc.ABC):
         """Test/bench helper: polls until ``request_id`` is terminal. Not for engine loops."""
         end = time.monotonic() + timeout
         while True:
+            found = None
             for u in self.poll():
-                if u.request_id == request_id:
-                    return u
-                self._stash(u)
+                if u.request_id == request_id and found is None:
+                    found = u
+                else:
+                    self._stash(u)
+            if found is not None:
+                return found
             if time.monotonic() > end:
                 raise TimeoutError(f"{request_id}: not terminal after {timeout} s")
             time.sleep(0.0005)

@@ -180,7 +180,8 @@ class NetReceiver(NetSide, KVReceiver):
             elif (rec.ending is None and rec.total is not None and rec.runs == rec.total
                   and not rec.ops):
                 self.finalize(rec, TransferStatus.DONE, None)
-                self._send(rec.peer.ident, "ACK", {"rid": rec.request_id})  # type: ignore[union-attr]
+                assert isinstance(rec.peer, _Peer)
+                self._send(rec.peer.ident, "ACK", {"rid": rec.request_id})
         for peer in list(self.peers.values()):
             peer.drains = [op for op in peer.drains if not _done_quietly(self.plane, op)]
             silent = now - peer.last_heard
@@ -200,9 +201,9 @@ class NetReceiver(NetSide, KVReceiver):
         peer.drains.clear()
         self.fail_peer_records(peer, reason)
 
-    def release(self, request_id: str) -> None:
-        super().release(request_id)
-        self.call(lambda: self.dst.pop(request_id, None))
+    def _forget(self, request_id: str) -> None:
+        super()._forget(request_id)
+        self.dst.pop(request_id, None)
 
     def shutdown(self) -> None:
         super().shutdown()

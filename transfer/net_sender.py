@@ -216,6 +216,7 @@ class NetSender(NetSide, KVSender):
         while self._queue and (self._queue[0][0] is None or self._queue[0][0].query()):
             self._queue.popleft()[1]()
         stuck = set()
+        hb = self.config.heartbeat_interval_s
         for rec in list(self.recs.values()):
             if rec.status.terminal:
                 continue
@@ -230,7 +231,7 @@ class NetSender(NetSide, KVSender):
                                 f"(peer_timeout_s={self.config.peer_timeout_s})")
             elif conn.address in stuck:
                 self._drop_conn(conn.address, f"consumer {conn.address}: ops did not drain")
-            elif conn.handle is not None and now - conn.last_ping > self.config.heartbeat_interval_s:
+            elif conn.handle is not None and now - conn.last_ping > hb:
                 conn.last_ping = now
                 conn.sock.send(pack("PING", {}))
 

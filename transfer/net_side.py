@@ -81,7 +81,10 @@ class NetSide(IOLoop):
                 raise ValueError(f"release({request_id!r}): status {st.name} is not terminal; "
                                  "cancel() it and wait for poll() to report it")
             del self._mirror[request_id]
-        self.call(lambda: self.recs.pop(request_id, None))
+        self.call(lambda: self._forget(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        self.recs.pop(request_id, None)
 
     def _mirror_new(self, request_id: str) -> TransferStatus | None:
         """Adds a PENDING mirror entry; returns the previous status if the request exists."""

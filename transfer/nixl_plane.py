@@ -49,7 +49,7 @@ class NixlPlane(DataPlane):
 
     def send(self, peer: object, tag: int, src_block: int, dst_block: int,
              num_blocks: int) -> object:
-        name, rbase, rmem, rdev = peer  # type: ignore[misc]
+        name, rbase, rmem, rdev = _peer(peer)
         n, bn = num_blocks * self.pool.block_nbytes, self.pool.block_nbytes
         local = self._agent.get_xfer_descs([(self.pool.base_ptr + src_block * bn, n, self._dev)],
                                            self._mem)
@@ -69,7 +69,7 @@ class NixlPlane(DataPlane):
             self._arrived.update(msgs)
 
     def test(self, op: object) -> bool:
-        kind, x = op  # type: ignore[misc]
+        kind, x = _op(op)
         if kind == "done":
             return True
         if kind == "notif":
@@ -89,6 +89,16 @@ class NixlPlane(DataPlane):
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
+
+
+def _peer(p: object) -> tuple[str, int, str, int]:
+    assert isinstance(p, tuple) and len(p) == 4
+    return p
+
+
+def _op(op: object) -> tuple[str, Any]:
+    assert isinstance(op, tuple) and len(op) == 2
+    return op
 
 
 def available() -> tuple[bool, str]:

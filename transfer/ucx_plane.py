@@ -15,6 +15,8 @@ explicit mem_map); CPU transports (cma, tcp) need none, cuda_ipc caches its hand
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import ucxx._lib.libucxx as ucx
 from ucxx._lib.arr import Array
@@ -57,12 +59,14 @@ class UcxPlane(DataPlane):
 
     def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int) -> object:
         discard = dst_block is None
-        buf = Array(self._discard if discard else self.pool.view(dst_block, num_blocks))
+        buf = Array(self._discard if dst_block is None else self.pool.view(dst_block, num_blocks))
         req = peer.tag_recv(buf, ucx.UCXXTag(tag), ucx.UCXXTagMaskFull)  # type: ignore[attr-defined]
         return (req, buf, discard)  # the Array keeps the view alive while UCX uses it
 
     def test(self, op: object) -> bool:
-        req, _buf, discard = op  # type: ignore[misc]
+        assert isinstance(op, tuple)
+        req: Any = op[0]
+        discard: bool = op[2]
         if not req.completed:
             return False
         try:

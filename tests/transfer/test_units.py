@@ -1,0 +1,72 @@
+"""Pure pieces: block runs, config validation, the handshake check, the notice wire form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from xfer_helpers import LAYOUT, cfg
+
+from engine.kv_layout import KVLayout
+from transfer import (
+    HandshakeError,
+    TransferConfig,
+    TransferNotice,
+    handshake,
+    make_receiver,
+    make_sender,
+)
+from transfer.pool import BlockRun, KVPool, block_runs
+
+
+def test_block_runs_merge_only_when_both_sides_adjacent() -> None:
+    assert block_runs([1, 2, 3, 7, 8], [10, 11, 12, 13, 14]) == [
+        BlockRun(1, 10, 3), BlockRun(7, 13, 2)]
+    assert block_runs([1, 2], [5, 9]) == [BlockRun(1, 5, 1), BlockRun(2, 9, 1)]
+    assert block_runs([], []) == []
+
+
+def test_config_validates_with_flag_names() -> None:
+    assert TransferConfig().peer_timeout_s <= 10.0
+    with pytest.raises(ValueError, match="peer_timeout_s"):
+        TransferConfig(peer_timeout_s=30)
+    with pytest.raises(ValueError, match="backend"):
+        TransferConfig(backend="carrier-pigeon")
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        TransferConfig(heartbeat_interval_s=4, peer_timeout_s=5)
+
+
+def test_pool_must_match_layout() -> None:
+    with pytest.raises(ValueError, match="dtype"):
+        KVPool(torch.zeros((LAYOUT.num_blocks, *LAYOUT.block_shape)), LAYOUT)
+    with pytest.raises(ValueError, match="shape"):
+        KVPool(torch.zeros((3, 3), dtype=torch.bfloat16), LAYOUT)
+
+
+def test_notice_round_trips_through_msgpack_form() -> None:
+    n = TransferNotice("r", 5, True, 17, seed=None, logprobs=((5, -0.1),))
+    assert TransferNotice.from_wire(n.to_wire()) == n
+
+
+def test_handshake_names_every_differing_field() -> None:
+    other = dataclasses.replace(LAYOUT, dtype="float16", head_dim=128)
+    with pytest.raises(HandshakeError, match=r"dtype: 'bfloat16' != 'float16'; head_dim: 64"):
+        handshake.check(LAYOUT, "ucx", handshake.hello(other, "ucx", b""), "peer")
+    with pytest.raises(HandshakeError, match="protocol version"):
+        handshake.check(LAYOUT, "ucx", {"version": 0}, "peer")
+
+
+@pytest.mark.parametrize("backend", ["fake", "ucx"])
+def test_connect_to_mismatched_layout_fails_clearly(backend: str) -> None:
+    other = KVLayout("other-model", "bfloat16", 32, 4, 2, 64, LAYOUT.num_blocks // 2)
+    dst = torch.zeros((other.num_blocks, *other.block_shape), dtype=torch.bfloat16)
+    src = torch.zeros((LAYOUT.num_blocks, *LAYOUT.block_shape), dtype=torch.bfloat16)
+    rx, tx = make_receiver(dst, other, cfg(backend)), make_sender(src, LAYOUT, cfg(backend))
+    with rx, tx:
+        with pytest.raises(HandshakeError) as e:
+            tx.connect(rx.address, timeout=10)
+        msg = str(e.value)
+        assert "KV layout mismatch" in msg and "model: " in msg and "other-model" in msg
+        assert "block_size: " in msg and "head_dim" not in msg
+        assert tx.accounting().peers == 0
