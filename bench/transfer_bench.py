@@ -40,9 +40,9 @@ def _pool(lay: KVLayout, device: str) -> torch.Tensor:
     return t.normal_()  # touched: first-touch page faults stay out of the timing
 
 
-def _receiver(conn: Any, backend: str, device: str) -> None:
+def _receiver(conn: Any, cfg: TransferConfig, device: str) -> None:
     pools = {lay.model: _pool(lay, device) for lay in (SWEEP, LLAMA)}
-    rxs = {k: make_receiver(p, lay, TransferConfig(backend=backend))
+    rxs = {k: make_receiver(p, lay, cfg)
            for (k, p), lay in zip(pools.items(), (SWEEP, LLAMA), strict=True)}
     conn.send({k: rx.address for k, rx in rxs.items()})
     while (msg := conn.recv()) is not None:
@@ -124,18 +124,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="ucx")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (sender GPU0, receiver GPU1)")
+    ap.add_argument("--progress", default="thread", help="ucx_progress: thread | thread-polling")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     tx_dev, rx_dev = ("cpu", "cpu") if a.device == "cpu" else ("cuda:0", "cuda:1")
+    cfg = TransferConfig(backend=a.backend, ucx_progress=a.progress)
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(there, a.backend, rx_dev))
+    child = ctx.Process(target=_receiver, args=(there, cfg, rx_dev))
     child.start()
     addrs = here.recv()
     pools = {lay.model: _pool(lay, tx_dev) for lay in (SWEEP, LLAMA)}
-    txs = {lay.model: make_sender(pools[lay.model], lay, TransferConfig(backend=a.backend))
+    txs = {lay.model: make_sender(pools[lay.model], lay, cfg)
            for lay in (SWEEP, LLAMA)}
     for k, tx in txs.items():
         tx.connect(addrs[k])
