@@ -188,6 +188,8 @@ class LLMEngine:
         if cut is not None:
             r.full_text = r.full_text[:cut]
         if state is not None:
+            if r.detok is not None and cut is None:
+                r.full_text += r.detok.flush()  # bytes held for a character never completed
             del r.output_token_ids[i + 1:]  # placeholders sampled past the stop
             del r.logprobs[i + 1:]
             self._finish(r, state)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine.request import Request
 from engine.request_state import RequestState
+from engine.stop_strings import find_stop, partial_stop_len
 
 
 def check_stop(r: Request, i: int, tok: int, eos_ids: frozenset[int],
@@ -22,9 +23,10 @@ def check_stop(r: Request, i: int, tok: int, eos_ids: frozenset[int],
         if tok in p.stop_token_ids:
             return RequestState.FINISHED_STOPPED, tok, None
         if p.stop:
-            hit = _find_stop(r.full_text, r.text_checked, p.stop)
-            if hit is not None:
-                at, s = hit
+            text = r.full_text
+            at = find_stop(text, len(text) - r.text_checked, p.stop)
+            if at is not None:
+                s = next(s for s in p.stop if text.startswith(s, at))
                 return RequestState.FINISHED_STOPPED, s, \
                     at + len(s) if p.include_stop_str_in_output else at
     if n_out >= p.max_tokens or r.num_prompt_tokens + n_out >= max_model_len:
@@ -32,19 +34,9 @@ def check_stop(r: Request, i: int, tok: int, eos_ids: frozenset[int],
     return None, None, None
 
 
-def _find_stop(text: str, checked: int, stops: list[str]) -> tuple[int, str] | None:
-    """Earliest stop string in text that ends after `checked` (earlier text was searched)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        at = text.find(s, max(0, checked - len(s) + 1))
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, s)
-    return best
-
-
 def streamable_len(r: Request) -> int:
     """How much of r.full_text can be sent while r runs: all but a possible stop prefix."""
     if not r.params.stop or r.params.include_stop_str_in_output:
         return len(r.full_text)
-    hold = max(len(s) for s in r.params.stop) - 1
+    hold = partial_stop_len(r.full_text, r.params.stop)
     return max(r.num_text_sent, len(r.full_text) - hold)
