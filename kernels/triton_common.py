@@ -23,22 +23,26 @@ def check(cond: bool, msg: str) -> None:
 
 
 def check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
-    check(tuple(t.shape) == tuple(shape), f"{name}: expected shape {tuple(shape)}, got "
-          f"{tuple(t.shape)}")
+    # Messages are built only on failure: these run on every launch, on the host's hot path.
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
 def check_float(name: str, t: torch.Tensor) -> None:
-    check(t.dtype in FLOAT_DTYPES, f"{name}: dtype {t.dtype} is not one of {FLOAT_DTYPES}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} is not one of {FLOAT_DTYPES}")
 
 
 def check_int(name: str, t: torch.Tensor) -> None:
-    check(t.dtype in (torch.int32, torch.int64), f"{name}: expected int32/int64, got {t.dtype}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: expected int32/int64, got {t.dtype}")
 
 
 def check_device(*ts: torch.Tensor) -> None:
     dev = ts[0].device
-    check(all(t.device == dev for t in ts), f"tensors on different devices: "
-          f"{[str(t.device) for t in ts]}")
+    for t in ts:
+        if t.device != dev:
+            raise ValueError(f"tensors on different devices: {[str(x.device) for x in ts]}")
 
 
 def compute_dtype(t: torch.Tensor) -> tl.dtype:

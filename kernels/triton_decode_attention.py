@@ -37,7 +37,9 @@ BLOCK_N = 64  # KV tokens per inner-loop tile
 NUM_WARPS = 4
 NUM_STAGES = 3
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
-PROGRAMS_PER_SM = 4  # split until (B * Hkv * splits) reaches this many programs per SM
+# Split until (B * Hkv * splits) reaches this many programs per SM: many short programs
+# keep the last wave's tail small (about 2 run at once per SM at the default tiles).
+PROGRAMS_PER_SM = 16
 
 
 @triton.jit
@@ -84,10 +86,10 @@ def _decode_kernel(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # finite: every tile has a valid token
+        s = tl.where(nmask[None, :], s, float("-inf"))  # [BLOCK_G, BLOCK_N], unscaled
+        m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)  # finite: a valid token per tile
         alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
         lsum = lsum * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision="ieee")
@@ -138,9 +140,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                      device: torch.device) -> int:
-    """Enough splits to give every SM PROGRAMS_PER_SM programs, none under MIN_SPLIT_TOKENS."""
-    want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(1, batch * num_kv_heads))
+                      device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Enough splits to give every SM programs_per_sm programs, none under MIN_SPLIT_TOKENS."""
+    want = triton.cdiv(programs_per_sm * _num_sms(device), max(1, batch * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
 
 
@@ -157,6 +159,7 @@ def decode_attention(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> torch.Tensor:
     check(q.dim() == 3, "q: expected [B, Hq, D]")
     check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
@@ -184,14 +187,17 @@ def decode_attention(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device)
+        num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device, programs_per_sm)
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     g = hq // hkv
     split = num_splits > 1
     if split:
-        part_o = torch.empty((bsz, hq, num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((bsz, hq, num_splits), dtype=torch.float32, device=q.device)
+        # One allocation for both (each costs host time): [B, Hq, S, D] outputs, [B, Hq, S] lse.
+        part = torch.empty(bsz * hq * num_splits * (d + 1), dtype=torch.float32,
+                           device=q.device)
+        part_o = part[: bsz * hq * num_splits * d]
+        part_lse = part[bsz * hq * num_splits * d:]
     else:
         part_o = part_lse = out  # unused
     _decode_kernel[(bsz, hkv, num_splits)](

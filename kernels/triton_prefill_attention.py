@@ -61,16 +61,16 @@ def _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale, 
         k = k.to(COMPUTE)
         v = v.to(COMPUTE)
         if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
         if MASKED:
             s = tl.where((n[None, :] <= qpos[:, None]) & (n[None, :] < seq_len), s,
                          float("-inf"))
         # Finite: each row's first tile holds key 0, which every row sees.
-        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)  # log2 domain
         alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
         lsum = lsum * alpha + tl.sum(p, axis=1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v, input_precision="ieee")
