@@ -101,7 +101,8 @@ def test_push_to_unknown_request_fails_with_reason(pair: Pair) -> None:
     pair.tx.push("nope", pair.addr, [1, 2], [3, 4])
     got = pair.tx.wait("nope", 10)
     assert got.status == S.FAILED and "unknown request" in (got.error or "")
-    assert bool((pair.dst == -1).all() or True)  # one-sided NIXL may have written; see README
+    if pair.backend != "nixl":  # a one-sided WRITE lands before the consumer can refuse it
+        assert bool((pair.dst == -1).all())
 
 
 def test_push_outside_reservation_fails_both_sides(pair: Pair) -> None:

@@ -47,6 +47,7 @@ def cfg(backend: str, **kw: Any) -> TransferConfig:
 
 class Pair:
     def __init__(self, backend: str) -> None:
+        self.backend = backend
         self.src, self.dst = pool(), pool(fill=-1.0)
         self.rx = make_receiver(self.dst, LAYOUT, cfg(backend))
         self.tx = make_sender(self.src, LAYOUT, cfg(backend))
