@@ -1,0 +1,1 @@
+"""pdserve protocol packages (generated code under v1/)."""
