@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634
 # keyword arguments override them.
 BLOCK_N = 64  # KV tokens per inner-loop tile
 NUM_WARPS = 4
-NUM_STAGES = 3
+NUM_STAGES = 4
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # Split until (B * Hkv * splits) reaches this many programs per SM: many short programs
 # keep the last wave's tail small (about 2 run at once per SM at the default tiles).
