@@ -1,0 +1,57 @@
+"""The router's settings: one frozen dataclass, each bad value a ValueError naming its flag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"  # address advertised in logs/endpoints (what clients dial)
+    bind_host: str | None = None  # address the gRPC server binds; None: same as host
+    grpc_port: int = 50051  # 0: pick a free port (tests); start() returns the bound one
+    model: str | None = None  # --model as the workers get it; None: the embedded SmolLM2
+    policy: str = "least_loaded"
+    heartbeat_interval_s: float = 1.0  # told to workers in RegisterResponse
+    heartbeat_timeout_s: float = 3.0  # a worker silent this long is dropped
+    cluster_token: str = ""  # shared secret for Register/Heartbeat; "" disables the check
+    # Upper bounds on silence from a worker inside one request. Generous because a long
+    # prompt on a CPU producer, or a consumer queueing the reservation under load, can take
+    # minutes; finite so a wedged worker fails the request instead of hanging the client.
+    token0_timeout_s: float = 600.0  # request sent -> first token of each leg
+    token_timeout_s: float = 300.0  # between later messages of a leg
+    abort_timeout_s: float = 2.0  # deadline of Worker.Abort calls (the worker may be dead)
+    max_tokens_limit: int = 1 << 20  # "huge" max_tokens, refused before any length check
+    seed_random: bool = True  # draw a seed when the request has none (False: tests only)
+
+    def __post_init__(self) -> None:
+        def bad(flag: str, why: str, value: object) -> ValueError:
+            return ValueError(f"{flag}: {why}, got {value!r}")
+
+        if not self.host:
+            raise bad("--host", "must not be empty", self.host)
+        if self.bind_host is not None and not self.bind_host:
+            raise bad("--bind-host", "must not be empty", self.bind_host)
+        if not 0 <= self.grpc_port <= 65535:
+            raise bad("--grpc-port", "must be in [0, 65535]", self.grpc_port)
+        if self.policy not in POLICY_NAMES:
+            raise bad("--policy", f"must be one of {', '.join(POLICY_NAMES)}", self.policy)
+        if not self.heartbeat_interval_s > 0:
+            raise bad("--heartbeat-interval", "must be > 0", self.heartbeat_interval_s)
+        if not self.heartbeat_timeout_s > self.heartbeat_interval_s:
+            raise bad("--heartbeat-timeout",
+                      f"must exceed the heartbeat interval ({self.heartbeat_interval_s} s)",
+                      self.heartbeat_timeout_s)
+        for flag, v in (("--token0-timeout", self.token0_timeout_s),
+                        ("--token-timeout", self.token_timeout_s),
+                        ("--abort-timeout", self.abort_timeout_s)):
+            if not v > 0:
+                raise bad(flag, "must be > 0", v)
+        if self.max_tokens_limit < 1:
+            raise bad("--max-tokens-limit", "must be >= 1", self.max_tokens_limit)
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host if self.bind_host is not None else self.host

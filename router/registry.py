@@ -1,0 +1,190 @@
+"""Workers known to the router: fed by Register/Heartbeat, aged out by a sweep.
+
+Pure bookkeeping (no gRPC, no asyncio) so policies and tests can use it directly. The
+router's own count of requests it has in flight on each worker (``inflight``) is kept
+here too: heartbeats report load once a second, which is stale for a burst of requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.v1 import common_pb2
+
+PRODUCER = common_pb2.ROLE_PRODUCER
+CONSUMER = common_pb2.ROLE_CONSUMER
+COLOCATED = common_pb2.ROLE_COLOCATED
+ROLE_NAMES = {PRODUCER: "producer", CONSUMER: "consumer", COLOCATED: "colocated"}
+
+
+class RegistrationError(Exception):
+    """A Register call refused; the message starts with the offending field."""
+
+    def __init__(self, message: str, *, precondition: bool = False) -> None:
+        super().__init__(message)
+        # True: the request is well formed but conflicts with the cluster (fingerprint,
+        # model); False: the request itself is malformed.
+        self.precondition = precondition
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: int  # common_pb2.Role
+    address: str  # gRPC address the router dials
+    kv_address: str  # consumers: where producers push KV
+    model: str
+    kv_fingerprint: str
+    max_model_len: int
+    load: common_pb2.WorkerLoad
+    last_heartbeat: float  # monotonic seconds
+    inflight: int = 0  # requests the router has dispatched to it and not yet finished
+    dispatched: int = 0  # total dispatched to it, for status and tests
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAMES.get(self.role, "unknown")
+
+    @property
+    def unhealthy_reason(self) -> str:
+        if self.load.kv_exhausted_by_orphans:
+            return "KV pool exhausted by orphaned requests"
+        return ""
+
+    @property
+    def healthy(self) -> bool:
+        return not self.unhealthy_reason
+
+
+class Registry:
+    def __init__(self, *, heartbeat_timeout_s: float, served_model: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.served_model = served_model  # display name workers must serve; None: any
+        self._clock = clock
+        self._workers: dict[str, WorkerInfo] = {}
+        # Called with (worker, reason) after a worker leaves (dropped or replaced).
+        self.on_drop: list[Callable[[WorkerInfo, str], None]] = []
+        # Called after any change that may flip cluster health.
+        self.on_change: list[Callable[[], None]] = []
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def register(self, *, worker_id: str, role: int, address: str, kv_address: str = "",
+                 model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
+                 load: common_pb2.WorkerLoad | None = None) -> WorkerInfo:
+        if not worker_id:
+            raise RegistrationError("worker_id: must not be empty")
+        if role not in ROLE_NAMES:
+            raise RegistrationError(f"role: must be producer, consumer or colocated, got {role}")
+        if not address:
+            raise RegistrationError("address: must not be empty")
+        if role == CONSUMER and not kv_address:
+            raise RegistrationError("kv_address: a consumer must advertise its KV address")
+        if max_model_len < 1:
+            raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
+        if self.served_model is not None and model != self.served_model:
+            raise RegistrationError(
+                f"model: worker {worker_id} serves {model!r} but this router serves "
+                f"{self.served_model!r}", precondition=True)
+        if role in (PRODUCER, CONSUMER):
+            # Colocated workers never move KV, so only the P/D pools must agree on layout.
+            for w in self._workers.values():
+                if w.worker_id != worker_id and w.role in (PRODUCER, CONSUMER) \
+                        and w.kv_fingerprint != kv_fingerprint:
+                    raise RegistrationError(
+                        f"kv_fingerprint: {ROLE_NAMES[role]} {worker_id} has "
+                        f"{kv_fingerprint!r} but {w.role_name} {w.worker_id} has "
+                        f"{w.kv_fingerprint!r}; producers and consumers must share the KV "
+                        f"layout (model, dtype, block size)", precondition=True)
+        old = self._workers.get(worker_id)
+        info = WorkerInfo(worker_id=worker_id, role=role, address=address, kv_address=kv_address,
+                          model=model, kv_fingerprint=kv_fingerprint,
+                          max_model_len=max_model_len, load=_copy_load(load),
+                          last_heartbeat=self._clock())
+        self._workers[worker_id] = info
+        if old is not None:
+            # A restart under the same id: requests on the old incarnation are gone with it.
+            info.dispatched = old.dispatched
+            self._notify_drop(old, f"worker {worker_id} re-registered")
+        self._notify_change()
+        return info
+
+    def heartbeat(self, worker_id: str, load: common_pb2.WorkerLoad | None) -> bool:
+        """False when the worker is unknown (dropped): it must register again."""
+        w = self._workers.get(worker_id)
+        if w is None or self._expired(w, self._clock()):
+            return False
+        was_healthy = w.healthy
+        w.load = _copy_load(load)
+        w.last_heartbeat = self._clock()
+        if w.healthy != was_healthy:
+            self._notify_change()
+        return True
+
+    def sweep(self) -> list[WorkerInfo]:
+        """Drops every worker whose last heartbeat is older than the timeout."""
+        now = self._clock()
+        dropped = [w for w in self._workers.values() if self._expired(w, now)]
+        for w in dropped:
+            del self._workers[w.worker_id]
+            self._notify_drop(w, f"worker {w.worker_id} ({w.role_name} at {w.address}) "
+                                 f"stopped heartbeating ({self.heartbeat_timeout_s:g} s)")
+        if dropped:
+            self._notify_change()
+        return dropped
+
+    def remove(self, worker_id: str, reason: str) -> None:
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._notify_drop(w, reason)
+            self._notify_change()
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def usable(self, role: int) -> list[WorkerInfo]:
+        """Workers of ``role`` that may take a new request: heartbeating and healthy."""
+        now = self._clock()
+        return [w for w in self._workers.values()
+                if w.role == role and w.healthy and not self._expired(w, now)]
+
+    def serving(self) -> bool:
+        """A request can be placed: a producer with a consumer, or a colocated worker."""
+        return bool(self.usable(COLOCATED)) or (
+            bool(self.usable(PRODUCER)) and bool(self.usable(CONSUMER)))
+
+    def max_model_len(self) -> int:
+        """The longest sequence every usable worker accepts (0 when none is usable)."""
+        lens = [w.max_model_len for r in ROLE_NAMES for w in self.usable(r)]
+        return min(lens) if lens else 0
+
+    def heartbeat_age(self, w: WorkerInfo) -> float:
+        return max(0.0, self._clock() - w.last_heartbeat)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _expired(self, w: WorkerInfo, now: float) -> bool:
+        return now - w.last_heartbeat > self.heartbeat_timeout_s
+
+    def _notify_drop(self, w: WorkerInfo, reason: str) -> None:
+        for cb in list(self.on_drop):
+            cb(w, reason)
+
+    def _notify_change(self) -> None:
+        for cb in list(self.on_change):
+            cb()
+
+
+def _copy_load(load: common_pb2.WorkerLoad | None) -> common_pb2.WorkerLoad:
+    out = common_pb2.WorkerLoad()
+    if load is not None:
+        out.CopyFrom(load)
+    return out

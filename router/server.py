@@ -1,0 +1,150 @@
+"""The router process in one object: ``await RouterServer(cfg).start()`` -> bound port.
+
+Wires registry, policy, channels, dispatcher and the gRPC services (Router, Registry,
+standard health, reflection) onto one grpc.aio server, and runs the heartbeat sweep.
+Health is SERVING exactly while a request could be placed (``Registry.serving``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]
+from grpc_reflection.v1alpha import reflection
+from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from engine.model_source import model_display_name, resolve_model
+from engine.tokenizer import Tokenizer
+from router.channels import WorkerChannels
+from router.config import RouterConfig
+from router.dispatcher import Dispatcher
+from router.policy import make_policy
+from router.registry import Registry
+from router.registry_servicer import RegistryServicer
+from router.router_servicer import RouterServicer
+
+log = logging.getLogger(__name__)
+
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+REGISTRY_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+def host_port(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):  # IPv6 literal
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+class RouterServer:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self._tokenizer = tokenizer  # tests may pass one to skip loading
+        self.registry: Registry | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
+        self._channels: WorkerChannels | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def address(self) -> str:
+        """What clients and workers dial (the advertised host)."""
+        return host_port(self.config.host, self.port)
+
+    async def start(self) -> int:
+        cfg = self.config
+        path = resolve_model(cfg.model)
+        model_id = model_display_name(path)
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(Tokenizer.from_source, path)
+        self.registry = Registry(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                                 served_model=model_id)
+        self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0)
+        policy = make_policy(cfg.policy)
+        self.dispatcher = Dispatcher(self.registry, policy, self._channels, cfg)
+        names = {model_id, path} | ({cfg.model} if cfg.model else set())
+
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        router_pb2_grpc.add_RouterServicer_to_server(
+            RouterServicer(self.dispatcher, self.registry, tokenizer, model_id, names,
+                           policy.name, cfg.max_tokens_limit), server)
+        worker_pb2_grpc.add_RegistryServicer_to_server(
+            RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token),
+            server)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [ROUTER_SERVICE, REGISTRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
+                "Health"].full_name, reflection.SERVICE_NAME], server)
+        bind = host_port(cfg.listen_host, cfg.grpc_port)
+        try:
+            self.port = server.add_insecure_port(bind)
+        except RuntimeError as e:
+            raise ValueError(f"--grpc-port: cannot bind {bind}: {e}") from e
+        if not self.port:
+            raise ValueError(f"--grpc-port: cannot bind {bind}")
+        await server.start()
+        self._server = server
+        await self._set_health()
+        self.registry.on_change.append(self._health_changed)
+        self._spawn(self._sweep())
+        log.info("router serving %s on %s (policy %s)", model_id, self.address, policy.name)
+        return self.port
+
+    async def stop(self, grace: float = 1.0) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+            with contextlib.suppress(BaseException):
+                await t
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.dispatcher is not None:
+            await self.dispatcher.close()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        if self._channels is not None:
+            await self._channels.close()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # -- internals -------------------------------------------------------------------------
+
+    async def _sweep(self) -> None:
+        assert self.registry is not None
+        # A quarter of the timeout: a silent worker is dropped at most 25% late.
+        period = min(0.5, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            for w in self.registry.sweep():
+                log.warning("dropped %s %s (%s): no heartbeat for %.1f s", w.role_name,
+                            w.worker_id, w.address, self.config.heartbeat_timeout_s)
+
+    def _health_changed(self) -> None:
+        self._spawn(self._set_health())
+
+    async def _set_health(self) -> None:
+        assert self.registry is not None and self._health is not None
+        status = (health_pb2.HealthCheckResponse.SERVING if self.registry.serving()
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", ROUTER_SERVICE):
+            await self._health.set(name, status)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

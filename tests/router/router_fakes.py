@@ -1,0 +1,281 @@
+"""Scripted in-process workers and a router+client harness for the router tests.
+
+A ``FakeWorker`` serves ``pdserve.v1.Worker`` on its own grpc.aio server, registers with the
+router and heartbeats like a real one. What it streams is a script (an async generator
+function) chosen per test; it records what the router sent it (requests, destinations,
+aborts, cancelled streams) so tests can assert on both legs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from engine.model_source import resolve_model
+from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.server import RouterServer
+
+P, C, CO = common_pb2.ROLE_PRODUCER, common_pb2.ROLE_CONSUMER, common_pb2.ROLE_COLOCATED
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+ABORT, ERROR = common_pb2.FINISH_REASON_ABORT, common_pb2.FINISH_REASON_ERROR
+TOKEN0 = 42
+BLOCKS = [7, 8, 9]
+KV_ADDR = "tcp://127.0.0.1:5999"
+
+_TOKENIZER: Tokenizer | None = None
+
+
+def load_tokenizer() -> Tokenizer:
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        _TOKENIZER = Tokenizer.from_source(resolve_model(None))
+    return _TOKENIZER
+
+
+def now() -> int:
+    return time.time_ns()
+
+
+# -- scripts -------------------------------------------------------------------------------
+
+PrefillScript = Callable[["FakeWorker", worker_pb2.PrefillRequest, AsyncIterator[Any]],
+                         AsyncIterator[worker_pb2.PrefillOutput]]
+DecodeScript = Callable[["FakeWorker", worker_pb2.DecodeRequest],
+                        AsyncIterator[worker_pb2.DecodeOutput]]
+
+
+def token0(token_id: int = TOKEN0, finish: int = 0, stop_reason: str = ""
+           ) -> worker_pb2.PrefillOutput:
+    t = now()
+    return worker_pb2.PrefillOutput(token0=worker_pb2.Token0(
+        token_id=token_id, text="A", finish_reason=finish, stop_reason=stop_reason,  # type: ignore[arg-type]
+        sampled_ns=t, received_ns=t - 1000))
+
+
+def transfer(ok: bool = True, error: str = "") -> worker_pb2.PrefillOutput:
+    return worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(ok=ok, error=error,
+                                                                       kv_transfer_ms=1.5))
+
+
+def reserved() -> worker_pb2.DecodeOutput:
+    return worker_pb2.DecodeOutput(reserved=worker_pb2.Reserved(kv_address=KV_ADDR,
+                                                                block_ids=BLOCKS))
+
+
+def tokens(ids: list[int], text: str, finish: int = 0, **kw: Any) -> worker_pb2.DecodeOutput:
+    return worker_pb2.DecodeOutput(tokens=worker_pb2.Tokens(
+        token_ids=ids, text=text, finish_reason=finish, **kw))  # type: ignore[arg-type]
+
+
+async def next_destination(w: FakeWorker, inputs: AsyncIterator[Any]) -> None:
+    msg = await inputs.__anext__()
+    w.destinations.append(msg.destination)
+
+
+async def prefill_ok(w: FakeWorker, req: Any, inputs: AsyncIterator[Any]
+                     ) -> AsyncIterator[worker_pb2.PrefillOutput]:
+    """Token 0 at once (before any destination), transfer ok once the destination came."""
+    yield token0()
+    await next_destination(w, inputs)
+    yield transfer()
+
+
+async def prefill_hang_after_token0(w: FakeWorker, req: Any, inputs: AsyncIterator[Any]
+                                    ) -> AsyncIterator[worker_pb2.PrefillOutput]:
+    yield token0()
+    await next_destination(w, inputs)
+    await asyncio.sleep(3600)
+
+
+async def decode_ok(w: FakeWorker, req: worker_pb2.DecodeRequest
+                    ) -> AsyncIterator[worker_pb2.DecodeOutput]:
+    if req.colocated:
+        yield tokens([TOKEN0], "A", first_step_ns=now())
+    else:
+        yield reserved()
+        await asyncio.sleep(0.02)  # "KV landing"
+        yield tokens([101, 102], "BC", kv_ready_ns=now(), first_step_ns=now())
+    yield tokens([103], "D", LENGTH)
+
+
+async def decode_hang_after_reserve(w: FakeWorker, req: worker_pb2.DecodeRequest
+                                    ) -> AsyncIterator[worker_pb2.DecodeOutput]:
+    yield reserved()
+    await asyncio.sleep(3600)
+
+
+# -- the fake worker -----------------------------------------------------------------------
+
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, worker_id: str, role: int, *, prefill: PrefillScript = prefill_ok,
+                 decode: DecodeScript = decode_ok, kv_fingerprint: str = "fp1",
+                 max_model_len: int = 2048, model: str = "smollm2") -> None:
+        self.worker_id, self.role = worker_id, role
+        self.prefill_script, self.decode_script = prefill, decode
+        self.kv_fingerprint, self.max_model_len, self.model = kv_fingerprint, max_model_len, model
+        self.prefill_requests: list[worker_pb2.PrefillRequest] = []
+        self.decode_requests: list[worker_pb2.DecodeRequest] = []
+        self.destinations: list[worker_pb2.KVDestination] = []
+        self.aborts: list[str] = []
+        self.cancelled: list[str] = []  # streams the router cancelled
+        self.inputs_closed: list[str] = []  # Prefill streams the router half-closed
+        self.abort_event = asyncio.Event()
+        self.load = common_pb2.WorkerLoad(kv_blocks_free=100, kv_blocks_total=100)
+        self.heartbeating = True
+        self.port = 0
+        self._server: grpc.aio.Server | None = None
+        self._hb: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self, router_address: str, token: str = "") -> None:
+        self._server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, self._server)
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        self._channel = grpc.aio.insecure_channel(router_address)
+        self.registry = worker_pb2_grpc.RegistryStub(self._channel)
+        resp = await self.register(token)
+        self._hb = asyncio.get_running_loop().create_task(
+            self._heartbeat(resp.heartbeat_interval_s, token))
+
+    async def register(self, token: str = "", **overrides: Any) -> worker_pb2.RegisterResponse:
+        fields: dict[str, Any] = dict(
+            worker_id=self.worker_id, role=self.role, address=self.address,
+            kv_address=KV_ADDR if self.role == C else "", model=self.model,
+            kv_fingerprint=self.kv_fingerprint, max_model_len=self.max_model_len,
+            load=self.load, cluster_token=token)
+        fields.update(overrides)
+        return await self.registry.Register(worker_pb2.RegisterRequest(**fields))
+
+    async def _heartbeat(self, interval: float, token: str) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if not self.heartbeating:
+                continue
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                r = await self.registry.Heartbeat(worker_pb2.HeartbeatRequest(
+                    worker_id=self.worker_id, load=self.load, cluster_token=token))
+                if not r.known:
+                    await self.register(token)
+
+    async def kill(self) -> None:
+        """Like a crashed process: the server goes away, streams break, heartbeats stop."""
+        self.heartbeating = False
+        if self._server is not None:
+            await self._server.stop(None)
+
+    async def stop(self) -> None:
+        if self._hb is not None:
+            self._hb.cancel()
+        await self.kill()
+        await self._channel.close()
+
+    # -- Worker service --------------------------------------------------------------------
+
+    async def Prefill(self, request_iterator: Any, context: Any
+                      ) -> AsyncIterator[worker_pb2.PrefillOutput]:
+        inputs = request_iterator.__aiter__()
+        first = await inputs.__anext__()
+        req = first.request
+        self.prefill_requests.append(req)
+        try:
+            async for out in self.prefill_script(self, req, self._watch_close(req, inputs)):
+                yield out
+        except asyncio.CancelledError:
+            self.cancelled.append(req.request_id)
+            raise
+
+    async def _watch_close(self, req: Any, inputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for msg in inputs:
+            yield msg
+        self.inputs_closed.append(req.request_id)
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context: Any
+                     ) -> AsyncIterator[worker_pb2.DecodeOutput]:
+        self.decode_requests.append(request)
+        try:
+            async for out in self.decode_script(self, request):
+                yield out
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def Abort(self, request: worker_pb2.WorkerAbortRequest, context: Any
+                    ) -> worker_pb2.WorkerAbortResponse:
+        self.aborts.append(request.request_id)
+        self.abort_event.set()
+        return worker_pb2.WorkerAbortResponse(ok=True)
+
+
+# -- router + client harness ---------------------------------------------------------------
+
+def fast_config(**kw: Any) -> RouterConfig:
+    base: dict[str, Any] = dict(grpc_port=0, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5,
+                                abort_timeout_s=1.0, token0_timeout_s=10.0, token_timeout_s=10.0)
+    base.update(kw)
+    return RouterConfig(**base)
+
+
+class Cluster:
+    def __init__(self, **config: Any) -> None:
+        self.config = fast_config(**config)
+        self.server = RouterServer(self.config, tokenizer=load_tokenizer())
+        self.workers: list[FakeWorker] = []
+
+    async def __aenter__(self) -> Cluster:
+        await self.server.start()
+        self.channel = grpc.aio.insecure_channel(self.server.address)
+        self.router = router_pb2_grpc.RouterStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for w in self.workers:
+            await w.stop()
+        await self.channel.close()
+        await self.server.stop(grace=0.1)
+
+    async def add(self, worker_id: str, role: int, **kw: Any) -> FakeWorker:
+        token = kw.pop("token", self.config.cluster_token)
+        w = FakeWorker(worker_id, role, **kw)
+        self.workers.append(w)
+        await w.start(self.server.address, token)
+        return w
+
+    async def pd(self, **kw: Any) -> tuple[FakeWorker, FakeWorker]:
+        p = await self.add("p0", P, prefill=kw.pop("prefill", prefill_ok))
+        c = await self.add("c0", C, decode=kw.pop("decode", decode_ok))
+        return p, c
+
+    async def generate(self, **kw: Any) -> list[router_pb2.GenerateResponse]:
+        return [r async for r in self.router.Generate(request(**kw))]
+
+
+def request(prompt: str = "Hello there", **sampling: Any) -> router_pb2.GenerateRequest:
+    rid = sampling.pop("request_id", "")
+    return router_pb2.GenerateRequest(request_id=rid, prompt=prompt,
+                                      sampling=common_pb2.SamplingParams(**sampling))
+
+
+def run(coro: Any, timeout: float = 20.0) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+async def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.01)
