@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 import grpc
+from pdserve.v1 import router_pb2
 from router_fakes import (
     ABORT,
     BLOCKS,
@@ -28,8 +29,6 @@ from router_fakes import (
     transfer,
     wait_until,
 )
-
-from pdserve.v1 import router_pb2
 
 
 async def read_all(call: Any) -> list[router_pb2.GenerateResponse]:
