@@ -7,6 +7,9 @@ import sys
 from collections.abc import Sequence
 
 from deploy.generate_cmd import add_generate_parser
+from deploy.launch_cmd import add_launch_parser
+from deploy.router_cmd import add_router_parser
+from deploy.worker_cmd import add_worker_parsers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_parser(sub)
+    add_worker_parsers(sub)
+    add_router_parser(sub)
+    add_launch_parser(sub)
     return parser
 
 

@@ -114,6 +114,37 @@ class LLMEngine:
         self.requests[request_id] = req
         return req
 
+    def reserve(self, num_tokens: int) -> list[int] | None:
+        """Consumer: blocks for a prompt's KV, or None while the pool cannot hold it."""
+        n = self.blocks.blocks_for(num_tokens)
+        return self.blocks.allocate(n) if self.blocks.can_allocate(n) else None
+
+    def unreserve(self, block_ids: list[int]) -> None:
+        self.blocks.free(block_ids)
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
+                      params: SamplingParams, block_ids: list[int],
+                      first_token: int) -> Request:
+        """Consumer: admits a request whose prompt KV already sits in `block_ids` and whose
+        token 0 was sampled (and reported) by the producer; decoding continues from there
+        exactly as a colocated engine would (same seed, same positions, same stop state)."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        if len(block_ids) != self.blocks.blocks_for(len(prompt_token_ids)):
+            raise ValueError(f"block_ids: {len(block_ids)} blocks for a "
+                             f"{len(prompt_token_ids)}-token prompt")
+        req.block_ids = list(block_ids)
+        req.num_computed_tokens = len(prompt_token_ids)
+        req.output_token_ids.append(first_token)
+        req.num_emitted = 1
+        if req.detok is not None:
+            req.full_text = req.detok.add(first_token)
+        req.text_checked = len(req.full_text)
+        req.num_text_sent = streamable_len(req)  # what the producer streamed for token 0
+        req.state = RequestState.DECODING
+        self.scheduler.add_running(req)
+        self.requests[request_id] = req
+        return req
+
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None:
@@ -123,6 +154,14 @@ class LLMEngine:
         else:
             self.release(request_id)
         return True
+
+    def stop(self, request_id: str) -> None:
+        """Stops computing a request but keeps its blocks (a transfer may still read them)
+        until release()."""
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            self.scheduler.remove(req)
+            req.state = RequestState.FINISHED_ABORTED
 
     def release(self, request_id: str) -> None:
         """Frees a finished (or transferred) request's blocks and forgets it."""

@@ -1,0 +1,138 @@
+"""The consumer role: reserve blocks (queued with backpressure), receive KV and token 0,
+admit to decode, stream tokens 1..n with deferred output.
+
+Resource owners: a reservation's blocks belong to this handler from reserve() until the
+transfer is DONE (then the engine's request owns them) or fails/aborts (then freed here).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from transfer import TransferConfig, TransferStatus, make_receiver
+from worker import ipc
+from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
+
+log = logging.getLogger("pdserve.consumer")
+
+
+@dataclass
+class Pending:
+    """A request between Decode and admission to the engine."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    blocks: list[int] = field(default_factory=list)  # empty while queued for blocks
+    queued_at: float = field(default_factory=time.monotonic)
+
+
+class ConsumerHandler(RoleHandler):
+    def __init__(self, engine: LLMEngine, emit: Emit, transfer: dict[str, Any]) -> None:
+        super().__init__(engine, emit)
+        self.cfg = TransferConfig(**transfer)
+        self.receiver = make_receiver(engine.kv_cache, engine.layout, self.cfg)
+        self.queue: OrderedDict[str, Pending] = OrderedDict()  # waiting for blocks
+        self.expecting: dict[str, Pending] = {}  # blocks reserved, KV not landed
+        self.kv_ready: dict[str, int] = {}  # admitted, first decode step not launched yet
+        self.first_step: dict[str, tuple[int, int]] = {}  # rid -> (kv_ready, first step) ns
+        self.max_queue = engine.config.max_waiting
+
+    def ready_info(self) -> dict[str, Any]:
+        return {**super().ready_info(), "kv_address": self.receiver.address}
+
+    def on_command(self, cmd: list[Any]) -> None:
+        kind, rid = cmd[0], cmd[1]
+        if kind == ipc.CMD_DECODE:
+            try:
+                params = sampling_from_wire(cmd[3])
+                self.engine.validate(list(cmd[2]), params)
+            except ValueError as e:
+                self.emit(error_event(rid, "error", str(e)))
+                return
+            if len(self.queue) >= self.max_queue:
+                self.emit(error_event(rid, "error", "consumer reservation queue is full"))
+                return
+            self.queue[rid] = Pending(rid, list(cmd[2]), params)
+            self._reserve_queued()
+        elif kind == ipc.CMD_ABORT:
+            self.abort(rid)
+
+    def abort(self, rid: str) -> None:
+        if self.queue.pop(rid, None) is not None:
+            self.emit(error_event(rid, "abort", "aborted while waiting for KV blocks"))
+        elif rid in self.expecting:
+            self.receiver.cancel(rid, "aborted")  # blocks freed once the receiver is terminal
+        elif self.engine.abort(rid):
+            self.kv_ready.pop(rid, None)
+            self.first_step.pop(rid, None)
+            self.emit(error_event(rid, "abort", "aborted"))
+
+    def _reserve_queued(self) -> None:
+        # FIFO: a big reservation at the head waits rather than being overtaken forever.
+        while self.queue:
+            p = next(iter(self.queue.values()))
+            blocks = self.engine.reserve(len(p.prompt))
+            if blocks is None:
+                return
+            del self.queue[p.rid]
+            p.blocks = blocks
+            self.expecting[p.rid] = p
+            self.receiver.expect(p.rid, blocks)
+            self.emit(ipc.pack(ipc.EV_RESERVED, p.rid, self.receiver.address, blocks))
+
+    def after_step(self) -> None:
+        for u in self.receiver.poll():
+            p = self.expecting.pop(u.request_id, None)
+            self.receiver.release(u.request_id)
+            if p is None:
+                continue
+            if u.status == TransferStatus.DONE and u.notice is not None:
+                self._admit(p, u.notice.first_token)
+            else:
+                self.engine.unreserve(p.blocks)
+                finish = "abort" if u.status == TransferStatus.CANCELLED else "error"
+                self.emit(error_event(p.rid, finish, f"KV transfer {u.status.name.lower()}: "
+                                                     f"{u.error}"))
+        self._reserve_queued()
+
+    def _admit(self, p: Pending, first_token: int) -> None:
+        try:
+            self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token)
+        except ValueError as e:
+            self.engine.unreserve(p.blocks)
+            self.emit(error_event(p.rid, "error", str(e)))
+            return
+        self.kv_ready[p.rid] = now_ns()
+
+    def before_step(self, now_ns: int) -> None:
+        for rid, ready in self.kv_ready.items():
+            self.first_step[rid] = (ready, now_ns)
+        self.kv_ready.clear()
+
+    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
+        for out in outs:
+            extra = {}
+            times = self.first_step.pop(out.request_id, None)
+            if times is not None:
+                extra = {"kv_ready_ns": times[0], "first_step_ns": times[1]}
+            self.emit(tokens_event(out, **extra))
+
+    def has_background_work(self) -> bool:
+        return bool(self.expecting or self.queue)
+
+    def load(self) -> dict[str, Any]:
+        d = super().load()
+        d["waiting"] += len(self.queue)
+        d["transfers_in_flight"] = len(self.expecting)
+        return d
+
+    def close(self) -> None:
+        self.receiver.close()

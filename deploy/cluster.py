@@ -1,0 +1,146 @@
+"""A local xPyD cluster as child processes: one router and the workers, each its own
+`pdserve` command, exactly as multi-node launchers would start them on separate hosts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    producers: int = 1
+    consumers: int = 1
+    colocated: int = 0
+    model: str | None = None
+    host: str = "127.0.0.1"
+    grpc_port: int = 0  # 0: a free port
+    http_port: int = -1  # -1: no HTTP front door; 0: a free port
+    policy: str = "round_robin"
+    transfer_backend: str = "ucx"
+    worker_args: tuple[str, ...] = ()  # extra flags for every worker (engine flags)
+    producer_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    threads: int = 0  # torch threads per worker; 0: the cores split among the workers
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("producers", "consumers", "colocated"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0")
+        if self.producers != self.consumers and 0 in (self.producers, self.consumers):
+            raise ValueError("producers/consumers: a disaggregated cluster needs at least one "
+                             "of each (or neither, with --colocated)")
+        if self.producers + self.consumers + self.colocated == 0:
+            raise ValueError("colocated: the cluster has no workers")
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec, log_dir: str | None = None) -> None:
+        self.spec = spec
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.grpc_port = spec.grpc_port or free_port(spec.host)
+        self.http_port = spec.http_port if spec.http_port != 0 else free_port(spec.host)
+        self.router_address = f"{spec.host}:{self.grpc_port}"
+        self.log_dir = log_dir
+
+    def _cmd(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "deploy.cli", *args]
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        env = {**os.environ, **self.spec.env}
+        out = None
+        if self.log_dir:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
+        self.procs[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=out,
+                                            start_new_session=True)
+
+    def start(self, timeout: float = 240.0) -> None:
+        s = self.spec
+        model = ["--model", s.model] if s.model else []
+        router = ["router", "--host", s.host, "--grpc-port", str(self.grpc_port),
+                  "--policy", s.policy, *model, *s.router_args]
+        if self.http_port > 0:
+            router += ["--http-port", str(self.http_port)]
+        self._spawn("router", self._cmd(*router))
+        n = s.producers + s.consumers + s.colocated
+        threads = s.threads or max(1, (os.cpu_count() or 1) // n)
+        common = [*model, "--router", self.router_address, "--host", s.host,
+                  "--threads", str(threads), *s.worker_args]
+        for role, count in (("producer", s.producers), ("consumer", s.consumers),
+                            ("colocated", s.colocated)):
+            for i in range(count):
+                extra = ["--transfer-backend", s.transfer_backend] if role != "colocated" else []
+                if role == "producer":
+                    extra += list(s.producer_args)
+                self._spawn(f"{role}-{i}", self._cmd(role, *common, *extra,
+                                                     "--worker-id", f"{role}-{i}"))
+        self.wait_ready(n, timeout)
+
+    def status(self, timeout: float = 2.0) -> router_pb2.ClusterStatusResponse:
+        with grpc.insecure_channel(self.router_address) as ch:
+            stub = router_pb2_grpc.RouterStub(ch)
+            resp: router_pb2.ClusterStatusResponse = stub.ClusterStatus(
+                router_pb2.ClusterStatusRequest(), timeout=timeout)
+            return resp
+
+    def wait_ready(self, n: int, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while True:
+            dead = [name for name, p in self.procs.items() if p.poll() is not None]
+            if dead:
+                self.stop()
+                raise RuntimeError(f"cluster process(es) exited during start-up: {dead}")
+            try:
+                if sum(w.healthy for w in self.status().workers) >= n:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > end:
+                self.stop()
+                raise TimeoutError(f"cluster not ready after {timeout:.0f} s")
+            time.sleep(0.3)
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Kills one process group (a worker's gRPC process and its engine process)."""
+        os.killpg(self.procs[name].pid, sig)
+        self.procs[name].wait(10)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        end = time.monotonic() + 15
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+ROLE_NAMES = {common_pb2.ROLE_PRODUCER: "producer", common_pb2.ROLE_CONSUMER: "consumer",
+              common_pb2.ROLE_COLOCATED: "colocated"}

@@ -1,0 +1,61 @@
+"""`pdserve launch`: a whole xPyD cluster on this machine, in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from typing import Any
+
+from deploy.cluster import ROLE_NAMES, ClusterSpec, LocalCluster
+
+
+def add_launch_parser(sub: Any) -> None:
+    p = sub.add_parser("launch", help="start a local cluster: router + producers + consumers")
+    p.add_argument("--producers", type=int, default=1)
+    p.add_argument("--consumers", type=int, default=1)
+    p.add_argument("--colocated", type=int, default=0)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC port")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="the router's OpenAI-compatible HTTP port (-1: off)")
+    p.add_argument("--policy", default="round_robin",
+                   choices=("round_robin", "least_loaded", "power_of_two"))
+    p.add_argument("--transfer-backend", default="ucx", choices=("ucx", "nixl", "fake"))
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--log-dir", default=None, help="write each process's output there")
+    p.add_argument("--worker-arg", action="append", default=[],
+                   help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32")
+    p.set_defaults(func=run_launch)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    spec = ClusterSpec(producers=args.producers, consumers=args.consumers,
+                       colocated=args.colocated, model=args.model, host=args.host,
+                       grpc_port=args.grpc_port, http_port=args.http_port, policy=args.policy,
+                       transfer_backend=args.transfer_backend, threads=args.threads,
+                       worker_args=tuple(args.worker_arg))
+    cluster = LocalCluster(spec, log_dir=args.log_dir)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("starting the cluster (model loading takes a few seconds)...", flush=True)
+    try:
+        cluster.start()
+        print(f"router gRPC:  {cluster.router_address}", flush=True)
+        if cluster.http_port > 0:
+            print(f"router HTTP:  http://{args.host}:{cluster.http_port}/v1", flush=True)
+        for w in cluster.status().workers:
+            print(f"  {ROLE_NAMES.get(w.role, '?'):9s} {w.worker_id:14s} {w.address}  "
+                  f"KV blocks {w.load.kv_blocks_free}/{w.load.kv_blocks_total}", flush=True)
+        print("ready; Ctrl-C stops every process", flush=True)
+        while not stop.wait(1.0):
+            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
+            if dead:
+                print(f"process(es) exited: {dead}; stopping", flush=True)
+                return 1
+        return 0
+    finally:
+        cluster.stop()

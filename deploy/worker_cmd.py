@@ -1,0 +1,78 @@
+"""`pdserve producer|consumer|colocated`: one worker service per command, for launchers
+that place each role on its own host."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from deploy.engine_args import add_engine_args, engine_config
+from worker.engine_loop import EngineSpec
+
+ROLE_HELP = {"producer": "a prefill worker (direct output; pushes KV to consumers)",
+             "consumer": "a decode worker (reserves blocks, receives KV, deferred output)",
+             "colocated": "a worker running both phases on one engine"}
+
+
+def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
+    add_engine_args(p)
+    g = p.add_argument_group("service")
+    g.add_argument("--router", required=True, help="the router's gRPC address, host:port")
+    g.add_argument("--host", default="127.0.0.1", help="bind address of this worker's gRPC")
+    g.add_argument("--advertise-host", default="",
+                   help="address peers dial (default: --host); set when binding 0.0.0.0")
+    g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    g.add_argument("--worker-id", default="")
+    g.add_argument("--cluster-token", default="", help="shared secret to join the router")
+    g.add_argument("--threads", type=int, default=0,
+                   help="torch threads of the engine process (0: torch's default)")
+    if role != "colocated":
+        t = p.add_argument_group("KV transfer")
+        t.add_argument("--transfer-backend", default="ucx", choices=("ucx", "nixl", "fake"))
+        t.add_argument("--kv-host", default="",
+                       help="consumer: address its KV receiver binds and advertises "
+                            "(default: --advertise-host or --host)")
+        t.add_argument("--kv-port", type=int, default=0)
+        t.add_argument("--transfer-timeout", type=float, default=30.0,
+                       help="seconds a transfer may take before it fails")
+        t.add_argument("--peer-timeout", type=float, default=5.0,
+                       help="seconds of silence after which a transfer peer is dead (<= 10)")
+    if role == "producer":
+        p.add_argument("--lease", type=float, default=30.0,
+                       help="seconds blocks are held waiting for a consumer's destination")
+        p.add_argument("--defer-output", action="store_true",
+                       help="FOR BENCHMARKS ONLY: defer the producer's output like a decode "
+                            "engine, to measure what direct output saves")
+
+
+def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
+    overrides: dict[str, Any] = {"role": role}
+    if role == "producer" and args.defer_output:
+        overrides["defer_output"] = True
+    transfer: dict[str, Any] = {}
+    if role != "colocated":
+        transfer = {"backend": args.transfer_backend,
+                    "host": args.kv_host or args.advertise_host or args.host,
+                    "port": args.kv_port, "transfer_timeout_s": args.transfer_timeout,
+                    "peer_timeout_s": args.peer_timeout,
+                    "heartbeat_interval_s": min(1.0, args.peer_timeout / 2)}
+    return EngineSpec(role=role, engine=engine_config(args, **overrides), transfer=transfer,
+                      threads=args.threads, lease_s=getattr(args, "lease", 30.0))
+
+
+def run_worker_cmd(args: argparse.Namespace) -> int:
+    from worker.server import WorkerConfig, run_worker
+
+    role = args.command
+    cfg = WorkerConfig(spec=spec_from_args(args, role), router=args.router,
+                       bind_host=args.host, advertise_host=args.advertise_host,
+                       port=args.port, worker_id=args.worker_id,
+                       cluster_token=args.cluster_token)
+    return run_worker(cfg)
+
+
+def add_worker_parsers(sub: Any) -> None:
+    for role, help_text in ROLE_HELP.items():
+        p = sub.add_parser(role, help=help_text)
+        add_worker_args(p, role)
+        p.set_defaults(func=run_worker_cmd)

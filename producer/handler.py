@@ -1,0 +1,187 @@
+"""The producer role: chunked prefill in direct-output mode; token 0 leaves in the step that
+sampled it; each chunk's newly filled blocks are pushed to the consumer's reservation while
+later chunks compute; blocks are held under a lease until the consumer acks.
+
+Resource owner: the engine request owns its blocks from admission until release(), which
+happens here only once the transfer is terminal (DONE, failed, cancelled) or was never
+started (abort before any push, lease expiry without a destination).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request_state import RequestState
+from engine.scheduler import QueueFull
+from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
+from worker import ipc
+from worker.role import Emit, RoleHandler, logprob_rows, sampling_from_wire
+
+log = logging.getLogger("pdserve.producer")
+
+
+@dataclass
+class Outgoing:
+    rid: str
+    received_ns: int
+    lease_until: float  # monotonic: the destination (and later the ack) must come by then
+    dest_address: str = ""
+    dest_blocks: list[int] | None = None
+    pushed: int = 0  # leading blocks pushed so far
+    notice: TransferNotice | None = None  # set once token 0 is out; sent with the last push
+    first_push: float = 0.0  # monotonic, for kv_transfer_ms
+    aborting: bool = False  # cancelled; blocks freed when the sender says terminal
+
+
+class ProducerHandler(RoleHandler):
+    def __init__(self, engine: LLMEngine, emit: Emit, transfer: dict[str, Any],
+                 lease_s: float) -> None:
+        super().__init__(engine, emit)
+        self.cfg = TransferConfig(**transfer)
+        self.sender = make_sender(engine.kv_cache, engine.layout, self.cfg)
+        self.lease_s = lease_s
+        self.out: dict[str, Outgoing] = {}
+        self.lease_expiries = 0
+
+    # ---- commands ----------------------------------------------------------------------
+
+    def on_command(self, cmd: list[Any]) -> None:
+        kind, rid = cmd[0], cmd[1]
+        if kind == ipc.CMD_PREFILL:
+            try:
+                self.engine.add_request(rid, list(cmd[2]), sampling_from_wire(cmd[3]))
+            except (ValueError, QueueFull) as e:
+                self._transfer_event(rid, False, str(e))
+                return
+            self.out[rid] = Outgoing(rid, int(cmd[4]), time.monotonic() + self.lease_s)
+        elif kind == ipc.CMD_DESTINATION:
+            o = self.out.get(rid)
+            if o is None or o.dest_blocks is not None or o.aborting:
+                return
+            try:
+                self.sender.connect(cmd[3])
+            except TransferError as e:
+                self._fail(o, f"cannot reach consumer {cmd[2]} at {cmd[3]}: {e}")
+                return
+            o.dest_address, o.dest_blocks = cmd[3], list(cmd[4])
+            self._push_ready(o)
+        elif kind == ipc.CMD_ABORT:
+            o = self.out.get(rid)
+            if o is not None:
+                self._abort(o)
+
+    def _abort(self, o: Outgoing) -> None:
+        if o.pushed or o.notice is not None and o.dest_blocks is not None:
+            o.aborting = True
+            self.engine.stop(o.rid)
+            self.sender.cancel(o.rid, "aborted by the router")
+        else:
+            self.engine.abort(o.rid)
+            self.out.pop(o.rid, None)
+            self._transfer_event(o.rid, False, "aborted")
+
+    # ---- engine outputs -----------------------------------------------------------------
+
+    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
+        for out in outs:
+            o = self.out.get(out.request_id)
+            if o is None or not out.new_token_ids:
+                continue
+            tok = out.new_token_ids[0]
+            lp = logprob_rows(out)
+            self.emit(ipc.pack(ipc.EV_TOKEN0, o.rid, {
+                "token_id": tok, "text": out.new_text, "logprob": lp[0] if lp else None,
+                "finish": out.finish_reason, "stop_reason": "" if out.stop_reason is None
+                else str(out.stop_reason), "sampled_ns": step_end_ns,
+                "received_ns": o.received_ns}))
+            if out.finished:  # token 0 ended it: the engine already freed the blocks
+                self.out.pop(o.rid, None)
+                continue
+            req = self.engine.requests[o.rid]
+            top = tuple((t, p) for t, p in lp[0][2]) if lp else ()
+            o.notice = TransferNotice(
+                request_id=o.rid, first_token=tok, finished=False,
+                num_prompt_tokens=req.num_prompt_tokens, seed=req.seed,
+                logprobs=((tok, lp[0][1]), *top) if lp else None)
+            o.lease_until = time.monotonic() + self.lease_s
+            self._push_ready(o)
+
+    def _push_ready(self, o: Outgoing) -> None:
+        """Pushes the blocks filled since the last push; with token 0 out, all and the end."""
+        req = self.engine.requests.get(o.rid)
+        if o.dest_blocks is None or req is None or o.aborting:
+            return
+        bs = self.engine.config.block_size
+        done = o.notice is not None
+        upto = len(req.block_ids) if done else req.num_computed_tokens // bs
+        upto = min(upto, len(o.dest_blocks))
+        try:
+            if upto > o.pushed:
+                if not o.first_push:
+                    o.first_push = time.monotonic()
+                self.sender.push(o.rid, o.dest_address, req.block_ids[o.pushed:upto],
+                                 o.dest_blocks[o.pushed:upto],
+                                 deadline=time.monotonic() + self.cfg.transfer_timeout_s)
+                o.pushed = upto
+            if done and o.notice is not None:
+                self.sender.finish(o.rid, o.notice)
+                o.notice = None  # sent; DONE comes with the consumer's ack
+                o.lease_until = time.monotonic() + self.cfg.transfer_timeout_s
+        except TransferError as e:
+            self._fail(o, str(e))
+
+    # ---- transfers and leases -----------------------------------------------------------
+
+    def after_step(self) -> None:
+        for o in list(self.out.values()):
+            self._push_ready(o)  # pushes only what the last step filled; cheap otherwise
+        for u in self.sender.poll():
+            self.sender.release(u.request_id)
+            o = self.out.pop(u.request_id, None)
+            if o is None:
+                continue
+            self.engine.release(o.rid)
+            if u.status == TransferStatus.DONE:
+                ms = (time.monotonic() - o.first_push) * 1e3 if o.first_push else 0.0
+                self._transfer_event(o.rid, True, "", ms)
+            else:
+                self._transfer_event(o.rid, False, f"KV transfer {u.status.name.lower()}: "
+                                                   f"{u.error}")
+        now = time.monotonic()
+        for o in list(self.out.values()):
+            req = self.engine.requests.get(o.rid)
+            if now > o.lease_until and not o.aborting and req is not None \
+                    and req.state == RequestState.TRANSFERRING:
+                self.lease_expiries += 1
+                why = "no destination" if o.dest_blocks is None else "no acknowledgement"
+                self._fail(o, f"lease expired after {self.lease_s:.0f} s: {why} from the "
+                              "consumer")
+
+    def _fail(self, o: Outgoing, error: str) -> None:
+        if o.pushed:
+            o.aborting = True
+            self.engine.stop(o.rid)
+            self.sender.cancel(o.rid, error)
+            return
+        self.engine.abort(o.rid)
+        self.out.pop(o.rid, None)
+        self._transfer_event(o.rid, False, error)
+
+    def _transfer_event(self, rid: str, ok: bool, error: str, ms: float = 0.0) -> None:
+        self.emit(ipc.pack(ipc.EV_TRANSFER, rid, ok, error, ms))
+
+    def has_background_work(self) -> bool:
+        return bool(self.out)
+
+    def load(self) -> dict[str, Any]:
+        d = super().load()
+        d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.pushed)
+        return d
+
+    def close(self) -> None:
+        self.sender.close()

@@ -1,0 +1,118 @@
+"""The engine process: applies commands, steps the engine, lets the role poll transfers,
+and reports events, without ever waiting on the gRPC process."""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from engine.config import EngineConfig
+from worker import ipc
+from worker.role import Emit, RoleHandler
+
+log = logging.getLogger("pdserve.worker")
+STATS_INTERVAL_S = 0.25  # load reports feed the gRPC process's heartbeats
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the engine process needs, picklable for a spawned process."""
+
+    role: str  # "producer" | "consumer" | "colocated"
+    engine: EngineConfig
+    transfer: dict[str, Any] = field(default_factory=dict)  # TransferConfig fields
+    threads: int = 0  # torch threads (0: leave torch's default)
+    lease_s: float = 30.0  # producer: hold blocks this long for a destination / an ack
+
+
+class WorkerLoop:
+    def __init__(self, handler: RoleHandler, commands: zmq.Socket, events: zmq.Socket) -> None:
+        self.handler = handler
+        self.engine = handler.engine
+        self.commands = commands
+        self.events = events
+        self.poller = zmq.Poller()
+        self.poller.register(commands, zmq.POLLIN)
+        self.running = True
+        self._last_stats = 0.0
+
+    def _drain_commands(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                msg = ipc.unpack(self.commands.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if msg[0] == ipc.CMD_STOP:
+                self.running = False
+                return
+            self.handler.on_command(msg)
+
+    def turn(self) -> None:
+        busy = self.engine.has_unfinished()
+        idle_wait = 0 if busy else (1 if self.handler.has_background_work() else 50)
+        self._drain_commands(idle_wait)
+        if self.engine.has_unfinished():
+            self.handler.before_step(time.time_ns())
+            outs = self.engine.step()
+            if outs:
+                self.handler.on_outputs(outs, time.time_ns())
+        self.handler.after_step()
+        now = time.monotonic()
+        if now - self._last_stats >= STATS_INTERVAL_S:
+            self._last_stats = now
+            self.events.send(ipc.pack(ipc.EV_STATS, "", self.handler.load()))
+
+    def run(self) -> None:
+        while self.running:
+            self.turn()
+
+
+def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
+    from engine.llm import build_engine
+
+    engine = build_engine(spec.engine)
+    if spec.role == "producer":
+        from producer.handler import ProducerHandler
+
+        return ProducerHandler(engine, emit, spec.transfer, spec.lease_s)
+    if spec.role == "consumer":
+        from consumer.handler import ConsumerHandler
+
+        return ConsumerHandler(engine, emit, spec.transfer)
+    from consumer.colocated import ColocatedHandler
+
+    return ColocatedHandler(engine, emit)
+
+
+def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=logging.INFO, format=f"[{spec.role}-engine] %(message)s")
+    if spec.threads:
+        import torch
+
+        torch.set_num_threads(spec.threads)
+    ctx = zmq.Context()
+    commands = ipc.bind_pull(ctx, paths.commands)
+    events = ipc.connect_push(ctx, paths.events)
+    handler = None
+    try:
+        handler = make_handler(spec, events.send)
+        # Load first: registration (triggered by ready) then reports real block counts.
+        events.send(ipc.pack(ipc.EV_STATS, "", handler.load()))
+        events.send(ipc.pack(ipc.EV_READY, "", handler.ready_info()))
+        WorkerLoop(handler, commands, events).run()
+    except Exception as e:  # the gRPC process reports it and exits; nothing else can act
+        log.error("engine process failed: %s", traceback.format_exc())
+        events.send(ipc.pack(ipc.EV_FATAL, "", f"{type(e).__name__}: {e}"))
+        time.sleep(0.2)  # let the event leave before the socket closes
+    finally:
+        if handler is not None:
+            handler.close()
+        ctx.destroy(linger=200)

@@ -1,0 +1,72 @@
+"""Joining the router: Register once the engine is ready, then heartbeat the load; register
+again if the router forgot us (it restarted, or dropped us after missed heartbeats)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger("pdserve.worker")
+ROLES = {"producer": common_pb2.ROLE_PRODUCER, "consumer": common_pb2.ROLE_CONSUMER,
+         "colocated": common_pb2.ROLE_COLOCATED}
+
+
+def load_pb(load: dict[str, Any]) -> common_pb2.WorkerLoad:
+    fields = common_pb2.WorkerLoad.DESCRIPTOR.fields_by_name
+    return common_pb2.WorkerLoad(**{k: v for k, v in load.items() if k in fields})
+
+
+class Registration:
+    def __init__(self, router: str, worker_id: str, role: str, address: str,
+                 info: dict[str, Any], load: Callable[[], dict[str, Any]],
+                 cluster_token: str = "") -> None:
+        self.channel = grpc.aio.insecure_channel(router)
+        self.stub = worker_pb2_grpc.RegistryStub(self.channel)
+        self.worker_id = worker_id
+        self.role = role
+        self.address = address
+        self.info = info
+        self.load = load
+        self.token = cluster_token
+        self.interval = 1.0
+
+    async def register(self) -> None:
+        resp = await self.stub.Register(worker_pb2.RegisterRequest(
+            worker_id=self.worker_id, role=ROLES[self.role], address=self.address,
+            kv_address=self.info.get("kv_address", ""), model=self.info["model"],
+            kv_fingerprint=self.info["kv_fingerprint"],
+            max_model_len=self.info["max_model_len"], load=load_pb(self.load()),
+            cluster_token=self.token), timeout=10)
+        self.interval = resp.heartbeat_interval_s or 1.0
+        log.info("registered with the router as %s (%s)", self.worker_id, self.role)
+
+    async def run(self) -> None:
+        """Registers (retrying while the router is not up) and heartbeats forever."""
+        registered = False
+        while True:
+            try:
+                if not registered:
+                    await self.register()
+                    registered = True
+                else:
+                    resp = await self.stub.Heartbeat(worker_pb2.HeartbeatRequest(
+                        worker_id=self.worker_id, load=load_pb(self.load()),
+                        cluster_token=self.token), timeout=5)
+                    registered = resp.known
+            except grpc.aio.AioRpcError as e:
+                if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                grpc.StatusCode.FAILED_PRECONDITION):
+                    raise RuntimeError(f"the router refused this worker: {e.details()}") from e
+                log.warning("router unreachable (%s); retrying", e.code().name)
+                registered = False
+            await asyncio.sleep(self.interval)
+
+    async def close(self) -> None:
+        await self.channel.close()

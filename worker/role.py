@@ -1,0 +1,83 @@
+"""The narrow seam between the generic engine loop and what a role does with requests."""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from worker import ipc
+
+Emit = Callable[[bytes], None]
+
+
+def now_ns() -> int:
+    return time.time_ns()
+
+
+def logprob_rows(out: RequestOutput) -> list[list[Any]]:
+    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
+
+
+def tokens_event(out: RequestOutput, **extra: Any) -> bytes:
+    body = {"ids": out.new_token_ids, "text": out.new_text, "logprobs": logprob_rows(out),
+            "finish": out.finish_reason, "stop_reason": _stop_text(out.stop_reason)}
+    body.update(extra)
+    return ipc.pack(ipc.EV_TOKENS, out.request_id, body)
+
+
+def error_event(rid: str, finish: str, error: str) -> bytes:
+    return ipc.pack(ipc.EV_TOKENS, rid, {"ids": [], "text": "", "logprobs": [],
+                                         "finish": finish, "stop_reason": "", "error": error})
+
+
+def _stop_text(reason: int | str | None) -> str:
+    return "" if reason is None else str(reason)
+
+
+def sampling_from_wire(d: dict[str, Any]) -> SamplingParams:
+    """ValueError names the bad field (the router validates first; this guards the engine)."""
+    return SamplingParams.from_dict(d)
+
+
+class RoleHandler(abc.ABC):
+    def __init__(self, engine: LLMEngine, emit: Emit) -> None:
+        self.engine = engine
+        self.emit = emit
+
+    @abc.abstractmethod
+    def on_command(self, cmd: list[Any]) -> None:
+        """Applies one command from the gRPC process."""
+
+    @abc.abstractmethod
+    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
+        """Handles what one engine step reported (step_end_ns: when its forward ended)."""
+
+    def before_step(self, now_ns: int) -> None:
+        """Runs right before an engine step is launched."""
+
+    def after_step(self) -> None:
+        """Runs after every loop turn: transfers, leases, queued reservations."""
+
+    def has_background_work(self) -> bool:
+        """True while transfers or reservations need polling even with the engine idle."""
+        return False
+
+    def load(self) -> dict[str, Any]:
+        acc = self.engine.block_accounting()
+        return {"waiting": len(self.engine.scheduler.waiting),
+                "running": len(self.engine.scheduler.running),
+                "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
+                "transfers_in_flight": 0, "kv_exhausted_by_orphans": False}
+
+    def ready_info(self) -> dict[str, Any]:
+        return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),
+                "model": self.engine.layout.model, "max_model_len": self.engine.max_model_len,
+                "kv_blocks_total": self.engine.block_accounting().total}
+
+    def close(self) -> None:
+        """Releases transfer resources at shutdown."""

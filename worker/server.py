@@ -1,0 +1,127 @@
+"""One worker node: its engine process, its gRPC server, and its registration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing as mp
+import signal
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.v1 import worker_pb2_grpc
+from worker import ipc
+from worker.engine_loop import EngineSpec, engine_process_main
+from worker.registration import Registration
+from worker.servicer import EngineBridge, WorkerServicer
+
+log = logging.getLogger("pdserve.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    spec: EngineSpec
+    router: str  # the router's gRPC address (host:port)
+    bind_host: str = "127.0.0.1"  # where this worker's gRPC server listens
+    advertise_host: str = ""  # what peers dial ("" = bind_host)
+    port: int = 0  # 0 = any free port
+    worker_id: str = ""  # "" = role + random suffix
+    cluster_token: str = ""
+    ready_timeout_s: float = 300.0  # model loading
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: out of range: {self.port}")
+        if not self.router:
+            raise ValueError("router: the router's address is required")
+
+
+class WorkerServer:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.worker_id = config.worker_id or f"{config.spec.role}-{uuid.uuid4().hex[:6]}"
+        self.paths = ipc.IpcPaths.fresh()
+        self.proc: mp.process.BaseProcess | None = None
+        self.server: grpc.aio.Server | None = None
+        self.bridge: EngineBridge | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+        self.address = ""
+
+    async def start(self) -> str:
+        cfg = self.config
+        self.bridge = EngineBridge(self.paths)
+        self.tasks.append(asyncio.create_task(self.bridge.pump()))
+        self.proc = mp.get_context("spawn").Process(
+            target=engine_process_main, args=(cfg.spec, self.paths), daemon=True,
+            name=f"{self.worker_id}-engine")
+        self.proc.start()
+        info = await asyncio.wait_for(self.bridge.ready, cfg.ready_timeout_s)
+        self.server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self.bridge, self.worker_id),
+                                                     self.server)
+        port = self.server.add_insecure_port(f"{cfg.bind_host}:{cfg.port}")
+        await self.server.start()
+        self.address = f"{cfg.advertise_host or cfg.bind_host}:{port}"
+        bridge = self.bridge
+        reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address, info,
+                           lambda: bridge.load, cfg.cluster_token)
+        self.tasks.append(asyncio.create_task(reg.run()))
+        self.tasks.append(asyncio.create_task(self._watch_engine()))
+        log.info("%s serving on %s (engine ready: %s)", self.worker_id, self.address, info)
+        return self.address
+
+    async def _watch_engine(self) -> None:
+        while self.proc is not None and self.proc.is_alive():
+            await asyncio.sleep(0.2)
+        if self.bridge is not None:
+            self.bridge.fail_all("engine process exited")
+
+    async def wait(self) -> None:
+        """Runs until a task fails (router refused us, engine died) or stop()."""
+        done, _ = await asyncio.wait(self.tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.bridge is not None:
+            self.bridge.send(ipc.CMD_STOP, "")
+        if self.proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
+            if self.proc.is_alive():
+                self.proc.kill()
+        if self.bridge is not None:
+            self.bridge.close()
+        self.paths.cleanup()
+
+
+def run_worker(config: WorkerConfig) -> int:
+    """Foreground entry point for `pdserve producer|consumer|colocated`."""
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+
+    async def main() -> int:
+        w = WorkerServer(config)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            addr = await w.start()
+            print(f"{w.worker_id} ({config.spec.role}) listening on {addr}", flush=True)
+            waiter = asyncio.create_task(w.wait())
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if waiter in done and waiter.exception() is not None:
+                log.error("%s", waiter.exception())
+                return 1
+            return 0
+        finally:
+            await w.stop()
+
+    return asyncio.run(main())

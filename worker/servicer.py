@@ -1,0 +1,171 @@
+"""The worker's gRPC face (asyncio): forwards RPCs to the engine process and streams its
+events back. It never touches the model, so serving never stalls scheduling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker import ipc
+from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob, tokens_pb
+
+log = logging.getLogger("pdserve.worker")
+
+
+class EngineBridge:
+    """Commands to the engine process; its events fanned out to per-request queues."""
+
+    def __init__(self, paths: ipc.IpcPaths) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.events = self.ctx.socket(zmq.PULL)
+        self.events.bind(paths.events)
+        self.commands = self.ctx.socket(zmq.PUSH)
+        self.commands.setsockopt(zmq.LINGER, 0)
+        self.commands.connect(paths.commands)
+        self.queues: dict[str, asyncio.Queue[list[Any]]] = {}
+        self.load: dict[str, Any] = {}
+        self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
+        self.fatal: str | None = None
+
+    def send(self, kind: str, rid: str, *fields: Any) -> None:
+        self.commands.send(ipc.pack(kind, rid, *fields))
+
+    def open(self, rid: str) -> asyncio.Queue[list[Any]]:
+        if rid in self.queues:
+            raise ValueError(f"request_id: {rid!r} is already running on this worker")
+        q: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self.queues[rid] = q
+        return q
+
+    def close_request(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    async def pump(self) -> None:
+        while True:
+            msg = ipc.unpack(await self.events.recv())
+            kind, rid = msg[0], msg[1]
+            if kind == ipc.EV_STATS:
+                self.load = msg[2]
+            elif kind == ipc.EV_READY:
+                if not self.ready.done():
+                    self.ready.set_result(msg[2])
+            elif kind == ipc.EV_FATAL:
+                self.fail_all(f"engine process failed: {msg[2]}")
+            elif rid in self.queues:
+                self.queues[rid].put_nowait(msg)
+
+    def fail_all(self, error: str) -> None:
+        self.fatal = error
+        if not self.ready.done():
+            self.ready.set_exception(RuntimeError(error))
+        for q in self.queues.values():
+            q.put_nowait([ipc.EV_FATAL, "", error])
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, bridge: EngineBridge, worker_id: str) -> None:
+        self.bridge = bridge
+        self.worker_id = worker_id
+
+    async def _open(self, rid: str,
+                    context: grpc.aio.ServicerContext) -> asyncio.Queue[list[Any]]:
+        if self.bridge.fatal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.bridge.fatal)
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        try:
+            return self.bridge.open(rid)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+            raise
+
+    async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillInput],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillOutput]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "request":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "request: the first PrefillInput must be a request")
+            return
+        req = first.request
+        rid = req.request_id
+        q = await self._open(rid, context)
+        received = time.time_ns()
+        self.bridge.send(ipc.CMD_PREFILL, rid, list(req.prompt_token_ids),
+                         sampling_to_wire(req.sampling, req.seed), received)
+
+        async def destinations() -> None:
+            async for msg in request_iterator:
+                if msg.WhichOneof("kind") == "destination":
+                    d = msg.destination
+                    self.bridge.send(ipc.CMD_DESTINATION, rid, d.consumer_id, d.kv_address,
+                                     list(d.block_ids))
+
+        reader = asyncio.create_task(destinations())
+        done = False
+        try:
+            while not done:
+                msg = await q.get()
+                if msg[0] == ipc.EV_TOKEN0:
+                    body = msg[2]
+                    t0 = worker_pb2.Token0(
+                        token_id=body["token_id"], text=body["text"],
+                        finish_reason=finish_reason_pb(body["finish"]), stop_reason=body["stop_reason"],
+                        sampled_ns=body["sampled_ns"], received_ns=body["received_ns"])
+                    if body["logprob"] is not None:
+                        t0.logprob.CopyFrom(token_logprob(body["logprob"]))
+                    yield worker_pb2.PrefillOutput(token0=t0)
+                    done = bool(body["finish"])
+                elif msg[0] == ipc.EV_TRANSFER:
+                    yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
+                        ok=msg[2], error=msg[3], kv_transfer_ms=msg[4]))
+                    done = True
+                elif msg[0] == ipc.EV_FATAL:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg[2])
+            done = True
+        finally:
+            reader.cancel()
+            self.bridge.close_request(rid)
+            if not done:  # the router went away or cancelled: stop the work, free blocks
+                self.bridge.send(ipc.CMD_ABORT, rid)
+
+    async def Decode(self, request: worker_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeOutput]:
+        rid = request.request_id
+        q = await self._open(rid, context)
+        self.bridge.send(ipc.CMD_DECODE, rid, list(request.prompt_token_ids),
+                         sampling_to_wire(request.sampling, request.seed), request.colocated)
+        done = False
+        try:
+            while not done:
+                msg = await q.get()
+                if msg[0] == ipc.EV_RESERVED:
+                    yield worker_pb2.DecodeOutput(reserved=worker_pb2.Reserved(
+                        kv_address=msg[2], block_ids=msg[3]))
+                elif msg[0] == ipc.EV_TOKENS:
+                    t = tokens_pb(msg[2])
+                    done = t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    yield worker_pb2.DecodeOutput(tokens=t)
+                elif msg[0] == ipc.EV_FATAL:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg[2])
+        finally:
+            self.bridge.close_request(rid)
+            if not done:
+                self.bridge.send(ipc.CMD_ABORT, rid)
+
+    async def Abort(self, request: worker_pb2.WorkerAbortRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:
+        known = request.request_id in self.bridge.queues
+        self.bridge.send(ipc.CMD_ABORT, request.request_id)
+        return worker_pb2.WorkerAbortResponse(ok=known)
+
