@@ -21,7 +21,7 @@ from router.channels import WorkerChannels
 from router.config import RouterConfig
 from router.legs import DecodeLeg, Ev, Event, ProducerLeg
 from router.policy import Policy, place
-from router.registry import Registry, WorkerInfo
+from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
 from router.request_run import RequestRun
 from router.validation import PreparedRequest, RequestError
 
@@ -152,8 +152,6 @@ class Dispatcher:
 
 
 def no_workers_message(registry: Registry) -> str:
-    from router.registry import COLOCATED, CONSUMER, PRODUCER
-
     p, c, co = (len(registry.usable(r)) for r in (PRODUCER, CONSUMER, COLOCATED))
     return (f"no workers can take the request: {p} producer(s), {c} consumer(s), {co} colocated "
             f"usable; need a producer and a consumer, or a colocated worker")

@@ -29,7 +29,7 @@ class RegistrationError(Exception):
         self.precondition = precondition
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a re-registered worker is a new incarnation
 class WorkerInfo:
     worker_id: str
     role: int  # common_pb2.Role

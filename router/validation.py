@@ -18,7 +18,6 @@ from pdserve.v1 import common_pb2, router_pb2
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
-DEFAULT_MAX_TOKENS = SamplingParams.__dataclass_fields__["max_tokens"].default
 CHAT_ROLES = ("system", "user", "assistant")
 MAX_REQUEST_ID_LEN = 256
 # Proto fields whose presence is tracked (optional): unset means "engine default".

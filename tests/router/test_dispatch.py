@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
+import time
 from typing import Any
 
 import grpc
@@ -339,5 +343,36 @@ def test_concurrent_requests_spread_over_two_pairs() -> None:
             assert all(o[-1].finish_reason == LENGTH for o in outs)
             assert [len(p.prefill_requests) for p in ps] == [4, 4]
             assert [len(c.decode_requests) for c in cs] == [4, 4]
+
+    run(main())
+
+
+def test_killed_consumer_process_ends_request_with_error_and_is_dropped() -> None:
+    """A real crash (SIGKILL of the worker's process), not an in-process server stop."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    async def main() -> None:
+        async with Cluster(heartbeat_timeout_s=30.0) as cl:  # only the RPC error can tell
+            p = await cl.add("p0", 1, prefill=prefill_hang_after_token0)
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, os.path.join(here, "fake_worker_main.py"), cl.server.address,
+                "c0", stdout=asyncio.subprocess.PIPE)
+            try:
+                assert proc.stdout is not None
+                assert (await proc.stdout.readline()).strip() == b"ready"
+                call = cl.router.Generate(request(request_id="r1"))
+                assert list((await call.read()).token_ids) == [TOKEN0]
+                assert list((await call.read()).token_ids) == [101]
+                proc.send_signal(signal.SIGKILL)
+                t0 = time.monotonic()
+                rest = await read_all(call)
+                assert time.monotonic() - t0 < 5.0
+                assert rest[-1].finish_reason == ERROR and "consumer c0" in rest[-1].error
+                await asyncio.wait_for(p.abort_event.wait(), 5)
+                assert cl.server.registry is not None and cl.server.registry.get("c0") is None
+            finally:
+                if proc.returncode is None:
+                    proc.kill()
+                await proc.wait()
 
     run(main())
