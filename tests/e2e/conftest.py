@@ -1,0 +1,21 @@
+"""Live clusters for end-to-end tests: real processes, real gRPC, real UCX, SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+from live_cluster import start_cluster
+
+
+@pytest.fixture(scope="session")
+def cluster_1p1d(tmp_path_factory):  # type: ignore[no-untyped-def]
+    c = start_cluster(tmp_path_factory, "c1p1d", router_args=("--heartbeat-timeout", "3"))
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="session")
+def colocated_llm():  # type: ignore[no-untyped-def]
+    """The reference: one in-process colocated engine on the same model."""
+    from engine.llm import LLM
+
+    return LLM(None, max_num_batched_tokens=128)

@@ -1,0 +1,100 @@
+"""1P1D and 2P2D clusters give each request exactly the colocated engine's tokens, greedy and
+seeded, with many requests in flight; token 0 reaches the client before the consumer decodes."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from cluster_client import chat, generate, stub_for, wait_for_full_kv
+from live_cluster import start_cluster
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import common_pb2, router_pb2
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "Explain gravity in one sentence.", "List three colors.",
+             "Why is the sky blue? Answer briefly.", "Name a famous scientist.",
+             "What is 12 plus 30?", "Give me a short motto for a bakery."]
+FILLER = ("Serving large language models efficiently means separating the compute-bound "
+          "prompt phase from the memory-bound generation phase. ")
+
+
+def _prompts(tok) -> list[list[int]]:  # type: ignore[no-untyped-def]
+    out = [tok.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    # Mixed lengths: a few long prompts that take several 128-token prefill chunks.
+    out[1] = tok.encode_chat([{"role": "user", "content": FILLER * 8 + QUESTIONS[1]}])
+    out[5] = tok.encode_chat([{"role": "user", "content": FILLER * 4 + QUESTIONS[5]}])
+    return out
+
+
+def _sampling(i: int, seeded: bool) -> dict:
+    if seeded:
+        return dict(max_tokens=24, temperature=0.9, top_p=0.95, top_k=40, seed=1000 + i)
+    return dict(max_tokens=24, temperature=0.0)
+
+
+def _run_concurrently(address: str, prompts: list[list[int]], seeded: bool) -> list:
+    ch, stub = stub_for(address)
+    with ch, ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(generate, stub, _sampling(i, seeded),
+                            prompt_token_ids=router_pb2.TokenIds(ids=p))
+                for i, p in enumerate(prompts)]
+        return [f.result() for f in futs]
+
+
+def _check_against_colocated(results: list, prompts: list[list[int]], llm, seeded: bool) -> None:  # type: ignore[no-untyped-def]
+    params = [SamplingParams(**_sampling(i, seeded)) for i in range(len(prompts))]
+    ref = llm.generate(prompts, params)
+    for i, (r, c) in enumerate(zip(results, ref, strict=True)):
+        assert r.code is None, (i, r.code, r.details)
+        assert r.error == "", (i, r.error)
+        assert r.token_ids == c.token_ids, i
+        assert r.text == c.text, i
+        fr = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
+        assert r.finish_reason == fr[c.finish_reason], i
+        assert r.usage.prompt_tokens == len(prompts[i])
+        assert r.usage.completion_tokens == len(c.token_ids)
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_1p1d_matches_colocated(cluster_1p1d, colocated_llm, seeded):
+    prompts = _prompts(colocated_llm.tokenizer)
+    results = _run_concurrently(cluster_1p1d.router_address, prompts, seeded)
+    _check_against_colocated(results, prompts, colocated_llm, seeded)
+    for r in results:
+        t = r.timing
+        if len(r.token_ids) > 1:  # decoded on the consumer
+            assert t.producer and t.consumer and not t.colocated
+            # Token 0 left the router before the consumer ran its first decode step.
+            assert 0 < t.producer_token0_sampled_ns <= t.router_token0_sent_ns
+            assert t.router_token0_sent_ns < t.consumer_first_step_ns
+            assert t.consumer_kv_ready_ns <= t.consumer_first_step_ns
+    ch, stub = stub_for(cluster_1p1d.router_address)
+    with ch:
+        wait_for_full_kv(stub)
+
+
+def test_chat_input_is_tokenized_once_with_the_template(cluster_1p1d, colocated_llm):
+    ch, stub = stub_for(cluster_1p1d.router_address)
+    with ch:
+        r = generate(stub, dict(max_tokens=16, temperature=0), **chat(QUESTIONS[0]))
+    ref = colocated_llm.generate([QUESTIONS[0]], SamplingParams(max_tokens=16, temperature=0),
+                                 chat=True)[0]
+    assert r.token_ids == ref.token_ids and "Paris" in r.text
+
+
+def test_2p2d_matches_colocated(tmp_path_factory, colocated_llm):
+    c = start_cluster(tmp_path_factory, "c2p2d", producers=2, consumers=2)
+    try:
+        prompts = _prompts(colocated_llm.tokenizer)
+        results = _run_concurrently(c.router_address, prompts, seeded=True)
+        _check_against_colocated(results, prompts, colocated_llm, seeded=True)
+        used = {(r.timing.producer, r.timing.consumer) for r in results if len(r.token_ids) > 1}
+        assert {p for p, _ in used} == {"producer-0", "producer-1"}
+        assert {c_ for _, c_ in used} == {"consumer-0", "consumer-1"}
+        ch, stub = stub_for(c.router_address)
+        with ch:
+            wait_for_full_kv(stub)
+    finally:
+        c.stop()
