@@ -48,6 +48,8 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(1, min(cap, config.kv_cache_bytes
                                                         // self.layout.block_nbytes))
         self.layout = KVLayout(**{**self.layout.__dict__, "num_blocks": num_blocks})
+        # A sequence can never outgrow the pool: advertise what really fits.
+        self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         dtype = getattr(torch, config.dtype)
         self.kv_cache = torch.zeros((num_blocks, *self.layout.block_shape), dtype=dtype,
                                     device=self.device)

@@ -26,5 +26,6 @@ def test_tiny_pool_preempts_and_tokens_are_right(tiny_models, make_llm, defer):
 
 def test_request_larger_than_pool_is_rejected(tiny_models, make_llm):
     llm = make_llm(tiny_models["llama"], block_size=4, num_kv_blocks=4, max_model_len=64)
+    assert llm.engine.max_model_len == 16  # what the pool can hold is what is advertised
     with pytest.raises(ValueError, match="max_tokens"):
-        llm.engine.add_request("big", PROMPTS[2], SamplingParams(max_tokens=10))
+        llm.engine.add_request("big", PROMPTS[0], SamplingParams(max_tokens=10))

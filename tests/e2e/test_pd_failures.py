@@ -1,0 +1,69 @@
+"""Killing a consumer or a producer mid-request ends its requests with a clear error (not a
+hang), the router stops pairing with it, and the rest of the cluster keeps serving."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster_client import chat, generate, stub_for, wait_for_full_kv
+from live_cluster import start_cluster
+
+from pdserve.v1 import common_pb2, router_pb2
+
+LONG = "Paged KV blocks move from the producer to the consumer as prefill goes on. " * 60
+
+
+def _workers(stub) -> set[str]:  # type: ignore[no-untyped-def]
+    return {w.worker_id for w in stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers}
+
+
+def _wait_dropped(stub, name: str, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while name in _workers(stub):
+        assert time.monotonic() < end, f"{name} still registered"
+        time.sleep(0.2)
+
+
+def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory):
+    c = start_cluster(tmp_path_factory, "ckill", producers=2, consumers=2,
+                      router_args=("--heartbeat-timeout", "2"))
+    ch, stub = stub_for(c.router_address)
+    try:
+        # --- a consumer dies mid-decode ------------------------------------------------
+        decode = dict(max_tokens=300, temperature=0, ignore_eos=True)
+        with ThreadPoolExecutor(2) as pool:
+            futs = [pool.submit(generate, stub, decode, timeout=120,
+                                **chat(f"Count to a thousand, take {i}.")) for i in range(2)]
+            time.sleep(3.0)  # both are decoding (round robin: one per consumer)
+            t_kill = time.monotonic()
+            c.kill("consumer-0")
+            results = [f.result() for f in futs]
+        failed = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_ERROR]
+        ok = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_LENGTH]
+        assert len(failed) == 1 and len(ok) == 1, [(r.finish_reason, r.error) for r in results]
+        assert "consumer-0" in failed[0].error
+        assert len(ok[0].token_ids) == 300
+        assert time.monotonic() - t_kill < 60  # ended, no hang (the survivor ran to the end)
+        _wait_dropped(stub, "consumer-0")
+        after = [generate(stub, dict(max_tokens=3, temperature=0), **chat("Hi!"))
+                 for _ in range(4)]
+        assert all(r.error == "" and r.timing.consumer == "consumer-1" for r in after)
+
+        # --- a producer dies mid-prefill ------------------------------------------------
+        prefill = dict(max_tokens=4, temperature=0)
+        with ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(generate, stub, prefill, timeout=120, **chat(LONG + str(i)))
+                    for i in range(4)]
+            time.sleep(0.8)
+            c.kill("producer-0")
+            results = [f.result() for f in futs]
+        errors = [r.error for r in results if r.finish_reason == common_pb2.FINISH_REASON_ERROR]
+        assert errors and all("producer-0" in e for e in errors), errors
+        _wait_dropped(stub, "producer-0")
+        r = generate(stub, prefill, **chat(LONG))
+        assert r.error == "" and r.timing.producer == "producer-1"
+        wait_for_full_kv(stub)  # the survivors' pools are whole
+    finally:
+        ch.close()
+        c.stop()
