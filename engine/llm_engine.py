@@ -18,6 +18,7 @@ from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVLayout
 from engine.model_runner import InflightStep, ModelRunner
+from engine.models.llama import LlamaForCausalLM
 from engine.outputs import RequestOutput
 from engine.request import PLACEHOLDER, Request, TokenLogprob
 from engine.request_state import RequestState
@@ -32,7 +33,7 @@ TraceHook = Callable[[str, int], None]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: torch.nn.Module,
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
                  tokenizer: Tokenizer | None, model_name: str) -> None:
         self.config = config
         self.model_cfg = model_cfg

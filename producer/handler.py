@@ -82,7 +82,7 @@ class ProducerHandler(RoleHandler):
             self.sender.cancel(o.rid, "aborted by the router")
         else:
             self.engine.abort(o.rid)
-            self.out.pop(o.rid, None)
+            self.out.pop(o.rid)
             self._transfer_event(o.rid, False, "aborted")
 
     # ---- engine outputs -----------------------------------------------------------------
@@ -142,15 +142,15 @@ class ProducerHandler(RoleHandler):
             self._push_ready(o)  # pushes only what the last step filled; cheap otherwise
         for u in self.sender.poll():
             self.sender.release(u.request_id)
-            o = self.out.pop(u.request_id, None)
-            if o is None:
+            rec = self.out.pop(u.request_id, None)
+            if rec is None:
                 continue
-            self.engine.release(o.rid)
+            self.engine.release(rec.rid)
             if u.status == TransferStatus.DONE:
-                ms = (time.monotonic() - o.first_push) * 1e3 if o.first_push else 0.0
-                self._transfer_event(o.rid, True, "", ms)
+                ms = (time.monotonic() - rec.first_push) * 1e3 if rec.first_push else 0.0
+                self._transfer_event(rec.rid, True, "", ms)
             else:
-                self._transfer_event(o.rid, False, f"KV transfer {u.status.name.lower()}: "
+                self._transfer_event(rec.rid, False, f"KV transfer {u.status.name.lower()}: "
                                                    f"{u.error}")
         now = time.monotonic()
         for o in list(self.out.values()):

@@ -57,10 +57,10 @@ class RoleHandler(abc.ABC):
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
         """Handles what one engine step reported (step_end_ns: when its forward ended)."""
 
-    def before_step(self, now_ns: int) -> None:
+    def before_step(self, now_ns: int) -> None:  # noqa: B027 - optional hook
         """Runs right before an engine step is launched."""
 
-    def after_step(self) -> None:
+    def after_step(self) -> None:  # noqa: B027 - optional hook
         """Runs after every loop turn: transfers, leases, queued reservations."""
 
     def has_background_work(self) -> bool:
@@ -79,5 +79,5 @@ class RoleHandler(abc.ABC):
                 "model": self.engine.layout.model, "max_model_len": self.engine.max_model_len,
                 "kv_blocks_total": self.engine.block_accounting().total}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook
         """Releases transfer resources at shutdown."""

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import zmq
 import zmq.asyncio
-
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
 from worker import ipc
 from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob, tokens_pb
 
@@ -120,7 +120,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     body = msg[2]
                     t0 = worker_pb2.Token0(
                         token_id=body["token_id"], text=body["text"],
-                        finish_reason=finish_reason_pb(body["finish"]), stop_reason=body["stop_reason"],
+                        finish_reason=finish_reason_pb(body["finish"]),
+                        stop_reason=body["stop_reason"],
                         sampled_ns=body["sampled_ns"], received_ns=body["received_ns"])
                     if body["logprob"] is not None:
                         t0.logprob.CopyFrom(token_logprob(body["logprob"]))

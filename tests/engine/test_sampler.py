@@ -10,7 +10,8 @@ from engine.sampler import SamplingBatch, apply_penalties, sample
 def _batch(n: int, **kw) -> SamplingBatch:
     base = dict(temperature=torch.ones(n), top_k=torch.zeros(n, dtype=torch.int64),
                 top_p=torch.ones(n), min_p=torch.zeros(n),
-                seeds=torch.arange(n, dtype=torch.int64), positions=torch.zeros(n, dtype=torch.int64),
+                seeds=torch.arange(n, dtype=torch.int64),
+                positions=torch.zeros(n, dtype=torch.int64),
                 all_greedy=False, any_top_k=False, any_top_p=False, any_min_p=False)
     base.update(kw)
     return SamplingBatch(**base)
