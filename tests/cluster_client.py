@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 

@@ -3,8 +3,6 @@ pytest's pythonpath)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

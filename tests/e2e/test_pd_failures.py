@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
 from live_cluster import start_cluster
-
 from pdserve.v1 import common_pb2, router_pb2
 
 LONG = "Paged KV blocks move from the producer to the consumer as prefill goes on. " * 60

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
-
 from pdserve.v1 import common_pb2, router_pb2
 
 Q = "What is the capital of France?"

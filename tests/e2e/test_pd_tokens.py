@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
 from live_cluster import start_cluster
+from pdserve.v1 import common_pb2, router_pb2
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import common_pb2, router_pb2
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Explain gravity in one sentence.", "List three colors.",
