@@ -1,0 +1,229 @@
+"""`pdserve bench`: load a pdserve router (gRPC or OpenAI HTTP) over a sweep of concurrency
+levels or Poisson rates and report vLLM-comparable serving metrics.
+
+Targets: a running router (``--router`` / ``--base-url``), a cluster started here
+(``--launch pd|colocated``), or both kinds with the same number of workers (``--compare``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+# The library is imported when the command runs: every `pdserve` command (the router's too)
+# builds this parser, and the router must start fast.
+if TYPE_CHECKING:
+    from deploy.benchmark.clusters import Target
+    from deploy.benchmark.load import LoadPoint
+    from deploy.benchmark.sweep import SweepPlan
+
+
+def add_bench_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="serving benchmark: sweep load, report TTFT/TPOT/ITL/...")
+    t = p.add_argument_group("target")
+    t.add_argument("--backend", default="grpc", choices=("grpc", "openai"))
+    t.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
+    t.add_argument("--base-url", default=None,
+                   help="OpenAI HTTP base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
+    t.add_argument("--launch", choices=("pd", "colocated"), default=None,
+                   help="start a local cluster of this kind instead of using --router")
+    t.add_argument("--compare", action="store_true",
+                   help="run the workload on a P/D cluster and a colocated cluster with the "
+                        "same number of workers (both started here); print the ratios")
+    t.add_argument("--producers", type=int, default=1)
+    t.add_argument("--consumers", type=int, default=1)
+    t.add_argument("--model", default=None, help="model of started clusters; tokenizer for "
+                   "--dataset (default: the embedded SmolLM2)")
+    t.add_argument("--worker-arg", action="append", default=[],
+                   help="extra flag for every started worker, e.g. --worker-arg=--dtype=bfloat16")
+    t.add_argument("--producer-arg", action="append", default=[],
+                   help="extra flag for started producers, e.g. --producer-arg=--defer-output")
+    t.add_argument("--devices", default="",
+                   help="comma list cycled over started workers in order producers, consumers, "
+                        "colocated, e.g. cuda:0,cuda:1")
+    t.add_argument("--gpus", type=int, default=None,
+                   help="GPUs behind the target, for per-GPU throughput (default: from --devices)")
+    t.add_argument("--log-dir", default=None, help="started clusters' process logs")
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=64, help="measured requests per point")
+    w.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each point")
+    w.add_argument("--input-len", default="256", help="prompt tokens: N or LOW:HIGH")
+    w.add_argument("--output-len", default=None,
+                   help="max tokens: N or LOW:HIGH (default 64; with --dataset, the "
+                        "completion's length)")
+    w.add_argument("--dataset", default=None, help="ShareGPT-format JSON (overrides --input-len; "
+                   "--output-len applies only when given explicitly)")
+    w.add_argument("--token-range", default="1000:30000",
+                   help="random prompt token ids are drawn from LOW:HIGH (away from special ids)")
+    w.add_argument("--max-len", type=int, default=2048, help="--dataset: skip longer pairs")
+    w.add_argument("--ignore-eos", action="store_true", help="generate exactly max tokens")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    ld = p.add_argument_group("load")
+    ld.add_argument("--concurrency", default=None, help="closed-loop sweep, e.g. 1,8,32")
+    ld.add_argument("--rate", default=None, help="Poisson sweep in req/s, e.g. 1,2,4,inf")
+    ld.add_argument("--max-concurrency", type=int, default=None, help="cap for --rate points")
+    o = p.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", default=[], metavar="KEY:MS",
+                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
+    o.add_argument("--percentiles", default="50,90,99")
+    o.add_argument("--result-json", default=None, help="write the full result here")
+    o.add_argument("--markdown", default=None, help="write the markdown table here")
+    o.add_argument("--plots-dir", default=None, help="write PNG plots here")
+    o.add_argument("--plot-prefix", default="", help="file name prefix of the plots")
+    o.add_argument("--replot", default=None, metavar="RESULT_JSON",
+                   help="only redraw plots and tables from an earlier result file")
+    p.set_defaults(func=run_bench)
+
+
+def _floats(flag: str, text: str) -> list[float]:
+    try:
+        vals = [math.inf if v.strip() == "inf" else float(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: expected a comma list of numbers, got {text!r}") from None
+    if any(v <= 0 for v in vals):
+        raise ValueError(f"{flag}: values must be > 0")
+    return vals
+
+
+def load_points(args: argparse.Namespace) -> list[LoadPoint]:
+    from deploy.benchmark.load import LoadPoint
+
+    points = []
+    if args.concurrency:
+        points += [LoadPoint(int(c), math.inf) for c in _floats("--concurrency",
+                                                               args.concurrency)]
+    if args.rate:
+        points += [LoadPoint(args.max_concurrency, r) for r in _floats("--rate", args.rate)]
+    return points or [LoadPoint(1, math.inf)]
+
+
+def _encoder(model: str | None) -> Any:
+    from engine.model_source import resolve_model
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_source(resolve_model(model))
+    return lambda text: tok.encode(text)
+
+
+def build_plan(args: argparse.Namespace) -> SweepPlan:
+    from deploy.benchmark.backend import SamplingChoice
+    from deploy.benchmark.metrics import parse_goodput
+    from deploy.benchmark.sweep import SweepPlan
+    from deploy.benchmark.workload import LengthRange, random_workload, sharegpt_workload
+
+    if args.num_prompts < 1 or args.warmup < 0:
+        raise ValueError("--num-prompts: must be >= 1 (and --warmup >= 0)")
+    tokens = LengthRange.parse("--token-range", args.token_range)
+    out_len = LengthRange.parse("--output-len", args.output_len or "64")
+    if args.dataset:
+        specs = sharegpt_workload(args.dataset, args.num_prompts + args.warmup,
+                                  _encoder(args.model), args.seed, args.max_len,
+                                  out_len if args.output_len else None)
+        warm, specs = specs[:args.warmup], specs[args.warmup:]
+    else:
+        in_len = LengthRange.parse("--input-len", args.input_len)
+        specs = random_workload(args.num_prompts, in_len, out_len, tokens, args.seed)
+        # Warm-up prompts come from another seed: the measured ones stay the same however
+        # many warm-ups run.
+        warm = random_workload(args.warmup, in_len, out_len, tokens, args.seed + 1)
+    return SweepPlan(points=load_points(args), specs=specs, warmup=warm,
+                     sampling=SamplingChoice(ignore_eos=args.ignore_eos,
+                                             timeout_s=args.request_timeout),
+                     seed=args.seed, slos=parse_goodput(args.goodput),
+                     percentiles=_floats("--percentiles", args.percentiles),
+                     log_dir=args.log_dir, gpus=args.gpus)
+
+
+def build_targets(args: argparse.Namespace) -> list[Target]:
+    from deploy.benchmark.clusters import Target, pd_and_colocated
+    from deploy.cluster import ClusterSpec
+
+    devices = tuple(d for d in args.devices.split(",") if d)
+    base = ClusterSpec(model=args.model, worker_args=tuple(args.worker_arg),
+                       producer_args=tuple(args.producer_arg),
+                       http_port=0 if args.backend == "openai" else -1)
+    if args.compare:
+        return pd_and_colocated(base, args.producers, args.consumers, devices)
+    if args.launch:
+        pd, co = pd_and_colocated(base, args.producers, args.consumers, devices)
+        return [pd if args.launch == "pd" else co]
+    return [Target(args.router, address=args.router, base_url=args.base_url or "")]
+
+
+def backend_factory(args: argparse.Namespace) -> Any:
+    from deploy.benchmark.backend import Backend
+
+    def make(target: Target) -> Backend:
+        if args.backend == "grpc":
+            from deploy.benchmark.grpc_backend import GrpcBackend
+
+            return GrpcBackend(target.address)
+        if not target.base_url:
+            raise ValueError("--backend openai: needs --base-url (or a started cluster with "
+                             "an HTTP port)")
+        from deploy.benchmark.openai_backend import OpenAIBackend
+
+        return OpenAIBackend(target.base_url, status_address=target.address or None)
+
+    return make
+
+
+def emit(doc: dict[str, Any], args: argparse.Namespace) -> None:
+    from deploy.benchmark.report import markdown_table, ratio_table
+
+    table = markdown_table(doc["configs"])
+    print(table)
+    if doc.get("comparison"):
+        c = doc["comparison"]
+        print()
+        print(ratio_table(c["numerator"], c["denominator"], c["rows"]))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.plots_dir:
+        try:
+            from deploy.benchmark.plots import write_plots
+
+            for path in write_plots(doc, args.plots_dir, args.plot_prefix):
+                print(f"plot: {path}", file=sys.stderr)
+        except ImportError:
+            print("--plots-dir: matplotlib is not installed; no plots written", file=sys.stderr)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.replot:
+        with open(args.replot) as f:
+            emit(json.load(f), args)
+        return 0
+    from deploy.benchmark.report import ratios
+    from deploy.benchmark.sweep import run_sweep
+
+    plan = build_plan(args)
+    targets = build_targets(args)
+    configs = run_sweep(targets, plan, backend_factory(args))
+    doc: dict[str, Any] = {
+        "tool": "pdserve bench", "format": 1, "command": ["pdserve", *sys.argv[1:]],
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "workload": {"num_prompts": len(plan.specs), "warmup": len(plan.warmup),
+                     "input_len": args.input_len if not args.dataset else args.dataset,
+                     "output_len": args.output_len, "ignore_eos": args.ignore_eos,
+                     "seed": args.seed},
+        "configs": configs}
+    if len(configs) == 2 and args.compare:
+        doc["comparison"] = {"numerator": configs[0]["label"],
+                             "denominator": configs[1]["label"],
+                             "rows": ratios(configs[0], configs[1])}
+    if args.result_json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.result_json)), exist_ok=True)
+        with open(args.result_json, "w") as f:
+            json.dump(doc, f, indent=1)
+    emit(doc, args)
+    failed = sum(p["metrics"]["failed"] for c in configs for p in c["points"])
+    return 1 if failed else 0

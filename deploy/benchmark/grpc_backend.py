@@ -1,0 +1,83 @@
+"""The router's gRPC API: ``Generate`` with prompt token ids, server timing from the end."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+from deploy.benchmark.backend import Backend, SamplingChoice
+from deploy.benchmark.record import RequestRecord
+from deploy.benchmark.workload import RequestSpec
+
+FAILED_REASONS = {common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT}
+# Long prompts and many concurrent streams: lift gRPC's default message limits.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+                   ("grpc.max_send_message_length", 64 << 20)]
+
+
+def _delta_ms(later_ns: int, earlier_ns: int) -> float | None:
+    return (later_ns - earlier_ns) / 1e6 if later_ns and earlier_ns else None
+
+
+def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
+    rec.hold_ms = _delta_ms(t.router_token0_sent_ns, t.producer_token0_sampled_ns)
+    rec.prefill_ms = _delta_ms(t.producer_token0_sampled_ns, t.producer_received_ns)
+    # 0 means "not applicable" (colocated, or token 0 ended the request at the producer).
+    rec.kv_transfer_ms = t.kv_transfer_ms if t.kv_transfer_ms > 0 else None
+
+
+class GrpcBackend(Backend):
+    name = "grpc"
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: router_pb2_grpc.RouterStub | None = None
+
+    async def open(self) -> None:
+        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def workers(self) -> int:
+        assert self._stub is not None
+        st = await self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10)
+        return sum(1 for w in st.workers if w.healthy)
+
+    async def send(self, spec: RequestSpec, rec: RequestRecord,
+                   sampling: SamplingChoice) -> None:
+        assert self._stub is not None
+        req = router_pb2.GenerateRequest(
+            prompt_token_ids=router_pb2.TokenIds(ids=spec.prompt_ids),
+            sampling=common_pb2.SamplingParams(max_tokens=spec.output_len,
+                                               temperature=sampling.temperature,
+                                               ignore_eos=sampling.ignore_eos))
+        counted = 0
+        rec.start = time.perf_counter()
+        try:
+            async for msg in self._stub.Generate(req, timeout=sampling.timeout_s):
+                now = time.perf_counter()
+                if msg.token_ids:
+                    rec.arrivals.append((now, len(msg.token_ids)))
+                    counted += len(msg.token_ids)
+                if msg.finish_reason:
+                    rec.finish_reason = common_pb2.FinishReason.Name(msg.finish_reason)
+                    if msg.finish_reason in FAILED_REASONS:
+                        rec.error = f"{rec.finish_reason}: {msg.error or 'no details'}"
+                    if msg.HasField("usage"):
+                        rec.prompt_len = msg.usage.prompt_tokens or rec.prompt_len
+                        counted = msg.usage.completion_tokens or counted
+                    if msg.HasField("timing"):
+                        apply_timing(rec, msg.timing)
+        except grpc.aio.AioRpcError as e:
+            rec.error = f"{e.code().name}: {e.details() or ''}"
+        rec.end = time.perf_counter()
+        rec.output_tokens = counted
+        if not rec.error and not rec.finish_reason:
+            rec.error = "stream ended without a finish reason"
+        rec.success = not rec.error

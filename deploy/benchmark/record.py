@@ -1,0 +1,72 @@
+"""What the client saw of one request, and the per-request latencies derived from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestRecord:
+    index: int  # position in the workload (same index = same prompt across configurations)
+    prompt_len: int  # prompt tokens (the server's usage count when it reports one)
+    expected_output_len: int  # max_tokens asked for
+    success: bool = False
+    error: str = ""  # why it failed ("" when it succeeded)
+    finish_reason: str = ""
+    start: float = 0.0  # client perf_counter() when the request was sent
+    end: float = 0.0  # client perf_counter() when the stream ended
+    # One entry per message that carried at least one token: (perf_counter(), tokens in it).
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    output_tokens: int = 0  # usage.completion_tokens when reported, else the tokens counted
+    # From the server's timing (None when the server did not report it, e.g. colocated):
+    hold_ms: float | None = None  # router sent token 0 - producer sampled it
+    kv_transfer_ms: float | None = None  # producer's first push to the consumer's ack
+    prefill_ms: float | None = None  # producer received the request -> sampled token 0
+
+    # -- derived, in seconds; None where undefined ------------------------------------------
+
+    @property
+    def ttft(self) -> float | None:
+        return self.arrivals[0][0] - self.start if self.arrivals else None
+
+    @property
+    def e2el(self) -> float:
+        return self.end - self.start
+
+    @property
+    def ttst(self) -> float | None:
+        """Time to the message that carried the second output token."""
+        seen = 0
+        for t, n in self.arrivals:
+            seen += n
+            if seen >= 2:
+                return t - self.start
+        return None
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between consecutive token-bearing messages (vLLM pools these per chunk)."""
+        ts = [t for t, _ in self.arrivals]
+        return [b - a for a, b in zip(ts, ts[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1); undefined for a single output token."""
+        ttft = self.ttft
+        if ttft is None or self.output_tokens <= 1:
+            return None
+        return (self.e2el - ttft) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        """A compact row for the result file (milliseconds, 3 decimals)."""
+
+        def ms(v: float | None) -> float | None:
+            return None if v is None else round(v * 1e3, 3)
+
+        return {"index": self.index, "success": self.success, "error": self.error,
+                "finish_reason": self.finish_reason, "prompt_len": self.prompt_len,
+                "output_tokens": self.output_tokens, "ttft_ms": ms(self.ttft),
+                "ttst_ms": ms(self.ttst), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
+                "hold_ms": self.hold_ms, "kv_transfer_ms": self.kv_transfer_ms,
+                "prefill_ms": self.prefill_ms, "itl_ms": [ms(g) for g in self.itl]}
