@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -34,6 +35,20 @@ def add_router_parser(sub: Any) -> None:
                    help="seconds to wait for a leg's next message before failing the request")
     p.add_argument("--abort-timeout", type=float, default=2.0,
                    help="deadline of Abort calls to workers")
+    f = p.add_argument_group("front door")
+    f.add_argument("--http-port", type=int, default=-1,
+                   help="OpenAI-compatible HTTP port (0: a free port; -1: off)")
+    f.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
+                   help="clients must send 'Authorization: Bearer <key>' on HTTP /v1/* and "
+                        "gRPC Router calls (default: $PDSERVE_API_KEY, else no check)")
+    f.add_argument("--tls-cert", default="", help="PEM certificate: serve HTTPS and gRPC TLS")
+    f.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    f.add_argument("--max-running-requests", type=int, default=512,
+                   help="requests dispatched to workers at once; more wait in the queue")
+    f.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting for a running slot; more get 429/RESOURCE_EXHAUSTED")
+    f.add_argument("--retry-after", type=float, default=1.0,
+                   help="seconds clients are told to wait after an overload refusal")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_router)
 
@@ -44,7 +59,11 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_s=args.heartbeat_timeout,
                         cluster_token=args.cluster_token, token0_timeout_s=args.token0_timeout,
-                        token_timeout_s=args.token_timeout, abort_timeout_s=args.abort_timeout)
+                        token_timeout_s=args.token_timeout, abort_timeout_s=args.abort_timeout,
+                        http_port=args.http_port, api_key=args.api_key, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, max_running_requests=args.max_running_requests,
+                        max_queued_requests=args.max_queued_requests,
+                        retry_after_s=args.retry_after)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -55,7 +74,7 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 async def _serve(cfg: RouterConfig) -> int:
-    from router.server import RouterServer  # after arg parsing: --help stays instant
+    from router.server import RouterServer, host_port  # after arg parsing: --help is instant
 
     server = RouterServer(cfg)
     stop = asyncio.Event()
@@ -64,6 +83,10 @@ async def _serve(cfg: RouterConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     await server.start()
     print(f"pdserve router: gRPC {server.address} (policy {cfg.policy})", flush=True)
+    if server.http_port:
+        scheme = "https" if cfg.tls_cert else "http"
+        print(f"pdserve router: HTTP {scheme}://{host_port(cfg.host, server.http_port)}/v1",
+              flush=True)
     try:
         await stop.wait()
     finally:

@@ -25,6 +25,18 @@ class RouterConfig:
     abort_timeout_s: float = 2.0  # deadline of Worker.Abort calls (the worker may be dead)
     max_tokens_limit: int = 1 << 20  # "huge" max_tokens, refused before any length check
     seed_random: bool = True  # draw a seed when the request has none (False: tests only)
+    # Front door (issue 7). The HTTP port is off by default so gRPC-only users and tests
+    # pay nothing for aiohttp; `pdserve launch` turns it on.
+    http_port: int = -1  # OpenAI-compatible HTTP; -1: off, 0: a free port
+    api_key: str = ""  # clients must send "Authorization: Bearer <key>"; "" disables the check
+    tls_cert: str = ""  # PEM certificate (chain) for both front doors; "" serves plaintext
+    tls_key: str = ""  # PEM private key of tls_cert
+    # Backpressure: requests holding a slot (dispatched to workers) and requests waiting for
+    # one; past both, new requests are refused with 429 / RESOURCE_EXHAUSTED at once, so
+    # an overload costs bounded memory and the client learns when to retry.
+    max_running_requests: int = 512
+    max_queued_requests: int = 1024
+    retry_after_s: float = 1.0  # the retry hint sent with a refusal
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: object) -> ValueError:
@@ -49,6 +61,17 @@ class RouterConfig:
                         ("--abort-timeout", self.abort_timeout_s)):
             if not v > 0:
                 raise bad(flag, "must be > 0", v)
+        if not -1 <= self.http_port <= 65535:
+            raise bad("--http-port", "must be -1 (off) or in [0, 65535]", self.http_port)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise bad("--tls-key" if self.tls_cert else "--tls-cert",
+                      "--tls-cert and --tls-key go together", self.tls_key or self.tls_cert)
+        if self.max_running_requests < 1:
+            raise bad("--max-running-requests", "must be >= 1", self.max_running_requests)
+        if self.max_queued_requests < 0:
+            raise bad("--max-queued-requests", "must be >= 0", self.max_queued_requests)
+        if not self.retry_after_s > 0:
+            raise bad("--retry-after", "must be > 0", self.retry_after_s)
         if self.max_tokens_limit < 1:
             raise bad("--max-tokens-limit", "must be >= 1", self.max_tokens_limit)
 

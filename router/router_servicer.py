@@ -2,52 +2,38 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
-from engine.tokenizer import Tokenizer
-from router.dispatcher import Dispatcher, no_workers_message
-from router.registry import Registry
-from router.validation import RequestError, check_length, input_size, prepare
-
-# Inputs larger than this are tokenized on a thread: a long prompt's chat template and
-# BPE would otherwise hold the event loop, delaying other requests' token 0.
-OFFLOOP_TOKENIZE_CHARS = 8192
+from router.admission import Overloaded
+from router.frontend import Frontend
+from router.validation import RequestError
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, dispatcher: Dispatcher, registry: Registry, tokenizer: Tokenizer,
-                 model_id: str, model_names: set[str], policy_name: str,
-                 max_tokens_limit: int) -> None:
-        self.dispatcher = dispatcher
-        self.registry = registry
-        self.tokenizer = tokenizer
-        self.model_id = model_id  # the name ListModels reports
-        self.model_names = model_names  # every name GenerateRequest.model may use
+    def __init__(self, frontend: Frontend, policy_name: str) -> None:
+        self.frontend = frontend
+        self.dispatcher = frontend.dispatcher
+        self.registry = frontend.registry
+        self.model_id = frontend.model_id  # the name ListModels reports
         self.policy_name = policy_name
-        self.max_tokens_limit = max_tokens_limit
 
     async def Generate(self, request: router_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         received_ns = time.time_ns()
         try:
-            if input_size(request) > OFFLOOP_TOKENIZE_CHARS:
-                prep = await asyncio.to_thread(prepare, request, self.tokenizer,
-                                               self.model_names,
-                                               max_tokens_limit=self.max_tokens_limit)
-            else:
-                prep = prepare(request, self.tokenizer, self.model_names,
-                               max_tokens_limit=self.max_tokens_limit)
-            if not self.registry.serving():
-                raise RequestError(grpc.StatusCode.UNAVAILABLE, no_workers_message(self.registry))
-            check_length(prep, self.registry.max_model_len())
-            async for resp in self.dispatcher.generate(prep, received_ns):
+            async for resp in self.frontend.generate(request, received_ns, "grpc"):
                 yield resp
+        except Overloaded as e:
+            # The retry hint: seconds (like HTTP Retry-After), and the pushback gRPC's own
+            # retry policy honours.
+            await context.abort(e.code, e.message, trailing_metadata=(
+                ("retry-after", f"{e.retry_after_s:g}"),
+                ("grpc-retry-pushback-ms", str(int(e.retry_after_s * 1000)))))
         except RequestError as e:
             await context.abort(e.code, e.message)
 

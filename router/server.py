@@ -21,9 +21,13 @@ from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from engine.model_source import model_display_name, resolve_model
 from engine.tokenizer import Tokenizer
+from router.admission import Admission
+from router.auth import ApiKeyInterceptor, grpc_server_credentials
 from router.channels import WorkerChannels
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
+from router.frontend import Frontend
+from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.registry import Registry
 from router.registry_servicer import RegistryServicer
@@ -52,6 +56,10 @@ class RouterServer:
         self.registry: Registry | None = None
         self.dispatcher: Dispatcher | None = None
         self.port = 0
+        self.http_port = 0  # bound HTTP port once started (0: HTTP is off)
+        self.metrics: RouterMetrics | None = None
+        self.admission: Admission | None = None
+        self._http: Any = None  # router.http_server.HttpFrontDoor, imported only when used
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._channels: WorkerChannels | None = None
@@ -76,10 +84,15 @@ class RouterServer:
         self.dispatcher = Dispatcher(self.registry, policy, self._channels, cfg)
         names = {model_id, path} | ({cfg.model} if cfg.model else set())
 
-        server = grpc.aio.server(options=SERVER_OPTIONS)
-        router_pb2_grpc.add_RouterServicer_to_server(
-            RouterServicer(self.dispatcher, self.registry, tokenizer, model_id, names,
-                           policy.name, cfg.max_tokens_limit), server)
+        self.admission = Admission(cfg.max_running_requests, cfg.max_queued_requests,
+                                   cfg.retry_after_s)
+        self.metrics = RouterMetrics(self.registry, self.admission)
+        frontend = Frontend(self.dispatcher, self.registry, tokenizer, model_id, names,
+                            cfg.max_tokens_limit, self.admission, self.metrics)
+        interceptors = [ApiKeyInterceptor(cfg.api_key, {ROUTER_SERVICE})] if cfg.api_key else []
+        server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
+        router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, policy.name),
+                                                     server)
         worker_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token),
             server)
@@ -90,7 +103,11 @@ class RouterServer:
                 "Health"].full_name, reflection.SERVICE_NAME], server)
         bind = host_port(cfg.listen_host, cfg.grpc_port)
         try:
-            self.port = server.add_insecure_port(bind)
+            if cfg.tls_cert:
+                self.port = server.add_secure_port(
+                    bind, grpc_server_credentials(cfg.tls_cert, cfg.tls_key))
+            else:
+                self.port = server.add_insecure_port(bind)
         except RuntimeError as e:
             raise ValueError(f"--grpc-port: cannot bind {bind}: {e}") from e
         if not self.port:
@@ -100,7 +117,17 @@ class RouterServer:
         await self._set_health()
         self.registry.on_change.append(self._health_changed)
         self._spawn(self._sweep())
-        log.info("router serving %s on %s (policy %s)", model_id, self.address, policy.name)
+        if cfg.http_port >= 0:
+            from router.http_server import HttpFrontDoor  # aiohttp only when HTTP is on
+
+            self._http = HttpFrontDoor(frontend, self.metrics, cfg)
+            try:
+                self.http_port = await self._http.start()
+            except BaseException:
+                await self.stop(0)
+                raise
+        log.info("router serving %s on %s (policy %s)%s", model_id, self.address, policy.name,
+                 f", HTTP on port {self.http_port}" if self.http_port else "")
         return self.port
 
     async def stop(self, grace: float = 1.0) -> None:
@@ -112,6 +139,9 @@ class RouterServer:
             await self._health.enter_graceful_shutdown()
         if self.dispatcher is not None:
             await self.dispatcher.close()
+        if self._http is not None:  # after the dispatcher ended its runs: streams close fast
+            await self._http.stop()
+            self._http = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

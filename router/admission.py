@@ -1,0 +1,77 @@
+"""Admission control: a bounded number of running requests and a bounded FIFO of waiting
+ones; anything past both is refused at once with a retry hint (never queued unboundedly).
+
+Shared by the gRPC and HTTP front doors, so one overload policy covers every client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from router.validation import RequestError
+
+
+class Overloaded(RequestError):
+    """The router is at its queue bound; ``retry_after_s`` is the hint sent to the client."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    def __init__(self, max_running: int, max_queued: int, retry_after_s: float) -> None:
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.retry_after_s = retry_after_s
+        self.running = 0
+        self.rejected = 0  # refusals since start, for tests and logs
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Holds one running slot for the body; waits (bounded) or raises Overloaded."""
+        await self._acquire()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _acquire(self) -> None:
+        if self.running < self.max_running and not self._waiters:
+            self.running += 1
+            return
+        if len(self._waiters) >= self.max_queued:
+            self.rejected += 1
+            raise Overloaded(f"overloaded: {self.running} requests running and "
+                             f"{len(self._waiters)} queued (--max-running-requests "
+                             f"{self.max_running}, --max-queued-requests {self.max_queued}); "
+                             f"retry after {self.retry_after_s:g} s", self.retry_after_s)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # _release hands its slot over: ``running`` already counts us
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release()  # the slot arrived as the client left: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            raise
+
+    def _release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot moves to the oldest waiter
+                return
+        self.running -= 1

@@ -1,0 +1,97 @@
+"""The one request path behind both front doors (gRPC and HTTP): validate and tokenize,
+check the cluster can serve, wait for an admission slot, dispatch, observe metrics.
+
+Both doors build a ``GenerateRequest`` and iterate ``Frontend.generate``; a refusal is a
+``RequestError`` raised before the first response, so each door can map it to its own
+status (gRPC code, HTTP status) before anything was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+
+import grpc
+from pdserve.v1 import router_pb2
+
+from engine.tokenizer import Tokenizer
+from router.admission import Admission
+from router.dispatcher import Dispatcher, no_workers_message
+from router.metrics import RouterMetrics
+from router.registry import Registry
+from router.validation import (
+    PreparedRequest,
+    RequestError,
+    check_length,
+    engine_params,
+    input_size,
+    invalid,
+    prepare,
+)
+
+# Inputs larger than this are tokenized on a thread: a long prompt's chat template and
+# BPE would otherwise hold the event loop, delaying other requests' token 0.
+OFFLOOP_TOKENIZE_CHARS = 8192
+
+
+class Frontend:
+    def __init__(self, dispatcher: Dispatcher, registry: Registry, tokenizer: Tokenizer,
+                 model_id: str, model_names: set[str], max_tokens_limit: int,
+                 admission: Admission, metrics: RouterMetrics) -> None:
+        self.dispatcher = dispatcher
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.model_id = model_id  # the name ListModels and /v1/models report
+        self.model_names = model_names  # every name a request's model may use
+        self.max_tokens_limit = max_tokens_limit
+        self.admission = admission
+        self.metrics = metrics
+
+    async def generate(self, request: router_pb2.GenerateRequest, received_ns: int, api: str,
+                       *, fill_max_tokens: bool = False
+                       ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
+        """Streams the request's responses; refusals raise RequestError before the first.
+
+        fill_max_tokens: an unset max_tokens means "up to the context length" (OpenAI chat)
+        instead of the engine's default.
+        """
+        try:
+            prep = await self._prepare(request, fill_max_tokens)
+            obs = self.metrics.observe(api)
+            try:
+                async with self.admission.slot():
+                    if not self.registry.serving():  # the cluster may have changed meanwhile
+                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                           no_workers_message(self.registry))
+                    async for resp in self.dispatcher.generate(prep, received_ns):
+                        obs.on_response(resp)
+                        yield resp
+            except RequestError:
+                obs.done = True  # counted as a refusal below, not as a cancellation
+                raise
+            finally:
+                obs.cancelled()  # no-op once the last message went out
+        except RequestError as e:
+            self.metrics.refused(api, e.code.name)
+            raise
+
+    async def _prepare(self, request: router_pb2.GenerateRequest,
+                       fill_max_tokens: bool) -> PreparedRequest:
+        if input_size(request) > OFFLOOP_TOKENIZE_CHARS:
+            prep = await asyncio.to_thread(prepare, request, self.tokenizer, self.model_names,
+                                           max_tokens_limit=self.max_tokens_limit)
+        else:
+            prep = prepare(request, self.tokenizer, self.model_names,
+                           max_tokens_limit=self.max_tokens_limit)
+        if not self.registry.serving():
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, no_workers_message(self.registry))
+        max_len = self.registry.max_model_len()
+        room = max_len - len(prep.prompt_token_ids)
+        if fill_max_tokens and not prep.sampling.HasField("max_tokens") and room >= 1:
+            prep.sampling.max_tokens = min(room, self.max_tokens_limit)
+            try:
+                prep.params = engine_params(prep.sampling)
+            except ValueError as e:  # e.g. min_tokens above the room left
+                raise invalid(str(e)) from e
+        check_length(prep, max_len)
+        return prep

@@ -1,0 +1,21 @@
+"""Why the cluster cannot serve right now, in words for /health and the logs."""
+
+from __future__ import annotations
+
+from router.dispatcher import no_workers_message
+from router.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry
+
+
+def unhealthy_reason(registry: Registry) -> str | None:
+    """None while a request can be placed; otherwise what is missing and which workers are
+    unhealthy (e.g. a KV pool exhausted by orphaned requests)."""
+    if registry.serving():
+        return None
+    parts = [no_workers_message(registry)]
+    parts += [f"{w.role_name} {w.worker_id}: {w.unhealthy_reason}"
+              for w in sorted(registry.all(), key=lambda w: w.worker_id) if not w.healthy]
+    return "; ".join(parts)
+
+
+def usable_counts(registry: Registry) -> dict[str, int]:
+    return {ROLE_NAMES[r]: len(registry.usable(r)) for r in (PRODUCER, CONSUMER, COLOCATED)}
