@@ -143,6 +143,9 @@ class FakeSender(_FakeSide, KVSender):
                 raise TransferError(f"connect {address}: no such fake receiver")
             info = handshake.hello(rx.layout, rx.config.backend, b"")
             handshake.check(self.layout, self.config.backend, info, f"consumer {address}")
+            handshake.check_token(rx.config.cluster_token, handshake.hello(
+                self.layout, self.config.backend, b"", self.config.cluster_token),
+                f"producer -> consumer {address}")
             self.peers.add(rx)
             rx.peers.add(self)
 

@@ -117,6 +117,7 @@ class NetReceiver(NetSide, KVReceiver):
         who = f"producer {body.get('name')!r}"
         try:
             handshake.check(self.layout, self.config.backend, body, who)
+            handshake.check_token(self.config.cluster_token, body, who)
         except HandshakeError as e:
             self._send(ident, "REJECT", {"error": str(e)})
             return

@@ -118,7 +118,8 @@ class NetSender(NetSide, KVSender):
         self.poller.register(sock, zmq.POLLIN)
         conn = _Conn(address, sock, random.getrandbits(32), Future(), time.monotonic())
         self.conns[address] = conn
-        hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info())
+        hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info(),
+                                self.config.cluster_token)
         sock.send(pack("HELLO", {**hello, "name": self.name}))
         return conn.ready
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Bumped whenever a control message changes shape; peers with another version refuse.
@@ -84,6 +84,9 @@ class TransferConfig:
     peer_timeout_s: float = 5.0  # a peer heard nothing from for this long is dead
     connect_timeout_s: float = 5.0  # handshake wait in connect()
     ucx_progress: str = "thread"  # "thread" (epoll wakeups) | "thread-polling" (spins a core)
+    # Shared secret a sender presents in its handshake; a receiver with one set refuses
+    # senders without it, so a stray process cannot write into reserved KV blocks.
+    cluster_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
