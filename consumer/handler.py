@@ -18,6 +18,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from transfer import TransferConfig, TransferStatus, make_receiver
 from worker import ipc
+from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
 
 log = logging.getLogger("pdserve.consumer")
@@ -32,6 +33,7 @@ class Pending:
     params: SamplingParams
     blocks: list[int] = field(default_factory=list)  # empty while queued for blocks
     queued_at: float = field(default_factory=time.monotonic)
+    reserved_at: float = 0.0  # monotonic; when the blocks were reserved
 
 
 class ConsumerHandler(RoleHandler):
@@ -44,6 +46,15 @@ class ConsumerHandler(RoleHandler):
         self.kv_ready: dict[str, int] = {}  # admitted, first decode step not launched yet
         self.first_step: dict[str, tuple[int, int]] = {}  # rid -> (kv_ready, first step) ns
         self.max_queue = engine.config.max_waiting
+        # A reservation still waiting for KV this long is stuck: the receiver's deadline
+        # (transfer timeout) plus its peer-loss detection should have ended it by then.
+        self.lease_s = self.cfg.transfer_timeout_s + self.cfg.peer_timeout_s
+        # Cumulative counters for the worker's /metrics (sent with every load report).
+        self.kv_bytes_received = 0
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+        self.aborts = 0
+        self.queue_full = 0
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "kv_address": self.receiver.address}
@@ -58,11 +69,13 @@ class ConsumerHandler(RoleHandler):
                 self.emit(error_event(rid, "error", str(e)))
                 return
             if len(self.queue) >= self.max_queue:
+                self.queue_full += 1
                 self.emit(error_event(rid, "error", "consumer reservation queue is full"))
                 return
             self.queue[rid] = Pending(rid, list(cmd[2]), params)
             self._reserve_queued()
         elif kind == ipc.CMD_ABORT:
+            self.aborts += 1
             self.abort(rid)
 
     def abort(self, rid: str) -> None:
@@ -84,6 +97,7 @@ class ConsumerHandler(RoleHandler):
                 return
             del self.queue[p.rid]
             p.blocks = blocks
+            p.reserved_at = time.monotonic()
             self.expecting[p.rid] = p
             self.receiver.expect(p.rid, blocks)
             self.emit(ipc.pack(ipc.EV_RESERVED, p.rid, self.receiver.address, blocks))
@@ -95,8 +109,11 @@ class ConsumerHandler(RoleHandler):
             if p is None:
                 continue
             if u.status == TransferStatus.DONE and u.notice is not None:
+                self.transfers_ok += 1
+                self.kv_bytes_received += len(p.blocks) * self.engine.layout.block_nbytes
                 self._admit(p, u.notice.first_token)
             else:
+                self.transfers_failed += 1
                 self.engine.unreserve(p.blocks)
                 finish = "abort" if u.status == TransferStatus.CANCELLED else "error"
                 self.emit(error_event(p.rid, finish, f"KV transfer {u.status.name.lower()}: "
@@ -132,6 +149,17 @@ class ConsumerHandler(RoleHandler):
         d = super().load()
         d["waiting"] += len(self.queue)
         d["transfers_in_flight"] = len(self.expecting)
+        now = time.monotonic()
+        orphans = sum(len(p.blocks) for p in self.expecting.values()
+                      if now - p.reserved_at > self.lease_s)
+        d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
+                                                            d["kv_blocks_total"], orphans)
+        # Preempting an admitted request drops the KV it received: the engine recomputes
+        # the whole prompt locally, the silent degradation the transfer exists to avoid.
+        d.update(orphan_blocks=orphans, recomputed=self.engine.num_preemptions,
+                 kv_bytes_received=self.kv_bytes_received, transfers_ok=self.transfers_ok,
+                 transfers_failed=self.transfers_failed, aborts=self.aborts,
+                 reservation_queue_full=self.queue_full)
         return d
 
     def close(self) -> None:

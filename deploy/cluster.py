@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 
 import grpc
-
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -38,6 +37,10 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()
     threads: int = 0  # torch threads per worker; 0: the cores split among the workers
     env: dict[str, str] = field(default_factory=dict)
+    # Secrets travel to the children in the environment, not argv (which `ps` shows).
+    api_key: str = field(default="", repr=False)  # the router's --api-key
+    cluster_token: str = field(default="", repr=False)  # router's and workers' --cluster-token
+    worker_metrics: bool = True  # give each worker a /metrics port (LocalCluster.metrics_ports)
 
     def __post_init__(self) -> None:
         for name in ("producers", "consumers", "colocated"):
@@ -58,12 +61,19 @@ class LocalCluster:
         self.http_port = spec.http_port if spec.http_port != 0 else free_port(spec.host)
         self.router_address = f"{spec.host}:{self.grpc_port}"
         self.log_dir = log_dir
+        self.metrics_ports: dict[str, int] = {}  # worker name -> its /metrics port
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "deploy.cli", *args]
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         env = {**os.environ, **self.spec.env}
+        env.pop("PDSERVE_API_KEY", None)
+        env.pop("PDSERVE_CLUSTER_TOKEN", None)
+        if self.spec.cluster_token:
+            env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
+        if self.spec.api_key and name == "router":
+            env["PDSERVE_API_KEY"] = self.spec.api_key
         out = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
@@ -89,6 +99,9 @@ class LocalCluster:
                 extra = ["--transfer-backend", s.transfer_backend] if role != "colocated" else []
                 if role == "producer":
                     extra += list(s.producer_args)
+                if s.worker_metrics:
+                    self.metrics_ports[f"{role}-{i}"] = port = free_port(s.host)
+                    extra += ["--metrics-port", str(port)]
                 self._spawn(f"{role}-{i}", self._cmd(role, *common, *extra,
                                                      "--worker-id", f"{role}-{i}"))
         self.wait_ready(n, timeout)
@@ -97,8 +110,13 @@ class LocalCluster:
         with grpc.insecure_channel(self.router_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             resp: router_pb2.ClusterStatusResponse = stub.ClusterStatus(
-                router_pb2.ClusterStatusRequest(), timeout=timeout)
+                router_pb2.ClusterStatusRequest(), timeout=timeout,
+                metadata=self.auth_metadata())
             return resp
+
+    def auth_metadata(self) -> tuple[tuple[str, str], ...]:
+        """gRPC metadata for the router's client API (empty without --api-key)."""
+        return (("authorization", f"Bearer {self.spec.api_key}"),) if self.spec.api_key else ()
 
     def wait_ready(self, n: int, timeout: float) -> None:
         end = time.monotonic() + timeout

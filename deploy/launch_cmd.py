@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from typing import Any
@@ -18,8 +19,12 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--grpc-port", type=int, default=50051, help="the router's gRPC port")
-    p.add_argument("--http-port", type=int, default=-1,
-                   help="the router's OpenAI-compatible HTTP port (-1: off)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP port (0: a free port; -1: off)")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
+                   help="clients must send it as 'Bearer <key>' (default: $PDSERVE_API_KEY)")
+    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
+                   help="shared secret of router and workers (default: $PDSERVE_CLUSTER_TOKEN)")
     p.add_argument("--policy", default="round_robin",
                    choices=("round_robin", "least_loaded", "power_of_two"))
     p.add_argument("--transfer-backend", default="ucx", choices=("ucx", "nixl", "fake"))
@@ -36,7 +41,8 @@ def run_launch(args: argparse.Namespace) -> int:
                        colocated=args.colocated, model=args.model, host=args.host,
                        grpc_port=args.grpc_port, http_port=args.http_port, policy=args.policy,
                        transfer_backend=args.transfer_backend, threads=args.threads,
-                       worker_args=tuple(args.worker_arg))
+                       worker_args=tuple(args.worker_arg), api_key=args.api_key,
+                       cluster_token=args.cluster_token)
     cluster = LocalCluster(spec, log_dir=args.log_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -47,9 +53,14 @@ def run_launch(args: argparse.Namespace) -> int:
         print(f"router gRPC:  {cluster.router_address}", flush=True)
         if cluster.http_port > 0:
             print(f"router HTTP:  http://{args.host}:{cluster.http_port}/v1", flush=True)
+        if cluster.http_port > 0:
+            print(f"router metrics: http://{args.host}:{cluster.http_port}/metrics", flush=True)
         for w in cluster.status().workers:
+            mport = cluster.metrics_ports.get(w.worker_id)
+            metrics = f"  metrics :{mport}" if mport else ""
             print(f"  {ROLE_NAMES.get(w.role, '?'):9s} {w.worker_id:14s} {w.address}  "
-                  f"KV blocks {w.load.kv_blocks_free}/{w.load.kv_blocks_total}", flush=True)
+                  f"KV blocks {w.load.kv_blocks_free}/{w.load.kv_blocks_total}{metrics}",
+                  flush=True)
         print("ready; Ctrl-C stops every process", flush=True)
         while not stop.wait(1.0):
             dead = [n for n, p in cluster.procs.items() if p.poll() is not None]

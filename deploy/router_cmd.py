@@ -27,8 +27,9 @@ def add_router_parser(sub: Any) -> None:
                    help="seconds between worker heartbeats (told to workers)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="drop a worker silent this many seconds")
-    p.add_argument("--cluster-token", default="",
-                   help="shared secret workers must present (default: none)")
+    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
+                   help="shared secret workers must present (default: $PDSERVE_CLUSTER_TOKEN, "
+                        "else none)")
     p.add_argument("--token0-timeout", type=float, default=600.0,
                    help="seconds to wait for a leg's first token before failing the request")
     p.add_argument("--token-timeout", type=float, default=300.0,

@@ -4,6 +4,7 @@ that place each role on its own host."""
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from deploy.engine_args import add_engine_args, engine_config
@@ -23,7 +24,13 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="address peers dial (default: --host); set when binding 0.0.0.0")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     g.add_argument("--worker-id", default="")
-    g.add_argument("--cluster-token", default="", help="shared secret to join the router")
+    g.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
+                   help="shared secret to join the router and to push KV into consumers "
+                        "(default: $PDSERVE_CLUSTER_TOKEN)")
+    g.add_argument("--router-ca", default="",
+                   help="PEM CA certificate of a TLS router (its --tls-cert); default plaintext")
+    g.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port on --host (0: any free port, logged; -1: off)")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads of the engine process (0: torch's default)")
     if role != "colocated":
@@ -55,7 +62,8 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                     "host": args.kv_host or args.advertise_host or args.host,
                     "port": args.kv_port, "transfer_timeout_s": args.transfer_timeout,
                     "peer_timeout_s": args.peer_timeout,
-                    "heartbeat_interval_s": min(1.0, args.peer_timeout / 2)}
+                    "heartbeat_interval_s": min(1.0, args.peer_timeout / 2),
+                    "cluster_token": args.cluster_token}
     return EngineSpec(role=role, engine=engine_config(args, **overrides), transfer=transfer,
                       threads=args.threads, lease_s=getattr(args, "lease", 30.0))
 
@@ -67,7 +75,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(spec=spec_from_args(args, role), router=args.router,
                        bind_host=args.host, advertise_host=args.advertise_host,
                        port=args.port, worker_id=args.worker_id,
-                       cluster_token=args.cluster_token)
+                       cluster_token=args.cluster_token, metrics_port=args.metrics_port,
+                       router_ca=args.router_ca)
     return run_worker(cfg)
 
 

@@ -20,6 +20,7 @@ from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
 from worker import ipc
+from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, logprob_rows, sampling_from_wire
 
 log = logging.getLogger("pdserve.producer")
@@ -47,6 +48,11 @@ class ProducerHandler(RoleHandler):
         self.lease_s = lease_s
         self.out: dict[str, Outgoing] = {}
         self.lease_expiries = 0
+        # Cumulative counters for the worker's /metrics (sent with every load report).
+        self.kv_bytes_sent = 0
+        self.transfers_ok = 0
+        self.transfers_failed = 0
+        self.aborts = 0
 
     # ---- commands ----------------------------------------------------------------------
 
@@ -73,10 +79,11 @@ class ProducerHandler(RoleHandler):
         elif kind == ipc.CMD_ABORT:
             o = self.out.get(rid)
             if o is not None:
+                self.aborts += 1
                 self._abort(o)
 
     def _abort(self, o: Outgoing) -> None:
-        if o.pushed or o.notice is not None and o.dest_blocks is not None:
+        if o.pushed:  # bytes may be moving: free the blocks only once the sender is done
             o.aborting = True
             self.engine.stop(o.rid)
             self.sender.cancel(o.rid, "aborted by the router")
@@ -101,6 +108,8 @@ class ProducerHandler(RoleHandler):
                 "received_ns": o.received_ns}))
             if out.finished:  # token 0 ended it: the engine already freed the blocks
                 self.out.pop(o.rid, None)
+                if o.pushed:  # close the early chunks' transfer now, not at its deadline
+                    self.sender.cancel(o.rid, "token 0 finished the request")
                 continue
             req = self.engine.requests[o.rid]
             top = tuple((t, p) for t, p in lp[0][2]) if lp else ()
@@ -127,6 +136,7 @@ class ProducerHandler(RoleHandler):
                 self.sender.push(o.rid, o.dest_address, req.block_ids[o.pushed:upto],
                                  o.dest_blocks[o.pushed:upto],
                                  deadline=time.monotonic() + self.cfg.transfer_timeout_s)
+                self.kv_bytes_sent += (upto - o.pushed) * self.engine.layout.block_nbytes
                 o.pushed = upto
             if done and o.notice is not None:
                 self.sender.finish(o.rid, o.notice)
@@ -181,6 +191,16 @@ class ProducerHandler(RoleHandler):
     def load(self) -> dict[str, Any]:
         d = super().load()
         d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.pushed)
+        now = time.monotonic()
+        # Held past the lease: after_step already failed these; blocks still held means
+        # the cancel never completed, so nothing else will free them.
+        orphans = sum(len(req.block_ids) for o in self.out.values() if now > o.lease_until
+                      and (req := self.engine.requests.get(o.rid)) is not None)
+        d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
+                                                            d["kv_blocks_total"], orphans)
+        d.update(orphan_blocks=orphans, lease_expiries=self.lease_expiries,
+                 kv_bytes_sent=self.kv_bytes_sent, transfers_ok=self.transfers_ok,
+                 transfers_failed=self.transfers_failed, aborts=self.aborts)
         return d
 
     def close(self) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
@@ -25,8 +24,13 @@ def load_pb(load: dict[str, Any]) -> common_pb2.WorkerLoad:
 class Registration:
     def __init__(self, router: str, worker_id: str, role: str, address: str,
                  info: dict[str, Any], load: Callable[[], dict[str, Any]],
-                 cluster_token: str = "") -> None:
-        self.channel = grpc.aio.insecure_channel(router)
+                 cluster_token: str = "", router_ca: str = "") -> None:
+        if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA
+            with open(router_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self.channel = grpc.aio.secure_channel(router, creds)
+        else:
+            self.channel = grpc.aio.insecure_channel(router)
         self.stub = worker_pb2_grpc.RegistryStub(self.channel)
         self.worker_id = worker_id
         self.role = role

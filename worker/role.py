@@ -72,7 +72,8 @@ class RoleHandler(abc.ABC):
         return {"waiting": len(self.engine.scheduler.waiting),
                 "running": len(self.engine.scheduler.running),
                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
-                "transfers_in_flight": 0, "kv_exhausted_by_orphans": False}
+                "transfers_in_flight": 0, "kv_exhausted_by_orphans": False,
+                "preemptions": self.engine.num_preemptions}
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),

@@ -10,10 +10,11 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
-
 from pdserve.v1 import worker_pb2_grpc
+
 from worker import ipc
 from worker.engine_loop import EngineSpec, engine_process_main
+from worker.metrics_server import MetricsServer, WorkerMetrics
 from worker.registration import Registration
 from worker.servicer import EngineBridge, WorkerServicer
 
@@ -30,12 +31,17 @@ class WorkerConfig:
     worker_id: str = ""  # "" = role + random suffix
     cluster_token: str = ""
     ready_timeout_s: float = 300.0  # model loading
+    metrics_port: int = 0  # Prometheus /metrics on bind_host; 0: any free port, -1: off
+    router_ca: str = ""  # PEM CA to verify a TLS router with; "": plaintext to the router
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
             raise ValueError(f"port: out of range: {self.port}")
         if not self.router:
             raise ValueError("router: the router's address is required")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port: must be -1 (off) or in [0, 65535], got "
+                             f"{self.metrics_port}")
 
 
 class WorkerServer:
@@ -48,6 +54,8 @@ class WorkerServer:
         self.bridge: EngineBridge | None = None
         self.tasks: list[asyncio.Task[None]] = []
         self.address = ""
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -58,15 +66,21 @@ class WorkerServer:
             name=f"{self.worker_id}-engine")
         self.proc.start()
         info = await asyncio.wait_for(self.bridge.ready, cfg.ready_timeout_s)
+        bridge = self.bridge
+        self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: bridge.load)
         self.server = grpc.aio.server()
-        worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(self.bridge, self.worker_id),
-                                                     self.server)
+        worker_pb2_grpc.add_WorkerServicer_to_server(
+            WorkerServicer(self.bridge, self.worker_id, self.metrics), self.server)
         port = self.server.add_insecure_port(f"{cfg.bind_host}:{cfg.port}")
         await self.server.start()
         self.address = f"{cfg.advertise_host or cfg.bind_host}:{port}"
-        bridge = self.bridge
+        if cfg.metrics_port >= 0:
+            self.metrics_server = MetricsServer(self.metrics)
+            mport = await self.metrics_server.start(cfg.bind_host, cfg.metrics_port)
+            log.info("%s metrics on http://%s:%d/metrics", self.worker_id,
+                     cfg.advertise_host or cfg.bind_host, mport)
         reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address, info,
-                           lambda: bridge.load, cfg.cluster_token)
+                           lambda: bridge.load, cfg.cluster_token, cfg.router_ca)
         self.tasks.append(asyncio.create_task(reg.run()))
         self.tasks.append(asyncio.create_task(self._watch_engine()))
         log.info("%s serving on %s (engine ready: %s)", self.worker_id, self.address, info)
@@ -90,6 +104,8 @@ class WorkerServer:
             t.cancel()
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         if self.bridge is not None:
             self.bridge.send(ipc.CMD_STOP, "")
         if self.proc is not None:

@@ -16,6 +16,7 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from worker import ipc
 from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob, tokens_pb
+from worker.metrics_server import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
 
@@ -74,9 +75,15 @@ class EngineBridge:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, bridge: EngineBridge, worker_id: str) -> None:
+    def __init__(self, bridge: EngineBridge, worker_id: str,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.bridge = bridge
         self.worker_id = worker_id
+        self.metrics = metrics
+
+    def _count(self, rpc: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(rpc, outcome).inc()
 
     async def _open(self, rid: str,
                     context: grpc.aio.ServicerContext) -> asyncio.Queue[list[Any]]:
@@ -113,6 +120,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         reader = asyncio.create_task(destinations())
         done = False
+        outcome = "cancelled"
         try:
             while not done:
                 msg = await q.get()
@@ -127,14 +135,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         t0.logprob.CopyFrom(token_logprob(body["logprob"]))
                     yield worker_pb2.PrefillOutput(token0=t0)
                     done = bool(body["finish"])
+                    outcome = str(body["finish"] or outcome)
                 elif msg[0] == ipc.EV_TRANSFER:
+                    outcome = "transferred" if msg[2] else "transfer_failed"
+                    if msg[2] and self.metrics is not None:
+                        self.metrics.kv_transfer.observe(msg[4] / 1e3)
                     yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
                         ok=msg[2], error=msg[3], kv_transfer_ms=msg[4]))
                     done = True
                 elif msg[0] == ipc.EV_FATAL:
+                    outcome = "engine_failed"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, msg[2])
             done = True
         finally:
+            self._count("prefill", outcome)
             reader.cancel()
             self.bridge.close_request(rid)
             if not done:  # the router went away or cancelled: stop the work, free blocks
@@ -147,6 +161,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.bridge.send(ipc.CMD_DECODE, rid, list(request.prompt_token_ids),
                          sampling_to_wire(request.sampling, request.seed), request.colocated)
         done = False
+        outcome = "cancelled"
         try:
             while not done:
                 msg = await q.get()
@@ -156,10 +171,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 elif msg[0] == ipc.EV_TOKENS:
                     t = tokens_pb(msg[2])
                     done = t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    if done:
+                        outcome = str(msg[2]["finish"])
                     yield worker_pb2.DecodeOutput(tokens=t)
                 elif msg[0] == ipc.EV_FATAL:
+                    outcome = "engine_failed"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, msg[2])
         finally:
+            self._count("decode", outcome)
             self.bridge.close_request(rid)
             if not done:
                 self.bridge.send(ipc.CMD_ABORT, rid)

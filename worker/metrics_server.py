@@ -1,0 +1,119 @@
+"""A worker's Prometheus endpoint: a small aiohttp server in the worker's gRPC process.
+
+Engine-side numbers (queue, KV blocks, transfers, leases, preemptions) come from the
+engine process's latest load report (EV_STATS, every 0.25 s), so serving /metrics never
+touches the engine; per-RPC outcomes and transfer times are counted here as they stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+log = logging.getLogger("pdserve.worker")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0)
+# load-report key -> (metric name, help); gauges, then cumulative counters.
+_GAUGES = {
+    "waiting": ("pdserve_worker_queue_depth", "Requests waiting (consumers: for KV blocks)"),
+    "running": ("pdserve_worker_running_requests", "Requests in the engine's running set"),
+    "kv_blocks_total": ("pdserve_worker_kv_blocks_total", "KV blocks in the pool"),
+    "kv_blocks_free": ("pdserve_worker_kv_blocks_free", "KV blocks free"),
+    "transfers_in_flight": ("pdserve_worker_kv_transfers_in_flight", "KV transfers in flight"),
+    "orphan_blocks": ("pdserve_worker_kv_orphan_blocks",
+                      "KV blocks held past their lease by requests making no progress"),
+    "kv_exhausted_by_orphans": ("pdserve_worker_kv_exhausted_by_orphans",
+                                "1 when orphans exhaust the KV pool (the worker is unhealthy)"),
+}
+_COUNTERS = {
+    "lease_expiries": ("pdserve_worker_lease_expiries", "Producer leases that expired"),
+    "aborts": ("pdserve_worker_aborts", "Abort commands received"),
+    "preemptions": ("pdserve_worker_preemptions", "Requests preempted (KV dropped, recomputed)"),
+    "recomputed": ("pdserve_worker_consumer_recomputed",
+                   "Consumer requests that recomputed their prompt instead of using the "
+                   "transferred KV (preempted after admission)"),
+    "kv_bytes_sent": ("pdserve_worker_kv_transfer_sent_bytes", "KV bytes pushed to consumers"),
+    "kv_bytes_received": ("pdserve_worker_kv_transfer_received_bytes",
+                          "KV bytes received from producers (completed transfers)"),
+    "transfers_ok": ("pdserve_worker_kv_transfers_ok", "KV transfers completed"),
+    "transfers_failed": ("pdserve_worker_kv_transfers_failed", "KV transfers failed/cancelled"),
+    "reservation_queue_full": ("pdserve_worker_reservation_queue_full",
+                               "Decode requests refused: reservation queue full"),
+}
+
+
+class WorkerMetrics:
+    def __init__(self, worker_id: str, role: str, load: Callable[[], dict[str, Any]]) -> None:
+        self.prom = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("pdserve_worker_requests", "Prefill/Decode streams by outcome",
+                                ["rpc", "outcome"], registry=self.prom)
+        self.kv_transfer = Histogram("pdserve_worker_kv_transfer_seconds",
+                                     "First KV push -> consumer ack (producer side)",
+                                     buckets=TRANSFER_BUCKETS, registry=self.prom)
+        self.prom.register(_LoadCollector(worker_id, role, load))
+
+    def render(self) -> bytes:
+        return generate_latest(self.prom)
+
+
+class _LoadCollector(Collector):
+    def __init__(self, worker_id: str, role: str, load: Callable[[], dict[str, Any]]) -> None:
+        self.labels = [worker_id, role]
+        self.load = load
+
+    def collect(self) -> Iterator[Metric]:
+        load = self.load()
+        names = ["worker", "role"]
+        for key, (name, doc) in _GAUGES.items():
+            if key in load:
+                g = GaugeMetricFamily(name, doc, labels=names)
+                g.add_metric(self.labels, float(load[key]))
+                yield g
+        if "kv_blocks_total" in load and "kv_blocks_free" in load:
+            g = GaugeMetricFamily("pdserve_worker_kv_blocks_used", "KV blocks in use",
+                                  labels=names)
+            g.add_metric(self.labels, float(load["kv_blocks_total"] - load["kv_blocks_free"]))
+            yield g
+        for key, (name, doc) in _COUNTERS.items():
+            if key in load:
+                c = CounterMetricFamily(name, doc, labels=names)
+                c.add_metric(self.labels, float(load[key]))
+                yield c
+
+
+class MetricsServer:
+    """Serves GET /metrics on its own port (0: any free port)."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+        self.port = 0
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as e:
+            await runner.cleanup()
+            raise ValueError(f"--metrics-port: cannot bind {host}:{port}: {e.strerror}") from e
+        self._runner = runner
+        self.port = int(runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
