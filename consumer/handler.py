@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from transfer import TransferConfig, TransferStatus, make_receiver
 from worker import ipc
@@ -111,7 +112,7 @@ class ConsumerHandler(RoleHandler):
             if u.status == TransferStatus.DONE and u.notice is not None:
                 self.transfers_ok += 1
                 self.kv_bytes_received += len(p.blocks) * self.engine.layout.block_nbytes
-                self._admit(p, u.notice.first_token)
+                self._admit(p, u.notice.first_token, u.notice.logprobs)
             else:
                 self.transfers_failed += 1
                 self.engine.unreserve(p.blocks)
@@ -120,13 +121,20 @@ class ConsumerHandler(RoleHandler):
                                                      f"{u.error}"))
         self._reserve_queued()
 
-    def _admit(self, p: Pending, first_token: int) -> None:
+    def _admit(self, p: Pending, first_token: int,
+               logprobs: tuple[tuple[int, float], ...] | None) -> None:
         try:
-            self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token)
+            req = self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token)
         except ValueError as e:
             self.engine.unreserve(p.blocks)
             self.emit(error_event(p.rid, "error", str(e)))
             return
+        if p.params.logprobs is not None and logprobs and not req.logprobs:
+            # Token 0's row (the producer already streamed it): the engine indexes a
+            # request's logprobs by output position, so without it every later token's
+            # row would be read one place off (and the consumer's tokens sent none).
+            (tok, lp), *top = logprobs
+            req.logprobs.append(TokenLogprob(tok, lp, list(top)))
         self.kv_ready[p.rid] = now_ns()
 
     def before_step(self, now_ns: int) -> None:
