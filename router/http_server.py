@@ -153,10 +153,18 @@ class HttpFrontDoor:
     # -- generation ------------------------------------------------------------------------
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat(await self._body(request)))
+        return await self._generate(request, await self._parse(request, parse_chat))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_completion(await self._body(request)))
+        return await self._generate(request, await self._parse(request, parse_completion))
+
+    async def _parse(self, request: web.Request,
+                     parse: Callable[[Any], OpenAIRequest]) -> OpenAIRequest:
+        try:
+            return parse(await self._body(request))
+        except HttpError:
+            self.metrics.refused("http", "invalid_argument")  # as the router's own refusals
+            raise
 
     async def _body(self, request: web.Request) -> Any:
         raw = await request.read()
