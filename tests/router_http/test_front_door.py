@@ -14,7 +14,16 @@ from certs import make_cert
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
-from router_fakes import Cluster, FakeWorker, load_tokenizer, request, reserved, run, tokens, wait_until
+from router_fakes import (
+    Cluster,
+    FakeWorker,
+    load_tokenizer,
+    request,
+    reserved,
+    run,
+    tokens,
+    wait_until,
+)
 
 from router.config import RouterConfig
 from router.server import RouterServer
