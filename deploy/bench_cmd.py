@@ -51,7 +51,8 @@ def add_bench_parser(sub: Any) -> None:
     t.add_argument("--log-dir", default=None, help="started clusters' process logs")
     w = p.add_argument_group("workload")
     w.add_argument("--num-prompts", type=int, default=64, help="measured requests per point")
-    w.add_argument("--warmup", type=int, default=2, help="unmeasured requests before each point")
+    w.add_argument("--warmup", type=int, default=2,
+                   help="unmeasured requests sent to each target before its first point")
     w.add_argument("--input-len", default="256", help="prompt tokens: N or LOW:HIGH")
     w.add_argument("--output-len", default=None,
                    help="max tokens: N or LOW:HIGH (default 64; with --dataset, the "
@@ -206,24 +207,28 @@ def run_bench(args: argparse.Namespace) -> int:
 
     plan = build_plan(args)
     targets = build_targets(args)
-    configs = run_sweep(targets, plan, backend_factory(args))
     doc: dict[str, Any] = {
         "tool": "pdserve bench", "format": 1, "command": ["pdserve", *sys.argv[1:]],
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
         "workload": {"num_prompts": len(plan.specs), "warmup": len(plan.warmup),
-                     "input_len": args.input_len if not args.dataset else args.dataset,
+                     "input_len": args.dataset or args.input_len,
                      "output_len": args.output_len, "ignore_eos": args.ignore_eos,
                      "seed": args.seed},
-        "configs": configs}
-    if len(configs) == 2 and args.compare:
-        doc["comparison"] = {"numerator": configs[0]["label"],
-                             "denominator": configs[1]["label"],
-                             "rows": ratios(configs[0], configs[1])}
-    if args.result_json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.result_json)), exist_ok=True)
-        with open(args.result_json, "w") as f:
-            json.dump(doc, f, indent=1)
+        "configs": []}
+
+    def save(configs: list[dict[str, Any]]) -> None:
+        doc["configs"] = configs
+        if len(configs) == 2 and args.compare:
+            doc["comparison"] = {"numerator": configs[0]["label"],
+                                 "denominator": configs[1]["label"],
+                                 "rows": ratios(configs[0], configs[1])}
+        if args.result_json:  # after every target, so a later failure keeps earlier results
+            os.makedirs(os.path.dirname(os.path.abspath(args.result_json)), exist_ok=True)
+            with open(args.result_json, "w") as f:
+                json.dump(doc, f, indent=1)
+
+    configs = run_sweep(targets, plan, backend_factory(args), on_target=save)
     emit(doc, args)
     failed = sum(p["metrics"]["failed"] for c in configs for p in c["points"])
     return 1 if failed else 0

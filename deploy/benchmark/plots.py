@@ -45,6 +45,7 @@ def write_plots(doc: dict[str, Any], out_dir: str, prefix: str = "") -> list[str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     os.makedirs(out_dir, exist_ok=True)
     written = []
@@ -58,6 +59,7 @@ def write_plots(doc: dict[str, Any], out_dir: str, prefix: str = "") -> list[str
                     ax.step(vals, ys, where="post", label=pt["label"])
             ax.set_title(f"{title} (ms)", fontsize=9)
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels overlap
             ax.grid(alpha=0.3)
         axes[0].set_ylabel("CDF")
         axes[-1].legend(fontsize=7)

@@ -25,7 +25,7 @@ BackendFactory = Callable[[Target], Backend]
 class SweepPlan:
     points: list[LoadPoint]
     specs: list[RequestSpec]  # the measured workload, identical for every target
-    warmup: list[RequestSpec]  # sent before each point, never measured
+    warmup: list[RequestSpec]  # sent once per target before its first point, never measured
     sampling: SamplingChoice
     seed: int = 0
     slos: dict[str, float] = field(default_factory=dict)
@@ -39,16 +39,17 @@ def rate_json(rate: float) -> float | str:
     return "inf" if math.isinf(rate) else rate
 
 
-async def _run_points(backend: Backend, target: Target, plan: SweepPlan,
+async def run_points(backend: Backend, target: Target, plan: SweepPlan,
                       gpus: int) -> dict[str, Any]:
     await backend.open()
     try:
         workers = await backend.workers()
         points = []
+        if plan.warmup:  # once per target: compiles kernels and fills pools before any point
+            cap = max((p.concurrency or len(plan.warmup) for p in plan.points), default=1)
+            warm = LoadPoint(min(cap, len(plan.warmup)), math.inf)
+            await run_requests(backend, plan.warmup, warm, plan.sampling, plan.seed)
         for point in plan.points:
-            if plan.warmup:
-                warm = LoadPoint(point.concurrency or len(plan.warmup), math.inf)
-                await run_requests(backend, plan.warmup, warm, plan.sampling, plan.seed)
             prog = Progress(f"{target.label} {point.label}", len(plan.specs))
             records, dur = await run_requests(backend, plan.specs, point, plan.sampling,
                                               plan.seed, prog)
@@ -68,7 +69,7 @@ async def _run_points(backend: Backend, target: Target, plan: SweepPlan,
 def run_target(target: Target, plan: SweepPlan, make_backend: BackendFactory) -> dict[str, Any]:
     """Starts the target's cluster when it has one, runs every point, stops the cluster."""
     if target.spec is None:
-        return asyncio.run(_run_points(make_backend(target), target, plan, plan.gpus or 0))
+        return asyncio.run(run_points(make_backend(target), target, plan, plan.gpus or 0))
     log_dir = os.path.join(plan.log_dir, target.label.replace(" ", "_")) if plan.log_dir else None
     cluster = DeviceCluster(target.spec, target.devices, log_dir=log_dir)
     print(f"starting cluster {target.label} ...", file=sys.stderr, flush=True)
@@ -79,7 +80,7 @@ def run_target(target: Target, plan: SweepPlan, make_backend: BackendFactory) ->
     try:
         http = f"http://{target.spec.host}:{cluster.http_port}" if cluster.http_port > 0 else ""
         live = Target(target.label, address=cluster.router_address, base_url=http)
-        result = asyncio.run(_run_points(make_backend(live), live, plan,
+        result = asyncio.run(run_points(make_backend(live), live, plan,
                                          plan.gpus if plan.gpus is not None else cluster.gpus))
         result["target"] = target.describe()
         return result
@@ -87,6 +88,13 @@ def run_target(target: Target, plan: SweepPlan, make_backend: BackendFactory) ->
         cluster.stop()
 
 
-def run_sweep(targets: Sequence[Target], plan: SweepPlan,
-              make_backend: BackendFactory) -> list[dict[str, Any]]:
-    return [run_target(t, plan, make_backend) for t in targets]
+def run_sweep(targets: Sequence[Target], plan: SweepPlan, make_backend: BackendFactory,
+              on_target: Callable[[list[dict[str, Any]]], None] | None = None
+              ) -> list[dict[str, Any]]:
+    """``on_target`` sees the results so far after each target (to save partial results)."""
+    done: list[dict[str, Any]] = []
+    for t in targets:
+        done.append(run_target(t, plan, make_backend))
+        if on_target is not None:
+            on_target(done)
+    return done
