@@ -157,9 +157,11 @@ class ProducerHandler(RoleHandler):
                 continue
             self.engine.release(rec.rid)
             if u.status == TransferStatus.DONE:
+                self.transfers_ok += 1
                 ms = (time.monotonic() - rec.first_push) * 1e3 if rec.first_push else 0.0
                 self._transfer_event(rec.rid, True, "", ms)
             else:
+                self.transfers_failed += 1
                 self._transfer_event(rec.rid, False, f"KV transfer {u.status.name.lower()}: "
                                                    f"{u.error}")
         now = time.monotonic()
