@@ -35,6 +35,7 @@ class Outgoing:
     dest_blocks: list[int] | None = None
     pushed: int = 0  # leading blocks pushed so far
     notice: TransferNotice | None = None  # set once token 0 is out; sent with the last push
+    token0_sent: bool = False  # the gRPC process has handed token 0 to the router stream
     first_push: float = 0.0  # monotonic, for kv_transfer_ms
     aborting: bool = False  # cancelled; blocks freed when the sender says terminal
 
@@ -76,6 +77,11 @@ class ProducerHandler(RoleHandler):
                 return
             o.dest_address, o.dest_blocks = cmd[3], list(cmd[4])
             self._push_ready(o)
+        elif kind == ipc.CMD_TOKEN0_SENT:
+            o = self.out.get(rid)
+            if o is not None:
+                o.token0_sent = True
+                self._push_ready(o)
         elif kind == ipc.CMD_ABORT:
             o = self.out.get(rid)
             if o is not None:
@@ -138,7 +144,7 @@ class ProducerHandler(RoleHandler):
                                  deadline=time.monotonic() + self.cfg.transfer_timeout_s)
                 self.kv_bytes_sent += (upto - o.pushed) * self.engine.layout.block_nbytes
                 o.pushed = upto
-            if done and o.notice is not None:
+            if done and o.notice is not None and o.token0_sent:
                 self.sender.finish(o.rid, o.notice)
                 o.notice = None  # sent; DONE comes with the consumer's ack
                 o.lease_until = time.monotonic() + self.cfg.transfer_timeout_s

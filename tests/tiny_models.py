@@ -10,10 +10,13 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def make_tiny_model(path: str, arch: str, seed: int = 0, **overrides: object) -> str:
-    """Saves a random `arch` model (llama | qwen2 | qwen3) with safetensors; returns path."""
+    """Saves a random `arch` model (llama | llama3 | mistral | qwen2 | qwen3) with
+    safetensors; returns path."""
     import transformers as tf
 
     cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+           "llama3": (tf.LlamaConfig, tf.LlamaForCausalLM),
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}[arch]
     # A wide init makes logits peaked, so greedy argmax is far from ties and a 1-ulp
@@ -22,6 +25,12 @@ def make_tiny_model(path: str, arch: str, seed: int = 0, **overrides: object) ->
                                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if arch == "qwen3":
         kw["head_dim"] = 32
+    if arch == "llama3":  # Llama 3.1's long-context rope frequency scaling
+        kw["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        kw["rope_theta"] = 500000.0
+    if arch == "mistral":
+        kw["sliding_window"] = None
     kw.update(overrides)
     cfg = cls[0](**kw)
     torch.manual_seed(seed)

@@ -20,6 +20,7 @@ import zmq
 CMD_PREFILL = "prefill"  # [rid, prompt_ids, sampling dict, received_ns]
 CMD_DESTINATION = "dest"  # [rid, consumer_id, kv_address, block_ids]
 CMD_DECODE = "decode"  # [rid, prompt_ids, sampling dict, colocated]
+CMD_TOKEN0_SENT = "t0sent"  # [rid]: token 0 is on its way to the router
 CMD_ABORT = "abort"  # [rid]
 CMD_STOP = "stop"  # ["", ]
 # Events (engine process -> gRPC process)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import netns_hosts
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -21,32 +21,10 @@ PORT = 47311
 QUESTIONS = ["What is the capital of France?", "List three colors."]
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def two_hosts():  # type: ignore[no-untyped-def]
-    if shutil.which("ip") is None:
-        pytest.skip("no `ip` command (iproute2) on this machine")
-    for ns in NS:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-    try:
-        _ip("netns", "add", NS[0])
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"network namespaces not permitted here: {e.stderr.decode().strip()}")
-    try:
-        _ip("netns", "add", NS[1])
-        _ip("link", "add", "pdn_va", "netns", NS[0], "type", "veth", "peer", "name", "pdn_vb",
-            "netns", NS[1])
-        for ns, dev, addr in ((NS[0], "pdn_va", ADDR[0]), (NS[1], "pdn_vb", ADDR[1])):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+    with netns_hosts.two_hosts(NS, ADDR, ("pdn_va", "pdn_vb")):
         yield
-    finally:
-        for ns in NS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
 def _start(ns: str, log, *args: str) -> subprocess.Popen[bytes]:  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ from tiny_models import make_tiny_model
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("tiny")
     return {a: make_tiny_model(os.path.join(root, a), a, seed=i)
-            for i, a in enumerate(("llama", "qwen2", "qwen3"))}
+            for i, a in enumerate(("llama", "qwen2", "qwen3", "mistral", "llama3"))}
 
 
 @pytest.fixture

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
+import netns_hosts
 import pytest
 import torch
 from xfer_helpers import NET_BACKENDS, cfg
@@ -107,30 +107,10 @@ NS = ("pdx_a", "pdx_b")
 ADDR = ("10.201.7.1", "10.201.7.2")
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
-
-
 @pytest.fixture
 def netns() -> Any:
-    if shutil.which("ip") is None:
-        pytest.skip("no `ip` command (iproute2) on this machine")
-    try:
-        _ip("netns", "add", NS[0])
-    except subprocess.CalledProcessError as e:
-        pytest.skip(f"network namespaces not permitted here: {e.stderr.decode().strip()}")
-    try:
-        _ip("netns", "add", NS[1])
-        _ip("link", "add", "pdx_va", "netns", NS[0], "type", "veth", "peer", "name", "pdx_vb",
-            "netns", NS[1])
-        for ns, dev, addr in ((NS[0], "pdx_va", ADDR[0]), (NS[1], "pdx_vb", ADDR[1])):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+    with netns_hosts.two_hosts(NS, ADDR, ("pdx_va", "pdx_vb")):
         yield
-    finally:
-        for ns in NS:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
 @pytest.mark.parametrize("backend", ["ucx"])

@@ -1,0 +1,60 @@
+"""A consumer whose KV pool is full queues reservations (backpressure) instead of failing;
+a queued request completes once blocks free up, and aborting it while queued frees both
+sides."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from cluster_client import chat, generate, stub_for, wait_for_full_kv
+from live_cluster import start_cluster
+
+from engine.sampling_params import SamplingParams
+from pdserve.v1 import router_pb2
+
+BIG = "Reservations wait for blocks when the consumer's pool is full. " * 32  # ~400 tokens
+
+
+def _consumer_waiting(stub) -> int:  # type: ignore[no-untyped-def]
+    ws = stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers
+    return sum(w.load.waiting for w in ws if w.worker_id.startswith("consumer"))
+
+
+def test_full_consumer_queues_reservations(tmp_path_factory, colocated_llm):
+    # 40 blocks of 16 tokens: one ~400-token request decoding leaves no room for a second.
+    c = start_cluster(tmp_path_factory, "cbp",
+                      worker_args=("--num-kv-blocks", "40", "--max-num-batched-tokens", "128"))
+    ch, stub = stub_for(c.router_address)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            a = pool.submit(generate, stub, dict(max_tokens=120, temperature=0, ignore_eos=True),
+                            **chat(BIG + "A"))
+            time.sleep(2.0)
+            b = pool.submit(generate, stub, dict(max_tokens=4, temperature=0), **chat(BIG + "B"))
+            end = time.monotonic() + 30
+            while _consumer_waiting(stub) < 1:  # B's reservation is queued (RESERVING)
+                assert time.monotonic() < end and not b.done(), "B was never queued"
+                time.sleep(0.1)
+            # C queues behind B; cancel it while it waits for blocks.
+            req = router_pb2.GenerateRequest(**chat(BIG + "C"))
+            req.sampling.max_tokens = 4
+            call = stub.Generate(req, timeout=60)
+            threading.Timer(1.0, call.cancel).start()
+            got_c = []
+            try:
+                got_c = list(call)
+            except Exception:  # noqa: BLE001 - the cancel surfaces as an RpcError
+                pass
+            ra, rb = a.result(), b.result()
+        assert not any(m.finish_reason for m in got_c)
+        assert ra.error == "" and len(ra.token_ids) == 120
+        ref = colocated_llm.generate([BIG + "B"], SamplingParams(max_tokens=4, temperature=0),
+                                     chat=True)[0]
+        assert rb.error == "" and rb.token_ids == ref.token_ids  # it waited, then completed
+        assert rb.timing.consumer_kv_ready_ns > ra.timing.router_token0_sent_ns
+        wait_for_full_kv(stub)
+    finally:
+        ch.close()
+        c.stop()
