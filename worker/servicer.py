@@ -134,6 +134,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if body["logprob"] is not None:
                         t0.logprob.CopyFrom(token_logprob(body["logprob"]))
                     yield worker_pb2.PrefillOutput(token0=t0)
+                    # Only now may the final transfer notice leave for the consumer: token 0
+                    # is ahead of the consumer's first decode step on every path.
+                    self.bridge.send(ipc.CMD_TOKEN0_SENT, rid)
                     done = bool(body["finish"])
                     outcome = str(body["finish"] or outcome)
                 elif msg[0] == ipc.EV_TRANSFER:
