@@ -46,9 +46,10 @@ async def run_points(backend: Backend, target: Target, plan: SweepPlan,
         workers = await backend.workers()
         points = []
         if plan.warmup:  # once per target: compiles kernels and fills pools before any point
-            cap = max((p.concurrency or len(plan.warmup) for p in plan.points), default=1)
-            warm = LoadPoint(min(cap, len(plan.warmup)), math.inf)
-            await run_requests(backend, plan.warmup, warm, plan.sampling, plan.seed)
+            # At least one warm-up per worker: round-robin pairing would leave some cold.
+            n = max(len(plan.warmup), workers)
+            specs = [plan.warmup[i % len(plan.warmup)] for i in range(n)]
+            await run_requests(backend, specs, LoadPoint(n, math.inf), plan.sampling, plan.seed)
         for point in plan.points:
             prog = Progress(f"{target.label} {point.label}", len(plan.specs))
             records, dur = await run_requests(backend, plan.specs, point, plan.sampling,
