@@ -8,6 +8,7 @@ never waits behind another request's prefill chunk (DESIGN.md section 4).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -48,7 +49,7 @@ class LLMEngine:
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         num_blocks = config.num_kv_blocks or max(1, min(cap, config.kv_cache_bytes
                                                         // self.layout.block_nbytes))
-        self.layout = KVLayout(**{**self.layout.__dict__, "num_blocks": num_blocks})
+        self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks)
         # A sequence can never outgrow the pool: advertise what really fits.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         dtype = getattr(torch, config.dtype)
