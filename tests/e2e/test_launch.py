@@ -1,0 +1,65 @@
+"""`pdserve launch` (the README's main command): prints its endpoints, serves, and on SIGTERM
+stops every process it started."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from cluster_client import chat, generate, stub_for
+
+from deploy.cluster import free_port
+
+
+def _children(pid: int) -> set[int]:
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    parents: dict[int, list[int]] = {}
+    for line in out.splitlines():
+        p, pp = map(int, line.split())
+        parents.setdefault(pp, []).append(p)
+    found, todo = set(), [pid]
+    while todo:
+        for c in parents.get(todo.pop(), []):
+            found.add(c)
+            todo.append(c)
+    return found
+
+
+def test_launch_serves_and_stops_everything_on_sigterm():
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--grpc-port",
+                             str(port), "--http-port", "-1", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        end = time.monotonic() + 240
+        assert proc.stdout is not None
+        while not any(line.startswith("ready") for line in lines):
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines)
+            lines.append(line)
+            assert time.monotonic() < end, "".join(lines)
+        text = "".join(lines)
+        assert f"router gRPC:  127.0.0.1:{port}" in text
+        assert re.search(r"producer\s+producer-0", text) and re.search(r"consumer\s+consumer-0",
+                                                                       text)
+        ch, stub = stub_for(f"127.0.0.1:{port}")
+        with ch:
+            r = generate(stub, dict(max_tokens=8, temperature=0),
+                         **chat("What is the capital of France?"))
+        assert r.error == "" and "Paris" in r.text
+        kids = _children(proc.pid)
+        assert len(kids) >= 5  # router, 2 worker gRPC processes, 2 engine processes
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        time.sleep(0.5)
+        alive = [k for k in kids if os.path.exists(f"/proc/{k}")
+                 and "zombie" not in open(f"/proc/{k}/status").read().lower()]
+        assert not alive, alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
