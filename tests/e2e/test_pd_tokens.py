@@ -96,13 +96,16 @@ def test_chat_input_is_tokenized_once_with_the_template(cluster_1p1d, colocated_
     assert r.token_ids == ref.token_ids and "Paris" in r.text
 
 
-def test_2p2d_matches_colocated(tmp_path_factory, colocated_llm):
-    c = start_cluster(tmp_path_factory, "c2p2d", producers=2, consumers=2)
+def test_2p2d_plus_colocated_worker_matches_colocated(tmp_path_factory, colocated_llm):
+    # A colocated worker joins the same router: the policy places some requests on it.
+    c = start_cluster(tmp_path_factory, "c2p2d", producers=2, consumers=2, colocated=1)
     try:
         prompts = _prompts(colocated_llm.tokenizer)
         results = _run_concurrently(c.router_address, prompts, seeded=True)
         _check_against_colocated(results, prompts, colocated_llm, seeded=True)
-        used = {(r.timing.producer, r.timing.consumer) for r in results if len(r.token_ids) > 1}
+        assert any(r.timing.colocated == "colocated-0" for r in results)
+        used = {(r.timing.producer, r.timing.consumer) for r in results
+                if len(r.token_ids) > 1 and not r.timing.colocated}
         assert {p for p, _ in used} == {"producer-0", "producer-1"}
         assert {c_ for _, c_ in used} == {"consumer-0", "consumer-1"}
         ch, stub = stub_for(c.router_address)
