@@ -143,7 +143,8 @@ class HttpFrontDoor:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def _openapi(self, request: web.Request) -> web.Response:
-        return _json(openapi_document([self.frontend.model_id], bool(self.config.api_key)))
+        return _json(openapi_document([self.frontend.model_id], bool(self.config.api_key),
+                                      self.frontend.registry.max_model_len()))
 
     def _unknown_model(self, name: str) -> HttpError:
         return HttpError(404, f"model: {name!r} does not exist (served: "

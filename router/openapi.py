@@ -24,9 +24,9 @@ def _int(lo: int, hi: int) -> dict[str, Any]:
     return {"type": "integer", "minimum": lo, "maximum": hi, "nullable": True}
 
 
-def _sampling_fields() -> dict[str, Any]:
+def _sampling_fields(max_tokens: int) -> dict[str, Any]:
     return {
-        "max_tokens": _int(1, U32),
+        "max_tokens": _int(1, max_tokens),
         "temperature": _num(0, 2),
         "top_p": _num(0, 1, exclusiveMinimum=True),
         "presence_penalty": _num(-2, 2),
@@ -64,7 +64,11 @@ def _responses(ok_schema: str, streams: bool) -> dict[str, Any]:
     return out
 
 
-def openapi_document(model_ids: list[str], secured: bool) -> dict[str, Any]:
+def openapi_document(model_ids: list[str], secured: bool, max_model_len: int = 0
+                     ) -> dict[str, Any]:
+    """max_model_len: the cluster's current limit (0: unknown); no request may ask for
+    more tokens than that, so the document says so."""
+    max_tokens = max_model_len or U32
     model = {"type": "string", "enum": model_ids}
     text_part = {"type": "object", "required": ["type", "text"], "properties": {
         "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -75,14 +79,15 @@ def openapi_document(model_ids: list[str], secured: bool) -> dict[str, Any]:
         "name": {"type": "string"}}}
     chat_req = {"type": "object", "required": ["messages"], "properties": {
         "model": model, "messages": {"type": "array", "minItems": 1, "items": message},
-        "max_completion_tokens": _int(1, U32), "logprobs": {"type": "boolean", "nullable": True},
-        "top_logprobs": _int(0, MAX_LOGPROBS), **_sampling_fields()}}
+        "max_completion_tokens": _int(1, max_tokens),
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": _int(0, MAX_LOGPROBS), **_sampling_fields(max_tokens)}}
     cmpl_req = {"type": "object", "required": ["prompt"], "properties": {
         "model": model,
         "prompt": {"oneOf": [{"type": "string", "minLength": 1},
                              {"type": "array", "minItems": 1, "items": {
                                  "type": "integer", "minimum": 0, "maximum": U32}}]},
-        "logprobs": _int(0, COMPLETION_MAX_LOGPROBS), **_sampling_fields()}}
+        "logprobs": _int(0, COMPLETION_MAX_LOGPROBS), **_sampling_fields(max_tokens)}}
     usage = {"type": "object", "properties": {k: {"type": "integer"} for k in (
         "prompt_tokens", "completion_tokens", "total_tokens")}}
     obj = {"type": "object"}
