@@ -38,7 +38,8 @@ class Pending:
 
 
 class ConsumerHandler(RoleHandler):
-    def __init__(self, engine: LLMEngine, emit: Emit, transfer: dict[str, Any]) -> None:
+    def __init__(self, engine: LLMEngine, emit: Emit, transfer: dict[str, Any],
+                 reservation_s: float = 600.0) -> None:
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
         self.receiver = make_receiver(engine.kv_cache, engine.layout, self.cfg)
@@ -47,9 +48,12 @@ class ConsumerHandler(RoleHandler):
         self.kv_ready: dict[str, int] = {}  # admitted, first decode step not launched yet
         self.first_step: dict[str, tuple[int, int]] = {}  # rid -> (kv_ready, first step) ns
         self.max_queue = engine.config.max_waiting
-        # A reservation still waiting for KV this long is stuck: the receiver's deadline
-        # (transfer timeout) plus its peer-loss detection should have ended it by then.
-        self.lease_s = self.cfg.transfer_timeout_s + self.cfg.peer_timeout_s
+        # The receiver's deadline for a reservation: its request may queue behind other
+        # prompts on the producer first, so this is not the (short) transfer timeout.
+        self.reservation_s = reservation_s
+        # A reservation still waiting for KV past its deadline plus peer-loss detection is
+        # stuck: the receiver should have ended it by then.
+        self.lease_s = reservation_s + self.cfg.peer_timeout_s
         # Cumulative counters for the worker's /metrics (sent with every load report).
         self.kv_bytes_received = 0
         self.transfers_ok = 0
@@ -100,7 +104,8 @@ class ConsumerHandler(RoleHandler):
             p.blocks = blocks
             p.reserved_at = time.monotonic()
             self.expecting[p.rid] = p
-            self.receiver.expect(p.rid, blocks)
+            self.receiver.expect(p.rid, blocks,
+                                 deadline=time.monotonic() + self.reservation_s)
             self.emit(ipc.pack(ipc.EV_RESERVED, p.rid, self.receiver.address, blocks))
 
     def after_step(self) -> None:

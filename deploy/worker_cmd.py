@@ -44,6 +44,10 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                        help="seconds a transfer may take before it fails")
         t.add_argument("--peer-timeout", type=float, default=5.0,
                        help="seconds of silence after which a transfer peer is dead (<= 10)")
+    if role == "consumer":
+        p.add_argument("--reservation-timeout", type=float, default=600.0,
+                       help="seconds reserved blocks wait for the producer's KV (the request "
+                            "may queue behind other prompts there first)")
     if role == "producer":
         p.add_argument("--lease", type=float, default=30.0,
                        help="seconds blocks are held waiting for a consumer's destination")
@@ -65,7 +69,8 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                     "heartbeat_interval_s": min(1.0, args.peer_timeout / 2),
                     "cluster_token": args.cluster_token}
     return EngineSpec(role=role, engine=engine_config(args, **overrides), transfer=transfer,
-                      threads=args.threads, lease_s=getattr(args, "lease", 30.0))
+                      threads=args.threads, lease_s=getattr(args, "lease", 30.0),
+                      reservation_s=getattr(args, "reservation_timeout", 600.0))
 
 
 def run_worker_cmd(args: argparse.Namespace) -> int:

@@ -141,7 +141,10 @@ class ProducerHandler(RoleHandler):
                     o.first_push = time.monotonic()
                 self.sender.push(o.rid, o.dest_address, req.block_ids[o.pushed:upto],
                                  o.dest_blocks[o.pushed:upto],
-                                 deadline=time.monotonic() + self.cfg.transfer_timeout_s)
+                                 # set by the first push and not moved: it must also
+                                 # cover the chunks still to compute and a late ack
+                                 deadline=time.monotonic() + self.lease_s
+                                 + self.cfg.transfer_timeout_s)
                 self.kv_bytes_sent += (upto - o.pushed) * self.engine.layout.block_nbytes
                 o.pushed = upto
             if done and o.notice is not None and o.token0_sent:

@@ -28,6 +28,10 @@ class EngineSpec:
     transfer: dict[str, Any] = field(default_factory=dict)  # TransferConfig fields
     threads: int = 0  # torch threads (0: leave torch's default)
     lease_s: float = 30.0  # producer: hold blocks this long for a destination / an ack
+    # consumer: how long reserved blocks wait for the producer's first bytes; long, since
+    # the request may queue behind others' prefill on the producer (a dead producer is
+    # caught sooner by peer liveness and by the router aborting the leg)
+    reservation_s: float = 600.0
 
 
 class WorkerLoop:
@@ -85,7 +89,7 @@ def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
     if spec.role == "consumer":
         from consumer.handler import ConsumerHandler
 
-        return ConsumerHandler(engine, emit, spec.transfer)
+        return ConsumerHandler(engine, emit, spec.transfer, spec.reservation_s)
     from consumer.colocated import ColocatedHandler
 
     return ColocatedHandler(engine, emit)

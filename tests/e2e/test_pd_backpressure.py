@@ -8,11 +8,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
 from live_cluster import start_cluster
+from pdserve.v1 import router_pb2
 
 from engine.sampling_params import SamplingParams
-from pdserve.v1 import router_pb2
 
 BIG = "Reservations wait for blocks when the consumer's pool is full. " * 32  # ~400 tokens
 
@@ -22,10 +23,41 @@ def _consumer_waiting(stub) -> int:  # type: ignore[no-untyped-def]
     return sum(w.load.waiting for w in ws if w.worker_id.startswith("consumer"))
 
 
-def test_full_consumer_queues_reservations(tmp_path_factory, colocated_llm):
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     # 40 blocks of 16 tokens: one ~400-token request decoding leaves no room for a second.
+    # A 1 s transfer timeout: waiting for a turn must not count against it.
     c = start_cluster(tmp_path_factory, "cbp",
-                      worker_args=("--num-kv-blocks", "40", "--max-num-batched-tokens", "128"))
+                      worker_args=("--num-kv-blocks", "40", "--max-num-batched-tokens", "32",
+                                   "--transfer-timeout", "1"))
+    yield c
+    c.stop()
+
+
+def test_request_queued_on_the_producer_outlives_the_transfer_timeout(small_cluster,
+                                                                      colocated_llm):
+    ch, stub = stub_for(small_cluster.router_address)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(generate, stub, dict(max_tokens=2, temperature=0),
+                               **chat(BIG + "L"))
+            time.sleep(0.2)
+            short = pool.submit(generate, stub, dict(max_tokens=4, temperature=0),
+                                **chat("What is the capital of France?"))
+            rl, rs = long.result(), short.result()
+        assert rl.error == "" and rs.error == "", (rl.error, rs.error)
+        waited_s = (rs.timing.producer_token0_sampled_ns - rs.timing.router_received_ns) / 1e9
+        assert waited_s > 1.0  # it queued behind the long prefill for longer than the timeout
+        ref = colocated_llm.generate(["What is the capital of France?"],
+                                     SamplingParams(max_tokens=4, temperature=0), chat=True)[0]
+        assert rs.token_ids == ref.token_ids
+        wait_for_full_kv(stub)
+    finally:
+        ch.close()
+
+
+def test_full_consumer_queues_reservations(small_cluster, colocated_llm):
+    c = small_cluster
     ch, stub = stub_for(c.router_address)
     try:
         with ThreadPoolExecutor(3) as pool:
@@ -57,4 +89,3 @@ def test_full_consumer_queues_reservations(tmp_path_factory, colocated_llm):
         wait_for_full_kv(stub)
     finally:
         ch.close()
-        c.stop()
