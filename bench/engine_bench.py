@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/engine_bench.py [--model smollm2] [--out bench/results/engine_cpu.json]
 
-Both run the same model in float32 with the same thread count on the same token ids.
+Both run the same model in the same dtype (--dtype, float32 by default) with the same thread
+count on the same token ids.
 Prefill tok/s = batch * prompt_len / time of a 1-token generation. Decode tok/s =
 batch * (n - 1) / (time of an n-token generation - time of a 1-token generation).
 Each number is the median of --repeats runs after a warm-up run.
@@ -61,17 +62,18 @@ def bench_hf(model: torch.nn.Module, prompts: list[list[int]], n: int) -> float:
 def main() -> None:
     torch.set_num_threads(ARGS.threads)
     path = resolve_model(ARGS.model)
+    dtype = getattr(torch, ARGS.dtype)
     import transformers as tf
 
     if path.endswith(".gguf"):
         hf = tf.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=dtype)
     else:
-        hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf.eval()
     vocab = hf.config.vocab_size
-    llm = LLM(ARGS.model, max_num_batched_tokens=8 * ARGS.prompt_len, max_num_seqs=64,
-              kv_cache_bytes=1 << 30)
+    llm = LLM(ARGS.model, dtype=ARGS.dtype, max_num_batched_tokens=8 * ARGS.prompt_len,
+              max_num_seqs=64, kv_cache_bytes=1 << 30)
     rows = []
     for batch in (1, 8):
         pre = _prompts(batch, ARGS.prompt_len, vocab)
@@ -87,7 +89,7 @@ def main() -> None:
         row["decode_ratio"] = row["pdserve_decode_tok_s"] / row["hf_decode_tok_s"]  # type: ignore[operator]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"model": ARGS.model or "smollm2", "dtype": "float32", "threads": ARGS.threads,
+    result = {"model": ARGS.model or "smollm2", "dtype": ARGS.dtype, "threads": ARGS.threads,
               "prompt_len": ARGS.prompt_len, "decode_prompt_len": ARGS.decode_prompt_len,
               "decode_tokens": ARGS.decode_tokens, "torch": torch.__version__,
               "transformers": tf.__version__, "cpu": platform.processor() or platform.machine(),
@@ -110,6 +112,7 @@ if __name__ == "__main__":
     ap.add_argument("--decode-prompt-len", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default="bench/results/engine_cpu.json")
     ARGS = ap.parse_args()

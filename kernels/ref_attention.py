@@ -43,15 +43,19 @@ def prefill_attention_ref(
             continue
         nb = -(-seq_len // block_size)
         k, v = _gather_kv(kv_layer, block_tables[b, :nb].long(), seq_len)
-        qb = q[start:end].transpose(0, 1).float()  # [Hq, n, D]
-        kb = k.transpose(0, 1).float()  # [Hkv, S, D]
-        vb = v.transpose(0, 1).float()
-        # Causal with the chunk's queries placed at the end of the context.
-        qpos = torch.arange(seq_len - n, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]  # [n, S]
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        # 4-D with a batch of one: the form torch's fused CPU attention kernel accepts.
+        qb = q[start:end].transpose(0, 1).float()[None]  # [1, Hq, n, D]
+        kb = k.transpose(0, 1).float()[None]  # [1, Hkv, S, D]
+        vb = v.transpose(0, 1).float()[None]
+        if n == seq_len:  # nothing cached before the chunk: plain causal, no mask to build
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:  # causal with the chunk's queries placed at the end of the context
+            qpos = torch.arange(seq_len - n, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= qpos[:, None]  # [n, S]
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
