@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -196,7 +197,7 @@ class LLMEngine:
             for r in samplers:
                 index.append(len(r.output_token_ids))
                 r.output_token_ids.append(PLACEHOLDER)
-            launched = InflightStep(self._step_id, samplers, index, out)
+            launched = InflightStep(self._step_id, samplers, index, out, time.time_ns())
         if not self.defers_output:
             return self._process(launched) if launched else []
         outputs = self._process(self._inflight) if self._inflight else []
@@ -205,6 +206,9 @@ class LLMEngine:
 
     def _process(self, step: InflightStep) -> list[RequestOutput]:
         ids = step.out.token_ids.tolist()  # the host sync
+        # When the sampling forward had run: read back now (direct), or at its launch when
+        # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
+        sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns
         if self.trace:
             self.trace("read", step.step_id)
         lps = _logprob_rows(step)
@@ -218,10 +222,10 @@ class LLMEngine:
                 tl = lps[row]
                 r.logprobs.append(TokenLogprob(tl.token_id, tl.logprob,
                                                tl.top[: r.params.logprobs]))
-            outputs.append(self._update(r, i, step.step_id))
+            outputs.append(self._update(r, i, step.step_id, sampled_ns))
         return outputs
 
-    def _update(self, r: Request, i: int, sampled_step: int) -> RequestOutput:
+    def _update(self, r: Request, i: int, sampled_step: int, sampled_ns: int) -> RequestOutput:
         """Stop checks for r's output token i; returns what to report."""
         tok = r.output_token_ids[i]
         if r.detok is not None:
@@ -250,6 +254,7 @@ class LLMEngine:
             request_id=r.request_id, new_token_ids=new, new_text=text, state=r.state,
             finish_reason=r.state.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=i + 1, sampled_step=sampled_step, emitted_step=self._step_id,
+            sampled_ns=sampled_ns,
             new_logprobs=new_lps, stop_reason=stop_reason)
 
     def _finish(self, r: Request, state: RequestState) -> None:

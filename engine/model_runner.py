@@ -25,6 +25,7 @@ class InflightStep:
     requests: list[Request]  # row i of `out` belongs to requests[i]
     out_index: list[int]  # where in requests[i].output_token_ids row i's token goes
     out: SamplerOutput
+    launched_ns: int = 0  # wall clock right after the launch (on CPU the forward has run)
 
 
 class ModelRunner:

@@ -19,6 +19,7 @@ class RequestOutput:
     num_output_tokens: int
     sampled_step: int  # id of the engine step whose forward sampled the newest token
     emitted_step: int  # id of the engine step that reported it (== sampled_step if direct)
+    sampled_ns: int = 0  # wall clock (ns) when the forward that sampled it had run
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 

@@ -110,7 +110,7 @@ class ProducerHandler(RoleHandler):
             self.emit(ipc.pack(ipc.EV_TOKEN0, o.rid, {
                 "token_id": tok, "text": out.new_text, "logprob": lp[0] if lp else None,
                 "finish": out.finish_reason, "stop_reason": "" if out.stop_reason is None
-                else str(out.stop_reason), "sampled_ns": step_end_ns,
+                else str(out.stop_reason), "sampled_ns": out.sampled_ns,
                 "received_ns": o.received_ns}))
             if out.finished:  # token 0 ended it: the engine already freed the blocks
                 self.out.pop(o.rid, None)
