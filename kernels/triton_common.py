@@ -28,6 +28,18 @@ def check_shape(name: str, t: torch.Tensor, shape: Sequence[int]) -> None:
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
 
 
+def check_paged_qkv(q: torch.Tensor, kv_layer: torch.Tensor, q_shape: str) -> tuple[int, int, int]:
+    """Shared checks of the paged-attention launchers; returns (hq, hkv, block_size)."""
+    check(q.dim() == 3, f"q: expected {q_shape}")
+    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
+    hq, d = q.shape[1], q.shape[2]
+    _, _, bs, hkv, dk = kv_layer.shape
+    check(dk == d, f"head_dim mismatch: q {d}, kv {dk}")
+    check(d >= 16 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two >= 16")
+    check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    return hq, hkv, bs
+
+
 def check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{name}: dtype {t.dtype} is not one of {FLOAT_DTYPES}")

@@ -25,6 +25,7 @@ from kernels.triton_common import (
     check_device,
     check_float,
     check_int,
+    check_paged_qkv,
     check_shape,
     compute_dtype,
 )
@@ -161,13 +162,8 @@ def decode_attention(
     num_stages: int = NUM_STAGES,
     programs_per_sm: int = PROGRAMS_PER_SM,
 ) -> torch.Tensor:
-    check(q.dim() == 3, "q: expected [B, Hq, D]")
-    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
-    bsz, hq, d = q.shape
-    _, _, bs, hkv, dk = kv_layer.shape
-    check(dk == d, f"head_dim mismatch: q {d}, kv {dk}")
-    check(d >= 16 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two >= 16")
-    check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    hq, hkv, bs = check_paged_qkv(q, kv_layer, "[B, Hq, D]")
+    bsz, d = q.shape[0], q.shape[2]
     check(block_tables.dim() == 2 and block_tables.shape[0] == bsz, "block_tables: expected [B, *]")
     check_shape("seq_lens", seq_lens, (bsz,))
     check_float("q", q)

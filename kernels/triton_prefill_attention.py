@@ -24,6 +24,7 @@ from kernels.triton_common import (
     check_device,
     check_float,
     check_int,
+    check_paged_qkv,
     check_shape,
     compute_dtype,
 )
@@ -150,13 +151,8 @@ def prefill_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
-    check(q.dim() == 3, "q: expected [T, Hq, D]")
-    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
-    num_tokens, hq, d = q.shape
-    _, _, bs, hkv, dk = kv_layer.shape
-    check(dk == d, f"head_dim mismatch: q {d}, kv {dk}")
-    check(d >= 16 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two >= 16")
-    check(hq % hkv == 0, f"Hq={hq} is not a multiple of Hkv={hkv}")
+    hq, hkv, bs = check_paged_qkv(q, kv_layer, "[T, Hq, D]")
+    num_tokens, d = q.shape[0], q.shape[2]
     check(block_tables.dim() == 2, "block_tables: expected [B, max_blocks]")
     bsz = block_tables.shape[0]
     check_shape("cu_seqlens_q", cu_seqlens_q, (bsz + 1,))
