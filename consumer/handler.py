@@ -128,18 +128,17 @@ class ConsumerHandler(RoleHandler):
 
     def _admit(self, p: Pending, first_token: int,
                logprobs: tuple[tuple[int, float], ...] | None) -> None:
+        first_lp = None
+        if logprobs:  # token 0's row as the producer streamed it: (token, logprob), *top
+            (tok, lp), *top = logprobs
+            first_lp = TokenLogprob(tok, lp, list(top))
         try:
-            req = self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token)
+            self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token,
+                                      first_lp)
         except ValueError as e:
             self.engine.unreserve(p.blocks)
             self.emit(error_event(p.rid, "error", str(e)))
             return
-        if p.params.logprobs is not None and logprobs and not req.logprobs:
-            # Token 0's row (the producer already streamed it): the engine indexes a
-            # request's logprobs by output position, so without it every later token's
-            # row would be read one place off (and the consumer's tokens sent none).
-            (tok, lp), *top = logprobs
-            req.logprobs.append(TokenLogprob(tok, lp, list(top)))
         self.kv_ready[p.rid] = now_ns()
 
     def before_step(self, now_ns: int) -> None:

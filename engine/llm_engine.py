@@ -128,11 +128,15 @@ class LLMEngine:
         self.blocks.free(block_ids)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams, block_ids: list[int],
-                      first_token: int) -> Request:
+                      params: SamplingParams, block_ids: list[int], first_token: int,
+                      first_logprob: TokenLogprob | None = None) -> Request:
         """Consumer: admits a request whose prompt KV already sits in `block_ids` and whose
         token 0 was sampled (and reported) by the producer; decoding continues from there
-        exactly as a colocated engine would (same seed, same positions, same stop state)."""
+        exactly as a colocated engine would (same seed, same positions, same stop state).
+        With logprobs requested, token 0's row is needed: rows are kept by output position."""
+        if params.logprobs is not None and first_logprob is None:
+            raise ValueError("first_logprob: token 0's logprobs are required when the request "
+                             "asks for logprobs")
         req = self._new_request(request_id, prompt_token_ids, params)
         if len(block_ids) != self.blocks.blocks_for(len(prompt_token_ids)):
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a "
@@ -140,6 +144,8 @@ class LLMEngine:
         req.block_ids = list(block_ids)
         req.num_computed_tokens = len(prompt_token_ids)
         req.output_token_ids.append(first_token)
+        if first_logprob is not None and params.logprobs is not None:
+            req.logprobs.append(first_logprob)
         req.num_emitted = 1
         if req.detok is not None:
             req.full_text = req.detok.add(first_token)
