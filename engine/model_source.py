@@ -72,7 +72,3 @@ def model_display_name(path: str) -> str:
         return EMBEDDED_NAME
     base = os.path.basename(os.path.normpath(path))
     return base[: -len(".gguf")] if base.endswith(".gguf") else base
-
-
-def is_gguf(path: str) -> bool:
-    return os.path.isfile(path) and path.endswith(".gguf")

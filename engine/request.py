@@ -66,6 +66,3 @@ class Request:
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
-
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids

@@ -86,17 +86,7 @@ class ProducerHandler(RoleHandler):
             o = self.out.get(rid)
             if o is not None:
                 self.aborts += 1
-                self._abort(o)
-
-    def _abort(self, o: Outgoing) -> None:
-        if o.pushed:  # bytes may be moving: free the blocks only once the sender is done
-            o.aborting = True
-            self.engine.stop(o.rid)
-            self.sender.cancel(o.rid, "aborted by the router")
-        else:
-            self.engine.abort(o.rid)
-            self.out.pop(o.rid)
-            self._transfer_event(o.rid, False, "aborted")
+                self._fail(o, "aborted by the router")
 
     # ---- engine outputs -----------------------------------------------------------------
 
@@ -184,6 +174,8 @@ class ProducerHandler(RoleHandler):
                               "consumer")
 
     def _fail(self, o: Outgoing, error: str) -> None:
+        """Ends o (abort, failure, lease expiry); its blocks are freed at once, or once the
+        sender says terminal if bytes may be moving."""
         if o.pushed:
             o.aborting = True
             self.engine.stop(o.rid)
