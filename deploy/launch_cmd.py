@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from deploy.cluster import ROLE_NAMES, ClusterSpec, LocalCluster
+from transfer.types import BACKENDS
 
 
 def add_launch_parser(sub: Any) -> None:
@@ -27,7 +28,9 @@ def add_launch_parser(sub: Any) -> None:
                    help="shared secret of router and workers (default: $PDSERVE_CLUSTER_TOKEN)")
     p.add_argument("--policy", default="round_robin",
                    choices=("round_robin", "least_loaded", "power_of_two"))
-    p.add_argument("--transfer-backend", default="ucx", choices=("ucx", "nixl", "fake"))
+    p.add_argument("--transfer-backend", default="ucx", choices=BACKENDS,
+                   help="ucx: any hosts (TCP, shared memory, cuda_ipc); nixl: RDMA between "
+                        "hosts; ipc: one host only, the consumer maps the producer's pool")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (default: cores / workers)")
     p.add_argument("--log-dir", default=None, help="write each process's output there")

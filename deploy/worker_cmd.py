@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from deploy.engine_args import add_engine_args, engine_config
+from transfer.types import BACKENDS
 from worker.engine_loop import EngineSpec
 
 ROLE_HELP = {"producer": "a prefill worker (direct output; pushes KV to consumers)",
@@ -35,7 +36,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="torch threads of the engine process (0: torch's default)")
     if role != "colocated":
         t = p.add_argument_group("KV transfer")
-        t.add_argument("--transfer-backend", default="ucx", choices=("ucx", "nixl", "fake"))
+        t.add_argument("--transfer-backend", default="ucx", choices=BACKENDS,
+                   help="ucx: any hosts (TCP, shared memory, cuda_ipc); nixl: RDMA between "
+                        "hosts; ipc: one host only, the consumer maps the producer's pool")
         t.add_argument("--kv-host", default="",
                        help="consumer: address its KV receiver binds and advertises "
                             "(default: --advertise-host or --host)")

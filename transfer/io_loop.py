@@ -56,7 +56,14 @@ class IOLoop:
         if self.error is not None:
             raise RuntimeError(f"transfer I/O thread died: {self.error!r}") from self.error
         self._calls.put(fn)
-        os.write(self._wfd, b"x")
+        self.wake()
+
+    def wake(self) -> None:
+        """Ends the loop's current poll early (any thread)."""
+        try:
+            os.write(self._wfd, b"x")
+        except (BlockingIOError, OSError):  # a full pipe already wakes it; a closed one: stopped
+            pass
 
     def call_sync(self, fn: Callable[[], Any], timeout: float) -> Any:
         fut: Future[Any] = Future()

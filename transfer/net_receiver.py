@@ -53,7 +53,8 @@ class NetReceiver(NetSide, KVReceiver):
         return self._address
 
     def on_start(self) -> None:
-        self.plane = make_plane(self.config, self.pool, self.name)
+        self.plane = make_plane(self.config, self.pool, self.name, exporter=False)
+        self.plane.wake = self.wake
         self.sock = self.zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         host = self.config.host
@@ -124,7 +125,11 @@ class NetReceiver(NetSide, KVReceiver):
         if ident in self.peers:  # a re-handshake replaces the old session
             self._drop_peer(self.peers[ident], f"{who} reconnected")
         assert self.plane is not None
-        handle = self.plane.add_peer(body["plane"])
+        try:
+            handle = self.plane.add_peer(body["plane"])
+        except TransferError as e:
+            self._send(ident, "REJECT", {"error": f"{self.name}: {e}"})
+            return
         self.peers[ident] = _Peer(ident, str(body.get("name")), handle, time.monotonic())
         reply = handshake.hello(self.layout, self.config.backend, self.plane.local_info())
         self._send(ident, "WELCOME", {**reply, "name": self.name})
@@ -136,15 +141,22 @@ class NetReceiver(NetSide, KVReceiver):
         wanted = (rec is not None and rec.ending is None and not rec.status.terminal
                   and (rec.peer is None or rec.peer is peer))
         error = None if rec is not None else f"{rid}: unknown request (no expect() here)"
-        for tag, dst, n in body["runs"]:
-            ok = wanted and all(b in self.dst[rid] for b in range(dst, dst + n))
-            if wanted and not ok:
+        for tag, dst, n, *more in body["runs"]:
+            src = more[0] if more else None  # protocol 2: where the run starts at the producer
+            take = wanted and error is None
+            if take and not self.dst[rid].issuperset(range(dst, dst + n)):
                 error = f"{rid}: push to blocks {dst}..{dst + n - 1} outside the reservation"
-            if ok:
+                take = False
+            if take:
                 assert rec is not None
-                rec.ops.append(self.plane.recv(peer.handle, tag, dst, n))
-            else:  # the sender's message is in flight: drain it so neither side hangs
-                peer.drains.append(self.plane.recv(peer.handle, tag, None, n))
+                try:
+                    rec.ops.append(self.plane.recv(peer.handle, tag, dst, n, src))
+                    continue
+                except TransferError as e:
+                    error = f"{rid}: {e}"
+            # the sender's message is in flight: drain it so neither side hangs
+            peer.drains.append(self.plane.recv(peer.handle, tag, None, n, src))
+        self.plane.flush()
         if rec is not None and wanted:
             rec.peer = peer
             if error is not None:
@@ -165,9 +177,19 @@ class NetReceiver(NetSide, KVReceiver):
 
     def _on_cancel(self, peer: _Peer, body: dict[str, Any]) -> None:
         rec = self.recs.get(body["rid"])
-        if rec is not None and rec.peer in (None, peer):
+        if rec is not None and rec.peer in (None, peer) and not rec.status.terminal:
+            rec.stop_to = peer  # answered with STOPPED once our reads of its blocks drained
             self.end(rec, TransferStatus.CANCELLED, f"cancelled by producer: {body['reason']}",
                      notify=False)
+        else:  # nothing of ours reads its blocks
+            self._send(peer.ident, "STOPPED", {"rid": body["rid"]})
+
+    def finalize(self, rec: Record, st: TransferStatus, error: str | None) -> None:
+        super().finalize(rec, st, error)
+        stop_to = rec.stop_to
+        if isinstance(stop_to, _Peer) and stop_to.ident in self.peers:
+            rec.stop_to = None
+            self._send(stop_to.ident, "STOPPED", {"rid": rec.request_id})
 
     def tick(self, now: float) -> None:
         assert self.plane is not None

@@ -16,6 +16,7 @@ import zmq
 from engine.kv_layout import KVLayout
 from transfer import handshake
 from transfer.base import KVSender
+from transfer.event_waiter import EventWaiter
 from transfer.io_loop import pack, unpack
 from transfer.net_side import MAX_TAG_SEQ, NetSide, Record, make_plane
 from transfer.pool import BlockRun, block_runs
@@ -55,11 +56,23 @@ class NetSender(NetSide, KVSender):
         self.conns: dict[str, _Conn] = {}
         # pushes/finishes in call order; the head waits for its CUDA event, if any
         self._queue: collections.deque[tuple[Any, Callable[[], None]]] = collections.deque()
+        self._waiter: EventWaiter | None = None  # CUDA pools: wakes the loop per event
         self.start()
         self.call_sync(lambda: None, timeout=30.0)
 
     def on_start(self) -> None:
-        self.plane = make_plane(self.config, self.pool, self.name)
+        self.plane = make_plane(self.config, self.pool, self.name, exporter=True)
+        self.plane.wake = self.wake
+        if self.pool.is_cuda:
+            self._waiter = EventWaiter(self.wake, "kv-send-events")
+
+    def on_stop(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
+        super().on_stop()
+
+    def busy(self) -> bool:
+        return bool(self._queue) or super().busy()
 
     # ---- caller side -------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None) -> None:
@@ -85,11 +98,11 @@ class NetSender(NetSide, KVSender):
         if notice.request_id != request_id:
             raise TransferError(f"finish({request_id!r}): notice is for {notice.request_id!r}")
         self._mirror_new(request_id)
-        self._enqueue(lambda: self._finish(request_id, notice))
+        self._enqueue(lambda: self._finish(request_id, notice), moves_bytes=False)
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         # queued behind this request's pushes, so a push still waiting cannot outrun it
-        self._enqueue(lambda: self.cancel_now(request_id, reason))
+        self._enqueue(lambda: self.cancel_now(request_id, reason), moves_bytes=False)
 
     def accounting(self) -> Accounting:
         def count() -> Accounting:
@@ -97,14 +110,22 @@ class NetSender(NetSide, KVSender):
 
         return self.call_sync(count, timeout=10.0)  # type: ignore[no-any-return]
 
-    def _enqueue(self, fn: Callable[[], None]) -> None:
+    def _enqueue(self, fn: Callable[[], None], moves_bytes: bool = True) -> None:
+        """Runs ``fn`` on the I/O thread after everything queued before it; a push also
+        waits for the caller's CUDA work so far (the kernels that wrote its blocks)."""
         event = None
-        if self.pool.is_cuda:  # bytes move only after the engine's kernels wrote them
+        if self.pool.is_cuda and moves_bytes:
             import torch
 
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.pool.tensor.device))
-        self.call(lambda: self._queue.append((event, fn)))
+
+        def queue() -> None:
+            self._queue.append((event, fn))
+            if event is not None and self._waiter is not None:
+                self._waiter.add(event)  # wakes the loop the moment the bytes are written
+
+        self.call(queue)
 
     # ---- loop side ---------------------------------------------------------------
     def _open(self, address: str) -> Future[None]:
@@ -152,7 +173,7 @@ class NetSender(NetSide, KVSender):
             tag = conn.next_tag()
             rec.ops.append(self.plane.send(conn.handle, tag, r.src_start, r.dst_start,
                                            r.num_blocks))
-            wire.append([tag, r.dst_start, r.num_blocks])
+            wire.append([tag, r.dst_start, r.num_blocks, r.src_start])
         rec.runs += len(runs)
         conn.sock.send(pack("PUSH", {"rid": rid, "runs": wire}))
         if rec.status == TransferStatus.PENDING:
@@ -170,6 +191,8 @@ class NetSender(NetSide, KVSender):
 
     def notify_cancel(self, rec: Record, reason: str) -> None:
         if isinstance(rec.peer, _Conn) and rec.peer.address in self.conns:
+            assert self.plane is not None
+            rec.await_peer = self.plane.pull and rec.runs > 0
             rec.peer.sock.send(pack("CANCEL", {"rid": rec.request_id, "reason": reason}))
 
     def on_readable(self, sock: Any) -> None:
@@ -189,11 +212,15 @@ class NetSender(NetSide, KVSender):
                     conn.ready.set_exception(err)
                 self._drop_conn(conn.address, str(err))
             elif kind == "ACK" and rec is not None:
-                rec.acked = True
+                rec.acked, rec.await_peer = True, False
+            elif kind == "STOPPED" and rec is not None:
+                rec.await_peer = False  # the consumer reads no more of its blocks
             elif kind == "CANCEL" and rec is not None:
+                rec.await_peer = False
                 self.end(rec, TransferStatus.CANCELLED,
                          f"cancelled by consumer: {body['reason']}", notify=False)
             elif kind == "ERROR" and rec is not None:
+                rec.await_peer = False
                 self.end(rec, TransferStatus.FAILED, f"consumer refused: {body['error']}",
                          notify=False)
 
@@ -206,7 +233,12 @@ class NetSender(NetSide, KVSender):
             conn.ready.set_exception(e)
             self._drop_conn(conn.address, str(e))
             return
-        conn.handle = self.plane.add_peer(body["plane"])
+        try:
+            conn.handle = self.plane.add_peer(body["plane"])
+        except TransferError as e:
+            conn.ready.set_exception(HandshakeError(f"consumer {conn.address}: {e}"))
+            self._drop_conn(conn.address, str(e))
+            return
         conn.remote_blocks = int(body["layout"]["num_blocks"])
         if not conn.ready.done():
             conn.ready.set_result(None)

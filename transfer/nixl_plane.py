@@ -60,7 +60,8 @@ class NixlPlane(DataPlane):
             raise TransferError(f"NIXL: posting WRITE of {n} bytes to {name} failed")
         return ("write", handle)
 
-    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int) -> object:
+    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
+             src_block: int | None = None) -> object:
         # one-sided: nothing to post; a run has landed when its notification arrives
         return ("notif", _TAG.pack(tag)) if dst_block is not None else ("done", None)
 

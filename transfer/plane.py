@@ -7,13 +7,19 @@ Tags are 64-bit and unique per (sender session, message); the receiver matches o
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 from transfer.pool import KVPool
 
 
 class DataPlane(abc.ABC):
+    # True: the consumer reads each run itself (one-sided pull); the producer must keep a
+    # cancelled request's source blocks until the consumer answered.
+    pull = False
+
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
+        self.wake: Callable[[], None] = _no_wake  # set by the owner: wakes its I/O loop
 
     @abc.abstractmethod
     def local_info(self) -> bytes:
@@ -33,12 +39,17 @@ class DataPlane(abc.ABC):
         """Posts one run's bytes to the peer; returns an op for ``test``."""
 
     @abc.abstractmethod
-    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int) -> object:
-        """Posts the landing of one run; ``dst_block`` None drains it to nowhere."""
+    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
+             src_block: int | None = None) -> object:
+        """Posts the landing of one run (``src_block``: where it starts in the producer's
+        pool, for pull planes); ``dst_block`` None drains it to nowhere."""
 
     @abc.abstractmethod
     def test(self, op: object) -> bool:
         """True once the op completed; raises TransferError if it failed."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Called after the receives of one announce were posted (planes may batch)."""
 
     def progress(self) -> None:  # noqa: B027 - optional hook, most planes progress themselves
         """Called every I/O-loop turn."""
@@ -46,3 +57,7 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Deregisters the pool and releases every resource."""
+
+
+def _no_wake() -> None:
+    pass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -16,8 +16,7 @@ class TransferValueError(ValueError):
     """Bad block ids or pool given by the caller."""
 
 
-@dataclass(frozen=True)
-class BlockRun:
+class BlockRun(NamedTuple):  # a tuple: thousands are made per prompt, on the engine thread
     """Adjacent source blocks going to adjacent destination blocks: one message."""
 
     src_start: int  # first source block id
@@ -31,12 +30,18 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[BlockRun]:
         raise TransferValueError(f"src_block_ids and dst_block_ids differ in length: "
                                  f"{len(src)} != {len(dst)}")
     runs: list[BlockRun] = []
-    for s, d in zip(src, dst, strict=True):
-        last = runs[-1] if runs else None
-        if last and s == last.src_start + last.num_blocks and d == last.dst_start + last.num_blocks:
-            runs[-1] = BlockRun(last.src_start, last.dst_start, last.num_blocks + 1)
+    if not src:
+        return runs
+    # plain ints in the loop, one BlockRun per run: a prompt has thousands of blocks and
+    # this runs on the engine's thread
+    s0, d0, n = int(src[0]), int(dst[0]), 1
+    for s, d in zip(src[1:], dst[1:], strict=True):
+        if s == s0 + n and d == d0 + n:
+            n += 1
         else:
-            runs.append(BlockRun(s, d, 1))
+            runs.append(BlockRun(s0, d0, n))
+            s0, d0, n = int(s), int(d), 1
+    runs.append(BlockRun(s0, d0, n))
     return runs
 
 
@@ -61,11 +66,27 @@ class KVPool:
         self._np = None if self.is_cuda else self.flat.numpy()
 
     @property
+    def storage_offset_bytes(self) -> int:
+        return int(self.tensor.data_ptr() - self.tensor.untyped_storage().data_ptr())
+
+    def share_memory(self) -> tuple[int, int]:
+        """Moves a CPU pool into shared memory in place (the engine's views follow);
+        returns (fd, size) of the shared file, for same-host peers to map."""
+        storage = self.tensor.untyped_storage()
+        storage.share_memory_()
+        self._np = self.flat.numpy()  # the old numpy alias points at the freed memory
+        fd, size = storage._share_fd_cpu_()
+        return int(fd), int(size)
+
+    @property
     def base_ptr(self) -> int:
         return int(self.tensor.data_ptr())
 
     def check_ids(self, ids: Sequence[int], what: str) -> None:
-        bad = [i for i in ids if not 0 <= i < self.layout.num_blocks]
+        if ids and 0 <= min(ids) and max(ids) < self.layout.num_blocks:
+            bad = []  # the common case, without a Python loop over every id
+        else:
+            bad = [i for i in ids if not 0 <= i < self.layout.num_blocks]
         if bad:
             raise TransferValueError(f"{what}: block ids {bad[:8]} outside [0, "
                                      f"{self.layout.num_blocks})")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Bumped whenever a control message changes shape; peers with another version refuse.
-PROTOCOL_VERSION = 1
-BACKENDS = ("ucx", "nixl", "fake")
+PROTOCOL_VERSION = 2  # 2: PUSH runs carry their source block; STOPPED
+BACKENDS = ("ucx", "nixl", "ipc", "fake")
 
 
 class TransferStatus(enum.IntEnum):

@@ -106,3 +106,57 @@ def test_blocks_reject_non_contiguous_block(device):
 def test_gather_scatter_blocks_gpu(dtype, gen):
     # Llama-3-8B, block size 16: 32 layers * 2 * 16 * 8 * 128 elements per block (2 MiB bf16)
     _blocks_case(300, (32, 2, 16, 8, 128), 100, dtype, gen, torch.device("cuda"), False)
+
+
+def _pairs_case(nb_src, nb_dst, words, n, gen, device):
+    from kernels.triton_blocks import copy_block_pairs
+    src = torch.randint(-2**62, 2**62, (nb_src, words), generator=gen).to(device)
+    dst = torch.randint(-2**62, 2**62, (nb_dst, words), generator=gen).to(device)
+    before = dst.clone()
+    s = torch.randperm(nb_src, generator=gen)[:n]
+    d = torch.randperm(nb_dst, generator=gen)[:n]
+    copy_block_pairs(src, dst, torch.stack([s, d]).to(device), words)
+    expected = before.clone()
+    expected[d.to(device)] = src[s.to(device)]
+    assert torch.equal(dst, expected)  # moved blocks exact, every other block untouched
+
+
+@pytest.mark.parametrize("words", [8, 4096, 4096 * 2 + 24])  # one partial / exact / several tiles
+def test_copy_block_pairs(words, gen, device):
+    _pairs_case(7, 9, words, 5, gen, device)
+
+
+def test_copy_block_pairs_takes_a_raw_pointer_and_checks_args(gen, device):
+    from kernels.triton_blocks import copy_block_pairs
+    with pytest.raises(ValueError, match="int64"):
+        copy_block_pairs(torch.zeros(2, 8, device=device), torch.zeros(2, 8, device=device,
+                         dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64,
+                                                         device=device), 8)
+    with pytest.raises(ValueError, match=r"\[2, N\]"):
+        t = torch.zeros(2, 8, dtype=torch.int64, device=device)
+        copy_block_pairs(t, t, torch.zeros(3, dtype=torch.int64, device=device), 8)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_copy_block_pairs_gpu_raw_pointer(gen):
+    # what the ipc plane passes: no tensor for the source, only its address and word type
+    from kernels.triton_blocks import copy_block_pairs
+
+    class Ptr:
+        dtype = torch.int64
+
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def data_ptr(self) -> int:
+            return self.t.data_ptr()
+
+    dev = torch.device("cuda")
+    src = torch.randint(-2**62, 2**62, (64, 262144), generator=gen).to(dev)  # 2 MiB blocks
+    dst = torch.zeros(80, 262144, dtype=torch.int64, device=dev)
+    s, d = torch.randperm(64, generator=gen)[:40], torch.randperm(80, generator=gen)[:40]
+    copy_block_pairs(Ptr(src), dst, torch.stack([s, d]).to(dev), 262144)
+    assert torch.equal(dst[d.to(dev)], src[s.to(dev)])
+    rest = sorted(set(range(80)) - set(d.tolist()))
+    assert bool((dst[rest] == 0).all())

@@ -24,7 +24,7 @@ def _nixl_skip() -> str | None:
 
 
 NIXL_SKIP = _nixl_skip()
-BACKENDS = ["fake", "ucx",
+BACKENDS = ["fake", "ucx", "ipc",
             pytest.param("nixl", marks=pytest.mark.skipif(NIXL_SKIP is not None,
                                                           reason=str(NIXL_SKIP)))]
 NET_BACKENDS = BACKENDS[1:]

@@ -1,0 +1,75 @@
+"""What only the same-host pull plane (backend ipc) has: a shared producer pool, answers
+before a cancelled producer lets go of its blocks, and a clear refusal across hosts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from xfer_helpers import LAYOUT, Pair, cfg, pool
+
+from transfer import HandshakeError, TransferNotice, TransferStatus, make_receiver, make_sender
+
+S = TransferStatus
+
+
+@pytest.fixture
+def ipc() -> Pair:
+    p = Pair("ipc")
+    yield p  # type: ignore[misc]
+    p.close()
+
+
+def test_producer_writes_after_sharing_are_what_lands(ipc: Pair) -> None:
+    # the producer's pool moved into shared memory when its sender started: the engine's
+    # tensor must still be the memory that is read, not a stale copy
+    assert ipc.src.untyped_storage().is_shared()
+    ipc.src[7].fill_(3.5)
+    ipc.rx.expect("w", [40])
+    ipc.tx.push("w", ipc.addr, [7], [40])
+    ipc.tx.finish("w", TransferNotice("w", 1, False, 0))
+    assert ipc.rx.wait("w", 10).status == S.DONE
+    assert bool((ipc.dst[40] == 3.5).all())
+
+
+def test_producer_cancel_waits_for_consumer_answer_not_timeout(ipc: Pair) -> None:
+    ipc.rx.expect("c", list(range(30, 38)))
+    ipc.tx.push("c", ipc.addr, list(range(8)), list(range(30, 38)))
+    t0 = time.monotonic()
+    ipc.tx.cancel("c", "client went away")
+    assert ipc.tx.wait("c", 10).status == S.CANCELLED
+    # STOPPED came back: neither the peer timeout (2 s) nor a dropped connection ended it
+    assert time.monotonic() - t0 < 1.5
+    assert ipc.rx.wait("c", 10).status == S.CANCELLED
+    assert ipc.tx.accounting().peers == 1
+    ipc.rx.release("c")
+    ipc.tx.release("c")
+    # the connection still carries the next request
+    ipc.rx.expect("n", [50])
+    ipc.tx.push("n", ipc.addr, [2], [50])
+    ipc.tx.finish("n", TransferNotice("n", 1, False, 0))
+    assert ipc.rx.wait("n", 10).status == S.DONE
+    assert torch.equal(ipc.dst[50], ipc.src[2])
+
+
+def test_push_the_consumer_never_expected_fails_and_keeps_the_connection(ipc: Pair) -> None:
+    ipc.tx.push("u", ipc.addr, [1], [1])  # the consumer answers ERROR, not silence
+    got = ipc.tx.wait("u", 10)
+    assert got.status == S.FAILED and "unknown request" in (got.error or "")
+    assert ipc.tx.accounting().peers == 1
+
+
+def test_different_host_is_refused_with_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transfer.ipc_plane as ipc_plane
+
+    monkeypatch.setattr(ipc_plane, "host_id", lambda: "another-host")
+    rx = make_receiver(pool(fill=-1.0), LAYOUT, cfg("ipc"))
+    monkeypatch.undo()
+    tx = make_sender(pool(), LAYOUT, cfg("ipc"))
+    try:
+        with pytest.raises(HandshakeError, match="different hosts"):
+            tx.connect(rx.address, timeout=10)
+    finally:
+        tx.close()
+        rx.close()

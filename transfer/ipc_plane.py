@@ -1,0 +1,184 @@
+"""Same-host data plane: the consumer maps the producer's pool and pulls each run itself.
+
+CPU pools: the producer moves its pool into shared memory once (``KVPool.share_memory``)
+and the consumer maps that file through ``/proc/<pid>/fd`` and copies each run with one
+memcpy. CUDA pools: the producer exports its pool allocation's IPC handle, the consumer
+opens it in its own context and issues one device copy per run on its own stream (NVLink
+between GPUs of one host), completion reported by an event waiter.
+
+Why pull and not push: the consumer alone writes into its reserved blocks, so no late
+write from a cancelled or slow producer can land in blocks the consumer freed and gave
+to another request. The producer keeps its source blocks until the consumer answered
+(ACK, CANCEL or STOPPED); the sender side holds cancelled records for that (``pull``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import msgpack
+
+from transfer.event_waiter import EventWaiter
+from transfer.plane import DataPlane
+from transfer.pool import KVPool
+from transfer.types import TransferError
+
+
+def host_id() -> str:
+    """Differs between hosts (and reboots): IPC only works inside one host."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+
+
+class IpcPlane(DataPlane):
+    pull = True
+
+    def __init__(self, pool: KVPool, exporter: bool) -> None:
+        super().__init__(pool)
+        self._peers: list[dict[str, Any]] = []
+        self._waiter: EventWaiter | None = None
+        self._unflushed: list[_Copy] = []  # copies issued since the last event
+        self._puller: Any = None  # CUDA consumer: issues the copies of an announce
+        self._info: dict[str, Any] = {"host": host_id(), "pid": os.getpid(),
+                                      "nbytes": pool.flat.numel()}
+        if pool.is_cuda:
+            import torch
+
+            from transfer import cuda_driver
+
+            cuda_driver.use_device(pool.device_index)  # driver calls below run on this thread
+            torch.cuda.set_device(pool.device_index)
+            self._stream = torch.cuda.Stream(pool.device_index)
+            if not exporter:
+                from transfer.cuda_puller import CudaPuller
+
+                self._puller = CudaPuller(self._stream, pool.base_ptr, pool.block_nbytes)
+            else:
+                base, _ = cuda_driver.allocation_of(pool.base_ptr)
+                self._info.update(kind="cuda", handle=cuda_driver.export(base),
+                                  offset=pool.base_ptr - base)
+        elif exporter:
+            fd, size = pool.share_memory()
+            self._info.update(kind="cpu", fd=fd, size=size, offset=pool.storage_offset_bytes)
+
+    def local_info(self) -> bytes:
+        return bytes(msgpack.packb(self._info))
+
+    def add_peer(self, info: bytes) -> object:
+        d = msgpack.unpackb(info)
+        if d.get("host") != self._info["host"]:
+            raise TransferError("backend ipc: producer and consumer are on different hosts "
+                                "(boot ids differ); use backend ucx or nixl between hosts")
+        if "kind" not in d:
+            return {"kind": "none"}  # a consumer's own info: nothing to map
+        want = "cuda" if self.pool.is_cuda else "cpu"
+        if d["kind"] != want:
+            raise TransferError(f"backend ipc: producer pool is {d['kind']}, ours is {want}")
+        if want == "cuda":
+            from transfer import cuda_driver
+
+            base = cuda_driver.open_handle(d["handle"])
+            peer = {"kind": "cuda", "base": base, "ptr": base + d["offset"]}
+        else:
+            peer = {"kind": "cpu", "flat": _map_cpu(d["pid"], d["fd"], d["size"], d["offset"])}
+        peer["nbytes"] = int(d["nbytes"])
+        self._peers.append(peer)
+        return peer
+
+    def remove_peer(self, peer: object) -> None:
+        assert isinstance(peer, dict)
+        if peer in self._peers:
+            self._peers.remove(peer)
+            self._unmap(peer)
+
+    def _unmap(self, peer: dict[str, Any]) -> None:
+        if peer["kind"] == "cuda":
+            from transfer import cuda_driver
+
+            self._stream.synchronize()  # no copy may read the mapping after it is closed
+            cuda_driver.close_handle(peer["base"])
+        peer.pop("flat", None)  # the mapping goes with the last tensor over it
+
+    def send(self, peer: object, tag: int, src_block: int, dst_block: int,
+             num_blocks: int) -> object:
+        return None  # pull: the consumer reads the run when the announce reaches it
+
+    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
+             src_block: int | None = None) -> object:
+        if dst_block is None:
+            return None  # nothing was written anywhere: an unwanted run needs no drain
+        assert isinstance(peer, dict) and src_block is not None
+        bn = self.pool.block_nbytes
+        n, d, s = num_blocks * bn, dst_block * bn, src_block * bn
+        if s + n > peer.get("nbytes", 0):
+            raise TransferError(f"backend ipc: source run {src_block}+{num_blocks} outside "
+                                "the producer's pool")
+        if peer["kind"] == "cpu":
+            self.pool.flat[d:d + n].copy_(peer["flat"][s:s + n])
+            return None
+
+        assert self._puller is not None
+        self._puller.add(peer["ptr"], src_block, dst_block, num_blocks)
+        op = _Copy()
+        self._unflushed.append(op)
+        return op
+
+    def flush(self) -> None:
+        """One event for all copies of an announce: a run is often a few microseconds of
+        NVLink time, less than an event record and a waiter hand-off cost on the host."""
+        if not self._unflushed:
+            return
+        import torch
+
+        assert self._puller is not None
+        self._puller.issue()
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        for op in self._unflushed:
+            op.event = ev
+        self._unflushed.clear()
+        if self._waiter is None:
+            self._waiter = EventWaiter(self.wake, "kv-ipc-events")
+        self._waiter.add(ev)
+
+    def test(self, op: object) -> bool:
+        if op is None:
+            return True
+        assert isinstance(op, _Copy)
+        if op.event is None:
+            self.flush()
+        return bool(op.event.query())  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
+        for peer in self._peers:
+            self._unmap(peer)
+        self._peers.clear()
+
+
+class _Copy:
+    """A run's device copy; done when the event recorded after it (``flush``) is."""
+
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event: Any = None
+
+
+def _map_cpu(pid: int, fd: int, size: int, offset: int) -> Any:
+    import torch
+
+    try:
+        f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except OSError as e:
+        raise TransferError(f"backend ipc: cannot open the producer's shared pool "
+                            f"(pid {pid}, fd {fd}): {e}") from None
+    try:
+        mm = mmap.mmap(f, size)
+    finally:
+        os.close(f)
+    return torch.frombuffer(mm, dtype=torch.uint8)[offset:]
