@@ -113,3 +113,19 @@ def test_2p2d_plus_colocated_worker_matches_colocated(tmp_path_factory, colocate
             wait_for_full_kv(stub)
     finally:
         c.stop()
+
+
+def test_1p1d_over_the_same_host_ipc_backend_matches_colocated(tmp_path_factory, colocated_llm):
+    # --transfer-backend ipc: the consumer maps the producer's shared-memory pool and pulls
+    # each run itself; same tokens, and both pools full again afterwards
+    c = start_cluster(tmp_path_factory, "c1p1d-ipc", transfer_backend="ipc")
+    try:
+        prompts = _prompts(colocated_llm.tokenizer)
+        results = _run_concurrently(c.router_address, prompts, seeded=False)
+        _check_against_colocated(results, prompts, colocated_llm, seeded=False)
+        assert all(r.timing.consumer == "consumer-0" for r in results if len(r.token_ids) > 1)
+        ch, stub = stub_for(c.router_address)
+        with ch:
+            wait_for_full_kv(stub)
+    finally:
+        c.stop()
