@@ -34,6 +34,21 @@ def unpack(data: bytes) -> tuple[str, dict[str, Any]]:
     return kind, body
 
 
+def pack_many(msgs: list[list[Any]]) -> bytes:
+    """A turn's messages to one peer as one ZMQ message: a burst of pushes (one per prefill
+    chunk and request) costs one send and one wake-up of the peer, not one each."""
+    if len(msgs) == 1:
+        return pack(*msgs[0])
+    return pack("BATCH", {"msgs": msgs})
+
+
+def unpack_many(data: bytes) -> list[tuple[str, dict[str, Any]]]:
+    kind, body = unpack(data)
+    if kind == "BATCH":
+        return [(k, b) for k, b in body["msgs"]]
+    return [(kind, body)]
+
+
 class IOLoop:
     def __init__(self, name: str) -> None:
         self.zctx = zmq.Context()
@@ -114,6 +129,7 @@ class IOLoop:
                 for sock in [s for s in events if s is not self._rfd]:
                     self.on_readable(sock)
                 self.tick(time.monotonic())
+                self.end_turn()
         except BaseException as e:  # keep the traceback for callers; never die silently
             self.error = e
             raise
@@ -132,6 +148,9 @@ class IOLoop:
 
     def tick(self, now: float) -> None:
         """Progress ops, deadlines, heartbeats."""
+
+    def end_turn(self) -> None:
+        """Sends what the turn queued (one message per peer, however many it holds)."""
 
     def on_stop(self) -> None:
         """Releases everything."""

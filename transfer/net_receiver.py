@@ -16,7 +16,7 @@ import zmq
 from engine.kv_layout import KVLayout
 from transfer import handshake
 from transfer.base import KVReceiver
-from transfer.io_loop import pack, unpack
+from transfer.io_loop import pack_many, unpack_many
 from transfer.net_side import NetSide, Record, make_plane
 from transfer.types import (
     Accounting,
@@ -45,6 +45,7 @@ class NetReceiver(NetSide, KVReceiver):
         self.peers: dict[bytes, _Peer] = {}
         self.dst: dict[str, frozenset[int]] = {}  # each record's reserved blocks
         self._address = ""
+        self._outbox: dict[bytes, list[list[Any]]] = {}  # per producer, sent at end of turn
         self.start()
         self.call_sync(lambda: None, timeout=30.0)  # on_start done (or raised)
 
@@ -88,7 +89,14 @@ class NetReceiver(NetSide, KVReceiver):
 
     # ---- loop side ---------------------------------------------------------------
     def _send(self, ident: bytes, kind: str, body: dict[str, Any]) -> None:
-        self.sock.send_multipart([ident, pack(kind, body)], flags=zmq.NOBLOCK)
+        self._outbox.setdefault(ident, []).append([kind, body])  # sent at the end of the turn
+
+    def end_turn(self) -> None:
+        assert self.plane is not None
+        self.plane.flush()  # the turn's pulls go out together, behind one event
+        outbox, self._outbox = self._outbox, {}
+        for ident, msgs in outbox.items():
+            self.sock.send_multipart([ident, pack_many(msgs)], flags=zmq.NOBLOCK)
 
     def notify_cancel(self, rec: Record, reason: str) -> None:
         if isinstance(rec.peer, _Peer) and rec.peer.ident in self.peers:
@@ -103,16 +111,19 @@ class NetReceiver(NetSide, KVReceiver):
                 ident, data = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind, body = unpack(data)
-            peer = self.peers.get(ident)
-            if kind == "HELLO":
-                self._on_hello(ident, body)
-            elif peer is None:
-                self._send(ident, "REJECT", {"error": f"{self.name}: not connected, handshake "
-                                                      "first (consumer restarted?)"})
-            else:
-                peer.last_heard = time.monotonic()
-                getattr(self, f"_on_{kind.lower()}", lambda p, b: None)(peer, body)
+            for kind, body in unpack_many(data):
+                self._dispatch(ident, kind, body)
+
+    def _dispatch(self, ident: bytes, kind: str, body: dict[str, Any]) -> None:
+        peer = self.peers.get(ident)
+        if kind == "HELLO":
+            self._on_hello(ident, body)
+        elif peer is None:
+            self._send(ident, "REJECT", {"error": f"{self.name}: not connected, handshake "
+                                                  "first (consumer restarted?)"})
+        else:
+            peer.last_heard = time.monotonic()
+            getattr(self, f"_on_{kind.lower()}", lambda p, b: None)(peer, body)
 
     def _on_hello(self, ident: bytes, body: dict[str, Any]) -> None:
         who = f"producer {body.get('name')!r}"
@@ -156,7 +167,6 @@ class NetReceiver(NetSide, KVReceiver):
                     error = f"{rid}: {e}"
             # the sender's message is in flight: drain it so neither side hangs
             peer.drains.append(self.plane.recv(peer.handle, tag, None, n, src))
-        self.plane.flush()
         if rec is not None and wanted:
             rec.peer = peer
             if error is not None:
@@ -230,6 +240,7 @@ class NetReceiver(NetSide, KVReceiver):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self.end_turn()  # the CANCELs of open transfers go out before the peers go
         for peer in list(self.peers.values()):
             self._drop_peer(peer, f"{self.name} closed")
 

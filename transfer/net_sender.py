@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -17,7 +17,7 @@ from engine.kv_layout import KVLayout
 from transfer import handshake
 from transfer.base import KVSender
 from transfer.event_waiter import EventWaiter
-from transfer.io_loop import pack, unpack
+from transfer.io_loop import pack, pack_many, unpack_many
 from transfer.net_side import MAX_TAG_SEQ, NetSide, Record, make_plane
 from transfer.pool import BlockRun, block_runs
 from transfer.types import (
@@ -41,6 +41,7 @@ class _Conn:
     handle: object | None = None  # data-plane peer, after WELCOME
     remote_blocks: int = 0  # the consumer's pool size, to refuse out-of-range dst ids
     seq: int = 0
+    outbox: list[list[Any]] = field(default_factory=list)  # sent at the end of the turn
 
     def next_tag(self) -> int:
         self.seq += 1
@@ -175,7 +176,7 @@ class NetSender(NetSide, KVSender):
                                            r.num_blocks))
             wire.append([tag, r.dst_start, r.num_blocks, r.src_start])
         rec.runs += len(runs)
-        conn.sock.send(pack("PUSH", {"rid": rid, "runs": wire}))
+        conn.outbox.append(["PUSH", {"rid": rid, "runs": wire}])
         if rec.status == TransferStatus.PENDING:
             self.set_status(rec, TransferStatus.IN_FLIGHT)
 
@@ -186,43 +187,54 @@ class NetSender(NetSide, KVSender):
         if rec.ending is not None or rec.status.terminal or not isinstance(rec.peer, _Conn):
             return
         rec.total, rec.notice = rec.runs, notice
-        rec.peer.sock.send(pack("FINISH", {"rid": rid, "total": rec.runs,
-                                           "notice": notice.to_wire()}))
+        rec.peer.outbox.append(["FINISH", {"rid": rid, "total": rec.runs,
+                                           "notice": notice.to_wire()}])
 
     def notify_cancel(self, rec: Record, reason: str) -> None:
         if isinstance(rec.peer, _Conn) and rec.peer.address in self.conns:
             assert self.plane is not None
             rec.await_peer = self.plane.pull and rec.runs > 0
-            rec.peer.sock.send(pack("CANCEL", {"rid": rec.request_id, "reason": reason}))
+            rec.peer.outbox.append(["CANCEL", {"rid": rec.request_id, "reason": reason}])
+
+    def end_turn(self) -> None:
+        for conn in self.conns.values():
+            if conn.outbox:
+                msgs, conn.outbox = conn.outbox, []
+                conn.sock.send(pack_many(msgs))
 
     def on_readable(self, sock: Any) -> None:
         conn = next((c for c in self.conns.values() if c.sock is sock), None)
         while conn is not None and conn.address in self.conns:
             try:
-                kind, body = unpack(sock.recv(flags=zmq.NOBLOCK))
+                msgs = unpack_many(sock.recv(flags=zmq.NOBLOCK))
             except zmq.Again:
                 return
             conn.last_heard = time.monotonic()
-            rec = self.recs.get(body.get("rid", ""))
-            if kind == "WELCOME":
-                self._on_welcome(conn, body)
-            elif kind == "REJECT":
-                err = HandshakeError(f"consumer {conn.address}: {body['error']}")
-                if not conn.ready.done():
-                    conn.ready.set_exception(err)
-                self._drop_conn(conn.address, str(err))
-            elif kind == "ACK" and rec is not None:
-                rec.acked, rec.await_peer = True, False
-            elif kind == "STOPPED" and rec is not None:
-                rec.await_peer = False  # the consumer reads no more of its blocks
-            elif kind == "CANCEL" and rec is not None:
-                rec.await_peer = False
-                self.end(rec, TransferStatus.CANCELLED,
-                         f"cancelled by consumer: {body['reason']}", notify=False)
-            elif kind == "ERROR" and rec is not None:
-                rec.await_peer = False
-                self.end(rec, TransferStatus.FAILED, f"consumer refused: {body['error']}",
-                         notify=False)
+            for kind, body in msgs:
+                if conn.address in self.conns:
+                    self._dispatch(conn, kind, body)
+
+    def _dispatch(self, conn: _Conn, kind: str, body: dict[str, Any]) -> None:
+        rec = self.recs.get(body.get("rid", ""))
+        if kind == "WELCOME":
+            self._on_welcome(conn, body)
+        elif kind == "REJECT":
+            err = HandshakeError(f"consumer {conn.address}: {body['error']}")
+            if not conn.ready.done():
+                conn.ready.set_exception(err)
+            self._drop_conn(conn.address, str(err))
+        elif kind == "ACK" and rec is not None:
+            rec.acked, rec.await_peer = True, False
+        elif kind == "STOPPED" and rec is not None:
+            rec.await_peer = False  # the consumer reads no more of its blocks
+        elif kind == "CANCEL" and rec is not None:
+            rec.await_peer = False
+            self.end(rec, TransferStatus.CANCELLED,
+                     f"cancelled by consumer: {body['reason']}", notify=False)
+        elif kind == "ERROR" and rec is not None:
+            rec.await_peer = False
+            self.end(rec, TransferStatus.FAILED, f"consumer refused: {body['error']}",
+                     notify=False)
 
     def _on_welcome(self, conn: _Conn, body: dict[str, Any]) -> None:
         assert self.plane is not None
@@ -266,7 +278,7 @@ class NetSender(NetSide, KVSender):
                 self._drop_conn(conn.address, f"consumer {conn.address}: ops did not drain")
             elif conn.handle is not None and now - conn.last_ping > hb:
                 conn.last_ping = now
-                conn.sock.send(pack("PING", {}))
+                conn.outbox.append(["PING", {}])
 
     def _drop_conn(self, address: str, reason: str) -> None:
         conn = self.conns.pop(address, None)
@@ -283,5 +295,6 @@ class NetSender(NetSide, KVSender):
 
     def shutdown(self) -> None:
         super().shutdown()
+        self.end_turn()  # the CANCELs of open transfers go out before the sockets close
         for address in list(self.conns):
             self._drop_conn(address, f"{self.name} closed")

@@ -70,3 +70,14 @@ def test_connect_to_mismatched_layout_fails_clearly(backend: str) -> None:
         assert "KV layout mismatch" in msg and "model: " in msg and "other-model" in msg
         assert "block_size: " in msg and "head_dim" not in msg
         assert tx.accounting().peers == 0
+
+
+def test_a_turns_messages_to_one_peer_travel_as_one_in_order() -> None:
+    from transfer.io_loop import pack, pack_many, unpack_many
+
+    one = [["PUSH", {"rid": "a", "runs": [[1, 2, 3, 4]]}]]
+    assert pack_many(one) == pack(*one[0])  # a lone message is sent as itself
+    many = [["PUSH", {"rid": "a", "runs": []}], ["FINISH", {"rid": "a", "total": 0}],
+            ["PING", {}]]
+    assert unpack_many(pack_many(many)) == [(k, b) for k, b in many]
+    assert unpack_many(pack("ACK", {"rid": "b"})) == [("ACK", {"rid": "b"})]
