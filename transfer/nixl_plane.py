@@ -1,14 +1,18 @@
-"""NIXL data plane: one-sided WRITE of each run into the consumer's pool, with a notification.
+"""NIXL data plane: the consumer READs each run straight out of the producer's pool.
 
-The pool is registered once here; the consumer's agent metadata and pool base address
-travel in the handshake, so the producer writes straight into the reserved blocks and
-NIXL delivers the run's tag to the consumer as a notification after the data landed.
+The pool is registered once here; the producer's agent metadata and pool base address
+travel in its handshake, and each announced run becomes one one-sided READ posted by the
+consumer into its reserved blocks. Why READ and not WRITE: with a producer writing, a
+run already on the wire when the consumer cancelled could land in blocks the consumer had
+freed and handed to another request; a reader alone decides when its blocks change (the
+same reason the ipc plane pulls; ``pull`` makes the producer keep a cancelled request's
+source blocks until the consumer answered).
 """
 
 from __future__ import annotations
 
 import os
-import struct
+import time
 from typing import Any
 
 import msgpack
@@ -18,10 +22,12 @@ from transfer.plane import DataPlane
 from transfer.pool import KVPool
 from transfer.types import TransferError
 
-_TAG = struct.Struct(">Q")
+DRAIN_S = 1.0  # how long removing a peer waits for its READs to end before aborting them
 
 
 class NixlPlane(DataPlane):
+    pull = True
+
     def __init__(self, pool: KVPool, name: str) -> None:
         super().__init__(pool)
         self._name = f"{name}-{os.getpid()}-{os.urandom(4).hex()}"  # unique per process
@@ -29,7 +35,7 @@ class NixlPlane(DataPlane):
         self._mem = "VRAM" if pool.is_cuda else "DRAM"
         self._dev = max(pool.device_index, 0)
         self._reg = self._agent.register_memory(pool.tensor)
-        self._arrived: set[bytes] = set()  # notifications not yet matched to a recv
+        self._reading: dict[str, set[Any]] = {}  # peer name -> READs not yet released
 
     def local_info(self) -> bytes:
         return bytes(msgpack.packb({"meta": self._agent.get_agent_metadata(),
@@ -42,6 +48,14 @@ class NixlPlane(DataPlane):
         return (name if isinstance(name, str) else name.decode(), d["base"], d["mem"], d["dev"])
 
     def remove_peer(self, peer: object) -> None:
+        # Our records on this peer end as soon as it is removed and their blocks go back to
+        # the engine: no READ may still be landing in them. Wait (bounded) for each to end,
+        # then release it, which aborts one still running.
+        end = time.monotonic() + DRAIN_S
+        for handle in self._reading.pop(peer[0], set()):  # type: ignore[index]
+            while time.monotonic() < end and self._agent.check_xfer_state(handle) == "PROC":
+                time.sleep(0.001)
+            self._agent.release_xfer_handle(handle)
         try:
             self._agent.remove_remote_agent(peer[0])  # type: ignore[index]
         except Exception:  # noqa: S110 - a peer that is gone may already be unknown
@@ -49,41 +63,44 @@ class NixlPlane(DataPlane):
 
     def send(self, peer: object, tag: int, src_block: int, dst_block: int,
              num_blocks: int) -> object:
-        name, rbase, rmem, rdev = _peer(peer)
-        n, bn = num_blocks * self.pool.block_nbytes, self.pool.block_nbytes
-        local = self._agent.get_xfer_descs([(self.pool.base_ptr + src_block * bn, n, self._dev)],
-                                           self._mem)
-        remote = self._agent.get_xfer_descs([(rbase + dst_block * bn, n, rdev)], rmem)
-        handle = self._agent.initialize_xfer("WRITE", local, remote, name, _TAG.pack(tag))
-        if self._agent.transfer(handle) == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise TransferError(f"NIXL: posting WRITE of {n} bytes to {name} failed")
-        return ("write", handle)
+        return None  # pull: the consumer reads the run when the announce reaches it
 
     def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
              src_block: int | None = None) -> object:
-        # one-sided: nothing to post; a run has landed when its notification arrives
-        return ("notif", _TAG.pack(tag)) if dst_block is not None else ("done", None)
-
-    def progress(self) -> None:
-        for msgs in self._agent.get_new_notifs().values():
-            self._arrived.update(msgs)
+        if dst_block is None:
+            return None  # nothing moves until we read it: an unwanted run needs no drain
+        if src_block is None:
+            raise TransferError("NIXL: announce without source blocks (producer too old)")
+        name, rbase, rmem, rdev = _peer(peer)
+        n, bn = num_blocks * self.pool.block_nbytes, self.pool.block_nbytes
+        local = self._agent.get_xfer_descs([(self.pool.base_ptr + dst_block * bn, n, self._dev)],
+                                           self._mem)
+        remote = self._agent.get_xfer_descs([(rbase + src_block * bn, n, rdev)], rmem)
+        handle = self._agent.initialize_xfer("READ", local, remote, name)
+        if self._agent.transfer(handle) == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise TransferError(f"NIXL: posting READ of {n} bytes from {name} failed")
+        self._reading.setdefault(name, set()).add(handle)
+        return (name, handle)
 
     def test(self, op: object) -> bool:
-        kind, x = _op(op)
-        if kind == "done":
+        if op is None:
             return True
-        if kind == "notif":
-            if x in self._arrived:
-                self._arrived.discard(x)
-                return True
-            return False
-        state = self._agent.check_xfer_state(x)
+        assert isinstance(op, tuple)
+        name: str = op[0]
+        handle: Any = op[1]
+        if handle not in self._reading.get(name, ()):
+            return True  # released when its peer was removed
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as e:  # NIXL raises for a peer that went away mid-READ
+            state = f"ERR ({e})"
         if state == "PROC":
             return False
-        self._agent.release_xfer_handle(x)
-        if state == "ERR":
-            raise TransferError("NIXL: WRITE failed")
+        self._reading[name].discard(handle)
+        self._agent.release_xfer_handle(handle)
+        if state.startswith("ERR"):
+            raise TransferError(f"NIXL: READ from producer agent {name} failed: {state}")
         return True
 
     def close(self) -> None:
@@ -95,11 +112,6 @@ class NixlPlane(DataPlane):
 def _peer(p: object) -> tuple[str, int, str, int]:
     assert isinstance(p, tuple) and len(p) == 4
     return p
-
-
-def _op(op: object) -> tuple[str, Any]:
-    assert isinstance(op, tuple) and len(op) == 2
-    return op
 
 
 def available() -> tuple[bool, str]:
