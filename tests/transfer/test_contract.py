@@ -131,3 +131,18 @@ def _until(cond: object, timeout: float = 10.0) -> None:
     while not cond():  # type: ignore[operator]
         assert time.monotonic() < end, "condition not reached"
         time.sleep(0.005)
+
+
+def test_a_push_arriving_after_the_consumer_let_go_lands_nowhere(pair: Pair) -> None:
+    # The consumer cancels and frees its reservation while the producer, not told yet,
+    # pushes into it: the blocks (maybe another request's by now) must stay untouched.
+    dst = [40, 41, 42, 43]
+    pair.rx.expect("late", dst)
+    pair.rx.cancel("late", "client went away")
+    assert pair.rx.wait("late", 10).status == S.CANCELLED
+    pair.rx.release("late")
+    pair.tx.push("late", pair.addr, [1, 2, 3, 4], dst)
+    got = pair.tx.wait("late", 10)
+    assert got.status == S.FAILED and "unknown request" in (got.error or ""), got
+    assert bool((pair.dst[dst] == -1).all())
+    assert pair.rx.accounting().ops_in_flight == 0
