@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import grpc
 from pdserve.v1 import worker_pb2_grpc
@@ -17,8 +18,43 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# gRPC metadata key of the cluster token on every call to a worker (worker/servicer.py
+# checks it; the router must not import that package, so the name is written in both)
+CLUSTER_TOKEN_METADATA = "x-pdserve-cluster-token"
+
+
+class _Token:
+    """Adds the cluster token to a call's metadata: workers refuse calls without it."""
+
+    def __init__(self, token: str) -> None:
+        self.pair = (CLUSTER_TOKEN_METADATA, token)
+
+    def details(self, d: Any) -> Any:
+        return d._replace(metadata=grpc.aio.Metadata(*(d.metadata or ()), self.pair))
+
+
+# grpc.aio files an interceptor under the first call kind it implements only: one class each
+class _TokenUnaryUnary(_Token, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self.details(details), request)
+
+
+class _TokenUnaryStream(_Token, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(self.details(details), request)
+
+
+class _TokenStreamStream(_Token, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation: Any, details: Any,
+                                      request_iterator: Any) -> Any:
+        return await continuation(self.details(details), request_iterator)
+
+
 class WorkerChannels:
-    def __init__(self, close_delay_s: float = 0.0) -> None:
+    def __init__(self, close_delay_s: float = 0.0, cluster_token: str = "") -> None:
+        self._interceptors: list[Any] = [
+            k(cluster_token) for k in (_TokenUnaryUnary, _TokenUnaryStream, _TokenStreamStream)
+        ] if cluster_token else []
         # A dropped worker's channel stays open this long so the Worker.Abort calls of its
         # requests (sent after the drop fails them) can still reach a worker that is alive.
         self._close_delay_s = close_delay_s
@@ -31,7 +67,8 @@ class WorkerChannels:
             return entry[2]
         if entry is not None:  # the worker came back at another address
             self._close_later(entry[1])
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                            interceptors=self._interceptors)
         stub = worker_pb2_grpc.WorkerStub(channel)
         self._channels[worker_id] = (address, channel, stub)
         return stub

@@ -79,7 +79,8 @@ class RouterServer:
             tokenizer = await asyncio.to_thread(Tokenizer.from_source, path)
         self.registry = Registry(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
                                  served_model=model_id)
-        self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0)
+        self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0,
+                                        cluster_token=cfg.cluster_token)
         policy = make_policy(cfg.policy)
         self.dispatcher = Dispatcher(self.registry, policy, self._channels, cfg)
         names = {model_id, path} | ({cfg.model} if cfg.model else set())

@@ -70,7 +70,8 @@ class WorkerServer:
         self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: bridge.load)
         self.server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(self.bridge, self.worker_id, self.metrics), self.server)
+            WorkerServicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),
+            self.server)
         port = self.server.add_insecure_port(f"{cfg.bind_host}:{cfg.port}")
         await self.server.start()
         self.address = f"{cfg.advertise_host or cfg.bind_host}:{port}"

@@ -4,6 +4,7 @@ events back. It never touches the model, so serving never stalls scheduling."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +20,9 @@ from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob, to
 from worker.metrics_server import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
+# gRPC metadata key carrying the cluster token on the router's calls (router/channels.py
+# sets it; the router must not import this package, so the name is written in both)
+CLUSTER_TOKEN_METADATA = "x-pdserve-cluster-token"
 
 
 class EngineBridge:
@@ -76,10 +80,22 @@ class EngineBridge:
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, bridge: EngineBridge, worker_id: str,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, cluster_token: str = "") -> None:
         self.bridge = bridge
         self.worker_id = worker_id
         self.metrics = metrics
+        self.cluster_token = cluster_token
+
+    async def _check_token(self, context: grpc.aio.ServicerContext) -> None:
+        """With a cluster token set, only its holder (the router) may drive this worker:
+        a stray client could otherwise start prefills, reserve KV or abort requests."""
+        if not self.cluster_token:
+            return
+        got = dict(context.invocation_metadata() or ()).get(CLUSTER_TOKEN_METADATA, "")
+        if not isinstance(got, str) or not hmac.compare_digest(got.encode(),
+                                                               self.cluster_token.encode()):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{CLUSTER_TOKEN_METADATA}: wrong or missing cluster token")
 
     def _count(self, rpc: str, outcome: str) -> None:
         if self.metrics is not None:
@@ -99,6 +115,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillInput],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillOutput]:
+        await self._check_token(context)
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "request":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -159,6 +176,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Decode(self, request: worker_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeOutput]:
+        await self._check_token(context)
         rid = request.request_id
         q = await self._open(rid, context)
         self.bridge.send(ipc.CMD_DECODE, rid, list(request.prompt_token_ids),
@@ -188,6 +206,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:
+        await self._check_token(context)
         known = request.request_id in self.bridge.queues
         self.bridge.send(ipc.CMD_ABORT, request.request_id)
         return worker_pb2.WorkerAbortResponse(ok=known)

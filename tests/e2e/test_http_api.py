@@ -142,6 +142,29 @@ def test_api_key_and_cluster_token_are_enforced(cluster: LocalCluster) -> None:
     for token in ("", "wrong"):
         assert "cluster_token" in asyncio.run(asyncio.wait_for(register(token), 20))
     assert "stray-1" not in [w.worker_id for w in cluster.status().workers]
+    # Nor can a stray client drive a worker directly (decode on it, abort its requests):
+    # its own gRPC wants the cluster token the router sends.
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    consumer = next(w for w in cluster.status().workers if w.worker_id.startswith("consumer"))
+    for md in ((), (("x-pdserve-cluster-token", "wrong"),)):
+        with grpc.insecure_channel(consumer.address) as ch:
+            w = worker_pb2_grpc.WorkerStub(ch)
+            for kind in ("decode", "abort"):
+                with pytest.raises(grpc.RpcError) as e:
+                    if kind == "decode":
+                        list(w.Decode(worker_pb2.DecodeRequest(
+                            request_id="stray", prompt_token_ids=[1, 2, 3]), metadata=md,
+                            timeout=10))
+                    else:
+                        w.Abort(worker_pb2.WorkerAbortRequest(request_id="x"), metadata=md,
+                                timeout=10)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+                assert "cluster token" in (e.value.details() or "")  # type: ignore[attr-defined]
+    with grpc.intercept_channel(grpc.insecure_channel(cluster.router_address), _Auth(KEY)) as ch:
+        r = generate(router_pb2_grpc.RouterStub(ch), dict(max_tokens=4, temperature=0),
+                     **chat("Say hello."))
+        assert r.error == "" and len(r.token_ids) == 4  # the router's own calls still work
 
 
 async def _stream_chat(session: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, str]:
