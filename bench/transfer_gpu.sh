@@ -24,10 +24,6 @@ step pytest_gpu 240 python3 -m pytest -q -m gpu tests/transfer \
   tests/kernels/test_kv_movement.py -p no:cacheprovider
 TAILN=16 step sweep_ipc 150 python3 bench/transfer_bench.py --device cuda --backend ipc \
   --reps 3 --out "$out/sweep_ipc.json"
-PDSERVE_IPC_COPY=dma TAILN=16 step sweep_ipc_dma 150 python3 bench/transfer_bench.py \
-  --device cuda --backend ipc --reps 3 --out "$out/sweep_ipc_dma.json"
-PDSERVE_IPC_COPY=kernel TAILN=16 step sweep_ipc_kernel 150 python3 bench/transfer_bench.py \
-  --device cuda --backend ipc --reps 3 --out "$out/sweep_ipc_kernel.json"
 TAILN=12 step overlap_ipc 150 python3 bench/transfer_overlap_bench.py --device cuda \
   --backend ipc --out "$out/overlap_ipc.json"
 TAILN=12 step overlap_ucx 150 python3 bench/transfer_overlap_bench.py --device cuda \

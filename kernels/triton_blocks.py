@@ -81,35 +81,3 @@ def scatter_blocks(
     check(src.shape[0] == block_ids.numel(), "src: expected one row per block id")
     _launch(src, cache, block_ids, gather=False)
 
-
-@triton.jit
-def _copy_pairs_kernel(src_ptr, dst_ptr, ids_ptr, N, NUMEL, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    chunk = tl.program_id(1)
-    s = tl.load(ids_ptr + i).to(tl.int64)  # ids: [2, N], row 0 source, row 1 destination
-    d = tl.load(ids_ptr + N + i).to(tl.int64)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < NUMEL
-    x = tl.load(src_ptr + s * NUMEL + offs, mask=mask)
-    tl.store(dst_ptr + d * NUMEL + offs, x, mask=mask)
-
-
-def copy_block_pairs(src: object, dst: object, ids: torch.Tensor, block_words: int) -> None:
-    """dst block ids[1][i] <- src block ids[0][i], for every i, in one launch.
-
-    ``src`` / ``dst``: int64 tensors over whole pools, or any object with ``data_ptr()``
-    and ``dtype`` torch.int64 (a peer's pool mapped through CUDA IPC has no tensor);
-    ``block_words``: 8-byte words per block. One launch for a whole announce of scattered
-    runs, where one DMA copy per run pays a few microseconds of setup per 2 MiB block.
-    """
-    for name, t in (("src", src), ("dst", dst)):
-        check(getattr(t, "dtype", None) == torch.int64, f"{name}: expected int64 words")
-    check(ids.dim() == 2 and ids.shape[0] == 2, "ids: expected [2, N]")
-    check_int("ids", ids)
-    check(block_words > 0, "block_words: must be > 0")
-    n = ids.shape[1]
-    if n == 0:
-        return
-    block = 4096  # 32 KiB per program
-    grid = (n, triton.cdiv(block_words, block))
-    _copy_pairs_kernel[grid](src, dst, ids, n, block_words, BLOCK=block, num_warps=8)

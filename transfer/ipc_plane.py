@@ -40,7 +40,6 @@ class IpcPlane(DataPlane):
         self._peers: list[dict[str, Any]] = []
         self._waiter: EventWaiter | None = None
         self._unflushed: list[_Copy] = []  # copies issued since the last event
-        self._puller: Any = None  # CUDA consumer: issues the copies of an announce
         self._info: dict[str, Any] = {"host": host_id(), "pid": os.getpid(),
                                       "nbytes": pool.flat.numel()}
         if pool.is_cuda:
@@ -51,11 +50,7 @@ class IpcPlane(DataPlane):
             cuda_driver.use_device(pool.device_index)  # driver calls below run on this thread
             torch.cuda.set_device(pool.device_index)
             self._stream = torch.cuda.Stream(pool.device_index)
-            if not exporter:
-                from transfer.cuda_puller import CudaPuller
-
-                self._puller = CudaPuller(self._stream, pool.base_ptr, pool.block_nbytes)
-            else:
+            if exporter:
                 base, _ = cuda_driver.allocation_of(pool.base_ptr)
                 self._info.update(kind="cuda", handle=cuda_driver.export(base),
                                   offset=pool.base_ptr - base)
@@ -119,21 +114,24 @@ class IpcPlane(DataPlane):
             self.pool.flat[d:d + n].copy_(peer["flat"][s:s + n])
             return None
 
-        assert self._puller is not None
-        self._puller.add(peer["ptr"], src_block, dst_block, num_blocks)
+        from transfer import cuda_driver
+
+        # one DMA per run on the copy engine: reaches the link's peak on large runs and
+        # leaves the SMs to the consumer's decode (a Triton pull of a whole announce over
+        # NVLink was measured slower: bench/RESULTS.md)
+        cuda_driver.copy_async(self.pool.base_ptr + d, peer["ptr"] + s, n,
+                               self._stream.cuda_stream)
         op = _Copy()
         self._unflushed.append(op)
         return op
 
     def flush(self) -> None:
-        """One event for all copies of an announce: a run is often a few microseconds of
+        """One event for all copies of a loop turn: a run is often a few microseconds of
         NVLink time, less than an event record and a waiter hand-off cost on the host."""
         if not self._unflushed:
             return
         import torch
 
-        assert self._puller is not None
-        self._puller.issue()
         ev = torch.cuda.Event()
         ev.record(self._stream)
         for op in self._unflushed:

@@ -144,5 +144,7 @@ def test_a_push_arriving_after_the_consumer_let_go_lands_nowhere(pair: Pair) -> 
     pair.tx.push("late", pair.addr, [1, 2, 3, 4], dst)
     got = pair.tx.wait("late", 10)
     assert got.status == S.FAILED and "unknown request" in (got.error or ""), got
+    # the consumer answers at once; a tag plane (ucx) may still be draining the run into
+    # its 1-byte sink: that ends on its own, and nothing of it reaches the blocks
+    _until(lambda: pair.rx.accounting().ops_in_flight == 0)
     assert bool((pair.dst[dst] == -1).all())
-    assert pair.rx.accounting().ops_in_flight == 0
