@@ -84,8 +84,10 @@ class IpcPlane(DataPlane):
 
     def remove_peer(self, peer: object) -> None:
         assert isinstance(peer, dict)
-        if peer in self._peers:
-            self._peers.remove(peer)
+        # by identity: == on these dicts would compare their mapped pools element-wise
+        kept = [p for p in self._peers if p is not peer]
+        if len(kept) < len(self._peers):
+            self._peers = kept
             self._unmap(peer)
 
     def _unmap(self, peer: dict[str, Any]) -> None:

@@ -75,6 +75,9 @@ class NetSide(IOLoop):
 
     # ---- caller side -------------------------------------------------------------
     def poll(self) -> list[TransferUpdate]:
+        if self.error is not None:  # a dead I/O thread must fail the service, not stall it
+            raise RuntimeError(f"{self.name}: transfer I/O thread died: {self.error!r}") \
+                from self.error
         return self._take_stashed() + self.take_updates()  # type: ignore[attr-defined]
 
     def status(self, request_id: str) -> TransferStatus:

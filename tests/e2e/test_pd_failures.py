@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
 from live_cluster import start_cluster
 from pdserve.v1 import common_pb2, router_pb2
@@ -24,9 +25,11 @@ def _wait_dropped(stub, name: str, timeout: float = 15.0) -> None:  # type: igno
         time.sleep(0.2)
 
 
-def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory):
-    c = start_cluster(tmp_path_factory, "ckill", producers=2, consumers=2,
-                      router_args=("--heartbeat-timeout", "2"))
+@pytest.mark.parametrize("backend", ["ucx", "ipc"])
+def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, backend):
+    # ipc: the consumer holds a mapping of the killed producer's pool and pulls from it
+    c = start_cluster(tmp_path_factory, f"ckill-{backend}", producers=2, consumers=2,
+                      transfer_backend=backend, router_args=("--heartbeat-timeout", "2"))
     ch, stub = stub_for(c.router_address)
     try:
         # --- a consumer dies mid-decode ------------------------------------------------

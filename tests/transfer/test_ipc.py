@@ -73,3 +73,43 @@ def test_different_host_is_refused_with_reason(monkeypatch: pytest.MonkeyPatch) 
     finally:
         tx.close()
         rx.close()
+
+
+def test_consumer_drops_one_of_two_producers_and_keeps_the_other() -> None:
+    # two mapped pools: dropping one must not touch (or compare) the other's mapping
+    rx = make_receiver(pool(fill=-1.0), LAYOUT, cfg("ipc"))
+    srcs = [pool(), pool()]
+    txs = [make_sender(s, LAYOUT, cfg("ipc"), name=f"p{i}") for i, s in enumerate(srcs)]
+    try:
+        for tx in txs:
+            tx.connect(rx.address, timeout=10)
+        txs[1].close()  # the later one goes silent: dropped after peer_timeout_s (2 s here)
+        end = time.monotonic() + 10
+        while rx.accounting().peers != 1:
+            assert time.monotonic() < end, "the silent producer was never dropped"
+            time.sleep(0.05)
+        assert rx.poll() == []  # the I/O thread is alive (poll raises if it died)
+        rx.expect("k", [9])
+        txs[0].push("k", rx.address, [4], [9])
+        txs[0].finish("k", TransferNotice("k", 1, False, 0))
+        assert rx.wait("k", 10).status == S.DONE
+        assert torch.equal(rx_pool_row(rx, 9), srcs[0][4])
+    finally:
+        for tx in txs:
+            tx.close()
+        rx.close()
+
+
+def rx_pool_row(rx: object, block: int) -> torch.Tensor:
+    return rx.pool.tensor[block]  # type: ignore[attr-defined]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # on purpose
+def test_a_dead_io_thread_makes_poll_raise_instead_of_going_quiet(ipc: Pair) -> None:
+    ipc.rx.call(lambda: 1 / 0)  # type: ignore[attr-defined]  # any crash on the I/O thread
+    end = time.monotonic() + 10
+    while ipc.rx.error is None:  # type: ignore[attr-defined]
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="I/O thread died"):
+        ipc.rx.poll()
