@@ -112,11 +112,15 @@ class Dispatcher:
         Cancelling at once would look like an abort to the worker (a producer still waiting
         for the consumer's ack, or a consumer about to send its status).
         """
+        loop = asyncio.get_running_loop()
+        end = loop.time() + LINGER_S
         if half_close and isinstance(leg, ProducerLeg):
+            # bounded too: the half-close waits for the leg's write lock (a destination
+            # write may hold it), and an unbounded wait here skipped the cancel below
             with contextlib.suppress(Exception):
-                await leg.half_close()
+                await asyncio.wait_for(leg.half_close(), LINGER_S)
         try:
-            await asyncio.wait_for(asyncio.shield(task), LINGER_S)
+            await asyncio.wait_for(asyncio.shield(task), max(0.0, end - loop.time()))
         except (TimeoutError, asyncio.CancelledError):
             leg.call.cancel()
             task.cancel()
