@@ -6,10 +6,7 @@ memcpy. CUDA pools: the producer exports its pool allocation's IPC handle, the c
 opens it in its own context and issues one device copy per run on its own stream (NVLink
 between GPUs of one host), completion reported by an event waiter.
 
-Why pull and not push: the consumer alone writes into its reserved blocks, so no late
-write from a cancelled or slow producer can land in blocks the consumer freed and gave
-to another request. The producer keeps its source blocks until the consumer answered
-(ACK, CANCEL or STOPPED); the sender side holds cancelled records for that (``pull``).
+Why pull and not push: see ``transfer.plane.PullPlane``.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from typing import Any
 import msgpack
 
 from transfer.event_waiter import EventWaiter
-from transfer.plane import DataPlane
+from transfer.plane import PullPlane
 from transfer.pool import KVPool
 from transfer.types import TransferError
 
@@ -32,9 +29,7 @@ def host_id() -> str:
         return f.read().strip()
 
 
-class IpcPlane(DataPlane):
-    pull = True
-
+class IpcPlane(PullPlane):
     def __init__(self, pool: KVPool, exporter: bool) -> None:
         super().__init__(pool)
         self._peers: list[dict[str, Any]] = []
@@ -98,15 +93,8 @@ class IpcPlane(DataPlane):
             cuda_driver.close_handle(peer["base"])
         peer.pop("flat", None)  # the mapping goes with the last tensor over it
 
-    def send(self, peer: object, tag: int, src_block: int, dst_block: int,
-             num_blocks: int) -> object:
-        return None  # pull: the consumer reads the run when the announce reaches it
-
-    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
-             src_block: int | None = None) -> object:
-        if dst_block is None:
-            return None  # nothing was written anywhere: an unwanted run needs no drain
-        assert isinstance(peer, dict) and src_block is not None
+    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int) -> object:
+        assert isinstance(peer, dict)
         bn = self.pool.block_nbytes
         n, d, s = num_blocks * bn, dst_block * bn, src_block * bn
         if s + n > peer.get("nbytes", 0):

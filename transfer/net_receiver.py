@@ -152,8 +152,7 @@ class NetReceiver(NetSide, KVReceiver):
         wanted = (rec is not None and rec.ending is None and not rec.status.terminal
                   and (rec.peer is None or rec.peer is peer))
         error = None if rec is not None else f"{rid}: unknown request (no expect() here)"
-        for tag, dst, n, *more in body["runs"]:
-            src = more[0] if more else None  # protocol 2: where the run starts at the producer
+        for tag, dst, n, src in body["runs"]:  # src: where the run starts at the producer
             take = wanted and error is None
             if take and not self.dst[rid].issuperset(range(dst, dst + n)):
                 error = f"{rid}: push to blocks {dst}..{dst + n - 1} outside the reservation"

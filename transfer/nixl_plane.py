@@ -4,9 +4,7 @@ The pool is registered once here; the producer's agent metadata and pool base ad
 travel in its handshake, and each announced run becomes one one-sided READ posted by the
 consumer into its reserved blocks. Why READ and not WRITE: with a producer writing, a
 run already on the wire when the consumer cancelled could land in blocks the consumer had
-freed and handed to another request; a reader alone decides when its blocks change (the
-same reason the ipc plane pulls; ``pull`` makes the producer keep a cancelled request's
-source blocks until the consumer answered).
+freed and handed to another request (see ``transfer.plane.PullPlane``).
 """
 
 from __future__ import annotations
@@ -18,16 +16,14 @@ from typing import Any
 import msgpack
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 
-from transfer.plane import DataPlane
+from transfer.plane import PullPlane
 from transfer.pool import KVPool
 from transfer.types import TransferError
 
 DRAIN_S = 1.0  # how long removing a peer waits for its READs to end before aborting them
 
 
-class NixlPlane(DataPlane):
-    pull = True
-
+class NixlPlane(PullPlane):
     def __init__(self, pool: KVPool, name: str) -> None:
         super().__init__(pool)
         self._name = f"{name}-{os.getpid()}-{os.urandom(4).hex()}"  # unique per process
@@ -61,16 +57,7 @@ class NixlPlane(DataPlane):
         except Exception:  # noqa: S110 - a peer that is gone may already be unknown
             pass
 
-    def send(self, peer: object, tag: int, src_block: int, dst_block: int,
-             num_blocks: int) -> object:
-        return None  # pull: the consumer reads the run when the announce reaches it
-
-    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
-             src_block: int | None = None) -> object:
-        if dst_block is None:
-            return None  # nothing moves until we read it: an unwanted run needs no drain
-        if src_block is None:
-            raise TransferError("NIXL: announce without source blocks (producer too old)")
+    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int) -> object:
         name, rbase, rmem, rdev = _peer(peer)
         n, bn = num_blocks * self.pool.block_nbytes, self.pool.block_nbytes
         local = self._agent.get_xfer_descs([(self.pool.base_ptr + dst_block * bn, n, self._dev)],

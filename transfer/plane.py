@@ -13,9 +13,7 @@ from transfer.pool import KVPool
 
 
 class DataPlane(abc.ABC):
-    # True: the consumer reads each run itself (one-sided pull); the producer must keep a
-    # cancelled request's source blocks until the consumer answered.
-    pull = False
+    pull = False  # see PullPlane
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
@@ -40,7 +38,7 @@ class DataPlane(abc.ABC):
 
     @abc.abstractmethod
     def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
-             src_block: int | None = None) -> object:
+             src_block: int) -> object:
         """Posts the landing of one run (``src_block``: where it starts in the producer's
         pool, for pull planes); ``dst_block`` None drains it to nowhere."""
 
@@ -57,6 +55,31 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Deregisters the pool and releases every resource."""
+
+
+class PullPlane(DataPlane):
+    """The consumer reads each run itself (one-sided): the producer posts nothing, and a
+    run nobody wants is simply not read. Why: only the reader decides when its blocks
+    change, so no late write of a cancelled transfer can land in blocks already handed to
+    another request. The producer keeps a cancelled request's source blocks until the
+    consumer answered (``pull``)."""
+
+    pull = True
+
+    def send(self, peer: object, tag: int, src_block: int, dst_block: int,
+             num_blocks: int) -> object:
+        return None  # the consumer reads the run when the announce reaches it
+
+    def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
+             src_block: int) -> object:
+        if dst_block is None:
+            return None  # nothing moves until read: an unwanted run needs no drain
+        return self.read(peer, src_block, dst_block, num_blocks)
+
+    @abc.abstractmethod
+    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int) -> object:
+        """Starts reading one run from the peer's pool into ours; an op for ``test``
+        (None: already done)."""
 
 
 def _no_wake() -> None:

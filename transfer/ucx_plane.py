@@ -58,7 +58,7 @@ class UcxPlane(DataPlane):
         return (peer.tag_send(buf, ucx.UCXXTag(tag)), buf, False)  # type: ignore[attr-defined]
 
     def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
-             src_block: int | None = None) -> object:
+             src_block: int) -> object:
         discard = dst_block is None
         buf = Array(self._discard if dst_block is None else self.pool.view(dst_block, num_blocks))
         req = peer.tag_recv(buf, ucx.UCXXTag(tag), ucx.UCXXTagMaskFull)  # type: ignore[attr-defined]

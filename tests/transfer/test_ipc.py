@@ -4,6 +4,7 @@ before a cancelled producer lets go of its blocks, and a clear refusal across ho
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ S = TransferStatus
 
 
 @pytest.fixture
-def ipc() -> Pair:
+def ipc() -> Iterator[Pair]:
     p = Pair("ipc")
-    yield p  # type: ignore[misc]
+    yield p
     p.close()
 
 
