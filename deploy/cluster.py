@@ -135,10 +135,27 @@ class LocalCluster:
                 raise TimeoutError(f"cluster not ready after {timeout:.0f} s")
             time.sleep(0.3)
 
-    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        """Kills one process group (a worker's gRPC process and its engine process)."""
-        os.killpg(self.procs[name].pid, sig)
+    def kill(self, name: str, sig: int = signal.SIGKILL, group: bool = True) -> None:
+        """Kills one process group (a worker's gRPC process and its engine process), or
+        with ``group=False`` its leader alone (the engine must then follow by itself)."""
+        if group:
+            os.killpg(self.procs[name].pid, sig)
+        else:
+            self.procs[name].send_signal(sig)
         self.procs[name].wait(10)
+
+    def group_alive(self, name: str) -> list[int]:
+        """Pids still running (not zombies) in the process group of ``name``."""
+        pgid, alive = self.procs[name].pid, []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(entry))
+        return alive
 
     def stop(self) -> None:
         for p in self.procs.values():

@@ -98,11 +98,20 @@ class IOLoop:
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Ends the loop and frees its sockets; safe after the loop crashed. The context
+        must be destroyed on every path: a context left with open sockets makes libzmq's
+        term block the interpreter's exit for ever."""
         if self._thread.is_alive():
-            self.call(self._set_stop)
+            # not call(): that refuses once the loop has failed, and a failed loop can still
+            # be alive, releasing its plane in on_stop
+            self._calls.put(self._set_stop)
+            self.wake()
             self._thread.join(timeout)
+        if self._wfd < 0:
+            return
         os.close(self._rfd)
         os.close(self._wfd)
+        self._rfd = self._wfd = -1
         self.zctx.destroy(linger=0)
 
     # ---- loop side ---------------------------------------------------------------

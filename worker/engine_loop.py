@@ -3,7 +3,12 @@ and reports events, without ever waiting on the gRPC process."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
+import os
+import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -95,8 +100,22 @@ def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
     return ColocatedHandler(engine, emit)
 
 
+def _die_with_parent() -> None:
+    """A worker killed outright (SIGKILL, the OOM killer) must not leave its engine behind
+    holding the model, the KV pool and its ports: nothing else would ever stop it, since it
+    only waits for commands from the dead process."""
+    parent = multiprocessing.parent_process()
+    if sys.platform != "linux" or parent is None:
+        return
+    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent.pid:  # it died before the line above
+        os._exit(1)
+
+
 def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
     """Entry point of the spawned engine process."""
+    _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[{spec.role}-engine] %(message)s")
     if spec.threads:
         import torch

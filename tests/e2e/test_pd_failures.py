@@ -39,8 +39,13 @@ def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, ba
                                 **chat(f"Count to a thousand, take {i}.")) for i in range(2)]
             time.sleep(3.0)  # both are decoding (round robin: one per consumer)
             t_kill = time.monotonic()
-            c.kill("consumer-0")
+            # its gRPC process alone, as the OOM killer would: the engine must follow
+            assert len(c.group_alive("consumer-0")) >= 2
+            c.kill("consumer-0", group=False)
             results = [f.result() for f in futs]
+        while c.group_alive("consumer-0"):
+            assert time.monotonic() - t_kill < 10, "the engine outlived its worker"
+            time.sleep(0.1)
         failed = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_ERROR]
         ok = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_LENGTH]
         assert len(failed) == 1 and len(ok) == 1, [(r.finish_reason, r.error) for r in results]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from transfer import (
     make_receiver,
     make_sender,
 )
+from transfer.io_loop import IOLoop
 from transfer.pool import BlockRun, KVPool, block_runs
 
 
@@ -81,3 +84,32 @@ def test_a_turns_messages_to_one_peer_travel_as_one_in_order() -> None:
             ["PING", {}]]
     assert unpack_many(pack_many(many)) == [(k, b) for k, b in many]
     assert unpack_many(pack("ACK", {"rid": "b"})) == [("ACK", {"rid": "b"})]
+
+
+class _SlowToDie(IOLoop):
+    """A loop whose on_stop takes a while: stop() lands while the crashed loop is still alive."""
+
+    def __init__(self) -> None:
+        super().__init__("slow-to-die")
+        self.releasing = threading.Event()
+
+    def on_stop(self) -> None:
+        self.releasing.set()
+        time.sleep(0.3)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # on purpose
+def test_stopping_a_crashed_loop_still_in_on_stop_frees_its_context() -> None:
+    # CI once hung for its whole time limit here: stop() raised "I/O thread died" before it
+    # destroyed the ZMQ context, and libzmq's term then blocked the interpreter's exit
+    loop = _SlowToDie()
+    loop.start()
+    loop.call(lambda: None.missing)  # type: ignore[attr-defined]  # any crash on the thread
+    assert loop.releasing.wait(10)
+    assert loop.error is not None and loop._thread.is_alive()
+    loop.stop()
+    assert not loop._thread.is_alive()
+    assert loop.zctx.closed
+    loop.stop()  # a second stop is harmless
+    with pytest.raises(RuntimeError, match="I/O thread died"):
+        loop.call(lambda: None)

@@ -1,0 +1,93 @@
+"""Whole-suite guards: no test may leave a process behind, and the run must end.
+
+CI once printed a finished summary and then hung for its whole 90-minute limit. Two things
+can do that after the last test: a leftover process that still holds the run's output pipe
+(a cluster process started without a log directory inherits it), or an interpreter exit
+that blocks. So pytest becomes the subreaper of everything it starts (orphans of killed
+workers come back to it), every descendant still alive when the session ends is named,
+killed and fails the run, and an exit that hangs dumps every thread's stack and ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+PR_SET_CHILD_SUBREAPER = 36
+GRACE_S = 10.0  # a cluster's stop waits for its leaders; their children may trail a little
+EXIT_WATCHDOG_S = 120.0
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """Live (non-zombie) descendants of ``root``: pid -> command line."""
+    children: dict[int, list[int]] = {}
+    state: dict[int, tuple[str, str]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        # the command name in field 2 may hold spaces or parens: split after its last ')'
+        fields = stat[stat.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(name))
+        state[int(name)] = (fields[0], cmd)
+    found: dict[int, str] = {}
+    todo = [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            todo.append(pid)
+            if state[pid][0] != "Z":
+                found[pid] = state[pid][1]
+    return found
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if sys.platform != "linux":
+        return
+    end = time.monotonic() + GRACE_S
+    while (left := _descendants(os.getpid())) and time.monotonic() < end:
+        _reap()
+        time.sleep(0.2)
+    if not left:
+        return
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap()
+    lines = "\n".join(f"  {pid}: {cmd[:200]}" for pid, cmd in sorted(left.items()))
+    sys.stderr.write(f"\nprocesses left running after the tests (killed now):\n{lines}\n")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # what remains is interpreter exit; if that blocks, say where, and end
+    faulthandler.dump_traceback_later(EXIT_WATCHDOG_S, exit=True)
