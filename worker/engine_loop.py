@@ -107,6 +107,8 @@ def _die_with_parent() -> None:
     parent = multiprocessing.parent_process()
     if sys.platform != "linux" or parent is None:
         return
+    # the kernel signals when the *thread* that started us ends: WorkerServer.start runs on
+    # the worker's main thread, which lives as long as the worker
     PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent.pid:  # it died before the line above
