@@ -61,7 +61,7 @@ def test_consumer_killed_mid_transfer(backend: Any) -> None:
             tx.push("peer-req", addr, src[:4], dst[:4])
             _kill(child)
             t0 = time.monotonic()
-            with contextlib.suppress(TransferError):  # NIXL may have failed the first WRITE
+            with contextlib.suppress(TransferError):  # the first failure may already have ended it
                 tx.push("peer-req", addr, src[4:8], dst[4:8])  # mid-transfer: more is coming
             got = tx.wait("peer-req", tx_timeout := 2.0 + SLACK)
             assert got.status == TransferStatus.FAILED, got
