@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from deploy.procs import processes
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -146,16 +148,8 @@ class LocalCluster:
 
     def group_alive(self, name: str) -> list[int]:
         """Pids still running (not zombies) in the process group of ``name``."""
-        pgid, alive = self.procs[name].pid, []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                alive.append(int(entry))
-        return alive
+        pgid = self.procs[name].pid
+        return [p.pid for p in processes() if p.pgrp == pgid and p.state != "Z"]
 
     def stop(self) -> None:
         for p in self.procs.values():

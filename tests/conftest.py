@@ -19,6 +19,8 @@ import time
 
 import pytest
 
+from deploy.procs import cmdline, processes
+
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = 10.0  # a cluster's stop waits for its leaders; their children may trail a little
 EXIT_WATCHDOG_S = 120.0
@@ -26,29 +28,18 @@ EXIT_WATCHDOG_S = 120.0
 
 def _descendants(root: int) -> dict[int, str]:
     """Live (non-zombie) descendants of ``root``: pid -> command line."""
+    table = processes()
     children: dict[int, list[int]] = {}
-    state: dict[int, tuple[str, str]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            continue
-        # the command name in field 2 may hold spaces or parens: split after its last ')'
-        fields = stat[stat.rindex(")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(name))
-        state[int(name)] = (fields[0], cmd)
+    for p in table:
+        children.setdefault(p.ppid, []).append(p.pid)
+    zombies = {p.pid for p in table if p.state == "Z"}
     found: dict[int, str] = {}
     todo = [root]
     while todo:
         for pid in children.get(todo.pop(), []):
             todo.append(pid)
-            if state[pid][0] != "Z":
-                found[pid] = state[pid][1]
+            if pid not in zombies:
+                found[pid] = cmdline(pid)
     return found
 
 

@@ -99,8 +99,8 @@ class IOLoop:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ends the loop and frees its sockets; safe after the loop crashed. The context
-        must be destroyed on every path: a context left with open sockets makes libzmq's
-        term block the interpreter's exit for ever."""
+        is destroyed on every path: one left open keeps its sockets, their ports and
+        libzmq's threads for the rest of the process."""
         if self._thread.is_alive():
             # not call(): that refuses once the loop has failed, and a failed loop can still
             # be alive, releasing its plane in on_stop
