@@ -133,8 +133,7 @@ class IOLoop:
                         os.read(self._rfd, 4096)
                     except BlockingIOError:
                         pass
-                while not self._calls.empty():
-                    self._calls.get()()
+                self.run_calls()
                 for sock in [s for s in events if s is not self._rfd]:
                     self.on_readable(sock)
                 self.tick(time.monotonic())
@@ -144,6 +143,14 @@ class IOLoop:
             raise
         finally:
             self.on_stop()
+
+    def run_calls(self) -> None:
+        """Runs the calls queued so far (loop thread). ``on_readable`` runs them again after
+        each receive: a call queued before a peer's message was sent (an ``expect()`` before
+        the push it allows) must take effect before that message is handled, even when the
+        message lands after this turn's first drain."""
+        while not self._calls.empty():
+            self._calls.get()()
 
     # ---- hooks -------------------------------------------------------------------
     def on_start(self) -> None:

@@ -111,6 +111,7 @@ class NetReceiver(NetSide, KVReceiver):
                 ident, data = self.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
+            self.run_calls()
             for kind, body in unpack_many(data):
                 self._dispatch(ident, kind, body)
 

@@ -209,6 +209,7 @@ class NetSender(NetSide, KVSender):
                 msgs = unpack_many(sock.recv(flags=zmq.NOBLOCK))
             except zmq.Again:
                 return
+            self.run_calls()
             conn.last_heard = time.monotonic()
             for kind, body in msgs:
                 if conn.address in self.conns:

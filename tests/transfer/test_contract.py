@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
 import torch
-from xfer_helpers import LAYOUT, Pair
+from xfer_helpers import LAYOUT, NET_BACKENDS, Pair
 
 from transfer import Accounting, TransferError, TransferNotice, TransferStatus
 
@@ -110,6 +111,41 @@ def test_push_outside_reservation_fails_both_sides(pair: Pair) -> None:
     for side in (pair.tx, pair.rx):
         got = side.wait("o", 10)
         assert got.status == S.FAILED and "outside the reservation" in (got.error or ""), got
+
+
+@pytest.mark.parametrize("backend", NET_BACKENDS)
+def test_an_expect_made_before_the_push_holds_when_the_loop_is_mid_turn(backend: str) -> None:
+    # CI once saw "unknown request" here: the consumer's I/O thread had drained its queued
+    # calls for the turn, then read a push that was sent after expect() had returned. Freeze
+    # it at exactly that point (inside on_readable, before its first receive) and check that
+    # the expect() still counts for the push behind it.
+    pair = Pair(backend)
+    try:
+        entered, go = threading.Event(), threading.Event()
+        inner = pair.rx.on_readable  # type: ignore[attr-defined]
+
+        def frozen(sock: object) -> None:
+            if not go.is_set():
+                entered.set()
+                go.wait(10)
+            inner(sock)
+
+        pair.rx.on_readable = frozen  # type: ignore[attr-defined]
+        pair.tx.push("first", pair.addr, [1], [1])  # wakes the consumer's socket
+        assert entered.wait(10)
+        pair.rx.expect("o", [10, 11])  # queued: the loop thread is held past its drain
+        pair.tx.push("o", pair.addr, [1, 2], [10, 11])
+        pair.tx.finish("o", _notice("o"))
+        time.sleep(0.3)  # both messages reach the consumer's socket
+        go.set()
+        assert "unknown request" in (pair.tx.wait("first", 10).error or "")
+        got = pair.rx.wait("o", 10)
+        assert got.status == S.DONE and got.notice == _notice("o"), got
+        assert pair.tx.wait("o", 10).status == S.DONE
+        assert torch.equal(pair.dst[10], pair.src[1]) and torch.equal(pair.dst[11], pair.src[2])
+    finally:
+        go.set()
+        pair.close()
 
 
 def test_push_without_connect_fails(pair: Pair) -> None:
