@@ -110,6 +110,7 @@ class RequestRun:
                 self.completion_tokens += 1
                 self.timing.producer_received_ns = t0.received_ns
                 self.timing.producer_token0_sampled_ns = t0.sampled_ns
+                self.timing.producer_token0_sent_ns = t0.sent_ns
                 self.timing.router_token0_sent_ns = time.time_ns()
                 token0_sent = True
                 if t0.finish_reason:

@@ -19,6 +19,7 @@ class Result:
     timing: Any = None
     usage: Any = None
     first_response_at: float = 0.0  # client monotonic time of the first message
+    first_token_ids: list[int] = field(default_factory=list)  # what the first message carried
     messages: int = 0
     code: grpc.StatusCode | None = None  # set when the RPC itself failed
     details: str = ""
@@ -40,6 +41,7 @@ def generate(stub: router_pb2_grpc.RouterStub, sampling: dict[str, Any], timeout
         for msg in call:
             if res.messages == 0:
                 res.first_response_at = time.monotonic()
+                res.first_token_ids = list(msg.token_ids)
             res.messages += 1
             res.token_ids += list(msg.token_ids)
             res.text += msg.text

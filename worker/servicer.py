@@ -147,7 +147,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         token_id=body["token_id"], text=body["text"],
                         finish_reason=finish_reason_pb(body["finish"]),
                         stop_reason=body["stop_reason"],
-                        sampled_ns=body["sampled_ns"], received_ns=body["received_ns"])
+                        sampled_ns=body["sampled_ns"], received_ns=body["received_ns"],
+                        sent_ns=time.time_ns())
                     if body["logprob"] is not None:
                         t0.logprob.CopyFrom(token_logprob(body["logprob"]))
                     yield worker_pb2.PrefillOutput(token0=t0)

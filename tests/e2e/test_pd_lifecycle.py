@@ -122,8 +122,11 @@ def test_short_token0_not_held_behind_long_prefills(stub):
         time.sleep(0.02)
         longs = [pool.submit(generate, stub, long_req, **chat(LONG + str(i))) for i in range(2)]
         s, ls = short.result(), [f.result() for f in longs]
-    hold_ms = (s.timing.router_token0_sent_ns - s.timing.producer_token0_sampled_ns) / 1e6
-    assert hold_ms < 50, hold_ms
+    # The producer's own hold (sampling forward to its stream), not the router's forward,
+    # which a loaded machine can delay: a deferring producer would hold it a whole forward.
+    hold_ms = (s.timing.producer_token0_sent_ns - s.timing.producer_token0_sampled_ns) / 1e6
+    assert 0 < hold_ms < 50, hold_ms
+    assert s.timing.producer_token0_sent_ns <= s.timing.router_token0_sent_ns
     # The long prompts were still prefilling (many chunks) after the short token 0 was out.
     for lr in ls:
-        assert lr.timing.producer_token0_sampled_ns > s.timing.router_token0_sent_ns
+        assert lr.timing.producer_token0_sampled_ns > s.timing.producer_token0_sent_ns

@@ -56,7 +56,7 @@ def token0(token_id: int = TOKEN0, finish: int = 0, stop_reason: str = ""
     t = now()
     return worker_pb2.PrefillOutput(token0=worker_pb2.Token0(
         token_id=token_id, text="A", finish_reason=finish, stop_reason=stop_reason,  # type: ignore[arg-type]
-        sampled_ns=t, received_ns=t - 1000))
+        sampled_ns=t, received_ns=t - 1000, sent_ns=t + 1))
 
 
 def transfer(ok: bool = True, error: str = "") -> worker_pb2.PrefillOutput:

@@ -69,7 +69,7 @@ def test_pd_flow_token0_first_then_consumer_tokens(tokenizer: Any) -> None:
             assert (t.producer, t.consumer, t.colocated) == ("p0", "c0", "")
             assert t.router_received_ns <= t.router_token0_sent_ns <= t.router_finished_ns
             assert 0 < t.producer_received_ns < t.producer_token0_sampled_ns \
-                <= t.router_token0_sent_ns
+                < t.producer_token0_sent_ns <= t.router_token0_sent_ns
             assert t.consumer_kv_ready_ns and t.consumer_first_step_ns
             assert t.kv_transfer_ms == 1.5
             # a successful request aborts nothing and cancels no stream

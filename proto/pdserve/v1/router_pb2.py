@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12(\n\x06timing\x18\x07 \x01(\x0b\x32\x18.pdserve.v1.ServerTiming\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0bstop_reason\x18\t \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xb4\x02\n\x0cServerTiming\x12\x1a\n\x12router_received_ns\x18\x01 \x01(\x03\x12\x1c\n\x14producer_received_ns\x18\x02 \x01(\x03\x12\"\n\x1aproducer_token0_sampled_ns\x18\x03 \x01(\x03\x12\x1d\n\x15router_token0_sent_ns\x18\x04 \x01(\x03\x12\x1c\n\x14\x63onsumer_kv_ready_ns\x18\x05 \x01(\x03\x12\x1e\n\x16\x63onsumer_first_step_ns\x18\x06 \x01(\x03\x12\x1a\n\x12router_finished_ns\x18\x07 \x01(\x03\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x10\n\x08producer\x18\t \x01(\t\x12\x10\n\x08\x63onsumer\x18\n \x01(\t\x12\x11\n\tcolocated\x18\x0b \x01(\t\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\rAbortResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"R\n\x15\x43lusterStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\"\xc1\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x1c\n\x14last_heartbeat_age_s\x18\x05 \x01(\x01\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x18\n\x10unhealthy_reason\x18\x07 \x01(\t2\xb2\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xd9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12\x30\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"\x94\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12(\n\x06timing\x18\x07 \x01(\x0b\x32\x18.pdserve.v1.ServerTiming\x12\r\n\x05\x65rror\x18\x08 \x01(\t\x12\x13\n\x0bstop_reason\x18\t \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xd5\x02\n\x0cServerTiming\x12\x1a\n\x12router_received_ns\x18\x01 \x01(\x03\x12\x1c\n\x14producer_received_ns\x18\x02 \x01(\x03\x12\"\n\x1aproducer_token0_sampled_ns\x18\x03 \x01(\x03\x12\x1d\n\x15router_token0_sent_ns\x18\x04 \x01(\x03\x12\x1c\n\x14\x63onsumer_kv_ready_ns\x18\x05 \x01(\x03\x12\x1e\n\x16\x63onsumer_first_step_ns\x18\x06 \x01(\x03\x12\x1a\n\x12router_finished_ns\x18\x07 \x01(\x03\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x10\n\x08producer\x18\t \x01(\t\x12\x10\n\x08\x63onsumer\x18\n \x01(\t\x12\x11\n\tcolocated\x18\x0b \x01(\t\x12\x1f\n\x17producer_token0_sent_ns\x18\x0c \x01(\x03\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\rAbortResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"\x16\n\x14\x43lusterStatusRequest\"R\n\x15\x43lusterStatusResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x0e\n\x06policy\x18\x02 \x01(\t\"\xc1\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12$\n\x04load\x18\x04 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x1c\n\x14last_heartbeat_age_s\x18\x05 \x01(\x01\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x18\n\x10unhealthy_reason\x18\x07 \x01(\t2\xb2\x02\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12T\n\rClusterStatus\x12 .pdserve.v1.ClusterStatusRequest\x1a!.pdserve.v1.ClusterStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,23 +45,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=693
   _globals['_USAGE']._serialized_end=750
   _globals['_SERVERTIMING']._serialized_start=753
-  _globals['_SERVERTIMING']._serialized_end=1061
-  _globals['_ABORTREQUEST']._serialized_start=1063
-  _globals['_ABORTREQUEST']._serialized_end=1097
-  _globals['_ABORTRESPONSE']._serialized_start=1099
-  _globals['_ABORTRESPONSE']._serialized_end=1126
-  _globals['_LISTMODELSREQUEST']._serialized_start=1128
-  _globals['_LISTMODELSREQUEST']._serialized_end=1147
-  _globals['_MODELINFO']._serialized_start=1149
-  _globals['_MODELINFO']._serialized_end=1195
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1197
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1256
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1258
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1280
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1282
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1364
-  _globals['_WORKERSTATUS']._serialized_start=1367
-  _globals['_WORKERSTATUS']._serialized_end=1560
-  _globals['_ROUTER']._serialized_start=1563
-  _globals['_ROUTER']._serialized_end=1869
+  _globals['_SERVERTIMING']._serialized_end=1094
+  _globals['_ABORTREQUEST']._serialized_start=1096
+  _globals['_ABORTREQUEST']._serialized_end=1130
+  _globals['_ABORTRESPONSE']._serialized_start=1132
+  _globals['_ABORTRESPONSE']._serialized_end=1159
+  _globals['_LISTMODELSREQUEST']._serialized_start=1161
+  _globals['_LISTMODELSREQUEST']._serialized_end=1180
+  _globals['_MODELINFO']._serialized_start=1182
+  _globals['_MODELINFO']._serialized_end=1228
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1230
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1289
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=1291
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=1313
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=1315
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=1397
+  _globals['_WORKERSTATUS']._serialized_start=1400
+  _globals['_WORKERSTATUS']._serialized_end=1593
+  _globals['_ROUTER']._serialized_start=1596
+  _globals['_ROUTER']._serialized_end=1902
 # @@protoc_insertion_point(module_scope)

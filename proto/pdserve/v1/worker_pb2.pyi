@@ -90,7 +90,7 @@ class PrefillOutput(_message.Message):
     def __init__(self, token0: _Optional[_Union[Token0, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class Token0(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns")
+    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class Token0(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_NS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
+    SENT_NS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: _common_pb2.TokenLogprob
@@ -105,7 +106,8 @@ class Token0(_message.Message):
     stop_reason: str
     sampled_ns: int
     received_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ...) -> None: ...
+    sent_ns: int
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "kv_transfer_ms")
