@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import torch  # noqa: E402
 
+from engine import host_memory  # noqa: E402
 from engine.kv_layout import KVLayout  # noqa: E402
 from transfer import TransferConfig, TransferNotice, make_receiver, make_sender  # noqa: E402
 
@@ -54,7 +55,10 @@ LAYOUTS = [*{lay.model: lay for lay in SWEEPS.values()}.values(), LLAMA]
 
 
 def _pool(lay: KVLayout, device: str) -> torch.Tensor:
-    t = torch.empty((lay.num_blocks, *lay.block_shape), dtype=torch.bfloat16, device=device)
+    shape = (lay.num_blocks, *lay.block_shape)
+    # allocated as the engine allocates its KV cache (huge pages on CPU)
+    t = (host_memory.zeros(shape, torch.bfloat16) if device == "cpu"
+         else torch.empty(shape, dtype=torch.bfloat16, device=device))
     return t.normal_()  # touched: first-touch page faults stay out of the timing
 
 

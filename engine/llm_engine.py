@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVLayout
@@ -54,8 +55,10 @@ class LLMEngine:
         # A sequence can never outgrow the pool: advertise what really fits.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
         dtype = getattr(torch, config.dtype)
-        self.kv_cache = torch.zeros((num_blocks, *self.layout.block_shape), dtype=dtype,
-                                    device=self.device)
+        shape = (num_blocks, *self.layout.block_shape)
+        # on CPU, huge pages: a transfer between processes pins every page it moves
+        self.kv_cache = (host_memory.zeros(shape, dtype) if self.device.type == "cpu"
+                         else torch.zeros(shape, dtype=dtype, device=self.device))
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_waiting,
