@@ -204,7 +204,9 @@ class NetSender(NetSide, KVSender):
 
     def on_readable(self, sock: Any) -> None:
         conn = next((c for c in self.conns.values() if c.sock is sock), None)
-        while conn is not None and conn.address in self.conns:
+        # identity, not the address: a queued call may drop this connection and open a new
+        # one to the same consumer while its last messages are handled
+        while conn is not None and self.conns.get(conn.address) is conn:
             try:
                 msgs = unpack_many(sock.recv(flags=zmq.NOBLOCK))
             except zmq.Again:
@@ -212,7 +214,7 @@ class NetSender(NetSide, KVSender):
             self.run_calls()
             conn.last_heard = time.monotonic()
             for kind, body in msgs:
-                if conn.address in self.conns:
+                if self.conns.get(conn.address) is conn:
                     self._dispatch(conn, kind, body)
 
     def _dispatch(self, conn: _Conn, kind: str, body: dict[str, Any]) -> None:
