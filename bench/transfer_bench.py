@@ -127,9 +127,8 @@ def _copy_ref(nbytes: int, device: str, reps: int = 5) -> float:
 
 # UCX's own peak between two local processes, under two transport sets: its default, and
 # cross-memory attach alone for the bytes (tcp for rendezvous control). On the 2-core dev
-# VM the second gave 11-17 GB/s from 512 KiB up against 6-11 for the default (RESULTS,
-# 2026-11-30), though both pick the same protocol (rendezvous read over cma): the raw peak
-# is the better of the two.
+# VM the second is often twice as fast (bench/RESULTS.md, CPU table), though both pick the
+# same protocol (rendezvous read over cma): the raw peak is the better of the two.
 PERFTEST_TLS = {"default": None, "cma": "cma,tcp"}
 
 
