@@ -11,10 +11,11 @@ from transfer.types import (
     TransferConfig,
     TransferError,
     TransferNotice,
+    TransferStats,
     TransferStatus,
     TransferUpdate,
 )
 
 __all__ = ["Accounting", "HandshakeError", "KVReceiver", "KVSender", "TransferConfig",
-           "TransferError", "TransferNotice", "TransferStatus", "TransferUpdate",
+           "TransferError", "TransferNotice", "TransferStats", "TransferStatus", "TransferUpdate",
            "make_receiver", "make_sender"]

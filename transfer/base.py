@@ -18,7 +18,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from transfer.types import Accounting, TransferNotice, TransferStatus, TransferUpdate
+from transfer.types import (
+    Accounting,
+    TransferNotice,
+    TransferStats,
+    TransferStatus,
+    TransferUpdate,
+)
 
 
 class _Side(abc.ABC):
@@ -41,6 +47,10 @@ class _Side(abc.ABC):
     @abc.abstractmethod
     def accounting(self) -> Accounting:
         """This side's own books (tests check they return to empty)."""
+
+    @abc.abstractmethod
+    def stats(self) -> TransferStats:
+        """Counters of what peers sent that was dropped (thread-safe, cheap)."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -22,6 +22,7 @@ from transfer.types import (
     TransferConfig,
     TransferError,
     TransferNotice,
+    TransferStats,
     TransferStatus,
     TransferUpdate,
 )
@@ -101,6 +102,9 @@ class _FakeSide:
     def accounting(self) -> Accounting:
         with _LOCK:
             return Accounting(len(self.recs), 0, len(self.peers))
+
+    def stats(self) -> TransferStats:
+        return TransferStats()  # no wire: nothing from a peer can be malformed
 
     def close(self) -> None:
         with _LOCK:

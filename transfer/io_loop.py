@@ -16,37 +16,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import msgpack
 import zmq
 
 from transfer.types import TransferUpdate
 
 BUSY_POLL_MS = 1  # loop period while data-plane ops are in flight (completion latency)
 IDLE_POLL_MS = 50  # loop period otherwise (deadline / heartbeat granularity)
-
-
-def pack(kind: str, body: dict[str, Any]) -> bytes:
-    return msgpack.packb([kind, body], use_bin_type=True)
-
-
-def unpack(data: bytes) -> tuple[str, dict[str, Any]]:
-    kind, body = msgpack.unpackb(data, raw=False)
-    return kind, body
-
-
-def pack_many(msgs: list[list[Any]]) -> bytes:
-    """A turn's messages to one peer as one ZMQ message: a burst of pushes (one per prefill
-    chunk and request) costs one send and one wake-up of the peer, not one each."""
-    if len(msgs) == 1:
-        return pack(*msgs[0])
-    return pack("BATCH", {"msgs": msgs})
-
-
-def unpack_many(data: bytes) -> list[tuple[str, dict[str, Any]]]:
-    kind, body = unpack(data)
-    if kind == "BATCH":
-        return [(k, b) for k, b in body["msgs"]]
-    return [(kind, body)]
 
 
 class IOLoop:

@@ -1,51 +1,45 @@
 """Consumer side over the network: a ZMQ ROUTER for control, a data plane for bytes.
 
-Control messages (msgpack [kind, body]) from producers: HELLO, PUSH, FINISH, CANCEL, PING;
-to producers: WELCOME / REJECT, ACK, CANCEL, ERROR, PING.
+Control messages (``transfer.wire``) from producers: HELLO, PUSH, FINISH, CANCEL, PING; to
+producers: WELCOME / REJECT, ACK, CANCEL, ERROR, STOPPED, PING. The port is open to anyone
+who can reach it, so a connection's first frame must be a HELLO that passes the token and
+layout checks before anything else it sends is decoded; every later frame is decoded and
+checked field by field, and what fails is dropped and counted (``stats()``), never raised.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import zmq
 
 from engine.kv_layout import KVLayout
-from transfer import handshake
+from transfer import handshake, wire
 from transfer.base import KVReceiver
-from transfer.io_loop import pack_many, unpack_many
-from transfer.net_side import NetSide, Record, make_plane
+from transfer.net_side import NetSide, make_plane
+from transfer.records import Peer, RecvRecord
 from transfer.types import (
     Accounting,
     HandshakeError,
     TransferConfig,
     TransferError,
-    TransferNotice,
     TransferStatus,
 )
+from transfer.wire import Kind, MalformedMessage
 
 
-@dataclass
-class _Peer:
-    ident: bytes  # the producer's ZMQ identity on our ROUTER
-    name: str  # the producer's self-given name, for errors
-    handle: object  # data-plane peer
-    last_heard: float
-    last_ping: float = 0.0
-    drains: list[object] = field(default_factory=list)  # receives of unwanted runs
-
-
-class NetReceiver(NetSide, KVReceiver):
+class NetReceiver(NetSide[RecvRecord], KVReceiver):
     def __init__(self, tensor: object, layout: KVLayout, config: TransferConfig,
                  name: str = "consumer") -> None:
         super().__init__(tensor, layout, config, name)
-        self.peers: dict[bytes, _Peer] = {}
-        self.dst: dict[str, frozenset[int]] = {}  # each record's reserved blocks
+        self.peers: dict[bytes, Peer] = {}
         self._address = ""
-        self._outbox: dict[bytes, list[list[Any]]] = {}  # per producer, sent at end of turn
+        self._outbox: dict[bytes, list[wire.Message]] = {}  # per producer, sent at end of turn
+        self.handlers = {Kind.HELLO: self._on_rehello, Kind.PUSH: self._on_push,
+                         Kind.FINISH: self._on_finish, Kind.CANCEL: self._on_cancel,
+                         Kind.PING: lambda peer, m: None}  # any valid frame counts as alive
         self.start()
         self.call_sync(lambda: None, timeout=30.0)  # on_start done (or raised)
 
@@ -56,8 +50,7 @@ class NetReceiver(NetSide, KVReceiver):
     def on_start(self) -> None:
         self.plane = make_plane(self.config, self.pool, self.name, exporter=False)
         self.plane.wake = self.wake
-        self.sock = self.zctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock = self.control_socket(zmq.ROUTER)
         host = self.config.host
         port = self.config.port or self.sock.bind_to_random_port(f"tcp://{host}")
         if self.config.port:
@@ -72,13 +65,8 @@ class NetReceiver(NetSide, KVReceiver):
         if self._mirror_new(request_id) is not None:
             raise TransferError(f"expect({request_id!r}): already expected")
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer_timeout_s
-        dst = frozenset(dst_block_ids)
-
-        def run() -> None:
-            self.recs[request_id] = Record(request_id, dl)
-            self.dst[request_id] = dst
-
-        self.call(run)
+        rec = RecvRecord(request_id, dl, dst=frozenset(dst_block_ids))
+        self.call(lambda: self.recs.__setitem__(request_id, rec))
 
     def accounting(self) -> Accounting:
         def count() -> Accounting:
@@ -87,84 +75,107 @@ class NetReceiver(NetSide, KVReceiver):
 
         return self.call_sync(count, timeout=10.0)  # type: ignore[no-any-return]
 
-    # ---- loop side ---------------------------------------------------------------
-    def _send(self, ident: bytes, kind: str, body: dict[str, Any]) -> None:
-        self._outbox.setdefault(ident, []).append([kind, body])  # sent at the end of the turn
+    # ---- loop side: the socket -----------------------------------------------------
+    def _send(self, ident: bytes, msg: wire.Message) -> None:
+        self._outbox.setdefault(ident, []).append(msg)  # sent at the end of the turn
 
     def end_turn(self) -> None:
         assert self.plane is not None
         self.plane.flush()  # the turn's pulls go out together, behind one event
         outbox, self._outbox = self._outbox, {}
         for ident, msgs in outbox.items():
-            self.sock.send_multipart([ident, pack_many(msgs)], flags=zmq.NOBLOCK)
-
-    def notify_cancel(self, rec: Record, reason: str) -> None:
-        if isinstance(rec.peer, _Peer) and rec.peer.ident in self.peers:
-            self._send(rec.peer.ident, "CANCEL", {"rid": rec.request_id, "reason": reason})
-
-    def counts_landing(self) -> bool:
-        return True
+            for frame in wire.encode(msgs):
+                self.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
 
     def on_readable(self, sock: Any) -> None:
         while True:
             try:
-                ident, data = self.sock.recv_multipart(flags=zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self.run_calls()
-            for kind, body in unpack_many(data):
-                self._dispatch(ident, kind, body)
-
-    def _dispatch(self, ident: bytes, kind: str, body: dict[str, Any]) -> None:
-        peer = self.peers.get(ident)
-        if kind == "HELLO":
-            self._on_hello(ident, body)
-        elif peer is None:
-            self._send(ident, "REJECT", {"error": f"{self.name}: not connected, handshake "
-                                                  "first (consumer restarted?)"})
-        else:
+            ident = bytes(frames[0].bytes)
+            peer = self.peers.get(ident)
+            who = (f"producer {peer.name!r} at {peer.where}" if peer is not None
+                   else f"unauthenticated peer at {_where(frames[-1])}")
+            if len(frames) != 2:
+                self.malformed(who, f"{len(frames) - 1} frames in one message, expected 1")
+                continue
+            data = bytes(frames[1].bytes)
+            if peer is None:
+                self._first_frame(ident, data, _where(frames[1]))
+                continue
+            try:
+                msgs = wire.decode(data, wire.TO_CONSUMER)
+            except MalformedMessage as e:
+                self.malformed(who, str(e))
+                continue
             peer.last_heard = time.monotonic()
-            getattr(self, f"_on_{kind.lower()}", lambda p, b: None)(peer, body)
+            self.dispatch(peer, msgs, who, _current(self.peers, peer))
 
-    def _on_hello(self, ident: bytes, body: dict[str, Any]) -> None:
-        who = f"producer {body.get('name')!r}"
+    def _first_frame(self, ident: bytes, data: bytes, where: str) -> None:
+        """Nothing but a HELLO is decoded from a connection that has not passed one."""
         try:
-            handshake.check(self.layout, self.config.backend, body, who)
-            handshake.check_token(self.config.cluster_token, body, who)
+            hello = wire.decode_hello(data)
+        except MalformedMessage as e:
+            self.malformed(f"unauthenticated peer at {where}", str(e))
+            # a producer whose consumer restarted learns it at once, not by timing out
+            self._send(ident, wire.Reject(f"{self.name}: not connected, handshake first "
+                                          "(consumer restarted?)"))
+            return
+        self._on_hello(ident, hello, where)
+
+    # ---- loop side: handlers --------------------------------------------------------
+    def _on_hello(self, ident: bytes, m: wire.Hello, where: str) -> None:
+        who = f"producer {m.name!r} at {where}"
+        try:  # the token first: a stranger learns nothing about our layout
+            handshake.check_token(self.config.cluster_token, m.remote(), who)
+            handshake.check(self.layout, self.config.backend, m.remote(), who)
         except HandshakeError as e:
-            self._send(ident, "REJECT", {"error": str(e)})
+            self.rejected(who, str(e))
+            self._send(ident, wire.Reject(str(e)))
             return
         if ident in self.peers:  # a re-handshake replaces the old session
             self._drop_peer(self.peers[ident], f"{who} reconnected")
         assert self.plane is not None
         try:
-            handle = self.plane.add_peer(body["plane"])
-        except TransferError as e:
-            self._send(ident, "REJECT", {"error": f"{self.name}: {e}"})
+            handle = self.plane.add_peer(m.plane)
+        except Exception as e:  # the plane info is the peer's bytes: anything may be wrong
+            self.rejected(who, f"data-plane info: {e}")
+            self._send(ident, wire.Reject(f"{self.name}: {e}"))
             return
-        self.peers[ident] = _Peer(ident, str(body.get("name")), handle, time.monotonic())
+        self.peers[ident] = Peer(ident, m.name, where, handle, m.num_blocks, time.monotonic())
         reply = handshake.hello(self.layout, self.config.backend, self.plane.local_info())
-        self._send(ident, "WELCOME", {**reply, "name": self.name})
+        self._send(ident, wire.Welcome(**reply, name=self.name))
 
-    def _on_push(self, peer: _Peer, body: dict[str, Any]) -> None:
+    def _on_rehello(self, peer: Peer, m: wire.Hello) -> None:
+        self._on_hello(peer.ident, m, peer.where)
+
+    def _on_push(self, peer: Peer, m: wire.Push) -> None:
         assert self.plane is not None
-        rid = body["rid"]
-        rec = self.recs.get(rid)
+        for r in m.runs:  # checks that need our state: the pools' bounds, tag order
+            if r.dst + r.n > self.layout.num_blocks or r.src + r.n > peer.remote_blocks:
+                raise MalformedMessage(f"PUSH {m.rid}: run {tuple(r)} outside the pools "
+                                       f"({self.layout.num_blocks} / {peer.remote_blocks} blocks)")
+            if r.tag <= peer.last_tag:
+                raise MalformedMessage(f"PUSH {m.rid}: tag {r.tag:#x} not after {peer.last_tag:#x}"
+                                       " (replayed?)")
+            peer.last_tag = r.tag
+        rec = self.recs.get(m.rid)
         wanted = (rec is not None and rec.ending is None and not rec.status.terminal
                   and (rec.peer is None or rec.peer is peer))
-        error = None if rec is not None else f"{rid}: unknown request (no expect() here)"
-        for tag, dst, n, src in body["runs"]:  # src: where the run starts at the producer
+        error = None if rec is not None else f"{m.rid}: unknown request (no expect() here)"
+        for tag, dst, n, src in m.runs:  # src: where the run starts at the producer
             take = wanted and error is None
-            if take and not self.dst[rid].issuperset(range(dst, dst + n)):
-                error = f"{rid}: push to blocks {dst}..{dst + n - 1} outside the reservation"
+            if take and rec is not None and not rec.dst.issuperset(range(dst, dst + n)):
+                error = f"{m.rid}: push to blocks {dst}..{dst + n - 1} outside the reservation"
                 take = False
-            if take:
-                assert rec is not None
+            if take and rec is not None:
                 try:
                     rec.ops.append(self.plane.recv(peer.handle, tag, dst, n, src))
                     continue
                 except TransferError as e:
-                    error = f"{rid}: {e}"
+                    error = f"{m.rid}: {e}"
             # the sender's message is in flight: drain it so neither side hangs
             peer.drains.append(self.plane.recv(peer.handle, tag, None, n, src))
         if rec is not None and wanted:
@@ -174,32 +185,45 @@ class NetReceiver(NetSide, KVReceiver):
             elif rec.status == TransferStatus.PENDING:
                 self.set_status(rec, TransferStatus.IN_FLIGHT)
         if error is not None:
-            self._send(peer.ident, "ERROR", {"rid": rid, "error": error})
+            self._send(peer.ident, wire.Error(m.rid, error))
 
-    def _on_finish(self, peer: _Peer, body: dict[str, Any]) -> None:
-        rec = self.recs.get(body["rid"])
-        if rec is None:
-            self._send(peer.ident, "ERROR", {"rid": body["rid"],
-                                             "error": f"{body['rid']}: unknown request"})
+    def _on_finish(self, peer: Peer, m: wire.Finish) -> None:
+        rec = self.recs.get(m.rid)
+        if rec is None or (rec.peer is not None and rec.peer is not peer):
+            self._send(peer.ident, wire.Error(m.rid, f"{m.rid}: unknown request"))
         elif rec.ending is None and not rec.status.terminal:
-            rec.peer, rec.total = peer, body["total"]
-            rec.notice = TransferNotice.from_wire(body["notice"])
+            rec.peer = peer
+            posted = rec.runs + len(rec.ops)
+            if not posted <= m.total <= len(rec.dst):  # each run fills >= 1 reserved block
+                error = (f"{m.rid}: FINISH says {m.total} runs; {posted} arrived, "
+                         f"{len(rec.dst)} blocks reserved")
+                self.end(rec, TransferStatus.FAILED, error, notify=False)
+                self._send(peer.ident, wire.Error(m.rid, error))
+                return
+            rec.total, rec.notice = m.total, m.notice
 
-    def _on_cancel(self, peer: _Peer, body: dict[str, Any]) -> None:
-        rec = self.recs.get(body["rid"])
+    def _on_cancel(self, peer: Peer, m: wire.Cancel) -> None:
+        rec = self.recs.get(m.rid)
         if rec is not None and rec.peer in (None, peer) and not rec.status.terminal:
             rec.stop_to = peer  # answered with STOPPED once our reads of its blocks drained
-            self.end(rec, TransferStatus.CANCELLED, f"cancelled by producer: {body['reason']}",
+            self.end(rec, TransferStatus.CANCELLED, f"cancelled by producer: {m.reason}",
                      notify=False)
         else:  # nothing of ours reads its blocks
-            self._send(peer.ident, "STOPPED", {"rid": body["rid"]})
+            self._send(peer.ident, wire.Stopped(m.rid))
 
-    def finalize(self, rec: Record, st: TransferStatus, error: str | None) -> None:
+    # ---- loop side: records and peers ----------------------------------------------
+    def notify_cancel(self, rec: RecvRecord, reason: str) -> None:
+        if rec.peer is not None and rec.peer.ident in self.peers:
+            self._send(rec.peer.ident, wire.Cancel(rec.request_id, reason))
+
+    def counts_landing(self) -> bool:
+        return True
+
+    def finalize(self, rec: RecvRecord, st: TransferStatus, error: str | None) -> None:
         super().finalize(rec, st, error)
-        stop_to = rec.stop_to
-        if isinstance(stop_to, _Peer) and stop_to.ident in self.peers:
-            rec.stop_to = None
-            self._send(stop_to.ident, "STOPPED", {"rid": rec.request_id})
+        stop_to, rec.stop_to = rec.stop_to, None
+        if stop_to is not None and self.peers.get(stop_to.ident) is stop_to:
+            self._send(stop_to.ident, wire.Stopped(rec.request_id))
 
     def tick(self, now: float) -> None:
         assert self.plane is not None
@@ -208,13 +232,13 @@ class NetReceiver(NetSide, KVReceiver):
         for rec in list(self.recs.values()):
             if rec.status.terminal:
                 continue
-            if self.step_record(rec, now) and isinstance(rec.peer, _Peer):
+            if self.step_record(rec, now) and rec.peer is not None:
                 stuck.add(id(rec.peer))
             elif (rec.ending is None and rec.total is not None and rec.runs == rec.total
                   and not rec.ops):
                 self.finalize(rec, TransferStatus.DONE, None)
-                assert isinstance(rec.peer, _Peer)
-                self._send(rec.peer.ident, "ACK", {"rid": rec.request_id})
+                if rec.peer is not None:
+                    self._send(rec.peer.ident, wire.Ack(rec.request_id))
         for peer in list(self.peers.values()):
             peer.drains = [op for op in peer.drains if not _done_quietly(self.plane, op)]
             silent = now - peer.last_heard
@@ -225,24 +249,31 @@ class NetReceiver(NetSide, KVReceiver):
                 self._drop_peer(peer, f"producer {peer.name!r}: operations did not drain")
             elif now - peer.last_ping > self.config.heartbeat_interval_s:
                 peer.last_ping = now
-                self._send(peer.ident, "PING", {})
+                self._send(peer.ident, wire.Ping())
 
-    def _drop_peer(self, peer: _Peer, reason: str) -> None:
+    def _drop_peer(self, peer: Peer, reason: str) -> None:
         assert self.plane is not None
         self.peers.pop(peer.ident, None)
         self.plane.remove_peer(peer.handle)  # cancels every receive posted for it
         peer.drains.clear()
         self.fail_peer_records(peer, reason)
 
-    def _forget(self, request_id: str) -> None:
-        super()._forget(request_id)
-        self.dst.pop(request_id, None)
-
     def shutdown(self) -> None:
         super().shutdown()
         self.end_turn()  # the CANCELs of open transfers go out before the peers go
         for peer in list(self.peers.values()):
             self._drop_peer(peer, f"{self.name} closed")
+
+
+def _current(peers: dict[bytes, Peer], peer: Peer) -> Callable[[], bool]:
+    return lambda: peers.get(peer.ident) is peer
+
+
+def _where(frame: Any) -> str:
+    try:  # libzmq's per-message metadata: the peer's IP, for log lines
+        return str(frame.get("Peer-Address"))
+    except Exception:
+        return "unknown address"
 
 
 def _done_quietly(plane: Any, op: object) -> bool:

@@ -1,25 +1,31 @@
-"""Producer side over the network: one ZMQ DEALER per consumer, a data plane for bytes."""
+"""Producer side over the network: one ZMQ DEALER per consumer, a data plane for bytes.
+
+Connecting never blocks the caller: ``connect`` queues the handshake on the I/O thread and
+returns (unless given a ``timeout`` to wait for it); pushes and finishes to a consumer
+still handshaking wait on its connection and go out on WELCOME, and a handshake that fails
+or gets no answer within ``connect_timeout_s`` fails each of them through ``poll()``.
+"""
 
 from __future__ import annotations
 
 import collections
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from engine.kv_layout import KVLayout
-from transfer import handshake
+from transfer import handshake, wire
 from transfer.base import KVSender
 from transfer.event_waiter import EventWaiter
-from transfer.io_loop import pack, pack_many, unpack_many
-from transfer.net_side import MAX_TAG_SEQ, NetSide, Record, make_plane
+from transfer.net_side import NetSide, make_plane
 from transfer.pool import BlockRun, block_runs
+from transfer.records import Conn, SendRecord
 from transfer.types import (
     Accounting,
     HandshakeError,
@@ -28,36 +34,24 @@ from transfer.types import (
     TransferNotice,
     TransferStatus,
 )
+from transfer.wire import Kind, MalformedMessage
+
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
+_HANDSHAKE_REPLIES = frozenset({Kind.WELCOME, Kind.REJECT})
 
 
-@dataclass
-class _Conn:
-    address: str  # the consumer's advertised control address
-    sock: Any  # zmq DEALER
-    session: int  # random 32 bits: the high half of every tag of this connection
-    ready: Future[None]  # resolved by WELCOME / REJECT
-    last_heard: float
-    last_ping: float = 0.0
-    handle: object | None = None  # data-plane peer, after WELCOME
-    remote_blocks: int = 0  # the consumer's pool size, to refuse out-of-range dst ids
-    seq: int = 0
-    outbox: list[list[Any]] = field(default_factory=list)  # sent at the end of the turn
-
-    def next_tag(self) -> int:
-        self.seq += 1
-        if self.seq >= MAX_TAG_SEQ:
-            raise TransferError(f"{self.address}: tag space exhausted; reconnect")
-        return (self.session << 32) | self.seq
-
-
-class NetSender(NetSide, KVSender):
+class NetSender(NetSide[SendRecord], KVSender):
     def __init__(self, tensor: object, layout: KVLayout, config: TransferConfig,
                  name: str = "producer") -> None:
         super().__init__(tensor, layout, config, name)
-        self.conns: dict[str, _Conn] = {}
+        self.conns: dict[str, Conn] = {}
         # pushes/finishes in call order; the head waits for its CUDA event, if any
         self._queue: collections.deque[tuple[Any, Callable[[], None]]] = collections.deque()
         self._waiter: EventWaiter | None = None  # CUDA pools: wakes the loop per event
+        self.handlers = {Kind.WELCOME: self._on_welcome, Kind.REJECT: self._on_reject,
+                         Kind.ACK: self._on_ack, Kind.STOPPED: self._on_stopped,
+                         Kind.CANCEL: self._on_cancel, Kind.ERROR: self._on_error,
+                         Kind.PING: lambda conn, m: None}  # any valid frame counts as alive
         self.start()
         self.call_sync(lambda: None, timeout=30.0)
 
@@ -77,13 +71,20 @@ class NetSender(NetSide, KVSender):
 
     # ---- caller side -------------------------------------------------------------
     def connect(self, address: str, timeout: float | None = None) -> None:
-        wait = timeout if timeout is not None else self.config.connect_timeout_s
-        fut: Future[None] = self.call_sync(lambda: self._open(address), timeout=10.0)
+        """Starts the handshake and returns at once; with ``timeout``, waits that long for
+        it and raises HandshakeError / TransferError as it fails."""
+        m = _ADDRESS.fullmatch(address)
+        if m is None or not 0 < int(m.group(2)) < 65536:
+            raise TransferError(f"connect: {address!r} is not a tcp://HOST:PORT address")
+        fut: Future[None] = Future()
+        self.call(lambda: self._open(address, fut))
+        if timeout is None:
+            return
         try:
-            fut.result(wait)
+            fut.result(timeout)
         except FutureTimeout:
             self.call(lambda: self._drop_conn(address, "connect timed out"))
-            raise TransferError(f"connect {address}: no handshake reply in {wait} s") from None
+            raise TransferError(f"connect {address}: no handshake reply in {timeout} s") from None
 
     def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
              dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
@@ -128,160 +129,21 @@ class NetSender(NetSide, KVSender):
 
         self.call(queue)
 
-    # ---- loop side ---------------------------------------------------------------
-    def _open(self, address: str) -> Future[None]:
+    # ---- loop side: connections ---------------------------------------------------
+    def _open(self, address: str, outer: Future[None]) -> None:
         conn = self.conns.get(address)
-        if conn is not None:
-            return conn.ready
-        assert self.plane is not None
-        sock = self.zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        self.poller.register(sock, zmq.POLLIN)
-        conn = _Conn(address, sock, random.getrandbits(32), Future(), time.monotonic())
-        self.conns[address] = conn
-        hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info(),
-                                self.config.cluster_token)
-        sock.send(pack("HELLO", {**hello, "name": self.name}))
-        return conn.ready
-
-    def _record(self, rid: str, address: str, deadline: float) -> Record:
-        rec = self.recs.get(rid)
-        if rec is None:
-            rec = self.recs[rid] = Record(rid, deadline, peer=self.conns.get(address))
-            if rec.peer is None or rec.peer.handle is None:  # type: ignore[attr-defined]
-                self.end(rec, TransferStatus.FAILED,
-                         f"not connected to {address}: connect() first", notify=False)
-        return rec
-
-    def _push(self, rid: str, address: str, runs: list[BlockRun], deadline: float) -> None:
-        rec = self._record(rid, address, deadline)
-        conn = rec.peer
-        if rec.ending is not None or rec.status.terminal:
-            return  # pushes after a cancel are dropped: the caller learns it from poll()
-        assert isinstance(conn, _Conn) and self.plane is not None
-        if conn.address != address:
-            self.end(rec, TransferStatus.FAILED, f"{rid}: pushed to {address} but started "
-                     f"on {conn.address}", notify=True)
-            return
-        top = max(r.dst_start + r.num_blocks for r in runs) if runs else 0
-        if min((r.dst_start for r in runs), default=0) < 0 or top > conn.remote_blocks:
-            self.end(rec, TransferStatus.FAILED, f"{rid}: dst block ids outside the consumer's "
-                     f"pool of {conn.remote_blocks} blocks", notify=True)
-            return
-        wire = []
-        for r in runs:
-            tag = conn.next_tag()
-            rec.ops.append(self.plane.send(conn.handle, tag, r.src_start, r.dst_start,
-                                           r.num_blocks))
-            wire.append([tag, r.dst_start, r.num_blocks, r.src_start])
-        rec.runs += len(runs)
-        conn.outbox.append(["PUSH", {"rid": rid, "runs": wire}])
-        if rec.status == TransferStatus.PENDING:
-            self.set_status(rec, TransferStatus.IN_FLIGHT)
-
-    def _finish(self, rid: str, notice: TransferNotice) -> None:
-        rec = self.recs.get(rid)
-        if rec is None:  # finish without any push: no full block to send
-            rec = self._record(rid, "", time.monotonic() + self.config.transfer_timeout_s)
-        if rec.ending is not None or rec.status.terminal or not isinstance(rec.peer, _Conn):
-            return
-        rec.total, rec.notice = rec.runs, notice
-        rec.peer.outbox.append(["FINISH", {"rid": rid, "total": rec.runs,
-                                           "notice": notice.to_wire()}])
-
-    def notify_cancel(self, rec: Record, reason: str) -> None:
-        if isinstance(rec.peer, _Conn) and rec.peer.address in self.conns:
+        if conn is None:
             assert self.plane is not None
-            rec.await_peer = self.plane.pull and rec.runs > 0
-            rec.peer.outbox.append(["CANCEL", {"rid": rec.request_id, "reason": reason}])
-
-    def end_turn(self) -> None:
-        for conn in self.conns.values():
-            if conn.outbox:
-                msgs, conn.outbox = conn.outbox, []
-                conn.sock.send(pack_many(msgs))
-
-    def on_readable(self, sock: Any) -> None:
-        conn = next((c for c in self.conns.values() if c.sock is sock), None)
-        # identity, not the address: a queued call may drop this connection and open a new
-        # one to the same consumer while its last messages are handled
-        while conn is not None and self.conns.get(conn.address) is conn:
-            try:
-                msgs = unpack_many(sock.recv(flags=zmq.NOBLOCK))
-            except zmq.Again:
-                return
-            self.run_calls()
-            conn.last_heard = time.monotonic()
-            for kind, body in msgs:
-                if self.conns.get(conn.address) is conn:
-                    self._dispatch(conn, kind, body)
-
-    def _dispatch(self, conn: _Conn, kind: str, body: dict[str, Any]) -> None:
-        rec = self.recs.get(body.get("rid", ""))
-        if kind == "WELCOME":
-            self._on_welcome(conn, body)
-        elif kind == "REJECT":
-            err = HandshakeError(f"consumer {conn.address}: {body['error']}")
-            if not conn.ready.done():
-                conn.ready.set_exception(err)
-            self._drop_conn(conn.address, str(err))
-        elif kind == "ACK" and rec is not None:
-            rec.acked, rec.await_peer = True, False
-        elif kind == "STOPPED" and rec is not None:
-            rec.await_peer = False  # the consumer reads no more of its blocks
-        elif kind == "CANCEL" and rec is not None:
-            rec.await_peer = False
-            self.end(rec, TransferStatus.CANCELLED,
-                     f"cancelled by consumer: {body['reason']}", notify=False)
-        elif kind == "ERROR" and rec is not None:
-            rec.await_peer = False
-            self.end(rec, TransferStatus.FAILED, f"consumer refused: {body['error']}",
-                     notify=False)
-
-    def _on_welcome(self, conn: _Conn, body: dict[str, Any]) -> None:
-        assert self.plane is not None
-        try:
-            handshake.check(self.layout, self.config.backend, body,
-                            f"consumer {conn.address}")
-        except HandshakeError as e:
-            conn.ready.set_exception(e)
-            self._drop_conn(conn.address, str(e))
-            return
-        try:
-            conn.handle = self.plane.add_peer(body["plane"])
-        except TransferError as e:
-            conn.ready.set_exception(HandshakeError(f"consumer {conn.address}: {e}"))
-            self._drop_conn(conn.address, str(e))
-            return
-        conn.remote_blocks = int(body["layout"]["num_blocks"])
-        if not conn.ready.done():
-            conn.ready.set_result(None)
-
-    def tick(self, now: float) -> None:
-        assert self.plane is not None
-        self.plane.progress()
-        while self._queue and (self._queue[0][0] is None or self._queue[0][0].query()):
-            self._queue.popleft()[1]()
-        stuck = set()
-        hb = self.config.heartbeat_interval_s
-        for rec in list(self.recs.values()):
-            if rec.status.terminal:
-                continue
-            if self.step_record(rec, now) and isinstance(rec.peer, _Conn):
-                stuck.add(rec.peer.address)
-            elif rec.ending is None and rec.acked and not rec.ops:
-                self.finalize(rec, TransferStatus.DONE, None)
-        for conn in list(self.conns.values()):
-            silent = now - conn.last_heard
-            if silent > self.config.peer_timeout_s:
-                self._drop_conn(conn.address, f"consumer {conn.address} silent for {silent:.1f} s "
-                                f"(peer_timeout_s={self.config.peer_timeout_s})")
-            elif conn.address in stuck:
-                self._drop_conn(conn.address, f"consumer {conn.address}: ops did not drain")
-            elif conn.handle is not None and now - conn.last_ping > hb:
-                conn.last_ping = now
-                conn.outbox.append(["PING", {}])
+            sock = self.control_socket(zmq.DEALER)
+            sock.connect(address)
+            self.poller.register(sock, zmq.POLLIN)
+            now = time.monotonic()
+            conn = Conn(address, sock, random.getrandbits(32), Future(), now, now)
+            self.conns[address] = conn
+            hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info(),
+                                    self.config.cluster_token)
+            sock.send(wire.encode([wire.Hello(**hello, name=self.name)])[0], flags=zmq.NOBLOCK)
+        conn.ready.add_done_callback(lambda f: _copy_outcome(f, outer))
 
     def _drop_conn(self, address: str, reason: str) -> None:
         conn = self.conns.pop(address, None)
@@ -294,10 +156,205 @@ class NetSender(NetSide, KVSender):
             self.plane.remove_peer(conn.handle)  # cancels sends still posted to it
         self.poller.unregister(conn.sock)
         conn.sock.close(0)
+        conn.waiting.clear()
         self.fail_peer_records(conn, reason)
+
+    def end_turn(self) -> None:
+        for conn in list(self.conns.values()):
+            if conn.outbox:
+                msgs, conn.outbox = conn.outbox, []
+                try:
+                    for frame in wire.encode(msgs):
+                        conn.sock.send(frame, flags=zmq.NOBLOCK)
+                except zmq.Again:  # never block the loop on a consumer that stopped reading
+                    self._drop_conn(conn.address, f"consumer {conn.address}: send queue full")
+
+    def on_readable(self, sock: Any) -> None:
+        conn = next((c for c in self.conns.values() if c.sock is sock), None)
+        # identity, not the address: a queued call may drop this connection and open a new
+        # one to the same consumer while its last messages are handled
+        while conn is not None and self.conns.get(conn.address) is conn:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.run_calls()
+            who = f"consumer {conn.address}"
+            try:
+                if len(frames) != 1:
+                    raise MalformedMessage(f"{len(frames)} frames in one message, expected 1")
+                msgs = wire.decode(frames[0], wire.TO_PRODUCER)
+                if conn.handle is None and msgs[0].KIND not in _HANDSHAKE_REPLIES:
+                    raise MalformedMessage(f"{msgs[0].KIND.value} before the handshake's reply")
+            except MalformedMessage as e:
+                self.malformed(who, str(e))
+                continue
+            conn.last_heard = time.monotonic()
+            self.dispatch(conn, msgs, who, _current(self.conns, conn.address, conn))
+
+    # ---- loop side: handlers --------------------------------------------------------
+    def _on_welcome(self, conn: Conn, m: wire.Hello) -> None:
+        if conn.handle is not None:
+            raise MalformedMessage("WELCOME on a connection already welcomed")
+        assert self.plane is not None
+        try:
+            handshake.check(self.layout, self.config.backend, m.remote(),
+                            f"consumer {conn.address}")
+            conn.handle = self.plane.add_peer(m.plane)
+        except Exception as e:  # the reply is the peer's bytes: anything may be wrong
+            err = e if isinstance(e, HandshakeError) else \
+                HandshakeError(f"consumer {conn.address}: {e}")
+            conn.ready.set_exception(err)
+            self._drop_conn(conn.address, str(err))
+            return
+        conn.remote_blocks = m.num_blocks
+        if not conn.ready.done():
+            conn.ready.set_result(None)
+        waiting, conn.waiting = conn.waiting, []
+        for fn in waiting:  # pushes and finishes made while the handshake ran, in order
+            fn()
+
+    def _on_reject(self, conn: Conn, m: wire.Reject) -> None:
+        err = HandshakeError(f"consumer {conn.address}: {m.error}")
+        if not conn.ready.done():
+            conn.ready.set_exception(err)
+        self._drop_conn(conn.address, str(err))
+
+    def _rec_of(self, conn: Conn, rid: str) -> SendRecord | None:
+        """A consumer speaks only for the transfers on its own connection."""
+        rec = self.recs.get(rid)
+        return rec if rec is not None and rec.peer is conn else None
+
+    def _on_ack(self, conn: Conn, m: wire.Ack) -> None:
+        if (rec := self._rec_of(conn, m.rid)) is not None:
+            rec.acked, rec.await_peer = True, False
+
+    def _on_stopped(self, conn: Conn, m: wire.Stopped) -> None:
+        if (rec := self._rec_of(conn, m.rid)) is not None:
+            rec.await_peer = False  # the consumer reads no more of its blocks
+
+    def _on_cancel(self, conn: Conn, m: wire.Cancel) -> None:
+        if (rec := self._rec_of(conn, m.rid)) is not None:
+            rec.await_peer = False
+            self.end(rec, TransferStatus.CANCELLED, f"cancelled by consumer: {m.reason}",
+                     notify=False)
+
+    def _on_error(self, conn: Conn, m: wire.Error) -> None:
+        if (rec := self._rec_of(conn, m.rid)) is not None:
+            rec.await_peer = False
+            self.end(rec, TransferStatus.FAILED, f"consumer refused: {m.error}", notify=False)
+
+    # ---- loop side: records ---------------------------------------------------------
+    def _record(self, rid: str, address: str, deadline: float) -> SendRecord:
+        rec = self.recs.get(rid)
+        if rec is None:
+            rec = self.recs[rid] = SendRecord(rid, deadline, peer=self.conns.get(address))
+            if rec.peer is None:
+                self.end(rec, TransferStatus.FAILED,
+                         f"not connected to {address}: connect() first", notify=False)
+        return rec
+
+    def _later(self, conn: Conn, rec: SendRecord, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on WELCOME, unless the record ended or was released meanwhile."""
+        def run() -> None:
+            if self.recs.get(rec.request_id) is rec and rec.ending is None:
+                fn()
+
+        conn.waiting.append(run)
+
+    def _push(self, rid: str, address: str, runs: list[BlockRun], deadline: float) -> None:
+        rec = self._record(rid, address, deadline)
+        conn = rec.peer
+        if rec.ending is not None or rec.status.terminal or conn is None:
+            return  # pushes after a cancel are dropped: the caller learns it from poll()
+        assert self.plane is not None
+        if conn.address != address:
+            self.end(rec, TransferStatus.FAILED, f"{rid}: pushed to {address} but started "
+                     f"on {conn.address}", notify=True)
+            return
+        if conn.handle is None:  # still handshaking
+            self._later(conn, rec, lambda: self._push(rid, address, runs, deadline))
+            return
+        top = max(r.dst_start + r.num_blocks for r in runs) if runs else 0
+        if min((r.dst_start for r in runs), default=0) < 0 or top > conn.remote_blocks:
+            self.end(rec, TransferStatus.FAILED, f"{rid}: dst block ids outside the consumer's "
+                     f"pool of {conn.remote_blocks} blocks", notify=True)
+            return
+        wire_runs = []
+        for r in runs:
+            tag = conn.next_tag()
+            rec.ops.append(self.plane.send(conn.handle, tag, r.src_start, r.dst_start,
+                                           r.num_blocks))
+            wire_runs.append(wire.WireRun(tag, r.dst_start, r.num_blocks, r.src_start))
+        rec.runs += len(runs)
+        conn.outbox.append(wire.Push(rid, tuple(wire_runs)))
+        if rec.status == TransferStatus.PENDING:
+            self.set_status(rec, TransferStatus.IN_FLIGHT)
+
+    def _finish(self, rid: str, notice: TransferNotice) -> None:
+        rec = self.recs.get(rid)
+        if rec is None:  # finish without any push: no full block to send
+            rec = self._record(rid, "", time.monotonic() + self.config.transfer_timeout_s)
+        conn = rec.peer
+        if rec.ending is not None or rec.status.terminal or conn is None:
+            return
+        if conn.handle is None:
+            self._later(conn, rec, lambda: self._finish(rid, notice))
+            return
+        rec.total, rec.notice = rec.runs, notice
+        conn.outbox.append(wire.Finish(rid, rec.runs, notice))
+
+    def notify_cancel(self, rec: SendRecord, reason: str) -> None:
+        conn = rec.peer
+        if conn is not None and self.conns.get(conn.address) is conn and conn.handle is not None:
+            assert self.plane is not None
+            rec.await_peer = self.plane.pull and rec.runs > 0
+            conn.outbox.append(wire.Cancel(rec.request_id, reason))
+
+    def tick(self, now: float) -> None:
+        assert self.plane is not None
+        self.plane.progress()
+        while self._queue and (self._queue[0][0] is None or self._queue[0][0].query()):
+            self._queue.popleft()[1]()
+        stuck = set()
+        hb = self.config.heartbeat_interval_s
+        for rec in list(self.recs.values()):
+            if rec.status.terminal:
+                continue
+            if self.step_record(rec, now) and rec.peer is not None:
+                stuck.add(rec.peer.address)
+            elif rec.ending is None and rec.acked and not rec.ops:
+                self.finalize(rec, TransferStatus.DONE, None)
+        for conn in list(self.conns.values()):
+            silent = now - conn.last_heard
+            if conn.handle is None and now - conn.opened > self.config.connect_timeout_s:
+                self._drop_conn(conn.address, f"consumer {conn.address}: no handshake reply in "
+                                f"{self.config.connect_timeout_s} s (connect_timeout_s)")
+            elif silent > self.config.peer_timeout_s:
+                self._drop_conn(conn.address, f"consumer {conn.address} silent for {silent:.1f} s "
+                                f"(peer_timeout_s={self.config.peer_timeout_s})")
+            elif conn.address in stuck:
+                self._drop_conn(conn.address, f"consumer {conn.address}: ops did not drain")
+            elif conn.handle is not None and now - conn.last_ping > hb:
+                conn.last_ping = now
+                conn.outbox.append(wire.Ping())
 
     def shutdown(self) -> None:
         super().shutdown()
         self.end_turn()  # the CANCELs of open transfers go out before the sockets close
         for address in list(self.conns):
             self._drop_conn(address, f"{self.name} closed")
+
+
+def _current(conns: dict[str, Conn], address: str, conn: Conn) -> Callable[[], bool]:
+    return lambda: conns.get(address) is conn
+
+
+def _copy_outcome(src: Future[None], dst: Future[None]) -> None:
+    if dst.done():
+        return
+    e = src.exception()
+    if e is None:
+        dst.set_result(None)
+    else:
+        dst.set_exception(e)

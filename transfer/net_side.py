@@ -6,38 +6,32 @@ Records live on the I/O thread. A lock-guarded mirror of their statuses lets ``s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import zmq
 
 from engine.kv_layout import KVLayout
 from transfer.io_loop import IOLoop
 from transfer.plane import DataPlane
 from transfer.pool import KVPool
-from transfer.types import TransferConfig, TransferNotice, TransferStatus, TransferUpdate
+from transfer.records import Record
+from transfer.types import (
+    TransferConfig,
+    TransferStats,
+    TransferStatus,
+    TransferUpdate,
+)
+from transfer.wire import MAX_FRAME_BYTES, Kind, MalformedMessage, Message
 
-MAX_TAG_SEQ = 1 << 32  # tags are (session << 32) | seq
+log = logging.getLogger("pdserve.transfer")
+LOG_EVERY_S = 1.0  # a flood of bad frames logs one line a second per side, with a count
 
-
-@dataclass
-class Record:
-    """One request's transfer as one side sees it (I/O thread only)."""
-
-    request_id: str
-    deadline: float  # time.monotonic() value
-    peer: object | None = None  # the connection / ZMQ identity it talks to
-    status: TransferStatus = TransferStatus.PENDING
-    ops: list[object] = field(default_factory=list)  # posted data-plane ops not completed
-    runs: int = 0  # runs sent (sender) / landed (receiver)
-    total: int | None = None  # runs in the whole transfer, known at finish
-    notice: TransferNotice | None = None
-    acked: bool = False  # sender: the consumer acknowledged everything
-    ending: tuple[TransferStatus, str] | None = None  # terminal status once ops drain
-    ending_since: float = 0.0
-    # sender on a pull plane: a record it ended keeps its source blocks until the
-    # consumer answered (it may still be reading them)
-    await_peer: bool = False
-    stop_to: object | None = None  # receiver: the producer to tell STOPPED once drained
+R = TypeVar("R", bound=Record[Any])
+Handler = Callable[[Any, Any], None]  # (peer or connection, message)
 
 
 def make_plane(config: TransferConfig, pool: KVPool, name: str, exporter: bool) -> DataPlane:
@@ -58,7 +52,7 @@ def make_plane(config: TransferConfig, pool: KVPool, name: str, exporter: bool) 
     raise ValueError(f"backend: {config.backend!r} has no network data plane")
 
 
-class NetSide(IOLoop):
+class NetSide(IOLoop, Generic[R]):
     def __init__(self, tensor: object, layout: KVLayout, config: TransferConfig,
                  name: str) -> None:
         super().__init__(name)
@@ -67,7 +61,12 @@ class NetSide(IOLoop):
         self.config = config
         self.name = name
         self.plane: DataPlane | None = None
-        self.recs: dict[str, Record] = {}
+        self.recs: dict[str, R] = {}
+        self.handlers: dict[Kind, Handler] = {}  # filled by each side: one dispatch table
+        self._malformed = 0
+        self._rejected = 0
+        self._last_log = 0.0
+        self._unlogged = 0
         self._mirror: dict[str, TransferStatus] = {}
         self._mlock = threading.Lock()
         self._stashed: list[TransferUpdate] = []
@@ -114,6 +113,9 @@ class NetSide(IOLoop):
         if rec is not None:
             self.end(rec, TransferStatus.CANCELLED, reason, notify=True)
 
+    def stats(self) -> TransferStats:
+        return TransferStats(self._malformed, self._rejected)  # int reads: no lock needed
+
     def close(self) -> None:
         if self._closed:
             return
@@ -126,13 +128,55 @@ class NetSide(IOLoop):
         self.stop()
 
     # ---- loop side ---------------------------------------------------------------
-    def set_status(self, rec: Record, st: TransferStatus) -> None:
+    def control_socket(self, kind: int) -> Any:
+        """A control socket that refuses frames over the size limit (libzmq drops the
+        connection that sends one) and never lingers on close."""
+        sock = self.zctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        return sock
+
+    def dispatch(self, peer: object, msgs: list[Message], who: str,
+                 current: Callable[[], bool]) -> None:
+        """Runs each message's handler while ``peer`` is still the current session (a
+        handler may drop it); a message that breaks a handler's checks (or a handler) is
+        dropped and counted, and the I/O thread carries on."""
+        for m in msgs:
+            if not current():
+                return
+            try:
+                self.handlers[m.KIND](peer, m)
+            except MalformedMessage as e:
+                self.malformed(who, str(e))
+            except Exception as e:  # a bad message must never end the I/O thread
+                log.exception("%s: handling %s from %s failed", self.name, m.KIND.value, who)
+                self.malformed(who, f"{m.KIND.value}: handler raised {type(e).__name__}: {e}")
+
+    def malformed(self, who: str, why: str) -> None:
+        """Counts a dropped frame or message and logs it (rate-limited) naming the peer."""
+        self._malformed += 1
+        self._log_dropped(who, f"malformed message dropped: {why}")
+
+    def rejected(self, who: str, why: str) -> None:
+        self._rejected += 1
+        self._log_dropped(who, f"handshake refused: {why}")
+
+    def _log_dropped(self, who: str, what: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log < LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" (+{self._unlogged} more since the last line)" if self._unlogged else ""
+        self._last_log, self._unlogged = now, 0
+        log.warning("%s: from %s: %s%s", self.name, who, what[:300], more)
+
+    def set_status(self, rec: R, st: TransferStatus) -> None:
         rec.status = st
         with self._mlock:
             if rec.request_id in self._mirror:
                 self._mirror[rec.request_id] = st
 
-    def end(self, rec: Record, st: TransferStatus, reason: str, notify: bool) -> None:
+    def end(self, rec: R, st: TransferStatus, reason: str, notify: bool) -> None:
         """Starts ending ``rec``: it turns ``st`` once its posted ops drain."""
         if rec.status.terminal or rec.ending is not None:
             return
@@ -140,13 +184,13 @@ class NetSide(IOLoop):
         if notify:
             self.notify_cancel(rec, reason)
 
-    def finalize(self, rec: Record, st: TransferStatus, error: str | None) -> None:
+    def finalize(self, rec: R, st: TransferStatus, error: str | None) -> None:
         rec.ops.clear()
         self.set_status(rec, st)
         notice = rec.notice if st == TransferStatus.DONE else None
         self.report(TransferUpdate(rec.request_id, st, notice, error))
 
-    def step_record(self, rec: Record, now: float) -> bool:
+    def step_record(self, rec: R, now: float) -> bool:
         """Tests ``rec``'s ops and ends it on error/deadline; True if it stays undrained
         past the peer timeout (the caller then drops the peer, which cancels its ops)."""
         assert self.plane is not None
@@ -165,7 +209,7 @@ class NetSide(IOLoop):
             done += 1
         del rec.ops[:done]
         if rec.ending is not None:
-            if not rec.ops and not rec.await_peer:
+            if rec.drained():
                 self.finalize(rec, *rec.ending)
                 return False
             return now - rec.ending_since > self.config.peer_timeout_s
@@ -203,5 +247,5 @@ class NetSide(IOLoop):
         """Receiver: a completed op is a landed run. Sender: runs are counted when sent."""
         return False
 
-    def notify_cancel(self, rec: Record, reason: str) -> None:
+    def notify_cancel(self, rec: R, reason: str) -> None:
         """Tells the peer to stop (sends CANCEL on the control channel)."""

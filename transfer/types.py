@@ -75,6 +75,14 @@ class Accounting:
 
 
 @dataclass(frozen=True)
+class TransferStats:
+    """Counters of a side's control channel, for the worker's /metrics."""
+
+    malformed_messages: int = 0  # peer frames dropped: undecodable, ill-typed, out of range
+    rejected_handshakes: int = 0  # HELLOs refused (token, version, backend, layout)
+
+
+@dataclass(frozen=True)
 class TransferConfig:
     backend: str = "ucx"  # "ucx" | "nixl" | "fake"
     host: str = "127.0.0.1"  # the receiver's control socket binds (and advertises) this host

@@ -76,14 +76,18 @@ def test_connect_to_mismatched_layout_fails_clearly(backend: str) -> None:
 
 
 def test_a_turns_messages_to_one_peer_travel_as_one_in_order() -> None:
-    from transfer.io_loop import pack, pack_many, unpack_many
+    from transfer import wire
 
-    one = [["PUSH", {"rid": "a", "runs": [[1, 2, 3, 4]]}]]
-    assert pack_many(one) == pack(*one[0])  # a lone message is sent as itself
-    many = [["PUSH", {"rid": "a", "runs": []}], ["FINISH", {"rid": "a", "total": 0}],
-            ["PING", {}]]
-    assert unpack_many(pack_many(many)) == [(k, b) for k, b in many]
-    assert unpack_many(pack("ACK", {"rid": "b"})) == [("ACK", {"rid": "b"})]
+    one: list[wire.Message] = [wire.Push("a", (wire.WireRun(1, 2, 3, 4),))]
+    assert len(wire.encode(one)) == 1
+    assert wire.decode(wire.encode(one)[0], wire.TO_CONSUMER) == one  # a lone message as itself
+    many: list[wire.Message] = [wire.Push("a", ()), wire.Finish("a", 0, TransferNotice(
+        "a", 1, False, 0)), wire.Ping()]
+    frames = wire.encode(many)
+    assert len(frames) == 1
+    assert wire.decode(frames[0], wire.TO_CONSUMER) == many
+    ack = wire.encode([wire.Ack("b")])
+    assert wire.decode(ack[0], wire.TO_PRODUCER) == [wire.Ack("b")]
 
 
 class _SlowToDie(IOLoop):
