@@ -57,7 +57,7 @@ class IpcPlane(PullPlane):
         return bytes(msgpack.packb(self._info))
 
     def add_peer(self, info: bytes) -> object:
-        d = msgpack.unpackb(info)
+        d = _peer_info(info)
         if d.get("host") != self._info["host"]:
             raise TransferError("backend ipc: producer and consumer are on different hosts "
                                 "(boot ids differ); use backend ucx or nixl between hosts")
@@ -66,14 +66,25 @@ class IpcPlane(PullPlane):
         want = "cuda" if self.pool.is_cuda else "cpu"
         if d["kind"] != want:
             raise TransferError(f"backend ipc: producer pool is {d['kind']}, ours is {want}")
+        nbytes = _count(d, "nbytes")
+        if nbytes % self.pool.block_nbytes:
+            raise TransferError(f"backend ipc: producer pool of {nbytes} bytes is not whole "
+                                f"blocks of {self.pool.block_nbytes}")
+        offset = _count(d, "offset")
         if want == "cuda":
             from transfer import cuda_driver
 
-            base = cuda_driver.open_handle(d["handle"])
-            peer = {"kind": "cuda", "base": base, "ptr": base + d["offset"]}
+            base = cuda_driver.open_handle(_field(d, "handle", bytes))
+            _, size = cuda_driver.allocation_of(base)
+            if offset + nbytes > size:  # no device copy may read past what was mapped
+                cuda_driver.close_handle(base)
+                raise TransferError(f"backend ipc: producer pool (offset {offset}, {nbytes} "
+                                    f"bytes) outside its {size}-byte allocation")
+            peer = {"kind": "cuda", "base": base, "ptr": base + offset}
         else:
-            peer = {"kind": "cpu", "flat": _map_cpu(d["pid"], d["fd"], d["size"], d["offset"])}
-        peer["nbytes"] = int(d["nbytes"])
+            peer = {"kind": "cpu", "flat": _map_cpu(_count(d, "pid"), _count(d, "fd"),
+                                                    _count(d, "size"), offset, nbytes)}
+        peer["nbytes"] = nbytes
         self._peers.append(peer)
         return peer
 
@@ -97,7 +108,8 @@ class IpcPlane(PullPlane):
         assert isinstance(peer, dict)
         bn = self.pool.block_nbytes
         n, d, s = num_blocks * bn, dst_block * bn, src_block * bn
-        if s + n > peer.get("nbytes", 0):
+        if min(src_block, dst_block) < 0 or num_blocks <= 0 or s + n > peer.get("nbytes", 0) \
+                or d + n > self.pool.flat.numel():
             raise TransferError(f"backend ipc: source run {src_block}+{num_blocks} outside "
                                 "the producer's pool")
         if peer["kind"] == "cpu":
@@ -157,7 +169,33 @@ class _Copy:
         self.event: Any = None
 
 
-def _map_cpu(pid: int, fd: int, size: int, offset: int) -> Any:
+def _peer_info(info: bytes) -> dict[str, Any]:
+    try:
+        d = msgpack.unpackb(info)
+    except Exception as e:
+        raise TransferError(f"backend ipc: unreadable peer info ({type(e).__name__})") from None
+    if not isinstance(d, dict):
+        raise TransferError("backend ipc: peer info is not a map")
+    return d
+
+
+def _field(d: dict[str, Any], name: str, typ: type) -> Any:
+    v = d.get(name)
+    if type(v) is not typ:
+        raise TransferError(f"backend ipc: peer info {name}: expected {typ.__name__}")
+    return v
+
+
+def _count(d: dict[str, Any], name: str) -> int:
+    v = _field(d, name, int)
+    if not 0 <= v < 1 << 62:
+        raise TransferError(f"backend ipc: peer info {name}: {v} out of range")
+    return int(v)
+
+
+def _map_cpu(pid: int, fd: int, size: int, offset: int, nbytes: int) -> Any:
+    """Maps exactly the producer's pool: every size and offset it claimed is checked
+    against the file itself, so no read can run past the mapping (SIGBUS) or the pool."""
     import torch
 
     try:
@@ -166,7 +204,11 @@ def _map_cpu(pid: int, fd: int, size: int, offset: int) -> Any:
         raise TransferError(f"backend ipc: cannot open the producer's shared pool "
                             f"(pid {pid}, fd {fd}): {e}") from None
     try:
+        real = os.fstat(f).st_size
+        if not offset + nbytes <= size <= real or nbytes == 0:
+            raise TransferError(f"backend ipc: producer pool (offset {offset}, {nbytes} "
+                                f"bytes, mapping {size}) does not fit its {real}-byte file")
         mm = mmap.mmap(f, size)
     finally:
         os.close(f)
-    return torch.frombuffer(mm, dtype=torch.uint8)[offset:]
+    return torch.frombuffer(mm, dtype=torch.uint8)[offset:offset + nbytes]
