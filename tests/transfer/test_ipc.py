@@ -114,3 +114,40 @@ def test_a_dead_io_thread_makes_poll_raise_instead_of_going_quiet(ipc: Pair) -> 
         time.sleep(0.01)
     with pytest.raises(RuntimeError, match="I/O thread died"):
         ipc.rx.poll()
+
+
+@pytest.mark.parametrize("claim", [
+    {"size": 1 << 30, "offset": 0},  # a mapping past the file's end (SIGBUS on read)
+    {"size": 4096, "offset": 0},  # the pool it claims does not fit the mapping
+    {"size": 1 << 16, "offset": 1 << 15},  # the offset pushes the pool past the end
+    {"nbytes": 100},  # not whole blocks
+    {"fd": "3"},  # mistyped
+    {},  # the control: a pool that fits is mapped
+])
+def test_a_producer_pool_that_does_not_fit_its_file_is_refused(claim: dict[str, object]) -> None:
+    import os
+    import tempfile
+
+    import msgpack
+    from hostile import RawPeer
+
+    from transfer import wire
+    from transfer.ipc_plane import host_id
+
+    rx = make_receiver(pool(fill=-1.0), LAYOUT, cfg("ipc"))
+    with tempfile.TemporaryFile() as f:
+        f.truncate(1 << 16)  # a 64 KiB file: two blocks
+        info = {"host": host_id(), "kind": "cpu", "pid": os.getpid(), "fd": f.fileno(),
+                "size": 1 << 16, "offset": 0, "nbytes": 1 << 16, **claim}
+        raw = RawPeer(rx.address)
+        try:
+            (rej, *_) = raw.hello("ipc", bytes(msgpack.packb(info)))
+            if not claim:
+                assert rej.KIND == wire.Kind.WELCOME and rx.accounting().peers == 1
+                return
+            assert isinstance(rej, wire.Reject) and "backend ipc" in rej.error, rej
+            assert rx.stats().rejected_handshakes == 1
+            assert rx.accounting().peers == 0
+        finally:
+            raw.close()
+            rx.close()
