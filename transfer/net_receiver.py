@@ -57,6 +57,7 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
             self.sock.bind(f"tcp://{host}:{port}")
         self._address = f"tcp://{host}:{port}"
         self.poller.register(self.sock, zmq.POLLIN)
+        self.monitor = self.watch_handshakes(self.sock)  # counts strangers CURVE turned away
 
     # ---- caller side -------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
@@ -88,6 +89,11 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
                 self.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
 
     def on_readable(self, sock: Any) -> None:
+        if sock is self.monitor:
+            for _ in range(self.failed_handshakes(self.monitor)):
+                self.rejected("a peer", "ZMQ handshake failed (wrong cluster token, or "
+                              "CURVE on one side only)")
+            return
         while True:
             try:
                 frames = self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)

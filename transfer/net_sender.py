@@ -139,6 +139,7 @@ class NetSender(NetSide[SendRecord], KVSender):
             self.poller.register(sock, zmq.POLLIN)
             now = time.monotonic()
             conn = Conn(address, sock, random.getrandbits(32), Future(), now, now)
+            conn.monitor = self.watch_handshakes(sock)
             self.conns[address] = conn
             hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info(),
                                     self.config.cluster_token)
@@ -154,6 +155,7 @@ class NetSender(NetSide[SendRecord], KVSender):
         if conn.handle is not None:
             assert self.plane is not None
             self.plane.remove_peer(conn.handle)  # cancels sends still posted to it
+        self._unwatch(conn)
         self.poller.unregister(conn.sock)
         conn.sock.close(0)
         conn.waiting.clear()
@@ -169,7 +171,23 @@ class NetSender(NetSide[SendRecord], KVSender):
                 except zmq.Again:  # never block the loop on a consumer that stopped reading
                     self._drop_conn(conn.address, f"consumer {conn.address}: send queue full")
 
+    def _unwatch(self, conn: Conn) -> None:
+        if conn.monitor is not None:
+            self.unwatch(conn.sock, conn.monitor)
+            conn.monitor = None
+
+    def _on_monitor(self, conn: Conn) -> None:
+        if self.failed_handshakes(conn.monitor) and conn.handle is None:
+            err = HandshakeError(f"consumer {conn.address}: encrypted handshake failed (wrong "
+                                 "or missing cluster token, or CURVE on one side only)")
+            conn.ready.set_exception(err)
+            self._drop_conn(conn.address, str(err))
+
     def on_readable(self, sock: Any) -> None:
+        watched = next((c for c in self.conns.values() if c.monitor is sock), None)
+        if watched is not None:
+            self._on_monitor(watched)
+            return
         conn = next((c for c in self.conns.values() if c.sock is sock), None)
         # identity, not the address: a queued call may drop this connection and open a new
         # one to the same consumer while its last messages are handled
@@ -208,6 +226,7 @@ class NetSender(NetSide[SendRecord], KVSender):
             self._drop_conn(conn.address, str(err))
             return
         conn.remote_blocks = m.num_blocks
+        self._unwatch(conn)  # the ZMQ handshake is long done
         if not conn.ready.done():
             conn.ready.set_result(None)
         waiting, conn.waiting = conn.waiting, []

@@ -13,8 +13,10 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_layout import KVLayout
+from transfer import curve
 from transfer.io_loop import IOLoop
 from transfer.plane import DataPlane
 from transfer.pool import KVPool
@@ -130,11 +132,34 @@ class NetSide(IOLoop, Generic[R]):
     # ---- loop side ---------------------------------------------------------------
     def control_socket(self, kind: int) -> Any:
         """A control socket that refuses frames over the size limit (libzmq drops the
-        connection that sends one) and never lingers on close."""
+        connection that sends one), never lingers on close and, with a cluster token,
+        speaks CURVE (the consumer's ROUTER is the server)."""
         sock = self.zctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        curve.secure(sock, self.config, server=kind == zmq.ROUTER)
         return sock
+
+    def watch_handshakes(self, sock: Any) -> Any:
+        """A monitor socket, polled by the loop, that reports failed ZMQ handshakes."""
+        mon = sock.get_monitor_socket(events=curve.HANDSHAKE_FAILED)
+        self.poller.register(mon, zmq.POLLIN)
+        return mon
+
+    def failed_handshakes(self, mon: Any) -> int:
+        """How many failed ZMQ handshakes ``mon`` reported since the last call."""
+        n = 0
+        while True:
+            try:
+                recv_monitor_message(mon, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return n
+            n += 1
+
+    def unwatch(self, sock: Any, mon: Any) -> None:
+        self.poller.unregister(mon)
+        sock.disable_monitor()
+        mon.close(0)
 
     def dispatch(self, peer: object, msgs: list[Message], who: str,
                  current: Callable[[], bool]) -> None:

@@ -95,6 +95,9 @@ class TransferConfig:
     # Shared secret a sender presents in its handshake; a receiver with one set refuses
     # senders without it, so a stray process cannot write into reserved KV blocks.
     cluster_token: str = field(default="", repr=False)
+    # With a token: encrypt and authenticate the control channel with ZMQ CURVE (keys
+    # derived from the token), so the token never crosses the network in clear.
+    curve: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -1,0 +1,117 @@
+"""With a cluster token the KV control channel speaks ZMQ CURVE: a peer with another token
+cannot finish a handshake, and the token never crosses the network in clear (issue 13)."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hostile import RawPeer, until
+from xfer_helpers import LAYOUT, cfg, pool
+
+from transfer import HandshakeError, TransferNotice, TransferStatus, make_receiver, make_sender
+
+TOKEN = "kv-curve-token-5f1e2d"
+
+
+class Sniffer:
+    """A TCP relay in front of the receiver's port that keeps every byte it relays."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        self.target = (host, int(port))
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.seen = bytearray()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        self.listener.settimeout(0.1)
+        while not self._stop:
+            try:
+                a, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            b = socket.create_connection(self.target)
+            threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    def _relay(self, a: socket.socket, b: socket.socket) -> None:
+        peer = {a: b, b: a}
+        while not self._stop:
+            ready, _, _ = select.select([a, b], [], [], 0.1)
+            for s in ready:
+                data = s.recv(65536)
+                if not data:
+                    return
+                self.seen += data
+                peer[s].sendall(data)
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self.listener.close()
+
+
+@pytest.fixture
+def rx() -> Iterator[object]:
+    r = make_receiver(pool(fill=-1.0), LAYOUT, cfg("ucx", cluster_token=TOKEN))
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("curve", [True, False])
+def test_a_sniffed_control_channel_holds_no_token_with_curve(curve: bool) -> None:
+    src, dst = pool(), pool(fill=-1.0)
+    rx = make_receiver(dst, LAYOUT, cfg("ucx", cluster_token=TOKEN, curve=curve))
+    tx = make_sender(src, LAYOUT, cfg("ucx", cluster_token=TOKEN, curve=curve))
+    sniff = Sniffer(rx.address)
+    try:
+        tx.connect(sniff.address, timeout=10)
+        rx.expect("s", [2, 3])
+        tx.push("s", sniff.address, [7, 8], [2, 3])
+        tx.finish("s", TransferNotice("s", 1, False, 32))
+        assert rx.wait("s", 10).status == TransferStatus.DONE
+        assert tx.wait("s", 10).status == TransferStatus.DONE
+        assert torch.equal(dst[2], src[7]) and torch.equal(dst[3], src[8])
+        seen = bytes(sniff.seen)
+        assert (b"CURVE" in seen) is curve  # the relay saw the ZMQ greeting
+        # the control: without CURVE the HELLO carries the token in clear, and our messages'
+        # fields (a handshake's layout, a push's request id) are readable
+        assert (TOKEN.encode() in seen) is not curve
+        assert (b"fingerprint" in seen) is not curve
+        assert (b"rid" in seen) is not curve
+    finally:
+        sniff.close()
+        tx.close()
+        rx.close()
+
+
+@pytest.mark.parametrize("token", ["", "another-token"])
+def test_a_producer_without_the_token_cannot_finish_a_handshake(rx: object, token: str) -> None:
+    tx = make_sender(pool(), LAYOUT, cfg("ucx", cluster_token=token))
+    try:
+        with pytest.raises(HandshakeError, match="cluster token"):
+            tx.connect(rx.address, timeout=10)  # type: ignore[attr-defined]
+        assert tx.accounting().peers == 0
+        assert rx.accounting().peers == 0  # type: ignore[attr-defined]
+        until(lambda: rx.stats().rejected_handshakes >= 1)  # type: ignore[attr-defined]
+        assert rx.stats().malformed_messages == 0  # type: ignore[attr-defined]  # never decoded
+    finally:
+        tx.close()
+
+
+def test_a_raw_stranger_never_reaches_the_decoder(rx: object) -> None:
+    raw = RawPeer(rx.address)  # type: ignore[attr-defined]
+    try:
+        raw.send(b"\xc1")
+        until(lambda: rx.stats().rejected_handshakes >= 1)  # type: ignore[attr-defined]
+        assert rx.stats().malformed_messages == 0  # type: ignore[attr-defined]
+        assert rx.poll() == []  # type: ignore[attr-defined]
+    finally:
+        raw.close()
