@@ -19,7 +19,7 @@ from router.admission import Admission
 from router.channels import WorkerChannels
 from router.config import RouterConfig
 from router.legs import Ev, Event
-from router.policy import Policy, place
+from router.policy import Policy, Slot, place
 from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
 from router.request_run import RequestInfo, RequestRun
 from router.validation import PreparedRequest, RequestError
@@ -49,24 +49,18 @@ class Dispatcher:
                                f"request_id: {prep.request_id!r} is already in flight")
         run = RequestRun(prep, received_ns, self.config,
                          stub_for=lambda w: self.channels.stub(w.worker_id, w.address),
-                         on_unreachable=self._unreachable, spawn=self._spawn)
+                         on_unreachable=self._unreachable, spawn=self._spawn,
+                         replace=lambda exclude: self._place(exclude))
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot
         try:
             async with admission.slot():
-                slot = place(self.registry, self.policy) if self.registry.serving() else None
+                slot = self._place(set())
                 if slot is None:
                     raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                        no_workers_message(self.registry))
                 run.place(slot)
-                for w in slot.workers:
-                    w.inflight += 1
-                    w.dispatched += 1
-                try:
-                    async for resp in run.stream():
-                        yield resp
-                finally:
-                    for w in slot.workers:
-                        w.inflight -= 1
+                async for resp in run.stream():
+                    yield resp
         finally:
             run.close()  # the stream's own close, in case it never started or was not closed
             self.active.pop(prep.request_id, None)
@@ -98,6 +92,11 @@ class Dispatcher:
 
     # -- internals -------------------------------------------------------------------------
 
+    def _place(self, exclude_producers: set[str]) -> Slot | None:
+        if not self.registry.serving():
+            return None
+        return place(self.registry, self.policy, exclude_producers)
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
@@ -110,7 +109,7 @@ class Dispatcher:
             self.channels.drop(w.worker_id)
         for run in self.active.values():
             if run.slot is not None and any(x is w for x in run.slot.workers):
-                run.post(Event(Ev.FAIL, reason))
+                run.post(Event(Ev.DROPPED, (w, reason)))
 
     def _unreachable(self, w: WorkerInfo, message: str) -> None:
         if self.registry.get(w.worker_id) is w:

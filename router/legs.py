@@ -34,7 +34,8 @@ class Ev(Enum):
     DECODE_EOF = auto()  # the consumer/colocated stream ended
     LEG_ERROR = auto()  # payload: (worker, status code or None, message)
     ABORT = auto()  # Router.Abort
-    FAIL = auto()  # payload: message (e.g. the worker was dropped by the registry)
+    DROPPED = auto()  # payload: (worker, reason): the registry dropped one of its workers
+    FAIL = auto()  # payload: message (e.g. router shutdown)
 
 
 @dataclass

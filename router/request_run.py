@@ -17,9 +17,17 @@ Lifecycle, router side (``engine.request_state.RequestState``)::
       │                                        WAITING_FOR_KV ──first consumer token──▶ DECODING
       ▼                                                       (colocated: token 0 ──▶ DECODING)
     any state ──▶ FINISHED_STOPPED / FINISHED_LENGTH   the decoding leg (or token 0) finished it
-              ──▶ FINISHED_ABORTED                     Router.Abort
+              ──▶ FINISHED_ABORTED                     Router.Abort, or the client left
               ──▶ FINISHED_ERROR                       a leg failed or ended early, a timeout,
                                                        its worker was dropped, router shutdown
+    RESERVING / PREFILLING ──the producer failed before token 0──▶ RESERVING (or PREFILLING on
+                                  a colocated worker): placed again, avoiding that producer
+
+Retry: a producer that fails before token 0 (its stream errs or ends, or the registry drops
+it) has cost the client nothing yet, so the run places the request again, up to
+``prefill_retries`` times, never on a producer it failed on (``_repair``): the failed
+attempt's legs are cancelled and aborted (the consumer's reservation too, see
+``_repair``), the new legs use a new worker-side id (``leg_id``).
 
 Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
 then on the legs' reports move it forward, the moment a leg reads a message
@@ -60,6 +68,7 @@ from router.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
 from router.policy import Slot
 from router.registry import WorkerInfo
 from router.run_output import RunOutput
+from router.run_streams import colocated_stream, disaggregated_stream
 from router.validation import PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -95,7 +104,8 @@ class RequestInfo:
 class RequestRun:
     def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
-                 on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn) -> None:
+                 on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
+                 replace: Callable[[set[str]], Slot | None] = lambda exclude: None) -> None:
         self.prep = prep
         self.config = config
         self.out = RunOutput(prep, received_ns)
@@ -106,12 +116,16 @@ class RequestRun:
         self.decode: DecodeLeg | None = None
         self.ended: set[str] = set()  # worker ids whose leg finished its part
         self._stub_for = stub_for
+        self._replace = replace  # a new slot avoiding the given producers, for a retry
+        self.attempt = 1  # placements so far; the legs of attempt n > 1 use ``leg_id``
+        self._failed: set[str] = set()
+        self._retry: str | None = None  # why the current legs are being replaced
         self._on_unreachable = on_unreachable
         self._spawn = spawn
         self._received = time.monotonic()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
         self._pairing: asyncio.Task[None] | None = None
-        self._completed = False  # a leg finished the request (not the router, not an error)
+        self.completed = False  # a leg finished the request (not the router, not an error)
         self._closed = False
 
     @property
@@ -123,6 +137,13 @@ class RequestRun:
         return RequestInfo(self.request_id, self.state, time.monotonic() - self._received,
                            t.producer, t.consumer, t.colocated, self.out.completion_tokens)
 
+    @property
+    def leg_id(self) -> str:
+        """The id the workers know this attempt by: a retry must not meet what the failed
+        attempt left on a worker (a reservation being freed, a stream being torn down)."""
+        rid = self.prep.request_id
+        return rid if self.attempt == 1 else f"{rid}#retry{self.attempt - 1}"
+
     def post(self, event: Event) -> None:
         """From outside the legs: Router.Abort, a dropped worker, shutdown."""
         self._queue.put_nowait(event)
@@ -131,33 +152,49 @@ class RequestRun:
         # Stubs are bound now: a worker dropped mid-request still gets its Abort on the
         # channel this request used.
         self.slot = slot
-        self.stubs = {w.worker_id: self._stub_for(w) for w in slot.workers}
+        self.stubs.update({w.worker_id: self._stub_for(w) for w in slot.workers})
+        for w in slot.workers:
+            w.inflight += 1
+            w.dispatched += 1
+
+    def _unplace(self) -> None:
+        if self.slot is not None:
+            for w in self.slot.workers:
+                w.inflight -= 1
 
     # -- the legs --------------------------------------------------------------------------
 
     def _start_legs(self) -> None:
         slot, prep, t = self.slot, self.prep, self.out.timing
         assert slot is not None
+        attempt = self.attempt
+
+        def report(ev: Event) -> None:
+            if attempt == self.attempt:  # a replaced attempt's legs have nothing to say
+                self._on_report(ev)
+
+        t.producer = slot.producer.worker_id if slot.producer else ""
+        t.consumer = slot.consumer.worker_id if slot.consumer else ""
+        t.colocated = slot.colocated.worker_id if slot.colocated else ""
+        self.producer = None
         if slot.colocated is not None:
             w = slot.colocated
-            t.colocated = w.worker_id
             self.decode = DecodeLeg(w, self.stubs[w.worker_id].Decode(
-                self._decode_request(colocated=True)), self._on_report)
+                self._decode_request(colocated=True)), report)
             self.decode.start()
-            self._advance(S.PREFILLING)
+            self.state = S.PREFILLING
             return
         p, c = slot.producer, slot.consumer
         assert p is not None and c is not None
-        t.producer, t.consumer = p.worker_id, c.worker_id
-        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), self._on_report)
+        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report)
         self.decode = DecodeLeg(c, self.stubs[c.worker_id].Decode(
-            self._decode_request(colocated=False)), self._on_report)
+            self._decode_request(colocated=False)), report)
         # Decode first: the reservation is the slower path, so it should not start late.
         self.decode.start()
         self.producer.start(worker_pb2.PrefillRequest(
-            request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
+            request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
             sampling=prep.sampling, seed=prep.seed))
-        self._advance(S.RESERVING)
+        self.state = S.RESERVING
 
     def _on_report(self, ev: Event) -> None:
         """Every leg's report lands here first: the state moves now, then the client loop
@@ -190,132 +227,72 @@ class RequestRun:
         """The client's responses; every way out of it tears the legs down."""
         try:
             if not self._queue.empty():  # aborted or failed while it was queued
-                yield self._finishing(self._stop(self._queue.get_nowait()))
+                yield self._finishing(self.stop(self._queue.get_nowait()))
                 return
-            self._start_legs()
-            assert self.slot is not None
-            gen = self._colocated() if self.slot.colocated is not None else self._disaggregated()
-            async for resp in gen:
-                yield self._finishing(resp)
+            while True:
+                self._start_legs()
+                assert self.slot is not None
+                colocated = self.slot.colocated is not None
+                gen = colocated_stream(self) if colocated else disaggregated_stream(self)
+                async for resp in gen:
+                    yield self._finishing(resp)
+                if self._retry is None:
+                    return
+                if (failed := self._repair()) is not None:
+                    yield self._finishing(failed)
+                    return
         finally:
             self.close()
 
     def _finishing(self, resp: router_pb2.GenerateResponse) -> router_pb2.GenerateResponse:
         if resp.finish_reason:  # set before the client can leave at the yield
             self.state = FINISHED[resp.finish_reason]
+            if resp.error and self.attempt > 1:
+                resp.error += (f" (attempt {self.attempt} of {self.config.prefill_retries + 1}; "
+                               f"failed before token 0: {', '.join(sorted(self._failed))})")
         return resp
 
-    async def _disaggregated(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        assert self.slot is not None
-        p, c = self.slot.producer, self.slot.consumer
-        assert p is not None and c is not None
-        cfg, out = self.config, self.out
-        token0_sent = transferred = consumer_started = False
-        held: list[worker_pb2.Tokens] = []  # consumer tokens that overtook token 0
-        while True:
-            if not token0_sent:
-                ev = await self._next(cfg.token0_timeout_s, f"token 0 from producer {p.worker_id}")
-            elif not consumer_started:
-                # Includes a queued reservation and the KV transfer, hence the long bound.
-                ev = await self._next(cfg.token0_timeout_s,
-                                      f"first token from consumer {c.worker_id}")
-            else:
-                ev = await self._next(cfg.token_timeout_s,
-                                      f"next token from consumer {c.worker_id}")
-            if ev.kind is Ev.TOKEN0:
-                t0: worker_pb2.Token0 = ev.payload
-                resp = out.token0(t0)
-                token0_sent = True
-                if t0.finish_reason:
-                    self._completed = True
-                    yield out.final(resp, t0.finish_reason, t0.stop_reason)
-                    return
-                yield resp
-                for tokens in held:
-                    resp, error = self._tokens(tokens, c)
-                    yield resp
-                    if error is not None:
-                        return
-                held.clear()
-            elif ev.kind is Ev.TOKENS:
-                consumer_started = True
-                if not token0_sent:
-                    held.append(ev.payload)
-                    if ev.payload.finish_reason:
-                        self.ended.add(c.worker_id)  # its stream's end is no failure
-                    continue
-                resp, error = self._tokens(ev.payload, c)
-                yield resp
-                if error is not None:
-                    return
-            elif ev.kind is Ev.TRANSFER:
-                tr: worker_pb2.TransferResult = ev.payload
-                out.timing.kv_transfer_ms = tr.kv_transfer_ms
-                self.ended.add(p.worker_id)  # the producer is done with this request
-                if not tr.ok:
-                    yield out.failed(f"KV transfer from producer {p.worker_id} to consumer "
-                                     f"{c.worker_id} failed: {tr.error or 'no details'}")
-                    return
-                transferred = True
-            elif ev.kind is Ev.PRODUCER_EOF:
-                self.ended.add(p.worker_id)
-                if not token0_sent:
-                    yield out.failed(f"producer {p.worker_id} ended its stream before token 0")
-                    return
-                if not transferred:
-                    yield out.failed(f"producer {p.worker_id} ended its stream without a KV "
-                                     f"transfer result")
-                    return
-            elif ev.kind is Ev.DECODE_EOF:
-                if c.worker_id in self.ended:
-                    continue  # finished; its last tokens wait in ``held`` for token 0
-                self.ended.add(c.worker_id)
-                yield out.failed(f"consumer {c.worker_id} ended its stream before the request "
-                                 f"finished")
-                return
-            elif ev.kind is Ev.LEG_ERROR:
-                worker, code, msg = ev.payload
-                if worker.worker_id in self.ended:
-                    continue  # it did its part (the KV landed / last tokens are held)
-                yield self._leg_failed(worker, code, msg)
-                return
-            else:
-                yield self._stop(ev)
-                return
+    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool:
+        """A producer failed before token 0: may the request go to another producer?
 
-    async def _colocated(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        assert self.slot is not None
-        w = self.slot.colocated
-        assert w is not None
-        started = False
-        while True:
-            if not started:
-                ev = await self._next(self.config.token0_timeout_s,
-                                      f"token 0 from colocated worker {w.worker_id}")
-            else:
-                ev = await self._next(self.config.token_timeout_s,
-                                      f"next token from colocated worker {w.worker_id}")
-            if ev.kind is Ev.TOKENS:
-                tokens: worker_pb2.Tokens = ev.payload
-                if not started and tokens.token_ids:
-                    started = True
-                    self.out.timing.router_token0_sent_ns = time.time_ns()
-                resp, error = self._tokens(tokens, w)
-                yield resp
-                if error is not None:
-                    return
-            elif ev.kind is Ev.DECODE_EOF:
-                self.ended.add(w.worker_id)
-                yield self.out.failed(f"colocated worker {w.worker_id} ended its stream before "
-                                      f"the request finished")
-                return
-            elif ev.kind is Ev.LEG_ERROR:
-                worker, code, msg = ev.payload
-                yield self._leg_failed(worker, code, msg)
-                return
-            else:
-                yield self._stop(ev)
-                return
+        Only while the client has seen nothing and the consumer has sent nothing (it
+        then never got token 0 from this producer), and within ``prefill_retries``.
+        """
+        if held or self.out.completion_tokens:
+            return False
+        self._failed.add(p.worker_id)
+        if self.attempt > self.config.prefill_retries:
+            return False
+        self._retry = why
+        return True
+
+    def _repair(self) -> router_pb2.GenerateResponse | None:
+        """Replaces the failed attempt's legs with a new placement; a final error if none.
+
+        The consumer's reservation is not handed on: its KV receiver binds a reservation to
+        the first producer that pushes into it and fails it when that producer goes silent,
+        so the old consumer leg is aborted and the whole request is placed again (the same
+        consumer may be picked; the new legs use a new ``leg_id``).
+        """
+        why, self._retry = self._retry, None
+        self._end_legs(self._all_legs())
+        self._unplace()
+        # events of the failed attempt's legs are stale; the outside's (abort, shutdown) stay
+        stale = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        for ev in stale:
+            if ev.kind in (Ev.ABORT, Ev.FAIL):
+                self._queue.put_nowait(ev)
+        slot = self._replace(self._failed)
+        if slot is None:
+            self.slot = None
+            return self.out.failed(f"{why}; no other producer to retry on (tried "
+                                   f"{', '.join(sorted(self._failed))})")
+        log.warning("request %s: %s; retrying (attempt %d of %d)", self.request_id, why,
+                    self.attempt + 1, self.config.prefill_retries + 1)
+        self.attempt += 1
+        self.ended = set()
+        self.place(slot)
+        return None
 
     # -- teardown --------------------------------------------------------------------------
 
@@ -323,11 +300,17 @@ class RequestRun:
         """Ends both legs (idempotent; never awaits, so it runs in a cancelled handler)."""
         if self.state in FORWARD:  # no final message went out: the client left
             self.state = S.FINISHED_ABORTED
-        if self._closed or self.decode is None:  # closed already, or no leg ever started
-            self._closed = True
+        if self._closed:
             return
         self._closed = True
-        to_abort = self.legs_to_abort()
+        if self.decode is not None and self.slot is not None:  # legs of a placement started
+            self._end_legs(self.legs_to_abort())
+        self._unplace()
+
+    def _all_legs(self) -> list[WorkerInfo]:
+        return self.slot.workers if self.slot is not None else []
+
+    def _end_legs(self, to_abort: list[WorkerInfo]) -> None:
         for leg in (self.decode, self.producer):
             if leg is None:
                 continue
@@ -336,7 +319,7 @@ class RequestRun:
             elif leg.reading:
                 self._spawn(leg.linger(LINGER_S))
         for w in to_abort:
-            self._spawn(abort_on_worker(self.stubs[w.worker_id], w, self.request_id,
+            self._spawn(abort_on_worker(self.stubs[w.worker_id], w, self.leg_id,
                                         self.config.abort_timeout_s))
 
     def legs_to_abort(self) -> list[WorkerInfo]:
@@ -344,43 +327,48 @@ class RequestRun:
         assert self.slot is not None
         return [w for w in self.slot.workers if w.worker_id not in self.ended
                 # a producer that did its part half-closes and ends its stream by itself
-                and not (w is self.slot.producer and self._completed)]
+                and not (w is self.slot.producer and self.completed)]
 
     # -- helpers ---------------------------------------------------------------------------
 
     def _decode_request(self, *, colocated: bool) -> worker_pb2.DecodeRequest:
         prep = self.prep
-        return worker_pb2.DecodeRequest(request_id=prep.request_id,
+        return worker_pb2.DecodeRequest(request_id=self.leg_id,
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
                                         colocated=colocated)
 
-    async def _next(self, timeout: float, what: str) -> Event:
+    async def next_event(self, timeout: float, what: str) -> Event:
         try:
             async with asyncio.timeout(timeout):
                 return await self._queue.get()
         except TimeoutError:
             return Event(Ev.FAIL, f"no {what} within {timeout:g} s")
 
-    def _tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
+    def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                 ) -> tuple[router_pb2.GenerateResponse, str | None]:
         resp, error = self.out.tokens(tokens, w)
         if error is not None:
             self.ended.add(w.worker_id)
-            self._completed = not error
+            self.completed = not error
         return resp, error
 
-    def _leg_failed(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
+    def leg_failed(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
                     ) -> router_pb2.GenerateResponse:
+        self.note_unreachable(w, code, msg)
+        return self.out.failed(msg)
+
+    def note_unreachable(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str) -> None:
         if code == grpc.StatusCode.UNAVAILABLE:
             # Unreachable: stop pairing with it now rather than at the heartbeat timeout;
             # if it is in fact alive, its next heartbeat is refused and it re-registers.
             self._on_unreachable(w, msg)
-        return self.out.failed(msg)
 
-    def _stop(self, ev: Event) -> router_pb2.GenerateResponse:
+    def stop(self, ev: Event) -> router_pb2.GenerateResponse:
         if ev.kind is Ev.ABORT:
             return self.out.aborted()
+        if ev.kind is Ev.DROPPED:
+            return self.out.failed(ev.payload[1])
         assert ev.kind is Ev.FAIL, ev.kind
         return self.out.failed(str(ev.payload))
 

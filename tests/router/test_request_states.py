@@ -321,3 +321,40 @@ def test_abort_while_queued_ends_without_starting_legs() -> None:
             assert "r1" not in p.aborts + c.aborts  # no leg to abort
 
     run(main())
+
+
+def test_a_retry_moves_the_request_back_with_its_new_producer() -> None:
+    async def crashes(w: FakeWorker, req: Any, inputs: Any) -> Any:
+        await next_destination(w, inputs)  # reserved: PREFILLING on p0
+        raise RuntimeError("engine died")
+        yield token0()  # pragma: no cover - makes this an async generator
+
+    async def main() -> None:
+        async with Cluster() as cl:
+            await cl.add("p0", 1, prefill=crashes)
+            await cl.add("p1", 1, prefill=prefill_hang_before_token0)
+            await cl.add("c0", 2, decode=decode_hang_after_reserve)
+            call = cl.router.Generate(request(request_id="r1"))
+            reader = asyncio.create_task(collect(call))
+            s = await until_state_on(cl, "r1", "p1")  # p0's attempt is replaced
+            assert (s.state, s.producer, s.consumer) == ("PREFILLING", "p1", "c0")
+            assert active_run(cl, "r1").attempt == 2
+            call.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+    run(main())
+
+
+async def prefill_hang_before_token0(w: FakeWorker, req: Any, inputs: Any) -> Any:
+    await next_destination(w, inputs)
+    await asyncio.sleep(3600)
+    yield token0()
+
+
+async def until_state_on(cl: Cluster, rid: str, producer: str) -> router_pb2.RequestStatus:
+    for _ in range(500):
+        s = (await listed(cl)).get(rid)
+        if s is not None and s.producer == producer and s.state == "PREFILLING":
+            return s
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{rid} never reached PREFILLING on {producer}")
