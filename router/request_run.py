@@ -32,8 +32,9 @@ attempt's legs are cancelled and aborted (the consumer's reservation too, see
 Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
 then on the legs' reports move it forward, the moment a leg reads a message
 (``_on_report``), whether or not the client has read what came before; the client loop
-(``stream``) decides how it ends. Forward moves never go back: a consumer token that
-overtakes token 0 already means DECODING, and the late token 0 leaves it there.
+(``stream``) decides how it ends, or to retry. Reports never move it back: a consumer
+token that overtakes token 0 already means DECODING, and the late token 0 leaves it there;
+only a retry starts the walk again.
 
 Timeouts: QUEUED is bounded by the admission queue (``--max-queued-requests``) and the
 client's deadline; RESERVING, PREFILLING and TRANSFERRING by ``token0_timeout_s`` for
@@ -105,7 +106,7 @@ class RequestRun:
     def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
                  on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
-                 replace: Callable[[set[str]], Slot | None] = lambda exclude: None) -> None:
+                 replace: Callable[[set[str]], Slot | None]) -> None:
         self.prep = prep
         self.config = config
         self.out = RunOutput(prep, received_ns)
@@ -118,7 +119,7 @@ class RequestRun:
         self._stub_for = stub_for
         self._replace = replace  # a new slot avoiding the given producers, for a retry
         self.attempt = 1  # placements so far; the legs of attempt n > 1 use ``leg_id``
-        self._failed: set[str] = set()
+        self._failed: set[str] = set()  # producers that failed it before token 0
         self._retry: str | None = None  # why the current legs are being replaced
         self._on_unreachable = on_unreachable
         self._spawn = spawn

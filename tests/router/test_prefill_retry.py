@@ -4,6 +4,7 @@ producer it failed on, at most ``prefill_retries`` times, then ends it with a cl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
 
@@ -21,6 +22,8 @@ from router_fakes import (
     token0,
     wait_until,
 )
+
+from deploy.router_cmd import add_router_parser, router_config
 
 P, C = 1, 2
 
@@ -140,3 +143,10 @@ def test_no_retry_once_token0_was_sent() -> None:
             assert len(p0.prefill_requests) == 1 and p1.prefill_requests == []
 
     run(main())
+
+
+def test_the_cli_flag_sets_the_bound() -> None:
+    p = argparse.ArgumentParser()
+    add_router_parser(p.add_subparsers(dest="command"))
+    assert router_config(p.parse_args(["router"])).prefill_retries == 2
+    assert router_config(p.parse_args(["router", "--prefill-retries", "0"])).prefill_retries == 0
