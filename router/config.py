@@ -23,6 +23,9 @@ class RouterConfig:
     token0_timeout_s: float = 600.0  # request sent -> first token of each leg
     token_timeout_s: float = 300.0  # between later messages of a leg
     abort_timeout_s: float = 2.0  # deadline of Worker.Abort calls (the worker may be dead)
+    # A producer that fails before token 0 (stream error, early end, dropped) costs the
+    # client nothing yet, so the request is placed again, at most this many times.
+    prefill_retries: int = 2
     max_tokens_limit: int = 1 << 20  # "huge" max_tokens, refused before any length check
     seed_random: bool = True  # draw a seed when the request has none (False: tests only)
     # Front door (issue 7). The HTTP port is off by default so gRPC-only users and tests
@@ -61,6 +64,8 @@ class RouterConfig:
                         ("--abort-timeout", self.abort_timeout_s)):
             if not v > 0:
                 raise bad(flag, "must be > 0", v)
+        if self.prefill_retries < 0:
+            raise bad("--prefill-retries", "must be >= 0", self.prefill_retries)
         if not -1 <= self.http_port <= 65535:
             raise bad("--http-port", "must be -1 (off) or in [0, 65535]", self.http_port)
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -59,13 +59,9 @@ class Frontend:
             prep = await self._prepare(request, fill_max_tokens)
             obs = self.metrics.observe(api)
             try:
-                async with self.admission.slot():
-                    if not self.registry.serving():  # the cluster may have changed meanwhile
-                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                           no_workers_message(self.registry))
-                    async for resp in self.dispatcher.generate(prep, received_ns):
-                        obs.on_response(resp)
-                        yield resp
+                async for resp in self.dispatcher.generate(prep, received_ns, self.admission):
+                    obs.on_response(resp)
+                    yield resp
             except RequestError:
                 obs.done = True  # counted as a refusal below, not as a cancellation
                 raise

@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP front door (aiohttp, on the router's event loop).
 
 Routes: POST /v1/chat/completions and /v1/completions (JSON or SSE), GET /v1/models[/id],
-/health, /metrics, /openapi.json. Requests go through the same ``Frontend`` as gRPC, so
+/health, /metrics, /openapi.json, and GET /debug/requests (every request the router holds
+and its state; behind the API key like /v1/*). Requests go through the same ``Frontend`` as gRPC, so
 validation, admission and dispatch are one code path; this file only translates.
 """
 
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 16 << 20
 # On stop, open streams get this long to end (the dispatcher has already failed their runs).
 SHUTDOWN_S = 2.0
+# Paths that need the API key when one is set (health and metrics stay open to probes).
+GUARDED = ("/v1/", "/debug/")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -67,6 +70,7 @@ class HttpFrontDoor:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_get("/debug/requests", self._debug_requests)
         ssl_ctx = http_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
         # handler_cancellation: a client that hangs up cancels its handler, which closes the
         # request's stream and so aborts its legs on the workers at once.
@@ -110,7 +114,7 @@ class HttpFrontDoor:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/") and not bearer_ok(
+        if request.path.startswith(GUARDED) and not bearer_ok(
                 request.headers.get("Authorization"), self.config.api_key):
             raise HttpError(401, UNAUTHENTICATED_MESSAGE, type_="authentication_error",
                             code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -145,6 +149,13 @@ class HttpFrontDoor:
     async def _openapi(self, request: web.Request) -> web.Response:
         return _json(openapi_document([self.frontend.model_id], bool(self.config.api_key),
                                       self.frontend.registry.max_model_len()))
+
+    async def _debug_requests(self, request: web.Request) -> web.Response:
+        rows = [{"request_id": r.request_id, "state": r.state.name, "age_s": round(r.age_s, 3),
+                 "producer": r.producer, "consumer": r.consumer, "colocated": r.colocated,
+                 "tokens_streamed": r.tokens_streamed}
+                for r in self.frontend.dispatcher.requests()]
+        return _json({"object": "list", "data": rows})
 
     def _unknown_model(self, name: str) -> HttpError:
         return HttpError(404, f"model: {name!r} does not exist (served: "

@@ -1,37 +1,50 @@
-"""The two legs of a request as tasks that turn worker streams into events on one queue.
+"""The two legs of a request: readers that turn worker streams into events.
 
-The dispatcher's state machine then reads a single queue, which keeps ordering questions
-(token 0 vs. the consumer's tokens, a transfer failure vs. a dead consumer) in one place.
+A leg only reads its stream and reports what it saw (``Report``); it decides nothing.
+The request's run (``router.request_run``) receives every report, so ordering questions
+(token 0 vs. the consumer's tokens, a transfer failure vs. a dead consumer) and the
+pairing step (forwarding the consumer's reservation to the producer) live in one place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any
 
 import grpc
-from pdserve.v1 import worker_pb2
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from router.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
 
 
 class Ev(Enum):
     TOKEN0 = auto()  # payload: worker_pb2.Token0
     TRANSFER = auto()  # payload: worker_pb2.TransferResult
     PRODUCER_EOF = auto()  # the producer ended its stream
+    RESERVED = auto()  # payload: worker_pb2.KVDestination (the consumer's reserved blocks)
     TOKENS = auto()  # payload: worker_pb2.Tokens (consumer or colocated)
     DECODE_EOF = auto()  # the consumer/colocated stream ended
     LEG_ERROR = auto()  # payload: (worker, status code or None, message)
     ABORT = auto()  # Router.Abort
-    FAIL = auto()  # payload: message (e.g. the worker was dropped by the registry)
+    DROPPED = auto()  # payload: (worker, reason): the registry dropped one of its workers
+    FAIL = auto()  # payload: message (e.g. router shutdown)
 
 
 @dataclass
 class Event:
     kind: Ev
     payload: Any = None
+
+
+Report = Callable[[Event], None]  # where a leg sends what it read
 
 
 def describe_rpc_error(worker: WorkerInfo, e: BaseException) -> tuple[grpc.StatusCode | None, str]:
@@ -42,29 +55,87 @@ def describe_rpc_error(worker: WorkerInfo, e: BaseException) -> tuple[grpc.Statu
     return None, f"{worker.role_name} {worker.worker_id} ({worker.address}) failed: {e!r}"
 
 
-class ProducerLeg:
+async def abort_on_worker(stub: worker_pb2_grpc.WorkerStub, w: WorkerInfo, request_id: str,
+                          timeout_s: float) -> None:
+    """Worker.Abort, so the worker frees what it holds for the request; failures are logged
+    (a dead worker frees everything anyway)."""
+    t0 = time.monotonic()
+    try:
+        await stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        log.info("Abort(%s) on %s %s failed after %.2f s: %s", request_id, w.role_name,
+                 w.worker_id, time.monotonic() - t0, e.code().name)
+
+
+class Leg:
+    """What both legs share: the worker, its call, and the task that reads the call."""
+
+    def __init__(self, worker: WorkerInfo, call: Any, report: Report) -> None:
+        self.worker = worker
+        self.call = call
+        self.task: asyncio.Task[None] | None = None
+        self._report_event = report
+
+    @property
+    def reading(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def cancel(self) -> None:
+        """Ends the call now: the worker sees its stream cancelled (never awaits)."""
+        self.call.cancel()
+        if self.task is not None:
+            self.task.cancel()
+
+    async def linger(self, bound_s: float) -> None:
+        """Lets a leg that did its part close its stream by itself, within a bound.
+
+        Cancelling at once would look like an abort to the worker (a producer still waiting
+        for the consumer's ack, or a consumer about to send its status).
+        """
+        if self.task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), bound_s)
+        except (TimeoutError, asyncio.CancelledError):
+            self.cancel()
+
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.task = asyncio.get_running_loop().create_task(coro)
+
+
+class ProducerLeg(Leg):
     """The bidi Prefill stream: request first, destination when the consumer reserved."""
 
-    def __init__(self, worker: WorkerInfo, call: Any, queue: asyncio.Queue[Event]) -> None:
-        self.worker = worker
-        self.call = call  # grpc.aio.StreamStreamCall
-        self._queue = queue
+    def __init__(self, worker: WorkerInfo, call: Any, report: Report) -> None:
+        super().__init__(worker, call, report)  # call: grpc.aio.StreamStreamCall
         self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
         self._closed_writing = False
 
-    async def run(self, request: worker_pb2.PrefillRequest) -> None:
+    def start(self, request: worker_pb2.PrefillRequest) -> None:
+        self._start(self._read(request))
+
+    async def linger(self, bound_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + bound_s
+        # bounded too: the half-close waits for the write lock (a destination write may
+        # hold it), and an unbounded wait here skipped the cancel
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.half_close(), bound_s)
+        await super().linger(max(0.0, end - loop.time()))
+
+    async def _read(self, request: worker_pb2.PrefillRequest) -> None:
         try:
             await self._write(worker_pb2.PrefillInput(request=request))
             while True:
                 out = await self.call.read()
                 if out is grpc.aio.EOF:
-                    self._queue.put_nowait(Event(Ev.PRODUCER_EOF))
+                    self._report_event(Event(Ev.PRODUCER_EOF))
                     return
                 kind = out.WhichOneof("kind")
                 if kind == "token0":
-                    self._queue.put_nowait(Event(Ev.TOKEN0, out.token0))
+                    self._report_event(Event(Ev.TOKEN0, out.token0))
                 elif kind == "transfer":
-                    self._queue.put_nowait(Event(Ev.TRANSFER, out.transfer))
+                    self._report_event(Event(Ev.TRANSFER, out.transfer))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
@@ -98,39 +169,35 @@ class ProducerLeg:
                 details = await self.call.details()
                 msg = (f"{self.worker.role_name} {self.worker.worker_id} "
                        f"({self.worker.address}) failed: {code.name}: {details}")
-                self._queue.put_nowait(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+                self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
                 return
             except Exception:  # noqa: BLE001
                 pass
         code, msg = describe_rpc_error(self.worker, e)
-        self._queue.put_nowait(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+        self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
 
 
-class DecodeLeg:
+class DecodeLeg(Leg):
     """The Decode stream of a consumer (reserved, then tokens) or a colocated worker."""
 
-    def __init__(self, worker: WorkerInfo, call: Any, queue: asyncio.Queue[Event],
-                 producer: ProducerLeg | None) -> None:
-        self.worker = worker
-        self.call = call  # grpc.aio.UnaryStreamCall
-        self._queue = queue
-        self._producer = producer  # where a reservation is forwarded (None: colocated)
+    def start(self) -> None:  # call: grpc.aio.UnaryStreamCall
+        self._start(self._read())
 
-    async def run(self) -> None:
+    async def _read(self) -> None:
         try:
             async for out in self.call:
                 kind = out.WhichOneof("kind")
-                if kind == "reserved" and self._producer is not None:
+                if kind == "reserved":
                     dest = worker_pb2.KVDestination(consumer_id=self.worker.worker_id,
                                                     kv_address=out.reserved.kv_address
                                                     or self.worker.kv_address,
                                                     block_ids=out.reserved.block_ids)
-                    await self._producer.send_destination(dest)
+                    self._report_event(Event(Ev.RESERVED, dest))
                 elif kind == "tokens":
-                    self._queue.put_nowait(Event(Ev.TOKENS, out.tokens))
-            self._queue.put_nowait(Event(Ev.DECODE_EOF))
+                    self._report_event(Event(Ev.TOKENS, out.tokens))
+            self._report_event(Event(Ev.DECODE_EOF))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
             code, msg = describe_rpc_error(self.worker, e)
-            self._queue.put_nowait(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+            self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))

@@ -102,6 +102,14 @@ def openapi_document(model_ids: list[str], secured: bool, max_model_len: int = 0
                                       "choices": {"type": "array", "items": obj},
                                       "usage": usage}},
         "ModelList": {"type": "object", "properties": {"data": {"type": "array", "items": obj}}},
+        "RequestList": {"type": "object", "properties": {"data": {"type": "array", "items": {
+            "type": "object", "properties": {
+                "request_id": {"type": "string"},
+                "state": {"type": "string", "description": "QUEUED, RESERVING, PREFILLING, "
+                          "TRANSFERRING, WAITING_FOR_KV, DECODING or FINISHED_*"},
+                "age_s": {"type": "number"}, "producer": {"type": "string"},
+                "consumer": {"type": "string"}, "colocated": {"type": "string"},
+                "tokens_streamed": {"type": "integer"}}}}}},
         "Health": {"type": "object", "required": ["status"], "properties": {
             "status": {"type": "string"}, "reason": {"type": "string", "nullable": True}}},
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -128,6 +136,8 @@ def openapi_document(model_ids: list[str], secured: bool, max_model_len: int = 0
             "/v1/models": {"get": {"operationId": "listModels",
                                    "responses": _responses("#/components/schemas/ModelList",
                                                            False)}},
+            "/debug/requests": {"get": {"operationId": "debugRequests", "responses": _responses(
+                "#/components/schemas/RequestList", False)}},
             "/health": {"get": {"operationId": "health", **open_, "responses": {
                 code: {"description": d, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/Health"}}}}

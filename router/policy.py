@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
@@ -112,12 +112,16 @@ class Slot:
         return [w for w in (self.producer, self.consumer, self.colocated) if w is not None]
 
 
-def place(registry: Registry, policy: Policy) -> Slot | None:
-    """A slot for the next request, or None when the cluster cannot serve one."""
+def place(registry: Registry, policy: Policy,
+          exclude_producers: Collection[str] = ()) -> Slot | None:
+    """A slot for the next request, or None when the cluster cannot serve one.
+
+    exclude_producers: worker ids a retried request already failed on.
+    """
     consumers = _sorted(registry.usable(CONSUMER))
     entry = registry.usable(COLOCATED)
     if consumers:
-        entry += registry.usable(PRODUCER)
+        entry += [p for p in registry.usable(PRODUCER) if p.worker_id not in exclude_producers]
     if not entry:
         return None
     first = policy.choose(ENTRY_POOL, _sorted(entry))

@@ -1,12 +1,54 @@
-"""One request in flight: starts its legs, turns their events into client responses.
+"""One request in flight: the object that creates, pairs, watches and tears down its legs.
 
-Disaggregated: the consumer's Decode and the producer's Prefill start together; the
-consumer's reservation is forwarded to the producer by the legs themselves; token 0 from
-the producer goes to the client the moment it arrives; the consumer's tokens follow.
-Colocated: one Decode stream carries tokens 0..n.
+Disaggregated, a request has two legs under one request id: the consumer's ``Decode``
+stream (reservation, then tokens 1..n) and the producer's bidirectional ``Prefill`` stream
+(token 0, then the KV transfer's result). Both start together; when the consumer reports
+its reserved blocks the run forwards them to the producer (the *pairing* step, ``_pair``).
+Colocated, one ``Decode`` stream carries tokens 0..n.
 
-Which legs still need ``Worker.Abort`` when the run ends is decided here (``legs_to_abort``)
-and carried out by the dispatcher, so that a cancelled client still frees blocks.
+Lifecycle, router side (``engine.request_state.RequestState``)::
+
+    QUEUED ──admitted and placed, legs started──▶ RESERVING ──consumer reserved──▶ PREFILLING
+      │  (colocated: QUEUED ──▶ PREFILLING)          │ token 0 before the reservation   │ token 0
+      │                                              ▼                                  ▼
+      │                                         TRANSFERRING ◀──────────────────────────┘
+      │                                              │ the producer's transfer result: ok
+      │                                              ▼
+      │                                        WAITING_FOR_KV ──first consumer token──▶ DECODING
+      ▼                                                       (colocated: token 0 ──▶ DECODING)
+    any state ──▶ FINISHED_STOPPED / FINISHED_LENGTH   the decoding leg (or token 0) finished it
+              ──▶ FINISHED_ABORTED                     Router.Abort, or the client left
+              ──▶ FINISHED_ERROR                       a leg failed or ended early, a timeout,
+                                                       its worker was dropped, router shutdown
+    RESERVING / PREFILLING ──the producer failed before token 0──▶ RESERVING (or PREFILLING on
+                                  a colocated worker): placed again, avoiding that producer
+
+Retry: a producer that fails before token 0 (its stream errs or ends, or the registry drops
+it) has cost the client nothing yet, so the run places the request again, up to
+``prefill_retries`` times, never on a producer it failed on (``_repair``): the failed
+attempt's legs are cancelled and aborted (the consumer's reservation too, see
+``_repair``), the new legs use a new worker-side id (``leg_id``).
+
+Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
+then on the legs' reports move it forward, the moment a leg reads a message
+(``_on_report``), whether or not the client has read what came before; the client loop
+(``stream``) decides how it ends, or to retry. Reports never move it back: a consumer
+token that overtakes token 0 already means DECODING, and the late token 0 leaves it there;
+only a retry starts the walk again.
+
+Timeouts: QUEUED is bounded by the admission queue (``--max-queued-requests``) and the
+client's deadline; RESERVING, PREFILLING and TRANSFERRING by ``token0_timeout_s`` for
+token 0; WAITING_FOR_KV by ``token0_timeout_s`` again for the consumer's first token (it
+covers a queued reservation and the KV transfer); DECODING by ``token_timeout_s`` between
+tokens. The workers guard their side themselves (the producer's lease on blocks held for
+a consumer, the consumer's reservation deadline).
+
+Teardown (``close``) runs on every exit (finish, error, abort, the client gone, shutdown).
+A leg that did its part (the producer once the transfer result came or token 0 finished
+the request; a decoding leg that sent its last tokens) may close its stream by itself
+within ``LINGER_S``; every other leg is cancelled and gets ``Worker.Abort``. Cancels are
+synchronous and the aborts and lingers run as background tasks (``spawn``), so a client
+that hangs up still frees blocks on both legs.
 """
 
 from __future__ import annotations
@@ -15,279 +57,321 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from enum import Enum, auto
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
+from engine.request_state import RequestState
 from router.config import RouterConfig
-from router.legs import DecodeLeg, Ev, Event, ProducerLeg
+from router.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
 from router.policy import Slot
 from router.registry import WorkerInfo
+from router.run_output import RunOutput
+from router.run_streams import colocated_stream, disaggregated_stream
 from router.validation import PreparedRequest
 
 log = logging.getLogger(__name__)
 
-FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
-FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
+S = RequestState
+# How long a leg that already did its part may take to close its stream before the router
+# cancels the call.
+LINGER_S = 5.0
+# The forward path; a report never moves a request backwards along it.
+FORWARD = (S.QUEUED, S.RESERVING, S.PREFILLING, S.TRANSFERRING, S.WAITING_FOR_KV, S.DECODING)
+FINISHED = {
+    common_pb2.FINISH_REASON_STOP: S.FINISHED_STOPPED,
+    common_pb2.FINISH_REASON_LENGTH: S.FINISHED_LENGTH,
+    common_pb2.FINISH_REASON_ABORT: S.FINISHED_ABORTED,
+    common_pb2.FINISH_REASON_ERROR: S.FINISHED_ERROR,
+}
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
-class Outcome(Enum):
-    RUNNING = auto()  # still streaming, or the client went away mid-stream
-    DONE = auto()  # the decoding leg finished the request
-    TOKEN0_DONE = auto()  # token 0 ended the request at the producer
-    FAILED = auto()  # error or abort
+@dataclass(frozen=True)
+class RequestInfo:
+    """One request as listed by ClusterStatus and GET /debug/requests."""
+
+    request_id: str
+    state: RequestState
+    age_s: float  # since the router received it
+    producer: str  # worker ids of its legs ("" when none yet, or colocated)
+    consumer: str
+    colocated: str
+    tokens_streamed: int  # tokens handed to the client so far
 
 
 class RequestRun:
-    def __init__(self, prep: PreparedRequest, slot: Slot, received_ns: int,
+    def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
-                 config: RouterConfig,
-                 on_unreachable: Callable[[WorkerInfo, str], None]) -> None:
+                 on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
+                 replace: Callable[[set[str]], Slot | None]) -> None:
         self.prep = prep
-        self.slot = slot
         self.config = config
-        # Stubs are bound now: a worker dropped mid-request still gets its Abort on the
-        # channel this request used.
-        self.stubs = {w.worker_id: stub_for(w) for w in slot.workers}
-        self._on_unreachable = on_unreachable
-        self.queue: asyncio.Queue[Event] = asyncio.Queue()
-        self.timing = router_pb2.ServerTiming(router_received_ns=received_ns)
-        self.outcome = Outcome.RUNNING
-        self.completion_tokens = 0
+        self.out = RunOutput(prep, received_ns)
+        self.state = S.QUEUED
+        self.slot: Slot | None = None
+        self.stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self.producer: ProducerLeg | None = None
         self.decode: DecodeLeg | None = None
-        self.decode_task: asyncio.Task[None] | None = None
-        self.producer_task: asyncio.Task[None] | None = None
-        self.ended: set[str] = set()  # worker ids whose leg finished on its own
+        self.ended: set[str] = set()  # worker ids whose leg finished its part
+        self._stub_for = stub_for
+        self._replace = replace  # a new slot avoiding the given producers, for a retry
+        self.attempt = 1  # placements so far; the legs of attempt n > 1 use ``leg_id``
+        self._failed: set[str] = set()  # producers that failed it before token 0
+        self._retry: str | None = None  # why the current legs are being replaced
+        self._on_unreachable = on_unreachable
+        self._spawn = spawn
+        self._received = time.monotonic()
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._pairing: asyncio.Task[None] | None = None
+        self.completed = False  # a leg finished the request (not the router, not an error)
+        self._closed = False
 
     @property
     def request_id(self) -> str:
         return self.prep.request_id
 
-    def post(self, event: Event) -> None:
-        self.queue.put_nowait(event)
+    def info(self) -> RequestInfo:
+        t = self.out.timing
+        return RequestInfo(self.request_id, self.state, time.monotonic() - self._received,
+                           t.producer, t.consumer, t.colocated, self.out.completion_tokens)
 
-    # -- streaming -------------------------------------------------------------------------
+    @property
+    def leg_id(self) -> str:
+        """The id the workers know this attempt by: a retry must not meet what the failed
+        attempt left on a worker (a reservation being freed, a stream being torn down)."""
+        rid = self.prep.request_id
+        return rid if self.attempt == 1 else f"{rid}#retry{self.attempt - 1}"
+
+    def post(self, event: Event) -> None:
+        """From outside the legs: Router.Abort, a dropped worker, shutdown."""
+        self._queue.put_nowait(event)
+
+    def place(self, slot: Slot) -> None:
+        # Stubs are bound now: a worker dropped mid-request still gets its Abort on the
+        # channel this request used.
+        self.slot = slot
+        self.stubs.update({w.worker_id: self._stub_for(w) for w in slot.workers})
+        for w in slot.workers:
+            w.inflight += 1
+            w.dispatched += 1
+
+    def _unplace(self) -> None:
+        if self.slot is not None:
+            for w in self.slot.workers:
+                w.inflight -= 1
+
+    # -- the legs --------------------------------------------------------------------------
+
+    def _start_legs(self) -> None:
+        slot, prep, t = self.slot, self.prep, self.out.timing
+        assert slot is not None
+        attempt = self.attempt
+
+        def report(ev: Event) -> None:
+            if attempt == self.attempt:  # a replaced attempt's legs have nothing to say
+                self._on_report(ev)
+
+        t.producer = slot.producer.worker_id if slot.producer else ""
+        t.consumer = slot.consumer.worker_id if slot.consumer else ""
+        t.colocated = slot.colocated.worker_id if slot.colocated else ""
+        self.producer = None
+        if slot.colocated is not None:
+            w = slot.colocated
+            self.decode = DecodeLeg(w, self.stubs[w.worker_id].Decode(
+                self._decode_request(colocated=True)), report)
+            self.decode.start()
+            self.state = S.PREFILLING
+            return
+        p, c = slot.producer, slot.consumer
+        assert p is not None and c is not None
+        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report)
+        self.decode = DecodeLeg(c, self.stubs[c.worker_id].Decode(
+            self._decode_request(colocated=False)), report)
+        # Decode first: the reservation is the slower path, so it should not start late.
+        self.decode.start()
+        self.producer.start(worker_pb2.PrefillRequest(
+            request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
+            sampling=prep.sampling, seed=prep.seed))
+        self.state = S.RESERVING
+
+    def _on_report(self, ev: Event) -> None:
+        """Every leg's report lands here first: the state moves now, then the client loop
+        gets the event (and the reservation goes on to the producer)."""
+        if ev.kind is Ev.RESERVED:
+            if self.producer is not None and not self._closed:
+                self._advance(S.PREFILLING)
+                self._pairing = _spawn(self._pair(ev.payload))
+            return
+        if ev.kind is Ev.TOKEN0:
+            self._advance(S.TRANSFERRING)
+        elif ev.kind is Ev.TRANSFER and ev.payload.ok:
+            self._advance(S.WAITING_FOR_KV)
+        elif ev.kind is Ev.TOKENS and ev.payload.token_ids:
+            self._advance(S.DECODING)
+        self._queue.put_nowait(ev)
+
+    async def _pair(self, dest: worker_pb2.KVDestination) -> None:
+        """Tells the producer where the consumer's blocks are, then half-closes its input."""
+        assert self.producer is not None
+        await self.producer.send_destination(dest)
+
+    def _advance(self, state: RequestState) -> None:
+        if self.state in FORWARD and FORWARD.index(state) > FORWARD.index(self.state):
+            self.state = state
+
+    # -- the client's stream ---------------------------------------------------------------
 
     async def stream(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        gen = self._colocated() if self.slot.colocated is not None else self._disaggregated()
-        async for resp in gen:
-            yield resp
+        """The client's responses; every way out of it tears the legs down."""
+        try:
+            if not self._queue.empty():  # aborted or failed while it was queued
+                yield self._finishing(self.stop(self._queue.get_nowait()))
+                return
+            while True:
+                self._start_legs()
+                assert self.slot is not None
+                colocated = self.slot.colocated is not None
+                gen = colocated_stream(self) if colocated else disaggregated_stream(self)
+                async for resp in gen:
+                    yield self._finishing(resp)
+                if self._retry is None:
+                    return
+                if (failed := self._repair()) is not None:
+                    yield self._finishing(failed)
+                    return
+        finally:
+            self.close()
 
-    async def _disaggregated(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        p, c = self.slot.producer, self.slot.consumer
-        assert p is not None and c is not None
-        self.timing.producer, self.timing.consumer = p.worker_id, c.worker_id
-        cfg, prep = self.config, self.prep
-        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), self.queue)
-        self.decode = DecodeLeg(c, self.stubs[c.worker_id].Decode(self._decode_request(False)),
-                                self.queue, self.producer)
-        # Decode first: the reservation is the slower path, so it should not start late.
-        self.decode_task = _spawn(self.decode.run())
-        self.producer_task = _spawn(self.producer.run(worker_pb2.PrefillRequest(
-            request_id=prep.request_id, prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling, seed=prep.seed)))
-        token0_sent = transferred = consumer_started = False
-        held: list[worker_pb2.Tokens] = []  # consumer tokens that overtook token 0
-        while True:
-            if not token0_sent:
-                ev = await self._next(cfg.token0_timeout_s, f"token 0 from producer {p.worker_id}")
-            elif not consumer_started:
-                # Includes a queued reservation and the KV transfer, hence the long bound.
-                ev = await self._next(cfg.token0_timeout_s,
-                                      f"first token from consumer {c.worker_id}")
-            else:
-                ev = await self._next(cfg.token_timeout_s,
-                                      f"next token from consumer {c.worker_id}")
-            if ev.kind is Ev.TOKEN0:
-                t0: worker_pb2.Token0 = ev.payload
-                resp = router_pb2.GenerateResponse(request_id=prep.request_id,
-                                                   token_ids=[t0.token_id], text=t0.text)
-                if t0.HasField("logprob"):
-                    resp.logprobs.append(t0.logprob)
-                self.completion_tokens += 1
-                self.timing.producer_received_ns = t0.received_ns
-                self.timing.producer_token0_sampled_ns = t0.sampled_ns
-                self.timing.producer_token0_sent_ns = t0.sent_ns
-                self.timing.router_token0_sent_ns = time.time_ns()
-                token0_sent = True
-                if t0.finish_reason:
-                    self.outcome = Outcome.TOKEN0_DONE
-                    yield self._final(resp, t0.finish_reason, t0.stop_reason)
-                    return
-                yield resp
-                for tokens in held:
-                    resp, done = self._tokens(tokens, c)
-                    yield resp
-                    if done:
-                        return
-                held.clear()
-            elif ev.kind is Ev.TOKENS:
-                consumer_started = True
-                if not token0_sent:
-                    held.append(ev.payload)
-                    if ev.payload.finish_reason:
-                        self.ended.add(c.worker_id)  # its stream's end is no failure
-                    continue
-                resp, done = self._tokens(ev.payload, c)
-                yield resp
-                if done:
-                    return
-            elif ev.kind is Ev.TRANSFER:
-                tr: worker_pb2.TransferResult = ev.payload
-                self.timing.kv_transfer_ms = tr.kv_transfer_ms
-                self.ended.add(p.worker_id)  # the producer is done with this request
-                if not tr.ok:
-                    yield self._fail(f"KV transfer from producer {p.worker_id} to consumer "
-                                     f"{c.worker_id} failed: {tr.error or 'no details'}")
-                    return
-                transferred = True
-            elif ev.kind is Ev.PRODUCER_EOF:
-                self.ended.add(p.worker_id)
-                if not token0_sent:
-                    yield self._fail(f"producer {p.worker_id} ended its stream before token 0")
-                    return
-                if not transferred:
-                    yield self._fail(f"producer {p.worker_id} ended its stream without a KV "
-                                     f"transfer result")
-                    return
-            elif ev.kind is Ev.DECODE_EOF:
-                if c.worker_id in self.ended:
-                    continue  # finished; its last tokens wait in ``held`` for token 0
-                self.ended.add(c.worker_id)
-                yield self._fail(f"consumer {c.worker_id} ended its stream before the request "
-                                 f"finished")
-                return
-            elif ev.kind is Ev.LEG_ERROR:
-                worker, code, msg = ev.payload
-                if worker.worker_id in self.ended:
-                    continue  # it did its part (the KV landed / last tokens are held)
-                yield self._leg_failed(worker, code, msg)
-                return
-            else:
-                yield self._stop(ev)
-                return
+    def _finishing(self, resp: router_pb2.GenerateResponse) -> router_pb2.GenerateResponse:
+        if resp.finish_reason:  # set before the client can leave at the yield
+            self.state = FINISHED[resp.finish_reason]
+            if resp.error and self.attempt > 1:
+                resp.error += (f" (attempt {self.attempt} of {self.config.prefill_retries + 1}; "
+                               f"failed before token 0: {', '.join(sorted(self._failed))})")
+        return resp
 
-    async def _colocated(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        w = self.slot.colocated
-        assert w is not None
-        self.timing.colocated = w.worker_id
-        self.decode = DecodeLeg(w, self.stubs[w.worker_id].Decode(self._decode_request(True)),
-                                self.queue, None)
-        self.decode_task = _spawn(self.decode.run())
-        started = False
-        while True:
-            if not started:
-                ev = await self._next(self.config.token0_timeout_s,
-                                      f"token 0 from colocated worker {w.worker_id}")
-            else:
-                ev = await self._next(self.config.token_timeout_s,
-                                      f"next token from colocated worker {w.worker_id}")
-            if ev.kind is Ev.TOKENS:
-                tokens: worker_pb2.Tokens = ev.payload
-                if not started and tokens.token_ids:
-                    started = True
-                    self.timing.router_token0_sent_ns = time.time_ns()
-                resp, done = self._tokens(tokens, w)
-                yield resp
-                if done:
-                    return
-            elif ev.kind is Ev.DECODE_EOF:
-                self.ended.add(w.worker_id)
-                yield self._fail(f"colocated worker {w.worker_id} ended its stream before the "
-                                 f"request finished")
-                return
-            elif ev.kind is Ev.LEG_ERROR:
-                worker, code, msg = ev.payload
-                yield self._leg_failed(worker, code, msg)
-                return
-            else:
-                yield self._stop(ev)
-                return
+    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool:
+        """A producer failed before token 0: may the request go to another producer?
 
-    # -- end of the run --------------------------------------------------------------------
+        Only while the client has seen nothing and the consumer has sent nothing (it
+        then never got token 0 from this producer), and within ``prefill_retries``.
+        """
+        if held or self.out.completion_tokens:
+            return False
+        self._failed.add(p.worker_id)
+        if self.attempt > self.config.prefill_retries:
+            return False
+        self._retry = why
+        return True
+
+    def _repair(self) -> router_pb2.GenerateResponse | None:
+        """Replaces the failed attempt's legs with a new placement; a final error if none.
+
+        The consumer's reservation is not handed on: its KV receiver binds a reservation to
+        the first producer that pushes into it and fails it when that producer goes silent,
+        so the old consumer leg is aborted and the whole request is placed again (the same
+        consumer may be picked; the new legs use a new ``leg_id``).
+        """
+        why, self._retry = self._retry, None
+        self._end_legs(self._all_legs())
+        self._unplace()
+        # events of the failed attempt's legs are stale; the outside's (abort, shutdown) stay
+        stale = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        for ev in stale:
+            if ev.kind in (Ev.ABORT, Ev.FAIL):
+                self._queue.put_nowait(ev)
+        slot = self._replace(self._failed)
+        if slot is None:
+            self.slot = None
+            return self.out.failed(f"{why}; no other producer to retry on (tried "
+                                   f"{', '.join(sorted(self._failed))})")
+        log.warning("request %s: %s; retrying (attempt %d of %d)", self.request_id, why,
+                    self.attempt + 1, self.config.prefill_retries + 1)
+        self.attempt += 1
+        self.ended = set()
+        self.place(slot)
+        return None
+
+    # -- teardown --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends both legs (idempotent; never awaits, so it runs in a cancelled handler)."""
+        if self.state in FORWARD:  # no final message went out: the client left
+            self.state = S.FINISHED_ABORTED
+        if self._closed:
+            return
+        self._closed = True
+        if self.decode is not None and self.slot is not None:  # legs of a placement started
+            self._end_legs(self.legs_to_abort())
+        self._unplace()
+
+    def _all_legs(self) -> list[WorkerInfo]:
+        return self.slot.workers if self.slot is not None else []
+
+    def _end_legs(self, to_abort: list[WorkerInfo]) -> None:
+        for leg in (self.decode, self.producer):
+            if leg is None:
+                continue
+            if leg.worker in to_abort:
+                leg.cancel()
+            elif leg.reading:
+                self._spawn(leg.linger(LINGER_S))
+        for w in to_abort:
+            self._spawn(abort_on_worker(self.stubs[w.worker_id], w, self.leg_id,
+                                        self.config.abort_timeout_s))
 
     def legs_to_abort(self) -> list[WorkerInfo]:
         """Workers that may still hold this request and must get Worker.Abort."""
-        out = []
-        for w in self.slot.workers:
-            if w.worker_id in self.ended:
-                continue
-            if w is self.slot.producer and self.outcome in (Outcome.DONE, Outcome.TOKEN0_DONE):
-                continue  # did its part; half-closed, it ends its stream by itself
-            out.append(w)
-        return out
+        assert self.slot is not None
+        return [w for w in self.slot.workers if w.worker_id not in self.ended
+                # a producer that did its part half-closes and ends its stream by itself
+                and not (w is self.slot.producer and self.completed)]
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _decode_request(self, colocated: bool) -> worker_pb2.DecodeRequest:
+    def _decode_request(self, *, colocated: bool) -> worker_pb2.DecodeRequest:
         prep = self.prep
-        return worker_pb2.DecodeRequest(request_id=prep.request_id,
+        return worker_pb2.DecodeRequest(request_id=self.leg_id,
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
                                         colocated=colocated)
 
-    async def _next(self, timeout: float, what: str) -> Event:
+    async def next_event(self, timeout: float, what: str) -> Event:
         try:
             async with asyncio.timeout(timeout):
-                return await self.queue.get()
+                return await self._queue.get()
         except TimeoutError:
             return Event(Ev.FAIL, f"no {what} within {timeout:g} s")
 
-    def _tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
-                ) -> tuple[router_pb2.GenerateResponse, bool]:
-        resp = router_pb2.GenerateResponse(request_id=self.prep.request_id,
-                                           token_ids=tokens.token_ids, text=tokens.text,
-                                           logprobs=tokens.logprobs)
-        self.completion_tokens += len(tokens.token_ids)
-        if tokens.kv_ready_ns and not self.timing.consumer_kv_ready_ns:
-            self.timing.consumer_kv_ready_ns = tokens.kv_ready_ns
-        if tokens.first_step_ns and not self.timing.consumer_first_step_ns:
-            self.timing.consumer_first_step_ns = tokens.first_step_ns
-        if not tokens.finish_reason:
-            return resp, False
-        self.ended.add(w.worker_id)
-        error = ""
-        if tokens.finish_reason == FINISH_ERROR:
-            error = f"{w.role_name} {w.worker_id}: {tokens.error or 'no details'}"
-            log.warning("request %s failed: %s", self.request_id, error)
-        self.outcome = Outcome.FAILED if error else Outcome.DONE
-        return self._final(resp, tokens.finish_reason, tokens.stop_reason, error), True
+    def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
+                ) -> tuple[router_pb2.GenerateResponse, str | None]:
+        resp, error = self.out.tokens(tokens, w)
+        if error is not None:
+            self.ended.add(w.worker_id)
+            self.completed = not error
+        return resp, error
 
-    def _leg_failed(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
+    def leg_failed(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
                     ) -> router_pb2.GenerateResponse:
+        self.note_unreachable(w, code, msg)
+        return self.out.failed(msg)
+
+    def note_unreachable(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str) -> None:
         if code == grpc.StatusCode.UNAVAILABLE:
             # Unreachable: stop pairing with it now rather than at the heartbeat timeout;
             # if it is in fact alive, its next heartbeat is refused and it re-registers.
             self._on_unreachable(w, msg)
-        return self._fail(msg)
 
-    def _stop(self, ev: Event) -> router_pb2.GenerateResponse:
+    def stop(self, ev: Event) -> router_pb2.GenerateResponse:
         if ev.kind is Ev.ABORT:
-            self.outcome = Outcome.FAILED
-            return self._final(router_pb2.GenerateResponse(request_id=self.request_id),
-                               FINISH_ABORT)
+            return self.out.aborted()
+        if ev.kind is Ev.DROPPED:
+            return self.out.failed(ev.payload[1])
         assert ev.kind is Ev.FAIL, ev.kind
-        return self._fail(str(ev.payload))
-
-    def _fail(self, message: str) -> router_pb2.GenerateResponse:
-        log.warning("request %s failed: %s", self.request_id, message)
-        self.outcome = Outcome.FAILED
-        return self._final(router_pb2.GenerateResponse(request_id=self.request_id),
-                           FINISH_ERROR, error=message)
-
-    def _final(self, resp: router_pb2.GenerateResponse, finish: int, stop_reason: str = "",
-               error: str = "") -> router_pb2.GenerateResponse:
-        resp.finish_reason = finish  # type: ignore[assignment]
-        resp.stop_reason = stop_reason
-        resp.error = error
-        resp.usage.prompt_tokens = len(self.prep.prompt_token_ids)
-        resp.usage.completion_tokens = self.completion_tokens
-        self.timing.router_finished_ns = time.time_ns()
-        resp.timing.CopyFrom(self.timing)
-        return resp
+        return self.out.failed(str(ev.payload))
 
 
 def _spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -55,4 +55,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 worker_id=w.worker_id, role=w.role, address=w.address,  # type: ignore[arg-type]
                 load=w.load, last_heartbeat_age_s=self.registry.heartbeat_age(w),
                 healthy=w.healthy, unhealthy_reason=w.unhealthy_reason))
+        if request.include_requests:
+            out.requests.extend(router_pb2.RequestStatus(
+                request_id=r.request_id, state=r.state.name, age_s=r.age_s, producer=r.producer,
+                consumer=r.consumer, colocated=r.colocated, tokens_streamed=r.tokens_streamed)
+                for r in self.dispatcher.requests())
         return out

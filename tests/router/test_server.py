@@ -215,6 +215,7 @@ def test_health_status_list_models_and_heartbeat_drop() -> None:
     (dict(policy="random"), "--policy"), (dict(grpc_port=70000), "--grpc-port"),
     (dict(heartbeat_timeout_s=0.5), "--heartbeat-timeout"),
     (dict(token0_timeout_s=0), "--token0-timeout"), (dict(bind_host=""), "--bind-host"),
+    (dict(prefill_retries=-1), "--prefill-retries"),
 ])
 def test_config_errors_name_the_flag(kw: dict[str, Any], flag: str) -> None:
     with pytest.raises(ValueError, match=f"^{flag}:"):

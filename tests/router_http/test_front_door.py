@@ -200,3 +200,47 @@ def test_tls_and_api_key_on_both_front_doors(tmp_path: Any) -> None:
             await server.stop(0.1)
 
     run(main())
+
+
+def test_debug_requests_lists_a_live_request_behind_the_api_key() -> None:
+    release = asyncio.Event()
+
+    async def decode(w: FakeWorker, req: Any) -> Any:
+        yield reserved()
+        yield tokens([101], "B", kv_ready_ns=1, first_step_ns=2)
+        await release.wait()
+        yield tokens([102], "C", 2)
+
+    async def main() -> None:
+        async with Cluster(http_port=0, api_key="sesame") as cl:
+            await cl.pd(decode=decode)
+            auth = {"Authorization": "Bearer sesame"}
+            held = asyncio.create_task(post(cl, "/v1/completions",
+                                            {"prompt": "hi", "max_tokens": 4}, headers=auth))
+            url = f"http://127.0.0.1:{cl.server.http_port}/debug/requests"
+            async with aiohttp.ClientSession() as s:
+                async with s.get(url) as r:  # no key: refused, like /v1/*
+                    assert r.status == 401
+                    assert (await r.json())["error"]["type"] == "authentication_error"
+                rows: list[Any] = []
+                for _ in range(500):
+                    async with s.get(url, headers=auth) as r:
+                        assert r.status == 200
+                        rows = (await r.json())["data"]
+                    if rows and rows[0]["state"] == "DECODING":
+                        break
+                    await asyncio.sleep(0.01)
+                (row,) = rows
+                assert row["state"] == "DECODING", row
+                assert (row["producer"], row["consumer"], row["colocated"]) == ("p0", "c0", "")
+                assert row["tokens_streamed"] == 2 and row["age_s"] > 0
+                assert row["request_id"]  # the id the router made for it
+                release.set()
+                code, body, _ = await held
+                assert code == 200 and body["choices"][0]["finish_reason"] == "length"
+                async with s.get(url, headers=auth) as r:
+                    assert (await r.json())["data"] == []
+                doc = (await get(cl, "/openapi.json"))[1]
+                assert "/debug/requests" in doc["paths"]
+
+    run(main())

@@ -132,16 +132,38 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_requests",)
+    INCLUDE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    include_requests: bool
+    def __init__(self, include_requests: _Optional[bool] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("workers", "policy")
+    __slots__ = ("workers", "policy", "requests")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     policy: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ...) -> None: ...
+    requests: _containers.RepeatedCompositeFieldContainer[RequestStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., policy: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestStatus, _Mapping]]] = ...) -> None: ...
+
+class RequestStatus(_message.Message):
+    __slots__ = ("request_id", "state", "age_s", "producer", "consumer", "colocated", "tokens_streamed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    AGE_S_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    state: str
+    age_s: float
+    producer: str
+    consumer: str
+    colocated: str
+    tokens_streamed: int
+    def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., age_s: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., tokens_streamed: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason")

@@ -81,7 +81,8 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClusterStatus(self, request, context):
-        """Every registered worker, its role, load and KV blocks.
+        """Every registered worker, its role, load and KV blocks; with include_requests, also
+        every request the router holds and the state it is in.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
