@@ -37,7 +37,7 @@ S = TransferStatus
 class _Rec:
     request_id: str
     deadline: float
-    peer: object | None = None  # the other side's object
+    peer: _FakeSide | None = None  # the other side
     dst: frozenset[int] = frozenset()  # receiver: reserved blocks
     status: TransferStatus = S.PENDING
     runs: int = 0
@@ -51,7 +51,7 @@ class _FakeSide:
         self.layout, self.config, self.name = layout, config, name
         self.recs: dict[str, _Rec] = {}
         self._updates: list[TransferUpdate] = []
-        self.peers: set[object] = set()
+        self.peers: set[_FakeSide] = set()
 
     def _end(self, rec: _Rec, st: TransferStatus, error: str | None) -> None:
         if not rec.status.terminal:
@@ -63,13 +63,13 @@ class _FakeSide:
                   peer_error: str) -> None:
         self._end(rec, st, error)
         other = rec.peer
-        if isinstance(other, _FakeSide) and rec.request_id in other.recs:
+        if other is not None and rec.request_id in other.recs:
             other._end(other.recs[rec.request_id], peer_st, peer_error)
 
     def poll(self) -> list[TransferUpdate]:
         now = time.monotonic()
         with _LOCK:
-            for side in (self, *[p for p in self.peers if isinstance(p, _FakeSide)]):
+            for side in (self, *self.peers):
                 side._expire(now)
             out, self._updates = self._updates, []
         return self._take_stashed() + out  # type: ignore[attr-defined,no-any-return]
@@ -112,7 +112,7 @@ class _FakeSide:
                 self._end_both(rec, S.FAILED, f"{self.name} closed", S.FAILED,
                                f"peer {self.name} closed")
             for p in self.peers:
-                p.peers.discard(self)  # type: ignore[attr-defined]
+                p.peers.discard(self)
             self.peers.clear()
             _FABRIC.pop(getattr(self, "_address", ""), None)
 
@@ -160,7 +160,7 @@ class FakeSender(_FakeSide, KVSender):
         with _LOCK:
             rec = self._record(request_id, peer, deadline)
             rx = rec.peer
-            if rec.status.terminal or not isinstance(rx, FakeReceiver):
+            if rec.status.terminal or rx is None:
                 return
             rrec = rx.recs.get(request_id)
             if rrec is None or rrec.status.terminal:
@@ -186,7 +186,7 @@ class FakeSender(_FakeSide, KVSender):
         with _LOCK:
             rec = self.recs.get(request_id) or self._record(request_id, "", None)
             rx = rec.peer
-            if rec.status.terminal or not isinstance(rx, FakeReceiver):
+            if rec.status.terminal or rx is None:
                 return
             rrec = rx.recs.get(request_id)
             if rrec is None:

@@ -11,6 +11,7 @@ Why pull and not push: see ``transfer.plane.PullPlane``.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from typing import Any
@@ -21,6 +22,8 @@ from transfer.event_waiter import EventWaiter
 from transfer.plane import PullPlane
 from transfer.pool import KVPool
 from transfer.types import TransferError
+
+log = logging.getLogger("pdserve.transfer")
 
 
 def host_id() -> str:
@@ -75,7 +78,12 @@ class IpcPlane(PullPlane):
             from transfer import cuda_driver
 
             base = cuda_driver.open_handle(_field(d, "handle", bytes))
-            _, size = cuda_driver.allocation_of(base)
+            try:
+                _, size = cuda_driver.allocation_of(base)
+            except TransferError as e:  # a driver that cannot size IPC mappings keeps working
+                log.warning("backend ipc: cannot size the producer's mapped pool (%s); "
+                            "trusting its claimed %d bytes", e, offset + nbytes)
+                size = offset + nbytes
             if offset + nbytes > size:  # no device copy may read past what was mapped
                 cuda_driver.close_handle(base)
                 raise TransferError(f"backend ipc: producer pool (offset {offset}, {nbytes} "

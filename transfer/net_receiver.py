@@ -141,10 +141,18 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
             self.rejected(who, str(e))
             self._send(ident, wire.Reject(str(e)))
             return
+        if not self.vet_then(m.plane, lambda err: self._admit(ident, m, who, where, err)):
+            self.rejected(who, "too many handshakes at once")
+            self._send(ident, wire.Reject(f"{self.name}: busy, retry"))
+
+    def _admit(self, ident: bytes, m: wire.Hello, who: str, where: str,
+               vetted: str | None) -> None:
         if ident in self.peers:  # a re-handshake replaces the old session
             self._drop_peer(self.peers[ident], f"{who} reconnected")
         assert self.plane is not None
         try:
+            if vetted is not None:
+                raise TransferError(vetted)
             handle = self.plane.add_peer(m.plane)
         except Exception as e:  # the plane info is the peer's bytes: anything may be wrong
             self.rejected(who, f"data-plane info: {e}")

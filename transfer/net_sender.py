@@ -180,8 +180,7 @@ class NetSender(NetSide[SendRecord], KVSender):
         if self.failed_handshakes(conn.monitor) and conn.handle is None:
             err = HandshakeError(f"consumer {conn.address}: encrypted handshake failed (wrong "
                                  "or missing cluster token, or CURVE on one side only)")
-            conn.ready.set_exception(err)
-            self._drop_conn(conn.address, str(err))
+            self._refused(conn, err)
 
     def on_readable(self, sock: Any) -> None:
         watched = next((c for c in self.conns.values() if c.monitor is sock), None)
@@ -202,7 +201,7 @@ class NetSender(NetSide[SendRecord], KVSender):
                 if len(frames) != 1:
                     raise MalformedMessage(f"{len(frames)} frames in one message, expected 1")
                 msgs = wire.decode(frames[0], wire.TO_PRODUCER)
-                if conn.handle is None and msgs[0].KIND not in _HANDSHAKE_REPLIES:
+                if not conn.welcomed and msgs[0].KIND not in _HANDSHAKE_REPLIES:
                     raise MalformedMessage(f"{msgs[0].KIND.value} before the handshake's reply")
             except MalformedMessage as e:
                 self.malformed(who, str(e))
@@ -212,18 +211,27 @@ class NetSender(NetSide[SendRecord], KVSender):
 
     # ---- loop side: handlers --------------------------------------------------------
     def _on_welcome(self, conn: Conn, m: wire.Hello) -> None:
-        if conn.handle is not None:
+        if conn.welcomed:
             raise MalformedMessage("WELCOME on a connection already welcomed")
-        assert self.plane is not None
+        conn.welcomed = True
         try:
             handshake.check(self.layout, self.config.backend, m.remote(),
                             f"consumer {conn.address}")
+        except HandshakeError as e:
+            self._refused(conn, e)
+            return
+        self.vet_then(m.plane, lambda err: self._welcomed(conn, m, err))
+
+    def _welcomed(self, conn: Conn, m: wire.Hello, vetted: str | None) -> None:
+        if self.conns.get(conn.address) is not conn:
+            return  # dropped while its info was vetted
+        assert self.plane is not None
+        try:
+            if vetted is not None:
+                raise TransferError(vetted)
             conn.handle = self.plane.add_peer(m.plane)
         except Exception as e:  # the reply is the peer's bytes: anything may be wrong
-            err = e if isinstance(e, HandshakeError) else \
-                HandshakeError(f"consumer {conn.address}: {e}")
-            conn.ready.set_exception(err)
-            self._drop_conn(conn.address, str(err))
+            self._refused(conn, HandshakeError(f"consumer {conn.address}: data-plane info: {e}"))
             return
         conn.remote_blocks = m.num_blocks
         self._unwatch(conn)  # the ZMQ handshake is long done
@@ -233,11 +241,13 @@ class NetSender(NetSide[SendRecord], KVSender):
         for fn in waiting:  # pushes and finishes made while the handshake ran, in order
             fn()
 
-    def _on_reject(self, conn: Conn, m: wire.Reject) -> None:
-        err = HandshakeError(f"consumer {conn.address}: {m.error}")
+    def _refused(self, conn: Conn, err: HandshakeError) -> None:
         if not conn.ready.done():
             conn.ready.set_exception(err)
         self._drop_conn(conn.address, str(err))
+
+    def _on_reject(self, conn: Conn, m: wire.Reject) -> None:
+        self._refused(conn, HandshakeError(f"consumer {conn.address}: {m.error}"))
 
     def _rec_of(self, conn: Conn, rid: str) -> SendRecord | None:
         """A consumer speaks only for the transfers on its own connection."""
@@ -346,10 +356,12 @@ class NetSender(NetSide[SendRecord], KVSender):
                 self.finalize(rec, TransferStatus.DONE, None)
         for conn in list(self.conns.values()):
             silent = now - conn.last_heard
-            if conn.handle is None and now - conn.opened > self.config.connect_timeout_s:
+            # once WELCOME came the consumer is reachable: vetting its info is our own work,
+            # bounded by plane_probe's timeouts
+            if not conn.welcomed and now - conn.opened > self.config.connect_timeout_s:
                 self._drop_conn(conn.address, f"consumer {conn.address}: no handshake reply in "
                                 f"{self.config.connect_timeout_s} s (connect_timeout_s)")
-            elif silent > self.config.peer_timeout_s:
+            elif conn.handle is not None and silent > self.config.peer_timeout_s:
                 self._drop_conn(conn.address, f"consumer {conn.address} silent for {silent:.1f} s "
                                 f"(peer_timeout_s={self.config.peer_timeout_s})")
             elif conn.address in stuck:

@@ -6,6 +6,7 @@ Records live on the I/O thread. A lock-guarded mirror of their statuses lets ``s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -16,13 +17,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_layout import KVLayout
-from transfer import curve
+from transfer import curve, plane_probe
 from transfer.io_loop import IOLoop
 from transfer.plane import DataPlane
 from transfer.pool import KVPool
 from transfer.records import Record
 from transfer.types import (
     TransferConfig,
+    TransferError,
     TransferStats,
     TransferStatus,
     TransferUpdate,
@@ -30,6 +32,7 @@ from transfer.types import (
 from transfer.wire import MAX_FRAME_BYTES, Kind, MalformedMessage, Message
 
 log = logging.getLogger("pdserve.transfer")
+MAX_VETTING = 8  # handshakes whose data-plane info is being vetted at once
 LOG_EVERY_S = 1.0  # a flood of bad frames logs one line a second per side, with a count
 
 R = TypeVar("R", bound=Record[Any])
@@ -69,6 +72,14 @@ class NetSide(IOLoop, Generic[R]):
         self._rejected = 0
         self._last_log = 0.0
         self._unlogged = 0
+        # Without a cluster token any stranger can hand us data-plane info, and UCX aborts
+        # the process on a malformed worker address: vet it in a child first (plane_probe).
+        # NIXL checks the agent metadata it loads (garbage raises), ipc checks its own.
+        self._probe = None
+        if config.backend == "ucx" and not config.cluster_token:
+            self._probe = plane_probe.shared(config.backend)
+            self._probe.warm()
+        self._vetting = 0
         self._mirror: dict[str, TransferStatus] = {}
         self._mlock = threading.Lock()
         self._stashed: list[TransferUpdate] = []
@@ -160,6 +171,34 @@ class NetSide(IOLoop, Generic[R]):
         self.poller.unregister(mon)
         sock.disable_monitor()
         mon.close(0)
+
+    def vet_then(self, info: bytes, then: Callable[[str | None], None]) -> bool:
+        """Calls ``then(error)`` on this thread once a peer's data-plane info was vetted
+        (at once where no vetting is needed); False if too many vets are pending."""
+        probe = self._probe
+        if probe is None:
+            then(None)
+            return True
+        if self._vetting >= MAX_VETTING:
+            return False
+        self._vetting += 1
+
+        def run() -> None:
+            try:
+                probe.vet(info)
+                err = None
+            except TransferError as e:
+                err = str(e)
+
+            def back() -> None:
+                self._vetting -= 1
+                then(err)
+
+            with contextlib.suppress(RuntimeError):  # the loop died or closed meanwhile
+                self.call(back)
+
+        threading.Thread(target=run, name=f"{self.name}-vet", daemon=True).start()
+        return True
 
     def dispatch(self, peer: object, msgs: list[Message], who: str,
                  current: Callable[[], bool]) -> None:

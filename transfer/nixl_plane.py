@@ -39,7 +39,12 @@ class NixlPlane(PullPlane):
                                     "dev": self._dev}))
 
     def add_peer(self, info: bytes) -> object:
-        d = msgpack.unpackb(info)
+        d = msgpack.unpackb(info)  # the peer's bytes: every field is checked before use
+        if not (isinstance(d, dict) and type(d.get("meta")) is bytes
+                and type(d.get("base")) is int and d["base"] >= 0
+                and d.get("mem") in ("DRAM", "VRAM") and type(d.get("dev")) is int
+                and d["dev"] >= 0):
+            raise TransferError("NIXL: malformed peer info (meta, base, mem, dev)")
         name = self._agent.add_remote_agent(d["meta"])
         return (name if isinstance(name, str) else name.decode(), d["base"], d["mem"], d["dev"])
 

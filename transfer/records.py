@@ -52,6 +52,7 @@ class Conn:
     last_heard: float
     last_ping: float = 0.0
     handle: object | None = None  # data-plane peer, after WELCOME
+    welcomed: bool = False  # WELCOME read (its plane info may still be being vetted)
     monitor: Any = None  # reports a failed ZMQ (CURVE) handshake until WELCOME
     remote_blocks: int = 0  # the consumer's pool size, to refuse out-of-range dst ids
     seq: int = 0

@@ -229,3 +229,52 @@ def test_a_hostile_consumer_cannot_kill_the_sender() -> None:
         consumer.close()
         tx.close()
 
+
+
+# b"\xff" * 300 is a UCX worker address that trips an assertion inside UCX (abort)
+GARBAGE_PLANES = [b"", b"\x00", b"\xff" * 300, bytes(range(256)) * 4]
+
+
+def test_data_plane_info_that_would_abort_ucx_is_refused_not_fatal() -> None:
+    pair = Pair("ucx")  # no cluster token: any stranger reaches the data-plane info
+    try:
+        for plane in GARBAGE_PLANES:
+            raw = RawPeer(pair.addr)
+            try:
+                (rej, *_) = raw.hello("ucx", plane)
+                assert isinstance(rej, wire.Reject), rej
+            finally:
+                raw.close()
+        assert pair.rx.stats().rejected_handshakes == len(GARBAGE_PLANES)
+        assert pair.rx.accounting().peers == 1
+        pair.rx.expect("after", [12])
+        pair.tx.push("after", pair.addr, [13], [12])
+        pair.tx.finish("after", TransferNotice("after", 1, False, 16))
+        assert pair.rx.wait("after", 10).status == TransferStatus.DONE
+        assert torch.equal(pair.dst[12], pair.src[13])
+    finally:
+        pair.close()
+
+
+def test_a_consumer_welcome_with_garbage_plane_info_fails_the_connect_only() -> None:
+    from xfer_helpers import cfg, pool
+
+    from transfer import make_sender
+
+    tx = make_sender(pool(), LAYOUT, cfg("ucx"))
+    consumer = RawPeer()
+    try:
+        for i, plane in enumerate(GARBAGE_PLANES[2:]):
+            tx.connect(consumer.address)
+            tx.push(f"g{i}", consumer.address, [1], [1])  # waits on the handshake
+            ident, _ = consumer.recv()
+            consumer.send(ident, frame("WELCOME", consumer.welcome_body("ucx", plane)))
+            got = tx.wait(f"g{i}", 10)
+            assert got.status == TransferStatus.FAILED, got
+            assert "malformed" in (got.error or "") or "data-plane" in (got.error or ""), got
+            assert tx.accounting().peers == 0
+            tx.release(f"g{i}")
+        assert tx.poll() == []
+    finally:
+        consumer.close()
+        tx.close()
