@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 from pdserve.v1 import router_pb2
+from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import (
     ABORT,
     CO,
@@ -129,6 +130,12 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
             s = await until_state(cl, "r2", "TRANSFERRING")
             g.open("transfer")
             await until_state(cl, "r2", "WAITING_FOR_KV")
+            assert cl.server.metrics is not None
+            gauges = {s.labels["state"]: s.value for f in text_string_to_metric_families(
+                cl.server.metrics.render().decode()) for s in f.samples
+                if s.name == "pdserve_router_requests_in_state"}
+            assert gauges == {"QUEUED": 0, "RESERVING": 0, "PREFILLING": 0, "TRANSFERRING": 0,
+                              "WAITING_FOR_KV": 1, "DECODING": 0}
             assert s.age_s > 0
             g.open("decode")
             s = await until_state(cl, "r2", "DECODING")
