@@ -12,12 +12,15 @@ from pdserve.v1 import router_pb2
 from router_fakes import (
     ABORT,
     ERROR,
+    LENGTH,
     TOKEN0,
     Cluster,
     decode_hang_after_reserve,
     prefill_hang_after_token0,
     request,
+    reserved,
     run,
+    tokens,
     wait_until,
 )
 
@@ -74,3 +77,34 @@ def test_every_early_end_aborts_both_legs(end: Any, finish: int | None) -> None:
             await asyncio.sleep(0)
 
     run(main())
+
+
+def test_a_producer_dropped_after_its_transfer_does_not_fail_the_request() -> None:
+    release = asyncio.Event()
+
+    async def decode(w: Any, req: Any) -> Any:
+        yield reserved()
+        await release.wait()
+        yield tokens([101], "B", LENGTH)
+
+    async def main() -> None:
+        async with Cluster() as cl:
+            p, c = await cl.pd(decode=decode)  # prefill_ok: token 0, then the transfer result
+            call = cl.router.Generate(request(request_id="r1"))
+            assert list((await call.read()).token_ids) == [TOKEN0]
+            assert cl.server.dispatcher is not None
+            r = cl.server.dispatcher.active["r1"]
+            await wait_until(lambda: "p0" in r.ended)  # the KV transfer reported ok
+            p.heartbeating = False  # the producer goes quiet: the registry drops it
+            await wait_until(lambda: cl.server.registry is not None
+                             and cl.server.registry.get("p0") is None)
+            release.set()
+            rest = [m async for m in _rest(call)]
+            assert rest[-1].finish_reason == LENGTH and not rest[-1].error, rest[-1].error
+
+    run(main())
+
+
+async def _rest(call: Any) -> Any:
+    while (m := await call.read()) is not grpc.aio.EOF:
+        yield m
