@@ -54,12 +54,14 @@ class Dispatcher:
                          replace=self._replace)
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot
         try:
-            async with admission.slot():
-                slot = self._place(set())
-                if slot is None:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                       no_workers_message(self.registry))
-                run.place(slot)
+            async with admission.slot(run.stopped) as admitted:
+                if admitted:
+                    slot = self._place(set())
+                    if slot is None:
+                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                           no_workers_message(self.registry))
+                    run.place(slot)
+                # not admitted: aborted in the queue; its stream ends with that, no legs
                 async for resp in run.stream():
                     yield resp
         finally:

@@ -318,8 +318,10 @@ def test_abort_while_queued_ends_without_starting_legs() -> None:
             await until_state(cl, "r1", "QUEUED")
             run1 = active_run(cl, "r1")
             assert (await cl.router.Abort(router_pb2.AbortRequest(request_id="r1"))).ok
-            first.cancel()  # frees the slot; r1 leaves the queue already aborted
-            out = await queued
+            out = await asyncio.wait_for(queued, 5)  # at once: r0 still holds the only slot
+            assert cl.server.admission is not None
+            assert (cl.server.admission.running, cl.server.admission.queued) == (1, 0)
+            first.cancel()
             assert len(out) == 1 and out[0].finish_reason == ABORT
             assert out[0].usage.completion_tokens == 0
             assert run1.state is S.FINISHED_ABORTED
