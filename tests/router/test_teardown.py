@@ -17,6 +17,7 @@ from router_fakes import (
     Cluster,
     decode_hang_after_reserve,
     prefill_hang_after_token0,
+    read_all,
     request,
     reserved,
     run,
@@ -99,12 +100,7 @@ def test_a_producer_dropped_after_its_transfer_does_not_fail_the_request() -> No
             await wait_until(lambda: cl.server.registry is not None
                              and cl.server.registry.get("p0") is None)
             release.set()
-            rest = [m async for m in _rest(call)]
+            rest = await read_all(call)
             assert rest[-1].finish_reason == LENGTH and not rest[-1].error, rest[-1].error
 
     run(main())
-
-
-async def _rest(call: Any) -> Any:
-    while (m := await call.read()) is not grpc.aio.EOF:
-        yield m
