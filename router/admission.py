@@ -10,6 +10,7 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -38,28 +39,37 @@ class Admission:
         return len(self._waiters)
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """Holds one running slot for the body; waits (bounded) or raises Overloaded."""
-        await self._acquire()
-        try:
-            yield
-        finally:
-            self._release()
+    async def slot(self, stop: asyncio.Event | None = None) -> AsyncIterator[bool]:
+        """Holds one running slot for the body; waits (bounded) or raises Overloaded.
 
-    async def _acquire(self) -> None:
+        stop: set while waiting (the request was aborted in the queue), it leaves the
+        queue at once and the body runs without a slot (``False``).
+        """
+        held = await self._acquire(stop)
+        try:
+            yield held
+        finally:
+            if held:
+                self._release()
+
+    async def _acquire(self, stop: asyncio.Event | None) -> bool:
         if self.running < self.max_running and not self._waiters:
             self.running += 1
-            return
+            return True
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
             raise Overloaded(f"overloaded: {self.running} requests running and "
                              f"{len(self._waiters)} queued (--max-running-requests "
                              f"{self.max_running}, --max-queued-requests {self.max_queued}); "
                              f"retry after {self.retry_after_s:g} s", self.retry_after_s)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
         self._waiters.append(fut)
+        stopped = loop.create_task(stop.wait()) if stop is not None else None
         try:
-            await fut  # _release hands its slot over: ``running`` already counts us
+            # _release hands its slot over: ``running`` already counts us
+            waits: list[asyncio.Future[Any]] = [fut] if stopped is None else [fut, stopped]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
                 self._release()  # the slot arrived as the client left: pass it on
@@ -67,6 +77,14 @@ class Admission:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
             raise
+        finally:
+            if stopped is not None:
+                stopped.cancel()
+        if fut.done():
+            return True  # a slot came (a stop at the same moment ends the body at once)
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(fut)
+        return False
 
     def _release(self) -> None:
         while self._waiters:

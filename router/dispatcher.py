@@ -35,6 +35,7 @@ class Dispatcher:
         self.channels = channels
         self.config = config
         self.active: dict[str, RequestRun] = {}
+        self.prefill_retries = 0  # placements after a producer failed before token 0
         self._background: set[asyncio.Task[Any]] = set()
         registry.on_drop.append(self._on_worker_drop)
 
@@ -50,15 +51,17 @@ class Dispatcher:
         run = RequestRun(prep, received_ns, self.config,
                          stub_for=lambda w: self.channels.stub(w.worker_id, w.address),
                          on_unreachable=self._unreachable, spawn=self._spawn,
-                         replace=lambda exclude: self._place(exclude))
+                         replace=self._replace)
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot
         try:
-            async with admission.slot():
-                slot = self._place(set())
-                if slot is None:
-                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
-                                       no_workers_message(self.registry))
-                run.place(slot)
+            async with admission.slot(run.stopped) as admitted:
+                if admitted:
+                    slot = self._place(set())
+                    if slot is None:
+                        raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                           no_workers_message(self.registry))
+                    run.place(slot)
+                # not admitted: aborted in the queue; its stream ends with that, no legs
                 async for resp in run.stream():
                     yield resp
         finally:
@@ -91,6 +94,12 @@ class Dispatcher:
             t.cancel()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _replace(self, failed_producers: set[str]) -> Slot | None:
+        slot = self._place(failed_producers)
+        if slot is not None:
+            self.prefill_retries += 1
+        return slot
 
     def _place(self, exclude_producers: set[str]) -> Slot | None:
         if not self.registry.serving():

@@ -1,5 +1,6 @@
 """The router's Prometheus metrics: per-request latencies and outcomes, admission queue,
-and every worker's last reported load (so one scrape of the router shows the cluster).
+requests in flight by lifecycle state, prefill retries, and every worker's last reported
+load (so one scrape of the router shows the cluster).
 
 A private CollectorRegistry per router: tests run several routers in one process.
 """
@@ -11,10 +12,12 @@ from collections.abc import Iterator
 
 from pdserve.v1 import common_pb2, router_pb2
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.request_state import RequestState
 from router.admission import Admission
+from router.dispatcher import Dispatcher
 from router.registry import ROLE_NAMES, Registry
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,7 +29,7 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
 
 
 class RouterMetrics:
-    def __init__(self, registry: Registry, admission: Admission) -> None:
+    def __init__(self, registry: Registry, admission: Admission, dispatcher: Dispatcher) -> None:
         self.prom = CollectorRegistry(auto_describe=True)
         r = self.prom
 
@@ -55,7 +58,7 @@ class RouterMetrics:
                          "Producer sampled token 0 -> router sent it (wall clocks)")
         self.kv_transfer = hist("pdserve_router_kv_transfer_seconds",
                                 "First KV push -> consumer ack, as producers report it")
-        r.register(_ClusterCollector(registry, admission))
+        r.register(_ClusterCollector(registry, admission, dispatcher))
 
     def render(self) -> bytes:
         return generate_latest(self.prom)
@@ -125,9 +128,10 @@ class RequestObserver:
 class _ClusterCollector(Collector):
     """Gauges read at scrape time: nothing to keep in sync with the registry."""
 
-    def __init__(self, registry: Registry, admission: Admission) -> None:
+    def __init__(self, registry: Registry, admission: Admission, dispatcher: Dispatcher) -> None:
         self.registry = registry
         self.admission = admission
+        self.dispatcher = dispatcher
 
     def collect(self) -> Iterator[Metric]:
         a = self.admission
@@ -137,6 +141,18 @@ class _ClusterCollector(Collector):
                                 "Requests waiting for an admission slot", value=a.queued)
         yield GaugeMetricFamily("pdserve_router_requests_queued_limit",
                                 "--max-queued-requests", value=a.max_queued)
+        by_state = GaugeMetricFamily("pdserve_router_requests_in_state",
+                                     "Requests the router holds, by lifecycle state",
+                                     labels=["state"])
+        states = {s.name: 0 for s in RequestState if not s.name.startswith("FINISHED")}
+        for info in self.dispatcher.requests():
+            states[info.state.name] = states.get(info.state.name, 0) + 1
+        for name, n in states.items():
+            by_state.add_metric([name], n)
+        yield by_state
+        yield CounterMetricFamily("pdserve_router_prefill_retries",
+                                  "Requests placed again after their producer failed before "
+                                  "token 0", value=self.dispatcher.prefill_retries)
         healthy = GaugeMetricFamily("pdserve_router_workers",
                                     "Registered workers by role and health",
                                     labels=["role", "healthy"])

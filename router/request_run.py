@@ -125,6 +125,7 @@ class RequestRun:
         self._spawn = spawn
         self._received = time.monotonic()
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.stopped = asyncio.Event()  # aborted or failed from outside (ends a queued wait)
         self._pairing: asyncio.Task[None] | None = None
         self.completed = False  # a leg finished the request (not the router, not an error)
         self._closed = False
@@ -148,6 +149,8 @@ class RequestRun:
     def post(self, event: Event) -> None:
         """From outside the legs: Router.Abort, a dropped worker, shutdown."""
         self._queue.put_nowait(event)
+        if event.kind in (Ev.ABORT, Ev.FAIL):
+            self.stopped.set()
 
     def place(self, slot: Slot) -> None:
         # Stubs are bound now: a worker dropped mid-request still gets its Abort on the

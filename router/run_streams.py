@@ -105,6 +105,8 @@ async def disaggregated_stream(run: RequestRun) -> AsyncIterator[router_pb2.Gene
                     return
             yield run.leg_failed(worker, code, msg)
             return
+        elif ev.kind is Ev.DROPPED and ev.payload[0].worker_id in run.ended:
+            continue  # it had done its part before the registry dropped it
         elif (ev.kind is Ev.DROPPED and ev.payload[0] is p and not token0_sent
               and run.retry_after(p, ev.payload[1], held)):
             return

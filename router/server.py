@@ -87,7 +87,7 @@ class RouterServer:
 
         self.admission = Admission(cfg.max_running_requests, cfg.max_queued_requests,
                                    cfg.retry_after_s)
-        self.metrics = RouterMetrics(self.registry, self.admission)
+        self.metrics = RouterMetrics(self.registry, self.admission, self.dispatcher)
         frontend = Frontend(self.dispatcher, self.registry, tokenizer, model_id, names,
                             cfg.max_tokens_limit, self.admission, self.metrics)
         interceptors = [ApiKeyInterceptor(cfg.api_key, {ROUTER_SERVICE})] if cfg.api_key else []

@@ -273,6 +273,14 @@ def run(coro: Any, timeout: float = 20.0) -> Any:
     return asyncio.run(bounded())
 
 
+async def read_all(call: Any) -> list[router_pb2.GenerateResponse]:
+    """The rest of a stream, with read() (grpc.aio forbids mixing it with iteration)."""
+    out = []
+    while (r := await call.read()) is not grpc.aio.EOF:
+        out.append(r)
+    return out
+
+
 async def wait_until(pred: Callable[[], bool], timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while not pred():

@@ -25,6 +25,7 @@ from router_fakes import (
     decode_hang_after_reserve,
     next_destination,
     prefill_hang_after_token0,
+    read_all,
     request,
     reserved,
     run,
@@ -33,14 +34,6 @@ from router_fakes import (
     transfer,
     wait_until,
 )
-
-
-async def read_all(call: Any) -> list[router_pb2.GenerateResponse]:
-    """The rest of a stream already read with read() (grpc.aio forbids mixing styles)."""
-    out = []
-    while (r := await call.read()) is not grpc.aio.EOF:
-        out.append(r)
-    return out
 
 
 def test_pd_flow_token0_first_then_consumer_tokens(tokenizer: Any) -> None:

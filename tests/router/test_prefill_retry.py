@@ -8,6 +8,7 @@ import argparse
 import asyncio
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import (
     CO,
     ERROR,
@@ -26,6 +27,13 @@ from router_fakes import (
 from deploy.router_cmd import add_router_parser, router_config
 
 P, C = 1, 2
+
+
+def metric(cl: Cluster, name: str, **labels: str) -> float:
+    assert cl.server.metrics is not None
+    text = cl.server.metrics.render().decode()
+    return next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == name and s.labels == labels)
 
 
 async def prefill_crashes(w: FakeWorker, req: Any, inputs: Any) -> Any:
@@ -66,6 +74,7 @@ def test_producer_error_before_token0_is_retried_on_another_producer() -> None:
             assert dest.consumer_id == "c0"
             assert cl.server.registry is not None
             assert all(w.inflight == 0 for w in cl.server.registry.all())
+            assert metric(cl, "pdserve_router_prefill_retries_total") == 1.0
 
     run(main())
 
@@ -107,6 +116,7 @@ def test_retries_are_bounded_then_a_clear_error() -> None:
             assert "ended its stream before token 0" in err, err
             assert "attempt 2 of 2" in err and "p0, p1" in err, err
             assert [len(p.prefill_requests) for p in ps] == [1, 1, 0]
+            assert metric(cl, "pdserve_router_prefill_retries_total") == 1.0
             await wait_until(lambda: sorted(c.aborts) == ["r1", "r1#retry1"])
 
     run(main())

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 from pdserve.v1 import router_pb2
+from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import (
     ABORT,
     CO,
@@ -21,6 +22,7 @@ from router_fakes import (
     decode_hang_after_reserve,
     next_destination,
     prefill_hang_after_token0,
+    read_all,
     request,
     reserved,
     run,
@@ -72,14 +74,6 @@ def active_run(cl: Cluster, rid: str) -> RequestRun:
     return cl.server.dispatcher.active[rid]
 
 
-async def collect(call: Any) -> list[router_pb2.GenerateResponse]:
-    """The rest of a stream, with read() (grpc.aio forbids mixing it with iteration)."""
-    out = []
-    while (r := await call.read()) is not grpc.aio.EOF:
-        out.append(r)
-    return out
-
-
 def test_disaggregated_request_walks_every_forward_state() -> None:
     g = Gates("reserve", "token0", "transfer", "decode", "finish")
 
@@ -102,9 +96,9 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
         async with Cluster(max_running_requests=1, max_queued_requests=4) as cl:
             p, c = await cl.pd(prefill=prefill, decode=decode)
             # a first request holds the only running slot, so r1 waits in the queue
-            blocker = asyncio.create_task(collect(cl.router.Generate(request(request_id="r0"))))
+            blocker = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r0"))))
             await until_state(cl, "r0", "RESERVING")
-            r1 = asyncio.create_task(collect(cl.router.Generate(request(request_id="r1"))))
+            r1 = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r1"))))
             q = await until_state(cl, "r1", "QUEUED")
             assert (q.producer, q.consumer, q.tokens_streamed) == ("", "", 0)
             assert [r.request_id for r in (await listed(cl)).values()] == ["r0", "r1"]
@@ -119,7 +113,7 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
             for ev in g.ev.values():
                 ev.clear()
             call = cl.router.Generate(request(request_id="r2"))
-            reader = asyncio.create_task(collect(call))
+            reader = asyncio.create_task(read_all(call))
             s = await until_state(cl, "r2", "RESERVING")
             assert (s.producer, s.consumer, s.colocated) == ("p0", "c0", "")
             run2 = active_run(cl, "r2")
@@ -129,6 +123,12 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
             s = await until_state(cl, "r2", "TRANSFERRING")
             g.open("transfer")
             await until_state(cl, "r2", "WAITING_FOR_KV")
+            assert cl.server.metrics is not None
+            gauges = {s.labels["state"]: s.value for f in text_string_to_metric_families(
+                cl.server.metrics.render().decode()) for s in f.samples
+                if s.name == "pdserve_router_requests_in_state"}
+            assert gauges == {"QUEUED": 0, "RESERVING": 0, "PREFILLING": 0, "TRANSFERRING": 0,
+                              "WAITING_FOR_KV": 1, "DECODING": 0}
             assert s.age_s > 0
             g.open("decode")
             s = await until_state(cl, "r2", "DECODING")
@@ -160,7 +160,7 @@ def test_token0_before_the_reservation_goes_straight_to_transferring() -> None:
             assert s.tokens_streamed == 1
             g.open("reserve")
             run_ = active_run(cl, "r1")
-            rest = await collect(call)
+            rest = await read_all(call)
             assert rest[-1].finish_reason == LENGTH and run_.state is S.FINISHED_LENGTH
 
     run(main())
@@ -184,7 +184,7 @@ def test_consumer_tokens_before_token0_mean_decoding_and_token0_does_not_go_back
         async with Cluster() as cl:
             await cl.pd(prefill=prefill, decode=decode)
             call = cl.router.Generate(request(request_id="r1"))
-            reader = asyncio.create_task(collect(call))
+            reader = asyncio.create_task(read_all(call))
             s = await until_state(cl, "r1", "DECODING")
             assert s.tokens_streamed == 0  # held back until token 0
             g.open("token0")
@@ -209,7 +209,7 @@ def test_colocated_request_states() -> None:
     async def main() -> None:
         async with Cluster() as cl:
             await cl.add("w0", CO, decode=decode)
-            reader = asyncio.create_task(collect(cl.router.Generate(request(request_id="r1"))))
+            reader = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r1"))))
             s = await until_state(cl, "r1", "PREFILLING")
             assert (s.colocated, s.producer, s.consumer) == ("w0", "", "")
             run_ = active_run(cl, "r1")
@@ -266,7 +266,7 @@ def test_every_way_out_sets_its_finished_state() -> None:
                     await call.read()
                     await act(call)
                 try:
-                    return [r.finish_reason for r in await collect(call)]
+                    return [r.finish_reason for r in await read_all(call)]
                 except asyncio.CancelledError:  # our own call.cancel()
                     return [grpc.StatusCode.CANCELLED]
 
@@ -307,12 +307,14 @@ def test_abort_while_queued_ends_without_starting_legs() -> None:
                                decode=decode_hang_after_reserve)
             first = cl.router.Generate(request(request_id="r0"))
             await first.read()
-            queued = asyncio.create_task(collect(cl.router.Generate(request(request_id="r1"))))
+            queued = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r1"))))
             await until_state(cl, "r1", "QUEUED")
             run1 = active_run(cl, "r1")
             assert (await cl.router.Abort(router_pb2.AbortRequest(request_id="r1"))).ok
-            first.cancel()  # frees the slot; r1 leaves the queue already aborted
-            out = await queued
+            out = await asyncio.wait_for(queued, 5)  # at once: r0 still holds the only slot
+            assert cl.server.admission is not None
+            assert (cl.server.admission.running, cl.server.admission.queued) == (1, 0)
+            first.cancel()
             assert len(out) == 1 and out[0].finish_reason == ABORT
             assert out[0].usage.completion_tokens == 0
             assert run1.state is S.FINISHED_ABORTED
@@ -335,7 +337,7 @@ def test_a_retry_moves_the_request_back_with_its_new_producer() -> None:
             await cl.add("p1", 1, prefill=prefill_hang_before_token0)
             await cl.add("c0", 2, decode=decode_hang_after_reserve)
             call = cl.router.Generate(request(request_id="r1"))
-            reader = asyncio.create_task(collect(call))
+            reader = asyncio.create_task(read_all(call))
             s = await until_state_on(cl, "r1", "p1")  # p0's attempt is replaced
             assert (s.state, s.producer, s.consumer) == ("PREFILLING", "p1", "c0")
             assert active_run(cl, "r1").attempt == 2

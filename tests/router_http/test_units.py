@@ -123,6 +123,33 @@ def test_admission_bounds_running_and_queued_and_hands_slots_over_in_order() -> 
     asyncio.run(main())
 
 
+def test_a_stopped_waiter_leaves_the_queue_without_a_slot() -> None:
+    async def main() -> None:
+        adm = Admission(max_running=1, max_queued=2, retry_after_s=1.0)
+        gate, stop = asyncio.Event(), asyncio.Event()
+        got: list[tuple[str, bool]] = []
+
+        async def job(name: str, until: asyncio.Event | None = None) -> None:
+            async with adm.slot(until) as held:
+                got.append((name, held))
+                if held:
+                    await gate.wait()
+
+        tasks = [asyncio.create_task(job("a")), asyncio.create_task(job("b", stop)),
+                 asyncio.create_task(job("c"))]
+        await asyncio.sleep(0.01)
+        assert (adm.running, adm.queued) == (1, 2)
+        stop.set()  # b is aborted while queued: out at once, holding nothing
+        await asyncio.sleep(0.01)
+        assert got == [("a", True), ("b", False)] and (adm.running, adm.queued) == (1, 1)
+        gate.set()
+        await asyncio.gather(*tasks)
+        assert got == [("a", True), ("b", False), ("c", True)]
+        assert (adm.running, adm.queued) == (0, 0)
+
+    asyncio.run(main())
+
+
 def test_orphan_exhaustion_needs_a_full_pool_mostly_held_by_orphans() -> None:
     assert not exhausted_by_orphans(free=0, total=100, orphan_blocks=0)
     assert not exhausted_by_orphans(free=50, total=100, orphan_blocks=50)  # room left
