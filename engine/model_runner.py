@@ -163,14 +163,14 @@ class ModelRunner:
     def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
                         prev_rows: dict[int, int]) -> SamplingBatch:
         ps = [r.params for r in reqs]
-        f32, i64 = torch.float32, torch.int64
+        # two copies, not six: every per-row float in one tensor, every int in another
+        floats = self._tensor([[p.temperature if not p.greedy else 0.0 for p in ps],
+                               [p.top_p for p in ps], [p.min_p for p in ps]], torch.float32)
+        ints = self._tensor([[max(p.top_k, 0) for p in ps], [r.seed for r in reqs],
+                             [r.num_tokens for r in reqs]], torch.int64)
         b = SamplingBatch(
-            temperature=self._tensor([p.temperature if not p.greedy else 0.0 for p in ps], f32),
-            top_k=self._tensor([max(p.top_k, 0) for p in ps], i64),
-            top_p=self._tensor([p.top_p for p in ps], f32),
-            min_p=self._tensor([p.min_p for p in ps], f32),
-            seeds=self._tensor([r.seed for r in reqs], i64),
-            positions=self._tensor([r.num_tokens for r in reqs], i64),
+            temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
+            seeds=ints[1], positions=ints[2],
             all_greedy=all(p.greedy for p in ps),
             any_top_k=any(p.top_k > 0 for p in ps),
             any_top_p=any(p.top_p < 1 for p in ps),
