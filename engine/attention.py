@@ -33,6 +33,12 @@ class KernelSet:
     rope: Callable[..., Any]
     name: str
 
+    @property
+    def graph_safe(self) -> bool:
+        """The Triton launchers never read device values on the host, so they can be
+        captured in a CUDA graph; the torch references size their work from such values."""
+        return self.name == "triton"
+
 
 def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSet:
     if device.type == "cuda" and not force_reference:

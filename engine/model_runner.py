@@ -48,7 +48,8 @@ class ModelRunner:
         if max_num_seqs and max_model_len:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device,
-                                       use_graphs=cuda_graphs and device.type == "cuda")
+                                       use_graphs=cuda_graphs and device.type == "cuda"
+                                       and model.kernels.graph_safe)
             self.staging = DecodeStaging(self.graphs.max_batch, max_blocks, device)
             self.graphs.capture()
 
@@ -58,6 +59,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk],
                 prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        samplers, out = self._execute(chunks, prev)
+        out.start_host_copy()  # reading it later waits for this step only
+        return samplers, out
+
+    def _execute(self, chunks: list[ScheduledChunk],
+                 prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
         if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
                 and all(c.num_tokens == 1 for c in chunks)):
             return self._execute_graph(chunks, prev)
@@ -95,7 +102,7 @@ class ModelRunner:
         if fix_at:
             assert prev is not None
             input_ids[self._tensor(fix_at, torch.int64)] = \
-                prev.out.token_ids[self._tensor(fix_from, torch.int64)]
+                prev.out.device_token_ids[self._tensor(fix_from, torch.int64)]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._tensor(tables, torch.int32),
@@ -151,7 +158,7 @@ class ModelRunner:
             assert prev is not None
             fp = from_prev[:b]
             ids = buf.input_ids[:b]
-            ids.copy_(torch.where(fp >= 0, prev.out.token_ids[fp.clamp(min=0)], ids))
+            ids.copy_(torch.where(fp >= 0, prev.out.device_token_ids[fp.clamp(min=0)], ids))
         hidden = g.replay(n)
         if not samplers:
             return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
@@ -207,7 +214,7 @@ class ModelRunner:
         if pending_rows:
             assert prev is not None
             rows = self._tensor(pending_rows, torch.int64)
-            toks = prev.out.token_ids[self._tensor(pending_from, torch.int64)]
+            toks = prev.out.device_token_ids[self._tensor(pending_from, torch.int64)]
             counts.index_put_((rows, toks), torch.ones(len(pending_rows), device=self.device),
                               accumulate=True)
         b.output_counts = counts

@@ -38,12 +38,60 @@ class SamplingBatch:
     max_logprobs: int = -1  # -1: no row wants logprobs
 
 
-@dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [S] int64, on the device
-    logprobs: torch.Tensor | None = None  # [S] float32: logprob of the sampled token
-    top_ids: torch.Tensor | None = None  # [S, N] int64
-    top_logprobs: torch.Tensor | None = None  # [S, N] float32
+    """A step's sampled ids (and logprobs), made on the device.
+
+    ``device_token_ids`` stays on the device for the next deferred step's inputs. After
+    ``start_host_copy`` the public fields are host copies made asynchronously behind this
+    step's kernels: the first read waits for this step alone, not for a step launched
+    after it, so the host can read step N while step N+1 runs.
+    """
+
+    _FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None = None,
+                 top_ids: torch.Tensor | None = None,
+                 top_logprobs: torch.Tensor | None = None) -> None:
+        self.device_token_ids = token_ids  # [S] int64
+        self._dev: dict[str, torch.Tensor | None] = dict(
+            token_ids=token_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+        self._host: dict[str, torch.Tensor | None] | None = None
+        self._ready: torch.cuda.Event | None = None
+
+    def start_host_copy(self) -> None:
+        """Queues the copies to (pinned) host memory on the current stream (CUDA only)."""
+        if not self.device_token_ids.is_cuda:
+            return
+        self._host = {k: None if t is None else t.to("cpu", non_blocking=True)
+                      for k, t in self._dev.items()}
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        if self._host is None:
+            return self._dev[name]
+        if self._ready is not None:
+            self._ready.synchronize()  # this step's copies only
+            self._ready = None
+        return self._host[name]
+
+    @property
+    def token_ids(self) -> torch.Tensor:  # [S] int64
+        t = self._get("token_ids")
+        assert t is not None
+        return t
+
+    @property
+    def logprobs(self) -> torch.Tensor | None:  # [S] float32: logprob of the sampled token
+        return self._get("logprobs")
+
+    @property
+    def top_ids(self) -> torch.Tensor | None:  # [S, N] int64
+        return self._get("top_ids")
+
+    @property
+    def top_logprobs(self) -> torch.Tensor | None:  # [S, N] float32
+        return self._get("top_logprobs")
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -83,7 +131,6 @@ def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] float32 -> SamplerOutput (device tensors)."""
-    out = SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
     if b.max_logprobs >= 0:
         # Logprobs describe the model's own distribution, before any sampling transform.
         lp = torch.log_softmax(logits, dim=-1)
@@ -92,7 +139,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         logits = logits.masked_fill(b.banned, float("-inf"))
     greedy_ids = logits.argmax(dim=-1)
     if b.all_greedy:
-        out.token_ids = greedy_ids
+        token_ids = greedy_ids
     else:
         temp = torch.where(b.temperature > 0, b.temperature, 1.0)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
@@ -100,9 +147,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token i with probability p_i.
         expo = -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
         drawn = (probs / expo).argmax(dim=-1)
-        out.token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
+        token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
+    logprobs = top_lp = top_ids = None
     if b.max_logprobs >= 0:
-        out.logprobs = lp.gather(-1, out.token_ids[:, None]).squeeze(-1)
+        logprobs = lp.gather(-1, token_ids[:, None]).squeeze(-1)
         if b.max_logprobs > 0:
-            out.top_logprobs, out.top_ids = lp.topk(b.max_logprobs, dim=-1)
-    return out
+            top_lp, top_ids = lp.topk(b.max_logprobs, dim=-1)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_lp)

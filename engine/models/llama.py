@@ -89,6 +89,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)

@@ -102,3 +102,29 @@ def test_graph_pool_fits_its_budget_and_utilization_sizes_the_pool(make_llm, tin
                                  eng.model_cfg, eng.device)
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_reading_a_step_does_not_wait_for_work_queued_after_it():
+    """The host reads step N while step N+1 still runs: a second of GPU work queued after
+    the sampled ids must not delay reading them (a plain .tolist() would wait for it)."""
+    import time
+
+    from engine.sampler import SamplerOutput
+
+    ids = torch.arange(5, device="cuda") * 7
+    out = SamplerOutput(ids)
+    out.start_host_copy()
+    torch.cuda.synchronize()
+    out2 = SamplerOutput(ids + 1)
+    out2.start_host_copy()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning at H200 clocks, queued after out2
+    t0 = time.perf_counter()
+    got = out2.token_ids.tolist()
+    waited = time.perf_counter() - t0
+    assert got == [1, 8, 15, 22, 29]
+    assert out.token_ids.tolist() == [0, 7, 14, 21, 28]
+    assert waited < 0.3, f"read waited {waited:.3f}s: it waited for later work"
+    assert torch.equal(out2.device_token_ids, ids + 1)  # the device copy stays for inputs
+    torch.cuda.synchronize()
