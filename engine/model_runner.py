@@ -109,6 +109,7 @@ class ModelRunner:
             cu_seqlens_q=self._tensor(cu, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
             decode_only=all(c.num_tokens == 1 for c in chunks),
+            max_seq_len=max(seq_lens),
         )
         hidden = self.model(input_ids, self._tensor(pos, torch.int64), self.kv_cache, meta)
         if not samplers:
