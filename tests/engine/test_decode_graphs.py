@@ -89,14 +89,17 @@ def test_graphs_equal_eager_on_gpu(make_llm, tiny_models, batch):
 def test_graph_pool_fits_its_budget_and_utilization_sizes_the_pool(make_llm, tiny_models):
     from engine.memory_budget import graph_bytes, kv_bytes_for_utilization
 
+    # The fraction counts every process's memory (other tests may hold some): ask for
+    # what is in use now plus 2% of the device.
+    free, total = torch.cuda.mem_get_info()
+    util = min(1.0, (total - free) / total + 0.02)
     llm = make_llm(tiny_models["llama"], device="cuda", dtype="bfloat16", max_num_seqs=64,
-                   gpu_memory_utilization=0.3)
+                   gpu_memory_utilization=util)
     eng = llm.engine
     elem = 2
     assert eng.runner.graphs.pool_bytes <= graph_bytes(eng.config, eng.model_cfg, elem) + (64 << 20)
-    total = torch.cuda.mem_get_info()[1]
     kv = kv_bytes_for_utilization(eng.config, eng.model_cfg, eng.device)
-    assert 0 < kv < 0.3 * total
+    assert 0 < kv < 0.02 * total
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         kv_bytes_for_utilization(dataclasses.replace(eng.config, gpu_memory_utilization=0.001),
                                  eng.model_cfg, eng.device)
