@@ -66,7 +66,8 @@ class ModelRunner:
     def _execute(self, chunks: list[ScheduledChunk],
                  prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
         if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
-                and all(c.num_tokens == 1 for c in chunks)):
+                and all(c.num_tokens == 1 for c in chunks)
+                and max(len(c.request.block_ids) for c in chunks) <= self.graphs.max_blocks):
             return self._execute_graph(chunks, prev)
         bs = self.block_size
         ids: list[int] = []
