@@ -182,6 +182,7 @@ class ModelRunner:
             seeds=ints[1], positions=ints[2],
             all_greedy=all(p.greedy for p in ps),
             any_top_k=any(p.top_k > 0 for p in ps),
+            max_top_k=max(max(p.top_k, 0) for p in ps),
             any_top_p=any(p.top_p < 1 for p in ps),
             any_min_p=any(p.min_p > 0 for p in ps),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),

@@ -36,6 +36,7 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # [S, V] bool: in prompt or output
     banned: torch.Tensor | None = None  # [S, V] bool: EOS/stop ids while under min_tokens
     max_logprobs: int = -1  # -1: no row wants logprobs
+    max_top_k: int = 0  # the largest top_k of the batch when known on the host (0: unknown)
 
 
 class SamplerOutput:
@@ -112,6 +113,8 @@ def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.any_min_p:
         keep = probs >= b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs * keep
+    if b.any_top_k and not b.any_top_p and 0 < b.max_top_k < probs.shape[-1] // 2:
+        return _top_k_only(probs, b)
     if b.any_top_k or b.any_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = torch.zeros_like(sorted_p, dtype=torch.bool)
@@ -127,6 +130,15 @@ def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return probs
+
+
+def _top_k_only(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Top-k alone: a partial top-max_top_k selection instead of sorting the vocabulary."""
+    vals, idx = probs.topk(b.max_top_k, dim=-1)  # [S, K], best first
+    ranks = torch.arange(b.max_top_k, device=probs.device)
+    keep = ranks[None, :] < b.top_k[:, None]  # rows with top_k = 0 are restored below
+    kept = torch.zeros_like(probs).scatter_(-1, idx, vals * keep)
+    return torch.where((b.top_k > 0)[:, None], kept, probs)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
