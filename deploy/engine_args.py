@@ -11,14 +11,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="'smollm2' (the embedded default), an HF model directory or a .gguf file")
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
+                   help="auto: bfloat16 on a GPU, float32 on CPU")
+    g.add_argument("--device", default="auto",
+                   help="auto (cuda when a GPU is present, else cpu), cpu, cuda, cuda:1, ...")
     g.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="'dummy' fills random weights from the model's config (benchmarks)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-mib)")
     g.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size in MiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of GPU memory for weights, activations, graphs and KV; "
+                        "the KV pool gets the rest (overrides --kv-cache-mib)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every decode step runs eagerly")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -32,6 +39,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting=args.max_waiting)
+        max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization)
     kw.update(overrides)
     return EngineConfig(**kw)

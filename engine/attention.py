@@ -22,6 +22,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [B + 1] int32: request b's tokens are [cu[b], cu[b+1])
     seq_lens: torch.Tensor  # [B] int32: context length after this step
     decode_only: bool  # every request contributes exactly one query
+    # Host-known bound on seq_lens: sizes decode's split-K from the real contexts. None
+    # (CUDA graphs, whose grid cannot change per step): the block table's capacity.
+    max_seq_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -32,22 +35,32 @@ class KernelSet:
     rms_norm: Callable[..., Any]
     rope: Callable[..., Any]
     name: str
+    silu_and_mul: Callable[..., Any]
+
+    @property
+    def graph_safe(self) -> bool:
+        """The Triton launchers never read device values on the host, so they can be
+        captured in a CUDA graph; the torch references size their work from such values."""
+        return self.name == "triton"
 
 
 def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSet:
     if device.type == "cuda" and not force_reference:
+        from kernels.triton_act import silu_and_mul
         from kernels.triton_decode_attention import decode_attention
         from kernels.triton_norm import rms_norm, rope
         from kernels.triton_prefill_attention import prefill_attention
         from kernels.triton_store_kv import store_kv
 
-        return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton")
+        return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
+                         silu_and_mul)
+    from kernels.ref_act import silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref
     from kernels.ref_norm import rms_norm_ref, rope_ref
 
     return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
-                     rope_ref, "torch-reference")
+                     rope_ref, "torch-reference", silu_and_mul_ref)
 
 
 class PagedAttention:
@@ -66,6 +79,6 @@ class PagedAttention:
         self.k.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.decode_only:
             return self.k.decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
-                                           self.scale)
+                                           self.scale, max_seq_len=meta.max_seq_len)
         return self.k.prefill_attention(q, kv_layer, meta.block_tables, meta.cu_seqlens_q,
                                         meta.seq_lens, self.scale)

@@ -91,6 +91,12 @@ class ModelConfig:
             return ModelConfig.from_hf(json.load(f))
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine runs. Bad values raise ValueError naming the flag."""
@@ -109,10 +115,22 @@ class EngineConfig:
     max_waiting: int = 1024  # bounded waiting queue; past it add_request raises QueueFull
     seed: int = 0  # draws the seed of requests that give none
     defer_output: bool | None = None  # None: by role; set only to compare modes in benchmarks
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # Fraction of the device's memory for weights, activations, graphs and KV; the KV pool
+    # gets what is left (CUDA only; None: the pool is kv_cache_bytes / num_kv_blocks).
+    gpu_memory_utilization: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # "auto": CUDA and bfloat16 when a GPU is present, else CPU and float32.
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if _has_cuda() else "cpu")
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype",
+                               "bfloat16" if self.device.startswith("cuda") else "float32")
         checks = [
+            ("device", self.device == "cpu" or self.device.startswith("cuda"),
+             "must be 'auto', 'cpu' or 'cuda[:N]'"),
             ("dtype", self.dtype in DTYPES, f"must be one of {DTYPES}"),
             ("role", self.role in ROLES, f"must be one of {ROLES}"),
             ("load_format", self.load_format in LOAD_FORMATS, f"must be one of {LOAD_FORMATS}"),
@@ -125,6 +143,10 @@ class EngineConfig:
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
             ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, "must be >= 1"),
             ("max_waiting", self.max_waiting >= 1, "must be >= 1"),
+            ("gpu_memory_utilization", self.gpu_memory_utilization is None
+             or 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
+            ("gpu_memory_utilization", self.gpu_memory_utilization is None
+             or self.device.startswith("cuda"), "needs a CUDA device"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -49,7 +49,12 @@ class LLMEngine:
             head_dim=model_cfg.head_dim, num_blocks=1)
         # Never more than every seat filled to max_model_len could use.
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        num_blocks = config.num_kv_blocks or max(1, min(cap, config.kv_cache_bytes
+        kv_bytes = config.kv_cache_bytes
+        if config.gpu_memory_utilization is not None:
+            from engine.memory_budget import kv_bytes_for_utilization
+
+            kv_bytes = kv_bytes_for_utilization(config, model_cfg, self.device)
+        num_blocks = config.num_kv_blocks or max(1, min(cap, kv_bytes
                                                         // self.layout.block_nbytes))
         self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks)
         # A sequence can never outgrow the pool: advertise what really fits.
@@ -66,7 +71,9 @@ class LLMEngine:
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.eos_token_ids,
-                                  self.device)
+                                  self.device, max_num_seqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len,
+                                  cuda_graphs=not config.enforce_eager)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None
         self._step_id = 0

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.decode_graphs import DecodeGraphs
+from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
@@ -30,13 +32,26 @@ class InflightStep:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 eos_token_ids: frozenset[int], device: torch.device) -> None:
+                 eos_token_ids: frozenset[int], device: torch.device, *,
+                 max_num_seqs: int = 0, max_model_len: int = 0,
+                 cuda_graphs: bool = False) -> None:
+        """cuda_graphs: capture pure-decode steps up to max_num_seqs requests of at most
+        max_model_len tokens (CUDA only); other steps, and every step without, run eagerly."""
         self.model = model
         self.kv_cache = kv_cache  # [NB, L, 2, BS, Hkv, D]
         self.block_size = block_size
         self.eos = sorted(eos_token_ids)
         self.device = device
         self.vocab = model.cfg.vocab_size
+        # Pure-decode steps read persistent buffers, replayed as CUDA graphs where allowed.
+        self.graphs: DecodeGraphs | None = None
+        if max_num_seqs and max_model_len:
+            max_blocks = -(-max_model_len // block_size)
+            self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device,
+                                       use_graphs=cuda_graphs and device.type == "cuda"
+                                       and model.kernels.graph_safe)
+            self.staging = DecodeStaging(self.graphs.max_batch, max_blocks, device)
+            self.graphs.capture()
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -44,6 +59,16 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk],
                 prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        samplers, out = self._execute(chunks, prev)
+        out.start_host_copy()  # reading it later waits for this step only
+        return samplers, out
+
+    def _execute(self, chunks: list[ScheduledChunk],
+                 prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
+                and all(c.num_tokens == 1 for c in chunks)
+                and max(len(c.request.block_ids) for c in chunks) <= self.graphs.max_blocks):
+            return self._execute_graph(chunks, prev)
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -78,13 +103,14 @@ class ModelRunner:
         if fix_at:
             assert prev is not None
             input_ids[self._tensor(fix_at, torch.int64)] = \
-                prev.out.token_ids[self._tensor(fix_from, torch.int64)]
+                prev.out.device_token_ids[self._tensor(fix_from, torch.int64)]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=self._tensor(tables, torch.int32),
             cu_seqlens_q=self._tensor(cu, torch.int32),
             seq_lens=self._tensor(seq_lens, torch.int32),
             decode_only=all(c.num_tokens == 1 for c in chunks),
+            max_seq_len=max(seq_lens),
         )
         hidden = self.model(input_ids, self._tensor(pos, torch.int64), self.kv_cache, meta)
         if not samplers:
@@ -93,19 +119,70 @@ class ModelRunner:
         batch = self._sampling_batch(samplers, prev, prev_rows)
         return samplers, sample(logits, batch)
 
+    def _execute_graph(self, chunks: list[ScheduledChunk],
+                       prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        """A pure-decode step: one loop over requests (not tokens) fills pinned staging, one
+        copy moves it, the graph replays; nothing here waits for the device."""
+        assert self.graphs is not None
+        g, bs = self.graphs, self.block_size
+        b = len(chunks)
+        n = g.size_for(b)
+        assert n is not None
+        st = self.staging.begin()
+        prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
+        width = max(len(c.request.block_ids) for c in chunks)
+        table = self.staging.table(n, width)
+        any_prev = False
+        samplers: list[Request] = []
+        sample_rows: list[int] = []
+        for i, c in enumerate(chunks):
+            r, p = c.request, c.start
+            tok = r.token_at(p)
+            st[4, i] = -1
+            if tok == PLACEHOLDER:
+                st[4, i] = prev_rows[id(r)]
+                any_prev = True
+                tok = 0
+            st[0, i] = tok
+            st[1, i] = p
+            st[2, i] = r.block_ids[p // bs] * bs + p % bs
+            st[3, i] = p + 1
+            table[i, :len(r.block_ids)] = r.block_ids
+            if c.samples:
+                samplers.append(r)
+                sample_rows.append(i)
+        st[:, b:n] = 0
+        st[2, b:n] = -1  # padding rows write no KV; length 0 makes their attention empty
+        buf = g.buf
+        from_prev = self.staging.upload(n, width, buf.input_ids, buf.positions,
+                                        buf.slot_mapping, buf.seq_lens, buf.block_tables)
+        if any_prev:
+            assert prev is not None
+            fp = from_prev[:b]
+            ids = buf.input_ids[:b]
+            ids.copy_(torch.where(fp >= 0, prev.out.device_token_ids[fp.clamp(min=0)], ids))
+        hidden = g.replay(n)
+        if not samplers:
+            return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+        rows = hidden[:b] if len(sample_rows) == b else \
+            hidden[self._tensor(sample_rows, torch.int64)]
+        logits = self.model.compute_logits(rows)
+        return samplers, sample(logits, self._sampling_batch(samplers, prev, prev_rows))
+
     def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
                         prev_rows: dict[int, int]) -> SamplingBatch:
         ps = [r.params for r in reqs]
-        f32, i64 = torch.float32, torch.int64
+        # two copies, not six: every per-row float in one tensor, every int in another
+        floats = self._tensor([[p.temperature if not p.greedy else 0.0 for p in ps],
+                               [p.top_p for p in ps], [p.min_p for p in ps]], torch.float32)
+        ints = self._tensor([[max(p.top_k, 0) for p in ps], [r.seed for r in reqs],
+                             [r.num_tokens for r in reqs]], torch.int64)
         b = SamplingBatch(
-            temperature=self._tensor([p.temperature if not p.greedy else 0.0 for p in ps], f32),
-            top_k=self._tensor([max(p.top_k, 0) for p in ps], i64),
-            top_p=self._tensor([p.top_p for p in ps], f32),
-            min_p=self._tensor([p.min_p for p in ps], f32),
-            seeds=self._tensor([r.seed for r in reqs], i64),
-            positions=self._tensor([r.num_tokens for r in reqs], i64),
+            temperature=floats[0], top_k=ints[0], top_p=floats[1], min_p=floats[2],
+            seeds=ints[1], positions=ints[2],
             all_greedy=all(p.greedy for p in ps),
             any_top_k=any(p.top_k > 0 for p in ps),
+            max_top_k=max(max(p.top_k, 0) for p in ps),
             any_top_p=any(p.top_p < 1 for p in ps),
             any_min_p=any(p.min_p > 0 for p in ps),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
@@ -140,7 +217,7 @@ class ModelRunner:
         if pending_rows:
             assert prev is not None
             rows = self._tensor(pending_rows, torch.int64)
-            toks = prev.out.token_ids[self._tensor(pending_from, torch.int64)]
+            toks = prev.out.device_token_ids[self._tensor(pending_from, torch.int64)]
             counts.index_put_((rows, toks), torch.ones(len(pending_rows), device=self.device),
                               accumulate=True)
         b.output_counts = counts

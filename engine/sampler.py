@@ -36,14 +36,63 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # [S, V] bool: in prompt or output
     banned: torch.Tensor | None = None  # [S, V] bool: EOS/stop ids while under min_tokens
     max_logprobs: int = -1  # -1: no row wants logprobs
+    max_top_k: int = 0  # the largest top_k of the batch when known on the host (0: unknown)
 
 
-@dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [S] int64, on the device
-    logprobs: torch.Tensor | None = None  # [S] float32: logprob of the sampled token
-    top_ids: torch.Tensor | None = None  # [S, N] int64
-    top_logprobs: torch.Tensor | None = None  # [S, N] float32
+    """A step's sampled ids (and logprobs), made on the device.
+
+    ``device_token_ids`` stays on the device for the next deferred step's inputs. After
+    ``start_host_copy`` the public fields are host copies made asynchronously behind this
+    step's kernels: the first read waits for this step alone, not for a step launched
+    after it, so the host can read step N while step N+1 runs.
+    """
+
+    _FIELDS = ("token_ids", "logprobs", "top_ids", "top_logprobs")
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None = None,
+                 top_ids: torch.Tensor | None = None,
+                 top_logprobs: torch.Tensor | None = None) -> None:
+        self.device_token_ids = token_ids  # [S] int64
+        self._dev: dict[str, torch.Tensor | None] = dict(
+            token_ids=token_ids, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+        self._host: dict[str, torch.Tensor | None] | None = None
+        self._ready: torch.cuda.Event | None = None
+
+    def start_host_copy(self) -> None:
+        """Queues the copies to (pinned) host memory on the current stream (CUDA only)."""
+        if not self.device_token_ids.is_cuda:
+            return
+        self._host = {k: None if t is None else t.to("cpu", non_blocking=True)
+                      for k, t in self._dev.items()}
+        self._ready = torch.cuda.Event()
+        self._ready.record()
+
+    def _get(self, name: str) -> torch.Tensor | None:
+        if self._host is None:
+            return self._dev[name]
+        if self._ready is not None:
+            self._ready.synchronize()  # this step's copies only
+            self._ready = None
+        return self._host[name]
+
+    @property
+    def token_ids(self) -> torch.Tensor:  # [S] int64
+        t = self._get("token_ids")
+        assert t is not None
+        return t
+
+    @property
+    def logprobs(self) -> torch.Tensor | None:  # [S] float32: logprob of the sampled token
+        return self._get("logprobs")
+
+    @property
+    def top_ids(self) -> torch.Tensor | None:  # [S, N] int64
+        return self._get("top_ids")
+
+    @property
+    def top_logprobs(self) -> torch.Tensor | None:  # [S, N] float32
+        return self._get("top_logprobs")
 
 
 def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
@@ -64,6 +113,8 @@ def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     if b.any_min_p:
         keep = probs >= b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = probs * keep
+    if b.any_top_k and not b.any_top_p and 0 < b.max_top_k < probs.shape[-1] // 2:
+        return _top_k_only(probs, b)
     if b.any_top_k or b.any_top_p:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = torch.zeros_like(sorted_p, dtype=torch.bool)
@@ -81,9 +132,17 @@ def _filter(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return probs
 
 
+def _top_k_only(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Top-k alone: a partial top-max_top_k selection instead of sorting the vocabulary."""
+    vals, idx = probs.topk(b.max_top_k, dim=-1)  # [S, K], best first
+    ranks = torch.arange(b.max_top_k, device=probs.device)
+    keep = ranks[None, :] < b.top_k[:, None]  # rows with top_k = 0 are restored below
+    kept = torch.zeros_like(probs).scatter_(-1, idx, vals * keep)
+    return torch.where((b.top_k > 0)[:, None], kept, probs)
+
+
 def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
     """logits: [S, V] float32 -> SamplerOutput (device tensors)."""
-    out = SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
     if b.max_logprobs >= 0:
         # Logprobs describe the model's own distribution, before any sampling transform.
         lp = torch.log_softmax(logits, dim=-1)
@@ -92,7 +151,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         logits = logits.masked_fill(b.banned, float("-inf"))
     greedy_ids = logits.argmax(dim=-1)
     if b.all_greedy:
-        out.token_ids = greedy_ids
+        token_ids = greedy_ids
     else:
         temp = torch.where(b.temperature > 0, b.temperature, 1.0)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
@@ -100,9 +159,10 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token i with probability p_i.
         expo = -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
         drawn = (probs / expo).argmax(dim=-1)
-        out.token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
+        token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
+    logprobs = top_lp = top_ids = None
     if b.max_logprobs >= 0:
-        out.logprobs = lp.gather(-1, out.token_ids[:, None]).squeeze(-1)
+        logprobs = lp.gather(-1, token_ids[:, None]).squeeze(-1)
         if b.max_logprobs > 0:
-            out.top_logprobs, out.top_ids = lp.topk(b.max_logprobs, dim=-1)
-    return out
+            top_lp, top_ids = lp.topk(b.max_logprobs, dim=-1)
+    return SamplerOutput(token_ids, logprobs, top_ids, top_lp)

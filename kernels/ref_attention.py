@@ -66,6 +66,8 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32: context length including this token
     scale: float,
     out: torch.Tensor | None = None,  # [B, Hq, D]
+    *,
+    max_seq_len: int | None = None,  # the Triton launcher's split-K hint; unused here
 ) -> torch.Tensor:
     """Batched: pads every request's context to the longest and masks the tail."""
     if out is None:

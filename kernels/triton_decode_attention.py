@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
     check,
     check_device,
@@ -196,18 +197,26 @@ def decode_attention(
         part_lse = part[bsz * hq * num_splits * d:]
     else:
         part_o = part_lse = out  # unused
-    _decode_kernel[(bsz, hkv, num_splits)](
-        q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
-        q.stride(0), q.stride(1),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        scale * LOG2E, split_len, num_splits,
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BS=bs,
-        BLOCK_N=block_n, SPLIT=split, COMPUTE=compute_dtype(kv_layer),
-        IEEE=kv_layer.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    block_g = max(16, triton.next_power_of_2(g))
+    want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
+                               kv_layer.dtype, q.device, min_block_m=block_g)
+
+    def launch(t: Tiles) -> None:
+        _decode_kernel[(bsz, hkv, num_splits)](
+            q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+            q.stride(0), q.stride(1),
+            kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            scale * LOG2E, split_len, num_splits,
+            G=g, BLOCK_G=block_g, D=d, BS=bs,
+            BLOCK_N=t.block_n, SPLIT=split, COMPUTE=compute_dtype(kv_layer),
+            IEEE=kv_layer.dtype == torch.float32,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    # split_len is a multiple of block_n; shrinking halves block_n, so it still divides it.
+    launch_fitting(("decode", kv_layer.dtype, d, q.device), want, launch, min_block_m=block_g)
     if split:
         _merge_kernel[(bsz, hq)](
             part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,

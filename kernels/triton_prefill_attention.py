@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
     check,
     check_device,
@@ -31,7 +32,8 @@ from kernels.triton_common import (
 
 LOG2E = 1.4426950408889634
 
-# Tuned on an H200 (bench/kernels_bench.py); the launcher's keyword arguments override them.
+# Tuned on an H200 for bf16 (bench/kernels_bench.py); the launcher's keyword arguments
+# override them, and tile_fit shrinks them where a dtype or head dim would not fit.
 BLOCK_M = 256
 BLOCK_N = 64
 NUM_WARPS = 8
@@ -171,17 +173,23 @@ def prefill_attention(
     check_device(q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out)
     if bsz == 0 or num_tokens == 0:
         return out
-    check(num_tokens // block_m + bsz < 65536, "too many query tiles for grid dim 1")
-    grid = (hq, num_tokens // block_m + bsz)
-    _prefill_kernel[grid](
-        q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out,
-        q.stride(0), q.stride(1),
-        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        scale * LOG2E, bsz, bsz.bit_length(),
-        G=hq // hkv, D=d, BS=bs, BLOCK_M=block_m, BLOCK_N=block_n,
-        COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    want = fit_attention_tiles(Tiles(block_m, block_n, num_stages, num_warps), d,
+                               kv_layer.dtype, q.device)
+
+    def launch(t: Tiles) -> None:
+        check(num_tokens // t.block_m + bsz < 65536, "too many query tiles for grid dim 1")
+        grid = (hq, num_tokens // t.block_m + bsz)
+        _prefill_kernel[grid](
+            q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out,
+            q.stride(0), q.stride(1),
+            kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            scale * LOG2E, bsz, bsz.bit_length(),
+            G=hq // hkv, D=d, BS=bs, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+
+    launch_fitting(("prefill", kv_layer.dtype, d, q.device), want, launch)
     return out

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KernelSet, PagedAttention
@@ -57,15 +56,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
+        self.k = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.k.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +73,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, kernels)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_layer: torch.Tensor,
@@ -89,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int) -> None:
         super().__init__()
         self.cfg = cfg
+        self.kernels = kernels
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)

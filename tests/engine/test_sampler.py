@@ -68,3 +68,21 @@ def test_banned_tokens_and_logprobs():
     assert torch.allclose(out.logprobs, ref[:, 4])
     assert out.top_ids.tolist() == [[3, 4]]  # alternatives from the unmodified distribution
     assert torch.allclose(out.top_logprobs, ref[:, [3, 4]])
+
+
+def test_top_k_alone_selects_without_a_full_sort_and_matches_the_sort_path():
+    from engine.sampler import SamplingBatch, _filter
+
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(4, 1000, generator=gen) * 3, dim=-1)  # no ties
+    top_k = torch.tensor([5, 0, 1, 40])
+
+    def batch(max_top_k: int) -> SamplingBatch:
+        z = torch.zeros(4)
+        return SamplingBatch(temperature=z + 1, top_k=top_k, top_p=z + 1, min_p=z,
+                             seeds=top_k, positions=top_k, all_greedy=False, any_top_k=True,
+                             any_top_p=False, any_min_p=False, max_top_k=max_top_k)
+
+    fast, slow = _filter(probs, batch(40)), _filter(probs, batch(0))  # 0: the sort path
+    torch.testing.assert_close(fast, slow)
+    assert [(r > 0).sum().item() for r in fast] == [5, 1000, 1, 40]

@@ -150,3 +150,20 @@ def test_decode_rejects_bad_shapes(device):
     lens = torch.ones(2, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="multiple"):
         decode_attention(q, kv, table, lens, 1.0)
+
+
+def test_decode_split_k_sized_from_real_lengths(gen, device, close):
+    # A block table far wider than the contexts: the max_seq_len hint sizes the splits
+    # from the real lengths (fewer, fuller splits) and the result is unchanged.
+    from kernels.triton_decode_attention import choose_num_splits, decode_attention
+
+    lens = [40, 64, 17]
+    kv, table = paged_kv(lens, 16, 1, 64, torch.float32, gen, device)
+    table = torch.cat([table, table.new_zeros(len(lens), 60)], dim=1)  # capacity ~1.1k
+    q = _rand((len(lens), 2, 64), torch.float32, gen, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = decode_attention_ref(q, kv, table, seq_lens, 0.125)
+    assert choose_num_splits(3, 1, 64, device) < choose_num_splits(3, 1, table.shape[1] * 16,
+                                                                     device)
+    out = decode_attention(q, kv, table, seq_lens, 0.125, max_seq_len=max(lens), block_n=16)
+    close(out, ref, torch.float32)
