@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 from deploy.cluster import ROLE_NAMES, ClusterSpec, ClusterStartError, LocalCluster
+from deploy.cluster_config import apply_config, load_cluster_config
 from deploy.launch_checks import check_devices, check_host, check_model, check_port
 from deploy.supervisor import RouterExited, Supervisor
 from transfer.types import BACKENDS
@@ -44,12 +45,18 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--log-dir", default=None, help="write each process's output there")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32")
-    p.set_defaults(func=run_launch)
+    p.add_argument("--config", default=None,
+                   help="a cluster.yaml (model, workers, devices, ports, engine flags, "
+                        "policies); flags given on the command line win")
+    p.set_defaults(func=run_launch, launch_defaults={
+        a.dest: a.default for a in p._actions if a.dest != "help"})
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     """The cluster the flags describe, checked before anything starts (ValueError names the
     flag)."""
+    if args.config:
+        apply_config(args, args.launch_defaults, load_cluster_config(args.config))
     devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
     check_devices(devices)
     if args.threads < 0:
