@@ -107,6 +107,50 @@ def check_port(name: str, address: str, timeout: float = 3.0) -> Check:
         return Check(name, FAIL, f"{address} unreachable ({e})")
 
 
+def check_fingerprints(workers: list[tuple[str, str, str]]) -> Check:
+    """(worker id, role, KV fingerprint) of every producer and consumer: one layout only,
+    or KV pushed between them would be read as garbage."""
+    pd = [(w, r, f) for w, r, f in workers if r in ("producer", "consumer")]
+    if not pd:
+        return Check("kv fingerprints", WARN, "no producer or consumer reports one")
+    prints = {f for _, _, f in pd}
+    if len(prints) > 1:
+        groups = ", ".join(f"{f or '(none)'}: {' '.join(w for w, _, g in pd if g == f)}"
+                           for f in sorted(prints))
+        return Check("kv fingerprints", FAIL, f"{len(prints)} KV layouts: {groups}")
+    return Check("kv fingerprints", PASS, f"{prints.pop()} on {len(pd)} worker(s)")
+
+
+def check_clock(remote_date: str, now: float, warn_s: float = 1.5,
+                fail_s: float = 30.0) -> Check:
+    """The router's HTTP Date header against this node's clock (1 s resolution)."""
+    from email.utils import parsedate_to_datetime
+
+    skew = parsedate_to_datetime(remote_date).timestamp() - now
+    status = FAIL if abs(skew) > fail_s else WARN if abs(skew) > warn_s else PASS
+    return Check("clock skew", status, f"{skew:+.1f} s against the router")
+
+
+def clock_checks(http: str, timeout: float = 5.0) -> list[Check]:
+    import time
+    import urllib.request
+
+    try:
+        t0 = time.time()
+        with urllib.request.urlopen(f"{http.rstrip('/')}/health", timeout=timeout) as r:
+            date = r.headers.get("Date", "")
+        now = (t0 + time.time()) / 2
+    except OSError as e:
+        code = getattr(e, "code", None)
+        if code is None:
+            return [Check("router HTTP", FAIL, f"{http}: {e}")]
+        date = e.headers.get("Date", "")  # type: ignore[attr-defined]
+        now = time.time()
+    if not date:
+        return [Check("clock skew", WARN, f"{http} sent no Date header")]
+    return [check_clock(date, now)]
+
+
 def node_checks() -> list[Check]:
     return [*check_packages(), *check_cuda(), *check_ucx(), check_thp()]
 
@@ -132,6 +176,13 @@ def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0) -> list
         out.append(Check("roles", FAIL, f"healthy roles {sorted(roles)}: cannot serve"))
     else:
         out.append(Check("roles", PASS, ", ".join(sorted(roles))))
+    if "kv_fingerprint" in router_pb2.WorkerStatus.DESCRIPTOR.fields_by_name:
+        out.append(check_fingerprints([(w.worker_id, ROLE_NAMES.get(w.role, "?"),
+                                        getattr(w, "kv_fingerprint"))  # noqa: B009 - absent from older stubs
+                                       for w in status.workers]))
+    else:  # until the router reports them (router.proto WorkerStatus.kv_fingerprint)
+        out.append(Check("kv fingerprints", WARN, "this router does not report them; it "
+                                                  "refuses a mismatched worker at Register"))
     for w in status.workers:
         name = f"{ROLE_NAMES.get(w.role, '?')} {w.worker_id}"
         if not w.healthy:

@@ -15,11 +15,14 @@ from deploy.doctor import (
     FAIL,
     PASS,
     WARN,
+    check_clock,
     check_cuda,
+    check_fingerprints,
     check_packages,
     check_port,
     check_thp,
     check_ucx,
+    clock_checks,
     cluster_checks,
     exit_code,
     render,
@@ -76,11 +79,16 @@ def test_router_down_fails_with_exit_1(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_a_running_cluster_passes() -> None:
-    with LocalCluster(ClusterSpec(producers=1, consumers=1, threads=1,
+    with LocalCluster(ClusterSpec(producers=1, consumers=1, threads=1, http_port=0,
                                   worker_args=("--kv-cache-mib", "64"))) as c:
         checks = cluster_checks(c.router_address)
         by = {k.name: k for k in checks}
-        assert all(k.status == PASS for k in checks), render(checks)
+        # fingerprints: PASS once the router reports them, WARN (saying so) until then
+        assert all(k.status == PASS for k in checks if k.name != "kv fingerprints"), \
+            render(checks)
+        assert by["kv fingerprints"].status in (PASS, WARN)
+        clock = clock_checks(f"http://127.0.0.1:{c.http_port}")
+        assert [k.status for k in clock] == [PASS], render(clock)
         assert by["roles"].detail == "consumer, producer"
         assert by["producer producer-0 gRPC port"].status == PASS
         assert by["consumer consumer-0 gRPC port"].status == PASS
@@ -92,3 +100,22 @@ def test_a_running_cluster_passes() -> None:
         assert exit_code(after) == 1, render(after)
         assert {k.name for k in failed} <= {"roles", "consumer consumer-0",
                                              "consumer consumer-0 gRPC port"}, render(after)
+
+
+def test_fingerprints_match_and_a_mismatch_fails() -> None:
+    ok = check_fingerprints([("p0", "producer", "c8ea"), ("c0", "consumer", "c8ea"),
+                             ("x0", "colocated", "other")])
+    assert ok.status == PASS and ok.detail == "c8ea on 2 worker(s)"
+    bad = check_fingerprints([("p0", "producer", "c8ea"), ("c0", "consumer", "d00d"),
+                              ("c1", "consumer", "c8ea")])
+    assert bad.status == FAIL and bad.detail == "2 KV layouts: c8ea: p0 c1, d00d: c0"
+    assert check_fingerprints([("x0", "colocated", "a")]).status == WARN
+
+
+def test_clock_skew() -> None:
+    date = "Mon, 30 Nov 2026 19:00:00 GMT"
+    t = 1796065200.0  # that moment
+    assert check_clock(date, t).status == PASS
+    assert check_clock(date, t - 5).status == WARN
+    bad = check_clock(date, t + 120)
+    assert bad.status == FAIL and bad.detail == "-120.0 s against the router"
