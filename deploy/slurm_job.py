@@ -18,6 +18,7 @@ from typing import Any
 
 from deploy.cluster import ROLE_NAMES, free_port
 from deploy.cluster_config import load_cluster_config
+from deploy.launch_checks import check_model, check_port
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,15 @@ def plan(env: dict[str, str], nodes: list[str], addrs: dict[str, str],
     devices = [d for d in cfg.get("devices", "").split(",") if d] or \
         ([f"cuda:{k}" for k in range(gpus)] if gpus else [])
     model = env.get("PDSERVE_MODEL") or cfg.get("model") or "smollm2"
+    check_model(model if model != "smollm2" else None)
     host = addrs[nodes[0]]
-    grpc = _int_env(env, "PDSERVE_GRPC_PORT", cfg.get("grpc_port", 0)) or free_port()
-    http = _int_env(env, "PDSERVE_HTTP_PORT", cfg.get("http_port", 0)) or free_port()
+    # this driver runs on the router's node: its ports can be checked here, before srun
+    ports = []
+    for var, key in (("PDSERVE_GRPC_PORT", "grpc_port"), ("PDSERVE_HTTP_PORT", "http_port")):
+        port = _int_env(env, var, cfg.get(key, 0))
+        check_port(var, "0.0.0.0", port)
+        ports.append(port or free_port())
+    grpc, http = ports
     backend = env.get("PDSERVE_TRANSFER_BACKEND") or cfg.get("transfer_backend", "ucx")
     worker_args = [*cfg.get("worker_arg", []), *shlex.split(env.get("PDSERVE_WORKER_ARGS", ""))]
     base = (python, "-m", "deploy.cli")

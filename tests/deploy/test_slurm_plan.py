@@ -48,3 +48,10 @@ def test_too_few_nodes_and_bad_numbers_name_the_variable() -> None:
         plan({"PDSERVE_PRODUCER_NODES": "2", "PDSERVE_CONSUMER_NODES": "2"}, NODES, ADDRS, "py")
     with pytest.raises(ValueError, match="PDSERVE_WORKERS_PER_NODE: expected an integer"):
         plan({"PDSERVE_WORKERS_PER_NODE": "two"}, NODES, ADDRS, "py")
+
+
+def test_bad_model_and_port_are_refused_before_any_step() -> None:
+    with pytest.raises(ValueError, match="model: '/nonexistent'"):
+        plan({"PDSERVE_MODEL": "/nonexistent"}, NODES, ADDRS, "py")
+    with pytest.raises(ValueError, match="PDSERVE_GRPC_PORT: 99999 is not a port"):
+        plan({"PDSERVE_GRPC_PORT": "99999"}, NODES, ADDRS, "py")
