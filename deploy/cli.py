@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from deploy.bench_cmd import add_bench_parser
+from deploy.doctor_cmd import add_doctor_parser
 from deploy.generate_cmd import add_generate_parser
 from deploy.launch_cmd import add_launch_parser
 from deploy.router_cmd import add_router_parser
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_launch_parser(sub)
     add_bench_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 

@@ -8,13 +8,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from deploy.launch_checks import assign_devices
+from deploy.proc_output import ProcOutput
 from deploy.procs import processes
+
+
+class ClusterStartError(RuntimeError):
+    """A process of the cluster died (or the cluster stalled) during start-up; the message
+    names the process and its error in one line."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -43,6 +51,7 @@ class ClusterSpec:
     api_key: str = field(default="", repr=False)  # the router's --api-key
     cluster_token: str = field(default="", repr=False)  # router's and workers' --cluster-token
     worker_metrics: bool = True  # give each worker a /metrics port (LocalCluster.metrics_ports)
+    devices: tuple[str, ...] = ()  # cycled over producers, consumers, colocated; (): no --device
 
     def __post_init__(self) -> None:
         for name in ("producers", "consumers", "colocated"):
@@ -56,9 +65,17 @@ class ClusterSpec:
 
 
 class LocalCluster:
-    def __init__(self, spec: ClusterSpec, log_dir: str | None = None) -> None:
+    def __init__(self, spec: ClusterSpec, log_dir: str | None = None,
+                 quiet_start: bool = False) -> None:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.cmds: dict[str, list[str]] = {}  # how each process was started (for restarts)
+        self.outputs: dict[str, ProcOutput] = {}
+        # Children's output reaches the terminal (without a log dir) once this is set:
+        # with quiet_start, only after start-up succeeded.
+        self.echo = threading.Event()
+        if not quiet_start:
+            self.echo.set()
         self.grpc_port = spec.grpc_port or free_port(spec.host)
         self.http_port = spec.http_port if spec.http_port != 0 else free_port(spec.host)
         self.router_address = f"{spec.host}:{self.grpc_port}"
@@ -70,18 +87,47 @@ class LocalCluster:
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         env = {**os.environ, **self.spec.env}
+        # UCX warns about every UCX_* variable a transport it did not load would have read.
+        env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         env.pop("PDSERVE_API_KEY", None)
         env.pop("PDSERVE_CLUSTER_TOKEN", None)
         if self.spec.cluster_token:
             env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
         if self.spec.api_key and name == "router":
             env["PDSERVE_API_KEY"] = self.spec.api_key
-        out = None
+        sink = None
         if self.log_dir:
             os.makedirs(self.log_dir, exist_ok=True)
-            out = open(os.path.join(self.log_dir, f"{name}.log"), "wb")  # noqa: SIM115
-        self.procs[name] = subprocess.Popen(cmd, env=env, stdout=out, stderr=out,
-                                            start_new_session=True)
+            sink = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
+        self.cmds[name] = cmd
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        assert proc.stdout is not None
+        self.procs[name] = proc
+        self.outputs[name] = ProcOutput(name, proc.stdout, sink,
+                                        None if sink is not None else self.echo)
+
+    def respawn(self, name: str) -> None:
+        """Starts a process that exited again, with the command it was first started with;
+        what is left of its process group (an engine process) is killed first."""
+        old = self.procs[name]
+        if old.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        try:
+            os.killpg(old.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._spawn(name, self.cmds[name])
+
+    def exit_reason(self, name: str) -> str:
+        """One line: how ``name`` exited and the error it wrote last."""
+        p = self.procs[name]
+        out = self.outputs[name]
+        out.join(2.0)
+        code = p.returncode
+        if code is not None and code < 0:  # its last output line says nothing about a kill
+            return f"{name} exited (killed by signal {-code})"
+        return f"{name} exited (exit {code}): {out.error_line()}"
 
     def start(self, timeout: float = 240.0) -> None:
         s = self.spec
@@ -95,10 +141,13 @@ class LocalCluster:
         threads = s.threads or max(1, (os.cpu_count() or 1) // n)
         common = [*model, "--router", self.router_address, "--host", s.host,
                   "--threads", str(threads), *s.worker_args]
+        devices = assign_devices(s.devices, s.producers, s.consumers, s.colocated)
         for role, count in (("producer", s.producers), ("consumer", s.consumers),
                             ("colocated", s.colocated)):
             for i in range(count):
                 extra = ["--transfer-backend", s.transfer_backend] if role != "colocated" else []
+                if f"{role}-{i}" in devices:
+                    extra += ["--device", devices[f"{role}-{i}"]]
                 if role == "producer":
                     extra += list(s.producer_args)
                 if s.worker_metrics:
@@ -107,6 +156,7 @@ class LocalCluster:
                 self._spawn(f"{role}-{i}", self._cmd(role, *common, *extra,
                                                      "--worker-id", f"{role}-{i}"))
         self.wait_ready(n, timeout)
+        self.echo.set()
 
     def status(self, timeout: float = 2.0) -> router_pb2.ClusterStatusResponse:
         with grpc.insecure_channel(self.router_address) as ch:
@@ -125,8 +175,9 @@ class LocalCluster:
         while True:
             dead = [name for name, p in self.procs.items() if p.poll() is not None]
             if dead:
+                reason = self.exit_reason(dead[0])
                 self.stop()
-                raise RuntimeError(f"cluster process(es) exited during start-up: {dead}")
+                raise ClusterStartError(f"during start-up, {reason}")
             try:
                 if sum(w.healthy for w in self.status().workers) >= n:
                     return
@@ -134,7 +185,7 @@ class LocalCluster:
                 pass
             if time.monotonic() > end:
                 self.stop()
-                raise TimeoutError(f"cluster not ready after {timeout:.0f} s")
+                raise ClusterStartError(f"cluster not ready after {timeout:.0f} s")
             time.sleep(0.3)
 
     def kill(self, name: str, sig: int = signal.SIGKILL, group: bool = True) -> None:

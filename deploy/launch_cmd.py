@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
+import sys
 import threading
 from typing import Any
 
-from deploy.cluster import ROLE_NAMES, ClusterSpec, LocalCluster
+from deploy.cluster import ROLE_NAMES, ClusterSpec, ClusterStartError, LocalCluster
+from deploy.cluster_config import apply_config, load_cluster_config
+from deploy.launch_checks import check_devices, check_host, check_model, check_port
+from deploy.supervisor import RouterExited, Supervisor
 from transfer.types import BACKENDS
 
 
@@ -25,7 +30,8 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
                    help="clients must send it as 'Bearer <key>' (default: $PDSERVE_API_KEY)")
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
-                   help="shared secret of router and workers (default: $PDSERVE_CLUSTER_TOKEN)")
+                   help="shared secret of router and workers (default: $PDSERVE_CLUSTER_TOKEN, "
+                        "else a random one for this cluster)")
     p.add_argument("--policy", default="round_robin",
                    choices=("round_robin", "least_loaded", "power_of_two"))
     p.add_argument("--transfer-backend", default="ucx", choices=BACKENDS,
@@ -33,30 +39,60 @@ def add_launch_parser(sub: Any) -> None:
                         "hosts; ipc: one host only, the consumer maps the producer's pool")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--devices", default="",
+                   help="comma-separated devices (cpu, cuda:0, ...) cycled over producers, "
+                        "then consumers, then colocated workers: each gets --device")
     p.add_argument("--log-dir", default=None, help="write each process's output there")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32")
-    p.set_defaults(func=run_launch)
+    p.add_argument("--config", default=None,
+                   help="a cluster.yaml (model, workers, devices, ports, engine flags, "
+                        "policies); flags given on the command line win")
+    p.set_defaults(func=run_launch, launch_defaults={
+        a.dest: a.default for a in p._actions if a.dest != "help"})
 
 
-def run_launch(args: argparse.Namespace) -> int:
-    spec = ClusterSpec(producers=args.producers, consumers=args.consumers,
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster the flags describe, checked before anything starts (ValueError names the
+    flag)."""
+    if args.config:
+        apply_config(args, args.launch_defaults, load_cluster_config(args.config))
+    devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+    check_devices(devices)
+    if args.threads < 0:
+        raise ValueError(f"threads: must be >= 0, got {args.threads}")
+    check_host(args.host)
+    check_port("grpc-port", args.host, args.grpc_port)
+    check_port("http-port", args.host, args.http_port, allow_off=True)
+    if args.grpc_port and args.grpc_port == args.http_port:
+        raise ValueError(f"http-port: {args.http_port} is also the gRPC port")
+    check_model(args.model)
+    # Its own cluster gets its own secret: workers refuse calls from outside it.
+    token = args.cluster_token or secrets.token_hex(16)
+    return ClusterSpec(producers=args.producers, consumers=args.consumers,
                        colocated=args.colocated, model=args.model, host=args.host,
                        grpc_port=args.grpc_port, http_port=args.http_port, policy=args.policy,
                        transfer_backend=args.transfer_backend, threads=args.threads,
                        worker_args=tuple(args.worker_arg), api_key=args.api_key,
-                       cluster_token=args.cluster_token)
-    cluster = LocalCluster(spec, log_dir=args.log_dir)
+                       cluster_token=token, devices=devices)
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    cluster = LocalCluster(spec, log_dir=args.log_dir, quiet_start=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print("starting the cluster (model loading takes a few seconds)...", flush=True)
     try:
-        cluster.start()
+        try:
+            cluster.start()
+        except ClusterStartError as e:
+            print(f"pdserve: error: {e}", file=sys.stderr, flush=True)
+            return 1
         print(f"router gRPC:  {cluster.router_address}", flush=True)
         if cluster.http_port > 0:
             print(f"router HTTP:  http://{args.host}:{cluster.http_port}/v1", flush=True)
-        if cluster.http_port > 0:
             print(f"router metrics: http://{args.host}:{cluster.http_port}/metrics", flush=True)
         for w in cluster.status().workers:
             mport = cluster.metrics_ports.get(w.worker_id)
@@ -65,10 +101,12 @@ def run_launch(args: argparse.Namespace) -> int:
                   f"KV blocks {w.load.kv_blocks_free}/{w.load.kv_blocks_total}{metrics}",
                   flush=True)
         print("ready; Ctrl-C stops every process", flush=True)
-        while not stop.wait(1.0):
-            dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
-            if dead:
-                print(f"process(es) exited: {dead}; stopping", flush=True)
+        supervisor = Supervisor(cluster, say=lambda m: print(m, flush=True))
+        while not stop.wait(0.5):
+            try:
+                supervisor.poll()
+            except RouterExited as e:
+                print(f"pdserve: error: {e}; stopping", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:

@@ -1,0 +1,57 @@
+"""Where the SLURM driver puts each process (its pure half, without SLURM)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deploy.slurm_job import plan
+
+NODES = ["a1", "a2", "a3", "a4"]
+ADDRS = {"a1": "10.0.0.1", "a2": "10.0.0.2", "a3": "10.0.0.3", "a4": "10.0.0.4"}
+
+
+def _argv(p, flag: str) -> str:  # type: ignore[no-untyped-def]
+    return str(p.cmd[p.cmd.index(flag) + 1])
+
+
+def test_router_first_then_producers_then_consumers_one_worker_per_gpu() -> None:
+    env = {"PDSERVE_PRODUCER_NODES": "1", "PDSERVE_CONSUMER_NODES": "2",
+           "SLURM_GPUS_ON_NODE": "2", "PDSERVE_GRPC_PORT": "7000", "PDSERVE_HTTP_PORT": "7001",
+           "PDSERVE_WORKER_ARGS": "--max-num-seqs 8"}
+    places, ep = plan(env, NODES, ADDRS, "py")
+    assert ep == {"grpc": "10.0.0.1:7000", "http": "http://10.0.0.1:7001"}
+    assert [(p.name, p.node) for p in places] == [
+        ("router", "a1"), ("producer-a2-0", "a2"), ("producer-a2-1", "a2"),
+        ("consumer-a3-0", "a3"), ("consumer-a3-1", "a3"), ("consumer-a4-0", "a4"),
+        ("consumer-a4-1", "a4")]
+    w = places[4]
+    assert w.cmd[:4] == ("py", "-m", "deploy.cli", "consumer")
+    assert _argv(w, "--device") == "cuda:1" and _argv(w, "--host") == "10.0.0.3"
+    assert _argv(w, "--router") == "10.0.0.1:7000" and w.cmd[-2:] == ("--max-num-seqs", "8")
+
+
+def test_cpu_nodes_get_no_device_and_ports_0_pick_free_ones(tmp_path: Path) -> None:
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text("model: smollm2\npolicy: least_loaded\nengine: {kv-cache-mib: 64}\n")
+    places, ep = plan({"PDSERVE_CONFIG": str(cfg)}, NODES[:3], ADDRS, "py")
+    assert len(places) == 3 and all("--device" not in p.cmd for p in places)
+    assert int(ep["grpc"].rsplit(":", 1)[1]) > 0 and _argv(places[0], "--policy") == \
+        "least_loaded"
+    assert "--kv-cache-mib=64" in places[1].cmd
+
+
+def test_too_few_nodes_and_bad_numbers_name_the_variable() -> None:
+    with pytest.raises(ValueError, match="PDSERVE_PRODUCER_NODES/PDSERVE_CONSUMER_NODES: 2 "
+                                         r"\+ 2 nodes and the router's need 5; the job has 4"):
+        plan({"PDSERVE_PRODUCER_NODES": "2", "PDSERVE_CONSUMER_NODES": "2"}, NODES, ADDRS, "py")
+    with pytest.raises(ValueError, match="PDSERVE_WORKERS_PER_NODE: expected an integer"):
+        plan({"PDSERVE_WORKERS_PER_NODE": "two"}, NODES, ADDRS, "py")
+
+
+def test_bad_model_and_port_are_refused_before_any_step() -> None:
+    with pytest.raises(ValueError, match="model: '/nonexistent'"):
+        plan({"PDSERVE_MODEL": "/nonexistent"}, NODES, ADDRS, "py")
+    with pytest.raises(ValueError, match="PDSERVE_GRPC_PORT: 99999 is not a port"):
+        plan({"PDSERVE_GRPC_PORT": "99999"}, NODES, ADDRS, "py")
