@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from deploy.bench_cmd import add_bench_parser
 from deploy.generate_cmd import add_generate_parser
 from deploy.launch_cmd import add_launch_parser
+from deploy.plan_cmd import add_plan_parser
 from deploy.router_cmd import add_router_parser
 from deploy.worker_cmd import add_worker_parsers
 
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_parser(sub)
     add_launch_parser(sub)
     add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -254,6 +254,20 @@ def records(reqs: Sequence[SimRequest]) -> list[RequestRecord]:
     return out
 
 
+def served_ratio(reqs: Sequence[SimRequest]) -> float:
+    """Completions over arrivals in the window from a quarter of the way through the
+    arrivals to the last one: 1 in steady state (the flows out and in match, whatever the
+    latency), the share of the rate the cluster can serve when it is overloaded."""
+    if not reqs:
+        return 1.0
+    first, last = reqs[0].arrival, max(r.arrival for r in reqs)
+    lo = first + (last - first) / 4
+    arrived = sum(lo <= r.arrival <= last for r in reqs)
+    done = sum(1 for r in reqs if len(r.token_times) == r.output_len and r.token_times
+               and lo <= r.token_times[-1] <= last)
+    return done / arrived if arrived else 1.0
+
+
 def simulate(profile: Profile, split: Split, arrivals: Sequence[Arrival],
              limits: EngineLimits | None = None, policy: str = "round_robin",
              slos: dict[str, float] | None = None, seed: int = 0) -> dict[str, Any]:
@@ -264,6 +278,7 @@ def simulate(profile: Profile, split: Split, arrivals: Sequence[Arrival],
     dur = (max(r.end for r in ok) - min(r.start for r in ok)) if ok else 0.0
     m = summarize(recs, PointContext(duration_s=dur, workers=split.workers,
                                      gpus=split.workers), slos)
+    m["served_ratio"] = served_ratio(reqs)
     m["split"] = {"producers": split.producers, "consumers": split.consumers,
                   "colocated": split.colocated}
     return m
