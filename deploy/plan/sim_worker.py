@@ -9,6 +9,7 @@ not named: which block a request holds never changes a step's cost.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,6 +72,8 @@ class SimWorker:
         self.link_free_at = 0.0  # producer: when its outbound transfers are done
         self.preemptions = 0
         self.pending: list[Chunk] = []  # the chunks of the step in flight
+        self.ends: list[float] = []  # end times of the steps in flight (a bundle, see below)
+        self.gen = 0  # bumps when the bundle in flight is cut short (older events are stale)
 
     def load_score(self, kv_weight: float) -> float:
         return self.inflight + kv_weight * (1.0 - self.free / self.total_blocks)
@@ -149,6 +152,74 @@ class SimWorker:
             return dec
         extra = max(0.0, dec - p.decode_ms(decodes, p.decode.context[0]))
         return p.prefill_ms(prefill_tokens + decodes) + extra
+
+    MAX_BUNDLE = 256
+
+    def bundle(self, chunks: list[Chunk], now: float) -> list[float]:
+        """End times of the next steps: one step, or, when the batch is all decodes of every
+        running request and nothing waits, the steps until the first of them finishes, run
+        as one event. Those steps would schedule exactly the same batch (no request joins
+        or leaves, and their blocks are taken now, so none can run out); an arrival or a
+        landing cuts the bundle short after the step in progress (``cut``), so it joins
+        at the same step boundary it would have."""
+        first = self.step_ms(chunks) / 1e3
+        if (self.role == PRODUCER or self.waiting or len(chunks) != len(self.running)
+                or any(c.n != 1 or c.start < c.req.prompt_len for c in chunks)):
+            return [now + first]
+        k = min(self.MAX_BUNDLE, min(c.req.output_len - len(c.req.token_times) for c in chunks))
+        if k > 1 and sum(self._need(c.req, c.start + k) for c in chunks) > self.free:
+            k = 1
+        if k > 1:
+            for c in chunks:
+                need = self._need(c.req, c.start + k)
+                c.req.blocks += need
+                self.free -= need
+        ends = [now + first]
+        if k > 1:
+            # within one context segment of the profile's grid a step's cost is linear in
+            # the context, so the bundle's steps cost an arithmetic series
+            d = len(chunks)
+            ctx = sum(c.start + 1 for c in chunks) / d
+            grid = self.profile.decode.context
+            i = bisect.bisect_right(grid, ctx)
+            if i < len(grid):
+                k = min(k, int(grid[i] - ctx) + 1)
+            if k > 1:
+                slope = (self.profile.decode_ms(d, ctx + k - 1) - first * 1e3) / (k - 1) / 1e3
+                t, step = ends[0], first
+                for _ in range(1, k):
+                    step += slope
+                    t += step
+                    ends.append(t)
+            self.untake(chunks, k)
+        return ends
+
+    def untake(self, chunks: list[Chunk], k: int) -> None:
+        """Gives back blocks taken for more steps than the bundle kept."""
+        for c in chunks:
+            keep = -(-(c.start + k) // self.bs)
+            if c.req.blocks > keep:
+                self.free += c.req.blocks - keep
+                c.req.blocks = keep
+
+    def cut(self, now: float) -> float | None:
+        """Ends the bundle in flight after the step in progress at ``now``; the new end time,
+        or None when there was nothing to cut."""
+        if not self.busy or len(self.ends) < 2:
+            return None
+        j = bisect.bisect_left(self.ends, now)
+        if j >= len(self.ends) - 1:
+            return None
+        self.ends = self.ends[:j + 1]
+        self.gen += 1
+        return self.ends[-1]
+
+    def trim(self, req: SimRequest) -> None:
+        """Gives back blocks taken for bundle steps that a cut left unrun."""
+        keep = -(-req.computed // self.bs)
+        if req.blocks > keep:
+            self.free += req.blocks - keep
+            req.blocks = keep
 
     def release(self, req: SimRequest) -> None:
         self.free += req.blocks

@@ -145,8 +145,10 @@ class Simulation:
             c.inflight += 1
             req.producer, req.consumer = w, c
             c.reservations.append(req)
+            self._interrupt(c)  # blocks a bundle took ahead would be free in the engine
             self._grant(c)
         w.waiting.append(req)
+        self._interrupt(w)
         self._wake(w)
 
     def _grant(self, c: SimWorker) -> None:
@@ -187,6 +189,7 @@ class Simulation:
             return
         req.num_tokens = req.prompt_len + 1
         c.running.append(req)
+        self._interrupt(c)
         self._wake(c)
 
     # -- steps ------------------------------------------------------------------------------
@@ -199,13 +202,28 @@ class Simulation:
             return
         w.busy = True
         w.pending = chunks
-        self._push(self.now + w.step_ms(chunks) / 1e3, _STEP, w)
+        w.ends = w.bundle(chunks, self.now)
+        w.gen += 1
+        self._push(w.ends[-1], _STEP, (w, w.gen))
 
-    def _step_end(self, w: SimWorker) -> None:
+    def _interrupt(self, w: SimWorker) -> None:
+        """New work for ``w``: a bundle of decode steps in flight stops at the next step end."""
+        end = w.cut(self.now)
+        if end is not None:
+            w.untake(w.pending, len(w.ends))
+            self._push(end, _STEP, (w, w.gen))
+
+    def _step_end(self, event: tuple[SimWorker, int]) -> None:
+        w, gen = event
+        if gen != w.gen:
+            return  # a bundle cut short: its step end moved
         chunks = w.pending
         w.busy = False
         now = self.now
-        done = []
+        done: list[SimRequest] = []
+        if len(w.ends) > 1:
+            self._bundle_end(w, done)
+            chunks = []
         for ch in chunks:
             req = ch.req
             req.computed = ch.start + ch.n
@@ -226,6 +244,7 @@ class Simulation:
                     req.num_tokens += 1
         for req in done:
             w.running.remove(req)
+            w.trim(req)
             if w.role == PRODUCER:
                 continue  # its blocks stay until the last push lands
             w.release(req)
@@ -233,6 +252,19 @@ class Simulation:
             if w.role == CONSUMER:
                 self._grant(w)
         self._wake(w)
+
+
+    def _bundle_end(self, w: SimWorker, done: list[SimRequest]) -> None:
+        k = len(w.ends)
+        for ch in w.pending:
+            req = ch.req
+            req.computed = ch.start + k
+            req.token_times.extend(w.ends)
+            if len(req.token_times) >= req.output_len:
+                done.append(req)
+            else:
+                req.num_tokens = req.computed + 1
+                w.trim(req)
 
 
 def records(reqs: Sequence[SimRequest]) -> list[RequestRecord]:

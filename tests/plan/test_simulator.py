@@ -96,3 +96,23 @@ def test_bad_split_and_policy_are_named():
         Split(1, 0, 0)
     with pytest.raises(ValueError, match="--policy"):
         Simulation(make_profile(), Split(0, 0, 1), policy="random")
+
+
+@pytest.mark.parametrize("split", [Split(0, 0, 2), Split(1, 2, 0)])
+def test_bundled_decode_steps_give_the_same_times_as_one_event_per_step(monkeypatch, split):
+    import random
+
+    from deploy.plan.sim_worker import SimWorker
+
+    p = make_profile(kv_tokens=16 * 300)  # tight: reservations queue behind decode blocks
+    rng = random.Random(1)
+    t, arrivals = 0.0, []
+    for _ in range(120):
+        t += rng.expovariate(8.0)
+        arrivals.append(Arrival(t, rng.randint(16, 700), rng.randint(1, 300)))
+    bundled = Simulation(p, split).run(arrivals)
+    monkeypatch.setattr(SimWorker, "MAX_BUNDLE", 1)
+    stepwise = Simulation(p, split).run(arrivals)
+    assert all(len(r.token_times) == r.output_len for r in bundled)
+    for a, b in zip(bundled, stepwise, strict=True):
+        assert a.token_times == pytest.approx(b.token_times, rel=1e-9, abs=1e-9)
