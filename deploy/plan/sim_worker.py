@@ -10,6 +10,7 @@ not named: which block a request holds never changes a step's cost.
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,7 +28,8 @@ class SimRequest:
     num_tokens: int = 0  # positions known: prompt plus tokens generated so far
     computed: int = 0  # positions whose KV is computed on the worker running it now
     blocks: int = 0  # blocks held on the worker running it now
-    token_times: list[float] = field(default_factory=list)
+    # when each output token reached the client (seconds); an array, for 10^7-token runs
+    token_times: array[float] = field(default_factory=lambda: array("d"))
     producer: SimWorker | None = None
     consumer: SimWorker | None = None
     reserved: bool = False  # the consumer holds blocks for its prompt

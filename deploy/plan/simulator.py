@@ -267,17 +267,38 @@ class Simulation:
                 w.trim(req)
 
 
+class SimRecord(RequestRecord):
+    """A bench record whose token arrivals are the simulated request's time array (no
+    per-token tuples: a 64-worker, 10-minute run has tens of millions of tokens)."""
+
+    times: Any = None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.times[0] - self.start if self.times else None
+
+    @property
+    def ttst(self) -> float | None:
+        return self.times[1] - self.start if self.times is not None and len(self.times) > 1 \
+            else None
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.times
+        return [] if t is None else [t[i + 1] - t[i] for i in range(len(t) - 1)]
+
+
 def records(reqs: Sequence[SimRequest]) -> list[RequestRecord]:
-    out = []
+    out: list[RequestRecord] = []
     for r in reqs:
-        rec = RequestRecord(index=r.index, prompt_len=r.prompt_len,
-                            expected_output_len=r.output_len, start=r.arrival)
+        rec = SimRecord(index=r.index, prompt_len=r.prompt_len,
+                        expected_output_len=r.output_len, start=r.arrival)
         if r.error or len(r.token_times) < r.output_len:
             rec.error = r.error or "not finished"
         else:
             rec.success = True
             rec.finish_reason = "length"
-            rec.arrivals = [(t, 1) for t in r.token_times]
+            rec.times = r.token_times
             rec.end = r.token_times[-1]
             rec.output_tokens = r.output_len
             if r.prefilled_at is not None and r.landed_at is not None:

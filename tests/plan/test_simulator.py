@@ -17,13 +17,13 @@ def test_colocated_request_costs_its_prefill_then_one_decode_step_per_token():
     t0 = p.prefill_ms(256) / 1e3
     t1 = t0 + p.decode_ms(1, 257) / 1e3
     t2 = t1 + p.decode_ms(1, 258) / 1e3
-    assert req.token_times == pytest.approx([t0, t1, t2])
+    assert list(req.token_times) == pytest.approx([t0, t1, t2])
 
 
 def test_long_prompt_is_prefilled_in_budget_sized_chunks():
     p = make_profile()
     _, req = _one(p, Split(0, 0, 1), 1024, 1, EngineLimits(max_num_batched_tokens=512))
-    assert req.token_times == pytest.approx([2 * p.prefill_ms(512) / 1e3])
+    assert list(req.token_times) == pytest.approx([2 * p.prefill_ms(512) / 1e3])
 
 
 def test_disaggregated_request_waits_for_its_kv_then_decodes_on_the_consumer():
@@ -115,4 +115,20 @@ def test_bundled_decode_steps_give_the_same_times_as_one_event_per_step(monkeypa
     stepwise = Simulation(p, split).run(arrivals)
     assert all(len(r.token_times) == r.output_len for r in bundled)
     for a, b in zip(bundled, stepwise, strict=True):
-        assert a.token_times == pytest.approx(b.token_times, rel=1e-9, abs=1e-9)
+        assert list(a.token_times) == pytest.approx(list(b.token_times), rel=1e-9, abs=1e-9)
+
+
+def test_sim_records_give_what_a_bench_record_of_the_same_arrivals_gives():
+    from deploy.benchmark.record import RequestRecord
+    from deploy.plan.simulator import records
+
+    p = make_profile()
+    reqs = Simulation(p, Split(1, 1, 0)).run([Arrival(0.0, 300, 5), Arrival(0.01, 40, 1)])
+    for req, rec in zip(reqs, records(reqs), strict=True):
+        plain = RequestRecord(index=req.index, prompt_len=req.prompt_len,
+                              expected_output_len=req.output_len, success=True,
+                              finish_reason="length", start=req.arrival,
+                              end=req.token_times[-1],
+                              arrivals=[(t, 1) for t in req.token_times],
+                              output_tokens=req.output_len, kv_transfer_ms=rec.kv_transfer_ms)
+        assert rec.to_json() == plain.to_json()
