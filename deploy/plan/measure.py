@@ -21,7 +21,7 @@ from engine.llm import build_engine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
-TOKEN_ID = 1000  # any ordinary id: the cost of a step does not depend on which
+TOKEN_ID = 1000  # any ordinary id (below the vocabulary size): the cost does not depend on it
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,16 @@ def _timed_step(engine: LLMEngine) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _token(engine: LLMEngine) -> int:
+    return min(TOKEN_ID, engine.model_cfg.vocab_size - 1)
+
+
 def _prefill_ms(engine: LLMEngine, tokens: int, reps: int, rid: Callable[[], str]) -> float:
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     times = []
     for i in range(reps + 1):  # the first run warms this shape up
         r = rid()
-        engine.add_request(r, [TOKEN_ID] * tokens, params)
+        engine.add_request(r, [_token(engine)] * tokens, params)
         times.append(_timed_step(engine))
         while engine.has_unfinished():
             engine.step()
@@ -57,7 +61,7 @@ def _decode_ms(engine: LLMEngine, batch: int, context: int, reps: int,
     params = SamplingParams(max_tokens=reps + 4, ignore_eos=True, temperature=0.0)
     ids = [rid() for _ in range(batch)]
     for r in ids:
-        engine.add_request(r, [TOKEN_ID] * context, params)
+        engine.add_request(r, [_token(engine)] * context, params)
     # prefill every request, then one step more so the batch is decode-only
     while any(engine.requests[r].num_computed_tokens < context for r in ids):
         engine.step()
