@@ -83,7 +83,7 @@ def candidate(split: Split, m: dict[str, Any], rate: float, slos: Slos) -> dict[
             "ttft_p50_ms": _p(m, "ttft_ms", "p50"), "ttft_p90_ms": _p(m, "ttft_ms", "p90"),
             "tpot_p50_ms": _p(m, "tpot_ms", "p50"), "tpot_p90_ms": _p(m, "tpot_ms", "p90"),
             "output_tps_per_gpu": round(m["output_throughput_per_gpu"] or 0.0, 3),
-            "failed": m["failed"]}
+            "completed": m["completed"], "failed": m["failed"]}
 
 
 def rank_key(c: dict[str, Any]) -> tuple[Any, ...]:

@@ -95,3 +95,20 @@ def test_cli_bad_input_names_the_flag(tmp_path, capsys, argv, flag):
     make_profile().save(str(path))
     assert main(["plan", "--profile", str(path), *argv]) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_cli_takes_lengths_from_a_sharegpt_dataset(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    make_profile().save(str(path))
+    data = [{"conversations": [{"from": "human", "value": f"Tell me about the number {i}. " * 3},
+                               {"from": "gpt", "value": "It is a number. " * (2 + i)}]}
+            for i in range(12)]
+    ds = tmp_path / "sharegpt.json"
+    ds.write_text(json.dumps(data))
+    rc = main(["plan", "--profile", str(path), "--gpus", "1", "--dataset", str(ds),
+               "--rate", "1", "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100",
+               "--num-prompts", "8", "--json"])
+    assert rc == 0, capsys.readouterr().err
+    out = json.loads(capsys.readouterr().out)
+    assert out["best"]["split"] == "1C" and out["best"]["failed"] == 0
+    assert out["best"]["completed"] == 8
