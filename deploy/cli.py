@@ -10,6 +10,7 @@ from deploy.bench_cmd import add_bench_parser
 from deploy.doctor_cmd import add_doctor_parser
 from deploy.generate_cmd import add_generate_parser
 from deploy.launch_cmd import add_launch_parser
+from deploy.plan_cmd import add_plan_parser
 from deploy.router_cmd import add_router_parser
 from deploy.worker_cmd import add_worker_parsers
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_launch_parser(sub)
     add_bench_parser(sub)
     add_doctor_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""The worker profile: what one worker costs on its device, as ``pdserve plan`` reads it.
+
+File format, version 1 (JSON)::
+
+    {"version": 1, "model": str, "device": str, "block_size": int,
+     "prefill": {"tokens": [int...], "ms": [float...]},
+     "decode": {"batch": [int...], "context": [int...], "ms": [[float per context] per batch]},
+     "kv_capacity_tokens": int, "kv_bytes_per_token": int, "transfer_GBps": float}
+
+``prefill.ms[i]`` is one engine step that computes ``prefill.tokens[i]`` prompt tokens;
+``decode.ms[b][c]`` is one decode step of ``decode.batch[b]`` sequences whose context is
+``decode.context[c]`` tokens each. Grids are strictly increasing.
+
+Interpolation is linear between grid points (bilinear for decode). Outside the grid the
+value is clamped below the first point (a step never costs less than the smallest one
+measured: fixed per-step overhead dominates there) and extrapolated linearly past the last
+point (compute grows with tokens; the last two points give the slope, never negative).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file that does not follow the format; the message names the key."""
+
+
+def _interp(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = bisect.bisect_right(xs, x)
+    if i >= len(xs):  # past the last point: the last segment's slope, not below flat
+        i = len(xs) - 1
+        slope = max(0.0, (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1]))
+        return ys[i] + slope * (x - xs[i])
+    x0, x1 = xs[i - 1], xs[i]
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True)
+class PrefillCurve:
+    tokens: tuple[int, ...]
+    ms: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DecodeGrid:
+    batch: tuple[int, ...]
+    context: tuple[int, ...]
+    ms: tuple[tuple[float, ...], ...]  # [batch index][context index]
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    device: str
+    block_size: int
+    prefill: PrefillCurve
+    decode: DecodeGrid
+    kv_capacity_tokens: int
+    kv_bytes_per_token: int
+    transfer_GBps: float
+    version: int = VERSION
+
+    # -- interpolation ------------------------------------------------------------------
+
+    def prefill_ms(self, tokens: float) -> float:
+        """One step computing ``tokens`` prompt tokens."""
+        return _interp(self.prefill.tokens, self.prefill.ms, tokens)
+
+    def decode_ms(self, batch: float, context: float) -> float:
+        """One decode step of ``batch`` sequences of ``context`` tokens each."""
+        d = self.decode
+        per_batch = tuple(_interp(d.context, row, context) for row in d.ms)
+        return _interp(d.batch, per_batch, batch)
+
+    def transfer_ms(self, tokens: int) -> float:
+        """Moving the KV of ``tokens`` tokens between two workers."""
+        return tokens * self.kv_bytes_per_token / (self.transfer_GBps * 1e9) * 1e3
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        return self.kv_capacity_tokens // self.block_size
+
+    # -- the file -----------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefill"] = {"tokens": list(self.prefill.tokens), "ms": list(self.prefill.ms)}
+        d["decode"] = {"batch": list(self.decode.batch), "context": list(self.decode.context),
+                       "ms": [list(r) for r in self.decode.ms]}
+        return {"version": self.version, **{k: v for k, v in d.items() if k != "version"}}
+
+    def save(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @staticmethod
+    def load(path: str) -> Profile:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ProfileError(f"--profile: cannot read {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ProfileError(f"--profile: {path} is not JSON: {e}") from None
+        return Profile.from_json(data)
+
+    @staticmethod
+    def from_json(data: Any) -> Profile:
+        if not isinstance(data, dict):
+            raise ProfileError("profile: expected a JSON object")
+        version = _field(data, "version", int)
+        if version != VERSION:
+            raise ProfileError(f"profile: version: this pdserve reads version {VERSION}, "
+                               f"got {version}")
+        pre = _field(data, "prefill", dict)
+        dec = _field(data, "decode", dict)
+        tokens = _grid(pre, "prefill.tokens", "tokens")
+        pms = _floats(_field(pre, "ms", list, "prefill.ms"), "prefill.ms", len(tokens))
+        batch = _grid(dec, "decode.batch", "batch")
+        context = _grid(dec, "decode.context", "context")
+        rows = _field(dec, "ms", list, "decode.ms")
+        if len(rows) != len(batch):
+            raise ProfileError(f"profile: decode.ms: expected {len(batch)} rows (one per "
+                               f"batch), got {len(rows)}")
+        dms = tuple(_floats(r, f"decode.ms[{i}]", len(context)) if isinstance(r, list)
+                    else _bad(f"decode.ms[{i}]", "a list of numbers", r)
+                    for i, r in enumerate(rows))
+        p = Profile(model=_field(data, "model", str), device=_field(data, "device", str),
+                    block_size=_field(data, "block_size", int),
+                    prefill=PrefillCurve(tokens, pms), decode=DecodeGrid(batch, context, dms),
+                    kv_capacity_tokens=_field(data, "kv_capacity_tokens", int),
+                    kv_bytes_per_token=_field(data, "kv_bytes_per_token", int),
+                    transfer_GBps=float(_field(data, "transfer_GBps", (int, float))))
+        for key in ("block_size", "kv_capacity_tokens", "kv_bytes_per_token", "transfer_GBps"):
+            if getattr(p, key) <= 0:
+                raise ProfileError(f"profile: {key}: must be > 0, got {getattr(p, key)}")
+        if p.kv_capacity_tokens < p.block_size:
+            raise ProfileError("profile: kv_capacity_tokens: smaller than one block")
+        return p
+
+
+def _bad(key: str, what: str, value: Any) -> Any:
+    raise ProfileError(f"profile: {key}: expected {what}, got {value!r}")
+
+
+def _field(d: dict[str, Any], name: str, typ: Any, key: str | None = None) -> Any:
+    key = key or name
+    if name not in d:
+        raise ProfileError(f"profile: {key}: missing")
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, typ):
+        names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+        _bad(key, names, v)
+    return v
+
+
+def _grid(d: dict[str, Any], key: str, name: str) -> tuple[int, ...]:
+    v = _field(d, name, list, key)
+    if not v or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+        _bad(key, "a non-empty list of positive integers", v)
+    if any(b <= a for a, b in zip(v, v[1:], strict=False)):
+        _bad(key, "strictly increasing values", v)
+    return tuple(v)
+
+
+def _floats(v: list[Any], key: str, n: int) -> tuple[float, ...]:
+    if len(v) != n:
+        raise ProfileError(f"profile: {key}: expected {n} values (one per grid point), "
+                           f"got {len(v)}")
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in v):
+        _bad(key, "positive numbers (milliseconds)", v)
+    return tuple(float(x) for x in v)

@@ -1,0 +1,228 @@
+"""One simulated worker: the engine's scheduling rules on counters instead of tensors.
+
+``schedule`` follows ``engine/scheduler.py`` step for step: running requests first in
+arrival order under the token budget, the newest running request preempted (blocks freed,
+KV recomputed later) when blocks run out, then waiting requests admitted while budget,
+seats (``max_num_seqs``) and blocks last, none in a step that preempted. Blocks are counted,
+not named: which block a request holds never changes a step's cost.
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+from deploy.plan.profile import Profile
+
+COLOCATED, PRODUCER, CONSUMER = "colocated", "producer", "consumer"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    index: int
+    prompt_len: int
+    output_len: int
+    arrival: float  # seconds
+    num_tokens: int = 0  # positions known: prompt plus tokens generated so far
+    computed: int = 0  # positions whose KV is computed on the worker running it now
+    blocks: int = 0  # blocks held on the worker running it now
+    # when each output token reached the client (seconds); an array, for 10^7-token runs
+    token_times: array[float] = field(default_factory=lambda: array("d"))
+    producer: SimWorker | None = None
+    consumer: SimWorker | None = None
+    reserved: bool = False  # the consumer holds blocks for its prompt
+    pushed: int = 0  # prompt tokens whose KV the producer has pushed
+    prefilled_at: float | None = None  # the producer sampled token 0
+    landed_at: float | None = None  # the last block reached the consumer
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        self.num_tokens = self.prompt_len
+
+
+@dataclass(eq=False)
+class Chunk:
+    req: SimRequest
+    start: int
+    n: int
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+
+class SimWorker:
+    def __init__(self, wid: int, role: str, profile: Profile, limits: EngineLimits) -> None:
+        self.wid = wid
+        self.role = role
+        self.profile = profile
+        self.bs = profile.block_size
+        self.total_blocks = profile.kv_capacity_blocks
+        self.free = self.total_blocks
+        self.max_seqs = limits.max_num_seqs
+        self.budget = limits.max_num_batched_tokens
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.reservations: deque[SimRequest] = deque()  # consumer: waiting for blocks
+        self.busy = False
+        self.inflight = 0  # requests given to this worker and not done with it (router count)
+        self.dispatched = 0
+        self.link_free_at = 0.0  # producer: when its outbound transfers are done
+        self.preemptions = 0
+        self.pending: list[Chunk] = []  # the chunks of the step in flight
+        self.ends: list[float] = []  # end times of the steps in flight (a bundle, see below)
+        self.gen = 0  # bumps when the bundle in flight is cut short (older events are stale)
+
+    def load_score(self, kv_weight: float) -> float:
+        return self.inflight + kv_weight * (1.0 - self.free / self.total_blocks)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _need(self, req: SimRequest, upto: int) -> int:
+        return max(0, -(-upto // self.bs) - req.blocks)
+
+    def _preempt(self, victim: SimRequest) -> None:
+        self.free += victim.blocks
+        victim.blocks = 0
+        victim.computed = 0
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        budget = self.budget
+        preempted = False
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            n = min(req.num_tokens - req.computed, budget)
+            need = self._need(req, req.computed + n)
+            if need > self.free:
+                while need > self.free:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                    need = self._need(req, req.computed + n)
+                if victim is req:
+                    continue
+            self.free -= need
+            req.blocks += need
+            chunks.append(Chunk(req, req.computed, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and not preempted and len(running) < self.max_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.computed, budget)
+            need = self._need(req, req.computed + n)
+            if need > self.free:
+                break
+            self.waiting.popleft()
+            self.free -= need
+            req.blocks += need
+            running.append(req)
+            chunks.append(Chunk(req, req.computed, n))
+            budget -= n
+        return chunks
+
+    def step_ms(self, chunks: list[Chunk]) -> float:
+        """A step's cost: the prefill curve over all its tokens, plus the decode grid's extra
+        for attending over long contexts (which the prefill curve, measured on fresh
+        prompts, does not see)."""
+        p = self.profile
+        decodes = 0
+        prefill_tokens = 0
+        ctx_sum = 0
+        for c in chunks:
+            if c.n == 1 and c.start >= c.req.prompt_len:
+                decodes += 1
+                ctx_sum += c.start + 1
+            else:
+                prefill_tokens += c.n
+        if decodes == 0:
+            return p.prefill_ms(prefill_tokens)
+        ctx = ctx_sum / decodes
+        dec = p.decode_ms(decodes, ctx)
+        if prefill_tokens == 0:
+            return dec
+        extra = max(0.0, dec - p.decode_ms(decodes, p.decode.context[0]))
+        return p.prefill_ms(prefill_tokens + decodes) + extra
+
+    MAX_BUNDLE = 256
+
+    def bundle(self, chunks: list[Chunk], now: float) -> list[float]:
+        """End times of the next steps: one step, or, when the batch is all decodes of every
+        running request and nothing waits, the steps until the first of them finishes, run
+        as one event. Those steps would schedule exactly the same batch (no request joins
+        or leaves, and their blocks are taken now, so none can run out); an arrival or a
+        landing cuts the bundle short after the step in progress (``cut``), so it joins
+        at the same step boundary it would have."""
+        first = self.step_ms(chunks) / 1e3
+        if (self.role == PRODUCER or self.waiting or len(chunks) != len(self.running)
+                or any(c.n != 1 or c.start < c.req.prompt_len for c in chunks)):
+            return [now + first]
+        k = min(self.MAX_BUNDLE, min(c.req.output_len - len(c.req.token_times) for c in chunks))
+        if k > 1 and sum(self._need(c.req, c.start + k) for c in chunks) > self.free:
+            k = 1
+        if k > 1:
+            for c in chunks:
+                need = self._need(c.req, c.start + k)
+                c.req.blocks += need
+                self.free -= need
+        ends = [now + first]
+        if k > 1:
+            # within one context segment of the profile's grid a step's cost is linear in
+            # the context, so the bundle's steps cost an arithmetic series
+            d = len(chunks)
+            ctx = sum(c.start + 1 for c in chunks) / d
+            grid = self.profile.decode.context
+            i = bisect.bisect_right(grid, ctx)
+            if i < len(grid):
+                k = min(k, int(grid[i] - ctx) + 1)
+            if k > 1:
+                slope = (self.profile.decode_ms(d, ctx + k - 1) - first * 1e3) / (k - 1) / 1e3
+                t, step = ends[0], first
+                for _ in range(1, k):
+                    step += slope
+                    t += step
+                    ends.append(t)
+            self.untake(chunks, k)
+        return ends
+
+    def untake(self, chunks: list[Chunk], k: int) -> None:
+        """Gives back blocks taken for more steps than the bundle kept."""
+        for c in chunks:
+            keep = -(-(c.start + k) // self.bs)
+            if c.req.blocks > keep:
+                self.free += c.req.blocks - keep
+                c.req.blocks = keep
+
+    def cut(self, now: float) -> float | None:
+        """Ends the bundle in flight after the step in progress at ``now``; the new end time,
+        or None when there was nothing to cut."""
+        if not self.busy or len(self.ends) < 2:
+            return None
+        j = bisect.bisect_left(self.ends, now)
+        if j >= len(self.ends) - 1:
+            return None
+        self.ends = self.ends[:j + 1]
+        self.gen += 1
+        return self.ends[-1]
+
+    def trim(self, req: SimRequest) -> None:
+        """Gives back blocks taken for bundle steps that a cut left unrun."""
+        keep = -(-req.computed // self.bs)
+        if req.blocks > keep:
+            self.free += req.blocks - keep
+            req.blocks = keep
+
+    def release(self, req: SimRequest) -> None:
+        self.free += req.blocks
+        req.blocks = 0
