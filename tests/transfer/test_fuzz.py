@@ -150,6 +150,15 @@ def test_fuzzed_frames_leave_the_kv_port_serving(live: Pair) -> None:
     assert pair.rx.stats().rejected_handshakes == 0
 
 
+def _one_block_lands(pair: Pair, rid: str, src: int, dst: int) -> None:
+    """A legitimate one-block transfer completes with exact bytes."""
+    pair.rx.expect(rid, [dst])
+    pair.tx.push(rid, pair.addr, [src], [dst])
+    pair.tx.finish(rid, TransferNotice(rid, 1, False, 16))
+    assert pair.rx.wait(rid, 10).status == TransferStatus.DONE
+    assert torch.equal(pair.dst[dst], pair.src[src])
+
+
 def test_the_c1_byte_that_killed_a_consumer_is_counted() -> None:
     for backend in ("ucx", "ipc"):
         pair = Pair(backend)
@@ -159,11 +168,7 @@ def test_the_c1_byte_that_killed_a_consumer_is_counted() -> None:
             assert wire.decode(raw.recv()[-1], wire.TO_PRODUCER)[0].KIND == wire.Kind.REJECT
             assert pair.rx.stats().malformed_messages == 1
             assert pair.rx.poll() == []
-            pair.rx.expect("a", [3])
-            pair.tx.push("a", pair.addr, [4], [3])
-            pair.tx.finish("a", TransferNotice("a", 1, False, 16))
-            assert pair.rx.wait("a", 10).status == TransferStatus.DONE
-            assert torch.equal(pair.dst[3], pair.src[4])
+            _one_block_lands(pair, "a", 4, 3)
         finally:
             raw.close()
             pair.close()
@@ -247,11 +252,7 @@ def test_data_plane_info_that_would_abort_ucx_is_refused_not_fatal() -> None:
                 raw.close()
         assert pair.rx.stats().rejected_handshakes == len(GARBAGE_PLANES)
         assert pair.rx.accounting().peers == 1
-        pair.rx.expect("after", [12])
-        pair.tx.push("after", pair.addr, [13], [12])
-        pair.tx.finish("after", TransferNotice("after", 1, False, 16))
-        assert pair.rx.wait("after", 10).status == TransferStatus.DONE
-        assert torch.equal(pair.dst[12], pair.src[13])
+        _one_block_lands(pair, "after", 13, 12)
     finally:
         pair.close()
 
