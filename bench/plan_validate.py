@@ -70,7 +70,7 @@ def main() -> None:
     prof_path = a.profile or os.path.join(a.out_dir, "profile.json")
     if not a.profile:
         _run([*PDSERVE, "plan", "profile", "--threads", "1", "--out", prof_path,
-              "--prefill-tokens", "16,64,128,256,384,512", "--decode-batch", "1,2,4,8",
+              "--prefill-tokens", "16,64,128,256,384,512", "--decode-batch", "1,2,4",
               "--decode-context", "32,128,512"])
     profile = Profile.load(prof_path)
     rows: list[dict[str, Any]] = []

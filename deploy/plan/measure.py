@@ -58,7 +58,9 @@ def _prefill_ms(engine: LLMEngine, tokens: int, reps: int, rid: Callable[[], str
 
 def _decode_ms(engine: LLMEngine, batch: int, context: int, reps: int,
                rid: Callable[[], str]) -> float:
-    params = SamplingParams(max_tokens=reps + 4, ignore_eos=True, temperature=0.0)
+    # Enough tokens that none finishes (and leaves the batch) while the others still prefill.
+    params = SamplingParams(max_tokens=engine.max_model_len - context, ignore_eos=True,
+                            temperature=0.0)
     ids = [rid() for _ in range(batch)]
     for r in ids:
         engine.add_request(r, [_token(engine)] * context, params)
