@@ -16,7 +16,7 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from deploy.launch_checks import assign_devices
-from deploy.proc_output import ProcOutput
+from deploy.proc_output import ProcOutput, error_line
 from deploy.procs import processes
 
 
@@ -70,7 +70,8 @@ class LocalCluster:
         self.spec = spec
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.cmds: dict[str, list[str]] = {}  # how each process was started (for restarts)
-        self.outputs: dict[str, ProcOutput] = {}
+        self.outputs: dict[str, ProcOutput] = {}  # without a log dir: piped output
+        self.log_paths: dict[str, str] = {}  # with one: each process's log file
         # Children's output reaches the terminal (without a log dir) once this is set:
         # with quiet_start, only after start-up succeeded.
         self.echo = threading.Event()
@@ -95,17 +96,22 @@ class LocalCluster:
             env["PDSERVE_CLUSTER_TOKEN"] = self.spec.cluster_token
         if self.spec.api_key and name == "router":
             env["PDSERVE_API_KEY"] = self.spec.api_key
-        sink = None
-        if self.log_dir:
-            os.makedirs(self.log_dir, exist_ok=True)
-            sink = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
         self.cmds[name] = cmd
+        if self.log_dir:
+            # straight to the file: no reader in this process paces the child's output
+            os.makedirs(self.log_dir, exist_ok=True)
+            path = os.path.join(self.log_dir, f"{name}.log")
+            with open(path, "ab") as log:
+                self.procs[name] = subprocess.Popen(cmd, env=env, stdout=log,
+                                                    stderr=subprocess.STDOUT,
+                                                    start_new_session=True)
+            self.log_paths[name] = path
+            return
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         assert proc.stdout is not None
         self.procs[name] = proc
-        self.outputs[name] = ProcOutput(name, proc.stdout, sink,
-                                        None if sink is not None else self.echo)
+        self.outputs[name] = ProcOutput(name, proc.stdout, None, self.echo)
 
     def respawn(self, name: str) -> None:
         """Starts a process that exited again, with the command it was first started with;
@@ -121,13 +127,21 @@ class LocalCluster:
 
     def exit_reason(self, name: str) -> str:
         """One line: how ``name`` exited and the error it wrote last."""
-        p = self.procs[name]
-        out = self.outputs[name]
-        out.join(2.0)
-        code = p.returncode
+        code = self.procs[name].returncode
         if code is not None and code < 0:  # its last output line says nothing about a kill
             return f"{name} exited (killed by signal {-code})"
-        return f"{name} exited (exit {code}): {out.error_line()}"
+        return f"{name} exited (exit {code}): {error_line(self._tail(name))}"
+
+    def _tail(self, name: str) -> list[str]:
+        if name in self.outputs:
+            self.outputs[name].join(2.0)  # what it wrote before it exited
+            return self.outputs[name].tail()
+        try:
+            with open(self.log_paths[name], "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+                return f.read().decode(errors="replace").splitlines()[-60:]
+        except (OSError, KeyError):
+            return []
 
     def start(self, timeout: float = 240.0) -> None:
         s = self.spec
