@@ -2,25 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from engine.outputs import RequestOutput
 from engine.scheduler import QueueFull
-from worker import ipc
+from worker.messages import AbortCmd, Command, DecodeCmd
 from worker.role import RoleHandler, error_event, sampling_from_wire, tokens_event
 
 
 class ColocatedHandler(RoleHandler):
-    def on_command(self, cmd: list[Any]) -> None:
-        kind, rid = cmd[0], cmd[1]
-        if kind == ipc.CMD_DECODE:
+    def on_command(self, cmd: Command) -> None:
+        if isinstance(cmd, DecodeCmd):
             try:
-                self.engine.add_request(rid, list(cmd[2]), sampling_from_wire(cmd[3]))
+                self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
+                                        sampling_from_wire(cmd.sampling))
             except (ValueError, QueueFull) as e:
-                self.emit(error_event(rid, "error", str(e)))
-        elif kind == ipc.CMD_ABORT:
-            if self.engine.abort(rid):
-                self.emit(error_event(rid, "abort", "aborted"))
+                self.emit(error_event(cmd.rid, "error", str(e)))
+        elif isinstance(cmd, AbortCmd):
+            if self.engine.abort(cmd.rid):
+                self.emit(error_event(cmd.rid, "abort", "aborted"))
 
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
         for out in outs:

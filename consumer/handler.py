@@ -15,10 +15,10 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.request import TokenLogprob
+from engine.request import LogprobRow
 from engine.sampling_params import SamplingParams
 from transfer import TransferConfig, TransferStatus, make_receiver
-from worker import ipc
+from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
 
@@ -64,12 +64,12 @@ class ConsumerHandler(RoleHandler):
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "kv_address": self.receiver.address}
 
-    def on_command(self, cmd: list[Any]) -> None:
-        kind, rid = cmd[0], cmd[1]
-        if kind == ipc.CMD_DECODE:
+    def on_command(self, cmd: Command) -> None:
+        if isinstance(cmd, DecodeCmd):
+            rid = cmd.rid
             try:
-                params = sampling_from_wire(cmd[3])
-                self.engine.validate(list(cmd[2]), params)
+                params = sampling_from_wire(cmd.sampling)
+                self.engine.validate(list(cmd.prompt_ids), params)
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
                 return
@@ -77,11 +77,11 @@ class ConsumerHandler(RoleHandler):
                 self.queue_full += 1
                 self.emit(error_event(rid, "error", "consumer reservation queue is full"))
                 return
-            self.queue[rid] = Pending(rid, list(cmd[2]), params)
+            self.queue[rid] = Pending(rid, list(cmd.prompt_ids), params)
             self._reserve_queued()
-        elif kind == ipc.CMD_ABORT:
+        elif isinstance(cmd, AbortCmd):
             self.aborts += 1
-            self.abort(rid)
+            self.abort(cmd.rid)
 
     def abort(self, rid: str) -> None:
         if self.queue.pop(rid, None) is not None:
@@ -106,7 +106,7 @@ class ConsumerHandler(RoleHandler):
             self.expecting[p.rid] = p
             self.receiver.expect(p.rid, blocks,
                                  deadline=time.monotonic() + self.reservation_s)
-            self.emit(ipc.pack(ipc.EV_RESERVED, p.rid, self.receiver.address, blocks))
+            self.emit(ReservedEvent(p.rid, self.receiver.address, tuple(blocks)))
 
     def after_step(self) -> None:
         for u in self.receiver.poll():
@@ -129,9 +129,9 @@ class ConsumerHandler(RoleHandler):
     def _admit(self, p: Pending, first_token: int,
                logprobs: tuple[tuple[int, float], ...] | None) -> None:
         first_lp = None
-        if logprobs:  # token 0's row as the producer streamed it: (token, logprob), *top
+        if logprobs:  # the notice's shape (transfer's, this round): (token, logprob), *top
             (tok, lp), *top = logprobs
-            first_lp = TokenLogprob(tok, lp, list(top))
+            first_lp = LogprobRow(tok, lp, tuple(top))
         try:
             self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token,
                                       first_lp)
@@ -148,11 +148,8 @@ class ConsumerHandler(RoleHandler):
 
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
         for out in outs:
-            extra = {}
-            times = self.first_step.pop(out.request_id, None)
-            if times is not None:
-                extra = {"kv_ready_ns": times[0], "first_step_ns": times[1]}
-            self.emit(tokens_event(out, **extra))
+            times = self.first_step.pop(out.request_id, (0, 0))
+            self.emit(tokens_event(out, kv_ready_ns=times[0], first_step_ns=times[1]))
 
     def has_background_work(self) -> bool:
         return bool(self.expecting or self.queue)

@@ -23,7 +23,7 @@ from engine.kv_layout import KVLayout
 from engine.model_runner import InflightStep, ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import RequestOutput
-from engine.request import PLACEHOLDER, Request, TokenLogprob
+from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -139,7 +139,7 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, block_ids: list[int], first_token: int,
-                      first_logprob: TokenLogprob | None = None) -> Request:
+                      first_logprob: LogprobRow | None = None) -> Request:
         """Consumer: admits a request whose prompt KV already sits in `block_ids` and whose
         token 0 was sampled (and reported) by the producer; decoding continues from there
         exactly as a colocated engine would (same seed, same positions, same stop state).
@@ -236,8 +236,8 @@ class LLMEngine:
             r.output_token_ids[i] = ids[row]
             if lps is not None and r.params.logprobs is not None:
                 tl = lps[row]
-                r.logprobs.append(TokenLogprob(tl.token_id, tl.logprob,
-                                               tl.top[: r.params.logprobs]))
+                r.logprobs.append(LogprobRow(tl.token_id, tl.logprob,
+                                             tl.top[: r.params.logprobs]))
             outputs.append(self._update(r, i, step.step_id, sampled_ns))
         return outputs
 
@@ -282,17 +282,17 @@ class LLMEngine:
         self.requests.pop(r.request_id, None)
 
 
-def _logprob_rows(step: InflightStep) -> list[TokenLogprob] | None:
+def _logprob_rows(step: InflightStep) -> list[LogprobRow] | None:
     out = step.out
     if out.logprobs is None:
         return None
     lp = out.logprobs.tolist()
     ids = out.token_ids.tolist()
     if out.top_ids is None or out.top_logprobs is None:
-        return [TokenLogprob(t, v, []) for t, v in zip(ids, lp, strict=True)]
-    tops = [list(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
+        return [LogprobRow(t, v) for t, v in zip(ids, lp, strict=True)]
+    tops = [tuple(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
                                                          out.top_logprobs.tolist(), strict=True)]
-    return [TokenLogprob(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]
+    return [LogprobRow(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]
 
 
 def _max_model_len(config: EngineConfig, m: ModelConfig) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import TokenLogprob
+from engine.request import LogprobRow
 from engine.request_state import RequestState
 
 
@@ -20,7 +20,7 @@ class RequestOutput:
     sampled_step: int  # id of the engine step whose forward sampled the newest token
     emitted_step: int  # id of the engine step that reported it (== sampled_step if direct)
     sampled_ns: int = 0  # wall clock (ns) when the forward that sampled it had run
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    new_logprobs: list[LogprobRow] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property

@@ -17,11 +17,17 @@ if TYPE_CHECKING:
 PLACEHOLDER = -1
 
 
-@dataclass
-class TokenLogprob:
+@dataclass(frozen=True)
+class LogprobRow:
+    """One sampled token's logprob row: the one shape in engine output and worker messages."""
+
     token_id: int
     logprob: float
-    top: list[tuple[int, float]]  # the top-N alternatives (token id, logprob), best first
+    # the top-N alternatives (token id, logprob), best first
+    top: tuple[tuple[int, float], ...] = ()
+
+
+TokenLogprob = LogprobRow  # the older name, kept for callers outside the lifecycle code
 
 
 @dataclass
@@ -35,7 +41,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)  # may end in PLACEHOLDERs
     num_computed_tokens: int = 0  # tokens whose KV is in this engine's cache
     block_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[LogprobRow] = field(default_factory=list)
     num_emitted: int = 0  # output tokens already reported to the caller
     num_preemptions: int = 0
     prefill_only: bool = False  # producer: stop after token 0 and hold blocks for transfer

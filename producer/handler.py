@@ -19,9 +19,17 @@ from engine.outputs import RequestOutput
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
-from worker import ipc
+from worker.messages import (
+    AbortCmd,
+    Command,
+    DestinationCmd,
+    PrefillCmd,
+    Token0Event,
+    Token0SentCmd,
+    TransferResultEvent,
+)
 from worker.orphans import exhausted_by_orphans
-from worker.role import Emit, RoleHandler, logprob_rows, sampling_from_wire
+from worker.role import Emit, RoleHandler, sampling_from_wire, stop_text
 
 log = logging.getLogger("pdserve.producer")
 
@@ -57,33 +65,35 @@ class ProducerHandler(RoleHandler):
 
     # ---- commands ----------------------------------------------------------------------
 
-    def on_command(self, cmd: list[Any]) -> None:
-        kind, rid = cmd[0], cmd[1]
-        if kind == ipc.CMD_PREFILL:
+    def on_command(self, cmd: Command) -> None:
+        if isinstance(cmd, PrefillCmd):
+            rid = cmd.rid
             try:
-                self.engine.add_request(rid, list(cmd[2]), sampling_from_wire(cmd[3]))
+                self.engine.add_request(rid, list(cmd.prompt_ids),
+                                        sampling_from_wire(cmd.sampling))
             except (ValueError, QueueFull) as e:
                 self._transfer_event(rid, False, str(e))
                 return
-            self.out[rid] = Outgoing(rid, int(cmd[4]), time.monotonic() + self.lease_s)
-        elif kind == ipc.CMD_DESTINATION:
-            o = self.out.get(rid)
+            self.out[rid] = Outgoing(rid, cmd.received_ns, time.monotonic() + self.lease_s)
+        elif isinstance(cmd, DestinationCmd):
+            o = self.out.get(cmd.rid)
             if o is None or o.dest_blocks is not None or o.aborting:
                 return
             try:
-                self.sender.connect(cmd[3])
+                self.sender.connect(cmd.kv_address)
             except TransferError as e:
-                self._fail(o, f"cannot reach consumer {cmd[2]} at {cmd[3]}: {e}")
+                self._fail(o, f"cannot reach consumer {cmd.consumer_id} at {cmd.kv_address}: "
+                              f"{e}")
                 return
-            o.dest_address, o.dest_blocks = cmd[3], list(cmd[4])
+            o.dest_address, o.dest_blocks = cmd.kv_address, list(cmd.block_ids)
             self._push_ready(o)
-        elif kind == ipc.CMD_TOKEN0_SENT:
-            o = self.out.get(rid)
+        elif isinstance(cmd, Token0SentCmd):
+            o = self.out.get(cmd.rid)
             if o is not None:
                 o.token0_sent = True
                 self._push_ready(o)
-        elif kind == ipc.CMD_ABORT:
-            o = self.out.get(rid)
+        elif isinstance(cmd, AbortCmd):
+            o = self.out.get(cmd.rid)
             if o is not None:
                 self.aborts += 1
                 self._fail(o, "aborted by the router")
@@ -96,23 +106,21 @@ class ProducerHandler(RoleHandler):
             if o is None or not out.new_token_ids:
                 continue
             tok = out.new_token_ids[0]
-            lp = logprob_rows(out)
-            self.emit(ipc.pack(ipc.EV_TOKEN0, o.rid, {
-                "token_id": tok, "text": out.new_text, "logprob": lp[0] if lp else None,
-                "finish": out.finish_reason, "stop_reason": "" if out.stop_reason is None
-                else str(out.stop_reason), "sampled_ns": out.sampled_ns,
-                "received_ns": o.received_ns}))
+            row = out.new_logprobs[0] if out.new_logprobs else None
+            self.emit(Token0Event(o.rid, tok, out.new_text, row, out.finish_reason,
+                                  stop_text(out.stop_reason), out.sampled_ns, o.received_ns))
             if out.finished:  # token 0 ended it: the engine already freed the blocks
                 self.out.pop(o.rid, None)
                 if o.pushed:  # close the early chunks' transfer now, not at its deadline
                     self.sender.cancel(o.rid, "token 0 finished the request")
                 continue
             req = self.engine.requests[o.rid]
-            top = tuple((t, p) for t, p in lp[0][2]) if lp else ()
+            # The notice keeps transfer's own logprobs shape this round (transfer/ is not
+            # ours): ((token, logprob), *top); the consumer converts it back to a LogprobRow.
             o.notice = TransferNotice(
                 request_id=o.rid, first_token=tok, finished=False,
                 num_prompt_tokens=req.num_prompt_tokens, seed=req.seed,
-                logprobs=((tok, lp[0][1]), *top) if lp else None)
+                logprobs=((tok, row.logprob), *row.top) if row is not None else None)
             o.lease_until = time.monotonic() + self.lease_s
             self._push_ready(o)
 
@@ -186,7 +194,7 @@ class ProducerHandler(RoleHandler):
         self._transfer_event(o.rid, False, error)
 
     def _transfer_event(self, rid: str, ok: bool, error: str, ms: float = 0.0) -> None:
-        self.emit(ipc.pack(ipc.EV_TRANSFER, rid, ok, error, ms))
+        self.emit(TransferResultEvent(rid, ok, error, ms))
 
     def has_background_work(self) -> bool:
         return bool(self.out)

@@ -6,6 +6,9 @@ from typing import Any
 
 from pdserve.v1 import common_pb2, worker_pb2
 
+from engine.request import LogprobRow
+from worker.messages import TokensEvent
+
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "": common_pb2.FINISH_REASON_UNSPECIFIED,
            "stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
@@ -37,17 +40,14 @@ def sampling_to_wire(p: common_pb2.SamplingParams, seed: int) -> dict[str, Any]:
     return d
 
 
-def token_logprob(row: list[Any]) -> common_pb2.TokenLogprob:
-    tok, lp, top = row
+def token_logprob(row: LogprobRow) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=tok, logprob=lp,
-        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top])
+        token_id=row.token_id, logprob=row.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in row.top])
 
 
-def tokens_pb(body: dict[str, Any]) -> worker_pb2.Tokens:
+def tokens_pb(ev: TokensEvent) -> worker_pb2.Tokens:
     return worker_pb2.Tokens(
-        token_ids=body["ids"], text=body["text"],
-        logprobs=[token_logprob(r) for r in body["logprobs"]],
-        finish_reason=_FINISH[body["finish"]], stop_reason=body.get("stop_reason", ""),
-        error=body.get("error", ""), kv_ready_ns=body.get("kv_ready_ns", 0),
-        first_step_ns=body.get("first_step_ns", 0))
+        token_ids=ev.ids, text=ev.text, logprobs=[token_logprob(r) for r in ev.logprobs],
+        finish_reason=_FINISH[ev.finish], stop_reason=ev.stop_reason, error=ev.error,
+        kv_ready_ns=ev.kv_ready_ns, first_step_ns=ev.first_step_ns)

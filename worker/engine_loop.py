@@ -18,6 +18,16 @@ import zmq
 
 from engine.config import EngineConfig
 from worker import ipc
+from worker.messages import (
+    Event,
+    FatalEvent,
+    MessageError,
+    ReadyEvent,
+    StatsEvent,
+    StopCmd,
+    decode,
+    encode,
+)
 from worker.role import Emit, RoleHandler
 
 log = logging.getLogger("pdserve.worker")
@@ -55,12 +65,20 @@ class WorkerLoop:
             return
         while True:
             try:
-                msg = ipc.unpack(self.commands.recv(zmq.NOBLOCK))
+                data = self.commands.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if msg[0] == ipc.CMD_STOP:
+            try:
+                msg = decode(data)
+            except MessageError as e:  # one bad message must not stop every request
+                log.error("dropped a bad command: %s", e)
+                continue
+            if isinstance(msg, StopCmd):
                 self.running = False
                 return
+            if isinstance(msg, Event):
+                log.error("dropped a bad command: %s is an event", type(msg).KIND)
+                continue
             self.handler.on_command(msg)
 
     def turn(self) -> None:
@@ -76,7 +94,7 @@ class WorkerLoop:
         now = time.monotonic()
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now
-            self.events.send(ipc.pack(ipc.EV_STATS, "", self.handler.load()))
+            self.events.send(encode(StatsEvent(self.handler.load())))
 
     def run(self) -> None:
         while self.running:
@@ -128,14 +146,17 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
     events = ipc.connect_push(ctx, paths.events)
     handler = None
     try:
-        handler = make_handler(spec, events.send)
+        def emit(ev: Event) -> None:
+            events.send(encode(ev))
+
+        handler = make_handler(spec, emit)
         # Load first: registration (triggered by ready) then reports real block counts.
-        events.send(ipc.pack(ipc.EV_STATS, "", handler.load()))
-        events.send(ipc.pack(ipc.EV_READY, "", handler.ready_info()))
+        emit(StatsEvent(handler.load()))
+        emit(ReadyEvent(handler.ready_info()))
         WorkerLoop(handler, commands, events).run()
     except Exception as e:  # the gRPC process reports it and exits; nothing else can act
         log.error("engine process failed: %s", traceback.format_exc())
-        events.send(ipc.pack(ipc.EV_FATAL, "", f"{type(e).__name__}: {e}"))
+        events.send(encode(FatalEvent(f"{type(e).__name__}: {e}")))
         time.sleep(0.2)  # let the event leave before the socket closes
     finally:
         if handler is not None:

@@ -1,8 +1,7 @@
 """The ZMQ (IPC) link between a worker's gRPC process and its engine process.
 
-Messages are msgpack lists ``[kind, request_id, *fields]``: compact, and cheap to encode on
-the engine's hot path. Commands flow gRPC -> engine on one PUSH/PULL pair, events flow
-engine -> gRPC on another, so neither side ever blocks the other.
+The messages and their codec are in ``worker.messages``. Commands flow gRPC -> engine on one
+PUSH/PULL pair, events flow engine -> gRPC on another, so neither side ever blocks the other.
 """
 
 from __future__ import annotations
@@ -11,26 +10,8 @@ import os
 import tempfile
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
-import msgpack
 import zmq
-
-# Commands (gRPC process -> engine process)
-CMD_PREFILL = "prefill"  # [rid, prompt_ids, sampling dict, received_ns]
-CMD_DESTINATION = "dest"  # [rid, consumer_id, kv_address, block_ids]
-CMD_DECODE = "decode"  # [rid, prompt_ids, sampling dict, colocated]
-CMD_TOKEN0_SENT = "t0sent"  # [rid]: token 0 is on its way to the router
-CMD_ABORT = "abort"  # [rid]
-CMD_STOP = "stop"  # ["", ]
-# Events (engine process -> gRPC process)
-EV_READY = "ready"  # ["", info dict]
-EV_TOKEN0 = "token0"  # [rid, dict]
-EV_TRANSFER = "transfer"  # [rid, ok, error, kv_transfer_ms]
-EV_RESERVED = "reserved"  # [rid, kv_address, block_ids]
-EV_TOKENS = "tokens"  # [rid, dict]
-EV_STATS = "stats"  # ["", load dict]
-EV_FATAL = "fatal"  # ["", error]
 
 
 @dataclass(frozen=True)
@@ -49,15 +30,6 @@ class IpcPaths:
                 os.unlink(ep.removeprefix("ipc://"))
             except FileNotFoundError:
                 pass
-
-
-def pack(kind: str, rid: str, *fields: Any) -> bytes:
-    return msgpack.packb([kind, rid, *fields], use_bin_type=True)
-
-
-def unpack(data: bytes) -> list[Any]:
-    out: list[Any] = msgpack.unpackb(data, raw=False)
-    return out
 
 
 def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

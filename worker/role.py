@@ -10,32 +10,27 @@ from typing import Any
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from worker import ipc
+from worker.messages import Command, Event, TokensEvent
 
-Emit = Callable[[bytes], None]
+Emit = Callable[[Event], None]
 
 
 def now_ns() -> int:
     return time.time_ns()
 
 
-def logprob_rows(out: RequestOutput) -> list[list[Any]]:
-    return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in out.new_logprobs]
+def tokens_event(out: RequestOutput, kv_ready_ns: int = 0,
+                 first_step_ns: int = 0) -> TokensEvent:
+    return TokensEvent(out.request_id, tuple(out.new_token_ids), out.new_text,
+                       tuple(out.new_logprobs), out.finish_reason, stop_text(out.stop_reason),
+                       kv_ready_ns=kv_ready_ns, first_step_ns=first_step_ns)
 
 
-def tokens_event(out: RequestOutput, **extra: Any) -> bytes:
-    body = {"ids": out.new_token_ids, "text": out.new_text, "logprobs": logprob_rows(out),
-            "finish": out.finish_reason, "stop_reason": _stop_text(out.stop_reason)}
-    body.update(extra)
-    return ipc.pack(ipc.EV_TOKENS, out.request_id, body)
+def error_event(rid: str, finish: str, error: str) -> TokensEvent:
+    return TokensEvent(rid, (), "", (), finish, error=error)
 
 
-def error_event(rid: str, finish: str, error: str) -> bytes:
-    return ipc.pack(ipc.EV_TOKENS, rid, {"ids": [], "text": "", "logprobs": [],
-                                         "finish": finish, "stop_reason": "", "error": error})
-
-
-def _stop_text(reason: int | str | None) -> str:
+def stop_text(reason: int | str | None) -> str:
     return "" if reason is None else str(reason)
 
 
@@ -50,7 +45,7 @@ class RoleHandler(abc.ABC):
         self.emit = emit
 
     @abc.abstractmethod
-    def on_command(self, cmd: list[Any]) -> None:
+    def on_command(self, cmd: Command) -> None:
         """Applies one command from the gRPC process."""
 
     @abc.abstractmethod

@@ -14,6 +14,7 @@ from pdserve.v1 import worker_pb2_grpc
 
 from worker import ipc
 from worker.engine_loop import EngineSpec, engine_process_main
+from worker.messages import StopCmd
 from worker.metrics_server import MetricsServer, WorkerMetrics
 from worker.registration import Registration
 from worker.servicer import EngineBridge, WorkerServicer
@@ -90,8 +91,11 @@ class WorkerServer:
     async def _watch_engine(self) -> None:
         while self.proc is not None and self.proc.is_alive():
             await asyncio.sleep(0.2)
+        code = self.proc.exitcode if self.proc is not None else None
         if self.bridge is not None:
             self.bridge.fail_all("engine process exited")
+        # An error, so the worker exits non-zero and a supervisor restarts it.
+        raise RuntimeError(f"{self.worker_id}: engine process exited (exit code {code})")
 
     async def wait(self) -> None:
         """Runs until a task fails (router refused us, engine died) or stop()."""
@@ -108,7 +112,7 @@ class WorkerServer:
         if self.metrics_server is not None:
             await self.metrics_server.stop()
         if self.bridge is not None:
-            self.bridge.send(ipc.CMD_STOP, "")
+            self.bridge.send(StopCmd())
         if self.proc is not None:
             await asyncio.get_running_loop().run_in_executor(None, self.proc.join, 10)
             if self.proc.is_alive():

@@ -17,6 +17,26 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from worker import ipc
 from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob, tokens_pb
+from worker.messages import (
+    AbortCmd,
+    Command,
+    DecodeCmd,
+    DestinationCmd,
+    Event,
+    FatalEvent,
+    MessageError,
+    PrefillCmd,
+    ReadyEvent,
+    ReservedEvent,
+    StatsEvent,
+    Token0Event,
+    Token0SentCmd,
+    TokensEvent,
+    TransferResultEvent,
+    decode,
+    encode,
+    rid_of,
+)
 from worker.metrics_server import WorkerMetrics
 
 log = logging.getLogger("pdserve.worker")
@@ -35,18 +55,18 @@ class EngineBridge:
         self.commands = self.ctx.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.LINGER, 0)
         self.commands.connect(paths.commands)
-        self.queues: dict[str, asyncio.Queue[list[Any]]] = {}
+        self.queues: dict[str, asyncio.Queue[Event]] = {}
         self.load: dict[str, Any] = {}
         self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
 
-    def send(self, kind: str, rid: str, *fields: Any) -> None:
-        self.commands.send(ipc.pack(kind, rid, *fields))
+    def send(self, cmd: Command) -> None:
+        self.commands.send(encode(cmd))
 
-    def open(self, rid: str) -> asyncio.Queue[list[Any]]:
+    def open(self, rid: str) -> asyncio.Queue[Event]:
         if rid in self.queues:
             raise ValueError(f"request_id: {rid!r} is already running on this worker")
-        q: asyncio.Queue[list[Any]] = asyncio.Queue()
+        q: asyncio.Queue[Event] = asyncio.Queue()
         self.queues[rid] = q
         return q
 
@@ -55,24 +75,30 @@ class EngineBridge:
 
     async def pump(self) -> None:
         while True:
-            msg = ipc.unpack(await self.events.recv())
-            kind, rid = msg[0], msg[1]
-            if kind == ipc.EV_STATS:
-                self.load = msg[2]
-            elif kind == ipc.EV_READY:
+            try:
+                msg = decode(await self.events.recv())
+            except MessageError as e:  # one bad event must not stop every stream
+                log.error("dropped a bad event from the engine process: %s", e)
+                continue
+            if isinstance(msg, StatsEvent):
+                self.load = msg.load
+            elif isinstance(msg, ReadyEvent):
                 if not self.ready.done():
-                    self.ready.set_result(msg[2])
-            elif kind == ipc.EV_FATAL:
-                self.fail_all(f"engine process failed: {msg[2]}")
-            elif rid in self.queues:
-                self.queues[rid].put_nowait(msg)
+                    self.ready.set_result(msg.info)
+            elif isinstance(msg, FatalEvent):
+                self.fail_all(f"engine process failed: {msg.error}")
+            elif isinstance(msg, Event) and rid_of(msg) in self.queues:
+                self.queues[rid_of(msg)].put_nowait(msg)
+            elif not isinstance(msg, Event):
+                log.error("dropped a bad event from the engine process: %s is a command",
+                          type(msg).KIND)
 
     def fail_all(self, error: str) -> None:
         self.fatal = error
         if not self.ready.done():
             self.ready.set_exception(RuntimeError(error))
         for q in self.queues.values():
-            q.put_nowait([ipc.EV_FATAL, "", error])
+            q.put_nowait(FatalEvent(error))
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -102,7 +128,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.metrics.requests.labels(rpc, outcome).inc()
 
     async def _open(self, rid: str,
-                    context: grpc.aio.ServicerContext) -> asyncio.Queue[list[Any]]:
+                    context: grpc.aio.ServicerContext) -> asyncio.Queue[Event]:
         if self.bridge.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.bridge.fatal)
         if not rid:
@@ -125,15 +151,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         rid = req.request_id
         q = await self._open(rid, context)
         received = time.time_ns()
-        self.bridge.send(ipc.CMD_PREFILL, rid, list(req.prompt_token_ids),
-                         sampling_to_wire(req.sampling, req.seed), received)
+        self.bridge.send(PrefillCmd(rid, tuple(req.prompt_token_ids),
+                                    sampling_to_wire(req.sampling, req.seed), received))
 
         async def destinations() -> None:
             async for msg in request_iterator:
                 if msg.WhichOneof("kind") == "destination":
                     d = msg.destination
-                    self.bridge.send(ipc.CMD_DESTINATION, rid, d.consumer_id, d.kv_address,
-                                     list(d.block_ids))
+                    self.bridge.send(DestinationCmd(rid, d.consumer_id, d.kv_address,
+                                                    tuple(d.block_ids)))
 
         reader = asyncio.create_task(destinations())
         done = False
@@ -141,74 +167,74 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             while not done:
                 msg = await q.get()
-                if msg[0] == ipc.EV_TOKEN0:
-                    body = msg[2]
+                if isinstance(msg, Token0Event):
                     t0 = worker_pb2.Token0(
-                        token_id=body["token_id"], text=body["text"],
-                        finish_reason=finish_reason_pb(body["finish"]),
-                        stop_reason=body["stop_reason"],
-                        sampled_ns=body["sampled_ns"], received_ns=body["received_ns"],
+                        token_id=msg.token_id, text=msg.text,
+                        finish_reason=finish_reason_pb(msg.finish),
+                        stop_reason=msg.stop_reason,
+                        sampled_ns=msg.sampled_ns, received_ns=msg.received_ns,
                         sent_ns=time.time_ns())
-                    if body["logprob"] is not None:
-                        t0.logprob.CopyFrom(token_logprob(body["logprob"]))
+                    if msg.logprob is not None:
+                        t0.logprob.CopyFrom(token_logprob(msg.logprob))
                     yield worker_pb2.PrefillOutput(token0=t0)
                     # Only now may the final transfer notice leave for the consumer: token 0
                     # is ahead of the consumer's first decode step on every path.
-                    self.bridge.send(ipc.CMD_TOKEN0_SENT, rid)
-                    done = bool(body["finish"])
-                    outcome = str(body["finish"] or outcome)
-                elif msg[0] == ipc.EV_TRANSFER:
-                    outcome = "transferred" if msg[2] else "transfer_failed"
-                    if msg[2] and self.metrics is not None:
-                        self.metrics.kv_transfer.observe(msg[4] / 1e3)
+                    self.bridge.send(Token0SentCmd(rid))
+                    done = bool(msg.finish)
+                    outcome = str(msg.finish or outcome)
+                elif isinstance(msg, TransferResultEvent):
+                    outcome = "transferred" if msg.ok else "transfer_failed"
+                    if msg.ok and self.metrics is not None:
+                        self.metrics.kv_transfer.observe(msg.kv_transfer_ms / 1e3)
                     yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
-                        ok=msg[2], error=msg[3], kv_transfer_ms=msg[4]))
+                        ok=msg.ok, error=msg.error, kv_transfer_ms=msg.kv_transfer_ms))
                     done = True
-                elif msg[0] == ipc.EV_FATAL:
+                elif isinstance(msg, FatalEvent):
                     outcome = "engine_failed"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg[2])
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
             done = True
         finally:
             self._count("prefill", outcome)
             reader.cancel()
             self.bridge.close_request(rid)
             if not done:  # the router went away or cancelled: stop the work, free blocks
-                self.bridge.send(ipc.CMD_ABORT, rid)
+                self.bridge.send(AbortCmd(rid))
 
     async def Decode(self, request: worker_pb2.DecodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeOutput]:
         await self._check_token(context)
         rid = request.request_id
         q = await self._open(rid, context)
-        self.bridge.send(ipc.CMD_DECODE, rid, list(request.prompt_token_ids),
-                         sampling_to_wire(request.sampling, request.seed), request.colocated)
+        self.bridge.send(DecodeCmd(rid, tuple(request.prompt_token_ids),
+                                   sampling_to_wire(request.sampling, request.seed),
+                                   request.colocated))
         done = False
         outcome = "cancelled"
         try:
             while not done:
                 msg = await q.get()
-                if msg[0] == ipc.EV_RESERVED:
+                if isinstance(msg, ReservedEvent):
                     yield worker_pb2.DecodeOutput(reserved=worker_pb2.Reserved(
-                        kv_address=msg[2], block_ids=msg[3]))
-                elif msg[0] == ipc.EV_TOKENS:
-                    t = tokens_pb(msg[2])
+                        kv_address=msg.kv_address, block_ids=msg.block_ids))
+                elif isinstance(msg, TokensEvent):
+                    t = tokens_pb(msg)
                     done = t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
                     if done:
-                        outcome = str(msg[2]["finish"])
+                        outcome = str(msg.finish)
                     yield worker_pb2.DecodeOutput(tokens=t)
-                elif msg[0] == ipc.EV_FATAL:
+                elif isinstance(msg, FatalEvent):
                     outcome = "engine_failed"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg[2])
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
         finally:
             self._count("decode", outcome)
             self.bridge.close_request(rid)
             if not done:
-                self.bridge.send(ipc.CMD_ABORT, rid)
+                self.bridge.send(AbortCmd(rid))
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:
         await self._check_token(context)
         known = request.request_id in self.bridge.queues
-        self.bridge.send(ipc.CMD_ABORT, request.request_id)
+        self.bridge.send(AbortCmd(request.request_id))
         return worker_pb2.WorkerAbortResponse(ok=known)
 

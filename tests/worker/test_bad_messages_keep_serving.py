@@ -1,0 +1,84 @@
+"""A malformed message on the worker's IPC link is dropped: the engine loop and the gRPC
+process's event pump both keep going (real ZMQ sockets; a recording role as the seam)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import zmq
+
+from worker import ipc
+from worker.engine_loop import WorkerLoop
+from worker.messages import AbortCmd, Command, StatsEvent, StopCmd, TokensEvent, encode
+from worker.servicer import EngineBridge
+
+
+class RecordingRole:
+    def __init__(self) -> None:
+        self.engine = SimpleNamespace(has_unfinished=lambda: False)
+        self.commands: list[Command] = []
+
+    def on_command(self, cmd: Command) -> None:
+        self.commands.append(cmd)
+
+    def has_background_work(self) -> bool:
+        return False
+
+    def after_step(self) -> None:
+        pass
+
+    def load(self) -> dict[str, Any]:
+        return {}
+
+
+def test_engine_loop_drops_bad_commands_and_keeps_running() -> None:
+    paths = ipc.IpcPaths.fresh()
+    ctx = zmq.Context()
+    try:
+        pull = ipc.bind_pull(ctx, paths.commands)
+        push = ipc.connect_push(ctx, paths.commands)
+        ipc.bind_pull(ctx, paths.events)  # takes the loop's load reports
+        events = ipc.connect_push(ctx, paths.events)
+        role = RecordingRole()
+        loop = WorkerLoop(role, pull, events)  # type: ignore[arg-type]
+        for data in (b"\xc1", encode(AbortCmd("a")), b"\x92\xa5abort", encode(StatsEvent({})),
+                     encode(AbortCmd("b")), encode(StopCmd())):
+            push.send(data)
+        for _ in range(100):
+            if not loop.running:
+                break
+            loop.turn()
+        assert role.commands == [AbortCmd("a"), AbortCmd("b")]
+        assert not loop.running
+    finally:
+        ctx.destroy(linger=0)
+        paths.cleanup()
+
+
+def test_bridge_pump_drops_bad_events_and_keeps_routing() -> None:
+    async def main() -> None:
+        paths = ipc.IpcPaths.fresh()
+        bridge = EngineBridge(paths)
+        ctx = zmq.asyncio.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(paths.events)
+        pump = asyncio.create_task(bridge.pump())
+        try:
+            q = bridge.open("r1")
+            for data in (b"not msgpack \xc1", encode(AbortCmd("r1")),
+                         b"\x93\xa6tokens\xa2r1\x01", encode(StatsEvent({"waiting": 4})),
+                         encode(TokensEvent("r1", (5,), "x", (), "stop"))):
+                await push.send(data)
+            got = await asyncio.wait_for(q.get(), 5)
+            assert got == TokensEvent("r1", (5,), "x", (), "stop")
+            assert bridge.load == {"waiting": 4}
+            assert not pump.done()
+        finally:
+            pump.cancel()
+            ctx.destroy(linger=0)
+            bridge.close()
+            paths.cleanup()
+
+    asyncio.run(main())

@@ -1,0 +1,74 @@
+"""The worker's gRPC <-> engine messages: every type round-trips; bad input is a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from engine.request import LogprobRow
+from worker import messages as m
+
+ROW = LogprobRow(7, -0.25, ((7, -0.25), (3, -1.5)))
+SAMPLES: list[m.Message] = [
+    m.PrefillCmd("r1", (1, 2, 3), {"temperature": 0.5, "stop": ["x"]}, 123),
+    m.DestinationCmd("r1", "consumer-0", "ucx://10.0.0.3:1", (4, 5)),
+    m.DecodeCmd("r1", (1, 2), {"max_tokens": 3}, True),
+    m.Token0SentCmd("r1"),
+    m.AbortCmd("r1"),
+    m.StopCmd(),
+    m.ReadyEvent({"kv_address": "a", "kv_blocks_total": 9}),
+    m.Token0Event("r1", 7, "hi", ROW, None, "", 10, 11),
+    m.Token0Event("r2", 7, "hi", None, "stop", "</s>", 10, 11),
+    m.TransferResultEvent("r1", True, "", 1.5),
+    m.ReservedEvent("r1", "ucx://x", (0, 1, 2)),
+    m.TokensEvent("r1", (7, 8), "ab", (ROW, LogprobRow(8, -0.5)), "length", "", "", 5, 6),
+    m.TokensEvent("r3", (), "", (), "error", error="bad"),
+    m.StatsEvent({"waiting": 1, "kv_blocks_free": 3}),
+    m.FatalEvent("boom"),
+]
+
+
+def test_every_message_type_is_sampled() -> None:
+    assert {type(s) for s in SAMPLES} == set(m.COMMANDS) | set(m.EVENTS)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda s: type(s).__name__)
+def test_round_trip(msg: m.Message) -> None:
+    got = m.decode(m.encode(msg))
+    assert got == msg and type(got) is type(msg)
+
+
+def _raw(*items: object) -> bytes:
+    out: bytes = msgpack.packb(list(items), use_bin_type=True)
+    return out
+
+
+@pytest.mark.parametrize(("data", "names"), [
+    (_raw("nope", "r1"), "kind"),
+    (_raw("abort"), "abort.rid"),
+    (_raw("prefill", "r1", [1, 2]), "prefill.sampling"),
+    (_raw("prefill", "r1", [1, "x"], {}, 1), "prefill.prompt_ids"),
+    (_raw("prefill", "r1", [1], {}, "late"), "prefill.received_ns"),
+    (_raw("dest", "r1", "c", "addr", [1, True]), "dest.block_ids"),
+    (_raw("decode", "r1", [1], {}, 1), "decode.colocated"),
+    (_raw("token0", "r1", 1, "t", [1, -0.1], None, "", 0, 0), "token0.logprob"),
+    (_raw("tokens", "r1", [1], "t", [[1, -0.1, [[2]]]], None), "tokens.logprobs"),
+    (_raw("stats", [1, 2]), "stats.load"),
+    (_raw("abort", "r1", "extra"), "abort"),
+    (_raw(), "message"),
+    (msgpack.packb({"kind": "abort"}), "message"),
+    (m.encode(m.AbortCmd("r1"))[:-2], "message"),
+    (b"\xc1", "message"),
+])
+def test_bad_messages_are_rejected_by_name(data: bytes, names: str) -> None:
+    with pytest.raises(m.MessageError) as e:
+        m.decode(data)
+    assert str(e.value).startswith(names)
+    assert isinstance(e.value, ValueError)
+
+
+def test_messages_are_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.AbortCmd("r1").rid = "r2"  # type: ignore[misc]
