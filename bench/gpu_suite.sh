@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The whole `-m gpu` suite in one device call (kind nvidia-h200-x2: the transfer tests need
+# two GPUs), with the wheels the device lacks carried in .whl (../shared/gpu/wheels.sh, plus
+# gguf). Only the folders that hold gpu tests are collected (the device lacks some of the
+# other suites' client packages, e.g. openai). Logs go to OUT; the summary lines are what bench/results/gpu_suite.txt records.
+#   bash bench/gpu_suite.sh OUT_DIR
+set -uo pipefail
+out=${1:?OUT_DIR}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export UCX_WARN_UNUSED_ENV_VARS=n
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpus.txt" 2>&1
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+# the graph tests alone: their --gpu-memory-utilization test sizes from memory in use,
+# which parallel workers on the same GPU would change
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_decode_graphs.py \
+  2>&1 | tee "$out/graphs.log" | tail -3
+python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/kernels tests/engine tests/transfer \
+  --deselect tests/engine/test_decode_graphs.py 2>&1 | tee "$out/rest.log" | tail -25
