@@ -15,7 +15,7 @@ prefill = first step's start -> token 0 read on the host; last_land = same start
 consumer saw DONE; overshoot = last_land / prefill - 1 (goal <= 10%). The same engine's
 prefill without any transfer is measured in the same run, interleaved, to show whether
 pushing slows prefill. Landed bytes are checked (sha256) against the producer's blocks.
-The real worker forwards token 0 to the router before FINISH leaves (CMD_TOKEN0_SENT);
+The real worker forwards token 0 to the router before FINISH leaves (Token0SentCmd);
 here that command follows at once, so the gRPC hop (~0.1 ms of ZMQ) is not included.
 """
 
@@ -45,7 +45,13 @@ from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from producer.handler import ProducerHandler  # noqa: E402
 from transfer import TransferConfig, make_receiver  # noqa: E402
-from worker import ipc  # noqa: E402
+from worker.messages import (  # noqa: E402
+    DestinationCmd,
+    Event,
+    PrefillCmd,
+    Token0SentCmd,
+    TransferResultEvent,
+)
 
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -127,13 +133,13 @@ def _prefill_alone(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
 def _prefill_pushing(h: ProducerHandler, conn: Any, addr: str, rid: str, prompt: list[int],
                      dst: list[int], log: list[tuple[str, int, int, int]]) -> dict[str, Any]:
     engine = h.engine
-    events: list[list[Any]] = []
-    h.emit = lambda b: events.append(ipc.unpack(b))
+    events: list[Event] = []
+    h.emit = events.append
     conn.send((rid, dst))
     conn.recv()  # "ready": the consumer expects rid into dst
     # What the worker's gRPC process sends: the request, then the consumer's reservation.
-    h.on_command([ipc.CMD_PREFILL, rid, prompt, PARAMS.to_dict(), time.time_ns()])
-    h.on_command([ipc.CMD_DESTINATION, rid, "bench-consumer", addr, dst])
+    h.on_command(PrefillCmd(rid, tuple(prompt), PARAMS.to_dict(), time.time_ns()))
+    h.on_command(DestinationCmd(rid, "bench-consumer", addr, tuple(dst)))
     del log[:]
     _sync(engine)
     t0 = time.monotonic_ns()
@@ -145,14 +151,14 @@ def _prefill_pushing(h: ProducerHandler, conn: Any, addr: str, rid: str, prompt:
             t1 = time.monotonic_ns()
             src = list(engine.requests[rid].block_ids)
             h.on_outputs(outs, time.time_ns())
-            h.on_command([ipc.CMD_TOKEN0_SENT, rid])  # the router got token 0
+            h.on_command(Token0SentCmd(rid))  # the router got token 0
         h.after_step()
     while rid in h.out:  # ack, then the handler frees the blocks
         h.after_step()
         time.sleep(0.0001)
     crid, status, land_ns, digest = conn.recv()
-    ev = next((e for e in events if e[0] == ipc.EV_TRANSFER), None)  # [kind, rid, ok, error, ms]
-    if crid != rid or status != "DONE" or ev is None or not ev[2]:
+    ev = next((e for e in events if isinstance(e, TransferResultEvent)), None)
+    if crid != rid or status != "DONE" or ev is None or not ev.ok:
         raise RuntimeError(f"{rid}: transfer failed: consumer {status}, producer {ev}")
     pushes = [e for e in log if e[0] == "push"]
     fin = next(e[1] for e in log if e[0] == "finish")
