@@ -7,13 +7,25 @@ import argparse
 import os
 from typing import Any
 
+from consumer.role import make_colocated_handler, make_consumer_handler
+from consumer.servicer import ConsumerServicer
 from deploy.engine_args import add_engine_args, engine_config
+from producer.role import make_producer_handler
+from producer.servicer import ProducerServicer
 from transfer.types import BACKENDS
-from worker.engine_loop import EngineSpec
+from worker.engine_loop import EngineSpec, HandlerFactory
+from worker.servicer import WorkerServicer
 
 ROLE_HELP = {"producer": "a prefill worker (direct output; pushes KV to consumers)",
              "consumer": "a decode worker (reserves blocks, receives KV, deferred output)",
              "colocated": "a worker running both phases on one engine"}
+
+# What each command runs: the engine-process handler and the gRPC servicer of its role.
+ROLE_PARTS: dict[str, tuple[HandlerFactory, type[WorkerServicer]]] = {
+    "producer": (make_producer_handler, ProducerServicer),
+    "consumer": (make_consumer_handler, ConsumerServicer),
+    "colocated": (make_colocated_handler, ConsumerServicer),
+}
 
 
 def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
@@ -71,7 +83,8 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                     "peer_timeout_s": args.peer_timeout,
                     "heartbeat_interval_s": min(1.0, args.peer_timeout / 2),
                     "cluster_token": args.cluster_token}
-    return EngineSpec(role=role, engine=engine_config(args, **overrides), transfer=transfer,
+    return EngineSpec(role=role, engine=engine_config(args, **overrides),
+                      handler_factory=ROLE_PARTS[role][0], transfer=transfer,
                       threads=args.threads, lease_s=getattr(args, "lease", 30.0),
                       reservation_s=getattr(args, "reservation_timeout", 600.0))
 
@@ -80,7 +93,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     from worker.server import WorkerConfig, run_worker
 
     role = args.command
-    cfg = WorkerConfig(spec=spec_from_args(args, role), router=args.router,
+    cfg = WorkerConfig(spec=spec_from_args(args, role), servicer=ROLE_PARTS[role][1],
+                       router=args.router,
                        bind_host=args.host, advertise_host=args.advertise_host,
                        port=args.port, worker_id=args.worker_id,
                        cluster_token=args.cluster_token, metrics_port=args.metrics_port,

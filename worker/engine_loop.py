@@ -11,12 +11,14 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
 from worker import ipc
 from worker.messages import (
     Event,
@@ -32,14 +34,19 @@ from worker.role import Emit, RoleHandler
 
 log = logging.getLogger("pdserve.worker")
 STATS_INTERVAL_S = 0.25  # load reports feed the gRPC process's heartbeats
+# Builds the role's handler around the built engine. The role package supplies it (the
+# worker never imports producer/ or consumer/); it must be a module-level function so the
+# spec pickles into the spawned engine process by reference.
+HandlerFactory = Callable[[LLMEngine, Emit, "EngineSpec"], RoleHandler]
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the engine process needs, picklable for a spawned process."""
 
-    role: str  # "producer" | "consumer" | "colocated"
+    role: str  # "producer" | "consumer" | "colocated": names, logs and registers the worker
     engine: EngineConfig
+    handler_factory: HandlerFactory
     transfer: dict[str, Any] = field(default_factory=dict)  # TransferConfig fields
     threads: int = 0  # torch threads (0: leave torch's default)
     lease_s: float = 30.0  # producer: hold blocks this long for a destination / an ack
@@ -104,18 +111,7 @@ class WorkerLoop:
 def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
     from engine.llm import build_engine
 
-    engine = build_engine(spec.engine)
-    if spec.role == "producer":
-        from producer.handler import ProducerHandler
-
-        return ProducerHandler(engine, emit, spec.transfer, spec.lease_s)
-    if spec.role == "consumer":
-        from consumer.handler import ConsumerHandler
-
-        return ConsumerHandler(engine, emit, spec.transfer, spec.reservation_s)
-    from consumer.colocated import ColocatedHandler
-
-    return ColocatedHandler(engine, emit)
+    return spec.handler_factory(build_engine(spec.engine), emit, spec)
 
 
 def _die_with_parent() -> None:

@@ -25,6 +25,9 @@ log = logging.getLogger("pdserve.worker")
 @dataclass(frozen=True)
 class WorkerConfig:
     spec: EngineSpec
+    # the role's gRPC servicer (a WorkerServicer serving its RPC), chosen with the spec by
+    # the command that names the role
+    servicer: type[WorkerServicer]
     router: str  # the router's gRPC address (host:port)
     bind_host: str = "127.0.0.1"  # where this worker's gRPC server listens
     advertise_host: str = ""  # what peers dial ("" = bind_host)
@@ -71,7 +74,7 @@ class WorkerServer:
         self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: bridge.load)
         self.server = grpc.aio.server()
         worker_pb2_grpc.add_WorkerServicer_to_server(
-            WorkerServicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),
+            cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),
             self.server)
         port = self.server.add_insecure_port(f"{cfg.bind_host}:{cfg.port}")
         await self.server.start()

@@ -1,38 +1,29 @@
 """The worker's gRPC face (asyncio): forwards RPCs to the engine process and streams its
-events back. It never touches the model, so serving never stalls scheduling."""
+events back. It never touches the model, so serving never stalls scheduling. This is the
+part every role shares; each role's own RPC lives in its package (producer/servicer.py:
+Prefill, consumer/servicer.py: Decode)."""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import zmq
 import zmq.asyncio
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from worker import ipc
-from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob, tokens_pb
 from worker.messages import (
     AbortCmd,
     Command,
-    DecodeCmd,
-    DestinationCmd,
     Event,
     FatalEvent,
     MessageError,
-    PrefillCmd,
     ReadyEvent,
-    ReservedEvent,
     StatsEvent,
-    Token0Event,
-    Token0SentCmd,
-    TokensEvent,
-    TransferResultEvent,
     decode,
     encode,
     rid_of,
@@ -105,6 +96,9 @@ class EngineBridge:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """The shared base: token check, opening a request's stream, Abort, counting. An RPC
+    the role does not serve answers UNIMPLEMENTED (the generated base)."""
+
     def __init__(self, bridge: EngineBridge, worker_id: str,
                  metrics: WorkerMetrics | None = None, cluster_token: str = "") -> None:
         self.bridge = bridge
@@ -138,98 +132,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             raise
-
-    async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillInput],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillOutput]:
-        await self._check_token(context)
-        first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("kind") != "request":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "request: the first PrefillInput must be a request")
-            return
-        req = first.request
-        rid = req.request_id
-        q = await self._open(rid, context)
-        received = time.time_ns()
-        self.bridge.send(PrefillCmd(rid, tuple(req.prompt_token_ids),
-                                    sampling_to_wire(req.sampling, req.seed), received))
-
-        async def destinations() -> None:
-            async for msg in request_iterator:
-                if msg.WhichOneof("kind") == "destination":
-                    d = msg.destination
-                    self.bridge.send(DestinationCmd(rid, d.consumer_id, d.kv_address,
-                                                    tuple(d.block_ids)))
-
-        reader = asyncio.create_task(destinations())
-        done = False
-        outcome = "cancelled"
-        try:
-            while not done:
-                msg = await q.get()
-                if isinstance(msg, Token0Event):
-                    t0 = worker_pb2.Token0(
-                        token_id=msg.token_id, text=msg.text,
-                        finish_reason=finish_reason_pb(msg.finish),
-                        stop_reason=msg.stop_reason,
-                        sampled_ns=msg.sampled_ns, received_ns=msg.received_ns,
-                        sent_ns=time.time_ns())
-                    if msg.logprob is not None:
-                        t0.logprob.CopyFrom(token_logprob(msg.logprob))
-                    yield worker_pb2.PrefillOutput(token0=t0)
-                    # Only now may the final transfer notice leave for the consumer: token 0
-                    # is ahead of the consumer's first decode step on every path.
-                    self.bridge.send(Token0SentCmd(rid))
-                    done = bool(msg.finish)
-                    outcome = str(msg.finish or outcome)
-                elif isinstance(msg, TransferResultEvent):
-                    outcome = "transferred" if msg.ok else "transfer_failed"
-                    if msg.ok and self.metrics is not None:
-                        self.metrics.kv_transfer.observe(msg.kv_transfer_ms / 1e3)
-                    yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
-                        ok=msg.ok, error=msg.error, kv_transfer_ms=msg.kv_transfer_ms))
-                    done = True
-                elif isinstance(msg, FatalEvent):
-                    outcome = "engine_failed"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
-            done = True
-        finally:
-            self._count("prefill", outcome)
-            reader.cancel()
-            self.bridge.close_request(rid)
-            if not done:  # the router went away or cancelled: stop the work, free blocks
-                self.bridge.send(AbortCmd(rid))
-
-    async def Decode(self, request: worker_pb2.DecodeRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeOutput]:
-        await self._check_token(context)
-        rid = request.request_id
-        q = await self._open(rid, context)
-        self.bridge.send(DecodeCmd(rid, tuple(request.prompt_token_ids),
-                                   sampling_to_wire(request.sampling, request.seed),
-                                   request.colocated))
-        done = False
-        outcome = "cancelled"
-        try:
-            while not done:
-                msg = await q.get()
-                if isinstance(msg, ReservedEvent):
-                    yield worker_pb2.DecodeOutput(reserved=worker_pb2.Reserved(
-                        kv_address=msg.kv_address, block_ids=msg.block_ids))
-                elif isinstance(msg, TokensEvent):
-                    t = tokens_pb(msg)
-                    done = t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                    if done:
-                        outcome = str(msg.finish)
-                    yield worker_pb2.DecodeOutput(tokens=t)
-                elif isinstance(msg, FatalEvent):
-                    outcome = "engine_failed"
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
-        finally:
-            self._count("decode", outcome)
-            self.bridge.close_request(rid)
-            if not done:
-                self.bridge.send(AbortCmd(rid))
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:

@@ -1,0 +1,46 @@
+"""The consumer's gRPC face (also the colocated worker's): Decode streams the reservation,
+then tokens, back to the router."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from pdserve.v1 import common_pb2, worker_pb2
+
+from worker.convert import sampling_to_wire, tokens_pb
+from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent, TokensEvent
+from worker.servicer import WorkerServicer
+
+
+class ConsumerServicer(WorkerServicer):
+    async def Decode(self, request: worker_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeOutput]:
+        await self._check_token(context)
+        rid = request.request_id
+        q = await self._open(rid, context)
+        self.bridge.send(DecodeCmd(rid, tuple(request.prompt_token_ids),
+                                   sampling_to_wire(request.sampling, request.seed),
+                                   request.colocated))
+        done = False
+        outcome = "cancelled"
+        try:
+            while not done:
+                msg = await q.get()
+                if isinstance(msg, ReservedEvent):
+                    yield worker_pb2.DecodeOutput(reserved=worker_pb2.Reserved(
+                        kv_address=msg.kv_address, block_ids=msg.block_ids))
+                elif isinstance(msg, TokensEvent):
+                    t = tokens_pb(msg)
+                    done = t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                    if done:
+                        outcome = str(msg.finish)
+                    yield worker_pb2.DecodeOutput(tokens=t)
+                elif isinstance(msg, FatalEvent):
+                    outcome = "engine_failed"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)
+        finally:
+            self._count("decode", outcome)
+            self.bridge.close_request(rid)
+            if not done:
+                self.bridge.send(AbortCmd(rid))
