@@ -169,6 +169,9 @@ class ConsumerHandler(RoleHandler):
                  kv_bytes_received=self.kv_bytes_received, transfers_ok=self.transfers_ok,
                  transfers_failed=self.transfers_failed, aborts=self.aborts,
                  reservation_queue_full=self.queue_full)
+        kv = self.receiver.stats()  # its KV port: what strangers and broken peers sent
+        d.update(kv_malformed_messages=kv.malformed_messages,
+                 kv_rejected_handshakes=kv.rejected_handshakes)
         return d
 
     def close(self) -> None:

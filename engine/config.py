@@ -154,7 +154,7 @@ class EngineConfig:
 
     @property
     def defers_output(self) -> bool:
-        """Producer never defers (DESIGN.md section 4); consumer and colocated do."""
+        """Producer never defers (docs/architecture.md); consumer and colocated do."""
         if self.defer_output is not None:
             return self.defer_output
         return self.role != "producer"

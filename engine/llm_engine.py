@@ -3,7 +3,7 @@
 Deferred (consumer, colocated): step N+1 is launched before step N's sampled ids are read;
 N's stop checks and streaming happen after, and a token sampled past a stop is dropped.
 Direct (producer): a step's sampled ids are read and reported by that same step, so token 0
-never waits behind another request's prefill chunk (DESIGN.md section 4).
+never waits behind another request's prefill chunk (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The request lifecycle shared by router, producer and consumer (DESIGN.md section 3).
+"""The request lifecycle shared by router, producer and consumer (docs/architecture.md).
 
 Ordered: a request only moves forward. Torch-free so every service can import it.
 """

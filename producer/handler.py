@@ -212,6 +212,9 @@ class ProducerHandler(RoleHandler):
         d.update(orphan_blocks=orphans, lease_expiries=self.lease_expiries,
                  kv_bytes_sent=self.kv_bytes_sent, transfers_ok=self.transfers_ok,
                  transfers_failed=self.transfers_failed, aborts=self.aborts)
+        kv = self.sender.stats()
+        d.update(kv_malformed_messages=kv.malformed_messages,
+                 kv_rejected_handshakes=kv.rejected_handshakes)
         return d
 
     def close(self) -> None:

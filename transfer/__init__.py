@@ -1,4 +1,4 @@
-"""KV transfer between producer and consumer nodes (DESIGN.md section 5).
+"""KV transfer between producer and consumer nodes (docs/architecture.md).
 
 Start with ``make_sender`` / ``make_receiver``; the contract is in ``transfer.base``.
 """

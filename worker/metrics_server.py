@@ -46,6 +46,10 @@ _COUNTERS = {
     "transfers_failed": ("pdserve_worker_kv_transfers_failed", "KV transfers failed/cancelled"),
     "reservation_queue_full": ("pdserve_worker_reservation_queue_full",
                                "Decode requests refused: reservation queue full"),
+    "kv_malformed_messages": ("pdserve_worker_kv_malformed_messages",
+                              "KV-channel frames from peers dropped as malformed"),
+    "kv_rejected_handshakes": ("pdserve_worker_kv_rejected_handshakes",
+                               "KV-channel handshakes refused (token, version, layout)"),
 }
 
 

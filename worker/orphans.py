@@ -1,4 +1,4 @@
-"""When a worker's KV pool counts as exhausted by orphaned requests (DESIGN.md section 3).
+"""When a worker's KV pool counts as exhausted by orphaned requests (docs/architecture.md).
 
 An orphan is a request that holds blocks but has made no progress for longer than its
 lease: a producer's TRANSFERRING request whose destination/ack never came (or whose

@@ -1,7 +1,7 @@
 """Discrete-event simulator of a pdserve cluster, driven by a worker profile.
 
 Time advances from event to event: an arrival, a worker's step ending, a request's KV
-landing on its consumer. The request flow is DESIGN.md section 2: the router places each
+landing on its consumer. The request flow is in docs/architecture.md: the router places each
 request by policy (``router/policy.py``'s entry pool of colocated workers and producers,
 then a consumer); the consumer reserves blocks for the prompt at once or queues the
 reservation until blocks free; the producer runs chunked prefill under the engine's rules

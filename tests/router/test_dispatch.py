@@ -1,4 +1,4 @@
-"""The request flow against scripted in-process workers (DESIGN.md section 2)."""
+"""The request flow against scripted in-process workers (docs/architecture.md)."""
 
 from __future__ import annotations
 
