@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole `-m gpu` suite in one device call (kind nvidia-h200-x2: the transfer tests need
-# two GPUs), with the wheels the device lacks carried in .whl (../shared/gpu/wheels.sh, plus
+# two GPUs), with the wheels the device lacks carried in .whl (pyzmq, ucxx for CUDA 13, grpcio 1.84.2 with health and reflection,
 # gguf). Only the folders that hold gpu tests are collected (the device lacks some of the
 # other suites' client packages, e.g. openai). Logs go to OUT; the summary lines are what bench/results/gpu_suite.txt records.
 #   bash bench/gpu_suite.sh OUT_DIR
