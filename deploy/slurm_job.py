@@ -64,11 +64,21 @@ def plan(env: dict[str, str], nodes: list[str], addrs: dict[str, str],
     cfg = load_cluster_config(env["PDSERVE_CONFIG"]).values if env.get("PDSERVE_CONFIG") else {}
     pn = _int_env(env, "PDSERVE_PRODUCER_NODES", 1)
     cn = _int_env(env, "PDSERVE_CONSUMER_NODES", 1)
-    if pn < 1 or cn < 1:
-        raise ValueError("PDSERVE_PRODUCER_NODES/PDSERVE_CONSUMER_NODES: must be >= 1")
-    if len(nodes) < 1 + pn + cn:
-        raise ValueError(f"PDSERVE_PRODUCER_NODES/PDSERVE_CONSUMER_NODES: {pn} + {cn} nodes "
-                         f"and the router's need {1 + pn + cn}; the job has {len(nodes)}")
+    zn = _int_env(env, "PDSERVE_COLOCATED_NODES", 0)
+    if min(pn, cn, zn) < 0:
+        raise ValueError("PDSERVE_PRODUCER_NODES/PDSERVE_CONSUMER_NODES/"
+                         "PDSERVE_COLOCATED_NODES: must be >= 0")
+    # a producer without a consumer (or the reverse) could never finish a request
+    if (pn == 0) != (cn == 0) or pn + cn + zn == 0:
+        raise ValueError("PDSERVE_PRODUCER_NODES/PDSERVE_CONSUMER_NODES: producers and "
+                         "consumers come together (both >= 1, or both 0 with "
+                         "PDSERVE_COLOCATED_NODES >= 1)")
+    if len(nodes) < 1 + pn + cn + zn:
+        names, counts = "PDSERVE_PRODUCER_NODES/PDSERVE_CONSUMER_NODES", f"{pn} + {cn}"
+        if zn:
+            names, counts = names + "/PDSERVE_COLOCATED_NODES", counts + f" + {zn}"
+        raise ValueError(f"{names}: {counts} nodes and the router's need {1 + pn + cn + zn}; "
+                         f"the job has {len(nodes)}")
     gpus = gpus_on_node(env)
     per_node = _int_env(env, "PDSERVE_WORKERS_PER_NODE", max(gpus, 1))
     devices = [d for d in cfg.get("devices", "").split(",") if d] or \
@@ -91,7 +101,8 @@ def plan(env: dict[str, str], nodes: list[str], addrs: dict[str, str],
                                           str(http), "--model", model, "--policy",
                                           cfg.get("policy", "round_robin")))]
     roles = [("producer", n) for n in nodes[1:1 + pn]] + \
-        [("consumer", n) for n in nodes[1 + pn:1 + pn + cn]]
+        [("consumer", n) for n in nodes[1 + pn:1 + pn + cn]] + \
+        [("colocated", n) for n in nodes[1 + pn + cn:1 + pn + cn + zn]]
     for role, node in roles:
         for k in range(per_node):
             wid = f"{role}-{node}-{k}"
@@ -111,7 +122,7 @@ def _healthy(router: str) -> dict[str, list[str]]:
     with grpc.insecure_channel(router) as ch:
         status = router_pb2_grpc.RouterStub(ch).ClusterStatus(
             router_pb2.ClusterStatusRequest(), timeout=3)
-    out: dict[str, list[str]] = {"producer": [], "consumer": []}
+    out: dict[str, list[str]] = {"producer": [], "consumer": [], "colocated": []}
     for w in status.workers:
         if w.healthy and ROLE_NAMES.get(w.role) in out:
             out[ROLE_NAMES[w.role]].append(w.address)
@@ -157,11 +168,12 @@ def main() -> int:
                 up = _healthy(endpoints["grpc"])
             except Exception:  # noqa: BLE001 - the router is still starting
                 continue
-            if len(up["producer"]) + len(up["consumer"]) >= want:
+            if sum(len(v) for v in up.values()) >= want:
                 tmp = endpoint_file + ".tmp"
                 with open(tmp, "w") as f:
                     json.dump({**endpoints, "producers": sorted(up["producer"]),
-                               "consumers": sorted(up["consumer"])}, f)
+                               "consumers": sorted(up["consumer"]),
+                               "colocated": sorted(up["colocated"])}, f)
                 os.replace(tmp, endpoint_file)  # readers never see half a file
                 written = True
                 print(f"pdserve: ready; endpoints in {endpoint_file}", flush=True)

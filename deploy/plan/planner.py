@@ -118,12 +118,19 @@ def fewest_gpus(profile: Profile, max_gpus: int, workload: Workload, slos: Slos,
     return {**result, "met": False}
 
 
+def _slurm_model(model: str) -> str:
+    return "" if model in ("", "smollm2") else f" PDSERVE_MODEL={model}"
+
+
 def launch_lines(best: dict[str, Any], model: str, policy: str) -> list[str]:
     x, y, z = best["producers"], best["consumers"], best["colocated"]
     m = "" if model in ("", "smollm2") else f" --model {model}"
     return [f"pdserve launch --producers {x} --consumers {y} --colocated {z}{m} "
             f"--policy {policy}",
-            f"SLURM: PDSERVE_PRODUCERS={x} PDSERVE_CONSUMERS={y} PDSERVE_COLOCATED={z}",
+            # one worker per node, so the job needs a node per worker plus the router's
+            f"SLURM: PDSERVE_PRODUCER_NODES={x} PDSERVE_CONSUMER_NODES={y} "
+            f"PDSERVE_COLOCATED_NODES={z} PDSERVE_WORKERS_PER_NODE=1{_slurm_model(model)} "
+            f"sbatch --nodes={1 + x + y + z} deploy/slurm/pdserve.sbatch",
             f'config: {{"producers": {x}, "consumers": {y}, "colocated": {z}, '
             f'"policy": "{policy}"}}']
 

@@ -55,3 +55,36 @@ def test_bad_model_and_port_are_refused_before_any_step() -> None:
         plan({"PDSERVE_MODEL": "/nonexistent"}, NODES, ADDRS, "py")
     with pytest.raises(ValueError, match="PDSERVE_GRPC_PORT: 99999 is not a port"):
         plan({"PDSERVE_GRPC_PORT": "99999"}, NODES, ADDRS, "py")
+
+
+def test_colocated_nodes_follow_the_consumers_and_an_all_colocated_job_is_allowed() -> None:
+    places, _ = plan({"PDSERVE_COLOCATED_NODES": "1"}, NODES, ADDRS, "py")
+    assert [(p.name, p.node) for p in places] == [
+        ("router", "a1"), ("producer-a2-0", "a2"), ("consumer-a3-0", "a3"),
+        ("colocated-a4-0", "a4")]
+    assert places[3].cmd[3] == "colocated"
+    env = {"PDSERVE_PRODUCER_NODES": "0", "PDSERVE_CONSUMER_NODES": "0",
+           "PDSERVE_COLOCATED_NODES": "2"}
+    places, _ = plan(env, NODES[:3], ADDRS, "py")
+    assert [p.cmd[3] for p in places[1:]] == ["colocated", "colocated"]
+    with pytest.raises(ValueError, match="producers and consumers come together"):
+        plan({"PDSERVE_PRODUCER_NODES": "0", "PDSERVE_COLOCATED_NODES": "1"}, NODES, ADDRS,
+             "py")
+
+
+@pytest.mark.parametrize("split", [(1, 1, 0), (2, 1, 1), (0, 0, 3)])
+def test_the_planners_slurm_line_is_what_the_driver_reads(split: tuple[int, int, int]) -> None:
+    """`pdserve plan` prints a SLURM line; its variables must place exactly the planned split."""
+    from deploy.plan.planner import launch_lines
+
+    x, y, z = split
+    line = next(v for v in launch_lines({"producers": x, "consumers": y, "colocated": z},
+                                        "smollm2", "round_robin") if v.startswith("SLURM: "))
+    words = line.removeprefix("SLURM: ").split()
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.startswith("PDSERVE_"))
+    n_nodes = int(next(w for w in words if w.startswith("--nodes=")).split("=")[1])
+    nodes = [f"n{i}" for i in range(n_nodes)]
+    places, _ = plan(env, nodes, {n: f"10.1.0.{i}" for i, n in enumerate(nodes)}, "py")
+    roles = [p.cmd[3] for p in places[1:]]
+    assert (roles.count("producer"), roles.count("consumer"), roles.count("colocated")) == split
+    assert len({p.node for p in places}) == n_nodes  # no node left idle, none shared
