@@ -13,7 +13,8 @@ import torch
 from engine.attention import kernels_for
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_source import model_display_name, resolve_model
+from engine.model_identity import model_identity
+from engine.model_source import resolve_model
 from engine.outputs import RequestOutput
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -40,7 +41,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         from engine.tokenizer import Tokenizer
 
         tokenizer = Tokenizer.from_source(path)
-    return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path))
+    # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
+    identity = model_identity(path, config.load_format, config.seed)
+    return LLMEngine(config, model_cfg, model, tokenizer, identity)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from deploy.plan.transfer_probe import measure_transfer_GBps
 from engine.config import EngineConfig
 from engine.llm import build_engine
 from engine.llm_engine import LLMEngine
+from engine.model_source import EMBEDDED_NAME
 from engine.sampling_params import SamplingParams
 
 TOKEN_ID = 1000  # any ordinary id (below the vocabulary size): the cost does not depend on it
@@ -109,7 +110,8 @@ def measure_profile(config: EngineConfig, grid: Grid, transfer_backend: str = "u
     gbps = measure_transfer_GBps(dataclasses.replace(layout, num_blocks=1),
                                  tokens=max(tokens), backend=transfer_backend)
     log(f"transfer: {gbps:.3f} GB/s")
-    return Profile(model=engine.layout.model, device=str(engine.device),
+    # the --model value as given: the plan's launch line repeats it (layout.model is a digest)
+    return Profile(model=config.model or EMBEDDED_NAME, device=str(engine.device),
                    block_size=config.block_size,
                    prefill=PrefillCurve(tokens, tuple(pms)),
                    decode=DecodeGrid(batch, ctx, tuple(tuple(r) for r in rows)),

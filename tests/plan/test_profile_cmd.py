@@ -25,6 +25,7 @@ def test_profile_command_measures_a_real_worker(tmp_path, capsys):
     assert p.kv_capacity_tokens == 1024 * 16
     assert p.transfer_GBps > 0
     assert p.device == "cpu" and p.block_size == 16
+    assert p.model == model  # what the launch line must repeat, not the KV digest
 
 
 def test_profile_command_rejects_a_bad_grid(tmp_path, capsys):
