@@ -22,5 +22,5 @@ git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 # which parallel workers on the same GPU would change
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_decode_graphs.py \
   2>&1 | tee "$out/graphs.log" | tail -3
-python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/kernels tests/engine tests/transfer \
+python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 tests/kernels tests/engine tests/transfer tests/gpu_cluster \
   --deselect tests/engine/test_decode_graphs.py 2>&1 | tee "$out/rest.log" | tail -25

@@ -14,7 +14,7 @@ from engine.attention import kernels_for
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_identity import model_identity
-from engine.model_source import resolve_model
+from engine.model_source import model_display_name, resolve_model
 from engine.outputs import RequestOutput
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -43,7 +43,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         tokenizer = Tokenizer.from_source(path)
     # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
     identity = model_identity(path, config.load_format, config.seed)
-    return LLMEngine(config, model_cfg, model, tokenizer, identity)
+    return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path), identity)
 
 
 @dataclass

@@ -37,14 +37,18 @@ TraceHook = Callable[[str, int], None]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
-                 tokenizer: Tokenizer | None, model_name: str) -> None:
+                 tokenizer: Tokenizer | None, model_name: str,
+                 model_identity: str | None = None) -> None:
+        """model_name: what the model is called (registration, logs); model_identity: what
+        the KV fingerprint compares (engine/model_identity.py; default: the name)."""
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
+        self.model_name = model_name
         self.device = torch.device(config.device)
         self.max_model_len = _max_model_len(config, model_cfg)
         self.layout = KVLayout(
-            model=model_name, dtype=config.dtype, block_size=config.block_size,
+            model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, num_blocks=1)
         # Never more than every seat filled to max_model_len could use.
