@@ -32,6 +32,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     path = _model_path(config)
     model_cfg = read_model_config(path)
     device = torch.device(config.device)
+    if device.type == "cuda" and device.index is not None:
+        # Triton launches on the thread's current device, not the tensors': an engine on
+        # cuda:1 built and stepped by a thread still on cuda:0 fails its first kernel
+        torch.cuda.set_device(device)
     kernels = kernels_for(device, force_reference=bool(config.extra.get("reference_kernels")))
     max_len = config.max_model_len or min(model_cfg.max_position_embeddings, 8192)
     model = build_model(path, model_cfg, kernels, device, config.dtype, config.load_format,
