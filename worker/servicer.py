@@ -16,6 +16,7 @@ import zmq
 import zmq.asyncio
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from engine.request_limits import check_request_id
 from worker import ipc
 from worker.convert import ModelLimits, checked_request
 from worker.messages import (
@@ -184,6 +185,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(self, request: worker_pb2.WorkerAbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:
         await self._check_token(context)
+        try:
+            check_request_id(request.request_id)
+        except ValueError as e:
+            self._count("abort", "invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         known = request.request_id in self.bridge.queues
         self.bridge.send(AbortCmd(request.request_id))
         return worker_pb2.WorkerAbortResponse(ok=known)

@@ -113,7 +113,11 @@ def test_malformed_decode_is_invalid_argument_counted_and_worker_keeps_serving(
     code, details, _, _ = decode(stub, f"seed-{wid}", [HI], sp(max_tokens=2), colocated,
                                  seed=2**63)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("seed:"), details
-    assert invalid_count(cluster_pdc, wid) - before == len(BAD_DECODES) + 2
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Abort(worker_pb2.WorkerAbortRequest(request_id="y" * 300), timeout=10)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (e.value.details() or "").startswith("request_id:")
+    assert invalid_count(cluster_pdc, wid) - before == len(BAD_DECODES) + 3
     if colocated:  # a good request after: the engine is alive and serving
         code, details, toks, finish = decode(stub, f"good-{wid}", [HI, 5, 6],
                                              sp(max_tokens=3, temperature=0, ignore_eos=True,
