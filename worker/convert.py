@@ -20,7 +20,6 @@ _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "": common_pb2.FINISH_REA
            "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
 
 
-
 @dataclass(frozen=True)
 class ModelLimits:
     """What a request is checked against: the engine's model (from its ready report)."""
