@@ -81,3 +81,31 @@ def test_huge_prompt_flood_is_bounded_and_refused_clearly(pools: list[TokenizePo
             assert await grpc_outcome(cl, HUGE) == (grpc.StatusCode.OK, "", ())
 
     run(main(), timeout=120)
+
+
+def test_a_client_leaving_does_not_free_its_slot_before_its_thread_is_done() -> None:
+    import threading
+
+    from router.admission import Overloaded
+
+    async def main() -> None:
+        pool = TokenizePool(threads=1, max_pending=1, max_chars=100)
+        release = threading.Event()
+        first = asyncio.ensure_future(pool.run(10, lambda: release.wait(10)))
+        await asyncio.sleep(0.05)
+        first.cancel()  # the client hung up; its text is still being tokenized
+        with pytest.raises(Overloaded, match="at most 1"):
+            await pool.run(10, lambda: 1)
+        with pytest.raises(Overloaded):  # the character bound, on its own
+            await TokenizePool(max_chars=100).run(101, lambda: 1)
+        release.set()
+        for _ in range(100):
+            if pool.pending == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert pool.pending == 0 and pool.chars == 0
+        assert await pool.run(10, lambda: 7) == 7
+        assert pool.refused == 1
+        pool.close()
+
+    run(main(), timeout=30)
