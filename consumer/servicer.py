@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve.v1 import common_pb2, worker_pb2
 
-from worker.convert import sampling_to_wire, tokens_pb
+from worker.convert import tokens_pb
 from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent, TokensEvent
 from worker.servicer import WorkerServicer
 
@@ -18,10 +18,11 @@ class ConsumerServicer(WorkerServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.DecodeOutput]:
         await self._check_token(context)
         rid = request.request_id
+        wire = await self._admit("decode", rid, request.prompt_token_ids, request.sampling,
+                                 request.seed, context)
         q = await self._open(rid, context)
-        self.bridge.send(DecodeCmd(rid, tuple(request.prompt_token_ids),
-                                   sampling_to_wire(request.sampling, request.seed),
-                                   request.colocated))
+        await self._start("decode", rid, DecodeCmd(rid, tuple(request.prompt_token_ids), wire,
+                                                   request.colocated), context)
         done = False
         outcome = "cancelled"
         try:

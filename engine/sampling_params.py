@@ -1,11 +1,17 @@
-"""Per-request sampling parameters, validated on construction with errors naming the field."""
+"""Per-request sampling parameters, validated on construction with errors naming the field.
+
+The fields' types, ranges and defaults are the table in ``engine.sampling_fields``; the
+defaults below are checked against it by a unit test."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_LOGPROBS = 20
+from engine import sampling_fields
+from engine.sampling_fields import MAX_LOGPROBS
+
+__all__ = ["MAX_LOGPROBS", "SamplingParams"]
 
 
 @dataclass
@@ -37,51 +43,8 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
-
-        for name in ("max_tokens", "min_tokens", "top_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise bad(name, "must be an integer")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v != v:
-                raise bad(name, "must be a number")
-        if self.max_tokens < 1:
-            raise bad("max_tokens", "must be >= 1")
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise bad("min_tokens", "must be in [0, max_tokens]")
-        if self.temperature < 0:
-            raise bad("temperature", "must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            raise bad("top_k", "must be -1, 0 (off) or positive")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise bad(name, "must be in [-2, 2]")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-            raise bad("stop", "must be a string or a list of strings")
-        if any(s == "" for s in self.stop):
-            raise bad("stop", "stop strings must not be empty")
-        if not isinstance(self.stop_token_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0
-            for t in self.stop_token_ids
-        ):
-            raise bad("stop_token_ids", "must be a list of non-negative integers")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
-            raise bad("seed", "must be an integer in [0, 2**63)")
-        if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        """ValueError naming the first bad field (the rules are engine.sampling_fields')."""
+        sampling_fields.check(self.__dict__)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields, for handing a request's sampling state to another node."""

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve.v1 import worker_pb2
 
-from worker.convert import finish_reason_pb, sampling_to_wire, token_logprob
+from worker.convert import finish_reason_pb, token_logprob
 from worker.messages import (
     AbortCmd,
     DestinationCmd,
@@ -34,10 +34,12 @@ class ProducerServicer(WorkerServicer):
             return
         req = first.request
         rid = req.request_id
+        wire = await self._admit("prefill", rid, req.prompt_token_ids, req.sampling, req.seed,
+                                 context)
         q = await self._open(rid, context)
         received = time.time_ns()
-        self.bridge.send(PrefillCmd(rid, tuple(req.prompt_token_ids),
-                                    sampling_to_wire(req.sampling, req.seed), received))
+        await self._start("prefill", rid,
+                          PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received), context)
 
         async def destinations() -> None:
             async for msg in request_iterator:

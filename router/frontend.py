@@ -8,7 +8,7 @@ status (gRPC code, HTTP status) before anything was sent.
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -19,6 +19,7 @@ from router.admission import Admission
 from router.dispatcher import Dispatcher, no_workers_message
 from router.metrics import RouterMetrics
 from router.registry import Registry
+from router.tokenize_pool import TokenizePool
 from router.validation import (
     PreparedRequest,
     RequestError,
@@ -29,15 +30,16 @@ from router.validation import (
     prepare,
 )
 
-# Inputs larger than this are tokenized on a thread: a long prompt's chat template and
-# BPE would otherwise hold the event loop, delaying other requests' token 0.
+# Inputs larger than this are tokenized on a thread of a bounded pool: a long prompt's chat
+# template and BPE would otherwise hold the event loop, delaying other requests' token 0.
 OFFLOOP_TOKENIZE_CHARS = 8192
 
 
 class Frontend:
     def __init__(self, dispatcher: Dispatcher, registry: Registry, tokenizer: Tokenizer,
                  model_id: str, model_names: set[str], max_tokens_limit: int,
-                 admission: Admission, metrics: RouterMetrics) -> None:
+                 admission: Admission, metrics: RouterMetrics,
+                 tokenize_pool: TokenizePool | None = None) -> None:
         self.dispatcher = dispatcher
         self.registry = registry
         self.tokenizer = tokenizer
@@ -46,6 +48,8 @@ class Frontend:
         self.max_tokens_limit = max_tokens_limit
         self.admission = admission
         self.metrics = metrics
+        self.tokenize_pool = tokenize_pool or TokenizePool(
+            retry_after_s=admission.retry_after_s)
 
     async def generate(self, request: router_pb2.GenerateRequest, received_ns: int, api: str,
                        *, fill_max_tokens: bool = False
@@ -73,9 +77,14 @@ class Frontend:
 
     async def _prepare(self, request: router_pb2.GenerateRequest,
                        fill_max_tokens: bool) -> PreparedRequest:
-        if input_size(request) > OFFLOOP_TOKENIZE_CHARS:
-            prep = await asyncio.to_thread(prepare, request, self.tokenizer, self.model_names,
-                                           max_tokens_limit=self.max_tokens_limit)
+        size = input_size(request)
+        if size > OFFLOOP_TOKENIZE_CHARS:
+            if not self.registry.serving():  # refuse before the expensive part
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   no_workers_message(self.registry))
+            prep = await self.tokenize_pool.run(size, functools.partial(
+                prepare, request, self.tokenizer, self.model_names,
+                max_tokens_limit=self.max_tokens_limit))
         else:
             prep = prepare(request, self.tokenizer, self.model_names,
                            max_tokens_limit=self.max_tokens_limit)

@@ -13,11 +13,10 @@ from typing import Any
 
 from pdserve.v1 import common_pb2, router_pb2
 
-from engine.sampling_params import MAX_LOGPROBS
+from engine.sampling_fields import MAX_LOGPROBS, MAX_STOP
 from router.http_errors import bad_field
 
 U32 = (1 << 32) - 1
-MAX_STOP = 16  # stop strings per request: each is checked after every token
 COMPLETION_MAX_LOGPROBS = 5  # the completions API's own limit
 # Non-OpenAI sampling fields accepted as extensions (same names as vLLM's), with the proto
 # field each sets and its type: "int", "u32", "num" or "bool".

@@ -15,16 +15,12 @@ from dataclasses import dataclass
 import grpc
 from pdserve.v1 import common_pb2, router_pb2
 
+from engine.request_limits import check_ids, check_lengths, check_request_id
+from engine.sampling_fields import wire_values
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "user", "assistant")
-MAX_REQUEST_ID_LEN = 256
-# Proto fields whose presence is tracked (optional): unset means "engine default".
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs",
-             "skip_special_tokens")
-_PLAIN = ("min_tokens", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-          "ignore_eos", "include_stop_str_in_output")
 
 
 class RequestError(Exception):
@@ -50,13 +46,10 @@ class PreparedRequest:
 
 
 def engine_params(s: common_pb2.SamplingParams) -> SamplingParams:
-    """The engine's SamplingParams for a proto one; ValueError("sampling.<field>: ...")."""
-    kw: dict[str, object] = {n: getattr(s, n) for n in _OPTIONAL if s.HasField(n)}
-    kw.update({n: getattr(s, n) for n in _PLAIN})
-    kw["stop"] = list(s.stop)
-    kw["stop_token_ids"] = list(s.stop_token_ids)
+    """The engine's SamplingParams for a proto one, read through the same table (float32
+    rounding included) as the worker's conversion; ValueError("sampling.<field>: ...")."""
     try:
-        return SamplingParams(**kw)  # type: ignore[arg-type]
+        return SamplingParams(**wire_values(s))
     except ValueError as e:
         raise ValueError(f"sampling.{e}") from e
 
@@ -65,8 +58,10 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
             *, max_tokens_limit: int, draw_seed: Callable[[], int] | None = None
             ) -> PreparedRequest:
     """Everything that needs no worker: id, model, sampling, tokenization."""
-    if len(req.request_id) > MAX_REQUEST_ID_LEN:
-        raise invalid(f"request_id: at most {MAX_REQUEST_ID_LEN} characters")
+    try:
+        check_request_id(req.request_id)
+    except ValueError as e:
+        raise invalid(str(e)) from e
     if req.model and req.model not in model_names:
         raise invalid(f"model: {req.model!r} is not served here (served: "
                       f"{', '.join(sorted(model_names))})")
@@ -77,11 +72,10 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
     if params.max_tokens > max_tokens_limit:
         raise invalid(f"sampling.max_tokens: must be <= {max_tokens_limit}, "
                       f"got {params.max_tokens}")
-    vocab = tokenizer.vocab_size
-    for i, t in enumerate(params.stop_token_ids):
-        if t >= vocab:
-            raise invalid(f"sampling.stop_token_ids[{i}]: token id {t} is outside the "
-                          f"vocabulary (size {vocab})")
+    try:
+        check_ids(params.stop_token_ids, tokenizer.vocab_size, "sampling.stop_token_ids")
+    except ValueError as e:
+        raise invalid(str(e)) from e
     ids = _tokenize(req, tokenizer)
     if params.seed is not None:
         seed = params.seed
@@ -94,13 +88,11 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
 
 def check_length(prep: PreparedRequest, max_model_len: int) -> None:
     """The engine's own admission rule, applied before any worker sees the request."""
-    n = len(prep.prompt_token_ids)
-    if n >= max_model_len:
-        raise invalid(f"prompt: {n} tokens, max_model_len is {max_model_len} (room for one "
-                      f"output token needed)")
-    if n + prep.params.max_tokens > max_model_len:
-        raise invalid(f"sampling.max_tokens: prompt ({n} tokens) + max_tokens "
-                      f"({prep.params.max_tokens}) exceeds max_model_len ({max_model_len})")
+    try:
+        check_lengths(len(prep.prompt_token_ids), prep.params.max_tokens, max_model_len,
+                      max_tokens_field="sampling.max_tokens")
+    except ValueError as e:
+        raise invalid(str(e)) from e
 
 
 def input_size(req: router_pb2.GenerateRequest) -> int:
@@ -129,11 +121,10 @@ def _tokenize(req: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int
         ids = list(req.prompt_token_ids.ids)
         if not ids:
             raise invalid("prompt_token_ids: must not be empty")
-        vocab = tokenizer.vocab_size
-        for i, t in enumerate(ids):
-            if t >= vocab:
-                raise invalid(f"prompt_token_ids[{i}]: token id {t} is outside the "
-                              f"vocabulary (size {vocab})")
+        try:
+            check_ids(ids, tokenizer.vocab_size, "prompt_token_ids")
+        except ValueError as e:
+            raise invalid(str(e)) from e
         return ids
     if not ids:
         raise invalid(f"{kind}: encodes to no tokens")

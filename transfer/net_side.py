@@ -33,6 +33,9 @@ from transfer.wire import MAX_FRAME_BYTES, Kind, MalformedMessage, Message
 
 log = logging.getLogger("pdserve.transfer")
 MAX_VETTING = 8  # handshakes whose data-plane info is being vetted at once
+# Control frames a socket holds unsent/unread per peer: a peer that stops reading is cut off
+# at this mark (the sender drops the connection on EAGAIN) instead of growing our memory.
+CONTROL_HWM = 4096
 LOG_EVERY_S = 1.0  # a flood of bad frames logs one line a second per side, with a count
 
 R = TypeVar("R", bound=Record[Any])
@@ -148,6 +151,8 @@ class NetSide(IOLoop, Generic[R]):
         sock = self.zctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.SNDHWM, CONTROL_HWM)
+        sock.setsockopt(zmq.RCVHWM, CONTROL_HWM)
         curve.secure(sock, self.config, server=kind == zmq.ROUTER)
         return sock
 

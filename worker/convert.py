@@ -1,24 +1,31 @@
-"""Conversions between protobuf messages and the engine-process wire dicts."""
+"""Conversions between protobuf messages and the engine-process wire dicts, and the checks
+a request must pass at a worker's gRPC door before its engine sees it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.v1 import common_pb2, worker_pb2
 
 from engine.request import LogprobRow
+from engine.request_limits import check_ids, check_lengths, check_request_id
+from engine.sampling_fields import SEED_LIMIT, wire_values
+from engine.sampling_params import SamplingParams
 from worker.messages import TokensEvent
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "": common_pb2.FINISH_REASON_UNSPECIFIED,
            "stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
            "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
 
-# Proto fields copied as they are; the optional ones only when the client set them, so the
-# engine's defaults apply otherwise.
-_PLAIN = ("min_tokens", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-          "ignore_eos", "include_stop_str_in_output")
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "repetition_penalty", "logprobs",
-             "skip_special_tokens")
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a request is checked against: the engine's model (from its ready report)."""
+
+    vocab_size: int
+    max_model_len: int
 
 
 def finish_reason_pb(name: str | None) -> int:
@@ -26,17 +33,38 @@ def finish_reason_pb(name: str | None) -> int:
 
 
 def sampling_to_wire(p: common_pb2.SamplingParams, seed: int) -> dict[str, Any]:
-    d: dict[str, Any] = {f: getattr(p, f) for f in _PLAIN}
-    for f in _OPTIONAL:
-        if p.HasField(f):
-            d[f] = getattr(p, f)
-    for f in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-              "presence_penalty"):
-        if f in d:  # float32 on the wire: round to what the client most likely meant
-            d[f] = float(f"{d[f]:.6g}")
-    d["stop"] = list(p.stop)
-    d["stop_token_ids"] = list(p.stop_token_ids)
+    """The engine's values (the same table and float32 rounding the router validated with),
+    with the request's resolved seed."""
+    d = wire_values(p)
     d["seed"] = int(seed)
+    return d
+
+
+def checked_request(rid: str, prompt_ids: Sequence[int], p: common_pb2.SamplingParams,
+                    seed: int, limits: ModelLimits) -> dict[str, Any]:
+    """The engine's sampling dict for a Prefill/Decode request, after every check the engine
+    relies on; ValueError("<field>: ...") names the wire field at fault. The same checks as
+    the router's (engine.sampling_fields, engine.request_limits): the worker's gRPC takes
+    calls from anyone holding the cluster token, not only the router."""
+    if not rid:
+        raise ValueError("request_id: required")
+    check_request_id(rid)
+    if not prompt_ids:
+        raise ValueError("prompt_token_ids: must not be empty")
+    check_ids(prompt_ids, limits.vocab_size, "prompt_token_ids")
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed: must be an integer in [0, 2**63), got {seed}")
+    d = sampling_to_wire(p, seed)
+    try:
+        params = SamplingParams(**d)
+    except ValueError as e:
+        raise ValueError(f"sampling.{e}") from e
+    check_ids(params.stop_token_ids, limits.vocab_size, "sampling.stop_token_ids")
+    if params.logprobs is not None and params.logprobs > limits.vocab_size:
+        raise ValueError(f"sampling.logprobs: at most the vocabulary size "
+                         f"({limits.vocab_size}), got {params.logprobs}")
+    check_lengths(len(prompt_ids), params.max_tokens, limits.max_model_len,
+                  prompt_field="prompt_token_ids", max_tokens_field="sampling.max_tokens")
     return d
 
 

@@ -13,6 +13,12 @@ from dataclasses import dataclass
 
 import zmq
 
+# Messages each side of the link may hold unsent/unread (ZMQ's high-water marks, set on
+# both ends): past it the engine's event send waits for the gRPC process (backpressure on
+# the engine, which only happens if that process stalls), and the gRPC process refuses
+# new requests (EngineBusy) instead of queueing them without bound.
+HWM = 10_000
+
 
 @dataclass(frozen=True)
 class IpcPaths:
@@ -34,6 +40,7 @@ class IpcPaths:
 
 def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, HWM)
     s.bind(endpoint)
     return s
 
@@ -41,5 +48,6 @@ def bind_pull(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
 def connect_push(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
     s = ctx.socket(zmq.PUSH)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, HWM)
     s.connect(endpoint)
     return s

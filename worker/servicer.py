@@ -8,14 +8,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 import zmq
 import zmq.asyncio
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from engine.request_limits import check_request_id
 from worker import ipc
+from worker.convert import ModelLimits, checked_request
 from worker.messages import (
     AbortCmd,
     Command,
@@ -29,11 +32,17 @@ from worker.messages import (
     rid_of,
 )
 from worker.metrics_server import WorkerMetrics
+from worker.request_queue import RequestQueue
 
 log = logging.getLogger("pdserve.worker")
 # gRPC metadata key carrying the cluster token on the router's calls (router/channels.py
 # sets it; the router must not import this package, so the name is written in both)
 CLUSTER_TOKEN_METADATA = "x-pdserve-cluster-token"
+
+
+class EngineBusy(Exception):
+    """The engine process has not taken the commands already sent (its ZMQ high-water mark
+    is reached): a new request is refused rather than queued without bound."""
 
 
 class EngineBridge:
@@ -42,22 +51,37 @@ class EngineBridge:
     def __init__(self, paths: ipc.IpcPaths) -> None:
         self.ctx = zmq.asyncio.Context()
         self.events = self.ctx.socket(zmq.PULL)
+        self.events.setsockopt(zmq.RCVHWM, ipc.HWM)
         self.events.bind(paths.events)
         self.commands = self.ctx.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.LINGER, 0)
+        self.commands.setsockopt(zmq.SNDHWM, ipc.HWM)
         self.commands.connect(paths.commands)
-        self.queues: dict[str, asyncio.Queue[Event]] = {}
+        self.queues: dict[str, RequestQueue] = {}
         self.load: dict[str, Any] = {}
         self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
 
     def send(self, cmd: Command) -> None:
+        """For commands about running requests (abort, destination, ...): never refused, so
+        an abort is never lost; at the high-water mark the send waits in the event loop."""
         self.commands.send(encode(cmd))
 
-    def open(self, rid: str) -> asyncio.Queue[Event]:
+    def send_new(self, cmd: Command) -> None:
+        """A new request's command; EngineBusy when the engine is that far behind."""
+        if not int(self.commands.get(zmq.EVENTS)) & zmq.POLLOUT:  # type: ignore[arg-type]
+            raise EngineBusy(f"the engine process is {ipc.HWM} commands behind; retry later")
+        self.commands.send(encode(cmd))
+
+    @property
+    def limits(self) -> ModelLimits:
+        info = self.ready.result()
+        return ModelLimits(int(info["vocab_size"]), int(info["max_model_len"]))
+
+    def open(self, rid: str) -> RequestQueue:
         if rid in self.queues:
             raise ValueError(f"request_id: {rid!r} is already running on this worker")
-        q: asyncio.Queue[Event] = asyncio.Queue()
+        q = RequestQueue(rid)
         self.queues[rid] = q
         return q
 
@@ -121,8 +145,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.metrics is not None:
             self.metrics.requests.labels(rpc, outcome).inc()
 
+    async def _admit(self, rpc: str, rid: str, prompt_ids: Sequence[int],
+                     sampling: common_pb2.SamplingParams, seed: int,
+                     context: grpc.aio.ServicerContext) -> dict[str, Any]:
+        """The engine's sampling dict, or INVALID_ARGUMENT naming the field (counted as the
+        rpc's "invalid" outcome): nothing the engine relies on reaches it unchecked."""
+        try:
+            return checked_request(rid, prompt_ids, sampling, seed, self.bridge.limits)
+        except ValueError as e:
+            self._count(rpc, "invalid")
+            log.warning("%s: refused a %s call from %s: %s", self.worker_id, rpc,
+                        context.peer(), e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise  # abort raises; this only tells the type checker
+
+    async def _start(self, rpc: str, rid: str, cmd: Command,
+                     context: grpc.aio.ServicerContext) -> None:
+        """Sends an opened request's first command, or closes it and answers
+        RESOURCE_EXHAUSTED when the engine process is a high-water mark behind."""
+        try:
+            self.bridge.send_new(cmd)
+        except EngineBusy as e:
+            self.bridge.close_request(rid)
+            self._count(rpc, "busy")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+
     async def _open(self, rid: str,
-                    context: grpc.aio.ServicerContext) -> asyncio.Queue[Event]:
+                    context: grpc.aio.ServicerContext) -> RequestQueue:
         if self.bridge.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.bridge.fatal)
         if not rid:
@@ -136,6 +185,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Abort(self, request: worker_pb2.WorkerAbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:
         await self._check_token(context)
+        try:
+            check_request_id(request.request_id)
+        except ValueError as e:
+            self._count("abort", "invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         known = request.request_id in self.bridge.queues
         self.bridge.send(AbortCmd(request.request_id))
         return worker_pb2.WorkerAbortResponse(ok=known)

@@ -19,3 +19,15 @@ def colocated_llm():  # type: ignore[no-untyped-def]
     from engine.llm import LLM
 
     return LLM(None, max_num_batched_tokens=128)
+
+
+@pytest.fixture(scope="session")
+def cluster_pdc(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """1P1D plus a colocated worker, with the HTTP door: the churn storm and the worker-gRPC
+    validation tests share it."""
+    c = start_cluster(tmp_path_factory, "cpdc", colocated=1, http_port=0,
+                      worker_args=("--max-num-batched-tokens", "128", "--kv-cache-mib", "96"),
+                      router_args=("--heartbeat-timeout", "5", "--max-running-requests", "8",
+                                   "--max-queued-requests", "64"))
+    yield c
+    c.stop()
