@@ -36,6 +36,8 @@ class KernelSet:
     rope: Callable[..., Any]
     name: str
     silu_and_mul: Callable[..., Any]
+    # greedy / temperature-only draws (kernels.ref_sample.sample_simple_ref's contract)
+    sample_simple: Callable[..., Any] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -50,17 +52,20 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         from kernels.triton_decode_attention import decode_attention
         from kernels.triton_norm import rms_norm, rope
         from kernels.triton_prefill_attention import prefill_attention
+        from kernels.triton_sample import sample_simple
         from kernels.triton_store_kv import store_kv
 
         return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
-                         silu_and_mul)
+                         silu_and_mul, sample_simple=sample_simple)
     from kernels.ref_act import silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref
     from kernels.ref_norm import rms_norm_ref, rope_ref
+    from kernels.ref_sample import sample_simple_ref
 
     return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
-                     rope_ref, "torch-reference", silu_and_mul_ref)
+                     rope_ref, "torch-reference", silu_and_mul_ref,
+                     sample_simple=sample_simple_ref)
 
 
 class PagedAttention:

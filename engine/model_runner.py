@@ -16,6 +16,7 @@ from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 
 
@@ -28,6 +29,13 @@ class InflightStep:
     out_index: list[int]  # where in requests[i].output_token_ids row i's token goes
     out: SamplerOutput
     launched_ns: int = 0  # wall clock right after the launch (on CPU the forward has run)
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy or temperature alone: what the simple sampler (and the graphs' head) draws."""
+    return (p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 and p.logprobs is None
+            and p.repetition_penalty == 1 and not p.frequency_penalty
+            and not p.presence_penalty)
 
 
 class ModelRunner:
@@ -52,6 +60,8 @@ class ModelRunner:
                                        and model.kernels.graph_safe)
             self.staging = DecodeStaging(self.graphs.max_batch, max_blocks, device)
             self.graphs.capture()
+        # the step output whose ids are in graphs.buf.sampled (None: nobody's)
+        self._sampled_holds: SamplerOutput | None = None
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -117,22 +127,24 @@ class ModelRunner:
             return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
         logits = self.model.compute_logits(hidden[self._tensor(sample_at, torch.int64)])
         batch = self._sampling_batch(samplers, prev, prev_rows)
-        return samplers, sample(logits, batch)
+        return samplers, self._sample(logits, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return sample(logits, batch, simple=self.model.kernels.sample_simple)
 
     def _execute_graph(self, chunks: list[ScheduledChunk],
                        prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
         """A pure-decode step: one loop over requests (not tokens) fills pinned staging, one
-        copy moves it, the graph replays; nothing here waits for the device."""
+        copy moves it, the graphs replay; nothing here waits for the device."""
         assert self.graphs is not None
         g, bs = self.graphs, self.block_size
         b = len(chunks)
         n = g.size_for(b)
         assert n is not None
-        st = self.staging.begin()
+        st, temps = self.staging.begin()
         prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
-        width = max(len(c.request.block_ids) for c in chunks)
-        table = self.staging.table(n, width)
         any_prev = False
+        simple = True  # every row samples greedily or with temperature alone
         samplers: list[Request] = []
         sample_rows: list[int] = []
         for i, c in enumerate(chunks):
@@ -147,27 +159,39 @@ class ModelRunner:
             st[1, i] = p
             st[2, i] = r.block_ids[p // bs] * bs + p % bs
             st[3, i] = p + 1
-            table[i, :len(r.block_ids)] = r.block_ids
+            st[5, i] = r.seed
+            st[6, i] = r.num_tokens
+            sp = r.params
+            temps[i] = 0.0 if sp.greedy else sp.temperature
+            self.staging.table_row(i, r.block_ids)
             if c.samples:
                 samplers.append(r)
                 sample_rows.append(i)
+                simple = simple and _plain(sp) and len(r.output_token_ids) >= sp.min_tokens
         st[:, b:n] = 0
         st[2, b:n] = -1  # padding rows write no KV; length 0 makes their attention empty
+        st[4, b:n] = -1
+        temps[b:n] = 0.0
         buf = g.buf
-        from_prev = self.staging.upload(n, width, buf.input_ids, buf.positions,
-                                        buf.slot_mapping, buf.seq_lens, buf.block_tables)
-        if any_prev:
-            assert prev is not None
-            fp = from_prev[:b]
-            ids = buf.input_ids[:b]
-            ids.copy_(torch.where(fp >= 0, prev.out.device_token_ids[fp.clamp(min=0)], ids))
+        self.staging.upload(buf.ints, buf.temperature, buf.block_tables)
+        if any_prev and self._sampled_holds is not (prev.out if prev else None):
+            assert prev is not None  # its ids are not in buf.sampled: put them there
+            ids = prev.out.device_token_ids
+            buf.sampled[:ids.shape[0]].copy_(ids)
         hidden = g.replay(n)
         if not samplers:
             return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+        if simple and len(sample_rows) == b:
+            ids = g.replay_head(n)[:b]
+            out = SamplerOutput(ids if ids.is_cuda else ids.clone())
+            # On CUDA the view stays valid for what reads it: the host copy queued next,
+            # and the next step, which reads it before its own head overwrites it.
+            self._sampled_holds = out
+            return samplers, out
         rows = hidden[:b] if len(sample_rows) == b else \
             hidden[self._tensor(sample_rows, torch.int64)]
         logits = self.model.compute_logits(rows)
-        return samplers, sample(logits, self._sampling_batch(samplers, prev, prev_rows))
+        return samplers, self._sample(logits, self._sampling_batch(samplers, prev, prev_rows))
 
     def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
                         prev_rows: dict[int, int]) -> SamplingBatch:

@@ -187,7 +187,7 @@ def decode_attention(
         return out
 
     dyn = max_seq_len is None
-    if dyn:
+    if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
         num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device, programs_per_sm)
