@@ -47,16 +47,16 @@ def _rope_store_kv_kernel(
     tl.store(dst, q1, mask=mask)
     tl.store(dst + HALF, q2, mask=mask)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:  # padding tokens (slot < 0) store nothing
-        k1, k2, h, d, mask = _rotate(k_ptr, s_kt, s_kh, t, cos, sin, HKV, HALF, BLOCK_HKV)
-        blk = slot // BS
-        cache = kv_ptr + blk * s_cb + (slot - blk * BS) * s_cs2 + h * s_ch + d
-        ty = kv_ptr.dtype.element_ty
-        tl.store(cache, k1.to(ty), mask=mask)
-        tl.store(cache + HALF, k2.to(ty), mask=mask)
-        vsrc = v_ptr + t * s_vt + h * s_vh + d
-        tl.store(cache + s_ckv, tl.load(vsrc, mask=mask).to(ty), mask=mask)
-        tl.store(cache + s_ckv + HALF, tl.load(vsrc + HALF, mask=mask).to(ty), mask=mask)
+    k1, k2, hk, dk, kmask = _rotate(k_ptr, s_kt, s_kh, t, cos, sin, HKV, HALF, BLOCK_HKV)
+    kmask = kmask & (slot >= 0)  # padding tokens (slot < 0) store nothing
+    blk = tl.maximum(slot, 0) // BS
+    cache = kv_ptr + blk * s_cb + (tl.maximum(slot, 0) - blk * BS) * s_cs2 + hk * s_ch + dk
+    ty = kv_ptr.dtype.element_ty
+    tl.store(cache, k1.to(ty), mask=kmask)
+    tl.store(cache + HALF, k2.to(ty), mask=kmask)
+    vsrc = v_ptr + t * s_vt + hk * s_vh + dk
+    tl.store(cache + s_ckv, tl.load(vsrc, mask=kmask).to(ty), mask=kmask)
+    tl.store(cache + s_ckv + HALF, tl.load(vsrc + HALF, mask=kmask).to(ty), mask=kmask)
 
 
 def rope_store_kv(
