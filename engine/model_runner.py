@@ -14,6 +14,7 @@ from engine.attention import AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
+from engine.penalty_state import PenaltyState
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class ModelRunner:
                                        and model.kernels.graph_safe)
             self.staging = DecodeStaging(self.graphs.max_batch, max_blocks, device)
             self.graphs.capture()
+        self.penalties = PenaltyState(self.vocab, device)
         # the step output whose ids are in graphs.buf.sampled (None: nobody's)
         self._sampled_holds: SamplerOutput | None = None
 
@@ -211,12 +213,14 @@ class ModelRunner:
             any_min_p=any(p.min_p > 0 for p in ps),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
-        if any(len(r.output_token_ids) < r.params.min_tokens for r in reqs):
-            banned = torch.zeros(len(reqs), self.vocab, dtype=torch.bool)
-            for i, r in enumerate(reqs):
-                if len(r.output_token_ids) < r.params.min_tokens:
-                    banned[i, self.eos + r.params.stop_token_ids] = True
-            b.banned = banned.to(self.device)
+        under = [(i, r) for i, r in enumerate(reqs)
+                 if len(r.output_token_ids) < r.params.min_tokens]
+        if under:  # the mask is made on the device; only (row, id) pairs cross
+            pairs = [(i, t) for i, r in under for t in self.eos + r.params.stop_token_ids]
+            b.banned = torch.zeros(len(reqs), self.vocab, dtype=torch.bool, device=self.device)
+            if pairs:
+                at = self._tensor(pairs, torch.int64)
+                b.banned[at[:, 0], at[:, 1]] = True
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
                for p in ps):
             self._penalty_state(b, reqs, prev, prev_rows)
@@ -224,28 +228,8 @@ class ModelRunner:
 
     def _penalty_state(self, b: SamplingBatch, reqs: list[Request], prev: InflightStep | None,
                        prev_rows: dict[int, int]) -> None:
-        n, v = len(reqs), self.vocab
-        counts = torch.zeros(n, v, dtype=torch.float32)
-        seen = torch.zeros(n, v, dtype=torch.bool)
-        pending_rows: list[int] = []
-        pending_from: list[int] = []
-        for i, r in enumerate(reqs):
-            known = [t for t in r.output_token_ids if t != PLACEHOLDER]
-            if known:
-                counts[i].index_add_(0, torch.tensor(known), torch.ones(len(known)))
-            seen[i, r.prompt_token_ids] = True
-            if len(known) < len(r.output_token_ids):  # one token still on the device
-                pending_rows.append(i)
-                pending_from.append(prev_rows[id(r)])
-        counts = counts.to(self.device)
-        if pending_rows:
-            assert prev is not None
-            rows = self._tensor(pending_rows, torch.int64)
-            toks = prev.out.device_token_ids[self._tensor(pending_from, torch.int64)]
-            counts.index_put_((rows, toks), torch.ones(len(pending_rows), device=self.device),
-                              accumulate=True)
-        b.output_counts = counts
-        b.seen_mask = seen.to(self.device) | (counts > 0)
+        prev_ids = prev.out.device_token_ids if prev else None
+        b.output_counts, b.seen_mask = self.penalties.tensors(reqs, prev_ids, prev_rows)
         b.repetition = self._tensor([r.params.repetition_penalty for r in reqs], torch.float32)
         b.frequency = self._tensor([r.params.frequency_penalty for r in reqs], torch.float32)
         b.presence = self._tensor([r.params.presence_penalty for r in reqs], torch.float32)
