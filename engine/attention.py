@@ -36,6 +36,10 @@ class KernelSet:
     rope: Callable[..., Any]
     name: str
     silu_and_mul: Callable[..., Any]
+    # greedy / temperature-only draws (kernels.ref_sample.sample_simple_ref's contract)
+    sample_simple: Callable[..., Any] | None = None
+    # RoPE fused with store_kv (kernels.ref_rope_kv.rope_store_kv_ref's contract)
+    rope_store_kv: Callable[..., Any] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -50,17 +54,22 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         from kernels.triton_decode_attention import decode_attention
         from kernels.triton_norm import rms_norm, rope
         from kernels.triton_prefill_attention import prefill_attention
+        from kernels.triton_rope_kv import rope_store_kv
+        from kernels.triton_sample import sample_simple
         from kernels.triton_store_kv import store_kv
 
         return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
-                         silu_and_mul)
+                         silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv)
     from kernels.ref_act import silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref
     from kernels.ref_norm import rms_norm_ref, rope_ref
+    from kernels.ref_rope_kv import rope_store_kv_ref
+    from kernels.ref_sample import sample_simple_ref
 
     return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
-                     rope_ref, "torch-reference", silu_and_mul_ref)
+                     rope_ref, "torch-reference", silu_and_mul_ref,
+                     sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref)
 
 
 class PagedAttention:
@@ -70,13 +79,20 @@ class PagedAttention:
 
     def __call__(
         self,
-        q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
+        q: torch.Tensor,  # [T, Hq, D], before RoPE
+        k: torch.Tensor,  # [T, Hkv, D], before RoPE
         v: torch.Tensor,  # [T, Hkv, D]
         kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
         meta: AttentionMetadata,
+        positions: torch.Tensor,  # [T]
+        cos_sin: torch.Tensor,  # [max_pos, D] float32
     ) -> torch.Tensor:  # [T, Hq, D]
-        self.k.store_kv(k, v, kv_layer, meta.slot_mapping)
+        """Rotates q and k, stores k and v (one fused kernel), then attends."""
+        if self.k.rope_store_kv is not None:
+            q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
+        else:
+            q, k = self.k.rope(q, k, positions, cos_sin)
+            self.k.store_kv(k, v, kv_layer, meta.slot_mapping)
         if meta.decode_only:
             return self.k.decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
                                            self.scale, max_seq_len=meta.max_seq_len)

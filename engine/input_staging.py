@@ -1,57 +1,84 @@
 """Pinned host staging for a decode step's inputs: filled by the host, copied to the device
 asynchronously, double-buffered so the host fills one while the last copy may still read
-the other."""
+the other.
+
+Block tables are mirrored: the device table keeps every row from earlier steps, and a step
+uploads only the entries that changed (a request's new block, or rows whose request
+changed), so a steady decode batch moves a few bytes of table per step, not B x W.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-ROWS = 5  # input ids, positions, slots, sequence lengths, row of the previous step (-1: none)
+from engine.decode_graphs import INT_ROWS
 
 
 class DecodeStaging:
     def __init__(self, max_batch: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.device = device
-        self._ints = [torch.zeros(ROWS, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.max_blocks = max_blocks
+        self._ints = [torch.zeros(INT_ROWS, max_batch, dtype=torch.int64, pin_memory=pin)
                       for _ in range(2)]
-        # flat: a step's [n, width] table is packed contiguously, so one plain copy moves it
-        self._tables = [torch.zeros(max_batch * max_blocks, dtype=torch.int32, pin_memory=pin)
-                        for _ in range(2)]
+        self._temps = [torch.zeros(max_batch, dtype=torch.float32, pin_memory=pin)
+                       for _ in range(2)]
+        # table changes: flat indices into the device table in [:K], block ids in [K:2K]
+        cap = max_batch * max_blocks
+        self._edits = [torch.zeros(2 * cap, dtype=torch.int64, pin_memory=pin)
+                       for _ in range(2)]
+        self._vals = np.zeros(cap, dtype=np.int64)
+        self._num_edits = 0
         self._done: list[torch.cuda.Event | None] = [None, None]
         self._slot = 0
+        # what each device table row holds: (the block list it was copied from, its length
+        # then). The mirror holds the list itself, so its id cannot be reused meanwhile.
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
 
-    def begin(self) -> np.ndarray:
-        """The next ints [5, N] numpy view to fill; waits only if the copy that last read
-        this slot has not run yet (it ran long ago unless the device lags far behind)."""
+    def begin(self) -> tuple[np.ndarray, np.ndarray]:
+        """The next ints [INT_ROWS, N] and temperatures [N] numpy views to fill; waits only
+        if the copy that last read this slot has not run yet (it ran long ago unless the
+        device lags far behind)."""
         self._slot ^= 1
         ev = self._done[self._slot]
         if ev is not None:
             ev.synchronize()
-        return self._ints[self._slot].numpy()
+        self._num_edits = 0
+        return self._ints[self._slot].numpy(), self._temps[self._slot].numpy()
 
-    def table(self, n: int, width: int) -> np.ndarray:
-        """This slot's [n, width] block-table view (zeroed), packed contiguously."""
-        t = self._tables[self._slot][: n * width].numpy().reshape(n, width)
-        t.fill(0)
-        return t
+    def invalidate_tables(self) -> None:
+        """Forget what the device table holds (its rows are rewritten on next use)."""
+        self._rows = [(None, 0)] * len(self._rows)
 
-    def upload(self, n: int, width: int, ids: torch.Tensor, pos: torch.Tensor,
-               slots: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor
-               ) -> torch.Tensor:
-        """Copies the first n rows (and width table columns) into the given device buffers;
-        returns the device copy of the previous-step rows [n] int64."""
-        dev = self._ints[self._slot].to(self.device, non_blocking=True)[:, :n]  # one copy
-        ids[:n].copy_(dev[0])
-        pos[:n].copy_(dev[1])
-        slots[:n].copy_(dev[2])
-        seq_lens[:n].copy_(dev[3])
-        if width:
-            t = self._tables[self._slot][: n * width].view(n, width)
-            tables[:n, :width].copy_(t.to(self.device, non_blocking=True))
+    def table_row(self, row: int, block_ids: list[int]) -> None:
+        """Row ``row`` of the device table must hold ``block_ids``. A request's block list
+        only ever grows in place (extend); freeing or reallocating assigns a new list, so
+        the same list object with at least as many entries has the same prefix."""
+        have_list, have = self._rows[row]
+        n = len(block_ids)
+        start = have if have_list is block_ids and have <= n else 0
+        if start == n:
+            return
+        k = self._num_edits
+        base = row * self.max_blocks
+        self._edits[self._slot].numpy()[k:k + n - start] = np.arange(base + start, base + n)
+        self._vals[k:k + n - start] = block_ids[start:]
+        self._num_edits = k + n - start
+        self._rows[row] = (block_ids, n)
+
+    def upload(self, ints: torch.Tensor, temperature: torch.Tensor,
+               tables: torch.Tensor) -> None:
+        """Copies the staged ints and temperatures, and applies the table edits."""
+        ints.copy_(self._ints[self._slot], non_blocking=True)
+        temperature.copy_(self._temps[self._slot], non_blocking=True)
+        k = self._num_edits
+        if k:
+            host = self._edits[self._slot]
+            host.numpy()[k:2 * k] = self._vals[:k]
+            e = host[:2 * k].to(self.device, non_blocking=True)  # one copy
+            tables.view(-1)[e[:k]] = e[k:].to(tables.dtype)
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
             self._done[self._slot] = ev
-        return dev[4]

@@ -20,10 +20,12 @@ def activation_bytes(cfg: ModelConfig, tokens: int, sample_rows: int, elem: int)
 
 def graph_bytes(config: EngineConfig, cfg: ModelConfig, elem: int) -> int:
     """The decode graphs' private pool: captured largest first and shared, so about one
-    max-batch decode step's activations, without logits (those run outside the graphs)."""
+    max-batch decode step's activations, plus the head graphs' logits in the model dtype
+    (the simple sampler reads them in place; other sampling runs outside the graphs)."""
     if config.enforce_eager:
         return 0
-    return activation_bytes(cfg, config.max_num_seqs, 0, elem)
+    logits = config.max_num_seqs * cfg.vocab_size * elem
+    return activation_bytes(cfg, config.max_num_seqs, 0, elem) + logits
 
 
 def kv_bytes_for_utilization(config: EngineConfig, cfg: ModelConfig,

@@ -14,8 +14,10 @@ from engine.attention import AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
+from engine.penalty_state import PenaltyState
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
 
 
@@ -28,6 +30,13 @@ class InflightStep:
     out_index: list[int]  # where in requests[i].output_token_ids row i's token goes
     out: SamplerOutput
     launched_ns: int = 0  # wall clock right after the launch (on CPU the forward has run)
+
+
+def _plain(p: SamplingParams) -> bool:
+    """Greedy or temperature alone: what the simple sampler (and the graphs' head) draws."""
+    return (p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 and p.logprobs is None
+            and p.repetition_penalty == 1 and not p.frequency_penalty
+            and not p.presence_penalty)
 
 
 class ModelRunner:
@@ -52,6 +61,9 @@ class ModelRunner:
                                        and model.kernels.graph_safe)
             self.staging = DecodeStaging(self.graphs.max_batch, max_blocks, device)
             self.graphs.capture()
+        self.penalties = PenaltyState(self.vocab, device)
+        # the step output whose ids are in graphs.buf.sampled (None: nobody's)
+        self._sampled_holds: SamplerOutput | None = None
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -117,22 +129,24 @@ class ModelRunner:
             return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
         logits = self.model.compute_logits(hidden[self._tensor(sample_at, torch.int64)])
         batch = self._sampling_batch(samplers, prev, prev_rows)
-        return samplers, sample(logits, batch)
+        return samplers, self._sample(logits, batch)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return sample(logits, batch, simple=self.model.kernels.sample_simple)
 
     def _execute_graph(self, chunks: list[ScheduledChunk],
                        prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
         """A pure-decode step: one loop over requests (not tokens) fills pinned staging, one
-        copy moves it, the graph replays; nothing here waits for the device."""
+        copy moves it, the graphs replay; nothing here waits for the device."""
         assert self.graphs is not None
         g, bs = self.graphs, self.block_size
         b = len(chunks)
         n = g.size_for(b)
         assert n is not None
-        st = self.staging.begin()
+        st, temps = self.staging.begin()
         prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
-        width = max(len(c.request.block_ids) for c in chunks)
-        table = self.staging.table(n, width)
         any_prev = False
+        simple = True  # every row samples greedily or with temperature alone
         samplers: list[Request] = []
         sample_rows: list[int] = []
         for i, c in enumerate(chunks):
@@ -147,27 +161,39 @@ class ModelRunner:
             st[1, i] = p
             st[2, i] = r.block_ids[p // bs] * bs + p % bs
             st[3, i] = p + 1
-            table[i, :len(r.block_ids)] = r.block_ids
+            st[5, i] = r.seed
+            st[6, i] = r.num_tokens
+            sp = r.params
+            temps[i] = 0.0 if sp.greedy else sp.temperature
+            self.staging.table_row(i, r.block_ids)
             if c.samples:
                 samplers.append(r)
                 sample_rows.append(i)
+                simple = simple and _plain(sp) and len(r.output_token_ids) >= sp.min_tokens
         st[:, b:n] = 0
         st[2, b:n] = -1  # padding rows write no KV; length 0 makes their attention empty
+        st[4, b:n] = -1
+        temps[b:n] = 0.0
         buf = g.buf
-        from_prev = self.staging.upload(n, width, buf.input_ids, buf.positions,
-                                        buf.slot_mapping, buf.seq_lens, buf.block_tables)
-        if any_prev:
-            assert prev is not None
-            fp = from_prev[:b]
-            ids = buf.input_ids[:b]
-            ids.copy_(torch.where(fp >= 0, prev.out.device_token_ids[fp.clamp(min=0)], ids))
+        self.staging.upload(buf.ints, buf.temperature, buf.block_tables)
+        if any_prev and self._sampled_holds is not (prev.out if prev else None):
+            assert prev is not None  # its ids are not in buf.sampled: put them there
+            ids = prev.out.device_token_ids
+            buf.sampled[:ids.shape[0]].copy_(ids)
         hidden = g.replay(n)
         if not samplers:
             return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+        if simple and len(sample_rows) == b:
+            ids = g.replay_head(n)[:b]
+            out = SamplerOutput(ids if ids.is_cuda else ids.clone())
+            # On CUDA the view stays valid for what reads it: the host copy queued next,
+            # and the next step, which reads it before its own head overwrites it.
+            self._sampled_holds = out
+            return samplers, out
         rows = hidden[:b] if len(sample_rows) == b else \
             hidden[self._tensor(sample_rows, torch.int64)]
         logits = self.model.compute_logits(rows)
-        return samplers, sample(logits, self._sampling_batch(samplers, prev, prev_rows))
+        return samplers, self._sample(logits, self._sampling_batch(samplers, prev, prev_rows))
 
     def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
                         prev_rows: dict[int, int]) -> SamplingBatch:
@@ -187,12 +213,14 @@ class ModelRunner:
             any_min_p=any(p.min_p > 0 for p in ps),
             max_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
-        if any(len(r.output_token_ids) < r.params.min_tokens for r in reqs):
-            banned = torch.zeros(len(reqs), self.vocab, dtype=torch.bool)
-            for i, r in enumerate(reqs):
-                if len(r.output_token_ids) < r.params.min_tokens:
-                    banned[i, self.eos + r.params.stop_token_ids] = True
-            b.banned = banned.to(self.device)
+        under = [(i, r) for i, r in enumerate(reqs)
+                 if len(r.output_token_ids) < r.params.min_tokens]
+        if under:  # the mask is made on the device; only (row, id) pairs cross
+            pairs = [(i, t) for i, r in under for t in self.eos + r.params.stop_token_ids]
+            b.banned = torch.zeros(len(reqs), self.vocab, dtype=torch.bool, device=self.device)
+            if pairs:
+                at = self._tensor(pairs, torch.int64)
+                b.banned[at[:, 0], at[:, 1]] = True
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
                for p in ps):
             self._penalty_state(b, reqs, prev, prev_rows)
@@ -200,28 +228,8 @@ class ModelRunner:
 
     def _penalty_state(self, b: SamplingBatch, reqs: list[Request], prev: InflightStep | None,
                        prev_rows: dict[int, int]) -> None:
-        n, v = len(reqs), self.vocab
-        counts = torch.zeros(n, v, dtype=torch.float32)
-        seen = torch.zeros(n, v, dtype=torch.bool)
-        pending_rows: list[int] = []
-        pending_from: list[int] = []
-        for i, r in enumerate(reqs):
-            known = [t for t in r.output_token_ids if t != PLACEHOLDER]
-            if known:
-                counts[i].index_add_(0, torch.tensor(known), torch.ones(len(known)))
-            seen[i, r.prompt_token_ids] = True
-            if len(known) < len(r.output_token_ids):  # one token still on the device
-                pending_rows.append(i)
-                pending_from.append(prev_rows[id(r)])
-        counts = counts.to(self.device)
-        if pending_rows:
-            assert prev is not None
-            rows = self._tensor(pending_rows, torch.int64)
-            toks = prev.out.device_token_ids[self._tensor(pending_from, torch.int64)]
-            counts.index_put_((rows, toks), torch.ones(len(pending_rows), device=self.device),
-                              accumulate=True)
-        b.output_counts = counts
-        b.seen_mask = seen.to(self.device) | (counts > 0)
+        prev_ids = prev.out.device_token_ids if prev else None
+        b.output_counts, b.seen_mask = self.penalties.tensors(reqs, prev_ids, prev_rows)
         b.repetition = self._tensor([r.params.repetition_penalty for r in reqs], torch.float32)
         b.frequency = self._tensor([r.params.frequency_penalty for r in reqs], torch.float32)
         b.presence = self._tensor([r.params.presence_penalty for r in reqs], torch.float32)

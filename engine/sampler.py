@@ -7,6 +7,7 @@ before the host has read it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -141,8 +142,19 @@ def _top_k_only(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return torch.where((b.top_k > 0)[:, None], kept, probs)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> SamplerOutput:
-    """logits: [S, V] float32 -> SamplerOutput (device tensors)."""
+def is_simple(b: SamplingBatch) -> bool:
+    """Greedy or temperature alone on every row: no filter, penalty, ban or logprobs."""
+    return not (b.any_top_k or b.any_top_p or b.any_min_p or b.max_logprobs >= 0
+                or b.banned is not None or b.repetition is not None
+                or b.frequency is not None or b.presence is not None)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch,
+           simple: Callable[..., torch.Tensor] | None = None) -> SamplerOutput:
+    """logits: [S, V] float32 -> SamplerOutput (device tensors). ``simple``: a sampler of
+    kernels.ref_sample.sample_simple_ref's contract, used when the batch needs no more."""
+    if simple is not None and is_simple(b):
+        return SamplerOutput(simple(logits, b.temperature, b.seeds, b.positions))
     if b.max_logprobs >= 0:
         # Logprobs describe the model's own distribution, before any sampling transform.
         lp = torch.log_softmax(logits, dim=-1)

@@ -7,9 +7,10 @@ memory bound, the wasted rows are free). Long contexts with few (request, KV hea
 are split along the sequence so the whole GPU streams KV; a small second kernel merges
 the splits by their log-sum-exp. See ref_attention.decode_attention_ref for the contract.
 
-Host syncs: none. Without a ``max_seq_len`` hint the split count is sized for the block
-table's capacity (``max_blocks * block_size``), an upper bound that costs empty splits an
-early exit and nothing else.
+Host syncs: none. Without a ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at
+capture) the split count is sized for the block table's capacity and each request divides
+its own context among those splits on the device: a short request uses few splits of at
+least MIN_SPLIT_TOKENS, a long one all of them, evenly. The rest exit at once.
 """
 
 from __future__ import annotations
@@ -52,15 +53,19 @@ def _decode_kernel(
     s_btb,  # block_tables row stride
     s_ob, s_oh,  # out strides [B, Hq, D]; D is contiguous
     qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
-    split_len,  # tokens per split, a multiple of BLOCK_N
+    split_len,  # tokens per split, a multiple of BLOCK_N (DYN: the least tokens per split)
     num_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
+    DYN: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    if DYN:  # this request's context, evenly over the splits it needs
+        even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        split_len = tl.maximum(even, split_len)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -181,12 +186,16 @@ def decode_attention(
     if bsz == 0:
         return out
 
+    dyn = max_seq_len is None
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
         num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device, programs_per_sm)
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
+    if dyn and num_splits > 1:
+        # the least a split holds; each program sizes its split from its request's length
+        split_len = triton.cdiv(min(MIN_SPLIT_TOKENS, split_len), block_n) * block_n
     g = hq // hkv
     split = num_splits > 1
     if split:
@@ -211,7 +220,7 @@ def decode_attention(
             scale * LOG2E, split_len, num_splits,
             G=g, BLOCK_G=block_g, D=d, BS=bs,
             BLOCK_N=t.block_n, SPLIT=split, COMPUTE=compute_dtype(kv_layer),
-            IEEE=kv_layer.dtype == torch.float32,
+            IEEE=kv_layer.dtype == torch.float32, DYN=dyn and split,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 

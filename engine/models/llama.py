@@ -50,8 +50,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
             k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
-        q, k = self.k.rope(q, k, positions, cos_sin)
-        o = self.attn(q, k, v, kv_layer, meta)  # [T, Hq, D]
+        o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin)  # RoPE inside; [T, Hq, D]
         return self.o_proj(o.reshape(t, self.nq * self.d))
 
 

@@ -30,6 +30,7 @@ def test_cpu_decode_steps_use_the_staged_buffers_unpadded(make_llm, tiny_models)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert g.num_head_replays >= 5  # temperature 1: every decode step sampled by the head
     ref = make_llm(tiny_models["llama"], max_num_seqs=8, max_model_len=128)
     ref.engine.runner.graphs = None  # the per-token eager path: same tokens
     refs = ref.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
@@ -131,3 +132,23 @@ def test_reading_a_step_does_not_wait_for_work_queued_after_it():
     assert waited < 0.3, f"read waited {waited:.3f}s: it waited for later work"
     assert torch.equal(out2.device_token_ids, ids + 1)  # the device copy stays for inputs
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("batch", [1, 6])
+def test_graph_head_samples_like_eager_on_gpu(make_llm, tiny_models, batch):
+    """Greedy and temperature-only rows are sampled inside the head graph; the eager engine
+    samples the same rows with the same kernel outside any graph: same tokens."""
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(5 + 3 * i)] for i in range(batch)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=t, seed=11 + i)
+              for i, t in enumerate([0.0, 0.8, 1.0, 0.0, 1.5, 0.6][:batch])]
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256)
+    graphed = make_llm(tiny_models["llama"], **kw)
+    g = graphed.engine.runner.graphs
+    out_g = graphed.generate(prompts, params)
+    assert g.num_replays >= 11 and g.num_head_replays == g.num_replays
+    eager = make_llm(tiny_models["llama"], enforce_eager=True, **kw)
+    out_e = eager.generate(prompts, params)
+    assert [o.token_ids for o in out_g] == [o.token_ids for o in out_e]
+    assert all(len(o.token_ids) == 12 for o in out_g)

@@ -86,3 +86,100 @@ def test_top_k_alone_selects_without_a_full_sort_and_matches_the_sort_path():
     fast, slow = _filter(probs, batch(40)), _filter(probs, batch(0))  # 0: the sort path
     torch.testing.assert_close(fast, slow)
     assert [(r > 0).sum().item() for r in fast] == [5, 1000, 1, 40]
+
+
+def test_simple_sampler_hook_equals_the_full_sampler_and_is_skipped_when_not_simple():
+    from kernels.ref_sample import sample_simple_ref
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)) * 3
+    b = _batch(4, temperature=torch.tensor([0.0, 1.0, 0.5, 2.0]),
+               positions=torch.tensor([5, 6, 7, 8]))
+    calls = []
+
+    def hook(*a):
+        calls.append(1)
+        return sample_simple_ref(*a)
+
+    assert torch.equal(sample(logits, b, simple=hook).token_ids, sample(logits, b).token_ids)
+    assert calls == [1]
+    b.any_top_p, b.top_p = True, torch.full((4,), 0.5)
+    sample(logits, b, simple=hook)
+    assert calls == [1]  # top-p needs the full sampler
+
+
+def _req(prompt: list[int], outs: list[int]):
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    return Request("r", prompt, SamplingParams(frequency_penalty=0.5), seed=1,
+                   output_token_ids=list(outs))
+
+
+def test_penalty_state_updates_from_sampled_ids_and_rebuilds_only_when_needed():
+    from engine.penalty_state import PenaltyState
+    from engine.request import PLACEHOLDER
+
+    st = PenaltyState(10, torch.device("cpu"))
+    a = _req([1, 2], [3, PLACEHOLDER])
+    b = _req([9], [])
+    counts, seen = st.tensors([a, b], torch.tensor([5, 4]), {id(a): 1})
+    assert counts[0].tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 0, 0] and counts[1].sum() == 0
+    assert seen[0].nonzero().flatten().tolist() == [1, 2, 3, 4]
+    assert seen[1].nonzero().flatten().tolist() == [9]
+    assert st.num_rebuilds == 2
+    # next step: the host read the 4; the new pending token is row 0 of the last step's ids
+    a.output_token_ids[-1] = 4
+    a.output_token_ids.append(PLACEHOLDER)
+    b.output_token_ids.append(PLACEHOLDER)
+    counts, seen = st.tensors([b, a], torch.tensor([4, 3]), {id(a): 1, id(b): 0})
+    assert counts[1].tolist() == [0, 0, 0, 2, 1, 0, 0, 0, 0, 0]  # 3, 4, then 3 again
+    assert counts[0].tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert st.num_rebuilds == 2  # both rows came from the device state
+    # a new object (same id string, same lists) is rebuilt, never mixed with the old state
+    a2 = _req([1, 2], [3, 4, 3])
+    counts, _ = st.tensors([a2], None, {})
+    assert counts[0].tolist() == [0, 0, 0, 2, 1, 0, 0, 0, 0, 0] and st.num_rebuilds == 3
+
+
+def test_engine_penalties_from_device_state_equal_rebuilding_every_step(make_llm, tiny_models):
+    from engine.sampling_params import SamplingParams
+
+    prompts = [[5, 6, 7, 5, 6], [8, 8, 9], [1]]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0,
+                             repetition_penalty=1.4, frequency_penalty=0.6,
+                             presence_penalty=0.3, min_tokens=4),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=3,
+                             frequency_penalty=1.0),
+              SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)]
+    kept = make_llm(tiny_models["llama"], max_num_seqs=4, max_model_len=64)
+    out_kept = kept.generate(prompts, params)
+    assert kept.engine.runner.penalties.num_rebuilds == 3  # once per request of the batch
+    fresh = make_llm(tiny_models["llama"], max_num_seqs=4, max_model_len=64)
+    state = fresh.engine.runner.penalties
+    orig = state.tensors
+
+    def rebuild_every_step(*a):
+        state._rows.clear()
+        return orig(*a)
+
+    state.tensors = rebuild_every_step
+    out_fresh = fresh.generate(prompts, params)
+    assert state.num_rebuilds >= 18
+    assert [o.token_ids for o in out_kept] == [o.token_ids for o in out_fresh]
+
+
+def test_min_tokens_ban_is_made_on_the_device_for_rows_under_it(make_llm, tiny_models):
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+    llm = make_llm(tiny_models["llama"], max_num_seqs=4, max_model_len=64)
+    runner = llm.engine.runner
+    under = Request("a", [1], SamplingParams(min_tokens=3, stop_token_ids=[7]), seed=1,
+                    output_token_ids=[4])
+    done = Request("b", [1], SamplingParams(min_tokens=1, stop_token_ids=[8]), seed=1,
+                   output_token_ids=[4])
+    b = runner._sampling_batch([under, done], None, {})
+    assert b.banned is not None and b.banned.shape == (2, runner.vocab)
+    assert b.banned[0].nonzero().flatten().tolist() == sorted({*runner.eos, 7})
+    assert not b.banned[1].any()
+    assert runner._sampling_batch([done], None, {}).banned is None

@@ -167,3 +167,18 @@ def test_decode_split_k_sized_from_real_lengths(gen, device, close):
                                                                      device)
     out = decode_attention(q, kv, table, seq_lens, 0.125, max_seq_len=max(lens), block_n=16)
     close(out, ref, torch.float32)
+
+
+def test_decode_splits_sized_per_request_on_the_device(gen, device, close):
+    # No hint (as inside a CUDA graph): the grid has the capacity's splits and each request
+    # spreads its own context over them; short ones use one split, long ones all, evenly.
+    from kernels.triton_decode_attention import MIN_SPLIT_TOKENS, decode_attention
+
+    lens = [1700, 40, MIN_SPLIT_TOKENS + 1, 1]
+    kv, table = paged_kv(lens, 16, 1, 64, torch.float32, gen, device)
+    table = torch.cat([table, table.new_zeros(len(lens), 20)], dim=1)
+    q = _rand((len(lens), 2, 64), torch.float32, gen, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = decode_attention_ref(q, kv, table, seq_lens, 0.125)
+    out = decode_attention(q, kv, table, seq_lens, 0.125, num_splits=5, block_n=16)
+    close(out, ref, torch.float32)

@@ -1,0 +1,23 @@
+"""Torch reference of RoPE fused with the KV store: rotate q and k, write k and v into
+the paged cache, return the rotated q (see ref_norm.rope_ref and ref_kv.store_kv_ref)."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.ref_kv import store_kv_ref
+from kernels.ref_norm import rope_ref
+
+
+def rope_store_kv_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+    kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T]: slot = block * BS + offset; < 0 skips the token
+) -> torch.Tensor:  # [T, Hq, D]: rotated q
+    q_rot, k_rot = rope_ref(q, k, positions, cos_sin)
+    store_kv_ref(k_rot, v, kv_layer, slot_mapping)
+    return q_rot

@@ -1,0 +1,103 @@
+"""Triton RoPE fused with the KV store: one program per token rotates its q and k heads,
+writes q out and k, v into their paged cache slot (see ref_rope_kv.rope_store_kv_ref).
+
+Unfused, a decode step launches a rope kernel and a store kernel per layer, each a few
+microseconds of launch and tail for a few KiB of data; here it is one, and the rotated k
+goes straight to the cache without a round trip through a temporary. Rounding is the
+reference's: k is rotated in float32, rounded to k's dtype, then to the cache's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import check, check_device, check_float, check_int, check_shape
+
+
+@triton.jit
+def _rotate(x_ptr, s_xt, s_xh, t, cos, sin, H: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_H: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < H
+    src = x_ptr + t * s_xt + h * s_xh + d  # [BLOCK_H, HALF]: first halves
+    x1 = tl.load(src, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
+    ty = x_ptr.dtype.element_ty
+    return (x1 * cos - x2 * sin).to(ty), (x2 * cos + x1 * sin).to(ty), h, d, mask
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, qo_ptr, kv_ptr, pos_ptr, cs_ptr, slot_ptr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_cs,
+    s_cb, s_ckv, s_cs2, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D contiguous
+    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    dc = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cs_ptr + pos * s_cs + dc)  # [1, HALF] float32, shared by every head
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + dc)
+    q1, q2, h, d, mask = _rotate(q_ptr, s_qt, s_qh, t, cos, sin, HQ, HALF, BLOCK_HQ)
+    dst = qo_ptr + t * s_qot + h * s_qoh + d
+    tl.store(dst, q1, mask=mask)
+    tl.store(dst + HALF, q2, mask=mask)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    k1, k2, hk, dk, kmask = _rotate(k_ptr, s_kt, s_kh, t, cos, sin, HKV, HALF, BLOCK_HKV)
+    kmask = kmask & (slot >= 0)  # padding tokens (slot < 0) store nothing
+    blk = tl.maximum(slot, 0) // BS
+    cache = kv_ptr + blk * s_cb + (tl.maximum(slot, 0) - blk * BS) * s_cs2 + hk * s_ch + dk
+    ty = kv_ptr.dtype.element_ty
+    tl.store(cache, k1.to(ty), mask=kmask)
+    tl.store(cache + HALF, k2.to(ty), mask=kmask)
+    vsrc = v_ptr + t * s_vt + hk * s_vh + dk
+    tl.store(cache + s_ckv, tl.load(vsrc, mask=kmask).to(ty), mask=kmask)
+    tl.store(cache + s_ckv + HALF, tl.load(vsrc + HALF, mask=kmask).to(ty), mask=kmask)
+
+
+def rope_store_kv(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T] int32/int64
+    cos_sin: torch.Tensor,  # [max_pos, D] float32
+    kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 skips
+) -> torch.Tensor:
+    check(q.dim() == 3 and k.dim() == 3, "q, k: expected [T, H, D]")
+    num_tokens, hq, d = q.shape
+    hkv = k.shape[1]
+    check_shape("k", k, (num_tokens, hkv, d))
+    check_shape("v", v, (num_tokens, hkv, d))
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("slot_mapping", slot_mapping, (num_tokens,))
+    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 2, "kv_layer: expected [NB, 2, BS, Hkv, D]")
+    check_shape("kv_layer[0, 0, 0]", kv_layer[0, 0, 0], (hkv, d))
+    check(cos_sin.dim() == 2 and cos_sin.shape[1] == d, "cos_sin: expected [max_pos, D]")
+    check(cos_sin.dtype == torch.float32 and cos_sin.stride(1) == 1,
+          "cos_sin: expected contiguous rows of float32")
+    check(d % 2 == 0 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two")
+    check(q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
+          and kv_layer.stride(4) == 1, "q, k, v, kv_layer: head_dim must be contiguous")
+    for name, t in (("q", q), ("k", k), ("v", v), ("kv_layer", kv_layer)):
+        check_float(name, t)
+    check_int("positions", positions)
+    check_int("slot_mapping", slot_mapping)
+    check_device(q, k, v, positions, cos_sin, kv_layer, slot_mapping)
+    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return q_out
+    _rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, q_out, kv_layer, positions, cos_sin, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
+        kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        HQ=hq, HKV=hkv, HALF=d // 2, BS=kv_layer.shape[2],
+        BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
+        num_warps=4,
+    )
+    return q_out

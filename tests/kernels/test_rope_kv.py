@@ -1,0 +1,69 @@
+"""RoPE fused with the KV store against its torch reference (interpreter on CPU, GPU with
+-m gpu): the rotated q, the cache slots written, and every other slot left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.rope import cos_sin_table
+from kernels.ref_rope_kv import rope_store_kv_ref
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _case(t, hq, hkv, d, dtype, gen, device, close, nb=8, bs=16):
+    from kernels.triton_rope_kv import rope_store_kv
+
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype=dtype, device=device)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]  # strided, as the model's
+    positions = torch.randint(0, 1000, (t,), generator=gen).to(device)
+    cs = cos_sin_table(d, 1000, 10000.0, None).to(device)
+    slots = torch.randperm(nb * bs, generator=gen)[:t]
+    slots[::4] = -1  # padding rows store nothing
+    slots = slots.to(device)
+    # [NB, L, 2, BS, Hkv, D], layer 1 of 3: a strided layer view, as the engine's
+    cache = torch.randn(nb, 3, 2, bs, hkv, d, generator=gen).to(dtype=dtype, device=device)
+    expected = cache.clone()
+    q_ref = rope_store_kv_ref(q, k, v, positions, cs, expected[:, 1], slots)
+    q_out = rope_store_kv(q, k, v, positions, cs, cache[:, 1], slots)
+    close(q_out, q_ref, dtype)
+    close(cache, expected, dtype)
+    written = torch.zeros(nb * bs, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    untouched = ~written.view(nb, bs).to(device)
+    assert torch.equal(cache[:, 0], expected[:, 0]) and torch.equal(cache[:, 2], expected[:, 2])
+    for kv in (0, 1):  # slots not stored to keep their old bytes exactly
+        assert torch.equal(cache[:, 1, kv][untouched], expected[:, 1, kv][untouched])
+    # v is moved, not rotated: its slots hold v exactly
+    keep = slots >= 0
+    s = slots[keep]
+    assert torch.equal(cache[s // bs, 1, 1, s % bs], v[keep])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 128), (3, 1, 64)])
+def test_rope_store_kv(dtype, hq, hkv, d, gen, device, close):
+    _case(9, hq, hkv, d, dtype, gen, device, close)
+
+
+def test_rope_store_kv_rejects_bad_shapes(device):
+    from kernels.triton_rope_kv import rope_store_kv
+
+    q = torch.zeros(2, 4, 64, device=device)
+    k = torch.zeros(2, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, 2, 64, device=device)
+    cs = torch.zeros(10, 64, device=device)
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        rope_store_kv(q, k, k, pos, cs, cache, pos[:1])
+    with pytest.raises(ValueError, match="v"):
+        rope_store_kv(q, k, q, pos, cs, cache, pos)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_gpu(dtype, gen, close):
+    _case(1024, 32, 8, 128, dtype, gen, torch.device("cuda"), close, nb=128, bs=16)
