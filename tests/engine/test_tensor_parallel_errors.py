@@ -98,11 +98,12 @@ def _stream_until_failure(llm: LLM, act, after: int = 3) -> tuple[int, float]:
 
 
 def _gone(pid: int) -> bool:
+    """Exited (a zombie not yet reaped by its new parent counts as exited)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
         return True
-    return False
 
 
 def test_killing_a_follower_mid_generate_fails_the_engine(model_dir):
@@ -132,3 +133,38 @@ def test_a_hung_follower_fails_within_the_collective_timeout(model_dir):
     assert 2.0 < took < 30, took
     victim.wait(timeout=10)  # killed, not left stopped
     assert _gone(victim.pid)
+
+
+RANK0 = """
+import sys
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=512)
+print("ready", *[p.pid for p in llm.engine.runner.followers.procs], flush=True)
+for _ in llm.stream([[1, 2, 3]], SamplingParams(max_tokens=500, ignore_eos=True)):
+    pass
+print("finished", flush=True)
+"""
+
+
+def test_followers_exit_when_rank0_dies(model_dir):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rank0 = subprocess.Popen([sys.executable, "-c", RANK0, model_dir], cwd=root,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank0.stdout is not None
+        line = rank0.stdout.readline().split()
+        assert line and line[0] == "ready", line
+        kids = [int(x) for x in line[1:]]
+        time.sleep(0.5)  # mid-generate
+        assert rank0.poll() is None
+    finally:
+        rank0.kill()
+        rank0.wait()
+    deadline = time.monotonic() + 60
+    while not all(_gone(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_gone(k) for k in kids), kids
