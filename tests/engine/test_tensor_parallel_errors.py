@@ -168,3 +168,20 @@ def test_followers_exit_when_rank0_dies(model_dir):
     while not all(_gone(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_gone(k) for k in kids), kids
+
+
+def test_launch_passes_tp_to_colocated_workers_and_refuses_pd_roles(model_dir, capsys):
+    from deploy.cli import build_parser, main
+    from deploy.launch_cmd import spec_from_args
+
+    rc = main(["launch", "--model", model_dir, "--tensor-parallel-size", "2", "--grpc-port",
+               "0", "--http-port", "0"])
+    assert rc == 2
+    assert "--tensor-parallel-size: not supported with TP yet in cluster roles" in \
+        capsys.readouterr().err
+    args = build_parser().parse_args(["launch", "--model", model_dir, "--producers", "0",
+                                      "--consumers", "0", "--colocated", "1",
+                                      "--tensor-parallel-size", "2", "--grpc-port", "0",
+                                      "--http-port", "0"])
+    spec = spec_from_args(args)
+    assert "--tensor-parallel-size=2" in spec.worker_args
