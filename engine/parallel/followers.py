@@ -66,12 +66,18 @@ class TPFollowers:
                 [sys.executable, "-m", "engine.parallel.follower", json.dumps(args)],
                 stdin=subprocess.PIPE, pass_fds=(wfd,), env=env, cwd=_ROOT)
             os.close(wfd)
+            assert proc.stdin is not None
+            os.set_blocking(proc.stdin.fileno(), False)  # writes are bounded: write_frame
             self.procs.append(proc)
             self.chans.append(rfd)
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), list(self.chans))
-        self._expect("hello")
-        self.group = TPGroup(dist.PrefixStore(prefix, self.store), 0, self.size,
-                             torch.device(devices[0]), self.timeout_s)
+        try:
+            self._expect("hello")
+            self.group = TPGroup(dist.PrefixStore(prefix, self.store), 0, self.size,
+                                 torch.device(devices[0]), self.timeout_s)
+        except BaseException:
+            self._finalizer()
+            raise
 
     # ---- start-up ------------------------------------------------------------------------
 
@@ -114,8 +120,8 @@ class TPFollowers:
         for i, p in enumerate(self.procs):
             assert p.stdin is not None
             try:
-                write_frame(p.stdin.fileno(), obj)
-            except OSError as e:
+                write_frame(p.stdin.fileno(), obj, self.timeout_s)
+            except OSError as e:  # TimeoutError included
                 self._check_alive(wait_s=2.0)
                 raise self._fail(f"rank {i + 1}: cannot send the step plan ({e})") from e
 
@@ -156,7 +162,7 @@ class TPFollowers:
         for p in self.procs:
             if p.poll() is None and p.stdin is not None and grace_s > 0:
                 try:
-                    write_frame(p.stdin.fileno(), None)
+                    write_frame(p.stdin.fileno(), None, grace_s)
                 except OSError:
                     pass
         deadline = time.monotonic() + grace_s

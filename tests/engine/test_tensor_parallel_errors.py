@@ -185,3 +185,20 @@ def test_launch_passes_tp_to_colocated_workers_and_refuses_pd_roles(model_dir, c
                                       "--http-port", "0"])
     spec = spec_from_args(args)
     assert "--tensor-parallel-size=2" in spec.worker_args
+
+
+def test_a_plan_write_to_a_reader_that_reads_nothing_times_out():
+    from engine.parallel.wire import read_frame, write_frame
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        write_frame(w, list(range(10)), timeout_s=1.0)  # fits the pipe: no wait
+        assert read_frame(r) == list(range(10))
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            write_frame(w, bytes(4 << 20), timeout_s=0.5)  # 4 MiB, nobody reads
+        assert 0.4 < time.monotonic() - t0 < 10
+    finally:
+        os.close(r)
+        os.close(w)
