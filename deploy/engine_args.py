@@ -37,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--devices", default="",
                    help="comma-separated device of each rank, e.g. cuda:2,cuda:3 (default: "
                         "consecutive devices from --device)")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds any one collective between the ranks may take before the "
+                        "engine fails (a hung rank)")
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -47,7 +50,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) or None)
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -76,9 +76,9 @@ def test_cluster_roles_reject_tp_until_wired(model_dir):
             spec_from_args(args, role)
     args = build_parser().parse_args(["colocated", "--router", "127.0.0.1:1", "--model",
                                       model_dir, "--tensor-parallel-size", "2",
-                                      "--devices", "cpu,cpu"])
+                                      "--devices", "cpu,cpu", "--tp-timeout", "9"])
     cfg = spec_from_args(args, "colocated").engine
-    assert (cfg.tensor_parallel_size, cfg.devices) == (2, ("cpu", "cpu"))
+    assert (cfg.tensor_parallel_size, cfg.devices, cfg.tp_timeout_s) == (2, ("cpu", "cpu"), 9)
 
 
 def _stream_until_failure(llm: LLM, act, after: int = 3) -> tuple[int, float]:
