@@ -12,7 +12,7 @@ from engine.parallel.shards import TPShard
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, shard: TPShard, vocab: int, hidden: int, group: TPGroup | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shard.vocab_shard, hidden))  # [Vs, H]
+        self.weight = nn.Parameter(torch.zeros(shard.vocab_shard, hidden))  # [Vs, H]; pad rows 0
         self.start, self.rows = shard.vocab_start, shard.vocab_rows
         self.group = group
 
@@ -30,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     def __init__(self, shard: TPShard, vocab: int, hidden: int, group: TPGroup | None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(shard.vocab_shard, hidden))  # [Vs, H]
+        self.weight = nn.Parameter(torch.zeros(shard.vocab_shard, hidden))  # [Vs, H]; pad rows 0
         self.vocab = vocab
         self.group = group
 
