@@ -31,6 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="per-step token budget; longer prompts are prefilled in chunks")
     g.add_argument("--max-waiting", type=int, default=1024)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks of this engine (heads, MLP and vocabulary split over them); "
+                        "gloo on CPU, NCCL on CUDA")
+    g.add_argument("--devices", default="",
+                   help="comma-separated device of each rank, e.g. cuda:2,cuda:3 (default: "
+                        "consecutive devices from --device)")
+    g.add_argument("--tp-timeout", type=float, default=60.0,
+                   help="seconds any one collective between the ranks may take before the "
+                        "engine fails (a hung rank)")
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -40,6 +49,8 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
+        devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) or None)
     kw.update(overrides)
     return EngineConfig(**kw)

@@ -42,6 +42,9 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--devices", default="",
                    help="comma-separated devices (cpu, cuda:0, ...) cycled over producers, "
                         "then consumers, then colocated workers: each gets --device")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks per worker (colocated workers only, for now); each worker "
+                        "uses consecutive devices from its --device")
     p.add_argument("--log-dir", default=None, help="write each process's output there")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32")
@@ -67,13 +70,21 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if args.grpc_port and args.grpc_port == args.http_port:
         raise ValueError(f"http-port: {args.http_port} is also the gRPC port")
     check_model(args.model)
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        raise ValueError(f"--tensor-parallel-size: must be >= 1, got {tp}")
+    if tp > 1 and (args.producers or args.consumers):
+        raise ValueError("--tensor-parallel-size: not supported with TP yet in cluster roles "
+                         "producer and consumer (pass --producers 0 --consumers 0 "
+                         "--colocated N)")
+    tp_args = (f"--tensor-parallel-size={tp}",) if tp > 1 else ()
     # Its own cluster gets its own secret: workers refuse calls from outside it.
     token = args.cluster_token or secrets.token_hex(16)
     return ClusterSpec(producers=args.producers, consumers=args.consumers,
                        colocated=args.colocated, model=args.model, host=args.host,
                        grpc_port=args.grpc_port, http_port=args.http_port, policy=args.policy,
                        transfer_backend=args.transfer_backend, threads=args.threads,
-                       worker_args=tuple(args.worker_arg), api_key=args.api_key,
+                       worker_args=(*args.worker_arg, *tp_args), api_key=args.api_key,
                        cluster_token=token, devices=devices)
 
 

@@ -119,6 +119,11 @@ class EngineConfig:
     # Fraction of the device's memory for weights, activations, graphs and KV; the KV pool
     # gets what is left (CUDA only; None: the pool is kv_cache_bytes / num_kv_blocks).
     gpu_memory_utilization: float | None = None
+    # Ranks of one engine (heads, MLP columns and vocabulary split over them; rank 0 is
+    # this process and schedules, the others are processes it spawns).
+    tensor_parallel_size: int = 1
+    devices: tuple[str, ...] | None = None  # one per rank; None: consecutive from `device`
+    tp_timeout_s: float = 60.0  # bound on any one collective (a hung rank fails the engine)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -128,6 +133,8 @@ class EngineConfig:
         if self.dtype == "auto":
             object.__setattr__(self, "dtype",
                                "bfloat16" if self.device.startswith("cuda") else "float32")
+        if self.devices is not None and not isinstance(self.devices, tuple):
+            object.__setattr__(self, "devices", tuple(self.devices))
         checks = [
             ("device", self.device == "cpu" or self.device.startswith("cuda"),
              "must be 'auto', 'cpu' or 'cuda[:N]'"),
@@ -147,6 +154,12 @@ class EngineConfig:
              or 0 < self.gpu_memory_utilization <= 1, "must be in (0, 1]"),
             ("gpu_memory_utilization", self.gpu_memory_utilization is None
              or self.device.startswith("cuda"), "needs a CUDA device"),
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1,
+             "(--tensor-parallel-size) must be >= 1"),
+            ("devices", self.devices is None or (len(self.devices) >= 1 and all(
+                d == "cpu" or d.startswith("cuda") for d in self.devices)),
+             "(--devices) must list 'cpu' or 'cuda[:N]' devices"),
+            ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
         ]
         for name, ok, why in checks:
             if not ok:

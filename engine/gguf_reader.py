@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -249,8 +249,13 @@ def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for every weight, dequantized to float32 in HF shape."""
+def iter_gguf_tensors(path: str, slicer: Callable[[str], tuple[int, int, int] | None]
+                      | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for every weight, dequantized to float32 in HF shape.
+
+    slicer(hf_name) -> (dim, start, stop): only that part (a tensor-parallel rank's). Rows
+    are quantized independently, so a row range is cut before dequantizing; a column range
+    needs the whole tensor dequantized first."""
     import gguf
     import torch
 
@@ -262,10 +267,20 @@ def iter_gguf_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
+        cut = slicer(name) if slicer is not None else None
         # raw: uint8 [out, row_bytes] over the mmap; dequantize gives float32 [out, in].
-        w = gguf.quants.dequantize(reader.raw_tensor(t), gguf.GGMLQuantizationType(t.qtype))
+        raw = reader.raw_tensor(t)
+        rows = raw.shape[0]
+        early = cut is not None and cut[0] == 0 and raw.ndim == 2
+        if early:
+            assert cut is not None
+            raw = raw[cut[1]:cut[2]]
+        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t.qtype))
         stem = t.name.split(".")[-2]
-        if permuted and stem in heads:
-            w = unpermute_qk_rows(w, heads[stem])
+        if permuted and stem in heads:  # the interleave is within a head: whole heads cut
+            w = unpermute_qk_rows(w, heads[stem] * w.shape[0] // rows if early
+                                  else heads[stem])
+        if cut is not None and not early:
+            w = w[cut[1]:cut[2]] if cut[0] == 0 else w[:, cut[1]:cut[2]]
         # Own, writable float32 memory: torch must not alias the file mapping.
         yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))

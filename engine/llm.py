@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -29,25 +30,52 @@ def _model_path(config: EngineConfig) -> str:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
+    """One engine; with tensor_parallel_size N, this process is rank 0 and N - 1 follower
+    processes are spawned (and stopped by LLMEngine's runner.close(), or when it dies)."""
     path = _model_path(config)
     model_cfg = read_model_config(path)
+    tp = config.tensor_parallel_size
+    followers = None
+    if tp > 1 or config.devices is not None:
+        from engine.parallel.devices import rank_devices
+        from engine.parallel.shards import check_tp
+
+        check_tp(model_cfg, tp)  # before any process starts
+        devices = rank_devices(config)
+        if devices[0] != config.device:
+            config = dataclasses.replace(config, device=devices[0])
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is not None:
         # Triton launches on the thread's current device, not the tensors': an engine on
         # cuda:1 built and stepped by a thread still on cuda:0 fails its first kernel
         torch.cuda.set_device(device)
-    kernels = kernels_for(device, force_reference=bool(config.extra.get("reference_kernels")))
-    max_len = config.max_model_len or min(model_cfg.max_position_embeddings, 8192)
-    model = build_model(path, model_cfg, kernels, device, config.dtype, config.load_format,
-                        max_positions=max(max_len, 1), seed=config.seed)
-    tokenizer = None
-    if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from engine.tokenizer import Tokenizer
+    group = None
+    if tp > 1:
+        from engine.parallel.followers import TPFollowers
 
-        tokenizer = Tokenizer.from_source(path)
-    # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
-    identity = model_identity(path, config.load_format, config.seed)
-    return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path), identity)
+        followers = TPFollowers(config, path, devices)
+        group = followers.group
+    try:
+        kernels = kernels_for(device,
+                              force_reference=bool(config.extra.get("reference_kernels")))
+        max_len = config.max_model_len or min(model_cfg.max_position_embeddings, 8192)
+        model = build_model(path, model_cfg, kernels, device, config.dtype,
+                            config.load_format, max_positions=max(max_len, 1),
+                            seed=config.seed, group=group)
+        model.followers = followers
+        tokenizer = None
+        if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
+            from engine.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_source(path)
+        # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
+        identity = model_identity(path, config.load_format, config.seed)
+        return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
+                         identity)
+    except BaseException:
+        if followers is not None:
+            followers.close(grace_s=0.0)
+        raise
 
 
 @dataclass
@@ -70,6 +98,16 @@ class LLM:
         self.engine = build_engine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the engine's other tensor-parallel ranks (no-op for one rank)."""
+        self.engine.runner.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         if isinstance(prompt, list):

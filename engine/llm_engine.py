@@ -49,7 +49,7 @@ class LLMEngine:
         self.max_model_len = _max_model_len(config, model_cfg)
         self.layout = KVLayout(
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
-            num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
+            num_layers=model_cfg.num_layers, num_kv_heads=model.shard.num_kv_heads,  # TP: own heads
             head_dim=model_cfg.head_dim, num_blocks=1)
         # Never more than every seat filled to max_model_len could use.
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.decode_graphs import DecodeGraphs
 from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.step_plan import StepPlan, run_plan
 from engine.penalty_state import PenaltyState
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
@@ -52,9 +52,15 @@ class ModelRunner:
         self.eos = sorted(eos_token_ids)
         self.device = device
         self.vocab = model.cfg.vocab_size
+        # Tensor parallel (rank 0): every step's plan goes to the followers first, and the
+        # sampled ids after; they run the same forward with their shards.
+        self.followers = model.followers
+        if self.followers is not None:
+            self.followers.start_kv(tuple(kv_cache.shape), kv_cache.dtype)
         # Pure-decode steps read persistent buffers, replayed as CUDA graphs where allowed.
+        # Not yet under TP: every rank would need the same graphs and buffers.
         self.graphs: DecodeGraphs | None = None
-        if max_num_seqs and max_model_len:
+        if max_num_seqs and max_model_len and self.followers is None:
             max_blocks = -(-max_model_len // block_size)
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device,
                                        use_graphs=cuda_graphs and device.type == "cuda"
@@ -71,9 +77,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk],
                 prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
-        samplers, out = self._execute(chunks, prev)
+        if self.followers is None:
+            samplers, out = self._execute(chunks, prev)
+        else:
+            try:
+                samplers, out = self._execute(chunks, prev)
+            except (RuntimeError, OSError) as e:
+                raise self.followers.failure(e) from e
         out.start_host_copy()  # reading it later waits for this step only
         return samplers, out
+
+    def close(self) -> None:
+        """Stops the follower ranks (tensor parallel); nothing to do otherwise."""
+        if self.followers is not None:
+            self.followers.close()
 
     def _execute(self, chunks: list[ScheduledChunk],
                  prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
@@ -81,6 +98,21 @@ class ModelRunner:
                 and all(c.num_tokens == 1 for c in chunks)
                 and max(len(c.request.block_ids) for c in chunks) <= self.graphs.max_blocks):
             return self._execute_graph(chunks, prev)
+        prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
+        plan, samplers = self._plan(chunks, prev_rows)
+        if self.followers is not None:
+            self.followers.send(plan)
+        logits = run_plan(self.model, self.kv_cache, plan,
+                          prev.out.device_token_ids if prev else None, self.device)
+        if logits is None:
+            return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+        out = self._sample(logits, self._sampling_batch(samplers, prev, prev_rows))
+        if self.followers is not None:  # their next step may read these as inputs
+            self.followers.group.broadcast(out.device_token_ids, 0)
+        return samplers, out
+
+    def _plan(self, chunks: list[ScheduledChunk],
+              prev_rows: dict[int, int]) -> tuple[StepPlan, list[Request]]:
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -91,7 +123,6 @@ class ModelRunner:
         seq_lens: list[int] = []
         sample_at: list[int] = []
         samplers: list[Request] = []
-        prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
         for c in chunks:
             r = c.request
             for p in range(c.start, c.start + c.num_tokens):
@@ -111,25 +142,8 @@ class ModelRunner:
         max_blocks = max(len(c.request.block_ids) for c in chunks)
         tables = [c.request.block_ids + [0] * (max_blocks - len(c.request.block_ids))
                   for c in chunks]
-        input_ids = self._tensor(ids, torch.int64)
-        if fix_at:
-            assert prev is not None
-            input_ids[self._tensor(fix_at, torch.int64)] = \
-                prev.out.device_token_ids[self._tensor(fix_from, torch.int64)]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._tensor(tables, torch.int32),
-            cu_seqlens_q=self._tensor(cu, torch.int32),
-            seq_lens=self._tensor(seq_lens, torch.int32),
-            decode_only=all(c.num_tokens == 1 for c in chunks),
-            max_seq_len=max(seq_lens),
-        )
-        hidden = self.model(input_ids, self._tensor(pos, torch.int64), self.kv_cache, meta)
-        if not samplers:
-            return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
-        logits = self.model.compute_logits(hidden[self._tensor(sample_at, torch.int64)])
-        batch = self._sampling_batch(samplers, prev, prev_rows)
-        return samplers, self._sample(logits, batch)
+        return StepPlan(ids, pos, slots, cu, seq_lens, tables, sample_at, fix_at,
+                        fix_from), samplers
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         return sample(logits, batch, simple=self.model.kernels.sample_simple)

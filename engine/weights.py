@@ -5,13 +5,18 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from engine.attention import KernelSet
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.group import TPGroup
+from engine.parallel.shards import local_from_full
+
+# hf name -> (dim, start, stop) this rank reads, or None for the whole tensor
+Slicer = Callable[[str], "tuple[int, int, int] | None"]
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +34,8 @@ def read_model_config(path: str) -> ModelConfig:
     raise ValueError(f"model: {path!r} is neither a model directory nor a .gguf file")
 
 
-def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _safetensors(path: str, slicer: Slicer) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor, or only the rows/columns `slicer` names (a TP rank reads its part)."""
     from safetensors.torch import safe_open
 
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
@@ -38,33 +44,47 @@ def _safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, st.get_tensor(name)
+                cut = slicer(name)
+                if cut is None:
+                    yield name, st.get_tensor(name)
+                    continue
+                part = st.get_slice(name)
+                dim, a, b = cut
+                yield name, part[a:b] if dim == 0 else part[:, a:b]
 
 
-def _fill_dummy(model: torch.nn.Module, seed: int) -> None:
-    # Small normal weights and unit norms give finite, non-degenerate logits at any size.
+def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
+    """Small normal weights and unit norms give finite, non-degenerate logits at any size.
+    The draws are TP1's, in TP1's order and shapes; a TP rank keeps its slice of each, so
+    every TP size runs the same model."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.device("meta"):
+        full = LlamaForCausalLM(model.cfg, model.kernels, 1)  # TP1 names and shapes only
+    local = dict(model.named_parameters())
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for i, (name, meta) in enumerate(full.named_parameters()):
+            p = local[name]
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                cpu = torch.empty(p.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen) \
-                    if p.numel() < (1 << 24) else None
-                if cpu is not None:
-                    p.copy_(cpu)
-                else:  # large tensors are filled on their own device, fast on a GPU
-                    p.normal_(0, 0.02)
+                continue
+            if meta.numel() < (1 << 24):
+                w = torch.empty(meta.shape, dtype=torch.float32).normal_(0, 0.02, generator=gen)
+            else:  # large tensors are drawn on their own device, fast on a GPU
+                g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
+                w = torch.empty(meta.shape, dtype=p.dtype, device=p.device)
+                w.normal_(0, 0.02, generator=g)
+            p.copy_(local_from_full(model.shard, model.cfg, name, w))
 
 
 def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.device,
                 dtype: str, load_format: str, max_positions: int,
-                seed: int = 0) -> LlamaForCausalLM:
+                seed: int = 0, group: TPGroup | None = None) -> LlamaForCausalLM:
+    """group: this rank's TP group; the model then holds (and reads) only its shard."""
     prev = torch.get_default_dtype()
     torch.set_default_dtype(TORCH_DTYPES[dtype])
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, kernels, max_positions)
+            model = LlamaForCausalLM(cfg, kernels, max_positions, group)
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":
@@ -73,9 +93,9 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         if path.endswith(".gguf"):
             from engine.gguf_reader import iter_gguf_tensors
 
-            used = model.load_weights(iter_gguf_tensors(path))
+            used = model.load_weights(iter_gguf_tensors(path, model.wants))
         else:
-            used = model.load_weights(_safetensors(path))
+            used = model.load_weights(_safetensors(path, model.wants))
         expected = {n.removeprefix("model.") for n, _ in model.named_parameters()}
         if cfg.tie_word_embeddings:
             expected.discard("lm_head.weight")

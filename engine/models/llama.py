@@ -4,13 +4,20 @@ SmolLM2. Tokens of every request in a step are packed into one flat [T, hidden] 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from engine.attention import AttentionMetadata, KernelSet, PagedAttention
 from engine.config import ModelConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+from engine.parallel.shards import TPShard, hf_slice, shard_for
 from engine.rope import cos_sin_table
+
+if TYPE_CHECKING:
+    from engine.parallel.followers import TPFollowers
 
 
 class RMSNorm(nn.Module):
@@ -28,9 +35,13 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
+    """This rank's query and KV heads; o_proj is row-parallel (one all-reduce)."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
+                 group: TPGroup | None) -> None:
         super().__init__()
-        self.nq, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.nq, self.nkv, self.d = shard.num_heads, shard.num_kv_heads, cfg.head_dim
+        self.group = group
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nq + 2 * self.nkv) * self.d,
                                   bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.nq * self.d, cfg.hidden_size, bias=False)
@@ -51,28 +62,35 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
             k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
         o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin)  # RoPE inside; [T, Hq, D]
-        return self.o_proj(o.reshape(t, self.nq * self.d))
+        out = self.o_proj(o.reshape(t, self.nq * self.d))
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
+    """gate/up column-parallel, down row-parallel: one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
+                 group: TPGroup | None) -> None:
         super().__init__()
-        self.inter = cfg.intermediate_size
+        self.inter = shard.inter_size
+        self.group = group
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.k = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.k.silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.k.silu_and_mul(self.gate_up_proj(x)))
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
+                 group: TPGroup | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, kernels)
+        self.self_attn = Attention(cfg, kernels, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, kernels)
+        self.mlp = MLP(cfg, kernels, shard, group)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_layer: torch.Tensor,
@@ -84,14 +102,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int,
+                 group: TPGroup | None = None) -> None:
+        """group: this rank's tensor-parallel group (None: one rank holds everything)."""
         super().__init__()
         self.cfg = cfg
         self.kernels = kernels
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels) for _ in range(cfg.num_layers))
+        self.group = group if group is not None and group.size > 1 else None
+        self.shard = shard_for(cfg, group.rank, group.size) if group else shard_for(cfg, 0, 1)
+        g, sh = self.group, self.shard
+        # Rank 0 of a TP engine: the other ranks, which its runner drives (build_engine).
+        self.followers: TPFollowers | None = None
+        self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, sh, g)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(sh, cfg.vocab_size, cfg.hidden_size, g)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
@@ -109,16 +135,19 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, hidden] -> [S, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """[S, hidden] -> [S, vocab] float32 (gathered over the ranks)."""
+        out: torch.Tensor = self.lm_head(hidden)
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copies HF-named tensors into the fused layout; returns the names it used."""
+        """Copies HF-named tensors into the fused layout; returns the names it used.
+        Under TP the tensors may come whole or already sliced to this rank (see
+        `wants`); whole ones are sliced here."""
         params = dict(self.named_parameters())
-        nq, nkv, d = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        nq, nkv, d = self.shard.num_heads, self.shard.num_kv_heads, self.cfg.head_dim
         qkv_rows = {"q_proj": (0, nq * d), "k_proj": (nq * d, nkv * d),
                     "v_proj": ((nq + nkv) * d, nkv * d)}
-        inter = self.cfg.intermediate_size
+        inter = self.shard.inter_size
         mlp_rows = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         used: set[str] = set()
         for name, w in weights:
@@ -137,11 +166,33 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
             p = params[target]
+            cut = self.wants(name)
+            if cut is not None and w.shape[cut[0]] == _full_dim(self.cfg, name, cut[0]) \
+                    and cut[2] - cut[1] != w.shape[cut[0]]:
+                w = w.narrow(cut[0], cut[1], cut[2] - cut[1])
             with torch.no_grad():
                 dst = p if rows is None else p.narrow(0, rows[0], rows[1])
+                if target in ("embed_tokens.weight", "lm_head.weight"):
+                    dst = dst.narrow(0, 0, self.shard.vocab_rows)  # the rest is padding
                 if dst.shape != w.shape:
                     raise ValueError(f"model: weight {name!r} has shape {tuple(w.shape)}, "
                                      f"expected {tuple(dst.shape)}")
                 dst.copy_(w.to(p.dtype))
             used.add(name)
         return used
+
+    def wants(self, hf_name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of an HF tensor this rank needs; None: all of it."""
+        return hf_slice(self.shard, hf_name, self.cfg.head_dim)
+
+
+def _full_dim(cfg: ModelConfig, name: str, dim: int) -> int:
+    """An HF tensor's TP1 size along `dim` (the dims `hf_slice` cuts)."""
+    d = cfg.head_dim
+    if ".q_proj." in name or ".o_proj." in name:
+        return cfg.num_heads * d
+    if ".k_proj." in name or ".v_proj." in name:
+        return cfg.num_kv_heads * d
+    if "_proj." in name:  # gate, up, down
+        return cfg.intermediate_size
+    return cfg.vocab_size

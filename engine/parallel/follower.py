@@ -1,0 +1,81 @@
+"""A follower rank of a tensor-parallel engine: `python -m engine.parallel.follower ARGS`.
+
+Joins the group, loads its weight shard, allocates its KV (its heads only), then replays
+rank 0's step plans until told to stop or rank 0 goes away (its channel closes, or a
+collective fails): in every case it exits, so a dead rank 0 leaves no follower behind.
+See engine.parallel.followers for the whole lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.attention import kernels_for
+from engine.parallel.group import TPGroup
+from engine.parallel.step_plan import StepPlan, run_plan
+from engine.parallel.wire import read_frame, write_frame
+from engine.weights import build_model, read_model_config
+
+
+def main(argv: list[str]) -> int:
+    a = json.loads(argv[0])
+    cfg = a["config"]
+    torch.set_num_threads(a["threads"])
+    chan, stdin = a["chan_fd"], sys.stdin.fileno()
+    device = torch.device(a["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    write_frame(chan, "hello")
+    store = dist.TCPStore("127.0.0.1", a["port"], a["size"], False,
+                          timeout=_td(cfg["tp_timeout_s"]))
+    group = TPGroup(dist.PrefixStore(a["prefix"], store), a["rank"], a["size"], device,
+                    cfg["tp_timeout_s"])
+    model_cfg = read_model_config(a["model_path"])
+    kernels = kernels_for(device, force_reference=bool(cfg["extra"].get("reference_kernels")))
+    max_len = cfg["max_model_len"] or min(model_cfg.max_position_embeddings, 8192)
+    model = build_model(a["model_path"], model_cfg, kernels, device, cfg["dtype"],
+                        cfg["load_format"], max_positions=max(max_len, 1), seed=cfg["seed"],
+                        group=group)
+    msg = read_frame(stdin)
+    if msg is None:
+        return 0
+    _, shape, dtype = msg
+    kv_cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    write_frame(chan, "ready")
+    follow(model, kv_cache, group, stdin, device)
+    return 0
+
+
+@torch.inference_mode()
+def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: int,
+           device: torch.device) -> None:
+    prev_ids: torch.Tensor | None = None
+    while True:
+        try:
+            plan = read_frame(fd)
+        except EOFError:
+            return  # rank 0 is gone
+        if plan is None:
+            return
+        assert isinstance(plan, StepPlan)
+        run_plan(model, kv_cache, plan, prev_ids, device)  # type: ignore[arg-type]
+        prev_ids = None
+        if plan.sample_at:  # rank 0 sampled: keep its ids for the next step's inputs
+            prev_ids = group.broadcast(
+                torch.empty(len(plan.sample_at), dtype=torch.int64, device=device), 0)
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:
+        sys.exit(130)

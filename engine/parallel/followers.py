@@ -1,0 +1,197 @@
+"""Rank 0's handle on the follower ranks 1..N-1 of a tensor-parallel engine.
+
+Lifecycle of one follower (each a process rank 0 spawns, `python -m
+engine.parallel.follower`):
+
+  SPAWNED --"hello"--> JOINING (its half of the process group) --(rank 0 joins)-->
+  LOADING (its weight shard) --("kv", shape) / "ready"--> FOLLOWING (one StepPlan per
+  step) --(None, or rank 0's channel closes)--> EXITED
+
+Timeouts: start-up waits at most `start_timeout_s` for each message and fails at once
+when a follower exits; every collective is bounded by the group's timeout; a follower
+that exits mid-step makes rank 0's next collective or plan write fail, and `failure()`
+turns that into one TPRankError naming the dead rank. A failed engine stays failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+import uuid
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.config import EngineConfig
+from engine.parallel.group import TPGroup
+from engine.parallel.wire import read_frame, write_frame
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class TPRankError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the whole engine is down."""
+
+
+class TPFollowers:
+    def __init__(self, config: EngineConfig, model_path: str, devices: list[str],
+                 start_timeout_s: float = 600.0) -> None:
+        self.size = len(devices)
+        self.timeout_s = config.tp_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.failed: TPRankError | None = None
+        self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
+                                   timeout=_td(self.timeout_s))
+        prefix = f"pdserve-tp-{uuid.uuid4().hex}"
+        cfg = {k: v for k, v in config.__dict__.items() if k != "extra"}
+        cfg["extra"] = {k: v for k, v in config.extra.items() if _jsonable(v)}
+        threads = max(1, torch.get_num_threads() // self.size)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.chans: list[int] = []  # read ends: follower -> rank 0
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
+        for rank in range(1, self.size):
+            rfd, wfd = os.pipe()
+            args = dict(rank=rank, size=self.size, port=self.store.port, prefix=prefix,
+                        device=devices[rank], model_path=model_path, config=cfg,
+                        chan_fd=wfd, threads=threads)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "engine.parallel.follower", json.dumps(args)],
+                stdin=subprocess.PIPE, pass_fds=(wfd,), env=env, cwd=_ROOT)
+            os.close(wfd)
+            assert proc.stdin is not None
+            os.set_blocking(proc.stdin.fileno(), False)  # writes are bounded: write_frame
+            self.procs.append(proc)
+            self.chans.append(rfd)
+        self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), list(self.chans))
+        try:
+            self._expect("hello")
+            self.group = TPGroup(dist.PrefixStore(prefix, self.store), 0, self.size,
+                                 torch.device(devices[0]), self.timeout_s)
+        except BaseException:
+            self._finalizer()
+            raise
+
+    # ---- start-up ------------------------------------------------------------------------
+
+    def start_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Each follower allocates its KV cache (rank 0's shape: its own heads) and reports
+        ready once its weights are loaded."""
+        self._send_all(("kv", tuple(shape), str(dtype).removeprefix("torch.")))
+        self._expect("ready")
+
+    def _expect(self, what: str) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        for i, fd in enumerate(self.chans):
+            while True:
+                self._check_alive()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._fail(f"rank {i + 1} sent no {what!r} within "
+                                     f"{self.start_timeout_s:.0f}s")
+                ready, _, _ = select.select([fd], [], [], min(left, 0.2))
+                if ready:
+                    try:
+                        got = read_frame(fd)
+                    except EOFError:
+                        self._check_alive(wait_s=2.0)
+                        raise self._fail(f"rank {i + 1} closed its channel") from None
+                    if got != what:
+                        raise self._fail(f"rank {i + 1} sent {got!r}, expected {what!r}")
+                    break
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def send(self, plan: Any) -> None:
+        """Hands every follower this step's plan (before rank 0 runs the same forward)."""
+        self._check_alive()
+        self._send_all(plan)
+
+    def _send_all(self, obj: Any) -> None:
+        if self.failed is not None:
+            raise self.failed
+        for i, p in enumerate(self.procs):
+            assert p.stdin is not None
+            try:
+                write_frame(p.stdin.fileno(), obj, self.timeout_s)
+            except OSError as e:  # TimeoutError included
+                self._check_alive(wait_s=2.0)
+                raise self._fail(f"rank {i + 1}: cannot send the step plan ({e})") from e
+
+    # ---- failure -------------------------------------------------------------------------
+
+    def _check_alive(self, wait_s: float = 0.0) -> None:
+        if self.failed is not None:
+            raise self.failed
+        deadline = time.monotonic() + wait_s
+        while True:
+            for i, p in enumerate(self.procs):
+                code = p.poll()
+                if code is not None:
+                    raise self._fail(f"rank {i + 1} (pid {p.pid}) exited with code {code}")
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def failure(self, exc: BaseException) -> TPRankError:
+        """The error to raise for an exception out of a step: a dead rank if there is one
+        (it may take a moment to be reaped after its sockets closed), else the exception."""
+        if self.failed is not None:
+            return self.failed
+        try:
+            self._check_alive(wait_s=2.0)
+        except TPRankError as e:
+            return e
+        return self._fail(f"a collective failed ({exc})")
+
+    def _fail(self, why: str) -> TPRankError:
+        self.failed = TPRankError(f"tensor parallel engine failed: {why}; the engine is "
+                                  "stopped (all ranks)")
+        self.close(grace_s=0.0)
+        return self.failed
+
+    def close(self, grace_s: float = 2.0) -> None:
+        """Stops every follower: a polite None, then a kill after grace_s."""
+        for p in self.procs:
+            if p.poll() is None and p.stdin is not None and grace_s > 0:
+                try:
+                    write_frame(p.stdin.fileno(), None, grace_s)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._finalizer()
+
+
+def _kill_all(procs: list[subprocess.Popen[bytes]], chans: list[int]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        if p.stdin is not None:
+            p.stdin.close()
+    for fd in chans:
+        os.close(fd)
+
+
+def _jsonable(v: object) -> bool:
+    try:
+        json.dumps(v)
+    except TypeError:
+        return False
+    return True
+
+
+def _td(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
