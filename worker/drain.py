@@ -86,9 +86,8 @@ async def drain(bridge: EngineBridge, gate: DrainGate, registration: Registratio
     gate.close(reason)
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
-    if bridge.queues:
-        log.info("draining (%s): waiting for %d request(s) in flight (up to %g s)", reason,
-                 len(bridge.queues), timeout_s)
+    log.info("draining (%s): waiting for %d request(s) in flight (up to %g s)", reason,
+             len(bridge.queues), timeout_s)
     while bridge.queues:
         if loop.time() >= end:
             log.warning("drain timeout (%g s): ending %d request(s) still running", timeout_s,
