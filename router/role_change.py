@@ -33,7 +33,7 @@ from router.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry,
 
 log = logging.getLogger(__name__)
 
-# drain (the workers' default --drain-timeout is 60 s) + engine rebuild + re-registration
+# drain (the workers' default --drain-timeout is 25 s) + engine rebuild + re-registration
 DEFAULT_STEP_TIMEOUT_S = 300.0
 ROLES = (PRODUCER, CONSUMER, COLOCATED)
 

@@ -25,7 +25,9 @@ from worker.registration import Registration
 from worker.servicer import EngineBridge
 
 log = logging.getLogger("pdserve.worker")
-DEFAULT_DRAIN_TIMEOUT_S = 60.0
+# Under the 30 s termination grace period of the Kubernetes manifests (deploy/k8s), which
+# must exceed it: the worker still deregisters and stops its engine after the drain.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
 # Between the router placing a request and its call reaching us: a call placed before the
 # router processed our Deregister arrives within this and is served, not refused.
 IN_TRANSIT_S = 0.5

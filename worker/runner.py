@@ -48,6 +48,14 @@ async def _first(*aws: asyncio.Future[object] | asyncio.Task[object]) -> None:
     await asyncio.wait(aws, return_when=asyncio.FIRST_COMPLETED)
 
 
+def _failed(waiter: asyncio.Task[object]) -> int:
+    """Exit status 1 for a worker whose engine or registration failed (a supervisor then
+    restarts it as a crash), with its error in the log."""
+    err = waiter.exception() if not waiter.cancelled() else None
+    log.error("%s", err or "the worker stopped serving")
+    return 1
+
+
 async def serve(config_for: Callable[[str], WorkerConfig], role: str,
                 drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
                 signals: _Signals | None = None) -> int:
@@ -63,7 +71,9 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
         tasks: list[asyncio.Task[object]] = []
         try:
             starting = asyncio.create_task(w.start())
-            await _first(starting, asyncio.create_task(sig.now.wait()))
+            interrupted = asyncio.create_task(sig.now.wait())
+            tasks = [interrupted]
+            await _first(starting, interrupted)
             if not starting.done():
                 starting.cancel()
                 return 0
@@ -71,13 +81,13 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
             print(f"{w.worker_id} ({role}) listening on {addr}", flush=True)
             reg = w.registration
             assert reg is not None
+            interrupted.cancel()
             tasks = [asyncio.create_task(w.wait()), asyncio.create_task(sig.term.wait()),
                      asyncio.create_task(sig.now.wait()), asyncio.create_task(reg.ordered.wait())]
             waiter, term, now, ordered = tasks
             await _first(*tasks)
-            if waiter.done() and waiter.exception() is not None:
-                log.error("%s", waiter.exception())
-                return 1
+            if waiter.done():
+                return _failed(waiter)
             if now.done():
                 return 0
             if term.done():
@@ -87,12 +97,14 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
                 if not drained.done():
                     drained.cancel()
                 await reg.deregister("SIGTERM, drained", done=True)
-                return 0
+                return _failed(waiter) if waiter.done() else 0
             new_role = ROLE_OF[reg.change_role]
             log.info("%s: the router ordered a role change %s -> %s", w.worker_id, role,
                      new_role)
             await drain(w.bridge, gate, reg, f"changing role to {new_role}",  # type: ignore[arg-type]
                         drain_timeout_s, deregister=False)
+            if waiter.done():  # the engine died while draining
+                return _failed(waiter)
             if sig.term.is_set():  # told to stop while draining for the change
                 await reg.deregister("SIGTERM, drained", done=True)
                 return 0

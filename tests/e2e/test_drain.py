@@ -5,6 +5,7 @@ engine's. Past --drain-timeout, what still runs ends with an error naming it."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
@@ -41,9 +42,13 @@ def tiny_llm(tiny_model: str):  # type: ignore[no-untyped-def]
     return LLM(tiny_model, max_num_batched_tokens=32)
 
 
-def sigterm(c: LocalCluster, name: str) -> None:
-    """SIGTERM to the worker's own process (as Kubernetes and `kill` do), not its group."""
-    c.procs[name].send_signal(signal.SIGTERM)
+def sigterm(c: LocalCluster, name: str, group: bool = False) -> None:
+    """SIGTERM to the worker's own process (as Kubernetes and `kill` do), or to its whole
+    process group, engine process included (as scancel does): both drain."""
+    if group:
+        os.killpg(c.procs[name].pid, signal.SIGTERM)
+    else:
+        c.procs[name].send_signal(signal.SIGTERM)
 
 
 def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny_model,
@@ -55,9 +60,9 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
         load = SteadyLoad(c.router_address, clients=3)
         with load.running():
             load.wait_for(8)
-            for name in ("producer-0", "consumer-0", "producer-1", "consumer-1"):
+            for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):
                 old = c.procs[name]
-                sigterm(c, name)
+                sigterm(c, name, group=i >= 2)
                 # the router stops picking it at once, while it is still listed
                 wait_until(lambda n=name: n not in workers(c) or workers(c)[n].draining,
                            10, f"{name} draining")
