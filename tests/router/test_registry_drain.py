@@ -206,3 +206,27 @@ def test_change_split_fails_when_a_worker_does_not_come_back() -> None:
             assert cl.server.registry is not None and cl.server.registry.hold_until == 0.0
 
     run(body(), timeout=30)
+
+
+def test_plan_apply_cli_reports_refusals_and_success(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    from deploy.cli import main
+
+    async def body() -> list[int]:
+        async with Cluster(api_key="key") as cl:
+            await cl.add("p0", P)
+            await cl.add("c0", C)
+            base = ["plan", "apply", "--router", cl.server.address]
+            return [await asyncio.to_thread(main, [*base, *args]) for args in (
+                ["--producers", "1", "--consumers", "1"],  # no key
+                ["--producers", "2", "--consumers", "1", "--api-key", "key"],
+                ["--producers", "1", "--consumers", "1", "--api-key", "key"],  # already so
+            )]
+
+    assert run(body(), timeout=30) == [1, 1, 0]
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert lines[0].startswith("pdserve: error: UNAUTHENTICATED: authorization:")
+    assert lines[1] == ("pdserve: error: INVALID_ARGUMENT: producers + consumers + colocated: "
+                        "must add up to the 2 registered worker(s) not draining, got 3")
+    assert out.strip() == "role change done (0 step(s))"
