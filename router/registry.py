@@ -82,6 +82,7 @@ class Registry:
         # is being rebuilt) is expected back: new requests wait until this clock time for a
         # usable worker instead of being refused (router/health.py wait_until_serving).
         self.hold_until = 0.0
+        self.held = 0  # requests waiting on hold_until now
 
     def clock(self) -> float:
         return self._clock()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from unittest.mock import patch
 
 import grpc
 import pytest
@@ -108,8 +109,12 @@ def test_requests_wait_for_a_role_change_only() -> None:
         waiter = asyncio.create_task(wait_until_serving(reg))
         await asyncio.sleep(0.05)
         assert not waiter.done()
+        assert reg.held == 1
+        with patch("router.health.MAX_HELD", 1):  # bounded: one more is refused at once
+            assert not await asyncio.wait_for(wait_until_serving(reg), 2)
         add(reg, "c0", CONSUMER)
         assert await asyncio.wait_for(waiter, 2)
+        assert reg.held == 0
         reg.drain("c0", "x")
         clock.t += 11  # the change's deadline passed: refused
         assert not await asyncio.wait_for(wait_until_serving(reg), 2)
