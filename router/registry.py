@@ -51,6 +51,9 @@ class WorkerInfo:
     draining: bool = False  # takes no new requests (deregistered, or changing role)
     drain_reason: str = ""
     target_role: int = 0  # a role change the router ordered (0: none)
+    # Deregister(done): the worker drained and is exiting. Forgotten once no request the
+    # router placed on it is still running here (its last messages may trail the call).
+    left: bool = False
 
     @property
     def role_name(self) -> str:
@@ -142,13 +145,16 @@ class Registry:
         return True
 
     def sweep(self) -> list[WorkerInfo]:
-        """Drops every worker whose last heartbeat is older than the timeout."""
+        """Drops every worker whose last heartbeat is older than the timeout, and every
+        worker that left (Deregister done) once the router's requests on it ended."""
         now = self._clock()
         dropped = [w for w in self._workers.values() if self._expired(w, now)]
         for w in dropped:
             del self._workers[w.worker_id]
             self._notify_drop(w, f"worker {w.worker_id} ({w.role_name} at {w.address}) "
                                  f"stopped heartbeating ({self.heartbeat_timeout_s:g} s)")
+        for w in [w for w in self._workers.values() if w.left and w.inflight <= 0]:
+            self.remove(w.worker_id, f"worker {w.worker_id} deregistered ({w.drain_reason})")
         if dropped:
             self._notify_change()
         return dropped
@@ -161,6 +167,19 @@ class Registry:
         if not w.draining:
             w.draining, w.drain_reason = True, reason
             self._notify_change()
+        return True
+
+    def leave(self, worker_id: str, reason: str) -> bool:
+        """The worker is gone once the router's last request on it ends (at once if none:
+        a drained worker's final stream messages can still be on their way here, and
+        dropping it first would fail those requests). False: unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        self.drain(worker_id, reason)
+        w.left = True
+        if w.inflight <= 0:
+            self.remove(worker_id, reason)
         return True
 
     def order_role_change(self, worker_id: str, role: int) -> WorkerInfo:

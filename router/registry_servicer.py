@@ -68,7 +68,7 @@ class MembershipServicer(router_pb2_grpc.MembershipServicer):
         reason = request.reason or "deregistered"
         if request.done:
             log.info("%s %s left (%s)", w.role_name, w.worker_id, reason)
-            self.registry.remove(w.worker_id, f"worker {w.worker_id} deregistered ({reason})")
+            self.registry.leave(w.worker_id, reason)
         else:
             log.info("%s %s draining (%s): no new requests go to it", w.role_name,
                      w.worker_id, reason)
