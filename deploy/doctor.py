@@ -108,17 +108,39 @@ def check_port(name: str, address: str, timeout: float = 3.0) -> Check:
 
 
 def check_fingerprints(workers: list[tuple[str, str, str]]) -> Check:
-    """(worker id, role, KV fingerprint) of every producer and consumer: one layout only,
-    or KV pushed between them would be read as garbage."""
-    pd = [(w, r, f) for w, r, f in workers if r in ("producer", "consumer")]
-    if not pd:
-        return Check("kv fingerprints", WARN, "no producer or consumer reports one")
-    prints = {f for _, _, f in pd}
+    """(worker id, role, KV fingerprint) of every worker: one layout only. Producers and
+    consumers with two layouts would read each other's KV as garbage, and since the router
+    can change any worker's role (``pdserve plan apply``), colocated workers count too."""
+    if not workers:
+        return Check("kv fingerprints", WARN, "no worker reports one")
+    prints = {f for _, _, f in workers}
     if len(prints) > 1:
-        groups = ", ".join(f"{f or '(none)'}: {' '.join(w for w, _, g in pd if g == f)}"
+        groups = ", ".join(f"{f or '(none)'}: {' '.join(w for w, _, g in workers if g == f)}"
                            for f in sorted(prints))
         return Check("kv fingerprints", FAIL, f"{len(prints)} KV layouts: {groups}")
-    return Check("kv fingerprints", PASS, f"{prints.pop()} on {len(pd)} worker(s)")
+    return Check("kv fingerprints", PASS, f"{prints.pop()} on {len(workers)} worker(s)")
+
+
+def check_versions(workers: list[tuple[str, str]]) -> Check:
+    """(worker id, pdserve version) of every worker: one version only (a rolling upgrade
+    in progress shows here until it is done)."""
+    if not workers:
+        return Check("versions", WARN, "no worker reports one")
+    versions = {v for _, v in workers}
+    if len(versions) > 1:
+        groups = ", ".join(f"{v or '(not reported)'}: {' '.join(w for w, g in workers if g == v)}"
+                           for v in sorted(versions))
+        return Check("versions", FAIL, f"{len(versions)} versions: {groups}")
+    return Check("versions", PASS, f"{versions.pop() or '(not reported)'} on {len(workers)} "
+                                   f"worker(s)")
+
+
+def check_kv_port(name: str, kv_address: str, timeout: float = 3.0) -> Check:
+    """A consumer's KV address (``tcp://host:port``, what producers dial) accepts TCP."""
+    scheme, sep, rest = kv_address.partition("://")
+    if sep and scheme != "tcp":
+        return Check(name, WARN, f"{kv_address}: not a TCP address, not checked")
+    return check_port(name, rest if sep else kv_address, timeout)
 
 
 def check_clock(remote_date: str, now: float, warn_s: float = 1.5,
@@ -171,25 +193,26 @@ def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0) -> list
         return [Check("router", FAIL, f"{router}: {e.code().name} {e.details()}")]
     out = [Check("router", PASS, f"{router}, policy {status.policy}, "
                                  f"{len(status.workers)} worker(s)")]
-    roles = {ROLE_NAMES.get(w.role, "?") for w in status.workers if w.healthy}
+    roles = {ROLE_NAMES.get(w.role, "?") for w in status.workers if w.healthy and not w.draining}
     if not ({"producer", "consumer"} <= roles or "colocated" in roles):
         out.append(Check("roles", FAIL, f"healthy roles {sorted(roles)}: cannot serve"))
     else:
         out.append(Check("roles", PASS, ", ".join(sorted(roles))))
-    if "kv_fingerprint" in router_pb2.WorkerStatus.DESCRIPTOR.fields_by_name:
-        out.append(check_fingerprints([(w.worker_id, ROLE_NAMES.get(w.role, "?"),
-                                        getattr(w, "kv_fingerprint"))  # noqa: B009 - absent from older stubs
-                                       for w in status.workers]))
-    else:  # until the router reports them (router.proto WorkerStatus.kv_fingerprint)
-        out.append(Check("kv fingerprints", WARN, "this router does not report them; it "
-                                                  "refuses a mismatched worker at Register"))
+    out.append(check_fingerprints([(w.worker_id, ROLE_NAMES.get(w.role, "?"), w.kv_fingerprint)
+                                   for w in status.workers]))
+    out.append(check_versions([(w.worker_id, w.version) for w in status.workers]))
     for w in status.workers:
         name = f"{ROLE_NAMES.get(w.role, '?')} {w.worker_id}"
         if not w.healthy:
             out.append(Check(name, FAIL, f"unhealthy: {w.unhealthy_reason}"))
+        elif w.draining:
+            target = f" (becoming {ROLE_NAMES[w.target_role]})" if w.target_role else ""
+            out.append(Check(name, WARN, f"draining{target}: takes no new requests"))
         else:
             out.append(Check(name, PASS, f"heartbeat {w.last_heartbeat_age_s:.1f} s ago"))
         out.append(check_port(f"{name} gRPC port", w.address, timeout))
+        if w.kv_address:
+            out.append(check_kv_port(f"{name} KV port", w.kv_address, timeout))
     return out
 
 

@@ -1,5 +1,6 @@
-"""``pdserve plan``: pick a producer/consumer/colocated split from a worker profile, and
-``pdserve plan profile``: measure that profile on this device."""
+"""``pdserve plan``: pick a producer/consumer/colocated split from a worker profile,
+``pdserve plan profile``: measure that profile on this device, and ``pdserve plan apply``:
+move a running cluster to a split (deploy/plan/apply.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from deploy.benchmark.workload import LengthRange
 from deploy.engine_args import add_engine_args, engine_config
+from deploy.plan.apply import add_apply_parser
 from deploy.plan.planner import (
     Slos,
     Workload,
@@ -61,6 +63,7 @@ def add_plan_parser(sub: Any) -> None:
     prof.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     prof.add_argument("--transfer-backend", default="ucx")
     prof.set_defaults(func=run_profile)
+    add_apply_parser(ps)
 
 
 def _need(args: argparse.Namespace, *names: str) -> None:

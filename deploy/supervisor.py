@@ -1,6 +1,9 @@
 """Keeps a launched cluster's workers running: a worker that exits is started again after a
 backoff (1 s, doubling to 30 s; reset once it has run a minute), while the rest of the
-cluster keeps serving. The router is not restarted: without it there is no cluster."""
+cluster keeps serving. The router is not restarted: without it there is no cluster.
+
+A worker that exits 0 was stopped on purpose (SIGTERM: it drained its requests first, as in
+a rolling restart): it is started again at once, and it is no crash, so its backoff stays."""
 
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ class Supervisor:
         self.clock = clock
         now = clock()
         self._state = {n: _Restarts(started=now) for n in cluster.procs if n != "router"}
-        self.restarts = 0
+        self.restarts = 0  # every restart, drained ones included
+        self.crashes = 0  # exits other than a drain (non-zero, or killed by a signal)
 
     def poll(self) -> None:
         """One look at every process: schedules and performs restarts. Raises RouterExited
@@ -49,7 +53,14 @@ class Supervisor:
                 if st.due == 0.0 and now - st.started >= STABLE_S:
                     st.backoff_s = BACKOFF_FIRST_S
                 continue
+            if st.due == 0.0 and c.procs[name].returncode == 0:
+                c.respawn(name)
+                st.started = now
+                self.restarts += 1
+                self.say(f"{name} drained and exited 0; restarted")
+                continue
             if st.due == 0.0:
+                self.crashes += 1
                 st.due = now + st.backoff_s
                 self.say(f"{c.exit_reason(name)}; restarting in {st.backoff_s:.0f} s")
                 st.backoff_s = min(BACKOFF_MAX_S, st.backoff_s * 2)

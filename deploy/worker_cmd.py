@@ -1,5 +1,7 @@
 """`pdserve producer|consumer|colocated`: one worker service per command, for launchers
-that place each role on its own host."""
+that place each role on its own host. The command names the worker's first role; every
+role's parts are handed to the worker, since the router may order a role change
+(worker/runner.py rebuilds the worker in place)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from deploy.engine_args import add_engine_args, engine_config
 from producer.role import make_producer_handler
 from producer.servicer import ProducerServicer
 from transfer.types import BACKENDS
+from worker.drain import DEFAULT_DRAIN_TIMEOUT_S
 from worker.engine_loop import EngineSpec, HandlerFactory
 from worker.servicer import WorkerServicer
 
@@ -46,29 +49,35 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="Prometheus /metrics port on --host (0: any free port, logged; -1: off)")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads of the engine process (0: torch's default)")
-    if role != "colocated":
-        t = p.add_argument_group("KV transfer")
-        t.add_argument("--transfer-backend", default="ucx", choices=BACKENDS,
+    g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help="on SIGTERM (and before a role change) the worker deregisters, takes "
+                        "no new requests and lets those in flight finish for up to this many "
+                        "seconds; any still running then end with an error. SIGTERM then "
+                        "exits 0. Give a pod's terminationGracePeriodSeconds a little more")
+    # Every role takes every role's flags: the router may change a worker's role, and the
+    # worker then runs the new role with the flags it was started with.
+    t = p.add_argument_group("KV transfer (producer and consumer)")
+    t.add_argument("--transfer-backend", default="ucx", choices=BACKENDS,
                    help="ucx: any hosts (TCP, shared memory, cuda_ipc); nixl: RDMA between "
                         "hosts; ipc: one host only, the consumer maps the producer's pool")
-        t.add_argument("--kv-host", default="",
-                       help="consumer: address its KV receiver binds and advertises "
-                            "(default: --advertise-host or --host)")
-        t.add_argument("--kv-port", type=int, default=0)
-        t.add_argument("--transfer-timeout", type=float, default=30.0,
-                       help="seconds a transfer may take before it fails")
-        t.add_argument("--peer-timeout", type=float, default=5.0,
-                       help="seconds of silence after which a transfer peer is dead (<= 10)")
-    if role == "consumer":
-        p.add_argument("--reservation-timeout", type=float, default=600.0,
-                       help="seconds reserved blocks wait for the producer's KV (the request "
-                            "may queue behind other prompts there first)")
-    if role == "producer":
-        p.add_argument("--lease", type=float, default=30.0,
-                       help="seconds blocks are held waiting for a consumer's destination")
-        p.add_argument("--defer-output", action="store_true",
-                       help="FOR BENCHMARKS ONLY: defer the producer's output like a decode "
-                            "engine, to measure what direct output saves")
+    t.add_argument("--kv-host", default="",
+                   help="consumer: address its KV receiver binds and advertises "
+                        "(default: --advertise-host or --host)")
+    t.add_argument("--kv-port", type=int, default=0)
+    t.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="seconds a transfer may take before it fails")
+    t.add_argument("--peer-timeout", type=float, default=5.0,
+                   help="seconds of silence after which a transfer peer is dead (<= 10)")
+    r = p.add_argument_group("per role (used while the worker has that role)")
+    r.add_argument("--reservation-timeout", type=float, default=600.0,
+                   help="consumer: seconds reserved blocks wait for the producer's KV (the "
+                        "request may queue behind other prompts there first)")
+    r.add_argument("--lease", type=float, default=30.0,
+                   help="producer: seconds blocks are held waiting for a consumer's "
+                        "destination")
+    r.add_argument("--defer-output", action="store_true",
+                   help="producer, FOR BENCHMARKS ONLY: defer the producer's output like a "
+                        "decode engine, to measure what direct output saves")
 
 
 def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
@@ -89,21 +98,27 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                     "cluster_token": args.cluster_token}
     return EngineSpec(role=role, engine=engine_config(args, **overrides),
                       handler_factory=ROLE_PARTS[role][0], transfer=transfer,
-                      threads=args.threads, lease_s=getattr(args, "lease", 30.0),
-                      reservation_s=getattr(args, "reservation_timeout", 600.0))
+                      threads=args.threads, lease_s=args.lease,
+                      reservation_s=args.reservation_timeout)
 
 
 def run_worker_cmd(args: argparse.Namespace) -> int:
-    from worker.server import WorkerConfig, run_worker
+    from worker.runner import run_worker_roles
+    from worker.server import WorkerConfig
 
-    role = args.command
-    cfg = WorkerConfig(spec=spec_from_args(args, role), servicer=ROLE_PARTS[role][1],
-                       router=args.router,
-                       bind_host=args.host, advertise_host=args.advertise_host,
-                       port=args.port, worker_id=args.worker_id,
-                       cluster_token=args.cluster_token, metrics_port=args.metrics_port,
-                       router_ca=args.router_ca)
-    return run_worker(cfg)
+    if not args.drain_timeout > 0:
+        raise ValueError(f"--drain-timeout: must be > 0, got {args.drain_timeout}")
+
+    def config_for(role: str) -> WorkerConfig:
+        return WorkerConfig(spec=spec_from_args(args, role), servicer=ROLE_PARTS[role][1],
+                            router=args.router,
+                            bind_host=args.host, advertise_host=args.advertise_host,
+                            port=args.port, worker_id=args.worker_id,
+                            cluster_token=args.cluster_token, metrics_port=args.metrics_port,
+                            router_ca=args.router_ca)
+
+    config_for(args.command)  # bad flags fail here, before anything starts
+    return run_worker_roles(config_for, args.command, args.drain_timeout)
 
 
 def add_worker_parsers(sub: Any) -> None:

@@ -17,6 +17,7 @@ from pdserve.v1 import router_pb2
 from engine.tokenizer import Tokenizer
 from router.admission import Admission
 from router.dispatcher import Dispatcher, no_workers_message
+from router.health import wait_until_serving
 from router.metrics import RouterMetrics
 from router.registry import Registry
 from router.tokenize_pool import TokenizePool
@@ -88,7 +89,7 @@ class Frontend:
         else:
             prep = prepare(request, self.tokenizer, self.model_names,
                            max_tokens_limit=self.max_tokens_limit)
-        if not self.registry.serving():
+        if not await wait_until_serving(self.registry):  # waits only during a role change
             raise RequestError(grpc.StatusCode.UNAVAILABLE, no_workers_message(self.registry))
         max_len = self.registry.max_model_len()
         room = max_len - len(prep.prompt_token_ids)

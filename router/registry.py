@@ -3,6 +3,11 @@
 Pure bookkeeping (no gRPC, no asyncio) so policies and tests can use it directly. The
 router's own count of requests it has in flight on each worker (``inflight``) is kept
 here too: heartbeats report load once a second, which is stale for a burst of requests.
+
+A worker's life here: registered (usable) -> draining (``Deregister``, or a role change
+ordered by the router: listed, heartbeating, its in-flight requests running, never picked
+for new work) -> gone (``Deregister(done)``, a missed heartbeat deadline, or replaced by
+its own re-registration, e.g. in its new role).
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ class WorkerInfo:
     last_heartbeat: float  # monotonic seconds
     inflight: int = 0  # requests the router has dispatched to it and not yet finished
     dispatched: int = 0  # total dispatched to it, for status and tests
+    version: str = ""  # pdserve version it runs (from Register)
+    draining: bool = False  # takes no new requests (deregistered, or changing role)
+    drain_reason: str = ""
+    target_role: int = 0  # a role change the router ordered (0: none)
+    # Deregister(done): the worker drained and is exiting. Forgotten once no request the
+    # router placed on it is still running here (its last messages may trail the call).
+    left: bool = False
 
     @property
     def role_name(self) -> str:
@@ -69,12 +81,20 @@ class Registry:
         self.on_drop: list[Callable[[WorkerInfo, str], None]] = []
         # Called after any change that may flip cluster health.
         self.on_change: list[Callable[[], None]] = []
+        # While a role change runs, a cluster that cannot serve for a moment (the only pair
+        # is being rebuilt) is expected back: new requests wait until this clock time for a
+        # usable worker instead of being refused (router/health.py wait_until_serving).
+        self.hold_until = 0.0
+        self.held = 0  # requests waiting on hold_until now
+
+    def clock(self) -> float:
+        return self._clock()
 
     # -- writes ----------------------------------------------------------------------------
 
     def register(self, *, worker_id: str, role: int, address: str, kv_address: str = "",
                  model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
-                 load: common_pb2.WorkerLoad | None = None) -> WorkerInfo:
+                 load: common_pb2.WorkerLoad | None = None, version: str = "") -> WorkerInfo:
         if not worker_id:
             raise RegistrationError("worker_id: must not be empty")
         if role not in ROLE_NAMES:
@@ -103,7 +123,7 @@ class Registry:
         info = WorkerInfo(worker_id=worker_id, role=role, address=address, kv_address=kv_address,
                           model=model, kv_fingerprint=kv_fingerprint,
                           max_model_len=max_model_len, load=_copy_load(load),
-                          last_heartbeat=self._clock())
+                          last_heartbeat=self._clock(), version=version)
         self._workers[worker_id] = info
         if old is not None:
             # A restart under the same id: requests on the old incarnation are gone with it.
@@ -125,16 +145,58 @@ class Registry:
         return True
 
     def sweep(self) -> list[WorkerInfo]:
-        """Drops every worker whose last heartbeat is older than the timeout."""
+        """Drops every worker whose last heartbeat is older than the timeout, and every
+        worker that left (Deregister done) once the router's requests on it ended."""
         now = self._clock()
         dropped = [w for w in self._workers.values() if self._expired(w, now)]
         for w in dropped:
             del self._workers[w.worker_id]
             self._notify_drop(w, f"worker {w.worker_id} ({w.role_name} at {w.address}) "
                                  f"stopped heartbeating ({self.heartbeat_timeout_s:g} s)")
+        for w in [w for w in self._workers.values() if w.left and w.inflight <= 0]:
+            self.remove(w.worker_id, f"worker {w.worker_id} deregistered ({w.drain_reason})")
         if dropped:
             self._notify_change()
         return dropped
+
+    def drain(self, worker_id: str, reason: str) -> bool:
+        """Stops placing new requests on the worker; those it runs go on. False: unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        if not w.draining:
+            w.draining, w.drain_reason = True, reason
+            self._notify_change()
+        return True
+
+    def leave(self, worker_id: str, reason: str) -> bool:
+        """The worker is gone once the router's last request on it ends (at once if none:
+        a drained worker's final stream messages can still be on their way here, and
+        dropping it first would fail those requests). False: unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        self.drain(worker_id, reason)
+        w.left = True
+        if w.inflight <= 0:
+            self.remove(worker_id, reason)
+        return True
+
+    def order_role_change(self, worker_id: str, role: int) -> WorkerInfo:
+        """Drains the worker and records the role it must come back in (``orders``)."""
+        if role not in ROLE_NAMES:
+            raise RegistrationError(f"role: must be producer, consumer or colocated, got {role}")
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise RegistrationError(f"worker_id: {worker_id!r} is not registered")
+        w.target_role = role
+        self.drain(worker_id, f"changing role to {ROLE_NAMES[role]}")
+        return w
+
+    def orders(self, worker_id: str) -> int:
+        """The role the router wants this worker to move to (0: none)."""
+        w = self._workers.get(worker_id)
+        return w.target_role if w is not None else 0
 
     def remove(self, worker_id: str, reason: str) -> None:
         w = self._workers.pop(worker_id, None)
@@ -151,10 +213,11 @@ class Registry:
         return list(self._workers.values())
 
     def usable(self, role: int) -> list[WorkerInfo]:
-        """Workers of ``role`` that may take a new request: heartbeating and healthy."""
+        """Workers of ``role`` that may take a new request: heartbeating, healthy and not
+        draining (the one place placement learns a worker is leaving)."""
         now = self._clock()
         return [w for w in self._workers.values()
-                if w.role == role and w.healthy and not self._expired(w, now)]
+                if w.role == role and w.healthy and not w.draining and not self._expired(w, now)]
 
     def serving(self) -> bool:
         """A request can be placed: a producer with a consumer, or a colocated worker."""

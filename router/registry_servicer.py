@@ -1,4 +1,6 @@
-"""The internal ``pdserve.v1.Registry`` service: workers join and report load."""
+"""The router's worker-facing services: ``pdserve.v1.Registry`` (workers join and report
+load) and ``pdserve.v1.Membership`` (workers leave cleanly, and poll for role changes). Both
+authenticate the caller with the cluster token."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import hmac
 import logging
 
 import grpc
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from router.registry import RegistrationError, Registry
 
@@ -28,7 +30,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 worker_id=request.worker_id, role=request.role, address=request.address,
                 kv_address=request.kv_address, model=request.model,
                 kv_fingerprint=request.kv_fingerprint, max_model_len=request.max_model_len,
-                load=request.load if request.HasField("load") else None)
+                load=request.load if request.HasField("load") else None,
+                version=request.version)
         except RegistrationError as e:
             log.warning("refused worker %r: %s", request.worker_id, e)
             code = (grpc.StatusCode.FAILED_PRECONDITION if e.precondition
@@ -48,10 +51,43 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
 
     async def _authenticate(self, token: str, worker_id: str,
                             context: grpc.aio.ServicerContext) -> None:
-        if not self.cluster_token:
-            return
-        # Constant-time: the token is the only thing keeping strangers out of the pools.
-        if not hmac.compare_digest(token.encode(), self.cluster_token.encode()):
-            log.warning("worker %r sent a wrong cluster token", worker_id)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "cluster_token: does not match the router's --cluster-token")
+        await authenticate(self.cluster_token, token, worker_id, context)
+
+
+class MembershipServicer(router_pb2_grpc.MembershipServicer):
+    def __init__(self, registry: Registry, cluster_token: str) -> None:
+        self.registry = registry
+        self.cluster_token = cluster_token
+
+    async def Deregister(self, request: router_pb2.DeregisterRequest,
+                         context: grpc.aio.ServicerContext) -> router_pb2.DeregisterResponse:
+        await authenticate(self.cluster_token, request.cluster_token, request.worker_id, context)
+        w = self.registry.get(request.worker_id)
+        if w is None:
+            return router_pb2.DeregisterResponse(known=False)
+        reason = request.reason or "deregistered"
+        if request.done:
+            log.info("%s %s left (%s)", w.role_name, w.worker_id, reason)
+            self.registry.leave(w.worker_id, reason)
+        else:
+            log.info("%s %s draining (%s): no new requests go to it", w.role_name,
+                     w.worker_id, reason)
+            self.registry.drain(w.worker_id, reason)
+        return router_pb2.DeregisterResponse(known=True)
+
+    async def Orders(self, request: router_pb2.OrdersRequest,
+                     context: grpc.aio.ServicerContext) -> router_pb2.OrdersResponse:
+        await authenticate(self.cluster_token, request.cluster_token, request.worker_id, context)
+        return router_pb2.OrdersResponse(
+            change_role=self.registry.orders(request.worker_id))  # type: ignore[arg-type]
+
+
+async def authenticate(expected: str, token: str, worker_id: str,
+                       context: grpc.aio.ServicerContext) -> None:
+    if not expected:
+        return
+    # Constant-time: the token is the only thing keeping strangers out of the pools.
+    if not hmac.compare_digest(token.encode(), expected.encode()):
+        log.warning("worker %r sent a wrong cluster token", worker_id)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "cluster_token: does not match the router's --cluster-token")

@@ -54,7 +54,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             out.workers.append(router_pb2.WorkerStatus(
                 worker_id=w.worker_id, role=w.role, address=w.address,  # type: ignore[arg-type]
                 load=w.load, last_heartbeat_age_s=self.registry.heartbeat_age(w),
-                healthy=w.healthy, unhealthy_reason=w.unhealthy_reason))
+                healthy=w.healthy, unhealthy_reason=w.unhealthy_reason,
+                kv_fingerprint=w.kv_fingerprint, version=w.version, kv_address=w.kv_address,
+                draining=w.draining, target_role=w.target_role))  # type: ignore[arg-type]
         if request.include_requests:
             out.requests.extend(router_pb2.RequestStatus(
                 request_id=r.request_id, state=r.state.name, age_s=r.age_s, producer=r.producer,

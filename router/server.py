@@ -1,7 +1,8 @@
 """The router process in one object: ``await RouterServer(cfg).start()`` -> bound port.
 
-Wires registry, policy, channels, dispatcher and the gRPC services (Router, Registry,
-standard health, reflection) onto one grpc.aio server, and runs the heartbeat sweep.
+Wires registry, policy, channels, dispatcher and the gRPC services (Router, Admin,
+Registry, Membership, standard health, reflection) onto one grpc.aio server, and runs the
+heartbeat sweep.
 Health is SERVING exactly while a request could be placed (``Registry.serving``).
 """
 
@@ -21,6 +22,7 @@ from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from engine.model_source import model_display_name, resolve_model
 from engine.tokenizer import Tokenizer
+from router.admin_servicer import AdminServicer
 from router.admission import Admission
 from router.auth import ApiKeyInterceptor, grpc_server_credentials
 from router.channels import WorkerChannels
@@ -30,12 +32,15 @@ from router.frontend import Frontend
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.registry import Registry
-from router.registry_servicer import RegistryServicer
+from router.registry_servicer import MembershipServicer, RegistryServicer
+from router.role_change import RoleChanger
 from router.router_servicer import RouterServicer
 
 log = logging.getLogger(__name__)
 
 ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+ADMIN_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+MEMBERSHIP_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Membership"].full_name
 REGISTRY_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
@@ -64,6 +69,7 @@ class RouterServer:
         self._health: health_aio.HealthServicer | None = None
         self._channels: WorkerChannels | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.role_changer: RoleChanger | None = None
 
     @property
     def address(self) -> str:
@@ -90,18 +96,26 @@ class RouterServer:
         self.metrics = RouterMetrics(self.registry, self.admission, self.dispatcher)
         frontend = Frontend(self.dispatcher, self.registry, tokenizer, model_id, names,
                             cfg.max_tokens_limit, self.admission, self.metrics)
-        interceptors = [ApiKeyInterceptor(cfg.api_key, {ROUTER_SERVICE})] if cfg.api_key else []
+        # Admin changes the cluster's shape: at least the key that guards generation.
+        interceptors = ([ApiKeyInterceptor(cfg.api_key, {ROUTER_SERVICE, ADMIN_SERVICE})]
+                        if cfg.api_key else [])
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, policy.name),
                                                      server)
         worker_pb2_grpc.add_RegistryServicer_to_server(
             RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token),
             server)
+        router_pb2_grpc.add_MembershipServicer_to_server(
+            MembershipServicer(self.registry, cfg.cluster_token), server)
+        self.role_changer = RoleChanger(self.registry)
+        router_pb2_grpc.add_AdminServicer_to_server(
+            AdminServicer(self.registry, self.role_changer), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
-            [ROUTER_SERVICE, REGISTRY_SERVICE, health_pb2.DESCRIPTOR.services_by_name[
-                "Health"].full_name, reflection.SERVICE_NAME], server)
+            [ROUTER_SERVICE, ADMIN_SERVICE, MEMBERSHIP_SERVICE, REGISTRY_SERVICE,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME], server)
         bind = host_port(cfg.listen_host, cfg.grpc_port)
         try:
             if cfg.tls_cert:
@@ -136,6 +150,8 @@ class RouterServer:
             t.cancel()
             with contextlib.suppress(BaseException):
                 await t
+        if self.role_changer is not None:
+            await self.role_changer.close()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self.dispatcher is not None:

@@ -124,13 +124,19 @@ def _die_with_parent() -> None:
     # the kernel signals when the *thread* that started us ends: WorkerServer.start runs on
     # the worker's main thread, which lives as long as the worker
     PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    # SIGKILL: the engine ignores SIGTERM (engine_process_main)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent.pid:  # it died before the line above
         os._exit(1)
 
 
 def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
     """Entry point of the spawned engine process."""
+    # A SIGTERM sent to the whole process group (scancel, `kill -- -PGID`, a launcher's
+    # stop) is the worker's to handle: it drains, then stops this process with StopCmd.
+    # Dying here at once would end the requests the drain is meant to finish.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"[{spec.role}-engine] %(message)s")
     if spec.threads:

@@ -1,19 +1,29 @@
 """Joining the router: Register once the engine is ready, then heartbeat the load; register
-again if the router forgot us (it restarted, or dropped us after missed heartbeats)."""
+again if the router forgot us (it restarted, or dropped us after missed heartbeats). With
+each heartbeat, poll the router's orders (a role change it wants). Leaving: Deregister
+(draining: no new work comes) and, once drained, Deregister(done)."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import grpc
-from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.worker")
 ROLES = {"producer": common_pb2.ROLE_PRODUCER, "consumer": common_pb2.ROLE_CONSUMER,
          "colocated": common_pb2.ROLE_COLOCATED}
+
+
+def pdserve_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
 
 
 def load_pb(load: dict[str, Any]) -> common_pb2.WorkerLoad:
@@ -32,6 +42,7 @@ class Registration:
         else:
             self.channel = grpc.aio.insecure_channel(router)
         self.stub = worker_pb2_grpc.RegistryStub(self.channel)
+        self.membership = router_pb2_grpc.MembershipStub(self.channel)
         self.worker_id = worker_id
         self.role = role
         self.address = address
@@ -39,6 +50,9 @@ class Registration:
         self.load = load
         self.token = cluster_token
         self.interval = 1.0
+        self.draining = False  # set once deregistered: never register again
+        self.change_role = 0  # common_pb2.Role the router ordered (0: none)
+        self.ordered = asyncio.Event()  # set when change_role is
 
     async def register(self) -> None:
         resp = await self.stub.Register(worker_pb2.RegisterRequest(
@@ -46,7 +60,7 @@ class Registration:
             kv_address=self.info.get("kv_address", ""), model=self.info["model"],
             kv_fingerprint=self.info["kv_fingerprint"],
             max_model_len=self.info["max_model_len"], load=load_pb(self.load()),
-            cluster_token=self.token), timeout=10)
+            cluster_token=self.token, version=pdserve_version()), timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)
 
@@ -55,14 +69,16 @@ class Registration:
         registered = False
         while True:
             try:
-                if not registered:
+                if not registered and not self.draining:
                     await self.register()
                     registered = True
-                else:
+                elif registered:
                     resp = await self.stub.Heartbeat(worker_pb2.HeartbeatRequest(
                         worker_id=self.worker_id, load=load_pb(self.load()),
                         cluster_token=self.token), timeout=5)
                     registered = resp.known
+                    if registered and not self.ordered.is_set():
+                        await self._poll_orders()
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
                                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -71,6 +87,33 @@ class Registration:
                 log.warning("router unreachable (%s); retrying", e.code().name)
                 registered = False
             await asyncio.sleep(self.interval)
+
+    async def _poll_orders(self) -> None:
+        try:
+            resp = await self.membership.Orders(router_pb2.OrdersRequest(
+                worker_id=self.worker_id, cluster_token=self.token), timeout=5)
+        except grpc.aio.AioRpcError as e:
+            # not a reason to register again (an older router has no Membership service);
+            # the heartbeat says whether the router still knows us
+            log.debug("orders poll failed: %s", e.code().name)
+            return
+        if resp.change_role and resp.change_role in ROLES.values():
+            self.change_role = resp.change_role
+            self.ordered.set()
+
+    async def deregister(self, reason: str, done: bool = False, timeout: float = 5.0) -> bool:
+        """Tells the router to stop sending work (done: to forget this worker). False when
+        the router could not be told (gone, or did not know us): nothing to wait for then."""
+        self.draining = True
+        try:
+            resp = await self.membership.Deregister(router_pb2.DeregisterRequest(
+                worker_id=self.worker_id, cluster_token=self.token, done=done, reason=reason),
+                timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            log.warning("could not deregister from the router (%s): %s", e.code().name,
+                        e.details())
+            return False
+        return bool(resp.known)
 
     async def close(self) -> None:
         await self.channel.close()

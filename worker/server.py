@@ -37,6 +37,8 @@ class WorkerConfig:
     ready_timeout_s: float = 300.0  # model loading
     metrics_port: int = 0  # Prometheus /metrics on bind_host; 0: any free port, -1: off
     router_ca: str = ""  # PEM CA to verify a TLS router with; "": plaintext to the router
+    # gRPC server interceptors (worker/drain.py DrainGate refuses new requests in a drain)
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -60,6 +62,7 @@ class WorkerServer:
         self.address = ""
         self.metrics: WorkerMetrics | None = None
         self.metrics_server: MetricsServer | None = None
+        self.registration: Registration | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -72,7 +75,7 @@ class WorkerServer:
         info = await asyncio.wait_for(self.bridge.ready, cfg.ready_timeout_s)
         bridge = self.bridge
         self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: bridge.load)
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=cfg.interceptors)
         worker_pb2_grpc.add_WorkerServicer_to_server(
             cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),
             self.server)
@@ -86,6 +89,7 @@ class WorkerServer:
                      cfg.advertise_host or cfg.bind_host, mport)
         reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address, info,
                            lambda: bridge.load, cfg.cluster_token, cfg.router_ca)
+        self.registration = reg
         self.tasks.append(asyncio.create_task(reg.run()))
         self.tasks.append(asyncio.create_task(self._watch_engine()))
         log.info("%s serving on %s (engine ready: %s)", self.worker_id, self.address, info)

@@ -83,10 +83,10 @@ def test_a_running_cluster_passes() -> None:
                                   worker_args=("--kv-cache-mib", "64"))) as c:
         checks = cluster_checks(c.router_address)
         by = {k.name: k for k in checks}
-        # fingerprints: PASS once the router reports them, WARN (saying so) until then
-        assert all(k.status == PASS for k in checks if k.name != "kv fingerprints"), \
-            render(checks)
-        assert by["kv fingerprints"].status in (PASS, WARN)
+        assert all(k.status == PASS for k in checks), render(checks)
+        assert by["kv fingerprints"].detail.endswith("on 2 worker(s)")
+        assert by["versions"].status == PASS
+        assert by["consumer consumer-0 KV port"].status == PASS  # the UCX handshake port
         clock = clock_checks(f"http://127.0.0.1:{c.http_port}")
         assert [k.status for k in clock] == [PASS], render(clock)
         assert by["roles"].detail == "consumer, producer"
@@ -99,17 +99,21 @@ def test_a_running_cluster_passes() -> None:
         failed = [k for k in after if k.status == FAIL]
         assert exit_code(after) == 1, render(after)
         assert {k.name for k in failed} <= {"roles", "consumer consumer-0",
-                                             "consumer consumer-0 gRPC port"}, render(after)
+                                             "consumer consumer-0 gRPC port",
+                                             "consumer consumer-0 KV port"}, render(after)
 
 
 def test_fingerprints_match_and_a_mismatch_fails() -> None:
     ok = check_fingerprints([("p0", "producer", "c8ea"), ("c0", "consumer", "c8ea"),
-                             ("x0", "colocated", "other")])
-    assert ok.status == PASS and ok.detail == "c8ea on 2 worker(s)"
+                             ("x0", "colocated", "c8ea")])
+    assert ok.status == PASS and ok.detail == "c8ea on 3 worker(s)"
     bad = check_fingerprints([("p0", "producer", "c8ea"), ("c0", "consumer", "d00d"),
                               ("c1", "consumer", "c8ea")])
     assert bad.status == FAIL and bad.detail == "2 KV layouts: c8ea: p0 c1, d00d: c0"
-    assert check_fingerprints([("x0", "colocated", "a")]).status == WARN
+    # a colocated worker may be made a producer or consumer by a role change: it counts
+    assert check_fingerprints([("p0", "producer", "a"), ("c0", "consumer", "a"),
+                               ("x0", "colocated", "b")]).status == FAIL
+    assert check_fingerprints([]).status == WARN
 
 
 def test_clock_skew() -> None:

@@ -166,7 +166,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., age_s: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., tokens_streamed: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason")
+    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,11 @@ class WorkerStatus(_message.Message):
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     UNHEALTHY_REASON_FIELD_NUMBER: _ClassVar[int]
+    KV_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ROLE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -181,4 +186,71 @@ class WorkerStatus(_message.Message):
     last_heartbeat_age_s: float
     healthy: bool
     unhealthy_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ...) -> None: ...
+    kv_fingerprint: str
+    version: str
+    kv_address: str
+    draining: bool
+    target_role: _common_pb2.Role
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id", "cluster_token", "done", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cluster_token: str
+    done: bool
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., done: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class OrdersRequest(_message.Message):
+    __slots__ = ("worker_id", "cluster_token")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cluster_token: str
+    def __init__(self, worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ...) -> None: ...
+
+class OrdersResponse(_message.Message):
+    __slots__ = ("change_role",)
+    CHANGE_ROLE_FIELD_NUMBER: _ClassVar[int]
+    change_role: _common_pb2.Role
+    def __init__(self, change_role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+
+class ChangeSplitRequest(_message.Message):
+    __slots__ = ("producers", "consumers", "colocated", "step_timeout_s")
+    PRODUCERS_FIELD_NUMBER: _ClassVar[int]
+    CONSUMERS_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    producers: int
+    consumers: int
+    colocated: int
+    step_timeout_s: float
+    def __init__(self, producers: _Optional[int] = ..., consumers: _Optional[int] = ..., colocated: _Optional[int] = ..., step_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ChangeSplitProgress(_message.Message):
+    __slots__ = ("worker_id", "from_role", "to_role", "state", "message", "done", "error")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TO_ROLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    from_role: _common_pb2.Role
+    to_role: _common_pb2.Role
+    state: str
+    message: str
+    done: bool
+    error: str
+    def __init__(self, worker_id: _Optional[str] = ..., from_role: _Optional[_Union[_common_pb2.Role, str]] = ..., to_role: _Optional[_Union[_common_pb2.Role, str]] = ..., state: _Optional[str] = ..., message: _Optional[str] = ..., done: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...

@@ -229,3 +229,206 @@ class Router:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class MembershipStub:
+    """Served by the router, called by workers (with the cluster token, like Registry): leaving
+    the cluster cleanly, and learning what the router wants of them.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Deregister = channel.unary_unary(
+                '/pdserve.v1.Membership/Deregister',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
+        self.Orders = channel.unary_unary(
+                '/pdserve.v1.Membership/Orders',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.OrdersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.OrdersResponse.FromString,
+                _registered_method=True)
+
+
+class MembershipServicer:
+    """Served by the router, called by workers (with the cluster token, like Registry): leaving
+    the cluster cleanly, and learning what the router wants of them.
+    """
+
+    def Deregister(self, request, context):
+        """First call (done=false): the router stops placing new work on the worker but keeps
+        it listed (and its in-flight requests running) while it drains. Second call (done=true,
+        after the drain): the router forgets it at once instead of waiting for heartbeats to stop.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Orders(self, request, context):
+        """Polled by every worker with its heartbeat: a pending role change, if any.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_MembershipServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.DeregisterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'Orders': grpc.unary_unary_rpc_method_handler(
+                    servicer.Orders,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.OrdersRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.OrdersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Membership', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Membership', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Membership:
+    """Served by the router, called by workers (with the cluster token, like Registry): leaving
+    the cluster cleanly, and learning what the router wants of them.
+    """
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Membership/Deregister',
+            pdserve_dot_v1_dot_router__pb2.DeregisterRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Orders(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Membership/Orders',
+            pdserve_dot_v1_dot_router__pb2.OrdersRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.OrdersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdminStub:
+    """Served by the router, called by operators (guarded by the API key like Router).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ChangeSplit = channel.unary_stream(
+                '/pdserve.v1.Admin/ChangeSplit',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.ChangeSplitRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.ChangeSplitProgress.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Served by the router, called by operators (guarded by the API key like Router).
+    """
+
+    def ChangeSplit(self, request, context):
+        """Moves the running cluster to a new split of its workers: the router picks which
+        workers change role, and changes them one at a time (drain, rebuild, re-register).
+        Streams one message per step; the last has done=true (and error set on failure).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ChangeSplit': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChangeSplit,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.ChangeSplitRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.ChangeSplitProgress.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Served by the router, called by operators (guarded by the API key like Router).
+    """
+
+    @staticmethod
+    def ChangeSplit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Admin/ChangeSplit',
+            pdserve_dot_v1_dot_router__pb2.ChangeSplitRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.ChangeSplitProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,107 @@
+"""`pdserve doctor --router`: fingerprints, versions and KV ports as a real router reports
+them (ClusterStatus fields from each worker's Register), pass and fail, the fail cases made
+on purpose: workers registered with two fingerprints, two versions, a closed KV port."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+
+import grpc
+import pytest
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from deploy.cli import main
+from deploy.cluster import free_port
+from deploy.doctor import FAIL, PASS, cluster_checks, render
+from engine.model_source import model_display_name, resolve_model
+from router.config import RouterConfig
+from router.server import RouterServer
+
+MODEL = model_display_name(resolve_model(None))
+
+
+@contextmanager
+def router() -> Iterator[str]:
+    """A real router on its own event loop thread; heartbeats never expire in the test."""
+    loop = asyncio.new_event_loop()
+    server = RouterServer(RouterConfig(grpc_port=0, heartbeat_timeout_s=600))
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+    try:
+        yield server.address
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def listener(stack: ExitStack) -> str:
+    s = stack.enter_context(socket.socket())
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def register(address: str, worker_id: str, role: int, grpc_addr: str, fingerprint: str,
+             version: str, kv_address: str = "") -> None:
+    with grpc.insecure_channel(address) as ch:
+        worker_pb2_grpc.RegistryStub(ch).Register(worker_pb2.RegisterRequest(
+            worker_id=worker_id, role=role, address=grpc_addr, kv_address=kv_address,  # type: ignore[arg-type]
+            model=MODEL, kv_fingerprint=fingerprint, max_model_len=2048, version=version,
+            load=common_pb2.WorkerLoad(kv_blocks_free=8, kv_blocks_total=8)), timeout=10)
+
+
+def statuses(checks: list) -> dict[str, str]:  # type: ignore[type-arg]
+    return {c.name: c.status for c in checks}
+
+
+def test_status_reports_registration_and_doctor_passes() -> None:
+    with ExitStack() as stack, router() as addr:
+        kv = listener(stack)
+        register(addr, "p0", common_pb2.ROLE_PRODUCER, listener(stack), "fp-a", "0.1.0")
+        register(addr, "c0", common_pb2.ROLE_CONSUMER, listener(stack), "fp-a", "0.1.0",
+                 kv_address=f"tcp://{kv}")
+        with grpc.insecure_channel(addr) as ch:
+            ws = {w.worker_id: w for w in router_pb2_grpc.RouterStub(ch).ClusterStatus(
+                router_pb2.ClusterStatusRequest(), timeout=10).workers}
+        assert (ws["c0"].kv_fingerprint, ws["c0"].version, ws["c0"].kv_address) == \
+            ("fp-a", "0.1.0", f"tcp://{kv}")
+        assert (ws["p0"].kv_address, ws["p0"].draining) == ("", False)
+        checks = cluster_checks(addr)
+        assert all(c.status == PASS for c in checks), render(checks)
+        by = {c.name: c for c in checks}
+        assert by["kv fingerprints"].detail == "fp-a on 2 worker(s)"
+        assert by["versions"].detail == "0.1.0 on 2 worker(s)"
+        assert by["consumer c0 KV port"].detail == f"{kv} reachable"
+        assert main(["doctor", "--skip-node", "--router", addr]) == 0
+
+
+def test_mismatched_fingerprints_versions_and_a_closed_kv_port_fail(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    closed = free_port()
+    with ExitStack() as stack, router() as addr:
+        # colocated workers: the router refuses a producer/consumer of another layout at
+        # Register, so the mismatch doctor must catch is one the registry lets through
+        register(addr, "x0", common_pb2.ROLE_COLOCATED, listener(stack), "fp-a", "0.1.0")
+        register(addr, "x1", common_pb2.ROLE_COLOCATED, listener(stack), "fp-b", "0.2.0")
+        checks = cluster_checks(addr)
+        st = statuses(checks)
+        assert st["kv fingerprints"] == FAIL and st["versions"] == FAIL, render(checks)
+        by = {c.name: c for c in checks}
+        assert by["kv fingerprints"].detail == "2 KV layouts: fp-a: x0, fp-b: x1"
+        assert by["versions"].detail == "2 versions: 0.1.0: x0, 0.2.0: x1"
+        assert st["roles"] == PASS and st["colocated x0 gRPC port"] == PASS
+        assert main(["doctor", "--skip-node", "--router", addr]) == 1
+        assert "kv fingerprints" in capsys.readouterr().out
+    with ExitStack() as stack, router() as addr:
+        register(addr, "p0", common_pb2.ROLE_PRODUCER, listener(stack), "fp-a", "0.1.0")
+        register(addr, "c0", common_pb2.ROLE_CONSUMER, listener(stack), "fp-a", "0.1.0",
+                 kv_address=f"tcp://127.0.0.1:{closed}")
+        checks = cluster_checks(addr)
+        failed = [c.name for c in checks if c.status == FAIL]
+        assert failed == ["consumer c0 KV port"], render(checks)
