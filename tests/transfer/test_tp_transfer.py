@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -132,8 +133,25 @@ def _empty(pair: TPPair) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("heads", [1, 2, 4])
-@pytest.mark.parametrize(("a", "b"), TP_PAIRS)
+def matrix(full: Sequence[tuple[object, ...]], nixl: Sequence[tuple[object, ...]]) -> list[Any]:
+    """Every case on fake, ucx and ipc; on nixl the cases in ``nixl`` (a NIXL agent takes
+    seconds to start on a loaded host, and each case starts a + b of them), chosen so each
+    TP pair and each kind of replication still runs there."""
+    out: list[Any] = []
+    bk: Any
+    for bk in BACKENDS:
+        name = bk if isinstance(bk, str) else bk.values[0]
+        marks = () if isinstance(bk, str) else bk.marks
+        out += [pytest.param(name, *case, marks=marks) for case in full
+                if name != "nixl" or case in nixl]
+    return out
+
+
+DATA_CASES = [(a, b, h) for a, b in TP_PAIRS for h in (1, 2, 4)]
+NIXL_DATA = [(2, 1, 1), (1, 2, 4), (2, 2, 2), (4, 2, 2), (2, 4, 1)]
+
+
+@pytest.mark.parametrize(("backend", "a", "b", "heads"), matrix(DATA_CASES, NIXL_DATA))
 def test_every_consumer_rank_gets_exactly_its_heads(backend: str, a: int, b: int,
                                                      heads: int) -> None:
     rng = random.Random(f"{a}{b}{heads}")
@@ -177,8 +195,12 @@ def linked(a: int, b: int, heads: int, start: tuple[str, int]) -> set[tuple[str,
     return seen
 
 
-@pytest.mark.parametrize("who", ["consumer", "producer"])
-@pytest.mark.parametrize(("a", "b", "heads"), [(2, 1, 2), (1, 2, 2), (4, 2, 4), (2, 4, 1)])
+CANCEL_CASES = [(a, b, h, who) for a, b, h in [(2, 1, 2), (1, 2, 2), (4, 2, 4), (2, 4, 1)]
+                for who in ("consumer", "producer")]
+
+
+@pytest.mark.parametrize(("backend", "a", "b", "heads", "who"),
+                         matrix(CANCEL_CASES, [(2, 1, 2, "consumer"), (1, 2, 2, "producer")]))
 def test_cancel_mid_way_ends_every_linked_rank_and_holds_nothing(
         backend: str, a: int, b: int, heads: int, who: str) -> None:
     with _make(backend, a, b, heads) as pair:
