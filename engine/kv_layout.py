@@ -59,6 +59,9 @@ class KVLayout:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("tp_size", "tp_rank"):
+            if type(getattr(self, name)) is not int:
+                raise ValueError(f"{name}: expected an int, got {getattr(self, name)!r}")
         head_range(self.num_kv_heads, self.tp_size, self.tp_rank)  # raises naming the field
 
     @property

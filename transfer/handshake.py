@@ -45,6 +45,9 @@ def remote_layout(remote: dict[str, Any], who: str) -> KVLayout:
     if not isinstance(d, dict):
         raise HandshakeError(f"{who}: layout: missing")
     d = dict(d)
+    for name, v in d.items():  # the peer's bytes: an int field must be an int
+        if name not in ("model", "dtype") and type(v) is not int:
+            raise HandshakeError(f"{who}: layout: {name}: expected an int, got {v!r:.40}")
     claimed = (d.pop("head_start", None), d.pop("head_count", None))
     try:
         layout = KVLayout(**d)

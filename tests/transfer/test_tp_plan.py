@@ -129,6 +129,8 @@ def test_handshake_accepts_other_tp_and_names_what_differs() -> None:
         handshake.check(me, "ucx", _hello(peer, tp_rank=4), "p")
     with pytest.raises(HandshakeError, match="tp_size"):
         handshake.check(me, "ucx", _hello(peer, tp_size=3, tp_rank=0), "p")
+    with pytest.raises(HandshakeError, match="tp_size: expected an int"):
+        handshake.check(me, "ucx", _hello(peer, tp_size=4.0), "p")
     other = KVLayout("m", "bfloat16", 16, 4, 8, 64, 20, tp_size=2, tp_rank=1)
     with pytest.raises(HandshakeError, match="num_kv_heads: 4 != 8"):
         handshake.check(me, "ucx", handshake.hello(other, "ucx", b""), "p")
