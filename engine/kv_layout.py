@@ -1,9 +1,15 @@
 """The shape of a worker's paged KV cache, and the fingerprint peers compare before a transfer.
 
 Block-major: the cache is one contiguous tensor
-``[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``, so block ``i`` (every
+``[num_blocks, num_layers, 2, block_size, head_count, head_dim]``, so block ``i`` (every
 layer's K and V for ``block_size`` tokens) is the contiguous byte range
 ``[i * block_nbytes, (i + 1) * block_nbytes)`` and a run of adjacent blocks is one region.
+
+Tensor parallelism: ``num_kv_heads`` is the model's TOTAL KV heads; a worker of
+``tp_size`` N has N ranks and rank r's pool holds only its heads, ``head_count`` of them
+from ``head_start``. With H >= N heads (N divides H) rank r holds ``[r*H/N, (r+1)*H/N)``;
+with H < N (H divides N) each head is replicated on N/H ranks and rank r holds head
+``r*H // N``. Both cases are ``head_start = r*H // N``, ``head_count = max(1, H // N)``.
 This module imports no torch so transfer and service code can use it freely.
 """
 
@@ -13,6 +19,26 @@ import hashlib
 from dataclasses import dataclass
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# what must be equal between peers for their KV to be the same numbers (not the TP split)
+MATCHED_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+MAX_TP = 256  # ranks of one worker; bounds what a peer's handshake can make us compute
+
+
+def check_tp(num_kv_heads: int, tp_size: int, what: str = "tp_size") -> None:
+    """Raises ValueError naming ``what`` unless ``tp_size`` ranks can split the heads."""
+    if not 1 <= tp_size <= MAX_TP:
+        raise ValueError(f"{what}: must be in [1, {MAX_TP}], got {tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"{what}: {tp_size} ranks cannot split {num_kv_heads} KV heads "
+                         "(one must divide the other)")
+
+
+def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]:
+    """(first head, head count) rank ``tp_rank`` of ``tp_size`` holds."""
+    check_tp(num_kv_heads, tp_size)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
+    return tp_rank * num_kv_heads // tp_size, max(1, num_kv_heads // tp_size)
 
 
 @dataclass(frozen=True)
@@ -21,9 +47,11 @@ class KVLayout:
     dtype: str  # "float32" | "bfloat16" | "float16"
     block_size: int  # tokens per block
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the model's total KV heads (a TP rank's pool holds head_count)
     head_dim: int
     num_blocks: int  # blocks in this worker's pool (not part of the fingerprint)
+    tp_size: int = 1  # ranks of the worker (not part of the fingerprint)
+    tp_rank: int = 0  # which rank's pool this is
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -31,23 +59,42 @@ class KVLayout:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("tp_size", "tp_rank"):
+            if type(getattr(self, name)) is not int:
+                raise ValueError(f"{name}: expected an int, got {getattr(self, name)!r}")
+        head_range(self.num_kv_heads, self.tp_size, self.tp_rank)  # raises naming the field
+
+    @property
+    def head_start(self) -> int:
+        """First of this rank's KV heads, in the model's numbering."""
+        return head_range(self.num_kv_heads, self.tp_size, self.tp_rank)[0]
+
+    @property
+    def head_count(self) -> int:
+        """KV heads in this rank's pool (all of them at TP1)."""
+        return head_range(self.num_kv_heads, self.tp_size, self.tp_rank)[1]
+
+    @property
+    def head_nbytes(self) -> int:
+        """One head of one token of one layer's K (or V)."""
+        return self.head_dim * DTYPE_SIZES[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        """Shape of one block: [num_layers, 2, block_size, head_count, head_dim]."""
+        return (self.num_layers, 2, self.block_size, self.head_count, self.head_dim)
 
     @property
     def block_nbytes(self) -> int:
-        n = self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
-        return n * DTYPE_SIZES[self.dtype]
+        return self.num_layers * 2 * self.block_size * self.head_count * self.head_nbytes
 
     @property
     def pool_nbytes(self) -> int:
         return self.block_nbytes * self.num_blocks
 
     def fingerprint(self) -> str:
-        """Identity of the byte layout of one block; equal fingerprints mean compatible KV."""
+        """Identity of the KV's content: equal fingerprints mean the same numbers, whatever
+        the TP split (a TP2 producer and a TP1 consumer of one model match)."""
         key = (f"{self.model}|{self.dtype}|{self.block_size}|{self.num_layers}|"
                f"{self.num_kv_heads}|{self.head_dim}")
         return hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -56,7 +103,7 @@ class KVLayout:
         """Names every field that differs, for the error a failed handshake raises."""
         diffs = [
             f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
-            for f in ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+            for f in MATCHED_FIELDS
             if getattr(self, f) != getattr(other, f)
         ]
         return "; ".join(diffs) if diffs else "layouts match"

@@ -101,6 +101,10 @@ class KVSender(_Side):
              dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
         """Queues src blocks -> dst blocks (one message per contiguous run).
 
+        Between workers of different TP each rank pushes to every consumer rank
+        ``tp_plan.parts_from`` gives it (only its part of their heads moves); ``finish``
+        then goes to all of them and DONE waits for each one's ack.
+
         The first push of a request creates its record with ``deadline`` (a
         ``time.monotonic()`` value; default now + config.transfer_timeout_s). On CUDA the
         current stream's work on the source blocks is awaited before bytes move."""
@@ -120,5 +124,9 @@ class KVReceiver(_Side):
 
     @abc.abstractmethod
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
-               deadline: float | None = None) -> None:
-        """Reserves the request's blocks for pushes; DONE carries the notice."""
+               deadline: float | None = None, source_tp: int | None = None) -> None:
+        """Reserves the request's blocks for pushes; DONE carries the notice.
+
+        ``source_tp``: the producer's TP size (default: ours). This rank then takes its
+        heads from the producer ranks ``transfer.tp_plan`` names, and is DONE once every
+        one of them finished and all their runs landed; it ends as a whole."""

@@ -19,6 +19,23 @@ IPC_LAZY_ENABLE_PEER_ACCESS = 1
 HANDLE_BYTES = 64
 
 
+MEMORYTYPE_DEVICE = 2
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D: a pitched copy (rows of ``WidthInBytes``, each side its own pitch)."""
+
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t),
+                ("srcMemoryType", ctypes.c_int), ("srcHost", ctypes.c_void_p),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t),
+                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
+                ("dstPitch", ctypes.c_size_t),
+                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
 class IpcMemHandle(ctypes.Structure):
     # bytes, not c_char: a c_char array field reads back cut at its first NUL
     _fields_ = [("reserved", ctypes.c_ubyte * HANDLE_BYTES)]
@@ -41,6 +58,7 @@ def _lib() -> ctypes.CDLL:
         "cuIpcOpenMemHandle_v2": [p64, IpcMemHandle, ctypes.c_uint],
         "cuIpcCloseMemHandle": [u64],
         "cuMemcpyDtoDAsync_v2": [u64, u64, ctypes.c_size_t, ctypes.c_void_p],
+        "cuMemcpy2DAsync_v2": [ctypes.POINTER(Memcpy2D), ctypes.c_void_p],
         "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
     }
     for name, args in sigs.items():
@@ -103,3 +121,12 @@ def close_handle(ptr: int) -> None:
 
 def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     _check(_lib().cuMemcpyDtoDAsync_v2(dst, src, nbytes, stream), "cuMemcpyDtoDAsync")
+
+
+def copy_2d_async(dst: int, dst_pitch: int, src: int, src_pitch: int, width: int,
+                  height: int, stream: int) -> None:
+    """``height`` rows of ``width`` bytes, device to device, one DMA on ``stream``."""
+    p = Memcpy2D(srcMemoryType=MEMORYTYPE_DEVICE, srcDevice=src, srcPitch=src_pitch,
+                 dstMemoryType=MEMORYTYPE_DEVICE, dstDevice=dst, dstPitch=dst_pitch,
+                 WidthInBytes=width, Height=height)
+    _check(_lib().cuMemcpy2DAsync_v2(ctypes.byref(p), stream), "cuMemcpy2DAsync")

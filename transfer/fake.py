@@ -3,6 +3,11 @@
 Bytes move by a synchronous tensor copy at push time, so a cancel never has anything to
 drain. Receivers register in a process-wide fabric under ``fake://<name>-<n>`` addresses.
 One lock guards the fabric, so any thread may call any method.
+
+Different TP on the two sides: a sender record links to every receiver it pushed to, a
+receiver record to every producer rank that pushed; the receiver is DONE once every
+producer rank of its plan (``transfer.tp_plan``) finished, each sender once every
+receiver it fed is, and ending one record ends every record linked to it.
 """
 
 from __future__ import annotations
@@ -11,11 +16,12 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.kv_layout import KVLayout
-from transfer import handshake
+from transfer import handshake, tp_plan
 from transfer.base import KVReceiver, KVSender
+from transfer.head_cut import cut_between
 from transfer.pool import KVPool, block_runs
 from transfer.types import (
     Accounting,
@@ -37,11 +43,14 @@ S = TransferStatus
 class _Rec:
     request_id: str
     deadline: float
-    peer: _FakeSide | None = None  # the other side
     dst: frozenset[int] = frozenset()  # receiver: reserved blocks
     status: TransferStatus = S.PENDING
     runs: int = 0
     notice: TransferNotice | None = None
+    links: list[_FakeSide] = field(default_factory=list)  # the other side's pools in it
+    source_tp: int = 1  # receiver: the producer's TP size
+    sources: frozenset[int] = frozenset()  # receiver: producer ranks of the plan
+    finished: dict[int, TransferNotice] = field(default_factory=dict)  # receiver: by rank
 
 
 class _FakeSide:
@@ -52,6 +61,7 @@ class _FakeSide:
         self.recs: dict[str, _Rec] = {}
         self._updates: list[TransferUpdate] = []
         self.peers: set[_FakeSide] = set()
+        self.payload_bytes = 0
 
     def _end(self, rec: _Rec, st: TransferStatus, error: str | None) -> None:
         if not rec.status.terminal:
@@ -61,10 +71,14 @@ class _FakeSide:
 
     def _end_both(self, rec: _Rec, st: TransferStatus, error: str, peer_st: TransferStatus,
                   peer_error: str) -> None:
+        """Ends ``rec`` and, transitively, every record linked to it (all ranks' parts)."""
+        if rec.status.terminal:
+            return
         self._end(rec, st, error)
-        other = rec.peer
-        if other is not None and rec.request_id in other.recs:
-            other._end(other.recs[rec.request_id], peer_st, peer_error)
+        for other in rec.links:
+            orec = other.recs.get(rec.request_id)
+            if orec is not None:
+                other._end_both(orec, peer_st, peer_error, peer_st, peer_error)
 
     def poll(self) -> list[TransferUpdate]:
         now = time.monotonic()
@@ -104,7 +118,8 @@ class _FakeSide:
             return Accounting(len(self.recs), 0, len(self.peers))
 
     def stats(self) -> TransferStats:
-        return TransferStats()  # no wire: nothing from a peer can be malformed
+        # no wire: nothing from a peer can be malformed
+        return TransferStats(payload_bytes=self.payload_bytes)
 
     def close(self) -> None:
         with _LOCK:
@@ -130,13 +145,46 @@ class FakeReceiver(_FakeSide, KVReceiver):
         return self._address
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, source_tp: int | None = None) -> None:
         self.pool.check_ids(dst_block_ids, "dst_block_ids")
+        lay = self.layout
+        src_tp = lay.tp_size if source_tp is None else source_tp
+        parts = tp_plan.parts_to(lay.tp_rank, src_tp, lay.tp_size, lay.num_kv_heads)
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer_timeout_s
         with _LOCK:
             if request_id in self.recs:
                 raise TransferError(f"expect({request_id!r}): already expected")
-            self.recs[request_id] = _Rec(request_id, dl, dst=frozenset(dst_block_ids))
+            self.recs[request_id] = _Rec(request_id, dl, dst=frozenset(dst_block_ids),
+                                         source_tp=src_tp,
+                                         sources=frozenset(p.src_rank for p in parts))
+
+    def refusal(self, rrec: _Rec, sender: KVLayout) -> str | None:
+        """Why the producer rank of ``sender`` may not push into ``rrec``, if so."""
+        if sender.tp_size != rrec.source_tp:
+            return (f"{rrec.request_id}: producer is tp_size {sender.tp_size}, this request "
+                    f"expects tp_size {rrec.source_tp} (expect(source_tp=...))")
+        if sender.tp_rank not in rrec.sources:
+            return (f"{rrec.request_id}: producer rank {sender.tp_rank} of tp_size "
+                    f"{sender.tp_size} sends none of this consumer rank's heads (tp_plan: "
+                    f"ranks {sorted(rrec.sources)})")
+        return None
+
+    def land(self, rrec: _Rec, rank: int, notice: TransferNotice) -> None:
+        """A producer rank finished; DONE (and its senders' DONE) once all of them did."""
+        rrec.finished[rank] = notice
+        if set(rrec.finished) != set(rrec.sources):
+            return
+        if len(set(rrec.finished.values())) > 1:
+            self._end_both(rrec, S.FAILED, f"{rrec.request_id}: producer ranks sent different "
+                           "notices (token 0)", S.FAILED, "consumer refused: notices differ")
+            return
+        rrec.notice = rrec.finished[min(rrec.finished)]
+        self._end(rrec, S.DONE, None)
+        for tx in rrec.links:
+            trec = tx.recs.get(rrec.request_id)
+            if trec is not None and all(
+                    rx.recs.get(rrec.request_id, rrec).status == S.DONE for rx in trec.links):
+                tx._end(trec, S.DONE, None)
 
 
 class FakeSender(_FakeSide, KVSender):
@@ -159,51 +207,74 @@ class FakeSender(_FakeSide, KVSender):
         runs = block_runs(src_block_ids, dst_block_ids)
         with _LOCK:
             rec = self._record(request_id, peer, deadline)
-            rx = rec.peer
-            if rec.status.terminal or rx is None:
+            rx = _FABRIC.get(peer)
+            if rec.status.terminal:
+                return
+            if rx is None or rx not in self.peers:
+                self._end_both(rec, S.FAILED, f"not connected to {peer}: connect() first",
+                               S.CANCELLED, f"cancelled by {self.name}: not connected")
                 return
             rrec = rx.recs.get(request_id)
             if rrec is None or rrec.status.terminal:
                 why = "unknown request (no expect() here)" if rrec is None else "ended"
-                self._end(rec, S.FAILED, f"consumer refused: {request_id}: {why}")
+                self._end_both(rec, S.FAILED, f"consumer refused: {request_id}: {why}",
+                               S.CANCELLED, f"cancelled by {self.name}: {why}")
                 return
+            cut = cut_between(self.layout, rx.layout)
+            refused = rx.refusal(rrec, self.layout) or (None if cut is not None else (
+                f"{request_id}: consumer rank {rx.layout.tp_rank} takes no heads from producer "
+                f"rank {self.layout.tp_rank} (tp_plan)"))
+            if refused is not None:
+                self._end_both(rec, S.FAILED, f"consumer refused: {refused}", S.CANCELLED,
+                               f"cancelled by {self.name}: {refused}")
+                return
+            if rx not in rec.links:
+                rec.links.append(rx)
+            if self not in rrec.links:
+                rrec.links.append(self)
             bad = [r for r in runs if any(b not in rrec.dst for b in
                                           range(r.dst_start, r.dst_start + r.num_blocks))]
             if bad:
                 why = f"{request_id}: push to blocks {bad[0].dst_start}.. outside the reservation"
                 self._end_both(rec, S.FAILED, f"consumer refused: {why}", S.FAILED, why)
                 return
+            cut = None if cut is None or cut.whole else cut
             for r in runs:
-                self.pool.copy_run(rx.pool, r)
+                self.pool.copy_run(rx.pool, r, cut)
+                n = r.num_blocks * self.pool.block_nbytes if cut is None else cut.nbytes(
+                    r.num_blocks)
+                self.payload_bytes += n
+                rx.payload_bytes += n
             rec.runs += len(runs)
             rrec.runs += len(runs)
             rec.status = rrec.status = S.IN_FLIGHT
-            rrec.peer = self
 
     def finish(self, request_id: str, notice: TransferNotice) -> None:
         if notice.request_id != request_id:
             raise TransferError(f"finish({request_id!r}): notice is for {notice.request_id!r}")
         with _LOCK:
             rec = self.recs.get(request_id) or self._record(request_id, "", None)
-            rx = rec.peer
-            if rec.status.terminal or rx is None:
+            if rec.status.terminal:
                 return
-            rrec = rx.recs.get(request_id)
-            if rrec is None:
-                self._end(rec, S.FAILED, f"consumer refused: {request_id}: unknown request")
+            if not rec.links:
+                self._end(rec, S.FAILED, f"{request_id}: finish without a push: not connected "
+                          "to any consumer: connect() and push() first")
                 return
-            rec.notice = rrec.notice = notice
-            rx._end(rrec, S.DONE, None)
-            self._end(rec, S.DONE, None)
+            rec.notice = notice
+            for rx in list(rec.links):
+                rrec = rx.recs.get(request_id)
+                if rrec is None:
+                    self._end_both(rec, S.FAILED, f"consumer refused: {request_id}: unknown "
+                                   "request", S.CANCELLED, "cancelled: peer refused")
+                    return
+                if not rrec.status.terminal and isinstance(rx, FakeReceiver):
+                    rx.land(rrec, self.layout.tp_rank, notice)
 
     def _record(self, rid: str, address: str, deadline: float | None) -> _Rec:
         rec = self.recs.get(rid)
         if rec is None:
             dl = time.monotonic() + self.config.transfer_timeout_s if deadline is None else deadline
-            rx = _FABRIC.get(address)
-            rec = self.recs[rid] = _Rec(rid, dl, peer=rx if rx in self.peers else None)
-            if rec.peer is None:
-                self._end(rec, S.FAILED, f"not connected to {address}: connect() first")
+            rec = self.recs[rid] = _Rec(rid, dl)
         elif rec.status.terminal:
             raise TransferError(f"push({rid!r}): transfer already {rec.status.name}")
         return rec

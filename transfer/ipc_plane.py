@@ -7,6 +7,10 @@ opens it in its own context and issues one device copy per run on its own stream
 between GPUs of one host), completion reported by an event waiter.
 
 Why pull and not push: see ``transfer.plane.PullPlane``.
+
+Head-sliced runs (``transfer.head_cut``): the consumer reads exactly the part's pitched
+rows out of the producer's pool into its own, with no staging: one strided tensor copy on
+CPU, one 2D copy (``cuMemcpy2DAsync``: source and destination pitch) on CUDA.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any
 import msgpack
 
 from transfer.event_waiter import EventWaiter
+from transfer.head_cut import HeadCut
 from transfer.plane import PullPlane
-from transfer.pool import KVPool
+from transfer.pool import KVPool, TransferValueError, strided
 from transfer.types import TransferError
 
 log = logging.getLogger("pdserve.transfer")
@@ -39,7 +44,7 @@ class IpcPlane(PullPlane):
         self._waiter: EventWaiter | None = None
         self._unflushed: list[_Copy] = []  # copies issued since the last event
         self._info: dict[str, Any] = {"host": host_id(), "pid": os.getpid(),
-                                      "nbytes": pool.flat.numel()}
+                                      "nbytes": pool.flat.numel(), "block": pool.block_nbytes}
         if pool.is_cuda:
             import torch
 
@@ -69,10 +74,10 @@ class IpcPlane(PullPlane):
         want = "cuda" if self.pool.is_cuda else "cpu"
         if d["kind"] != want:
             raise TransferError(f"backend ipc: producer pool is {d['kind']}, ours is {want}")
-        nbytes = _count(d, "nbytes")
-        if nbytes % self.pool.block_nbytes:
+        nbytes, block = _count(d, "nbytes"), _count(d, "block")
+        if block == 0 or nbytes % block:  # its blocks hold its own heads (TP): its size
             raise TransferError(f"backend ipc: producer pool of {nbytes} bytes is not whole "
-                                f"blocks of {self.pool.block_nbytes}")
+                                f"blocks of {block}")
         offset = _count(d, "offset")
         if want == "cuda":
             from transfer import cuda_driver
@@ -112,8 +117,11 @@ class IpcPlane(PullPlane):
             cuda_driver.close_handle(peer["base"])
         peer.pop("flat", None)  # the mapping goes with the last tensor over it
 
-    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int) -> object:
+    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int,
+             cut: HeadCut | None = None) -> object:
         assert isinstance(peer, dict)
+        if cut is not None:
+            return self._read_cut(peer, src_block, dst_block, num_blocks, cut)
         bn = self.pool.block_nbytes
         n, d, s = num_blocks * bn, dst_block * bn, src_block * bn
         if min(src_block, dst_block) < 0 or num_blocks <= 0 or s + n > peer.get("nbytes", 0) \
@@ -131,6 +139,28 @@ class IpcPlane(PullPlane):
         # NVLink was measured slower: bench/RESULTS.md)
         cuda_driver.copy_async(self.pool.base_ptr + d, peer["ptr"] + s, n,
                                self._stream.cuda_stream)
+        op = _Copy()
+        self._unflushed.append(op)
+        return op
+
+    def _read_cut(self, peer: dict[str, Any], src_block: int, dst_block: int,
+                  num_blocks: int, cut: HeadCut) -> object:
+        src, dst = cut.src_rows(src_block, num_blocks), cut.dst_rows(dst_block, num_blocks)
+        if min(src_block, dst_block) < 0 or num_blocks <= 0 or src.end > peer.get("nbytes", 0):
+            raise TransferError(f"backend ipc: source run {src_block}+{num_blocks} outside "
+                                "the producer's pool")
+        try:
+            into = strided(self.pool.flat, dst)  # checks our bounds on CUDA too
+            if peer["kind"] == "cpu":
+                into.copy_(strided(peer["flat"], src))
+                return None
+        except TransferValueError as e:
+            raise TransferError(f"backend ipc: {e}") from None
+        from transfer import cuda_driver
+
+        cuda_driver.copy_2d_async(self.pool.base_ptr + dst.offset, dst.pitch,
+                                  peer["ptr"] + src.offset, src.pitch, dst.width, dst.rows,
+                                  self._stream.cuda_stream)
         op = _Copy()
         self._unflushed.append(op)
         return op

@@ -5,6 +5,10 @@ producers: WELCOME / REJECT, ACK, CANCEL, ERROR, STOPPED, PING. The port is open
 who can reach it, so a connection's first frame must be a HELLO that passes the token and
 layout checks before anything else it sends is decoded; every later frame is decoded and
 checked field by field, and what fails is dropped and counted (``stats()``), never raised.
+
+A consumer rank of TP b may take one request's heads from several producer ranks of TP a
+(``transfer.tp_plan``, one ``RecvPart`` each): the request is DONE once every one of them
+finished and all their runs landed, and is cancelled or failed as a whole.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from typing import Any
 import zmq
 
 from engine.kv_layout import KVLayout
-from transfer import handshake, wire
+from transfer import handshake, tp_plan, wire
 from transfer.base import KVReceiver
+from transfer.head_cut import cut_between
 from transfer.net_side import NetSide, make_plane
-from transfer.records import Peer, RecvRecord
+from transfer.records import Peer, RecvPart, RecvRecord
 from transfer.types import (
     Accounting,
     HandshakeError,
@@ -61,12 +66,16 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
 
     # ---- caller side -------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
-               deadline: float | None = None) -> None:
+               deadline: float | None = None, source_tp: int | None = None) -> None:
         self.pool.check_ids(dst_block_ids, "dst_block_ids")
+        src_tp = self.layout.tp_size if source_tp is None else source_tp
+        lay = self.layout
+        parts = tp_plan.parts_to(lay.tp_rank, src_tp, lay.tp_size, lay.num_kv_heads)
         if self._mirror_new(request_id) is not None:
             raise TransferError(f"expect({request_id!r}): already expected")
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer_timeout_s
-        rec = RecvRecord(request_id, dl, dst=frozenset(dst_block_ids))
+        rec = RecvRecord(request_id, dl, dst=frozenset(dst_block_ids), source_tp=src_tp,
+                         sources={p.src_rank: p for p in parts})
         self.call(lambda: self.recs.__setitem__(request_id, rec))
 
     def accounting(self) -> Accounting:
@@ -136,17 +145,18 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
         who = f"producer {m.name!r} at {where}"
         try:  # the token first: a stranger learns nothing about our layout
             handshake.check_token(self.config.cluster_token, m.remote(), who)
-            handshake.check(self.layout, self.config.backend, m.remote(), who)
+            other = handshake.check(self.layout, self.config.backend, m.remote(), who)
         except HandshakeError as e:
             self.rejected(who, str(e))
             self._send(ident, wire.Reject(str(e)))
             return
-        if not self.vet_then(m.plane, lambda err: self._admit(ident, m, who, where, err)):
+        if not self.vet_then(m.plane, lambda err: self._admit(ident, m, who, where, err,
+                                                               other)):
             self.rejected(who, "too many handshakes at once")
             self._send(ident, wire.Reject(f"{self.name}: busy, retry"))
 
     def _admit(self, ident: bytes, m: wire.Hello, who: str, where: str,
-               vetted: str | None) -> None:
+               vetted: str | None, other: KVLayout) -> None:
         if ident in self.peers:  # a re-handshake replaces the old session
             self._drop_peer(self.peers[ident], f"{who} reconnected")
         assert self.plane is not None
@@ -158,7 +168,9 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
             self.rejected(who, f"data-plane info: {e}")
             self._send(ident, wire.Reject(f"{self.name}: {e}"))
             return
-        self.peers[ident] = Peer(ident, m.name, where, handle, m.num_blocks, time.monotonic())
+        cut = cut_between(other, self.layout)  # None: it sends us no heads (pushes refused)
+        self.peers[ident] = Peer(ident, m.name, where, handle, m.num_blocks, time.monotonic(),
+                                 layout=other, cut=None if cut is None or cut.whole else cut)
         reply = handshake.hello(self.layout, self.config.backend, self.plane.local_info())
         self._send(ident, wire.Welcome(**reply, name=self.name))
 
@@ -176,68 +188,135 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
                                        " (replayed?)")
             peer.last_tag = r.tag
         rec = self.recs.get(m.rid)
-        wanted = (rec is not None and rec.ending is None and not rec.status.terminal
-                  and (rec.peer is None or rec.peer is peer))
-        error = None if rec is not None else f"{m.rid}: unknown request (no expect() here)"
+        part, refused = self._part_for(rec, peer, m.rid)
+        wanted = rec is not None and rec.ending is None and not rec.status.terminal \
+            and part is not None
+        error = refused
         for tag, dst, n, src in m.runs:  # src: where the run starts at the producer
             take = wanted and error is None
             if take and rec is not None and not rec.dst.issuperset(range(dst, dst + n)):
                 error = f"{m.rid}: push to blocks {dst}..{dst + n - 1} outside the reservation"
                 take = False
-            if take and rec is not None:
+            if take and rec is not None and part is not None:
                 try:
-                    rec.ops.append(self.plane.recv(peer.handle, tag, dst, n, src))
+                    rec.ops.append(self.plane.recv(peer.handle, tag, dst, n, src, peer.cut))
+                    part.posted += 1
+                    self.payload_bytes += self.run_nbytes(n, peer.cut)
                     continue
                 except TransferError as e:
                     error = f"{m.rid}: {e}"
             # the sender's message is in flight: drain it so neither side hangs
-            peer.drains.append(self.plane.recv(peer.handle, tag, None, n, src))
-        if rec is not None and wanted:
-            rec.peer = peer
+            peer.drains.append(self.plane.recv(peer.handle, tag, None, n, src, peer.cut))
+        if rec is not None and not wanted and part is not None:
+            self._late(rec, part)
+        if rec is not None and wanted and part is not None:
             if error is not None:
-                self.end(rec, TransferStatus.FAILED, error, notify=False)
+                part.quiet = True  # told by the ERROR below; the other ranks by CANCEL
+                self.end(rec, TransferStatus.FAILED, error, notify=True)
             elif rec.status == TransferStatus.PENDING:
                 self.set_status(rec, TransferStatus.IN_FLIGHT)
         if error is not None:
             self._send(peer.ident, wire.Error(m.rid, error))
 
+    def _part_for(self, rec: RecvRecord | None, peer: Peer,
+                  rid: str) -> tuple[RecvPart | None, str | None]:
+        """``peer``'s part of ``rec`` (made on its first message), or why it has none. A
+        refused peer never ends the record: only the producer ranks it expects can."""
+        if rec is None:
+            return None, f"{rid}: unknown request (no expect() here)"
+        part = rec.part_of(peer)
+        if part is not None:
+            return part, None
+        other = peer.layout
+        assert other is not None
+        if other.tp_size != rec.source_tp:
+            return None, (f"{rid}: producer is tp_size {other.tp_size}, this request "
+                          f"expects tp_size {rec.source_tp} (expect(source_tp=...))")
+        if other.tp_rank not in rec.sources:
+            return None, (f"{rid}: producer rank {other.tp_rank} of tp_size {other.tp_size} "
+                          f"sends none of this consumer rank's heads (tp_plan: ranks "
+                          f"{sorted(rec.sources)})")
+        if other.tp_rank in rec.parts:
+            return None, None  # another session of that rank owns it: drained quietly
+        part = rec.parts[other.tp_rank] = RecvPart(peer)
+        return part, None
+
     def _on_finish(self, peer: Peer, m: wire.Finish) -> None:
         rec = self.recs.get(m.rid)
-        if rec is None or (rec.peer is not None and rec.peer is not peer):
-            self._send(peer.ident, wire.Error(m.rid, f"{m.rid}: unknown request"))
-        elif rec.ending is None and not rec.status.terminal:
-            rec.peer = peer
-            posted = rec.runs + len(rec.ops)
-            if not posted <= m.total <= len(rec.dst):  # each run fills >= 1 reserved block
-                error = (f"{m.rid}: FINISH says {m.total} runs; {posted} arrived, "
+        part, refused = self._part_for(rec, peer, m.rid)
+        if rec is None or part is None:
+            self._send(peer.ident, wire.Error(m.rid, refused or f"{m.rid}: unknown request"))
+        elif rec.ending is not None or rec.status.terminal:
+            self._late(rec, part)
+        else:
+            if not part.posted <= m.total <= len(rec.dst):  # each run fills >= 1 block
+                error = (f"{m.rid}: FINISH says {m.total} runs; {part.posted} arrived, "
                          f"{len(rec.dst)} blocks reserved")
-                self.end(rec, TransferStatus.FAILED, error, notify=False)
+                part.quiet = True
+                self.end(rec, TransferStatus.FAILED, error, notify=True)
                 self._send(peer.ident, wire.Error(m.rid, error))
                 return
-            rec.total, rec.notice = m.total, m.notice
+            part.total, part.notice = m.total, m.notice
 
     def _on_cancel(self, peer: Peer, m: wire.Cancel) -> None:
         rec = self.recs.get(m.rid)
-        if rec is not None and rec.peer in (None, peer) and not rec.status.terminal:
-            rec.stop_to = peer  # answered with STOPPED once our reads of its blocks drained
+        part = self._part_for(rec, peer, m.rid)[0]
+        if rec is not None and part is not None and not rec.status.terminal:
+            part.quiet = True
+            rec.stop_to.append(peer)  # answered with STOPPED once our reads drained
             self.end(rec, TransferStatus.CANCELLED, f"cancelled by producer: {m.reason}",
-                     notify=False)
+                     notify=True)  # the other producer ranks, if any, are told
         else:  # nothing of ours reads its blocks
             self._send(peer.ident, wire.Stopped(m.rid))
 
+    def _late(self, rec: RecvRecord, part: RecvPart) -> None:
+        """A producer rank heard from only after the request ended here (its first push was
+        still on the way when we cancelled): it gets the CANCEL the others got."""
+        if not part.quiet and rec.status != TransferStatus.DONE:
+            part.quiet = True
+            reason = rec.ending[1] if rec.ending else rec.status.name.lower()
+            self._send(part.peer.ident, wire.Cancel(rec.request_id, reason))
+
+    def _complete(self, rec: RecvRecord) -> None:
+        """DONE once every producer rank finished and all its runs landed."""
+        parts = rec.parts
+        if rec.ending is not None or rec.ops or parts.keys() != rec.sources.keys():
+            return
+        totals = [p.total for p in parts.values()]
+        if any(t is None for t in totals) or rec.runs != sum(t or 0 for t in totals):
+            return
+        notices = {p.notice for p in parts.values()}
+        if len(notices) > 1:  # the ranks sampled token 0 differently: nothing to trust
+            self.end(rec, TransferStatus.FAILED, f"{rec.request_id}: producer ranks sent "
+                     f"different notices (token 0): {sorted(map(str, notices))[:2]}",
+                     notify=True)
+            return
+        rec.total, rec.notice = rec.runs, parts[min(parts)].notice
+        self.finalize(rec, TransferStatus.DONE, None)
+        for p in parts.values():
+            self._send(p.peer.ident, wire.Ack(rec.request_id))
+
     # ---- loop side: records and peers ----------------------------------------------
     def notify_cancel(self, rec: RecvRecord, reason: str) -> None:
-        if rec.peer is not None and rec.peer.ident in self.peers:
-            self._send(rec.peer.ident, wire.Cancel(rec.request_id, reason))
+        for p in rec.parts.values():
+            if not p.quiet and self.peers.get(p.peer.ident) is p.peer:
+                p.quiet = True
+                self._send(p.peer.ident, wire.Cancel(rec.request_id, reason))
+
+    def peer_gone(self, rec: RecvRecord, peer: object) -> None:
+        for p in rec.parts.values():
+            if p.peer is peer:
+                p.quiet = True
 
     def counts_landing(self) -> bool:
         return True
 
     def finalize(self, rec: RecvRecord, st: TransferStatus, error: str | None) -> None:
         super().finalize(rec, st, error)
-        stop_to, rec.stop_to = rec.stop_to, None
-        if stop_to is not None and self.peers.get(stop_to.ident) is stop_to:
-            self._send(stop_to.ident, wire.Stopped(rec.request_id))
+        stop_to, rec.stop_to = rec.stop_to, []
+        for peer in stop_to:
+            if self.peers.get(peer.ident) is peer:
+                self._send(peer.ident, wire.Stopped(rec.request_id))
 
     def tick(self, now: float) -> None:
         assert self.plane is not None
@@ -246,13 +325,10 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
         for rec in list(self.recs.values()):
             if rec.status.terminal:
                 continue
-            if self.step_record(rec, now) and rec.peer is not None:
-                stuck.add(id(rec.peer))
-            elif (rec.ending is None and rec.total is not None and rec.runs == rec.total
-                  and not rec.ops):
-                self.finalize(rec, TransferStatus.DONE, None)
-                if rec.peer is not None:
-                    self._send(rec.peer.ident, wire.Ack(rec.request_id))
+            if self.step_record(rec, now):
+                stuck.update(id(p) for p in rec.peers())
+            else:
+                self._complete(rec)
         for peer in list(self.peers.values()):
             peer.drains = [op for op in peer.drains if not _done_quietly(self.plane, op)]
             silent = now - peer.last_heard

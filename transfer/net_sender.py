@@ -4,6 +4,10 @@ Connecting never blocks the caller: ``connect`` queues the handshake on the I/O 
 returns (unless given a ``timeout`` to wait for it); pushes and finishes to a consumer
 still handshaking wait on its connection and go out on WELCOME, and a handshake that fails
 or gets no answer within ``connect_timeout_s`` fails each of them through ``poll()``.
+
+A producer rank of TP a may push one request to several consumer ranks of TP b (one
+``Leg`` each): each consumer rank gets exactly the heads ``transfer.tp_plan`` gives it from
+this rank, and the request is DONE once every one of them acknowledged.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from engine.kv_layout import KVLayout
 from transfer import handshake, wire
 from transfer.base import KVSender
 from transfer.event_waiter import EventWaiter
+from transfer.head_cut import cut_between
 from transfer.net_side import NetSide, make_plane
 from transfer.pool import BlockRun, block_runs
-from transfer.records import Conn, SendRecord
+from transfer.records import Conn, Leg, SendRecord
 from transfer.types import (
     Accounting,
     HandshakeError,
@@ -215,11 +220,17 @@ class NetSender(NetSide[SendRecord], KVSender):
             raise MalformedMessage("WELCOME on a connection already welcomed")
         conn.welcomed = True
         try:
-            handshake.check(self.layout, self.config.backend, m.remote(),
-                            f"consumer {conn.address}")
+            other = handshake.check(self.layout, self.config.backend, m.remote(),
+                                    f"consumer {conn.address}")
         except HandshakeError as e:
             self._refused(conn, e)
             return
+        cut = cut_between(self.layout, other)
+        conn.cut = None if cut is None or cut.whole else cut
+        if cut is None:
+            conn.serves = (f"consumer {conn.address} is rank {other.tp_rank} of tp_size "
+                           f"{other.tp_size}: this producer rank {self.layout.tp_rank} of "
+                           f"tp_size {self.layout.tp_size} sends it no heads (tp_plan)")
         self.vet_then(m.plane, lambda err: self._welcomed(conn, m, err))
 
     def _welcomed(self, conn: Conn, m: wire.Hello, vetted: str | None) -> None:
@@ -249,39 +260,52 @@ class NetSender(NetSide[SendRecord], KVSender):
     def _on_reject(self, conn: Conn, m: wire.Reject) -> None:
         self._refused(conn, HandshakeError(f"consumer {conn.address}: {m.error}"))
 
-    def _rec_of(self, conn: Conn, rid: str) -> SendRecord | None:
+    def _leg_of(self, conn: Conn, rid: str) -> tuple[SendRecord, Leg] | tuple[None, None]:
         """A consumer speaks only for the transfers on its own connection."""
         rec = self.recs.get(rid)
-        return rec if rec is not None and rec.peer is conn else None
+        leg = rec.leg_of(conn) if rec is not None else None
+        return (rec, leg) if rec is not None and leg is not None else (None, None)
 
     def _on_ack(self, conn: Conn, m: wire.Ack) -> None:
-        if (rec := self._rec_of(conn, m.rid)) is not None:
-            rec.acked, rec.await_peer = True, False
+        if (leg := self._leg_of(conn, m.rid)[1]) is not None:
+            leg.acked, leg.await_peer = True, False
 
     def _on_stopped(self, conn: Conn, m: wire.Stopped) -> None:
-        if (rec := self._rec_of(conn, m.rid)) is not None:
-            rec.await_peer = False  # the consumer reads no more of its blocks
+        if (leg := self._leg_of(conn, m.rid)[1]) is not None:
+            leg.await_peer = False  # the consumer reads no more of its blocks
 
     def _on_cancel(self, conn: Conn, m: wire.Cancel) -> None:
-        if (rec := self._rec_of(conn, m.rid)) is not None:
-            rec.await_peer = False
+        rec, leg = self._leg_of(conn, m.rid)
+        if rec is not None and leg is not None:
+            leg.await_peer, leg.quiet = False, True
             self.end(rec, TransferStatus.CANCELLED, f"cancelled by consumer: {m.reason}",
-                     notify=False)
+                     notify=True)  # the other consumer ranks, if any, are told
 
     def _on_error(self, conn: Conn, m: wire.Error) -> None:
-        if (rec := self._rec_of(conn, m.rid)) is not None:
-            rec.await_peer = False
-            self.end(rec, TransferStatus.FAILED, f"consumer refused: {m.error}", notify=False)
+        rec, leg = self._leg_of(conn, m.rid)
+        if rec is not None and leg is not None:
+            leg.await_peer, leg.quiet = False, True
+            self.end(rec, TransferStatus.FAILED, f"consumer refused: {m.error}", notify=True)
 
     # ---- loop side: records ---------------------------------------------------------
-    def _record(self, rid: str, address: str, deadline: float) -> SendRecord:
+    def _record(self, rid: str, deadline: float) -> SendRecord:
         rec = self.recs.get(rid)
         if rec is None:
-            rec = self.recs[rid] = SendRecord(rid, deadline, peer=self.conns.get(address))
-            if rec.peer is None:
-                self.end(rec, TransferStatus.FAILED,
-                         f"not connected to {address}: connect() first", notify=False)
+            rec = self.recs[rid] = SendRecord(rid, deadline)
         return rec
+
+    def _leg(self, rec: SendRecord, address: str) -> Leg | None:
+        """The record's leg to ``address`` (made on its first push), or None after ending
+        the record because we are not connected there."""
+        leg = rec.legs.get(address)
+        if leg is None:
+            conn = self.conns.get(address)
+            if conn is None:
+                self.end(rec, TransferStatus.FAILED,
+                         f"not connected to {address}: connect() first", notify=True)
+                return None
+            leg = rec.legs[address] = Leg(conn)
+        return leg
 
     def _later(self, conn: Conn, rec: SendRecord, fn: Callable[[], None]) -> None:
         """Runs ``fn`` on WELCOME, unless the record ended or was released meanwhile."""
@@ -292,17 +316,19 @@ class NetSender(NetSide[SendRecord], KVSender):
         conn.waiting.append(run)
 
     def _push(self, rid: str, address: str, runs: list[BlockRun], deadline: float) -> None:
-        rec = self._record(rid, address, deadline)
-        conn = rec.peer
-        if rec.ending is not None or rec.status.terminal or conn is None:
+        rec = self._record(rid, deadline)
+        if rec.ending is not None or rec.status.terminal:
             return  # pushes after a cancel are dropped: the caller learns it from poll()
-        assert self.plane is not None
-        if conn.address != address:
-            self.end(rec, TransferStatus.FAILED, f"{rid}: pushed to {address} but started "
-                     f"on {conn.address}", notify=True)
+        leg = self._leg(rec, address)
+        if leg is None:
             return
+        conn = leg.conn
+        assert self.plane is not None
         if conn.handle is None:  # still handshaking
             self._later(conn, rec, lambda: self._push(rid, address, runs, deadline))
+            return
+        if conn.serves is not None:
+            self.end(rec, TransferStatus.FAILED, f"{rid}: {conn.serves}", notify=True)
             return
         top = max(r.dst_start + r.num_blocks for r in runs) if runs else 0
         if min((r.dst_start for r in runs), default=0) < 0 or top > conn.remote_blocks:
@@ -313,46 +339,62 @@ class NetSender(NetSide[SendRecord], KVSender):
         for r in runs:
             tag = conn.next_tag()
             rec.ops.append(self.plane.send(conn.handle, tag, r.src_start, r.dst_start,
-                                           r.num_blocks))
+                                           r.num_blocks, conn.cut))
+            self.payload_bytes += self.run_nbytes(r.num_blocks, conn.cut)
             wire_runs.append(wire.WireRun(tag, r.dst_start, r.num_blocks, r.src_start))
         rec.runs += len(runs)
+        leg.runs += len(runs)
         conn.outbox.append(wire.Push(rid, tuple(wire_runs)))
         if rec.status == TransferStatus.PENDING:
             self.set_status(rec, TransferStatus.IN_FLIGHT)
 
     def _finish(self, rid: str, notice: TransferNotice) -> None:
         rec = self.recs.get(rid)
-        if rec is None:  # finish without any push: no full block to send
-            rec = self._record(rid, "", time.monotonic() + self.config.transfer_timeout_s)
-        conn = rec.peer
-        if rec.ending is not None or rec.status.terminal or conn is None:
+        if rec is None:  # finish without any push: no consumer to tell
+            rec = self._record(rid, time.monotonic() + self.config.transfer_timeout_s)
+            self.end(rec, TransferStatus.FAILED, f"{rid}: finish without a push: not "
+                     "connected to any consumer: connect() and push() first", notify=False)
+        if rec.ending is not None or rec.status.terminal:
             return
-        if conn.handle is None:
-            self._later(conn, rec, lambda: self._finish(rid, notice))
+        rec.notice = notice
+        for leg in rec.legs.values():  # every consumer rank this request went to
+            self._finish_leg(rec, leg, notice)
+
+    def _finish_leg(self, rec: SendRecord, leg: Leg, notice: TransferNotice) -> None:
+        if leg.conn.handle is None:  # behind its pushes, still waiting for WELCOME
+            self._later(leg.conn, rec, lambda: self._finish_leg(rec, leg, notice))
             return
-        rec.total, rec.notice = rec.runs, notice
-        conn.outbox.append(wire.Finish(rid, rec.runs, notice))
+        rec.total = rec.runs
+        leg.conn.outbox.append(wire.Finish(rec.request_id, leg.runs, notice))
 
     def notify_cancel(self, rec: SendRecord, reason: str) -> None:
-        conn = rec.peer
-        if conn is not None and self.conns.get(conn.address) is conn and conn.handle is not None:
-            assert self.plane is not None
-            rec.await_peer = self.plane.pull and rec.runs > 0
+        assert self.plane is not None
+        for leg in rec.legs.values():
+            conn = leg.conn
+            if leg.quiet or self.conns.get(conn.address) is not conn or conn.handle is None:
+                continue
+            leg.await_peer = self.plane.pull and leg.runs > 0
             conn.outbox.append(wire.Cancel(rec.request_id, reason))
+
+    def peer_gone(self, rec: SendRecord, peer: object) -> None:
+        for leg in rec.legs.values():
+            if leg.conn is peer:
+                leg.await_peer, leg.quiet = False, True
 
     def tick(self, now: float) -> None:
         assert self.plane is not None
         self.plane.progress()
         while self._queue and (self._queue[0][0] is None or self._queue[0][0].query()):
             self._queue.popleft()[1]()
-        stuck = set()
+        stuck: set[str] = set()
         hb = self.config.heartbeat_interval_s
         for rec in list(self.recs.values()):
             if rec.status.terminal:
                 continue
-            if self.step_record(rec, now) and rec.peer is not None:
-                stuck.add(rec.peer.address)
-            elif rec.ending is None and rec.acked and not rec.ops:
+            if self.step_record(rec, now):
+                stuck.update(leg.conn.address for leg in rec.legs.values())
+            elif rec.ending is None and rec.legs and not rec.ops \
+                    and all(leg.acked for leg in rec.legs.values()):
                 self.finalize(rec, TransferStatus.DONE, None)
         for conn in list(self.conns.values()):
             silent = now - conn.last_heard

@@ -18,6 +18,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from engine.kv_layout import KVLayout
 from transfer import curve, plane_probe
+from transfer.head_cut import HeadCut
 from transfer.io_loop import IOLoop
 from transfer.plane import DataPlane
 from transfer.pool import KVPool
@@ -72,6 +73,7 @@ class NetSide(IOLoop, Generic[R]):
         self.recs: dict[str, R] = {}
         self.handlers: dict[Kind, Handler] = {}  # filled by each side: one dispatch table
         self._malformed = 0
+        self.payload_bytes = 0  # added to on the I/O thread only
         self._rejected = 0
         self._last_log = 0.0
         self._unlogged = 0
@@ -130,7 +132,8 @@ class NetSide(IOLoop, Generic[R]):
             self.end(rec, TransferStatus.CANCELLED, reason, notify=True)
 
     def stats(self) -> TransferStats:
-        return TransferStats(self._malformed, self._rejected)  # int reads: no lock needed
+        # int reads: no lock needed
+        return TransferStats(self._malformed, self._rejected, self.payload_bytes)
 
     def close(self) -> None:
         if self._closed:
@@ -290,10 +293,20 @@ class NetSide(IOLoop, Generic[R]):
 
     def fail_peer_records(self, peer: object, reason: str) -> None:
         for rec in self.recs.values():
-            if rec.peer is peer and not rec.status.terminal:
+            peers = rec.peers()
+            if rec.status.terminal or not any(p is peer for p in peers):
+                continue
+            self.peer_gone(rec, peer)
+            st = rec.ending[0] if rec.ending else TransferStatus.FAILED
+            if all(p is peer for p in peers):
                 # the peer's ops were cancelled with it: nothing can touch the blocks now
-                st = rec.ending[0] if rec.ending else TransferStatus.FAILED
                 self.finalize(rec, st, f"{rec.ending[1]}; {reason}" if rec.ending else reason)
+            else:  # other ranks' parts may still be moving: end the whole once they drain
+                self.end(rec, st, reason, notify=True)
+
+    def run_nbytes(self, num_blocks: int, cut: HeadCut | None) -> int:
+        """Payload of one run: whole blocks, or only the cut's heads."""
+        return num_blocks * self.pool.block_nbytes if cut is None else cut.nbytes(num_blocks)
 
     def ops_in_flight(self) -> int:
         return sum(len(r.ops) for r in self.recs.values())
@@ -317,4 +330,7 @@ class NetSide(IOLoop, Generic[R]):
         return False
 
     def notify_cancel(self, rec: R, reason: str) -> None:
-        """Tells the peer to stop (sends CANCEL on the control channel)."""
+        """Tells the peers to stop (sends CANCEL on the control channel)."""
+
+    def peer_gone(self, rec: R, peer: object) -> None:
+        """``peer`` of ``rec`` is gone (dropped): it is told nothing more."""

@@ -5,6 +5,11 @@ travel in its handshake, and each announced run becomes one one-sided READ poste
 consumer into its reserved blocks. Why READ and not WRITE: with a producer writing, a
 run already on the wire when the consumer cancelled could land in blocks the consumer had
 freed and handed to another request (see ``transfer.plane.PullPlane``).
+
+Head-sliced runs (``transfer.head_cut``): one READ whose descriptor lists hold one
+descriptor per pitched row on each side, straight between the two pools (NIXL takes
+descriptor lists as Nx3 arrays): no staging copy on either side, and the backend posts the
+rows together.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import time
 from typing import Any
 
 import msgpack
+import numpy as np
 from nixl_cu12._api import nixl_agent, nixl_agent_config
 
+from transfer.head_cut import HeadCut, Rows
 from transfer.plane import PullPlane
 from transfer.pool import KVPool
 from transfer.types import TransferError
@@ -62,12 +69,23 @@ class NixlPlane(PullPlane):
         except Exception:  # noqa: S110 - a peer that is gone may already be unknown
             pass
 
-    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int) -> object:
+    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int,
+             cut: HeadCut | None = None) -> object:
         name, rbase, rmem, rdev = _peer(peer)
         n, bn = num_blocks * self.pool.block_nbytes, self.pool.block_nbytes
-        local = self._agent.get_xfer_descs([(self.pool.base_ptr + dst_block * bn, n, self._dev)],
-                                           self._mem)
-        remote = self._agent.get_xfer_descs([(rbase + src_block * bn, n, rdev)], rmem)
+        if cut is None:
+            local = self._agent.get_xfer_descs(
+                [(self.pool.base_ptr + dst_block * bn, n, self._dev)], self._mem)
+            remote = self._agent.get_xfer_descs([(rbase + src_block * bn, n, rdev)], rmem)
+        else:
+            dst = cut.dst_rows(dst_block, num_blocks)
+            if dst.end > self.pool.flat.numel():
+                raise TransferError(f"NIXL: run {dst_block}+{num_blocks} outside our pool")
+            n = cut.nbytes(num_blocks)
+            local = self._agent.get_xfer_descs(_row_descs(self.pool.base_ptr, dst, self._dev),
+                                               self._mem)
+            remote = self._agent.get_xfer_descs(
+                _row_descs(rbase, cut.src_rows(src_block, num_blocks), rdev), rmem)
         handle = self._agent.initialize_xfer("READ", local, remote, name)
         if self._agent.transfer(handle) == "ERR":
             self._agent.release_xfer_handle(handle)
@@ -99,6 +117,15 @@ class NixlPlane(PullPlane):
         if self._reg is not None:
             self._agent.deregister_memory(self._reg)
             self._reg = None
+
+
+def _row_descs(base: int, r: Rows, dev: int) -> np.ndarray:
+    """One (address, length, device) descriptor per row of a pitched region."""
+    out = np.empty((r.rows, 3), dtype=np.int64)
+    out[:, 0] = base + r.offset + np.arange(r.rows, dtype=np.int64) * r.pitch
+    out[:, 1] = r.width
+    out[:, 2] = dev
+    return out
 
 
 def _peer(p: object) -> tuple[str, int, str, int]:

@@ -2,6 +2,11 @@
 
 All methods are called from the owning side's I/O thread only.
 Tags are 64-bit and unique per (sender session, message); the receiver matches on them.
+
+A ``cut`` (``transfer.head_cut``) is given when the two pools split the KV heads
+differently (producer and consumer of different TP): the run's bytes are then only the
+part's heads, a pitched region on each side, and each plane moves it its own way.
+Without one, whole blocks of equal size move.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable
 
+from transfer.head_cut import HeadCut
 from transfer.pool import KVPool
 
 
@@ -33,12 +39,12 @@ class DataPlane(abc.ABC):
 
     @abc.abstractmethod
     def send(self, peer: object, tag: int, src_block: int, dst_block: int,
-             num_blocks: int) -> object:
+             num_blocks: int, cut: HeadCut | None = None) -> object:
         """Posts one run's bytes to the peer; returns an op for ``test``."""
 
     @abc.abstractmethod
     def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
-             src_block: int) -> object:
+             src_block: int, cut: HeadCut | None = None) -> object:
         """Posts the landing of one run (``src_block``: where it starts in the producer's
         pool, for pull planes); ``dst_block`` None drains it to nowhere."""
 
@@ -67,17 +73,18 @@ class PullPlane(DataPlane):
     pull = True
 
     def send(self, peer: object, tag: int, src_block: int, dst_block: int,
-             num_blocks: int) -> object:
+             num_blocks: int, cut: HeadCut | None = None) -> object:
         return None  # the consumer reads the run when the announce reaches it
 
     def recv(self, peer: object, tag: int, dst_block: int | None, num_blocks: int,
-             src_block: int) -> object:
+             src_block: int, cut: HeadCut | None = None) -> object:
         if dst_block is None:
             return None  # nothing moves until read: an unwanted run needs no drain
-        return self.read(peer, src_block, dst_block, num_blocks)
+        return self.read(peer, src_block, dst_block, num_blocks, cut)
 
     @abc.abstractmethod
-    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int) -> object:
+    def read(self, peer: object, src_block: int, dst_block: int, num_blocks: int,
+             cut: HeadCut | None = None) -> object:
         """Starts reading one run from the peer's pool into ours; an op for ``test``
         (None: already done)."""
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from engine.kv_layout import KVLayout
+from transfer.head_cut import HeadCut, Rows
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,6 +44,13 @@ def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[BlockRun]:
             s0, d0, n = int(s), int(d), 1
     runs.append(BlockRun(s0, d0, n))
     return runs
+
+
+def strided(flat: torch.Tensor, r: Rows) -> torch.Tensor:
+    """A zero-copy [rows, width] view of a pitched region of a flat byte pool."""
+    if r.offset < 0 or r.rows < 1 or r.end > flat.numel():
+        raise TransferValueError(f"region {tuple(r)} outside a pool of {flat.numel()} bytes")
+    return flat[r.offset:].as_strided((r.rows, r.width), (r.pitch, 1))
 
 
 class KVPool:
@@ -98,8 +106,13 @@ class KVPool:
         a, b = start_block * self.block_nbytes, (start_block + num_blocks) * self.block_nbytes
         return self.flat[a:b] if self._np is None else self._np[a:b]
 
-    def copy_run(self, dst_pool: KVPool, run: BlockRun) -> None:
-        """The fake's data plane: a plain device copy between two pools."""
+    def copy_run(self, dst_pool: KVPool, run: BlockRun, cut: HeadCut | None = None) -> None:
+        """The fake's data plane: a plain device copy between two pools (with a cut: one
+        strided copy of the part's heads)."""
+        if cut is not None:
+            strided(dst_pool.flat, cut.dst_rows(run.dst_start, run.num_blocks)).copy_(
+                strided(self.flat, cut.src_rows(run.src_start, run.num_blocks)))
+            return
         n = run.num_blocks * self.block_nbytes
         s, d = run.src_start * self.block_nbytes, run.dst_start * dst_pool.block_nbytes
         dst_pool.flat[d:d + n].copy_(self.flat[s:s + n])

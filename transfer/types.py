@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Bumped whenever a control message changes shape; peers with another version refuse.
-PROTOCOL_VERSION = 2  # 2: PUSH runs carry their source block; STOPPED
+PROTOCOL_VERSION = 3  # 2: PUSH runs carry their source block; STOPPED. 3: TP split in layouts
 BACKENDS = ("ucx", "nixl", "ipc", "fake")
 
 
@@ -80,6 +80,9 @@ class TransferStats:
 
     malformed_messages: int = 0  # peer frames dropped: undecodable, ill-typed, out of range
     rejected_handshakes: int = 0  # HELLOs refused (token, version, backend, layout)
+    # KV bytes this side posted: sent (sender) or taken into reserved blocks (receiver);
+    # with a TP split only the heads each consumer rank takes from this rank count
+    payload_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,8 @@ def test_a_producer_pool_that_does_not_fit_its_file_is_refused(claim: dict[str, 
     with tempfile.TemporaryFile() as f:
         f.truncate(1 << 16)  # a 64 KiB file: two blocks
         info = {"host": host_id(), "kind": "cpu", "pid": os.getpid(), "fd": f.fileno(),
-                "size": 1 << 16, "offset": 0, "nbytes": 1 << 16, **claim}
+                "size": 1 << 16, "offset": 0, "nbytes": 1 << 16,
+                "block": LAYOUT.block_nbytes, **claim}
         raw = RawPeer(rx.address)
         try:
             (rej, *_) = raw.hello("ipc", bytes(msgpack.packb(info)))
