@@ -65,7 +65,9 @@ def test_seeded_sampling_tp2_equals_tp1_and_ranks_hold_their_shards(tp_models):
         tp2 = [c.token_ids for c in llm.generate(PROMPTS, params)]
         model = llm.engine.runner.model
         assert llm.engine.kv_cache.shape[-2] == 2  # [NB, L, 2, BS, Hkv / tp, D]
-        assert llm.engine.layout.num_kv_heads == 2
+        # the layout names the model's 4 KV heads; rank 0's pool holds heads [0, 2)
+        lay = llm.engine.layout
+        assert (lay.num_kv_heads, lay.tp_size, lay.head_start, lay.head_count) == (4, 2, 0, 2)
         attn = model.layers[0].self_attn
         assert tuple(attn.qkv_proj.weight.shape) == ((2 + 2 * 2) * 16, 64)
         assert tuple(attn.qkv_proj.bias.shape) == ((2 + 2 * 2) * 16,)
