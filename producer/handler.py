@@ -187,7 +187,7 @@ class ProducerHandler(RoleHandler):
             if now > o.lease_until and self.engine.state_of(o.rid) == RequestState.TRANSFERRING:
                 self.lease_expiries += 1
                 why = "no destination" if o.dest_blocks is None else "no acknowledgement"
-                log.warning("request %s: lease expired in TRANSFERRING after %.0f s (%s from "
+                log.warning("request %s: lease expired in TRANSFERRING after %.1f s (%s from "
                             "the consumer); freeing its blocks", o.rid, self.lease_s, why)
                 self._fail(o, f"lease expired after {self.lease_s:.0f} s: {why} from the "
                               "consumer")
