@@ -49,7 +49,7 @@ def test_debug_requests_lists_what_holds_blocks(cluster: LocalCluster) -> None:
     producer = cluster.metrics_ports["producer-0"]
     assert _held(consumer)["requests"] == [] and _held(producer)["requests"] == []
     req = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
-        max_tokens=2000, temperature=0, ignore_eos=True), **chat(LONG))
+        max_tokens=1000, temperature=0, ignore_eos=True), **chat(LONG))
     call = stub.Generate(req, timeout=120)
     try:
         for n, _ in enumerate(call):
