@@ -180,6 +180,9 @@ class ProducerHandler(RoleHandler):
                 self._transfer_event(rec.rid, True, "", ms)
             else:
                 self.transfers_failed += 1
+                if u.status == TransferStatus.TIMED_OUT:
+                    log.warning("request %s: transfer deadline passed in %s; freeing its "
+                                "blocks", rec.rid, state.name if state else "?")
                 self._transfer_event(rec.rid, False, f"KV transfer {u.status.name.lower()}: "
                                                    f"{u.error}")
         now = time.monotonic()
