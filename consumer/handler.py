@@ -1,40 +1,32 @@
 """The consumer role: reserve blocks (queued with backpressure), receive KV and token 0,
 admit to decode, stream tokens 1..n with deferred output.
 
-Resource owners: a reservation's blocks belong to this handler from reserve() until the
-transfer is DONE (then the engine's request owns them) or fails/aborts (then freed here).
+The engine owns every request and its blocks: ``add_remote`` queues it (RESERVING), the
+scheduler gives it blocks when the pool and a seat allow (WAITING_FOR_KV, reported by
+step()), ``kv_landed`` starts its decode (DECODING), ``abort`` ends it. This handler only
+connects that to the receiver: expect() the reserved blocks, and end the request when the
+transfer does. Blocks waiting for KV are freed only once the receiver is terminal (no byte
+of the transfer will land in them any more).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepResult
 from engine.request import LogprobRow
-from engine.sampling_params import SamplingParams
-from transfer import TransferConfig, TransferStatus, make_receiver
+from engine.request_state import RequestState
+from engine.scheduler import QueueFull
+from transfer import TransferConfig, TransferStatus, TransferUpdate, make_receiver
 from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
 
 log = logging.getLogger("pdserve.consumer")
-
-
-@dataclass
-class Pending:
-    """A request between Decode and admission to the engine."""
-
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    blocks: list[int] = field(default_factory=list)  # empty while queued for blocks
-    queued_at: float = field(default_factory=time.monotonic)
-    reserved_at: float = 0.0  # monotonic; when the blocks were reserved
+S = RequestState
 
 
 class ConsumerHandler(RoleHandler):
@@ -43,11 +35,10 @@ class ConsumerHandler(RoleHandler):
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
         self.receiver = make_receiver(engine.kv_cache, engine.layout, self.cfg)
-        self.queue: OrderedDict[str, Pending] = OrderedDict()  # waiting for blocks
-        self.expecting: dict[str, Pending] = {}  # blocks reserved, KV not landed
-        self.kv_ready: dict[str, int] = {}  # admitted, first decode step not launched yet
-        self.first_step: dict[str, tuple[int, int]] = {}  # rid -> (kv_ready, first step) ns
-        self.max_queue = engine.config.max_waiting
+        # Timing for the first decode step's metrics, not state: rid -> when the KV landed,
+        # then (landed, first step launched) ns.
+        self.kv_ready: dict[str, int] = {}
+        self.first_step: dict[str, tuple[int, int]] = {}
         # The receiver's deadline for a reservation: its request may queue behind other
         # prompts on the producer first, so this is not the (short) transfer timeout.
         self.reservation_s = reservation_s
@@ -68,78 +59,71 @@ class ConsumerHandler(RoleHandler):
         if isinstance(cmd, DecodeCmd):
             rid = cmd.rid
             try:
-                params = sampling_from_wire(cmd.sampling)
-                self.engine.validate(list(cmd.prompt_ids), params)
+                self.engine.add_remote(rid, list(cmd.prompt_ids),
+                                       sampling_from_wire(cmd.sampling))
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
-                return
-            if len(self.queue) >= self.max_queue:
+            except QueueFull:
                 self.queue_full += 1
                 self.emit(error_event(rid, "error", "consumer reservation queue is full"))
-                return
-            self.queue[rid] = Pending(rid, list(cmd.prompt_ids), params)
-            self._reserve_queued()
         elif isinstance(cmd, AbortCmd):
             self.aborts += 1
             self.abort(cmd.rid)
 
     def abort(self, rid: str) -> None:
-        if self.queue.pop(rid, None) is not None:
+        state = self.engine.state_of(rid)
+        if state == S.RESERVING:
+            self.engine.abort(rid)
             self.emit(error_event(rid, "abort", "aborted while waiting for KV blocks"))
-        elif rid in self.expecting:
+        elif state == S.WAITING_FOR_KV:
             self.receiver.cancel(rid, "aborted")  # blocks freed once the receiver is terminal
-        elif self.engine.abort(rid):
+        elif state is not None and self.engine.abort(rid):
             self.kv_ready.pop(rid, None)
             self.first_step.pop(rid, None)
             self.emit(error_event(rid, "abort", "aborted"))
 
-    def _reserve_queued(self) -> None:
-        # FIFO: a big reservation at the head waits rather than being overtaken forever.
-        while self.queue:
-            p = next(iter(self.queue.values()))
-            blocks = self.engine.reserve(len(p.prompt))
-            if blocks is None:
-                return
-            del self.queue[p.rid]
-            p.blocks = blocks
-            p.reserved_at = time.monotonic()
-            self.expecting[p.rid] = p
-            self.receiver.expect(p.rid, blocks,
-                                 deadline=time.monotonic() + self.reservation_s)
-            self.emit(ReservedEvent(p.rid, self.receiver.address, tuple(blocks)))
+    def _reserved(self, rid: str, blocks: list[int]) -> None:
+        self.receiver.expect(rid, blocks, deadline=time.monotonic() + self.reservation_s)
+        self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks)))
 
     def after_step(self) -> None:
         for u in self.receiver.poll():
-            p = self.expecting.pop(u.request_id, None)
             self.receiver.release(u.request_id)
-            if p is None:
+            if self.engine.state_of(u.request_id) != S.WAITING_FOR_KV:
                 continue
             if u.status == TransferStatus.DONE and u.notice is not None:
                 self.transfers_ok += 1
-                self.kv_bytes_received += len(p.blocks) * self.engine.layout.block_nbytes
-                self._admit(p, u.notice.first_token, u.notice.logprobs)
+                held = next(h.blocks for h in self.engine.held_requests()
+                            if h.request_id == u.request_id)
+                self.kv_bytes_received += held * self.engine.layout.block_nbytes
+                self._admit(u)
             else:
-                self.transfers_failed += 1
-                self.engine.unreserve(p.blocks)
-                finish = "abort" if u.status == TransferStatus.CANCELLED else "error"
-                self.emit(error_event(p.rid, finish, f"KV transfer {u.status.name.lower()}: "
-                                                     f"{u.error}"))
-        self._reserve_queued()
+                self._transfer_failed(u)
 
-    def _admit(self, p: Pending, first_token: int,
-               logprobs: tuple[tuple[int, float], ...] | None) -> None:
+    def _transfer_failed(self, u: TransferUpdate) -> None:
+        self.transfers_failed += 1
+        rid = u.request_id
+        cancelled = u.status == TransferStatus.CANCELLED
+        if u.status == TransferStatus.TIMED_OUT:
+            log.warning("request %s: reservation deadline passed in WAITING_FOR_KV after "
+                        "%.0f s; freeing its blocks", rid, self.reservation_s)
+        self.engine.abort(rid, S.FINISHED_ABORTED if cancelled else S.FINISHED_ERROR)
+        self.emit(error_event(rid, "abort" if cancelled else "error",
+                              f"KV transfer {u.status.name.lower()}: {u.error}"))
+
+    def _admit(self, u: TransferUpdate) -> None:
+        assert u.notice is not None
         first_lp = None
-        if logprobs:  # the notice's shape (transfer's, this round): (token, logprob), *top
-            (tok, lp), *top = logprobs
+        if u.notice.logprobs:  # the notice's shape (transfer's, this round): (token, lp), *top
+            (tok, lp), *top = u.notice.logprobs
             first_lp = LogprobRow(tok, lp, tuple(top))
         try:
-            self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token,
-                                      first_lp)
+            self.engine.kv_landed(u.request_id, u.notice.first_token, first_lp)
         except ValueError as e:
-            self.engine.unreserve(p.blocks)
-            self.emit(error_event(p.rid, "error", str(e)))
+            self.engine.abort(u.request_id, S.FINISHED_ERROR)
+            self.emit(error_event(u.request_id, "error", str(e)))
             return
-        self.kv_ready[p.rid] = now_ns()
+        self.kv_ready[u.request_id] = now_ns()
 
     def before_step(self, now_ns: int) -> None:
         for rid, ready in self.kv_ready.items():
@@ -147,20 +131,22 @@ class ConsumerHandler(RoleHandler):
         self.kv_ready.clear()
 
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
+        if isinstance(outs, StepResult):
+            for rid, blocks in outs.reserved.items():
+                self._reserved(rid, blocks)
         for out in outs:
             times = self.first_step.pop(out.request_id, (0, 0))
             self.emit(tokens_event(out, kv_ready_ns=times[0], first_step_ns=times[1]))
 
     def has_background_work(self) -> bool:
-        return bool(self.expecting or self.queue)
+        return self.engine.num_in(S.RESERVING, S.WAITING_FOR_KV) > 0
 
     def load(self) -> dict[str, Any]:
         d = super().load()
-        d["waiting"] += len(self.queue)
-        d["transfers_in_flight"] = len(self.expecting)
-        now = time.monotonic()
-        orphans = sum(len(p.blocks) for p in self.expecting.values()
-                      if now - p.reserved_at > self.lease_s)
+        d["waiting"] += self.engine.num_in(S.RESERVING)
+        d["transfers_in_flight"] = self.engine.num_in(S.WAITING_FOR_KV)
+        orphans = sum(h.blocks for h in self.engine.held_requests()
+                      if h.state == S.WAITING_FOR_KV and h.state_age_s > self.lease_s)
         d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
                                                             d["kv_blocks_total"], orphans)
         # Preempting an admitted request drops the KV it received: the engine recomputes

@@ -22,11 +22,11 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_layout import KVLayout
 from engine.model_runner import InflightStep, ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import RequestOutput
+from engine.outputs import HeldRequest, RequestOutput, StepResult
 from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.stop_check import check_stop, streamable_len
 
 if TYPE_CHECKING:
@@ -83,6 +83,10 @@ class LLMEngine:
                                   cuda_graphs=not config.enforce_eager)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None
+        # launched steps not read yet -> the requests they write, and blocks to free once
+        # each has been read
+        self._unread: dict[int, frozenset[str]] = {}
+        self._free_after: dict[int, list[int]] = {}
         self._step_id = 0
         self._seed_rng = random.Random(config.seed)
         self.num_preemptions = 0  # requests whose KV was dropped to be recomputed
@@ -114,12 +118,12 @@ class LLMEngine:
                 f"{self.blocks.num_blocks}")
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams) -> Request:
+                     params: SamplingParams, state: RequestState) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Request(request_id, list(prompt_token_ids), params, seed,
+        req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
                       prefill_only=self.config.role == "producer")
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer
@@ -130,14 +134,53 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> Request:
-        """Queues a request; ValueError names a bad field, QueueFull means retry later."""
-        req = self._new_request(request_id, prompt_token_ids, params)
+        """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
+        later."""
+        req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
+    def add_remote(self, request_id: str, prompt_token_ids: list[int],
+                   params: SamplingParams) -> None:
+        """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
+        The scheduler gives it blocks when the pool and a seat allow; step() reports them
+        in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode."""
+        req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING)
+        self.scheduler.add_remote(req)
+        self.requests[request_id] = req
+
+    def kv_landed(self, request_id: str, first_token: int,
+                  first_logprob: LogprobRow | None = None) -> None:
+        """Consumer: the prompt's KV sits in the reserved blocks and token 0 was sampled (and
+        reported) by the producer; decoding continues exactly as a colocated engine would
+        (same seed, same positions, same stop state). With logprobs requested, token 0's row
+        is needed: rows are kept by output position."""
+        req = self.requests[request_id]
+        if req.state != RequestState.WAITING_FOR_KV:
+            raise ValueError(f"request_id: {request_id!r} is {req.state.name}, not "
+                             "WAITING_FOR_KV")
+        self._land(req, first_token, first_logprob)
+        self.scheduler.kv_landed(req)
+
+    def _land(self, req: Request, first_token: int, first_logprob: LogprobRow | None) -> None:
+        if req.params.logprobs is not None and first_logprob is None:
+            raise ValueError("first_logprob: token 0's logprobs are required when the request "
+                             "asks for logprobs")
+        req.num_computed_tokens = req.num_prompt_tokens
+        req.output_token_ids.append(first_token)
+        if first_logprob is not None and req.params.logprobs is not None:
+            req.logprobs.append(first_logprob)
+        req.num_emitted = 1
+        if req.detok is not None:
+            req.full_text = req.detok.add(first_token)
+        req.text_checked = len(req.full_text)
+        req.num_text_sent = streamable_len(req)  # what the producer streamed for token 0
+        req.move(RequestState.DECODING)
+
     def reserve(self, num_tokens: int) -> list[int] | None:
-        """Consumer: blocks for a prompt's KV, or None while the pool cannot hold it."""
+        """Tests and benches: blocks for a prompt's KV outside the scheduler (workers use
+        add_remote), or None while the pool cannot hold it."""
         n = self.blocks.blocks_for(num_tokens)
         return self.blocks.allocate(n) if self.blocks.can_allocate(n) else None
 
@@ -147,56 +190,65 @@ class LLMEngine:
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, block_ids: list[int], first_token: int,
                       first_logprob: LogprobRow | None = None) -> Request:
-        """Consumer: admits a request whose prompt KV already sits in `block_ids` and whose
-        token 0 was sampled (and reported) by the producer; decoding continues from there
-        exactly as a colocated engine would (same seed, same positions, same stop state).
-        With logprobs requested, token 0's row is needed: rows are kept by output position."""
-        if params.logprobs is not None and first_logprob is None:
-            raise ValueError("first_logprob: token 0's logprobs are required when the request "
-                             "asks for logprobs")
-        req = self._new_request(request_id, prompt_token_ids, params)
+        """Tests and benches: add_remote and kv_landed in one call, into blocks from
+        reserve() (the request owns them from here on)."""
+        req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING)
         if len(block_ids) != self.blocks.blocks_for(len(prompt_token_ids)):
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a "
                              f"{len(prompt_token_ids)}-token prompt")
+        req.move(RequestState.WAITING_FOR_KV)
+        self._land(req, first_token, first_logprob)
         req.block_ids = list(block_ids)
-        req.num_computed_tokens = len(prompt_token_ids)
-        req.output_token_ids.append(first_token)
-        if first_logprob is not None and params.logprobs is not None:
-            req.logprobs.append(first_logprob)
-        req.num_emitted = 1
-        if req.detok is not None:
-            req.full_text = req.detok.add(first_token)
-        req.text_checked = len(req.full_text)
-        req.num_text_sent = streamable_len(req)  # what the producer streamed for token 0
-        req.state = RequestState.DECODING
         self.scheduler.add_running(req)
         self.requests[request_id] = req
         return req
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, request_id: str,
+              state: RequestState = RequestState.FINISHED_ABORTED) -> bool:
+        """Ends a request (FINISHED_ABORTED, or FINISHED_ERROR for a failure) and frees its
+        own blocks; pinned ones wait for release(). False if the id is unknown."""
         req = self.requests.get(request_id)
         if req is None:
             return False
         if not req.finished:
-            self._finish(req, RequestState.FINISHED_ABORTED)
-        else:
-            self.release(request_id)
+            self._finish(req, state)
         return True
 
-    def stop(self, request_id: str) -> None:
-        """Stops computing a request but keeps its blocks (a transfer may still read them)
-        until release()."""
-        req = self.requests.get(request_id)
-        if req is not None and not req.finished:
-            self.scheduler.remove(req)
-            req.state = RequestState.FINISHED_ABORTED
+    def pin(self, request_id: str, start: int, stop: int) -> list[int]:
+        """Producer: the ids of the request's blocks [start, stop), which a transfer is about
+        to read; they stay allocated (through preemption and abort) until release()."""
+        req = self.requests[request_id]
+        ids = req.block_ids[start:stop]
+        if len(ids) != stop - start:
+            raise ValueError(f"pin: blocks [{start}, {stop}) of {request_id!r}, which holds "
+                             f"{len(req.block_ids)}")
+        self.blocks.share(ids)
+        req.pinned.extend(ids)
+        return ids
 
     def release(self, request_id: str) -> None:
-        """Frees a finished (or transferred) request's blocks and forgets it."""
+        """Frees a request's blocks, pinned ones included, and forgets it: the producer's once
+        its transfer is terminal (TRANSFERRING ends here), or any finished one."""
         req = self.requests.pop(request_id, None)
-        if req is not None and req.block_ids:
-            self.blocks.free(req.block_ids)
-            req.block_ids = []
+        if req is None:
+            return
+        if not req.finished and req.state != RequestState.TRANSFERRING:
+            self.scheduler.remove(req)
+        self._free(req, req.block_ids + req.pinned)
+        req.block_ids, req.pinned = [], []
+
+    def state_of(self, request_id: str) -> RequestState | None:
+        req = self.requests.get(request_id)
+        return None if req is None else req.state
+
+    def held_requests(self) -> list[HeldRequest]:
+        """Every request this engine holds, with its state, ages and blocks."""
+        now = time.monotonic()
+        return [HeldRequest(r.request_id, r.state, now - r.arrival_time, now - r.state_since,
+                            len(r.block_ids) + len(r.pinned)) for r in self.requests.values()]
+
+    def num_in(self, *states: RequestState) -> int:
+        return sum(1 for r in self.requests.values() if r.state in states)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None
@@ -204,9 +256,19 @@ class LLMEngine:
     def block_accounting(self) -> BlockAccounting:
         return self.blocks.accounting()
 
+    def _free(self, req: Request, block_ids: list[int]) -> None:
+        """Frees now, or when the newest launched step that may write them has been read
+        (deferred output: a step is launched before the previous one is read, and on a GPU
+        a KV transfer into a reused block is not ordered after that step's writes)."""
+        last = max((i for i, w in self._unread.items() if req.request_id in w), default=None)
+        if last is None:
+            self.blocks.free(block_ids)
+        else:
+            self._free_after.setdefault(last, []).extend(block_ids)
+
     # ---- the step --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepResult:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         launched: InflightStep | None = None
@@ -221,14 +283,30 @@ class LLMEngine:
                 index.append(len(r.output_token_ids))
                 r.output_token_ids.append(PLACEHOLDER)
             launched = InflightStep(self._step_id, samplers, index, out, time.time_ns())
+            self._unread[self._step_id] = frozenset(c.request.request_id for c in sched.chunks)
         if not self.defers_output:
-            return self._process(launched) if launched else []
-        outputs = self._process(self._inflight) if self._inflight else []
-        self._inflight = launched
-        return outputs
+            outputs = self._process(launched) if launched else []
+        else:
+            outputs = self._process(self._inflight) if self._inflight else []
+            self._inflight = launched
+        return self._result(outputs, sched)
+
+    def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput) -> StepResult:
+        res = StepResult(outputs)
+        res.reserved = {r.request_id: list(r.block_ids) for r in sched.reserved}
+        bs = self.config.block_size
+        for r in [c.request for c in sched.chunks] + sched.preempted:
+            if r.prefill_only and not r.finished:
+                res.final_blocks[r.request_id] = (
+                    len(r.block_ids) if r.state == RequestState.TRANSFERRING
+                    else r.num_computed_tokens // bs)
+        res.finished = [o.request_id for o in outputs if o.finished]
+        return res
 
     def _process(self, step: InflightStep) -> list[RequestOutput]:
-        ids = step.out.token_ids.tolist()  # the host sync
+        ids = step.out.token_ids.tolist()  # the host sync: the step has completed
+        self._unread.pop(step.step_id, None)
+        self.blocks.free(self._free_after.pop(step.step_id, []))
         # When the sampling forward had run: read back now (direct), or at its launch when
         # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
         sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns
@@ -266,7 +344,7 @@ class LLMEngine:
         elif r.prefill_only:
             # Producer: token 0 is out; blocks stay until the consumer acknowledges the KV.
             self.scheduler.remove(r)
-            r.state = RequestState.TRANSFERRING
+            r.move(RequestState.TRANSFERRING)
         new = r.output_token_ids[r.num_emitted:i + 1]
         new_lps = r.logprobs[r.num_emitted:i + 1]
         r.num_emitted = i + 1
@@ -278,15 +356,15 @@ class LLMEngine:
             finish_reason=r.state.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=i + 1, sampled_step=sampled_step, emitted_step=self._step_id,
             sampled_ns=sampled_ns,
-            new_logprobs=new_lps, stop_reason=stop_reason)
+            new_logprobs=new_lps, stop_reason=stop_reason, seed=r.seed)
 
     def _finish(self, r: Request, state: RequestState) -> None:
         self.scheduler.remove(r)
-        r.state = state
-        if r.block_ids:
-            self.blocks.free(r.block_ids)
-            r.block_ids = []
-        self.requests.pop(r.request_id, None)
+        r.move(state)
+        self._free(r, r.block_ids)
+        r.block_ids = []
+        if not r.pinned:  # else a transfer may still read them: kept until release()
+            self.requests.pop(r.request_id, None)
 
 
 def _logprob_rows(step: InflightStep) -> list[LogprobRow] | None:

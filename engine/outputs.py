@@ -22,7 +22,38 @@ class RequestOutput:
     sampled_ns: int = 0  # wall clock (ns) when the forward that sampled it had run
     new_logprobs: list[LogprobRow] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    seed: int = 0  # the request's sampling seed (a producer hands it to the consumer)
 
     @property
     def finished(self) -> bool:
         return self.state.finished
+
+
+class StepResult(list[RequestOutput]):
+    """One step's outputs (still a plain list for callers that only want tokens), plus what
+    the roles need from it, so producer/ and consumer/ never read engine internals."""
+
+    def __init__(self, outputs: list[RequestOutput]) -> None:
+        super().__init__(outputs)
+        # consumer: remote requests the scheduler gave blocks this step (id -> block ids)
+        self.reserved: dict[str, list[int]] = {}
+        # producer: leading prompt blocks whose KV is final after this step (0 after a
+        # preemption); all of them once token 0 is out
+        self.final_blocks: dict[str, int] = {}
+        self.finished: list[str] = []  # requests whose last output this step reported
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    """One request a worker holds, for GET /debug/requests and orphan accounting."""
+
+    request_id: str
+    state: RequestState
+    age_s: float  # since the engine got it
+    state_age_s: float  # since its last state change
+    blocks: int  # KV blocks it holds (its own plus those pinned for a transfer)
+
+    def row(self) -> dict[str, object]:
+        return {"request_id": self.request_id, "state": self.state.name,
+                "age_s": round(self.age_s, 3), "state_age_s": round(self.state_age_s, 3),
+                "blocks": self.blocks}

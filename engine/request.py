@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.request_state import RequestState
+from engine.request_state import RequestState, check_transition
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,6 +41,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)  # may end in PLACEHOLDERs
     num_computed_tokens: int = 0  # tokens whose KV is in this engine's cache
     block_ids: list[int] = field(default_factory=list)
+    # extra references to blocks a transfer may still read (producer pushes): they outlive
+    # a preemption or an abort and return to the pool only in release()
+    pinned: list[int] = field(default_factory=list)
+    state_since: float = field(default_factory=time.monotonic)  # when state last changed
     logprobs: list[LogprobRow] = field(default_factory=list)
     num_emitted: int = 0  # output tokens already reported to the caller
     num_preemptions: int = 0
@@ -61,6 +65,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.state.finished
+
+    def move(self, new: RequestState) -> None:
+        """Changes state along an edge of the lifecycle; BadTransition on any other."""
+        check_transition(self.state, new)
+        self.state = new
+        self.state_since = time.monotonic()
 
     def needs_no_more_tokens(self, max_model_len: int) -> bool:
         """True once the sampled (maybe unread) tokens reach a limit known in advance, so a

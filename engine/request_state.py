@@ -1,6 +1,52 @@
 """The request lifecycle shared by router, producer and consumer (docs/architecture.md).
 
-Ordered: a request only moves forward. Torch-free so every service can import it.
+One enum for every place a request lives; ``EDGES`` is the state diagram, and
+``check_transition`` refuses any edge it does not list, so the diagram below is what the
+code does (``Request.move`` in the engine and the role handlers go through it). Torch-free:
+the router imports it.
+
+Inside a worker (the engine, the producer's and the consumer's handlers)::
+
+                add (local)            scheduler admits (blocks, seat, token budget)
+    (new) ───────────────────▶ QUEUED ─────────────────────────────▶ PREFILLING
+      │                          ▲  ▲  preempted (blocks dropped,       │   │
+      │ add_remote (consumer)    │  └──── recomputed later) ────────────┘   │ token 0
+      ▼                          │                                          │ (colocated,
+    RESERVING ─scheduler admits─▶ WAITING_FOR_KV ──kv_landed──▶ DECODING ◀──┘  consumer)
+      (blocks for the prompt,     (the transfer fills            │  ▲ │
+       a seat; FIFO)               the reserved blocks)          │  └─┘ preempted ──▶ QUEUED
+                                                                 ▼
+    PREFILLING ──token 0 sampled, prefill_only (producer)──▶ TRANSFERRING ──ack──▶ released
+    PREFILLING / DECODING ──EOS, stop token or string / max_tokens──▶ FINISHED_STOPPED / _LENGTH
+    any unfinished state ──abort (router, client gone)──▶ FINISHED_ABORTED
+                         ──transfer failed, lease or deadline passed──▶ FINISHED_ERROR
+
+Who makes each edge: the scheduler (QUEUED/RESERVING admissions, preemption back to
+QUEUED), the engine's step (PREFILLING -> DECODING / TRANSFERRING / FINISHED_*), the
+consumer handler through ``LLMEngine.kv_landed`` (WAITING_FOR_KV -> DECODING) and
+``LLMEngine.abort`` (FINISHED_ABORTED / FINISHED_ERROR), the producer handler through
+``abort`` and ``release`` (TRANSFERRING ends in release once the consumer acked: the
+request lives on at the consumer, so the producer just forgets it).
+
+Cluster-wide, the router's ``RequestRun`` walks the same states forward (it may skip
+some: it only sees what the legs report, router/request_run.py) and adds its own edges:
+QUEUED -> RESERVING (both legs placed), RESERVING -> PREFILLING (consumer reserved),
+RESERVING / PREFILLING -> TRANSFERRING (token 0), TRANSFERRING -> WAITING_FOR_KV (transfer
+ok), and two backward ones: a producer lost before token 0 is retried elsewhere
+(PREFILLING / TRANSFERRING -> RESERVING, keeping the consumer's reservation; PREFILLING ->
+PREFILLING-again on a colocated worker is no state change), and a consumer lost
+mid-decode migrates the request with its streamed tokens to another consumer or colocated
+worker (DECODING / WAITING_FOR_KV -> RESERVING, or DECODING -> PREFILLING on a colocated
+one).
+
+Timeouts guarding each state: QUEUED by the router's admission queue and client deadline
+(and a worker's ``max_waiting``); RESERVING by the router's ``token0_timeout_s`` (the
+consumer keeps it queued until blocks free); WAITING_FOR_KV by the consumer's
+``reservation_s`` (the receiver's deadline) and the transfer peer timeout; PREFILLING by
+``token0_timeout_s``; TRANSFERRING by the producer's lease (``lease_s``: a destination and
+then the consumer's ack must come in time) and ``transfer_timeout_s``; DECODING by the
+router's ``token_timeout_s`` between tokens. A lease or deadline that frees blocks logs a
+line naming the request and the state it was in.
 """
 
 from __future__ import annotations
@@ -29,9 +75,52 @@ class RequestState(IntEnum):
         return _REASONS.get(self)
 
 
+class BadTransition(RuntimeError):
+    """A state change the diagram does not list: a bug in whoever attempted it."""
+
+
+S = RequestState
 _REASONS = {
-    RequestState.FINISHED_STOPPED: "stop",
-    RequestState.FINISHED_LENGTH: "length",
-    RequestState.FINISHED_ABORTED: "abort",
-    RequestState.FINISHED_ERROR: "error",
+    S.FINISHED_STOPPED: "stop",
+    S.FINISHED_LENGTH: "length",
+    S.FINISHED_ABORTED: "abort",
+    S.FINISHED_ERROR: "error",
 }
+_UNFINISHED = [s for s in S if not s.finished]
+
+# (from, to) -> who makes it and why. The one source of truth: check_transition, the
+# docstring above and docs/architecture.md describe this table.
+EDGES: dict[tuple[RequestState, RequestState], str] = {
+    (S.QUEUED, S.PREFILLING): "scheduler: admitted (blocks, seat, token budget)",
+    (S.RESERVING, S.WAITING_FOR_KV): "scheduler: remote request given its prompt's blocks",
+    (S.PREFILLING, S.QUEUED): "scheduler: preempted, KV dropped to be recomputed",
+    (S.DECODING, S.QUEUED): "scheduler: preempted, KV dropped to be recomputed",
+    (S.PREFILLING, S.DECODING): "engine: the last prompt chunk was launched (samples token 0)",
+    (S.PREFILLING, S.TRANSFERRING): "engine: producer's token 0 sampled; blocks held for the "
+                                    "transfer",
+    (S.WAITING_FOR_KV, S.DECODING): "consumer: KV and token 0 landed (kv_landed)",
+    (S.PREFILLING, S.FINISHED_STOPPED): "engine: token 0 was a stop (producer, direct output)",
+    (S.PREFILLING, S.FINISHED_LENGTH): "engine: token 0 hit max_model_len (producer)",
+    (S.DECODING, S.FINISHED_STOPPED): "engine: EOS, stop token or stop string",
+    (S.DECODING, S.FINISHED_LENGTH): "engine: max_tokens or max_model_len",
+    # the router's own walk (RequestRun), including its two backward edges
+    (S.QUEUED, S.RESERVING): "router: both legs placed and started",
+    (S.RESERVING, S.PREFILLING): "router: the consumer reserved blocks",
+    (S.RESERVING, S.TRANSFERRING): "router: token 0 came before the reservation",
+    (S.TRANSFERRING, S.WAITING_FOR_KV): "router: the producer's transfer result is ok",
+    (S.PREFILLING, S.RESERVING): "router: producer lost before token 0, retried elsewhere",
+    (S.TRANSFERRING, S.RESERVING): "router: producer lost before its transfer ended, retried",
+    (S.WAITING_FOR_KV, S.RESERVING): "router: consumer lost, migrated to another consumer",
+    (S.DECODING, S.RESERVING): "router: consumer lost mid-decode, migrated with its tokens",
+    (S.DECODING, S.PREFILLING): "router: consumer lost mid-decode, migrated to a colocated "
+                                "worker (prompt + streamed tokens prefilled)",
+    **{(s, S.FINISHED_ABORTED): "anyone: aborted (router, client gone)" for s in _UNFINISHED},
+    **{(s, S.FINISHED_ERROR): "anyone: a transfer failed, a lease or deadline passed"
+       for s in _UNFINISHED},
+}
+
+
+def check_transition(old: RequestState, new: RequestState) -> None:
+    if (old, new) not in EDGES:
+        raise BadTransition(f"state: {old.name} -> {new.name} is not an edge of the request "
+                            "lifecycle (engine/request_state.py)")

@@ -3,6 +3,11 @@
 A step's batch mixes decodes and prefill chunks. Running requests go first, in arrival
 order; when blocks run out the newest running request is preempted (its blocks freed and
 its KV recomputed later). Waiting requests are admitted while budget, seats and blocks last.
+
+Remote requests (a consumer's: their KV is computed elsewhere) queue in ``reserving`` and
+are admitted by the same policy, FIFO: a seat and the blocks for the prompt, no token
+budget since nothing is computed here. Admitted, they wait for the KV (``awaiting_kv``)
+holding both, and join ``running`` once it landed.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    reserved: list[Request] = field(default_factory=list)  # remote requests given blocks
 
     @property
     def num_tokens(self) -> int:
@@ -47,14 +53,25 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.reserving: deque[Request] = deque()  # remote, waiting for blocks and a seat
+        self.awaiting_kv: dict[str, Request] = {}  # remote, blocks held, KV not landed
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.max_waiting} requests)")
         self.waiting.append(req)
 
+    def add_remote(self, req: Request) -> None:
+        if len(self.reserving) >= self.max_waiting:
+            raise QueueFull(f"reservation queue is full ({self.max_waiting} requests)")
+        self.reserving.append(req)
+
     def add_running(self, req: Request) -> None:
         """Admits a request whose KV is already in its blocks (a consumer's handed-off one)."""
+        self.running.append(req)
+
+    def kv_landed(self, req: Request) -> None:
+        del self.awaiting_kv[req.request_id]
         self.running.append(req)
 
     def remove(self, req: Request) -> None:
@@ -62,16 +79,30 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        elif req in self.reserving:
+            self.reserving.remove(req)
+        else:
+            self.awaiting_kv.pop(req.request_id, None)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Work a step can do now: compute, or a reservation that fits the pool."""
+        return bool(self.waiting or self.running) or self._remote_fits()
+
+    def _seats(self) -> int:
+        return self.max_num_seqs - len(self.running) - len(self.awaiting_kv)
+
+    def _remote_fits(self) -> bool:
+        return (bool(self.reserving) and self._seats() > 0
+                and self.blocks.can_allocate(self.blocks.blocks_for(
+                    self.reserving[0].num_prompt_tokens)))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        # Pinned blocks (a transfer may be reading them) keep their extra reference.
         self.blocks.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
-        req.state = RequestState.QUEUED
+        req.move(RequestState.QUEUED)
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
@@ -101,22 +132,30 @@ class Scheduler:
                 i += 1
         # A request preempted this step is not re-admitted in the same step: its blocks
         # just went to someone who needed them.
-        while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.max_num_seqs):
+        while self.waiting and budget > 0 and not out.preempted and self._seats() > 0:
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
-            req.state = RequestState.PREFILLING
+            req.move(RequestState.PREFILLING)
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
+        # Not after a preemption either: the freed blocks may still be written by the step
+        # in flight, and a transfer landing in them would not be ordered after it.
+        while not out.preempted and self._remote_fits():
+            req = self.reserving.popleft()
+            req.block_ids = self.blocks.allocate(self.blocks.blocks_for(req.num_prompt_tokens))
+            req.move(RequestState.WAITING_FOR_KV)
+            self.awaiting_kv[req.request_id] = req
+            out.reserved.append(req)
         return out
 
     def commit(self, out: SchedulerOutput) -> None:
         """Marks the scheduled positions computed (the forward for them has been launched)."""
         for c in out.chunks:
             c.request.num_computed_tokens = c.start + c.num_tokens
-            if c.samples and c.request.state == RequestState.PREFILLING:
-                c.request.state = RequestState.DECODING
+            r = c.request
+            if c.samples and r.state == RequestState.PREFILLING and not r.prefill_only:
+                r.move(RequestState.DECODING)  # a producer's waits for token 0's read

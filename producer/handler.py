@@ -2,9 +2,12 @@
 sampled it; each chunk's newly filled blocks are pushed to the consumer's reservation while
 later chunks compute; blocks are held under a lease until the consumer acks.
 
-Resource owner: the engine request owns its blocks from admission until release(), which
-happens here only once the transfer is terminal (DONE, failed, cancelled) or was never
-started (abort before any push, lease expiry without a destination).
+Resource owner: the engine request owns its blocks from admission until release(). Each
+push first pins the blocks it sends (``LLMEngine.pin``), so neither a preemption nor an abort
+returns them to the pool while the sender may still read them; release() here, once the
+transfer is terminal (DONE, failed, cancelled), frees them. A request never pushed is
+simply aborted. The request's state is the engine's (``state_of``): QUEUED, PREFILLING,
+TRANSFERRING once token 0 is out, FINISHED_* when token 0 ended it or it was failed.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepResult
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
@@ -41,11 +44,11 @@ class Outgoing:
     lease_until: float  # monotonic: the destination (and later the ack) must come by then
     dest_address: str = ""
     dest_blocks: list[int] | None = None
-    pushed: int = 0  # leading blocks pushed so far
+    final: int = 0  # leading blocks whose KV is final (the engine's last step report)
+    pushed: int = 0  # leading blocks pushed (and pinned) so far
     notice: TransferNotice | None = None  # set once token 0 is out; sent with the last push
     token0_sent: bool = False  # the gRPC process has handed token 0 to the router stream
     first_push: float = 0.0  # monotonic, for kv_transfer_ms
-    aborting: bool = False  # cancelled; blocks freed when the sender says terminal
 
 
 class ProducerHandler(RoleHandler):
@@ -77,7 +80,7 @@ class ProducerHandler(RoleHandler):
             self.out[rid] = Outgoing(rid, cmd.received_ns, time.monotonic() + self.lease_s)
         elif isinstance(cmd, DestinationCmd):
             o = self.out.get(cmd.rid)
-            if o is None or o.dest_blocks is not None or o.aborting:
+            if o is None or o.dest_blocks is not None or self._ended(o):
                 return
             try:
                 self.sender.connect(cmd.kv_address)
@@ -96,11 +99,15 @@ class ProducerHandler(RoleHandler):
             o = self.out.get(cmd.rid)
             if o is not None:
                 self.aborts += 1
-                self._fail(o, "aborted by the router")
+                self._fail(o, "aborted by the router", RequestState.FINISHED_ABORTED)
 
     # ---- engine outputs -----------------------------------------------------------------
 
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
+        final = outs.final_blocks if isinstance(outs, StepResult) else {}
+        for rid, n in final.items():
+            if (o := self.out.get(rid)) is not None:
+                o.final = n
         for out in outs:
             o = self.out.get(out.request_id)
             if o is None or not out.new_token_ids:
@@ -109,36 +116,37 @@ class ProducerHandler(RoleHandler):
             row = out.new_logprobs[0] if out.new_logprobs else None
             self.emit(Token0Event(o.rid, tok, out.new_text, row, out.finish_reason,
                                   stop_text(out.stop_reason), out.sampled_ns, o.received_ns))
-            if out.finished:  # token 0 ended it: the engine already freed the blocks
-                self.out.pop(o.rid, None)
-                if o.pushed:  # close the early chunks' transfer now, not at its deadline
-                    self.sender.cancel(o.rid, "token 0 finished the request")
+            if out.finished:  # token 0 ended it: the engine freed all but the pinned blocks
+                if o.pushed:  # close the early chunks' transfer now, not at its deadline;
+                    self.sender.cancel(o.rid, "token 0 finished the request")  # pins: poll
+                else:
+                    self.out.pop(o.rid, None)
                 continue
-            req = self.engine.requests[o.rid]
             # The notice keeps transfer's own logprobs shape this round (transfer/ is not
             # ours): ((token, logprob), *top); the consumer converts it back to a LogprobRow.
             o.notice = TransferNotice(
                 request_id=o.rid, first_token=tok, finished=False,
-                num_prompt_tokens=req.num_prompt_tokens, seed=req.seed,
+                num_prompt_tokens=out.num_prompt_tokens, seed=out.seed,
                 logprobs=((tok, row.logprob), *row.top) if row is not None else None)
             o.lease_until = time.monotonic() + self.lease_s
             self._push_ready(o)
 
+    def _ended(self, o: Outgoing) -> bool:
+        state = self.engine.state_of(o.rid)
+        return state is None or state.finished
+
     def _push_ready(self, o: Outgoing) -> None:
         """Pushes the blocks filled since the last push; with token 0 out, all and the end."""
-        req = self.engine.requests.get(o.rid)
-        if o.dest_blocks is None or req is None or o.aborting:
+        if o.dest_blocks is None or self._ended(o):
             return
-        bs = self.engine.config.block_size
         done = o.notice is not None
-        upto = len(req.block_ids) if done else req.num_computed_tokens // bs
-        upto = min(upto, len(o.dest_blocks))
+        upto = min(o.final, len(o.dest_blocks))
         try:
             if upto > o.pushed:
                 if not o.first_push:
                     o.first_push = time.monotonic()
-                self.sender.push(o.rid, o.dest_address, req.block_ids[o.pushed:upto],
-                                 o.dest_blocks[o.pushed:upto],
+                src = self.engine.pin(o.rid, o.pushed, upto)
+                self.sender.push(o.rid, o.dest_address, src, o.dest_blocks[o.pushed:upto],
                                  # set by the first push and not moved: it must also
                                  # cover the chunks still to compute and a late ack
                                  deadline=time.monotonic() + self.lease_s
@@ -162,34 +170,42 @@ class ProducerHandler(RoleHandler):
             rec = self.out.pop(u.request_id, None)
             if rec is None:
                 continue
-            self.engine.release(rec.rid)
+            state = self.engine.state_of(rec.rid)
+            self.engine.release(rec.rid)  # the sender reads none of its blocks any more
+            if state in (RequestState.FINISHED_STOPPED, RequestState.FINISHED_LENGTH):
+                continue  # token 0 ended it and said so; the early chunks' transfer is moot
             if u.status == TransferStatus.DONE:
                 self.transfers_ok += 1
                 ms = (time.monotonic() - rec.first_push) * 1e3 if rec.first_push else 0.0
                 self._transfer_event(rec.rid, True, "", ms)
             else:
                 self.transfers_failed += 1
+                if u.status == TransferStatus.TIMED_OUT:
+                    log.warning("request %s: transfer deadline passed in %s; freeing its "
+                                "blocks", rec.rid, state.name if state else "?")
                 self._transfer_event(rec.rid, False, f"KV transfer {u.status.name.lower()}: "
                                                    f"{u.error}")
         now = time.monotonic()
         for o in list(self.out.values()):
-            req = self.engine.requests.get(o.rid)
-            if now > o.lease_until and not o.aborting and req is not None \
-                    and req.state == RequestState.TRANSFERRING:
+            if now > o.lease_until and self.engine.state_of(o.rid) == RequestState.TRANSFERRING:
                 self.lease_expiries += 1
                 why = "no destination" if o.dest_blocks is None else "no acknowledgement"
+                log.warning("request %s: lease expired in TRANSFERRING after %.1f s (%s from "
+                            "the consumer); freeing its blocks", o.rid, self.lease_s, why)
                 self._fail(o, f"lease expired after {self.lease_s:.0f} s: {why} from the "
                               "consumer")
 
-    def _fail(self, o: Outgoing, error: str) -> None:
-        """Ends o (abort, failure, lease expiry); its blocks are freed at once, or once the
-        sender says terminal if bytes may be moving."""
+    def _fail(self, o: Outgoing, error: str,
+              state: RequestState = RequestState.FINISHED_ERROR) -> None:
+        """Ends o (abort, failure, lease expiry): the engine frees its blocks now, except
+        those pinned by pushes, which the sender's terminal report releases."""
+        if self._ended(o):
+            return
+        self.engine.abort(o.rid, state)
         if o.pushed:
-            o.aborting = True
-            self.engine.stop(o.rid)
             self.sender.cancel(o.rid, error)
             return
-        self.engine.abort(o.rid)
+        self.engine.release(o.rid)
         self.out.pop(o.rid, None)
         self._transfer_event(o.rid, False, error)
 
@@ -205,8 +221,8 @@ class ProducerHandler(RoleHandler):
         now = time.monotonic()
         # Held past the lease: after_step already failed these; blocks still held means
         # the cancel never completed, so nothing else will free them.
-        orphans = sum(len(req.block_ids) for o in self.out.values() if now > o.lease_until
-                      and (req := self.engine.requests.get(o.rid)) is not None)
+        orphans = sum(h.blocks for h in self.engine.held_requests()
+                      if (o := self.out.get(h.request_id)) is not None and now > o.lease_until)
         d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
                                                             d["kv_blocks_total"], orphans)
         d.update(orphan_blocks=orphans, lease_expiries=self.lease_expiries,

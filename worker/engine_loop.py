@@ -34,6 +34,9 @@ from worker.role import Emit, RoleHandler
 
 log = logging.getLogger("pdserve.worker")
 STATS_INTERVAL_S = 0.25  # load reports feed the gRPC process's heartbeats
+# Rows of held requests per load report (GET /debug/requests); the oldest first, since
+# those are the ones an operator looks for.
+MAX_LISTED_REQUESTS = 500
 # Builds the role's handler around the built engine. The role package supplies it (the
 # worker never imports producer/ or consumer/); it must be a module-level function so the
 # spec pickles into the spawned engine process by reference.
@@ -94,18 +97,24 @@ class WorkerLoop:
         self._drain_commands(idle_wait)
         if self.engine.has_unfinished():
             self.handler.before_step(time.time_ns())
-            outs = self.engine.step()
-            if outs:
-                self.handler.on_outputs(outs, time.time_ns())
+            # always: a step with no tokens may still report reservations or final blocks
+            self.handler.on_outputs(self.engine.step(), time.time_ns())
         self.handler.after_step()
         now = time.monotonic()
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now
-            self.events.send(encode(StatsEvent(self.handler.load())))
+            self.events.send(encode(StatsEvent(load_report(self.handler))))
 
     def run(self) -> None:
         while self.running:
             self.turn()
+
+
+def load_report(handler: RoleHandler) -> dict[str, Any]:
+    """The role's load plus every request the engine holds (state, ages, blocks)."""
+    held = sorted(handler.engine.held_requests(), key=lambda h: -h.age_s)
+    return {**handler.load(), "requests": [h.row() for h in held[:MAX_LISTED_REQUESTS]],
+            "requests_held": len(held)}
 
 
 def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
@@ -153,7 +162,7 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
 
         handler = make_handler(spec, emit)
         # Load first: registration (triggered by ready) then reports real block counts.
-        emit(StatsEvent(handler.load()))
+        emit(StatsEvent(load_report(handler)))
         emit(ReadyEvent(handler.ready_info()))
         WorkerLoop(handler, commands, events).run()
     except Exception as e:  # the gRPC process reports it and exits; nothing else can act

@@ -62,9 +62,19 @@ class WorkerMetrics:
                                      "First KV push -> consumer ack (producer side)",
                                      buckets=TRANSFER_BUCKETS, registry=self.prom)
         self.prom.register(_LoadCollector(worker_id, role, load))
+        self.load = load
 
     def render(self) -> bytes:
         return generate_latest(self.prom)
+
+    def held_requests(self) -> dict[str, Any]:
+        """What GET /debug/requests shows: every request the engine holds, as of its latest
+        load report (at most 0.25 s old)."""
+        load = self.load()
+        rows = list(load.get("requests", []))
+        return {"requests": rows, "total": int(load.get("requests_held", len(rows))),
+                "kv_blocks_total": load.get("kv_blocks_total", 0),
+                "kv_blocks_free": load.get("kv_blocks_free", 0)}
 
 
 class _LoadCollector(Collector):
@@ -93,7 +103,8 @@ class _LoadCollector(Collector):
 
 
 class MetricsServer:
-    """Serves GET /metrics on its own port (0: any free port)."""
+    """Serves GET /metrics, and GET /debug/requests (JSON: request id, state, age and blocks
+    of every request holding KV blocks), on its own port (0: any free port)."""
 
     def __init__(self, metrics: WorkerMetrics) -> None:
         self.metrics = metrics
@@ -103,6 +114,7 @@ class MetricsServer:
     async def start(self, host: str, port: int) -> int:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/debug/requests", self._requests)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         try:
@@ -121,3 +133,6 @@ class MetricsServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _requests(self, request: web.Request) -> web.Response:
+        return web.json_response(self.metrics.held_requests())

@@ -17,7 +17,7 @@ from worker.servicer import EngineBridge
 
 class RecordingRole:
     def __init__(self) -> None:
-        self.engine = SimpleNamespace(has_unfinished=lambda: False)
+        self.engine = SimpleNamespace(has_unfinished=lambda: False, held_requests=lambda: [])
         self.commands: list[Command] = []
 
     def on_command(self, cmd: Command) -> None:

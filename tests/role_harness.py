@@ -1,0 +1,127 @@
+"""Drives the producer's and the consumer's role code in one process: real tiny engines, the
+in-process fake transfer, no servers. Stands in for what the worker's gRPC process and the
+router do around the roles (forwarding a reservation to the producer, confirming token 0
+went out), each step visible to the test."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tiny_models import make_tiny_model
+
+from consumer.handler import ConsumerHandler
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from producer.handler import ProducerHandler
+from worker.messages import (
+    DecodeCmd,
+    DestinationCmd,
+    Event,
+    PrefillCmd,
+    ReservedEvent,
+    Token0Event,
+    Token0SentCmd,
+    TokensEvent,
+    TransferResultEvent,
+)
+from worker.role import RoleHandler
+
+FAKE = {"backend": "fake"}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(os.path.join(tmp_path_factory.mktemp("roles"), "llama"), "llama")
+
+
+def engine(path: str, role: str, **kw: Any) -> LLMEngine:
+    kw.setdefault("block_size", 4)
+    return LLM(path, role=role, **kw).engine
+
+
+class Side:
+    """One worker's engine process without its sockets: the same turn as WorkerLoop."""
+
+    def __init__(self, make: Callable[[Callable[[Event], None]], RoleHandler]) -> None:
+        self.events: list[Event] = []
+        self.handler = make(self.events.append)
+        self.engine = self.handler.engine
+
+    def turn(self) -> None:
+        if self.engine.has_unfinished():
+            self.handler.before_step(0)
+            self.handler.on_outputs(self.engine.step(), 0)
+        self.handler.after_step()
+
+    def of(self, rid: str, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind) and e.rid == rid]
+
+    def whole(self) -> bool:
+        acc = self.engine.block_accounting()
+        return acc.free == acc.total and not self.engine.held_requests()
+
+
+class PD:
+    """A producer and a consumer wired the way the router pairs them."""
+
+    def __init__(self, path: str, producer_kw: dict[str, Any] | None = None,
+                 consumer_kw: dict[str, Any] | None = None, lease_s: float = 30.0,
+                 reservation_s: float = 600.0) -> None:
+        p_eng = engine(path, "producer", **(producer_kw or {}))
+        c_eng = engine(path, "consumer", **(consumer_kw or {}))
+        self.p = Side(lambda emit: ProducerHandler(p_eng, emit, FAKE, lease_s))
+        self.c = Side(lambda emit: ConsumerHandler(c_eng, emit, FAKE, reservation_s))
+        self.producer: ProducerHandler = self.p.handler  # type: ignore[assignment]
+        self.consumer: ConsumerHandler = self.c.handler  # type: ignore[assignment]
+        self.auto_pair = True  # forward reservations to the producer
+        self.auto_token0 = True  # confirm token 0 went out, as the gRPC process does
+        self._paired: set[str] = set()
+        self._t0: set[str] = set()
+
+    def submit(self, rid: str, prompt: list[int], params: SamplingParams,
+               decode: bool = True) -> None:
+        wire = params.to_dict()
+        if decode:
+            self.consumer.on_command(DecodeCmd(rid, tuple(prompt), wire, False))
+        self.producer.on_command(PrefillCmd(rid, tuple(prompt), wire, 0))
+
+    def turn(self) -> None:
+        self.p.turn()
+        self.c.turn()
+        for e in self.c.events:
+            if self.auto_pair and isinstance(e, ReservedEvent) and e.rid not in self._paired:
+                self._paired.add(e.rid)
+                self.producer.on_command(DestinationCmd(e.rid, "c0", e.kv_address,
+                                                        e.block_ids))
+        for e in self.p.events:
+            if (self.auto_token0 and isinstance(e, Token0Event) and e.finish is None
+                    and e.rid not in self._t0):
+                self._t0.add(e.rid)
+                self.producer.on_command(Token0SentCmd(e.rid))
+
+    def run(self, until: Callable[[], bool], turns: int = 400) -> None:
+        for _ in range(turns):
+            if until():
+                return
+            self.turn()
+        raise AssertionError("condition not reached")
+
+    def finished(self, rid: str) -> bool:
+        return any(e.finish for e in self.c.of(rid, TokensEvent))
+
+    def tokens(self, rid: str) -> list[int]:
+        """Token 0 from the producer, the rest from the consumer: what the client sees."""
+        t0 = self.p.of(rid, Token0Event)
+        return [t0[0].token_id] + [t for e in self.c.of(rid, TokensEvent) for t in e.ids]
+
+    def transfer(self, rid: str) -> TransferResultEvent | None:
+        found = self.p.of(rid, TransferResultEvent)
+        return found[0] if found else None
+
+    def state(self, side: Side, rid: str) -> RequestState | None:
+        return side.engine.state_of(rid)
