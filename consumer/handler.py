@@ -35,6 +35,7 @@ class Pending:
     blocks: list[int] = field(default_factory=list)  # empty while queued for blocks
     queued_at: float = field(default_factory=time.monotonic)
     reserved_at: float = 0.0  # monotonic; when the blocks were reserved
+    prior: list[int] = field(default_factory=list)  # a migrated request's streamed tokens
 
 
 class ConsumerHandler(RoleHandler):
@@ -70,6 +71,8 @@ class ConsumerHandler(RoleHandler):
             try:
                 params = sampling_from_wire(cmd.sampling)
                 self.engine.validate(list(cmd.prompt_ids), params)
+                if cmd.prior_ids:
+                    self.engine.validate_prior(list(cmd.prompt_ids), params, list(cmd.prior_ids))
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
                 return
@@ -77,7 +80,8 @@ class ConsumerHandler(RoleHandler):
                 self.queue_full += 1
                 self.emit(error_event(rid, "error", "consumer reservation queue is full"))
                 return
-            self.queue[rid] = Pending(rid, list(cmd.prompt_ids), params)
+            self.queue[rid] = Pending(rid, list(cmd.prompt_ids), params,
+                                      prior=list(cmd.prior_ids))
             self._reserve_queued()
         elif isinstance(cmd, AbortCmd):
             self.aborts += 1
@@ -97,7 +101,7 @@ class ConsumerHandler(RoleHandler):
         # FIFO: a big reservation at the head waits rather than being overtaken forever.
         while self.queue:
             p = next(iter(self.queue.values()))
-            blocks = self.engine.reserve(len(p.prompt))
+            blocks = self.engine.reserve(len(p.prompt) + len(p.prior))
             if blocks is None:
                 return
             del self.queue[p.rid]
@@ -134,7 +138,7 @@ class ConsumerHandler(RoleHandler):
             first_lp = LogprobRow(tok, lp, tuple(top))
         try:
             self.engine.add_prefilled(p.rid, p.prompt, p.params, p.blocks, first_token,
-                                      first_lp)
+                                      first_lp, prior_output_ids=p.prior)
         except ValueError as e:
             self.engine.unreserve(p.blocks)
             self.emit(error_event(p.rid, "error", str(e)))

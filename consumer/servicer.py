@@ -21,7 +21,7 @@ class ConsumerServicer(WorkerServicer):
         q = await self._open(rid, context)
         self.bridge.send(DecodeCmd(rid, tuple(request.prompt_token_ids),
                                    sampling_to_wire(request.sampling, request.seed),
-                                   request.colocated))
+                                   request.colocated, tuple(request.prior_output_ids)))
         done = False
         outcome = "cancelled"
         try:

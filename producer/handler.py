@@ -70,7 +70,7 @@ class ProducerHandler(RoleHandler):
             rid = cmd.rid
             try:
                 self.engine.add_request(rid, list(cmd.prompt_ids),
-                                        sampling_from_wire(cmd.sampling))
+                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids))
             except (ValueError, QueueFull) as e:
                 self._transfer_event(rid, False, str(e))
                 return
@@ -119,7 +119,7 @@ class ProducerHandler(RoleHandler):
             # ours): ((token, logprob), *top); the consumer converts it back to a LogprobRow.
             o.notice = TransferNotice(
                 request_id=o.rid, first_token=tok, finished=False,
-                num_prompt_tokens=req.num_prompt_tokens, seed=req.seed,
+                num_prompt_tokens=req.num_prompt_tokens + req.num_prior_outputs, seed=req.seed,
                 logprobs=((tok, row.logprob), *row.top) if row is not None else None)
             o.lease_until = time.monotonic() + self.lease_s
             self._push_ready(o)

@@ -37,7 +37,8 @@ class ProducerServicer(WorkerServicer):
         q = await self._open(rid, context)
         received = time.time_ns()
         self.bridge.send(PrefillCmd(rid, tuple(req.prompt_token_ids),
-                                    sampling_to_wire(req.sampling, req.seed), received))
+                                    sampling_to_wire(req.sampling, req.seed), received,
+                                    tuple(req.prior_output_ids)))
 
         async def destinations() -> None:
             async for msg in request_iterator:

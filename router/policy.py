@@ -112,16 +112,18 @@ class Slot:
         return [w for w in (self.producer, self.consumer, self.colocated) if w is not None]
 
 
-def place(registry: Registry, policy: Policy,
-          exclude_producers: Collection[str] = ()) -> Slot | None:
+def place(registry: Registry, policy: Policy, exclude: Collection[str] = ()) -> Slot | None:
     """A slot for the next request, or None when the cluster cannot serve one.
 
-    exclude_producers: worker ids a retried request already failed on.
+    exclude: worker ids (any role) a retried or migrated request already failed on.
     """
-    consumers = _sorted(registry.usable(CONSUMER))
-    entry = registry.usable(COLOCATED)
+    def usable(role: int) -> list[WorkerInfo]:
+        return [w for w in registry.usable(role) if w.worker_id not in exclude]
+
+    consumers = _sorted(usable(CONSUMER))
+    entry = usable(COLOCATED)
     if consumers:
-        entry += [p for p in registry.usable(PRODUCER) if p.worker_id not in exclude_producers]
+        entry += usable(PRODUCER)
     if not entry:
         return None
     first = policy.choose(ENTRY_POOL, _sorted(entry))
