@@ -31,28 +31,26 @@ it) has cost the client nothing yet, so the run places the request again, up to
 attempt's legs are cancelled and aborted (the consumer's reservation too, see
 ``_repair``), the new legs use a new worker-side id (``leg_id``).
 
-Migration: any other worker failure (a consumer dying mid-decode, its stream ending early,
-a KV transfer that failed, the registry dropping it, silence past a timeout) moves the
-request, up to ``max_migrations`` times, to a new slot that avoids every worker that
-failed it, with the tokens its client already has as ``prior_output_ids``. The new legs
-prefill prompt + those tokens (the producer, or a colocated worker) and generate what
-comes after them as OUTPUT positions, so penalties, min/max_tokens, stop strings and the
-(seed, position) randomness give what the unfailed run would have; the client's stream
-just goes on (no repeat, no gap). The KV is recomputed, never salvaged from the dead
-worker.
+Migration: any other worker failure (a consumer dying mid-decode or ending its stream
+early, a failed KV transfer, a dropped worker, silence past a timeout) moves the request,
+up to ``max_migrations`` times, to a slot avoiding every worker that failed it, with the
+tokens its client already has as ``prior_output_ids``: the new legs prefill prompt + those
+and go on after them as OUTPUT positions (penalties, min/max_tokens, stop strings and the
+(seed, position) draws as in the unfailed run), so the client's stream just goes on. The
+KV is recomputed, never salvaged from the failed worker.
 
 Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
 then on the legs' reports move it forward, the moment a leg reads a message
 (``_on_report``), whether or not the client has read what came before; the client loop
 (``stream``) decides how it ends, or to retry. Reports never move it back: a consumer
 token that overtakes token 0 already means DECODING, and the late token 0 leaves it there;
-only a retry starts the walk again.
+only a retry or a migration starts the walk again.
 
 Timeouts: QUEUED is bounded by the admission queue (``--max-queued-requests``) and the
 client's deadline; RESERVING, PREFILLING and TRANSFERRING by ``token0_timeout_s`` for
 token 0; WAITING_FOR_KV by ``token0_timeout_s`` again for the consumer's first token (it
 covers a queued reservation and the KV transfer); DECODING by ``token_timeout_s`` between
-tokens. The workers guard their side themselves (the producer's lease on blocks held for
+tokens; past a bound, the silent worker counts as failed (migration). The workers guard their side themselves (the producer's lease on blocks held for
 a consumer, the consumer's reservation deadline).
 
 Teardown (``close``) runs on every exit (finish, error, abort, the client gone, shutdown).
