@@ -50,8 +50,9 @@ Timeouts: QUEUED is bounded by the admission queue (``--max-queued-requests``) a
 client's deadline; RESERVING, PREFILLING and TRANSFERRING by ``token0_timeout_s`` for
 token 0; WAITING_FOR_KV by ``token0_timeout_s`` again for the consumer's first token (it
 covers a queued reservation and the KV transfer); DECODING by ``token_timeout_s`` between
-tokens; past a bound, the silent worker counts as failed (migration). The workers guard their side themselves (the producer's lease on blocks held for
-a consumer, the consumer's reservation deadline).
+tokens; past a bound, the silent worker counts as failed (migration). The workers
+guard their side themselves (the producer's lease on blocks held for a consumer, the
+consumer's reservation deadline).
 
 Teardown (``close``) runs on every exit (finish, error, abort, the client gone, shutdown).
 A leg that did its part (the producer once the transfer result came or token 0 finished
