@@ -5,6 +5,7 @@ whose output position i is token 100 + i, so any repeat or gap shows in the ids.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from typing import Any
 
@@ -25,8 +26,13 @@ from router_fakes import (
 )
 from test_prefill_retry import metric
 
+from deploy.router_cmd import add_router_parser, router_config
+from router.config import RouterConfig
+
 P, C = 1, 2
 MAX = 8
+# failures here come from the streams; a loaded CI machine must not drop a fake worker
+HB = 5.0
 
 
 def tok(i: int) -> int:
@@ -75,7 +81,7 @@ def ids(out: list[Any]) -> list[int]:
 
 def test_consumer_failing_mid_decode_migrates_to_the_other_consumer() -> None:
     async def main() -> None:
-        async with Cluster(policy="round_robin") as cl:
+        async with Cluster(policy="round_robin", heartbeat_timeout_s=HB) as cl:
             p = await cl.add("p0", P, prefill=prefill_model)
             c0 = await cl.add("c0", C, decode=decode_model(fail_after=3))
             c1 = await cl.add("c1", C, decode=decode_model())
@@ -105,7 +111,7 @@ def test_consumer_failing_mid_decode_migrates_to_the_other_consumer() -> None:
 @pytest.mark.parametrize("how", ["kill", "eof"])
 def test_killed_consumer_and_early_end_migrate_too(how: str) -> None:
     async def main() -> None:
-        async with Cluster(policy="round_robin") as cl:
+        async with Cluster(policy="round_robin", heartbeat_timeout_s=HB) as cl:
             await cl.add("p0", P, prefill=prefill_model)
             await cl.add("c0", C, decode=decode_model(fail_after=2, how=how))
             c1 = await cl.add("c1", C, decode=decode_model())
@@ -119,7 +125,7 @@ def test_killed_consumer_and_early_end_migrate_too(how: str) -> None:
 
 def test_colocated_worker_failing_migrates_to_a_colocated_worker() -> None:
     async def main() -> None:
-        async with Cluster(policy="round_robin") as cl:
+        async with Cluster(policy="round_robin", heartbeat_timeout_s=HB) as cl:
             w0 = await cl.add("w0", CO, decode=decode_model(fail_after=5))
             w1 = await cl.add("w1", CO, decode=decode_model())
             out = await cl.generate(request_id="r1", max_tokens=MAX)
@@ -142,7 +148,7 @@ def test_failed_kv_transfer_after_token0_is_paired_with_another_consumer() -> No
         yield transfer(ok=dest != "c0", error="cannot reach consumer c0")
 
     async def main() -> None:
-        async with Cluster(policy="round_robin") as cl:
+        async with Cluster(policy="round_robin", heartbeat_timeout_s=HB) as cl:
             p = await cl.add("p0", P, prefill=prefill)
             c0 = await cl.add("c0", C, decode=decode_model(fail_after=0, how="hang"))
             await cl.add("c1", C, decode=decode_model())
@@ -157,7 +163,7 @@ def test_failed_kv_transfer_after_token0_is_paired_with_another_consumer() -> No
 
 def test_migrations_are_bounded_then_a_clear_error() -> None:
     async def main() -> None:
-        async with Cluster(policy="round_robin", max_migrations=1) as cl:
+        async with Cluster(policy="round_robin", max_migrations=1, heartbeat_timeout_s=HB) as cl:
             await cl.add("p0", P, prefill=prefill_model)
             cs = [await cl.add(f"c{i}", C, decode=decode_model(fail_after=1)) for i in range(3)]
             out = await cl.generate(request_id="r1", max_tokens=MAX)
@@ -175,7 +181,7 @@ def test_migrations_are_bounded_then_a_clear_error() -> None:
 
 def test_no_migration_after_an_abort_or_with_nowhere_to_go() -> None:
     async def main() -> None:
-        async with Cluster() as cl:
+        async with Cluster(heartbeat_timeout_s=HB) as cl:
             await cl.add("p0", P, prefill=prefill_model)
             await cl.add("c0", C, decode=decode_model(fail_after=2))
             out = await cl.generate(request_id="r1", max_tokens=MAX)
@@ -185,3 +191,12 @@ def test_no_migration_after_an_abort_or_with_nowhere_to_go() -> None:
             assert metric(cl, "pdserve_router_migrations_total") == 0.0
 
     run(main())
+
+
+def test_the_cli_flag_sets_the_bound_and_a_bad_one_names_it() -> None:
+    p = argparse.ArgumentParser()
+    add_router_parser(p.add_subparsers(dest="command"))
+    assert router_config(p.parse_args(["router"])).max_migrations == 2
+    assert router_config(p.parse_args(["router", "--max-migrations", "0"])).max_migrations == 0
+    with pytest.raises(ValueError, match="^--max-migrations: must be >= 0"):
+        RouterConfig(max_migrations=-1)
