@@ -57,14 +57,12 @@ def reference_cases(llm: Any) -> list[Case]:
     """Every (prompt, sampling) pair, generated once by an in-process colocated engine."""
     from engine.sampling_params import SamplingParams
 
-    cases = []
-    for p in PROMPTS:
-        ids = llm.tokenizer.encode_chat([{"role": "user", "content": p}])
-        for s in SAMPLINGS:
-            ref = llm.generate([ids], [SamplingParams(**s)])[0]
-            finish = {"stop": OK[0], "length": OK[1]}[ref.finish_reason]
-            cases.append(Case(ids, s, ref.token_ids, finish))
-    return cases
+    pairs = [(llm.tokenizer.encode_chat([{"role": "user", "content": p}]), s)
+             for p in PROMPTS for s in SAMPLINGS]
+    # one batch: each request's tokens do not depend on its neighbours (the identity rule)
+    refs = llm.generate([ids for ids, _ in pairs], [SamplingParams(**s) for _, s in pairs])
+    return [Case(ids, s, ref.token_ids, {"stop": OK[0], "length": OK[1]}[ref.finish_reason])
+            for (ids, s), ref in zip(pairs, refs, strict=True)]
 
 
 @dataclass
@@ -147,10 +145,15 @@ class ChaosRun:
     # -- faults ----------------------------------------------------------------------------
 
     def _targets(self, roles: tuple[str, ...]) -> list[str]:
-        """Workers of these roles whose role has nobody down, so each fault is survivable."""
-        down_roles = {n.rsplit("-", 1)[0] for n in self._down}
-        return [n for n in self.workers if n.rsplit("-", 1)[0] in roles
-                and n.rsplit("-", 1)[0] not in down_roles]
+        """Workers of these roles whose role has nobody down or not yet back (registered
+        and healthy), so each fault leaves the cluster able to serve."""
+        try:
+            healthy = {w.worker_id for w in self.cluster.status(timeout=5).workers
+                       if w.healthy}
+        except grpc.RpcError:
+            return []
+        down_roles = {_role(n) for n in self.workers if n in self._down or n not in healthy}
+        return [n for n in self.workers if _role(n) in roles and _role(n) not in down_roles]
 
     def _inject(self, kind: str) -> Fault | None:
         now = time.monotonic()
@@ -311,6 +314,10 @@ class ChaosRun:
         """From the fault until every request in flight at that moment had ended."""
         ends = [o.ended for o in self.outcomes if o.started < f.at and o.ended >= f.at]
         return max(ends, default=f.at) - f.at
+
+
+def _role(worker: str) -> str:
+    return worker.rsplit("-", 1)[0]
 
 
 def kv_address(cluster: LocalCluster, name: str) -> str:
