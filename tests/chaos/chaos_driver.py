@@ -207,9 +207,11 @@ class ChaosRun:
             self._check_exits()
             if now >= next_fault:
                 f = self._inject(FAULT_KINDS[turn % len(FAULT_KINDS)])
+                if f is None:  # its role is not whole yet: the same kind again soon
+                    next_fault = now + 1.0
+                    continue
                 turn += 1
-                if f is not None:
-                    self.faults.append(f)
+                self.faults.append(f)
                 next_fault = now + self.fault_every_s * self.rng.uniform(0.7, 1.3)
             time.sleep(0.1)
 
