@@ -34,7 +34,8 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from deploy.cluster import LocalCluster
 
 OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-FAULT_KINDS = ("sigkill", "sigstop", "hostile")
+# cheapest to recover from first, so even a short run on a slow machine sees every kind
+FAULT_KINDS = ("hostile", "sigstop", "sigkill")
 PROMPTS = ("Tell me about the sea.", "List three colours and why you like them.",
            "Explain how a bicycle works.", "Write a short poem about winter mornings.")
 # greedy, and seeded with penalties (the randomness is a pure function of (seed, position))
@@ -144,21 +145,22 @@ class ChaosRun:
 
     # -- faults ----------------------------------------------------------------------------
 
-    def _targets(self, roles: tuple[str, ...]) -> list[str]:
-        """Workers of these roles whose role has nobody down or not yet back (registered
-        and healthy), so each fault leaves the cluster able to serve."""
+    def _targets(self, roles: tuple[str, ...], whole: bool = True) -> list[str]:
+        """Healthy workers of these roles; with ``whole``, only of roles with nobody down
+        or not yet back, so taking one away leaves the cluster able to serve."""
         try:
             healthy = {w.worker_id for w in self.cluster.status(timeout=5).workers
                        if w.healthy}
         except grpc.RpcError:
             return []
-        down_roles = {_role(n) for n in self.workers if n in self._down or n not in healthy}
-        return [n for n in self.workers if _role(n) in roles and _role(n) not in down_roles]
+        up = [n for n in self.workers if n in healthy and n not in self._down]
+        down_roles = {_role(n) for n in self.workers if n not in up} if whole else set()
+        return [n for n in up if _role(n) in roles and _role(n) not in down_roles]
 
     def _inject(self, kind: str) -> Fault | None:
         now = time.monotonic()
         if kind == "hostile":
-            names = self._targets(("consumer",))
+            names = self._targets(("consumer",), whole=False)
             if not names:
                 return None
             target = self.rng.choice(names)
