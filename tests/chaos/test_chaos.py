@@ -42,6 +42,6 @@ def test_chaos_2p2d(tmp_path_factory, colocated_llm):
         assert all(n == 0 for n in leaked.values()), (leaked, dump_logs(c))
         # the run really was chaotic and really served
         assert set(record["faults_injected"]) == {"sigkill", "sigstop", "hostile"}, record
-        assert record["requests_ok"] >= 10, record
+        assert record["requests_ok"] >= 4, record  # at least one per client
     finally:
         c.stop()
