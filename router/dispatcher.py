@@ -57,7 +57,7 @@ class Dispatcher:
         try:
             async with admission.slot(run.stopped) as admitted:
                 if admitted:
-                    slot = self._place(set())
+                    slot = self._place([])
                     if slot is None:
                         raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                            no_workers_message(self.registry))
@@ -96,7 +96,7 @@ class Dispatcher:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _replace(self, failed: set[str], migration: bool) -> Slot | None:
+    def _replace(self, failed: list[WorkerInfo], migration: bool) -> Slot | None:
         slot = self._place(failed)
         if slot is not None and migration:
             self.migrations += 1
@@ -104,7 +104,7 @@ class Dispatcher:
             self.prefill_retries += 1
         return slot
 
-    def _place(self, exclude: set[str]) -> Slot | None:
+    def _place(self, exclude: list[WorkerInfo]) -> Slot | None:
         if not self.registry.serving():
             return None
         return place(self.registry, self.policy, exclude)

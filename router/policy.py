@@ -112,13 +112,17 @@ class Slot:
         return [w for w in (self.producer, self.consumer, self.colocated) if w is not None]
 
 
-def place(registry: Registry, policy: Policy, exclude: Collection[str] = ()) -> Slot | None:
+def place(registry: Registry, policy: Policy,
+          exclude: Collection[WorkerInfo] = ()) -> Slot | None:
     """A slot for the next request, or None when the cluster cannot serve one.
 
-    exclude: worker ids (any role) a retried or migrated request already failed on.
+    exclude: registrations (any role) a retried or migrated request already failed on; a
+    worker that registered again since (a restart) is a new one and may be picked.
     """
+    gone = {id(w) for w in exclude}
+
     def usable(role: int) -> list[WorkerInfo]:
-        return [w for w in registry.usable(role) if w.worker_id not in exclude]
+        return [w for w in registry.usable(role) if id(w) not in gone]
 
     consumers = _sorted(usable(CONSUMER))
     entry = usable(COLOCATED)

@@ -117,7 +117,7 @@ class RequestRun:
     def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
                  on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
-                 replace: Callable[[set[str], bool], Slot | None]) -> None:
+                 replace: Callable[[list[WorkerInfo], bool], Slot | None]) -> None:
         self.prep = prep
         self.config = config
         self.out = RunOutput(prep, received_ns)
@@ -133,7 +133,10 @@ class RequestRun:
         self.attempt = 1  # placements so far; the legs of attempt n > 1 use ``leg_id``
         self.retries = 0  # placements after a producer failed before token 0
         self.migrations = 0  # placements after another failure (see "Migration")
-        self._failed: set[str] = set()  # workers that failed it; never placed there again
+        self._failed: set[str] = set()  # ids of the workers that failed it (for messages)
+        # ... and those registrations: never placed there again (a restarted worker
+        # registers anew and may take it)
+        self._failed_on: list[WorkerInfo] = []
         self._retry: str | None = None  # why the current legs are being replaced
         self._migrating = False  # the current replacement is a migration
         self._on_unreachable = on_unreachable
@@ -284,7 +287,7 @@ class RequestRun:
         """
         if held or self.out.completion_tokens:
             return False
-        self._failed.add(p.worker_id)
+        self._fail_on(p)
         if self.retries >= self.config.prefill_retries:
             return False
         self.retries += 1
@@ -298,11 +301,16 @@ class RequestRun:
         Within ``max_migrations``, and not once the request was stopped from outside (an
         abort or shutdown then ends it)."""
         self.note_unreachable(w, code, why)
-        self._failed.add(w.worker_id)
+        self._fail_on(w)
         if self.migrations >= self.config.max_migrations or self.stopped.is_set():
             return False
         self._retry, self._migrating = why, True
         return True
+
+    def _fail_on(self, w: WorkerInfo) -> None:
+        self._failed.add(w.worker_id)
+        if all(x is not w for x in self._failed_on):
+            self._failed_on.append(w)
 
     def _repair(self) -> router_pb2.GenerateResponse | None:
         """Replaces the failed attempt's legs with a new placement; a final error if none.
@@ -312,7 +320,7 @@ class RequestRun:
         so the old consumer leg is aborted and the whole request is placed again (the same
         consumer may be picked; the new legs use a new ``leg_id``).
         """
-        why, self._retry = self._retry, None
+        why, self._retry = self._retry or "a worker failed", None
         migrating, self._migrating = self._migrating, False
         # a migration leaves alone a producer whose part is done (its blocks are freed)
         self._end_legs(self.legs_to_abort() if migrating else self._all_legs())
@@ -322,7 +330,7 @@ class RequestRun:
         for ev in stale:
             if ev.kind in (Ev.ABORT, Ev.FAIL):
                 self._queue.put_nowait(ev)
-        slot = self._replace(self._failed, migrating)
+        slot = self._replace(self._failed_on, migrating)
         if slot is None:
             self.slot = None
             if migrating:  # nowhere to go: the failure as it was

@@ -200,3 +200,36 @@ def test_the_cli_flag_sets_the_bound_and_a_bad_one_names_it() -> None:
     assert router_config(p.parse_args(["router", "--max-migrations", "0"])).max_migrations == 0
     with pytest.raises(ValueError, match="^--max-migrations: must be >= 0"):
         RouterConfig(max_migrations=-1)
+
+
+def test_a_restarted_worker_may_take_the_request_it_failed() -> None:
+    """Only the failed registration is avoided: the same worker id registered again (a
+    restart) is a new worker, so a 1P1C cluster recovers once it is back."""
+    calls = 0
+    inner = decode_model()
+
+    async def decode(w: FakeWorker, req: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            async for out in inner(w, req):
+                yield out
+            return
+        yield reserved()
+        for i in (1, 2):
+            yield tokens([tok(i)], f"<{i}>")
+            await asyncio.sleep(0.01)
+        await w.register()  # "restarted": the router drops the old registration
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        async with Cluster(heartbeat_timeout_s=HB) as cl:
+            await cl.add("p0", P, prefill=prefill_model)
+            c0 = await cl.add("c0", C, decode=decode)
+            out = await cl.generate(request_id="r1", max_tokens=MAX)
+            assert ids(out) == [tok(i) for i in range(MAX)]
+            assert not out[-1].error and out[-1].timing.consumer == "c0"
+            assert [list(r.prior_output_ids) for r in c0.decode_requests] == [
+                [], [tok(i) for i in range(3)]]
+
+    run(main())
