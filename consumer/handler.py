@@ -60,7 +60,7 @@ class ConsumerHandler(RoleHandler):
             rid = cmd.rid
             try:
                 self.engine.add_remote(rid, list(cmd.prompt_ids),
-                                       sampling_from_wire(cmd.sampling))
+                                       sampling_from_wire(cmd.sampling), list(cmd.prior_ids))
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
             except QueueFull:

@@ -19,10 +19,11 @@ class ConsumerServicer(WorkerServicer):
         await self._check_token(context)
         rid = request.request_id
         wire = await self._admit("decode", rid, request.prompt_token_ids, request.sampling,
-                                 request.seed, context)
+                                 request.seed, context, request.prior_output_ids)
         q = await self._open(rid, context)
         await self._start("decode", rid, DecodeCmd(rid, tuple(request.prompt_token_ids), wire,
-                                                   request.colocated), context)
+                                                   request.colocated,
+                                                   tuple(request.prior_output_ids)), context)
         done = False
         outcome = "cancelled"
         try:

@@ -38,6 +38,9 @@ def add_router_parser(sub: Any) -> None:
                    help="deadline of Abort calls to workers")
     p.add_argument("--prefill-retries", type=int, default=2,
                    help="times a request whose producer fails before token 0 is placed again")
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="times a request a worker failed later (e.g. a consumer dying "
+                        "mid-decode) moves to another worker with the tokens streamed so far")
     f = p.add_argument_group("front door")
     f.add_argument("--http-port", type=int, default=-1,
                    help="OpenAI-compatible HTTP port (0: a free port; -1: off)")
@@ -66,7 +69,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         http_port=args.http_port, api_key=args.api_key, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, max_running_requests=args.max_running_requests,
                         max_queued_requests=args.max_queued_requests,
-                        retry_after_s=args.retry_after, prefill_retries=args.prefill_retries)
+                        retry_after_s=args.retry_after, prefill_retries=args.prefill_retries,
+                        max_migrations=args.max_migrations)
 
 
 def run_router(args: argparse.Namespace) -> int:

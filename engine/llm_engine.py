@@ -117,11 +117,28 @@ class LLMEngine:
                 f"max_tokens: prompt + max_tokens needs {need} KV blocks, the pool has "
                 f"{self.blocks.num_blocks}")
 
+    def validate_prior(self, prompt_token_ids: list[int], params: SamplingParams,
+                       prior_output_ids: list[int]) -> None:
+        """Checks the output tokens a migrated request resumes after."""
+        if any(not 0 <= t < self.model_cfg.vocab_size for t in prior_output_ids):
+            raise ValueError(f"prior_output_ids: token ids must be in "
+                             f"[0, {self.model_cfg.vocab_size})")
+        if len(prior_output_ids) >= params.max_tokens:
+            raise ValueError(f"prior_output_ids: {len(prior_output_ids)} tokens, max_tokens "
+                             f"is {params.max_tokens} (nothing left to generate)")
+        if len(prompt_token_ids) + len(prior_output_ids) >= self.max_model_len:
+            raise ValueError(f"prior_output_ids: prompt + {len(prior_output_ids)} prior "
+                             f"tokens reach max_model_len ({self.max_model_len})")
+
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
-                     params: SamplingParams, state: RequestState) -> Request:
+                     params: SamplingParams, state: RequestState,
+                     prior_output_ids: list[int] | None = None) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        prior = list(prior_output_ids or ())
+        if prior:
+            self.validate_prior(prompt_token_ids, params, prior)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
                       prefill_only=self.config.role == "producer")
@@ -130,23 +147,33 @@ class LLMEngine:
 
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                params.skip_special_tokens)
+        if prior:
+            _resume_after(req, prior)
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> Request:
+                    params: SamplingParams, prior_output_ids: list[int] | None = None
+                    ) -> Request:
         """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
-        later."""
-        req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED)
+        later.
+
+        prior_output_ids: a migrated request's tokens its client already has; they are
+        prefilled with the prompt and generation goes on after them as if it never stopped
+        (same positions, penalties, min/max_tokens and stop state)."""
+        req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED,
+                                prior_output_ids)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
     def add_remote(self, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams) -> None:
+                   params: SamplingParams, prior_output_ids: list[int] | None = None) -> None:
         """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
-        in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode."""
-        req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING)
+        in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
+        request's prior_output_ids come with the KV too (blocks for prompt + prior)."""
+        req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
+                                prior_output_ids)
         self.scheduler.add_remote(req)
         self.requests[request_id] = req
 
@@ -167,13 +194,13 @@ class LLMEngine:
         if req.params.logprobs is not None and first_logprob is None:
             raise ValueError("first_logprob: token 0's logprobs are required when the request "
                              "asks for logprobs")
-        req.num_computed_tokens = req.num_prompt_tokens
+        req.num_computed_tokens = req.num_tokens  # prompt (+ a migrated request's prior)
         req.output_token_ids.append(first_token)
         if first_logprob is not None and req.params.logprobs is not None:
             req.logprobs.append(first_logprob)
-        req.num_emitted = 1
+        req.num_emitted += 1
         if req.detok is not None:
-            req.full_text = req.detok.add(first_token)
+            req.full_text += req.detok.add(first_token)
         req.text_checked = len(req.full_text)
         req.num_text_sent = streamable_len(req)  # what the producer streamed for token 0
         req.move(RequestState.DECODING)
@@ -189,13 +216,16 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int],
                       params: SamplingParams, block_ids: list[int], first_token: int,
-                      first_logprob: LogprobRow | None = None) -> Request:
+                      first_logprob: LogprobRow | None = None,
+                      prior_output_ids: list[int] | None = None) -> Request:
         """Tests and benches: add_remote and kv_landed in one call, into blocks from
-        reserve() (the request owns them from here on)."""
-        req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING)
-        if len(block_ids) != self.blocks.blocks_for(len(prompt_token_ids)):
+        reserve() (the request owns them from here on). A migrated request: the KV covers
+        prompt + prior_output_ids, and first_token is the one sampled after them."""
+        req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
+                                prior_output_ids)
+        if len(block_ids) != self.blocks.blocks_for(req.num_tokens):
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a "
-                             f"{len(prompt_token_ids)}-token prompt")
+                             f"{req.num_tokens}-token prompt")
         req.move(RequestState.WAITING_FOR_KV)
         self._land(req, first_token, first_logprob)
         req.block_ids = list(block_ids)
@@ -365,6 +395,19 @@ class LLMEngine:
         r.block_ids = []
         if not r.pinned:  # else a transfer may still read them: kept until release()
             self.requests.pop(r.request_id, None)
+
+
+def _resume_after(req: Request, prior: list[int]) -> None:
+    """Makes req look as it did after emitting ``prior``: their text was already sent (as
+    much as was streamable), their logprob rows too (kept by position, so stand-ins)."""
+    req.output_token_ids.extend(prior)
+    req.num_prior_outputs = req.num_emitted = len(prior)
+    if req.params.logprobs is not None:
+        req.logprobs.extend(LogprobRow(t, 0.0) for t in prior)
+    if req.detok is not None:
+        req.full_text = "".join(req.detok.add(t) for t in prior)
+    req.text_checked = len(req.full_text)
+    req.num_text_sent = streamable_len(req)
 
 
 def _logprob_rows(step: InflightStep) -> list[LogprobRow] | None:

@@ -49,6 +49,9 @@ class Request:
     num_emitted: int = 0  # output tokens already reported to the caller
     num_preemptions: int = 0
     prefill_only: bool = False  # producer: stop after token 0 and hold blocks for transfer
+    # Output tokens it was admitted with: a request migrated off a failed worker resumes
+    # after the tokens its client already has (they count as outputs, not prompt).
+    num_prior_outputs: int = 0
     detok: IncrementalDetokenizer | None = None
     full_text: str = ""  # detokenized output so far (cut at a stop string when one hits)
     text_checked: int = 0  # full_text[:text_checked] has been searched for stop strings
@@ -77,7 +80,7 @@ class Request:
         deferred engine does not launch a step whose token would be dropped anyway."""
         n = len(self.output_token_ids)
         return (n >= self.params.max_tokens or self.num_tokens >= max_model_len
-                or (self.prefill_only and n >= 1))
+                or (self.prefill_only and n > self.num_prior_outputs))
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_token_ids)

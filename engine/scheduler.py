@@ -94,7 +94,7 @@ class Scheduler:
     def _remote_fits(self) -> bool:
         return (bool(self.reserving) and self._seats() > 0
                 and self.blocks.can_allocate(self.blocks.blocks_for(
-                    self.reserving[0].num_prompt_tokens)))
+                    self.reserving[0].num_tokens)))
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         # Pinned blocks (a transfer may be reading them) keep their extra reference.
@@ -146,7 +146,8 @@ class Scheduler:
         # in flight, and a transfer landing in them would not be ordered after it.
         while not out.preempted and self._remote_fits():
             req = self.reserving.popleft()
-            req.block_ids = self.blocks.allocate(self.blocks.blocks_for(req.num_prompt_tokens))
+            # prompt, plus the prior outputs a migrated request's KV also covers
+            req.block_ids = self.blocks.allocate(self.blocks.blocks_for(req.num_tokens))
             req.move(RequestState.WAITING_FOR_KV)
             self.awaiting_kv[req.request_id] = req
             out.reserved.append(req)

@@ -49,6 +49,7 @@ class Outgoing:
     notice: TransferNotice | None = None  # set once token 0 is out; sent with the last push
     token0_sent: bool = False  # the gRPC process has handed token 0 to the router stream
     first_push: float = 0.0  # monotonic, for kv_transfer_ms
+    num_prior: int = 0  # a migrated request's prior outputs: their KV goes with the prompt's
 
 
 class ProducerHandler(RoleHandler):
@@ -73,11 +74,12 @@ class ProducerHandler(RoleHandler):
             rid = cmd.rid
             try:
                 self.engine.add_request(rid, list(cmd.prompt_ids),
-                                        sampling_from_wire(cmd.sampling))
+                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids))
             except (ValueError, QueueFull) as e:
                 self._transfer_event(rid, False, str(e))
                 return
-            self.out[rid] = Outgoing(rid, cmd.received_ns, time.monotonic() + self.lease_s)
+            self.out[rid] = Outgoing(rid, cmd.received_ns, time.monotonic() + self.lease_s,
+                                     num_prior=len(cmd.prior_ids))
         elif isinstance(cmd, DestinationCmd):
             o = self.out.get(cmd.rid)
             if o is None or o.dest_blocks is not None or self._ended(o):
@@ -126,7 +128,7 @@ class ProducerHandler(RoleHandler):
             # ours): ((token, logprob), *top); the consumer converts it back to a LogprobRow.
             o.notice = TransferNotice(
                 request_id=o.rid, first_token=tok, finished=False,
-                num_prompt_tokens=out.num_prompt_tokens, seed=out.seed,
+                num_prompt_tokens=out.num_prompt_tokens + o.num_prior, seed=out.seed,
                 logprobs=((tok, row.logprob), *row.top) if row is not None else None)
             o.lease_until = time.monotonic() + self.lease_s
             self._push_ready(o)

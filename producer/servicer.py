@@ -35,11 +35,12 @@ class ProducerServicer(WorkerServicer):
         req = first.request
         rid = req.request_id
         wire = await self._admit("prefill", rid, req.prompt_token_ids, req.sampling, req.seed,
-                                 context)
+                                 context, req.prior_output_ids)
         q = await self._open(rid, context)
         received = time.time_ns()
         await self._start("prefill", rid,
-                          PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received), context)
+                          PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received,
+                                     tuple(req.prior_output_ids)), context)
 
         async def destinations() -> None:
             async for msg in request_iterator:

@@ -26,6 +26,10 @@ class RouterConfig:
     # A producer that fails before token 0 (stream error, early end, dropped) costs the
     # client nothing yet, so the request is placed again, at most this many times.
     prefill_retries: int = 2
+    # A worker failing a request later (a consumer dying mid-decode, a failed KV transfer,
+    # a dropped worker) moves it to another slot with the tokens already streamed, at most
+    # this many times; then the client gets a clear error.
+    max_migrations: int = 2
     max_tokens_limit: int = 1 << 20  # "huge" max_tokens, refused before any length check
     seed_random: bool = True  # draw a seed when the request has none (False: tests only)
     # Front door (issue 7). The HTTP port is off by default so gRPC-only users and tests
@@ -66,6 +70,8 @@ class RouterConfig:
                 raise bad(flag, "must be > 0", v)
         if self.prefill_retries < 0:
             raise bad("--prefill-retries", "must be >= 0", self.prefill_retries)
+        if self.max_migrations < 0:
+            raise bad("--max-migrations", "must be >= 0", self.max_migrations)
         if not -1 <= self.http_port <= 65535:
             raise bad("--http-port", "must be -1 (off) or in [0, 65535]", self.http_port)
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -36,6 +36,7 @@ class Dispatcher:
         self.config = config
         self.active: dict[str, RequestRun] = {}
         self.prefill_retries = 0  # placements after a producer failed before token 0
+        self.migrations = 0  # placements after a later failure, with the tokens streamed
         self._background: set[asyncio.Task[Any]] = set()
         registry.on_drop.append(self._on_worker_drop)
 
@@ -56,7 +57,7 @@ class Dispatcher:
         try:
             async with admission.slot(run.stopped) as admitted:
                 if admitted:
-                    slot = self._place(set())
+                    slot = self._place([])
                     if slot is None:
                         raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                            no_workers_message(self.registry))
@@ -95,16 +96,18 @@ class Dispatcher:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _replace(self, failed_producers: set[str]) -> Slot | None:
-        slot = self._place(failed_producers)
-        if slot is not None:
+    def _replace(self, failed: list[WorkerInfo], migration: bool) -> Slot | None:
+        slot = self._place(failed)
+        if slot is not None and migration:
+            self.migrations += 1
+        elif slot is not None:
             self.prefill_retries += 1
         return slot
 
-    def _place(self, exclude_producers: set[str]) -> Slot | None:
+    def _place(self, exclude: list[WorkerInfo]) -> Slot | None:
         if not self.registry.serving():
             return None
-        return place(self.registry, self.policy, exclude_producers)
+        return place(self.registry, self.policy, exclude)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

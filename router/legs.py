@@ -36,6 +36,7 @@ class Ev(Enum):
     ABORT = auto()  # Router.Abort
     DROPPED = auto()  # payload: (worker, reason): the registry dropped one of its workers
     FAIL = auto()  # payload: message (e.g. router shutdown)
+    TIMEOUT = auto()  # payload: (worker, message): the run waited too long on that worker
 
 
 @dataclass

@@ -153,6 +153,10 @@ class _ClusterCollector(Collector):
         yield CounterMetricFamily("pdserve_router_prefill_retries",
                                   "Requests placed again after their producer failed before "
                                   "token 0", value=self.dispatcher.prefill_retries)
+        yield CounterMetricFamily("pdserve_router_migrations",
+                                  "Requests moved to another worker after a later failure, "
+                                  "with the tokens already streamed",
+                                  value=self.dispatcher.migrations)
         healthy = GaugeMetricFamily("pdserve_router_workers",
                                     "Registered workers by role and health",
                                     labels=["role", "healthy"])

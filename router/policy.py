@@ -113,15 +113,21 @@ class Slot:
 
 
 def place(registry: Registry, policy: Policy,
-          exclude_producers: Collection[str] = ()) -> Slot | None:
+          exclude: Collection[WorkerInfo] = ()) -> Slot | None:
     """A slot for the next request, or None when the cluster cannot serve one.
 
-    exclude_producers: worker ids a retried request already failed on.
+    exclude: registrations (any role) a retried or migrated request already failed on; a
+    worker that registered again since (a restart) is a new one and may be picked.
     """
-    consumers = _sorted(registry.usable(CONSUMER))
-    entry = registry.usable(COLOCATED)
+    gone = {id(w) for w in exclude}
+
+    def usable(role: int) -> list[WorkerInfo]:
+        return [w for w in registry.usable(role) if id(w) not in gone]
+
+    consumers = _sorted(usable(CONSUMER))
+    entry = usable(COLOCATED)
     if consumers:
-        entry += [p for p in registry.usable(PRODUCER) if p.worker_id not in exclude_producers]
+        entry += usable(PRODUCER)
     if not entry:
         return None
     first = policy.choose(ENTRY_POOL, _sorted(entry))

@@ -22,6 +22,8 @@ Lifecycle, router side (``engine.request_state.RequestState``)::
                                                        its worker was dropped, router shutdown
     RESERVING / PREFILLING ──the producer failed before token 0──▶ RESERVING (or PREFILLING on
                                   a colocated worker): placed again, avoiding that producer
+    any later state ──a worker failed it (consumer, colocated, or the producer after token
+                      0)──▶ RESERVING / PREFILLING: migrated, avoiding the workers that failed
 
 Retry: a producer that fails before token 0 (its stream errs or ends, or the registry drops
 it) has cost the client nothing yet, so the run places the request again, up to
@@ -29,19 +31,28 @@ it) has cost the client nothing yet, so the run places the request again, up to
 attempt's legs are cancelled and aborted (the consumer's reservation too, see
 ``_repair``), the new legs use a new worker-side id (``leg_id``).
 
+Migration: any other worker failure (a consumer dying mid-decode or ending its stream
+early, a failed KV transfer, a dropped worker, silence past a timeout) moves the request,
+up to ``max_migrations`` times, to a slot avoiding every worker that failed it, with the
+tokens its client already has as ``prior_output_ids``: the new legs prefill prompt + those
+and go on after them as OUTPUT positions (penalties, min/max_tokens, stop strings and the
+(seed, position) draws as in the unfailed run), so the client's stream just goes on. The
+KV is recomputed, never salvaged from the failed worker.
+
 Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
 then on the legs' reports move it forward, the moment a leg reads a message
 (``_on_report``), whether or not the client has read what came before; the client loop
 (``stream``) decides how it ends, or to retry. Reports never move it back: a consumer
 token that overtakes token 0 already means DECODING, and the late token 0 leaves it there;
-only a retry starts the walk again.
+only a retry or a migration starts the walk again.
 
 Timeouts: QUEUED is bounded by the admission queue (``--max-queued-requests``) and the
 client's deadline; RESERVING, PREFILLING and TRANSFERRING by ``token0_timeout_s`` for
 token 0; WAITING_FOR_KV by ``token0_timeout_s`` again for the consumer's first token (it
 covers a queued reservation and the KV transfer); DECODING by ``token_timeout_s`` between
-tokens. The workers guard their side themselves (the producer's lease on blocks held for
-a consumer, the consumer's reservation deadline).
+tokens; past a bound, the silent worker counts as failed (migration). The workers
+guard their side themselves (the producer's lease on blocks held for a consumer, the
+consumer's reservation deadline).
 
 Teardown (``close``) runs on every exit (finish, error, abort, the client gone, shutdown).
 A leg that did its part (the producer once the transfer result came or token 0 finished
@@ -106,7 +117,7 @@ class RequestRun:
     def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
                  on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
-                 replace: Callable[[set[str]], Slot | None]) -> None:
+                 replace: Callable[[list[WorkerInfo], bool], Slot | None]) -> None:
         self.prep = prep
         self.config = config
         self.out = RunOutput(prep, received_ns)
@@ -117,10 +128,17 @@ class RequestRun:
         self.decode: DecodeLeg | None = None
         self.ended: set[str] = set()  # worker ids whose leg finished its part
         self._stub_for = stub_for
-        self._replace = replace  # a new slot avoiding the given producers, for a retry
+        # a new slot avoiding the given workers, for a retry (False) or a migration (True)
+        self._replace = replace
         self.attempt = 1  # placements so far; the legs of attempt n > 1 use ``leg_id``
-        self._failed: set[str] = set()  # producers that failed it before token 0
+        self.retries = 0  # placements after a producer failed before token 0
+        self.migrations = 0  # placements after another failure (see "Migration")
+        self._failed: set[str] = set()  # ids of the workers that failed it (for messages)
+        # ... and those registrations: never placed there again (a restarted worker
+        # registers anew and may take it)
+        self._failed_on: list[WorkerInfo] = []
         self._retry: str | None = None  # why the current legs are being replaced
+        self._migrating = False  # the current replacement is a migration
         self._on_unreachable = on_unreachable
         self._spawn = spawn
         self._received = time.monotonic()
@@ -197,7 +215,7 @@ class RequestRun:
         self.decode.start()
         self.producer.start(worker_pb2.PrefillRequest(
             request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling, seed=prep.seed))
+            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids))
         self.state = S.RESERVING
 
     def _on_report(self, ev: Event) -> None:
@@ -251,9 +269,14 @@ class RequestRun:
     def _finishing(self, resp: router_pb2.GenerateResponse) -> router_pb2.GenerateResponse:
         if resp.finish_reason:  # set before the client can leave at the yield
             self.state = FINISHED[resp.finish_reason]
-            if resp.error and self.attempt > 1:
+            failed = ", ".join(sorted(self._failed))
+            if resp.error and self.migrations:
+                resp.error += (f" (attempt {self.attempt}: {self.migrations} migration(s) of "
+                               f"at most {self.config.max_migrations}, {self.retries} "
+                               f"retr{'y' if self.retries == 1 else 'ies'}; failed on: {failed})")
+            elif resp.error and self.attempt > 1:
                 resp.error += (f" (attempt {self.attempt} of {self.config.prefill_retries + 1}; "
-                               f"failed before token 0: {', '.join(sorted(self._failed))})")
+                               f"failed before token 0: {failed})")
         return resp
 
     def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool:
@@ -264,11 +287,30 @@ class RequestRun:
         """
         if held or self.out.completion_tokens:
             return False
-        self._failed.add(p.worker_id)
-        if self.attempt > self.config.prefill_retries:
+        self._fail_on(p)
+        if self.retries >= self.config.prefill_retries:
             return False
+        self.retries += 1
         self._retry = why
         return True
+
+    def migrate_after(self, w: WorkerInfo, why: str, code: grpc.StatusCode | None = None
+                      ) -> bool:
+        """A worker failed the request in any other way: may it move to another slot?
+
+        Within ``max_migrations``, and not once the request was stopped from outside (an
+        abort or shutdown then ends it)."""
+        self.note_unreachable(w, code, why)
+        self._fail_on(w)
+        if self.migrations >= self.config.max_migrations or self.stopped.is_set():
+            return False
+        self._retry, self._migrating = why, True
+        return True
+
+    def _fail_on(self, w: WorkerInfo) -> None:
+        self._failed.add(w.worker_id)
+        if all(x is not w for x in self._failed_on):
+            self._failed_on.append(w)
 
     def _repair(self) -> router_pb2.GenerateResponse | None:
         """Replaces the failed attempt's legs with a new placement; a final error if none.
@@ -278,21 +320,32 @@ class RequestRun:
         so the old consumer leg is aborted and the whole request is placed again (the same
         consumer may be picked; the new legs use a new ``leg_id``).
         """
-        why, self._retry = self._retry, None
-        self._end_legs(self._all_legs())
+        why, self._retry = self._retry or "a worker failed", None
+        migrating, self._migrating = self._migrating, False
+        # a migration leaves alone a producer whose part is done (its blocks are freed)
+        self._end_legs(self.legs_to_abort() if migrating else self._all_legs())
         self._unplace()
         # events of the failed attempt's legs are stale; the outside's (abort, shutdown) stay
         stale = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
         for ev in stale:
             if ev.kind in (Ev.ABORT, Ev.FAIL):
                 self._queue.put_nowait(ev)
-        slot = self._replace(self._failed)
+        slot = self._replace(self._failed_on, migrating)
         if slot is None:
             self.slot = None
+            if migrating:  # nowhere to go: the failure as it was
+                return self.out.failed(why)
             return self.out.failed(f"{why}; no other producer to retry on (tried "
                                    f"{', '.join(sorted(self._failed))})")
-        log.warning("request %s: %s; retrying (attempt %d of %d)", self.request_id, why,
-                    self.attempt + 1, self.config.prefill_retries + 1)
+        if migrating:
+            self.migrations += 1
+            log.warning("request %s: %s; migrating after %d token(s) to %s (migration %d of "
+                        "%d)", self.request_id, why, len(self.out.token_ids),
+                        "+".join(w.worker_id for w in slot.workers), self.migrations,
+                        self.config.max_migrations)
+        else:
+            log.warning("request %s: %s; retrying (attempt %d of %d)", self.request_id, why,
+                        self.attempt + 1, self.config.prefill_retries + 1)
         self.attempt += 1
         self.ended = set()
         self.place(slot)
@@ -340,14 +393,15 @@ class RequestRun:
         return worker_pb2.DecodeRequest(request_id=self.leg_id,
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
-                                        colocated=colocated)
+                                        colocated=colocated,
+                                        prior_output_ids=self.out.token_ids)
 
-    async def next_event(self, timeout: float, what: str) -> Event:
+    async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo) -> Event:
         try:
             async with asyncio.timeout(timeout):
                 return await self._queue.get()
         except TimeoutError:
-            return Event(Ev.FAIL, f"no {what} within {timeout:g} s")
+            return Event(Ev.TIMEOUT, (waiting_on, f"no {what} within {timeout:g} s"))
 
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                 ) -> tuple[router_pb2.GenerateResponse, str | None]:
@@ -371,7 +425,7 @@ class RequestRun:
     def stop(self, ev: Event) -> router_pb2.GenerateResponse:
         if ev.kind is Ev.ABORT:
             return self.out.aborted()
-        if ev.kind is Ev.DROPPED:
+        if ev.kind in (Ev.DROPPED, Ev.TIMEOUT):
             return self.out.failed(ev.payload[1])
         assert ev.kind is Ev.FAIL, ev.kind
         return self.out.failed(str(ev.payload))

@@ -25,6 +25,8 @@ class RunOutput:
         self.prep = prep
         self.timing = router_pb2.ServerTiming(router_received_ns=received_ns)
         self.completion_tokens = 0  # tokens handed to the client so far
+        # ... and their ids: a migrated request resumes after them (prior_output_ids)
+        self.token_ids: list[int] = []
 
     @property
     def request_id(self) -> str:
@@ -36,11 +38,13 @@ class RunOutput:
                                            token_ids=[t0.token_id], text=t0.text)
         if t0.HasField("logprob"):
             resp.logprobs.append(t0.logprob)
+        if not self.completion_tokens:  # a migrated request's "token 0" is not its first
+            self.timing.producer_received_ns = t0.received_ns
+            self.timing.producer_token0_sampled_ns = t0.sampled_ns
+            self.timing.producer_token0_sent_ns = t0.sent_ns
+            self.timing.router_token0_sent_ns = time.time_ns()
         self.completion_tokens += 1
-        self.timing.producer_received_ns = t0.received_ns
-        self.timing.producer_token0_sampled_ns = t0.sampled_ns
-        self.timing.producer_token0_sent_ns = t0.sent_ns
-        self.timing.router_token0_sent_ns = time.time_ns()
+        self.token_ids.append(t0.token_id)
         return resp
 
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
@@ -51,6 +55,7 @@ class RunOutput:
                                            token_ids=tokens.token_ids, text=tokens.text,
                                            logprobs=tokens.logprobs)
         self.completion_tokens += len(tokens.token_ids)
+        self.token_ids += tokens.token_ids
         if tokens.kv_ready_ns and not self.timing.consumer_kv_ready_ns:
             self.timing.consumer_kv_ready_ns = tokens.kv_ready_ns
         if tokens.first_step_ns and not self.timing.consumer_first_step_ns:

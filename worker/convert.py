@@ -41,7 +41,8 @@ def sampling_to_wire(p: common_pb2.SamplingParams, seed: int) -> dict[str, Any]:
 
 
 def checked_request(rid: str, prompt_ids: Sequence[int], p: common_pb2.SamplingParams,
-                    seed: int, limits: ModelLimits) -> dict[str, Any]:
+                    seed: int, limits: ModelLimits,
+                    prior_ids: Sequence[int] = ()) -> dict[str, Any]:
     """The engine's sampling dict for a Prefill/Decode request, after every check the engine
     relies on; ValueError("<field>: ...") names the wire field at fault. The same checks as
     the router's (engine.sampling_fields, engine.request_limits): the worker's gRPC takes
@@ -65,6 +66,11 @@ def checked_request(rid: str, prompt_ids: Sequence[int], p: common_pb2.SamplingP
                          f"({limits.vocab_size}), got {params.logprobs}")
     check_lengths(len(prompt_ids), params.max_tokens, limits.max_model_len,
                   prompt_field="prompt_token_ids", max_tokens_field="sampling.max_tokens")
+    # a migrated request's tokens already streamed: output tokens, inside max_tokens
+    check_ids(prior_ids, limits.vocab_size, "prior_output_ids")
+    if len(prior_ids) >= params.max_tokens:
+        raise ValueError(f"prior_output_ids: {len(prior_ids)} tokens leave nothing of "
+                         f"sampling.max_tokens ({params.max_tokens}) to generate")
     return d
 
 

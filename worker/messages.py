@@ -32,6 +32,7 @@ class PrefillCmd:
     prompt_ids: tuple[int, ...]
     sampling: dict[str, Any]  # SamplingParams.from_dict input, built by worker.convert
     received_ns: int  # when the gRPC process received the request
+    prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class DecodeCmd:
     prompt_ids: tuple[int, ...]
     sampling: dict[str, Any]
     colocated: bool
+    prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
 
 
 @dataclass(frozen=True)

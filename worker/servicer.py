@@ -147,11 +147,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _admit(self, rpc: str, rid: str, prompt_ids: Sequence[int],
                      sampling: common_pb2.SamplingParams, seed: int,
-                     context: grpc.aio.ServicerContext) -> dict[str, Any]:
+                     context: grpc.aio.ServicerContext,
+                     prior_ids: Sequence[int] = ()) -> dict[str, Any]:
         """The engine's sampling dict, or INVALID_ARGUMENT naming the field (counted as the
         rpc's "invalid" outcome): nothing the engine relies on reaches it unchecked."""
         try:
-            return checked_request(rid, prompt_ids, sampling, seed, self.bridge.limits)
+            return checked_request(rid, prompt_ids, sampling, seed, self.bridge.limits,
+                                   prior_ids)
         except ValueError as e:
             self._count(rpc, "invalid")
             log.warning("%s: refused a %s call from %s: %s", self.worker_id, rpc,

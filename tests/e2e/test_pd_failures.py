@@ -28,10 +28,12 @@ def _wait_dropped(stub, name: str, timeout: float = 15.0) -> None:  # type: igno
 @pytest.mark.parametrize("backend", ["ucx", "ipc"])
 def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, backend):
     # ipc: the consumer holds a mapping of the killed producer's pool and pulls from it
-    # retries off: killed producers must fail their requests here (test_pd_retry: retried)
+    # retries and migrations off: killed workers must fail their requests here
+    # (test_pd_retry: retried, test_pd_migration: migrated)
     c = start_cluster(tmp_path_factory, f"ckill-{backend}", producers=2, consumers=2,
                       transfer_backend=backend, router_args=("--heartbeat-timeout", "2",
-                                                             "--prefill-retries", "0"))
+                                                             "--prefill-retries", "0",
+                                                             "--max-migrations", "0"))
     ch, stub = stub_for(c.router_address)
     try:
         # --- a consumer dies mid-decode ------------------------------------------------
