@@ -150,7 +150,9 @@ def _prefill_pushing(h: ProducerHandler, conn: Any, addr: str, rid: str, prompt:
         if outs:
             t1 = time.monotonic_ns()
             src = list(engine.requests[rid].block_ids)
-            h.on_outputs(outs, time.time_ns())
+        # every step, as WorkerLoop.turn: a step with no token still reports final blocks
+        h.on_outputs(outs, time.time_ns())
+        if outs:
             h.on_command(Token0SentCmd(rid))  # the router got token 0
         h.after_step()
     while rid in h.out:  # ack, then the handler frees the blocks

@@ -81,8 +81,9 @@ def test_sbatch_1p1d_serves_and_scancel_leaves_nothing(slurm, tmp_path: Path) ->
             assert time.monotonic() < end, f"no endpoint file after 300 s\n{context()}"
             time.sleep(1.0)
         ep = json.loads(endpoint.read_text())
-        assert set(ep) == {"grpc", "http", "producers", "consumers"}, ep
+        assert set(ep) == {"grpc", "http", "producers", "consumers", "colocated"}, ep
         assert len(ep["producers"]) == 1 and len(ep["consumers"]) == 1, ep
+        assert ep["colocated"] == [], ep  # PDSERVE_COLOCATED_NODES defaults to 0
         assert ep["http"].startswith("http://127.0.0.1:"), ep  # NodeAddr from scontrol
 
         from engine.llm import LLM

@@ -57,7 +57,8 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
                       threads=1, worker_args=WORKER_ARGS,
                       router_args=("--heartbeat-timeout", "3", "--policy", "round_robin"))
     try:
-        load = SteadyLoad(c.router_address, clients=3)
+        # long enough that a drain always finds requests in flight, on a fast machine too
+        load = SteadyLoad(c.router_address, clients=3, max_tokens=(96, 400, 1500))
         with load.running():
             load.wait_for(8)
             for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):

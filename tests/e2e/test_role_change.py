@@ -32,7 +32,9 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
     try:
         before = {w.worker_id: w.address for w in workers(c).values()}
         # some requests long enough to be in flight when a worker learns of its change
-        load = SteadyLoad(c.router_address, clients=3, max_tokens=(32, 96, 400))
+        # long enough that a change always finds requests in flight: the worker learns of its
+        # order at its next heartbeat, and shorter requests may all have ended by then
+        load = SteadyLoad(c.router_address, clients=3, max_tokens=(400, 1500, 3000))
         with load.running():
             load.wait_for(6)
             assert main(["plan", "apply", "--router", c.router_address, "--producers", "0",
