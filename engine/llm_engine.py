@@ -24,6 +24,7 @@ from engine.model_runner import InflightStep, ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult
 from engine.request import PLACEHOLDER, LogprobRow, Request
+from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -99,36 +100,13 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not prompt_token_ids:
-            raise ValueError("prompt: must not be empty")
-        if any(not 0 <= t < self.model_cfg.vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt: token ids must be in [0, {self.model_cfg.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(prompt_token_ids)} tokens, max_model_len is "
-                             f"{self.max_model_len} (room for one output token needed)")
-        params.validate()
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens "
-                f"({params.max_tokens}) exceeds max_model_len ({self.max_model_len})")
-        need = self.blocks.blocks_for(len(prompt_token_ids) + params.max_tokens)
-        if need > self.blocks.num_blocks:
-            raise ValueError(
-                f"max_tokens: prompt + max_tokens needs {need} KV blocks, the pool has "
-                f"{self.blocks.num_blocks}")
+        check_new(prompt_token_ids, params, self.model_cfg.vocab_size, self.max_model_len,
+                  self.blocks)
 
     def validate_prior(self, prompt_token_ids: list[int], params: SamplingParams,
                        prior_output_ids: list[int]) -> None:
-        """Checks the output tokens a migrated request resumes after."""
-        if any(not 0 <= t < self.model_cfg.vocab_size for t in prior_output_ids):
-            raise ValueError(f"prior_output_ids: token ids must be in "
-                             f"[0, {self.model_cfg.vocab_size})")
-        if len(prior_output_ids) >= params.max_tokens:
-            raise ValueError(f"prior_output_ids: {len(prior_output_ids)} tokens, max_tokens "
-                             f"is {params.max_tokens} (nothing left to generate)")
-        if len(prompt_token_ids) + len(prior_output_ids) >= self.max_model_len:
-            raise ValueError(f"prior_output_ids: prompt + {len(prior_output_ids)} prior "
-                             f"tokens reach max_model_len ({self.max_model_len})")
+        check_prior(prompt_token_ids, params, prior_output_ids, self.model_cfg.vocab_size,
+                    self.max_model_len)
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, state: RequestState,
@@ -148,7 +126,7 @@ class LLMEngine:
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
                                                params.skip_special_tokens)
         if prior:
-            _resume_after(req, prior)
+            resume_after(req, prior)
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
@@ -395,19 +373,6 @@ class LLMEngine:
         r.block_ids = []
         if not r.pinned:  # else a transfer may still read them: kept until release()
             self.requests.pop(r.request_id, None)
-
-
-def _resume_after(req: Request, prior: list[int]) -> None:
-    """Makes req look as it did after emitting ``prior``: their text was already sent (as
-    much as was streamable), their logprob rows too (kept by position, so stand-ins)."""
-    req.output_token_ids.extend(prior)
-    req.num_prior_outputs = req.num_emitted = len(prior)
-    if req.params.logprobs is not None:
-        req.logprobs.extend(LogprobRow(t, 0.0) for t in prior)
-    if req.detok is not None:
-        req.full_text = "".join(req.detok.add(t) for t in prior)
-    req.text_checked = len(req.full_text)
-    req.num_text_sent = streamable_len(req)
 
 
 def _logprob_rows(step: InflightStep) -> list[LogprobRow] | None:

@@ -25,19 +25,16 @@ Lifecycle, router side (``engine.request_state.RequestState``)::
     any later state ──a worker failed it (consumer, colocated, or the producer after token
                       0)──▶ RESERVING / PREFILLING: migrated, avoiding the workers that failed
 
-Retry: a producer that fails before token 0 (its stream errs or ends, or the registry drops
-it) has cost the client nothing yet, so the run places the request again, up to
-``prefill_retries`` times, never on a producer it failed on (``_repair``): the failed
-attempt's legs are cancelled and aborted (the consumer's reservation too, see
-``_repair``), the new legs use a new worker-side id (``leg_id``).
-
-Migration: any other worker failure (a consumer dying mid-decode or ending its stream
-early, a failed KV transfer, a dropped worker, silence past a timeout) moves the request,
-up to ``max_migrations`` times, to a slot avoiding every worker that failed it, with the
-tokens its client already has as ``prior_output_ids``: the new legs prefill prompt + those
-and go on after them as OUTPUT positions (penalties, min/max_tokens, stop strings and the
-(seed, position) draws as in the unfailed run), so the client's stream just goes on. The
-KV is recomputed, never salvaged from the failed worker.
+Retry and migration (router/run_recovery.py): a producer that fails before token 0 is
+replaced, up to ``prefill_retries`` times, never by one it failed on; the failed attempt's
+legs are cancelled and aborted (the consumer's reservation too, see ``_repair``), the new
+legs use a new worker-side id (``leg_id``). Any other worker failure (a consumer dying
+mid-decode or ending its stream early, a failed KV transfer, a dropped worker, silence past
+a timeout) migrates the request, up to ``max_migrations`` times, to a slot avoiding every
+worker that failed it, with the tokens its client already has as ``prior_output_ids``: the
+new legs prefill prompt + those and go on after them as OUTPUT positions (penalties,
+min/max_tokens, stop strings and the (seed, position) draws as in the unfailed run), so the
+client's stream just goes on. The KV is recomputed, never salvaged from the failed worker.
 
 Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
 then on the legs' reports move it forward, the moment a leg reads a message
@@ -80,6 +77,7 @@ from router.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
 from router.policy import Slot
 from router.registry import WorkerInfo
 from router.run_output import RunOutput
+from router.run_recovery import Recovery
 from router.run_streams import colocated_stream, disaggregated_stream
 from router.validation import PreparedRequest
 
@@ -130,15 +128,7 @@ class RequestRun:
         self._stub_for = stub_for
         # a new slot avoiding the given workers, for a retry (False) or a migration (True)
         self._replace = replace
-        self.attempt = 1  # placements so far; the legs of attempt n > 1 use ``leg_id``
-        self.retries = 0  # placements after a producer failed before token 0
-        self.migrations = 0  # placements after another failure (see "Migration")
-        self._failed: set[str] = set()  # ids of the workers that failed it (for messages)
-        # ... and those registrations: never placed there again (a restarted worker
-        # registers anew and may take it)
-        self._failed_on: list[WorkerInfo] = []
-        self._retry: str | None = None  # why the current legs are being replaced
-        self._migrating = False  # the current replacement is a migration
+        self.recovery = Recovery(config.prefill_retries, config.max_migrations)
         self._on_unreachable = on_unreachable
         self._spawn = spawn
         self._received = time.monotonic()
@@ -156,6 +146,10 @@ class RequestRun:
         t = self.out.timing
         return RequestInfo(self.request_id, self.state, time.monotonic() - self._received,
                            t.producer, t.consumer, t.colocated, self.out.completion_tokens)
+
+    @property
+    def attempt(self) -> int:
+        return self.recovery.attempt
 
     @property
     def leg_id(self) -> str:
@@ -258,7 +252,7 @@ class RequestRun:
                 gen = colocated_stream(self) if colocated else disaggregated_stream(self)
                 async for resp in gen:
                     yield self._finishing(resp)
-                if self._retry is None:
+                if self.recovery.reason is None:
                     return
                 if (failed := self._repair()) is not None:
                     yield self._finishing(failed)
@@ -269,48 +263,20 @@ class RequestRun:
     def _finishing(self, resp: router_pb2.GenerateResponse) -> router_pb2.GenerateResponse:
         if resp.finish_reason:  # set before the client can leave at the yield
             self.state = FINISHED[resp.finish_reason]
-            failed = ", ".join(sorted(self._failed))
-            if resp.error and self.migrations:
-                resp.error += (f" (attempt {self.attempt}: {self.migrations} migration(s) of "
-                               f"at most {self.config.max_migrations}, {self.retries} "
-                               f"retr{'y' if self.retries == 1 else 'ies'}; failed on: {failed})")
-            elif resp.error and self.attempt > 1:
-                resp.error += (f" (attempt {self.attempt} of {self.config.prefill_retries + 1}; "
-                               f"failed before token 0: {failed})")
+            if resp.error:
+                resp.error = self.recovery.describe(resp.error)
         return resp
 
     def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool:
-        """A producer failed before token 0: may the request go to another producer?
-
-        Only while the client has seen nothing and the consumer has sent nothing (it
-        then never got token 0 from this producer), and within ``prefill_retries``.
-        """
-        if held or self.out.completion_tokens:
-            return False
-        self._fail_on(p)
-        if self.retries >= self.config.prefill_retries:
-            return False
-        self.retries += 1
-        self._retry = why
-        return True
+        """A producer failed before token 0: may the request go to another producer? Not
+        once the client or the consumer has tokens (``held``) from this attempt."""
+        return self.recovery.may_retry(p, why, bool(held or self.out.completion_tokens))
 
     def migrate_after(self, w: WorkerInfo, why: str, code: grpc.StatusCode | None = None
                       ) -> bool:
-        """A worker failed the request in any other way: may it move to another slot?
-
-        Within ``max_migrations``, and not once the request was stopped from outside (an
-        abort or shutdown then ends it)."""
+        """A worker failed the request in any other way: may it move to another slot?"""
         self.note_unreachable(w, code, why)
-        self._fail_on(w)
-        if self.migrations >= self.config.max_migrations or self.stopped.is_set():
-            return False
-        self._retry, self._migrating = why, True
-        return True
-
-    def _fail_on(self, w: WorkerInfo) -> None:
-        self._failed.add(w.worker_id)
-        if all(x is not w for x in self._failed_on):
-            self._failed_on.append(w)
+        return self.recovery.may_migrate(w, why, self.stopped.is_set())
 
     def _repair(self) -> router_pb2.GenerateResponse | None:
         """Replaces the failed attempt's legs with a new placement; a final error if none.
@@ -320,8 +286,8 @@ class RequestRun:
         so the old consumer leg is aborted and the whole request is placed again (the same
         consumer may be picked; the new legs use a new ``leg_id``).
         """
-        why, self._retry = self._retry or "a worker failed", None
-        migrating, self._migrating = self._migrating, False
+        rec = self.recovery
+        why, migrating = rec.take()
         # a migration leaves alone a producer whose part is done (its blocks are freed)
         self._end_legs(self.legs_to_abort() if migrating else self._all_legs())
         self._unplace()
@@ -330,23 +296,22 @@ class RequestRun:
         for ev in stale:
             if ev.kind in (Ev.ABORT, Ev.FAIL):
                 self._queue.put_nowait(ev)
-        slot = self._replace(self._failed_on, migrating)
+        slot = self._replace(rec.failed_on, migrating)
         if slot is None:
             self.slot = None
             if migrating:  # nowhere to go: the failure as it was
                 return self.out.failed(why)
-            return self.out.failed(f"{why}; no other producer to retry on (tried "
-                                   f"{', '.join(sorted(self._failed))})")
+            return self.out.failed(rec.no_slot(why))
         if migrating:
-            self.migrations += 1
+            rec.migrations += 1
             log.warning("request %s: %s; migrating after %d token(s) to %s (migration %d of "
                         "%d)", self.request_id, why, len(self.out.token_ids),
-                        "+".join(w.worker_id for w in slot.workers), self.migrations,
+                        "+".join(w.worker_id for w in slot.workers), rec.migrations,
                         self.config.max_migrations)
         else:
             log.warning("request %s: %s; retrying (attempt %d of %d)", self.request_id, why,
-                        self.attempt + 1, self.config.prefill_retries + 1)
-        self.attempt += 1
+                        rec.attempt + 1, self.config.prefill_retries + 1)
+        rec.attempt += 1
         self.ended = set()
         self.place(slot)
         return None

@@ -13,7 +13,6 @@ this rank, and the request is DONE once every one of them acknowledged.
 from __future__ import annotations
 
 import collections
-import random
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -24,16 +23,15 @@ from typing import Any
 import zmq
 
 from engine.kv_layout import KVLayout
-from transfer import handshake, wire
+from transfer import wire
 from transfer.base import KVSender
 from transfer.event_waiter import EventWaiter
-from transfer.head_cut import cut_between
-from transfer.net_side import NetSide, make_plane
+from transfer.net_side import make_plane
 from transfer.pool import BlockRun, block_runs
 from transfer.records import Conn, Leg, SendRecord
+from transfer.sender_conns import SenderConnections
 from transfer.types import (
     Accounting,
-    HandshakeError,
     TransferConfig,
     TransferError,
     TransferNotice,
@@ -45,11 +43,10 @@ _ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})")
 _HANDSHAKE_REPLIES = frozenset({Kind.WELCOME, Kind.REJECT})
 
 
-class NetSender(NetSide[SendRecord], KVSender):
+class NetSender(SenderConnections, KVSender):
     def __init__(self, tensor: object, layout: KVLayout, config: TransferConfig,
                  name: str = "producer") -> None:
         super().__init__(tensor, layout, config, name)
-        self.conns: dict[str, Conn] = {}
         # pushes/finishes in call order; the head waits for its CUDA event, if any
         self._queue: collections.deque[tuple[Any, Callable[[], None]]] = collections.deque()
         self._waiter: EventWaiter | None = None  # CUDA pools: wakes the loop per event
@@ -135,58 +132,6 @@ class NetSender(NetSide[SendRecord], KVSender):
         self.call(queue)
 
     # ---- loop side: connections ---------------------------------------------------
-    def _open(self, address: str, outer: Future[None]) -> None:
-        conn = self.conns.get(address)
-        if conn is None:
-            assert self.plane is not None
-            sock = self.control_socket(zmq.DEALER)
-            sock.connect(address)
-            self.poller.register(sock, zmq.POLLIN)
-            now = time.monotonic()
-            conn = Conn(address, sock, random.getrandbits(32), Future(), now, now)
-            conn.monitor = self.watch_handshakes(sock)
-            self.conns[address] = conn
-            hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info(),
-                                    self.config.cluster_token)
-            sock.send(wire.encode([wire.Hello(**hello, name=self.name)])[0], flags=zmq.NOBLOCK)
-        conn.ready.add_done_callback(lambda f: _copy_outcome(f, outer))
-
-    def _drop_conn(self, address: str, reason: str) -> None:
-        conn = self.conns.pop(address, None)
-        if conn is None:
-            return
-        if not conn.ready.done():
-            conn.ready.set_exception(TransferError(reason))
-        if conn.handle is not None:
-            assert self.plane is not None
-            self.plane.remove_peer(conn.handle)  # cancels sends still posted to it
-        self._unwatch(conn)
-        self.poller.unregister(conn.sock)
-        conn.sock.close(0)
-        conn.waiting.clear()
-        self.fail_peer_records(conn, reason)
-
-    def end_turn(self) -> None:
-        for conn in list(self.conns.values()):
-            if conn.outbox:
-                msgs, conn.outbox = conn.outbox, []
-                try:
-                    for frame in wire.encode(msgs):
-                        conn.sock.send(frame, flags=zmq.NOBLOCK)
-                except zmq.Again:  # never block the loop on a consumer that stopped reading
-                    self._drop_conn(conn.address, f"consumer {conn.address}: send queue full")
-
-    def _unwatch(self, conn: Conn) -> None:
-        if conn.monitor is not None:
-            self.unwatch(conn.sock, conn.monitor)
-            conn.monitor = None
-
-    def _on_monitor(self, conn: Conn) -> None:
-        if self.failed_handshakes(conn.monitor) and conn.handle is None:
-            err = HandshakeError(f"consumer {conn.address}: encrypted handshake failed (wrong "
-                                 "or missing cluster token, or CURVE on one side only)")
-            self._refused(conn, err)
-
     def on_readable(self, sock: Any) -> None:
         watched = next((c for c in self.conns.values() if c.monitor is sock), None)
         if watched is not None:
@@ -215,51 +160,6 @@ class NetSender(NetSide[SendRecord], KVSender):
             self.dispatch(conn, msgs, who, _current(self.conns, conn.address, conn))
 
     # ---- loop side: handlers --------------------------------------------------------
-    def _on_welcome(self, conn: Conn, m: wire.Hello) -> None:
-        if conn.welcomed:
-            raise MalformedMessage("WELCOME on a connection already welcomed")
-        conn.welcomed = True
-        try:
-            other = handshake.check(self.layout, self.config.backend, m.remote(),
-                                    f"consumer {conn.address}")
-        except HandshakeError as e:
-            self._refused(conn, e)
-            return
-        cut = cut_between(self.layout, other)
-        conn.cut = None if cut is None or cut.whole else cut
-        if cut is None:
-            conn.serves = (f"consumer {conn.address} is rank {other.tp_rank} of tp_size "
-                           f"{other.tp_size}: this producer rank {self.layout.tp_rank} of "
-                           f"tp_size {self.layout.tp_size} sends it no heads (tp_plan)")
-        self.vet_then(m.plane, lambda err: self._welcomed(conn, m, err))
-
-    def _welcomed(self, conn: Conn, m: wire.Hello, vetted: str | None) -> None:
-        if self.conns.get(conn.address) is not conn:
-            return  # dropped while its info was vetted
-        assert self.plane is not None
-        try:
-            if vetted is not None:
-                raise TransferError(vetted)
-            conn.handle = self.plane.add_peer(m.plane)
-        except Exception as e:  # the reply is the peer's bytes: anything may be wrong
-            self._refused(conn, HandshakeError(f"consumer {conn.address}: data-plane info: {e}"))
-            return
-        conn.remote_blocks = m.num_blocks
-        self._unwatch(conn)  # the ZMQ handshake is long done
-        if not conn.ready.done():
-            conn.ready.set_result(None)
-        waiting, conn.waiting = conn.waiting, []
-        for fn in waiting:  # pushes and finishes made while the handshake ran, in order
-            fn()
-
-    def _refused(self, conn: Conn, err: HandshakeError) -> None:
-        if not conn.ready.done():
-            conn.ready.set_exception(err)
-        self._drop_conn(conn.address, str(err))
-
-    def _on_reject(self, conn: Conn, m: wire.Reject) -> None:
-        self._refused(conn, HandshakeError(f"consumer {conn.address}: {m.error}"))
-
     def _leg_of(self, conn: Conn, rid: str) -> tuple[SendRecord, Leg] | tuple[None, None]:
         """A consumer speaks only for the transfers on its own connection."""
         rec = self.recs.get(rid)
@@ -421,13 +321,3 @@ class NetSender(NetSide[SendRecord], KVSender):
 
 def _current(conns: dict[str, Conn], address: str, conn: Conn) -> Callable[[], bool]:
     return lambda: conns.get(address) is conn
-
-
-def _copy_outcome(src: Future[None], dst: Future[None]) -> None:
-    if dst.done():
-        return
-    e = src.exception()
-    if e is None:
-        dst.set_result(None)
-    else:
-        dst.set_exception(e)
