@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import signal
 import uuid
 from dataclasses import dataclass
 
@@ -128,28 +127,3 @@ class WorkerServer:
             self.bridge.close()
         self.paths.cleanup()
 
-
-def run_worker(config: WorkerConfig) -> int:
-    """Foreground entry point for `pdserve producer|consumer|colocated`."""
-    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-
-    async def main() -> int:
-        w = WorkerServer(config)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            addr = await w.start()
-            print(f"{w.worker_id} ({config.spec.role}) listening on {addr}", flush=True)
-            waiter = asyncio.create_task(w.wait())
-            stopper = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter in done and waiter.exception() is not None:
-                log.error("%s", waiter.exception())
-                return 1
-            return 0
-        finally:
-            await w.stop()
-
-    return asyncio.run(main())
