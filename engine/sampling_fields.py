@@ -81,10 +81,17 @@ def f32(x: float) -> float:
     meant), so 0.1 sent as float32 is 0.1 again; NaN and infinities pass through."""
     if not math.isfinite(x):
         return float(x)
-    (want,) = struct.unpack("<f", struct.pack("<f", x))
+    try:
+        (want,) = struct.unpack("<f", struct.pack("<f", x))
+    except OverflowError:  # past the float32 range: as float32 it is an infinity
+        return math.copysign(math.inf, x)
     for digits in range(1, 10):  # 9 significant digits always round-trip a float32
         y = float(f"{want:.{digits}g}")
-        if struct.unpack("<f", struct.pack("<f", y))[0] == want:
+        try:
+            same = struct.unpack("<f", struct.pack("<f", y))[0] == want
+        except OverflowError:  # near the float32 maximum a short decimal rounds past it
+            continue
+        if same:
             return y
     return float(want)
 

@@ -149,3 +149,15 @@ def test_router_and_worker_agree_on_any_sampling(kw: dict[str, Any]) -> None:
     else:
         assert r == w
     assert wire_values(s).keys() >= {f.name for f in FIELDS if not f.optional}
+
+
+@pytest.mark.parametrize("x", [3.4025001647762064e+38, 3.4028234663852886e+38, -3.4e+38])
+def test_f32_near_the_float32_maximum_round_trips(x: float) -> None:
+    # found by hypothesis: a short decimal of a value near FLT_MAX rounds past it, and
+    # packing that raised OverflowError out of the router's and the worker's validation
+    (want,) = struct.unpack("<f", struct.pack("<f", x))
+    assert struct.unpack("<f", struct.pack("<f", f32(x)))[0] == want
+
+
+def test_f32_past_the_float32_range_is_an_infinity() -> None:
+    assert f32(1e39) == float("inf") and f32(-1e39) == float("-inf")
