@@ -126,6 +126,14 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def wait_busy(c: LocalCluster, name: str, timeout: float = 60.0) -> None:
+    """Until the router's view of ``name`` (from its heartbeats) shows a request running on
+    it: a drain or role change started then has work in flight to wait for, whatever the
+    machine's speed."""
+    wait_until(lambda: name in workers(c) and workers(c)[name].load.running >= 1, timeout,
+               f"{name} running a request")
+
+
 def log_text(c: LocalCluster, name: str) -> str:
     with open(c.log_paths[name], errors="replace") as f:
         return f.read()

@@ -21,6 +21,7 @@ from steady_load import (
     check_against_colocated,
     log_text,
     tiny_served_model,
+    wait_busy,
     wait_until,
     workers,
 )
@@ -63,6 +64,8 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
             load.wait_for(8)
             for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):
                 old = c.procs[name]
+                if name.startswith("consumer"):
+                    wait_busy(c, name)  # a decode of up to 1500 tokens is running there
                 sigterm(c, name, group=i >= 2)
                 # the router stops picking it at once, while it is still listed
                 wait_until(lambda n=name: n not in workers(c) or workers(c)[n].draining,

@@ -10,7 +10,14 @@ import re
 import pytest
 from live_cluster import start_cluster
 from pdserve.v1 import common_pb2
-from steady_load import SteadyLoad, check_against_colocated, log_text, tiny_served_model, workers
+from steady_load import (
+    SteadyLoad,
+    check_against_colocated,
+    log_text,
+    tiny_served_model,
+    wait_busy,
+    workers,
+)
 
 from deploy.cli import main
 
@@ -37,6 +44,7 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
         load = SteadyLoad(c.router_address, clients=3, max_tokens=(400, 1500, 3000))
         with load.running():
             load.wait_for(6)
+            wait_busy(c, "consumer-0")
             assert main(["plan", "apply", "--router", c.router_address, "--producers", "0",
                          "--consumers", "0", "--colocated", "2"]) == 0
             ws = workers(c)
