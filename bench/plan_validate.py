@@ -35,6 +35,7 @@ PDSERVE = [sys.executable, "-m", "deploy.cli"]
 WORKLOADS = {"long-prompt": (384, 4), "short-prompt": (16, 48)}
 CONFIGS = {"1P1D": Split(1, 1, 0), "2C": Split(0, 0, 2)}
 TOLERANCE = 0.25
+ROUTER_POLICY = "least_loaded"  # `pdserve router`'s default, which the bench's clusters run
 
 
 def _run(cmd: list[str]) -> None:
@@ -65,13 +66,18 @@ def main() -> None:
     ap.add_argument("--rates", default="", help="RATE,RATE per workload for both (default: "
                     "0.25 and 0.5 of two workers' estimated capacity)")
     ap.add_argument("--out-dir", default="bench/results/plan_validate")
+    ap.add_argument("--reps", type=int, default=7,
+                    help="timed repetitions per profile point (the median is kept)")
+    ap.add_argument("--reuse-bench", action="store_true",
+                    help="simulate against the bench_<workload>.json already in --out-dir "
+                         "(their rates) instead of measuring again")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     prof_path = a.profile or os.path.join(a.out_dir, "profile.json")
     if not a.profile:
         _run([*PDSERVE, "plan", "profile", "--threads", "1", "--out", prof_path,
               "--prefill-tokens", "16,64,128,256,384,512", "--decode-batch", "1,2,4",
-              "--decode-context", "32,128,512"])
+              "--decode-context", "32,128,512", "--reps", str(a.reps)])
     profile = Profile.load(prof_path)
     rows: list[dict[str, Any]] = []
     for wname, (prompt, output) in WORKLOADS.items():
@@ -79,16 +85,25 @@ def main() -> None:
         rates = ([float(r) for r in a.rates.split(",")] if a.rates
                  else [round(0.25 * cap, 3), round(0.5 * cap, 3)])
         res = os.path.join(a.out_dir, f"bench_{wname}.json")
-        _run([*PDSERVE, "bench", "--compare", "--producers", "1", "--consumers", "1",
-              "--input-len", str(prompt), "--output-len", str(output), "--ignore-eos",
-              "--num-prompts", str(a.num_prompts), "--rate", ",".join(map(str, rates)),
-              "--result-json", res, "--log-dir", os.path.join(a.out_dir, f"logs_{wname}")])
+        if a.reuse_bench:
+            with open(res, encoding="utf-8") as f:
+                rates = [pt["rate"] for pt in json.load(f)["configs"][0]["points"]]
+        else:
+            _run([*PDSERVE, "bench", "--compare", "--producers", "1", "--consumers", "1",
+                  "--input-len", str(prompt), "--output-len", str(output), "--ignore-eos",
+                  "--num-prompts", str(a.num_prompts), "--rate", ",".join(map(str, rates)),
+                  "--result-json", res, "--log-dir", os.path.join(a.out_dir, f"logs_{wname}")])
         with open(res, encoding="utf-8") as f:
-            meas = measured(json.load(f))
+            doc_b = json.load(f)
+        meas = measured(doc_b)
         for rate in rates:
-            work = Workload(rate, ((prompt, output),) * (10 * a.num_prompts), seed=1)
+            # the bench's own arrivals (its seeded Poisson draw: same generator, same seed),
+            # so both sides see the same bursts; the router's default policy
+            n, seed = doc_b["args"]["num_prompts"], doc_b["args"]["seed"]
+            work = Workload(rate, ((prompt, output),) * n, seed=seed)
             for cname, split in CONFIGS.items():
-                m = simulate(profile, split, work.arrivals(), EngineLimits(64, 512))
+                m = simulate(profile, split, work.arrivals(), EngineLimits(64, 512),
+                             policy=ROUTER_POLICY)
                 real = meas[cname][str(rate)]
                 rows.append({"workload": wname, "prompt": prompt, "output": output,
                              "rate": rate, "config": cname,

@@ -13,6 +13,7 @@ TRANSFERRING once token 0 is out, FINISHED_* when token 0 ended it or it was fai
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,9 @@ from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, sampling_from_wire, stop_text
 
 log = logging.getLogger("pdserve.producer")
+# How long the engine loop holds the next step for a Token0SentCmd (see command_wait_ms):
+# a few round trips between the two processes, a small share of any prefill step.
+TOKEN0_SENT_WAIT_S = 0.02
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Outgoing:
     pushed: int = 0  # leading blocks pushed (and pinned) so far
     notice: TransferNotice | None = None  # set once token 0 is out; sent with the last push
     token0_sent: bool = False  # the gRPC process has handed token 0 to the router stream
+    token0_at: float = 0.0  # monotonic: when token 0 went to the gRPC process
     first_push: float = 0.0  # monotonic, for kv_transfer_ms
     num_prior: int = 0  # a migrated request's prior outputs: their KV goes with the prompt's
 
@@ -131,7 +136,21 @@ class ProducerHandler(RoleHandler):
                 num_prompt_tokens=out.num_prompt_tokens + o.num_prior, seed=out.seed,
                 logprobs=((tok, row.logprob), *row.top) if row is not None else None)
             o.lease_until = time.monotonic() + self.lease_s
+            o.token0_at = time.monotonic()
             self._push_ready(o)
+
+    def command_wait_ms(self) -> int:
+        """The final notice of a request whose blocks are all pushed waits only for its
+        Token0SentCmd, a round trip through the gRPC process (about a millisecond). Waiting
+        for it here, up to TOKEN0_SENT_WAIT_S, lets the notice leave before the next step
+        rather than after it: otherwise the consumer starts a whole prefill step late
+        whenever other prompts are queued behind this one."""
+        now, wait = time.monotonic(), 0.0
+        for o in self.out.values():
+            if (o.notice is not None and not o.token0_sent and o.dest_blocks is not None
+                    and o.pushed >= min(o.final, len(o.dest_blocks))):
+                wait = max(wait, o.token0_at + TOKEN0_SENT_WAIT_S - now)
+        return math.ceil(wait * 1e3) if wait > 0 else 0
 
     def _ended(self, o: Outgoing) -> bool:
         state = self.engine.state_of(o.rid)

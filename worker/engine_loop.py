@@ -70,14 +70,16 @@ class WorkerLoop:
         self.running = True
         self._last_stats = 0.0
 
-    def _drain_commands(self, timeout_ms: int) -> None:
+    def _drain_commands(self, timeout_ms: int) -> bool:
+        """Applies every queued command, waiting up to timeout_ms for the first; False when
+        none came."""
         if not self.poller.poll(timeout_ms):
-            return
+            return False
         while True:
             try:
                 data = self.commands.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             try:
                 msg = decode(data)
             except MessageError as e:  # one bad message must not stop every request
@@ -85,7 +87,7 @@ class WorkerLoop:
                 continue
             if isinstance(msg, StopCmd):
                 self.running = False
-                return
+                return True
             if isinstance(msg, Event):
                 log.error("dropped a bad command: %s is an event", type(msg).KIND)
                 continue
@@ -95,6 +97,9 @@ class WorkerLoop:
         busy = self.engine.has_unfinished()
         idle_wait = 0 if busy else (1 if self.handler.has_background_work() else 50)
         self._drain_commands(idle_wait)
+        while self.running and (wait := self.handler.command_wait_ms()) > 0:
+            if not self._drain_commands(wait):
+                break
         if self.engine.has_unfinished():
             self.handler.before_step(time.time_ns())
             # always: a step with no tokens may still report reservations or final blocks

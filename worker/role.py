@@ -58,6 +58,11 @@ class RoleHandler(abc.ABC):
     def after_step(self) -> None:  # noqa: B027 - optional hook
         """Runs after every loop turn: transfers, leases, queued reservations."""
 
+    def command_wait_ms(self) -> int:
+        """How long the loop should wait for a command before launching the next step (a
+        reply the role expects within moments that would otherwise wait a whole step)."""
+        return 0
+
     def has_background_work(self) -> bool:
         """True while transfers or reservations need polling even with the engine idle."""
         return False

@@ -15,6 +15,12 @@ Interpolation is linear between grid points (bilinear for decode). Outside the g
 value is clamped below the first point (a step never costs less than the smallest one
 measured: fixed per-step overhead dominates there) and extrapolated linearly past the last
 point (compute grows with tokens; the last two points give the slope, never negative).
+
+``device`` also says how a step's output reaches the client from a worker that defers its
+output (consumer, colocated: overlap scheduling reads step N's tokens after launching step
+N+1). On a GPU the launch is asynchronous, so the read waits only for step N itself. On
+the CPU a launch computes the step, so step N's tokens show once step N+1 is done
+(``sync_steps``); the simulator models both.
 """
 
 from __future__ import annotations
@@ -67,6 +73,11 @@ class Profile:
     kv_bytes_per_token: int
     transfer_GBps: float
     version: int = VERSION
+
+    @property
+    def sync_steps(self) -> bool:
+        """Launching a step computes it (CPU): deferred output shows one step later."""
+        return self.device == "cpu" or self.device.startswith("cpu:")
 
     # -- interpolation ------------------------------------------------------------------
 

@@ -76,6 +76,11 @@ class SimWorker:
         self.pending: list[Chunk] = []  # the chunks of the step in flight
         self.ends: list[float] = []  # end times of the steps in flight (a bundle, see below)
         self.gen = 0  # bumps when the bundle in flight is cut short (older events are stale)
+        # Overlap scheduling on a synchronous device (Profile.sync_steps): the tokens of a
+        # step read only after the next step, when one follows at once; (request, index of
+        # the token time to move to that step's end).
+        self.defers = role != PRODUCER and profile.sync_steps
+        self.deferred: list[tuple[SimRequest, int]] = []
 
     def load_score(self, kv_weight: float) -> float:
         return self.inflight + kv_weight * (1.0 - self.free / self.total_blocks)

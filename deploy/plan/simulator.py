@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -220,6 +221,9 @@ class Simulation:
         chunks = w.pending
         w.busy = False
         now = self.now
+        for req, i in w.deferred:  # the step before this one: read once its successor ran
+            req.token_times[i] = w.ends[0]
+        w.deferred.clear()
         done: list[SimRequest] = []
         if len(w.ends) > 1:
             self._bundle_end(w, done)
@@ -238,6 +242,8 @@ class Simulation:
             if req.computed == req.num_tokens:
                 if len(req.token_times) < req.output_len:
                     req.token_times.append(now)
+                    if w.defers:
+                        w.deferred.append((req, len(req.token_times) - 1))
                 if len(req.token_times) >= req.output_len:
                     done.append(req)
                 else:
@@ -252,6 +258,8 @@ class Simulation:
             if w.role == CONSUMER:
                 self._grant(w)
         self._wake(w)
+        if not w.busy:  # nothing launched after it: the engine reads the step's output now
+            w.deferred.clear()
 
 
     def _bundle_end(self, w: SimWorker, done: list[SimRequest]) -> None:
@@ -259,7 +267,11 @@ class Simulation:
         for ch in w.pending:
             req = ch.req
             req.computed = ch.start + k
+            n0 = len(req.token_times)
             req.token_times.extend(w.ends)
+            if w.defers:  # each bundled step's tokens show at the next step's end
+                req.token_times[n0:n0 + k - 1] = array("d", w.ends[1:])
+                w.deferred.append((req, n0 + k - 1))
             if len(req.token_times) >= req.output_len:
                 done.append(req)
             else:

@@ -98,13 +98,46 @@ def test_bad_split_and_policy_are_named():
         Simulation(make_profile(), Split(0, 0, 1), policy="random")
 
 
+def _cpu(**kw):
+    import dataclasses
+
+    return dataclasses.replace(make_profile(**kw), device="cpu")
+
+
+def test_on_the_cpu_deferred_output_shows_once_the_next_step_is_done():
+    """Overlap scheduling on a device where launching a step computes it: a colocated
+    worker's tokens reach the client one step late while another step follows at once;
+    the last one as soon as nothing follows (what `pdserve bench` measures on CPU)."""
+    p = _cpu()
+    _, req = _one(p, Split(0, 0, 1), 256, 4)
+    e0 = p.prefill_ms(256) / 1e3
+    e1 = e0 + p.decode_ms(1, 257) / 1e3
+    e2 = e1 + p.decode_ms(1, 258) / 1e3
+    e3 = e2 + p.decode_ms(1, 259) / 1e3
+    assert list(req.token_times) == pytest.approx([e1, e2, e3, e3])
+
+
+def test_on_the_cpu_the_producer_never_defers_and_the_consumer_does():
+    p = _cpu(gbps=1.0)
+    _, req = _one(p, Split(1, 1, 0), 256, 3)
+    t0 = p.prefill_ms(256) / 1e3
+    land = t0 + p.transfer_ms(256) / 1e3
+    e1 = land + p.decode_ms(1, 257) / 1e3
+    e2 = e1 + p.decode_ms(1, 258) / 1e3
+    assert list(req.token_times) == pytest.approx([t0, e2, e2])
+
+
+@pytest.mark.parametrize("device", ["test", "cpu"])
 @pytest.mark.parametrize("split", [Split(0, 0, 2), Split(1, 2, 0)])
-def test_bundled_decode_steps_give_the_same_times_as_one_event_per_step(monkeypatch, split):
+def test_bundled_decode_steps_give_the_same_times_as_one_event_per_step(monkeypatch, split,
+                                                                        device):
+    import dataclasses
     import random
 
     from deploy.plan.sim_worker import SimWorker
 
-    p = make_profile(kv_tokens=16 * 300)  # tight: reservations queue behind decode blocks
+    # tight: reservations queue behind decode blocks
+    p = dataclasses.replace(make_profile(kv_tokens=16 * 300), device=device)
     rng = random.Random(1)
     t, arrivals = 0.0, []
     for _ in range(120):

@@ -176,3 +176,25 @@ def test_preempted_producer_keeps_pushed_blocks_until_the_transfer_ends(tiny_lla
     assert pd.tokens("a") == ref.token_ids
     assert _result(pd, "a")[0]
     assert pd.p.whole() and pd.c.whole()
+
+
+def test_the_loop_waits_for_token0_sent_only_while_the_final_notice_needs_it(tiny_llama):
+    """command_wait_ms: > 0 from token 0 (blocks all pushed, destination known) until the
+    Token0SentCmd, then 0; never past TOKEN0_SENT_WAIT_S."""
+    from producer.handler import TOKEN0_SENT_WAIT_S
+    from worker.messages import Token0SentCmd
+
+    pd = PD(tiny_llama)
+    pd.auto_token0 = False
+    assert pd.producer.command_wait_ms() == 0
+    pd.submit("w", PROMPTS[0], GREEDY)
+    pd.run(lambda: bool(pd.p.of("w", Token0Event)))
+    wait = pd.producer.command_wait_ms()
+    assert 0 < wait <= TOKEN0_SENT_WAIT_S * 1e3
+    pd.producer.on_command(Token0SentCmd("w"))
+    assert pd.producer.command_wait_ms() == 0
+    pd.run(lambda: pd.finished("w"))
+    pd.submit("late", PROMPTS[1], GREEDY)
+    pd.run(lambda: bool(pd.p.of("late", Token0Event)))
+    time.sleep(TOKEN0_SENT_WAIT_S + 0.01)  # no confirmation came: the loop goes on
+    assert pd.producer.command_wait_ms() == 0

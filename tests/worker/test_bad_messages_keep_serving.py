@@ -82,3 +82,50 @@ def test_bridge_pump_drops_bad_events_and_keeps_routing() -> None:
             paths.cleanup()
 
     asyncio.run(main())
+
+
+class WaitingRole(RecordingRole):
+    """A busy engine whose role expects one command before its next step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order: list[str] = []
+        self.engine = SimpleNamespace(has_unfinished=lambda: True, held_requests=lambda: [],
+                                      step=lambda: self.order.append("step") or [])
+
+    def on_command(self, cmd: Command) -> None:
+        self.order.append("command")
+        super().on_command(cmd)
+
+    def command_wait_ms(self) -> int:
+        return 0 if self.commands else 5000
+
+    def before_step(self, now_ns: int) -> None:
+        pass
+
+    def on_outputs(self, outs: Any, step_end_ns: int) -> None:
+        pass
+
+
+def test_engine_loop_holds_the_next_step_for_a_command_the_role_awaits() -> None:
+    """The producer's final transfer notice waits for a Token0SentCmd that arrives a moment
+    after token 0: the loop must apply it before launching the next (long) step."""
+    import threading
+
+    paths = ipc.IpcPaths.fresh()
+    ctx = zmq.Context()
+    try:
+        pull = ipc.bind_pull(ctx, paths.commands)
+        push = ipc.connect_push(ctx, paths.commands)
+        ipc.bind_pull(ctx, paths.events)
+        events = ipc.connect_push(ctx, paths.events)
+        role = WaitingRole()
+        loop = WorkerLoop(role, pull, events)  # type: ignore[arg-type]
+        later = threading.Timer(0.05, lambda: push.send(encode(AbortCmd("a"))))
+        later.start()
+        loop.turn()
+        later.join()
+        assert role.order == ["command", "step"]
+    finally:
+        ctx.destroy(linger=0)
+        paths.cleanup()
