@@ -359,7 +359,13 @@ class RequestRun:
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
                                         colocated=colocated,
-                                        prior_output_ids=self.out.token_ids)
+                                        prior_output_ids=self.out.token_ids,
+                                        source_tp_size=self._producer_tp())
+
+    def _producer_tp(self) -> int:
+        """The paired producer's TP size: the consumer's ranks pull their heads by it."""
+        p = self.slot.producer if self.slot is not None else None
+        return p.tp_size if p is not None else 0
 
     async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo) -> Event:
         try:
