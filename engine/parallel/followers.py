@@ -16,6 +16,7 @@ turns that into one TPRankError naming the dead rank. A failed engine stays fail
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -60,6 +61,7 @@ class TPFollowers:
             p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
         for rank in range(1, self.size):
             rfd, wfd = os.pipe()
+            _widen(rfd)
             args = dict(rank=rank, size=self.size, port=self.store.port, prefix=prefix,
                         device=devices[rank], model_path=model_path, config=cfg,
                         chan_fd=wfd, threads=threads)
@@ -232,6 +234,15 @@ def _kill_all(procs: list[subprocess.Popen[bytes]], chans: list[int]) -> None:
             p.stdin.close()
     for fd in chans:
         os.close(fd)
+
+
+def _widen(fd: int) -> None:
+    """A follower's reports (transfer outcomes) must never fill the pipe while rank 0 is
+    inside a step waiting on that follower's collective: 1 MiB, where Linux allows."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+    except (AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
+        pass
 
 
 def _jsonable(v: object) -> bool:
