@@ -89,7 +89,10 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
                 side.on_message(msg[1])
             elif msg[0] == "attach":
                 try:
-                    side = attach(msg[1], kv_cache, group.rank, group.size, msg[2])
+                    # its views of the pool are written by transfer threads, which run
+                    # outside inference mode: they must not be inference tensors
+                    with torch.inference_mode(False):
+                        side = attach(msg[1], kv_cache, group.rank, group.size, msg[2])
                     write_frame(chan, ("attached", side.info()))
                 except Exception as e:  # noqa: BLE001 - rank 0 raises it, naming this rank
                     write_frame(chan, ("attach-failed", f"{type(e).__name__}: {e}"))
