@@ -46,7 +46,6 @@ class TPSender(TPEndpoints, KVSender):
         if rec is None:
             ranks = {r for r in range(self.tp) if self._targets(r, addresses)}
             rec = self._begin(request_id, ranks)
-            rec.extra = addresses
         try:
             if 0 in rec.ranks:
                 for a in self._targets(0, addresses):

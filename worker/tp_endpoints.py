@@ -70,7 +70,6 @@ class _Rec:
     got: dict[int, TransferUpdate] = field(default_factory=dict)  # first terminal per rank
     first_bad: TransferUpdate | None = None  # the first rank's non-DONE end, with its rank
     combined: TransferUpdate | None = None  # reported by poll(); release() may follow
-    extra: Any = None  # the subclass's own (a producer's rank addresses)
 
 
 class TPEndpoints:

@@ -150,8 +150,7 @@ def test_a_follower_that_cannot_reach_the_consumer_fails_the_request_not_the_ran
     try:
         w.tx.connect(w.rx.address)  # rank 0 can; rank 1 is sent a bad address below
         w.rx.expect("r3", [4, 5], source_tp=2)
-        rec = w.tx._begin("r3", {0, 1})
-        rec.extra = ["fake://nobody"]
+        w.tx._begin("r3", {0, 1})  # as push() does, with rank 1 given a dead address
         w.pf.side(1, ("push", "r3", ["fake://nobody"], [0, 1], [4, 5], None))
         w.tx.sender.push("r3", w.rx.address, [0, 1], [4, 5])
         up = _until(w.tx, "r3")
