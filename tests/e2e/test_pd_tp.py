@@ -7,7 +7,8 @@ consumer TP1, TP1 + TP2 and TP2 + TP2, over ucx and ipc, with 2 KV heads (one pe
 and 1 (replicated on both ranks of a TP2 worker). Six clusters cover that: each TP pair
 runs on each backend, and each pair sees both head counts. Killing a follower rank of a TP
 consumer mid-request ends its requests (error naming the worker, or migrated by the
-router) and the cluster keeps serving on the other consumer.
+router) and the cluster keeps serving on the other consumer; a producer rank dying while
+its worker is idle takes the worker down too, and the other producer serves.
 """
 
 from __future__ import annotations
@@ -177,5 +178,35 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
         assert r.code is None and not r.error, (r.details, r.error, dump_logs(c))
         assert r.timing.consumer == "consumer-1"
         assert r.token_ids == ref[0][:10]
+    finally:
+        c.stop()
+
+
+def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
+        tmp_path_factory, models):
+    # No step is running, so no collective notices: rank 0's loop checks its followers on
+    # every turn, and the worker must still go down as a whole, promptly.
+    path = models[2]
+    c = start_cluster(tmp_path_factory, "tp-pkill", model=path, producers=2, consumers=1,
+                      worker_args=ENGINE, producer_args=("--tensor-parallel-size", "2"))
+    try:
+        victim = _follower_ranks(c, "producer-0")
+        assert len(victim) == 1, victim
+        os.kill(victim[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while c.procs["producer-0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.procs["producer-0"].poll() is not None, dump_logs(c)
+        with open(c.log_paths["producer-0"], errors="replace") as f:
+            assert f"rank 1 (pid {victim[0]}) exited" in f.read()
+        deadline = time.monotonic() + 30
+        while "producer-0" in {w.worker_id for w in c.status().workers} \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ref = _reference(path, PROMPTS, False)
+        results = _run(c.router_address, PROMPTS, False)
+        for i, r in enumerate(results):
+            assert r.code is None and not r.error, (i, r.details, r.error, dump_logs(c))
+            assert r.timing.producer == "producer-1" and r.token_ids == ref[i], i
     finally:
         c.stop()
