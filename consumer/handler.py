@@ -15,15 +15,17 @@ import logging
 import time
 from typing import Any
 
+from consumer.tp_receiver import TPReceiver
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepResult
 from engine.request import LogprobRow
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
-from transfer import TransferConfig, TransferStatus, TransferUpdate, make_receiver
+from transfer import KVReceiver, TransferConfig, TransferStatus, TransferUpdate, make_receiver
 from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
+from worker.tp_endpoints import attach_ranks, followers_of
 
 log = logging.getLogger("pdserve.consumer")
 S = RequestState
@@ -34,7 +36,20 @@ class ConsumerHandler(RoleHandler):
                  reservation_s: float = 600.0) -> None:
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
-        self.receiver = make_receiver(engine.kv_cache, engine.layout, self.cfg)
+        local = make_receiver(engine.kv_cache, engine.layout, self.cfg)
+        self.receiver: KVReceiver = local
+        # TP: every rank receives its own heads into its own pool shard
+        followers = followers_of(engine)
+        if followers is not None:
+            try:
+                infos = attach_ranks(followers, "consumer", engine.layout, self.cfg,
+                                     "consumer")
+            except BaseException:
+                local.close()
+                raise
+            self.receiver = TPReceiver(local, followers, infos)
+        self.source_tp: dict[str, int] = {}  # rid -> the producer's TP size (router's word)
+        self.unannounced: dict[str, list[int]] = {}  # TP: reserved, not every rank expects
         # Timing for the first decode step's metrics, not state: rid -> when the KV landed,
         # then (landed, first step launched) ns.
         self.kv_ready: dict[str, int] = {}
@@ -63,9 +78,13 @@ class ConsumerHandler(RoleHandler):
                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids))
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
+                return
             except QueueFull:
                 self.queue_full += 1
                 self.emit(error_event(rid, "error", "consumer reservation queue is full"))
+                return
+            if cmd.source_tp:
+                self.source_tp[rid] = cmd.source_tp
         elif isinstance(cmd, AbortCmd):
             self.aborts += 1
             self.abort(cmd.rid)
@@ -73,6 +92,7 @@ class ConsumerHandler(RoleHandler):
     def abort(self, rid: str) -> None:
         state = self.engine.state_of(rid)
         if state == S.RESERVING:
+            self.source_tp.pop(rid, None)
             self.engine.abort(rid)
             self.emit(error_event(rid, "abort", "aborted while waiting for KV blocks"))
         elif state == S.WAITING_FOR_KV:
@@ -83,12 +103,17 @@ class ConsumerHandler(RoleHandler):
             self.emit(error_event(rid, "abort", "aborted"))
 
     def _reserved(self, rid: str, blocks: list[int]) -> None:
-        self.receiver.expect(rid, blocks, deadline=time.monotonic() + self.reservation_s)
-        self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks)))
+        self.receiver.expect(rid, blocks, deadline=time.monotonic() + self.reservation_s,
+                             source_tp=self.source_tp.pop(rid, None))
+        if isinstance(self.receiver, TPReceiver):  # announced once every rank expects it
+            self.unannounced[rid] = blocks
+        else:
+            self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks)))
 
     def after_step(self) -> None:
         for u in self.receiver.poll():
             self.receiver.release(u.request_id)
+            self.unannounced.pop(u.request_id, None)
             if self.engine.state_of(u.request_id) != S.WAITING_FOR_KV:
                 continue
             if u.status == TransferStatus.DONE and u.notice is not None:
@@ -99,6 +124,11 @@ class ConsumerHandler(RoleHandler):
                 self._admit(u)
             else:
                 self._transfer_failed(u)
+        if isinstance(self.receiver, TPReceiver):
+            for rid in self.receiver.take_ready():
+                blocks = self.unannounced.pop(rid, None)
+                if blocks is not None and self.engine.state_of(rid) == S.WAITING_FOR_KV:
+                    self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks)))
 
     def _transfer_failed(self, u: TransferUpdate) -> None:
         self.transfers_failed += 1

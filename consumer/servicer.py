@@ -23,7 +23,8 @@ class ConsumerServicer(WorkerServicer):
         q = await self._open(rid, context)
         await self._start("decode", rid, DecodeCmd(rid, tuple(request.prompt_token_ids), wire,
                                                    request.colocated,
-                                                   tuple(request.prior_output_ids)), context)
+                                                   tuple(request.prior_output_ids),
+                                                   request.source_tp_size), context)
         done = False
         outcome = "cancelled"
         try:

@@ -211,8 +211,10 @@ def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0) -> list
         else:
             out.append(Check(name, PASS, f"heartbeat {w.last_heartbeat_age_s:.1f} s ago"))
         out.append(check_port(f"{name} gRPC port", w.address, timeout))
-        if w.kv_address:
-            out.append(check_kv_port(f"{name} KV port", w.kv_address, timeout))
+        ranks = [a for a in w.kv_address.split(",") if a]  # a TP consumer: one per rank
+        for r, addr in enumerate(ranks):
+            rank = f" (rank {r})" if len(ranks) > 1 else ""
+            out.append(check_kv_port(f"{name} KV port{rank}", addr, timeout))
     return out
 
 

@@ -43,7 +43,7 @@ def add_launch_parser(sub: Any) -> None:
                    help="comma-separated devices (cpu, cuda:0, ...) cycled over producers, "
                         "then consumers, then colocated workers: each gets --device")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="ranks per worker (colocated workers only, for now); each worker "
+                   help="ranks per worker (producers, consumers, colocated); each worker "
                         "uses consecutive devices from its --device")
     p.add_argument("--log-dir", default=None, help="write each process's output there")
     p.add_argument("--worker-arg", action="append", default=[],
@@ -73,10 +73,6 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     tp = args.tensor_parallel_size
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size: must be >= 1, got {tp}")
-    if tp > 1 and (args.producers or args.consumers):
-        raise ValueError("--tensor-parallel-size: not supported with TP yet in cluster roles "
-                         "producer and consumer (pass --producers 0 --consumers 0 "
-                         "--colocated N)")
     tp_args = (f"--tensor-parallel-size={tp}",) if tp > 1 else ()
     # Its own cluster gets its own secret: workers refuse calls from outside it.
     token = args.cluster_token or secrets.token_hex(16)

@@ -81,10 +81,6 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
 
 
 def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
-    if role != "colocated" and args.tensor_parallel_size > 1:
-        raise ValueError(f"--tensor-parallel-size: not supported with TP yet in cluster role "
-                         f"{role!r} (its KV transfer carries one rank's heads); colocated "
-                         "workers and `pdserve generate` support it")
     overrides: dict[str, Any] = {"role": role}
     if role == "producer" and args.defer_output:
         overrides["defer_output"] = True

@@ -48,6 +48,7 @@ class WorkerInfo:
     inflight: int = 0  # requests the router has dispatched to it and not yet finished
     dispatched: int = 0  # total dispatched to it, for status and tests
     version: str = ""  # pdserve version it runs (from Register)
+    tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
     draining: bool = False  # takes no new requests (deregistered, or changing role)
     drain_reason: str = ""
     target_role: int = 0  # a role change the router ordered (0: none)
@@ -94,7 +95,8 @@ class Registry:
 
     def register(self, *, worker_id: str, role: int, address: str, kv_address: str = "",
                  model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
-                 load: common_pb2.WorkerLoad | None = None, version: str = "") -> WorkerInfo:
+                 load: common_pb2.WorkerLoad | None = None, version: str = "",
+                 tp_size: int = 1) -> WorkerInfo:
         if not worker_id:
             raise RegistrationError("worker_id: must not be empty")
         if role not in ROLE_NAMES:
@@ -103,6 +105,8 @@ class Registry:
             raise RegistrationError("address: must not be empty")
         if role == CONSUMER and not kv_address:
             raise RegistrationError("kv_address: a consumer must advertise its KV address")
+        if not 1 <= tp_size <= 256:
+            raise RegistrationError(f"tp_size: must be in [1, 256], got {tp_size}")
         if max_model_len < 1:
             raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
         if self.served_model is not None and model != self.served_model:
@@ -123,7 +127,7 @@ class Registry:
         info = WorkerInfo(worker_id=worker_id, role=role, address=address, kv_address=kv_address,
                           model=model, kv_fingerprint=kv_fingerprint,
                           max_model_len=max_model_len, load=_copy_load(load),
-                          last_heartbeat=self._clock(), version=version)
+                          last_heartbeat=self._clock(), version=version, tp_size=tp_size)
         self._workers[worker_id] = info
         if old is not None:
             # A restart under the same id: requests on the old incarnation are gone with it.

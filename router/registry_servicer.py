@@ -31,7 +31,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 kv_address=request.kv_address, model=request.model,
                 kv_fingerprint=request.kv_fingerprint, max_model_len=request.max_model_len,
                 load=request.load if request.HasField("load") else None,
-                version=request.version)
+                version=request.version, tp_size=request.tp_size or 1)
         except RegistrationError as e:
             log.warning("refused worker %r: %s", request.worker_id, e)
             code = (grpc.StatusCode.FAILED_PRECONDITION if e.precondition

@@ -354,12 +354,12 @@ class RequestRun:
     # -- helpers ---------------------------------------------------------------------------
 
     def _decode_request(self, *, colocated: bool) -> worker_pb2.DecodeRequest:
-        prep = self.prep
+        prep, p = self.prep, self.slot.producer if self.slot is not None else None
         return worker_pb2.DecodeRequest(request_id=self.leg_id,
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
-                                        colocated=colocated,
-                                        prior_output_ids=self.out.token_ids)
+                                        colocated=colocated, prior_output_ids=self.out.token_ids,
+                                        source_tp_size=p.tp_size if p else 0)  # TP pairing
 
     async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo) -> Event:
         try:

@@ -52,6 +52,7 @@ class DecodeCmd:
     sampling: dict[str, Any]
     colocated: bool
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
+    source_tp: int = 0  # consumer: the producer's TP size (0: unknown, taken as ours)
 
 
 @dataclass(frozen=True)

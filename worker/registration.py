@@ -60,7 +60,8 @@ class Registration:
             kv_address=self.info.get("kv_address", ""), model=self.info["model"],
             kv_fingerprint=self.info["kv_fingerprint"],
             max_model_len=self.info["max_model_len"], load=load_pb(self.load()),
-            cluster_token=self.token, version=pdserve_version()), timeout=10)
+            cluster_token=self.token, tp_size=int(self.info.get("tp_size", 1)),
+            version=pdserve_version()), timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)
 

@@ -79,7 +79,8 @@ class RoleHandler(abc.ABC):
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),
                 "model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_blocks_total": self.engine.block_accounting().total,
-                "vocab_size": self.engine.model_cfg.vocab_size}
+                "vocab_size": self.engine.model_cfg.vocab_size,
+                "tp_size": self.engine.config.tensor_parallel_size}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases transfer resources at shutdown."""

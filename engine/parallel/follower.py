@@ -3,20 +3,25 @@
 Joins the group, loads its weight shard, allocates its KV (its heads only), then replays
 rank 0's step plans until told to stop or rank 0 goes away (its channel closes, or a
 collective fails): in every case it exits, so a dead rank 0 leaves no follower behind.
-See engine.parallel.followers for the whole lifecycle.
+See engine.parallel.followers for the whole lifecycle. A rank side (engine.parallel.
+rank_side), when rank 0 attaches one, gets the side messages in plan order and is polled
+between them.
 """
 
 from __future__ import annotations
 
 import json
+import select
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from engine import host_memory
 from engine.attention import kernels_for
 from engine.parallel.group import TPGroup
+from engine.parallel.rank_side import RankSide, attach
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.parallel.wire import read_frame, write_frame
 from engine.weights import build_model, read_model_config
@@ -45,29 +50,57 @@ def main(argv: list[str]) -> int:
     if msg is None:
         return 0
     _, shape, dtype = msg
-    kv_cache = torch.zeros(shape, dtype=getattr(torch, dtype), device=device)
+    # on CPU the same huge-page pool as rank 0's (a transfer endpoint may share it)
+    kv_cache = (host_memory.zeros(shape, getattr(torch, dtype)) if device.type == "cpu"
+                else torch.zeros(shape, dtype=getattr(torch, dtype), device=device))
     write_frame(chan, "ready")
-    follow(model, kv_cache, group, stdin, device)
+    follow(model, kv_cache, group, stdin, device, chan)
     return 0
+
+
+SIDE_POLL_S = 0.003  # how often an attached rank side is polled while no message comes
 
 
 @torch.inference_mode()
 def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: int,
-           device: torch.device) -> None:
+           device: torch.device, chan: int) -> None:
     prev_ids: torch.Tensor | None = None
-    while True:
-        try:
-            plan = read_frame(fd)
-        except EOFError:
-            return  # rank 0 is gone
-        if plan is None:
-            return
-        assert isinstance(plan, StepPlan)
-        run_plan(model, kv_cache, plan, prev_ids, device)  # type: ignore[arg-type]
-        prev_ids = None
-        if plan.sample_at:  # rank 0 sampled: keep its ids for the next step's inputs
-            prev_ids = group.broadcast(
-                torch.empty(len(plan.sample_at), dtype=torch.int64, device=device), 0)
+    side: RankSide | None = None
+    try:
+        while True:
+            if side is not None:
+                for report in side.poll():
+                    write_frame(chan, ("side", report))
+                if not select.select([fd], [], [], SIDE_POLL_S)[0]:
+                    continue
+            try:
+                msg = read_frame(fd)
+            except EOFError:
+                return  # rank 0 is gone
+            if msg is None:
+                return
+            if isinstance(msg, StepPlan):
+                run_plan(model, kv_cache, msg, prev_ids, device)  # type: ignore[arg-type]
+                prev_ids = None
+                if msg.sample_at:  # rank 0 sampled: keep its ids for the next step's inputs
+                    prev_ids = group.broadcast(
+                        torch.empty(len(msg.sample_at), dtype=torch.int64, device=device), 0)
+            elif msg[0] == "side" and side is not None:
+                side.on_message(msg[1])
+            elif msg[0] == "attach":
+                try:
+                    # its views of the pool are written by transfer threads, which run
+                    # outside inference mode: they must not be inference tensors
+                    with torch.inference_mode(False):
+                        side = attach(msg[1], kv_cache, group.rank, group.size, msg[2])
+                    write_frame(chan, ("attached", side.info()))
+                except Exception as e:  # noqa: BLE001 - rank 0 raises it, naming this rank
+                    write_frame(chan, ("attach-failed", f"{type(e).__name__}: {e}"))
+            else:
+                raise ValueError(f"follower rank {group.rank}: unexpected message {msg!r:.80}")
+    finally:
+        if side is not None:
+            side.close()
 
 
 def _td(seconds: float) -> timedelta:

@@ -5,7 +5,8 @@ engine.parallel.follower`):
 
   SPAWNED --"hello"--> JOINING (its half of the process group) --(rank 0 joins)-->
   LOADING (its weight shard) --("kv", shape) / "ready"--> FOLLOWING (one StepPlan per
-  step) --(None, or rank 0's channel closes)--> EXITED
+  step; with a rank side attached, side messages in between and reports back on its
+  channel) --(None, or rank 0's channel closes)--> EXITED
 
 Timeouts: start-up waits at most `start_timeout_s` for each message and fails at once
 when a follower exits; every collective is bounded by the group's timeout; a follower
@@ -15,6 +16,7 @@ turns that into one TPRankError naming the dead rank. A failed engine stays fail
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -59,6 +61,7 @@ class TPFollowers:
             p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p))
         for rank in range(1, self.size):
             rfd, wfd = os.pipe()
+            _widen(rfd)
             args = dict(rank=rank, size=self.size, port=self.store.port, prefix=prefix,
                         device=devices[rank], model_path=model_path, config=cfg,
                         chan_fd=wfd, threads=threads)
@@ -87,15 +90,58 @@ class TPFollowers:
         self._send_all(("kv", tuple(shape), str(dtype).removeprefix("torch.")))
         self._expect("ready")
 
-    def _expect(self, what: str) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
+    def attach(self, factory: str, args: Any, timeout_s: float = 60.0) -> list[Any]:
+        """Starts a rank side (engine.parallel.rank_side) on every follower; returns each
+        one's info in rank order (ranks 1..N-1). A follower that cannot start it fails the
+        engine, naming the rank and its error."""
+        self._send_all(("attach", factory, args))
+        got = self._expect("attached", timeout_s)
+        return [g[1] for g in got]
+
+    def side(self, rank: int, msg: Any) -> None:
+        """One side message to follower ``rank`` (1..N-1), after the plans sent so far."""
+        self._check_alive()
+        if self.failed is not None:
+            raise self.failed
+        p = self.procs[rank - 1]
+        assert p.stdin is not None
+        try:
+            write_frame(p.stdin.fileno(), ("side", msg), self.timeout_s)
+        except OSError as e:
+            self._check_alive(wait_s=2.0)
+            raise self._fail(f"rank {rank}: cannot send a side message ({e})") from e
+
+    def reports(self) -> list[tuple[int, Any]]:
+        """(rank, report) the rank sides sent since the last call; never waits. Raises
+        TPRankError when a follower is gone."""
+        self._check_alive()
+        out: list[tuple[int, Any]] = []
+        for i, fd in enumerate(self.chans):
+            while select.select([fd], [], [], 0)[0]:
+                try:
+                    frame = read_frame(fd)
+                except EOFError:
+                    self._check_alive(wait_s=2.0)
+                    raise self._fail(f"rank {i + 1} closed its channel") from None
+                out.append((i + 1, frame[1]))
+        return out
+
+    def check(self) -> None:
+        """TPRankError if a follower exited (cheap: call it every loop turn)."""
+        self._check_alive()
+
+    def _expect(self, what: str, timeout_s: float | None = None) -> list[Any]:
+        """Waits for ``what`` (a string, or a tuple frame whose first item is it) from every
+        follower, in rank order; returns the frames."""
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        frames: list[Any] = []
         for i, fd in enumerate(self.chans):
             while True:
                 self._check_alive()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._fail(f"rank {i + 1} sent no {what!r} within "
-                                     f"{self.start_timeout_s:.0f}s")
+                                     f"{timeout_s or self.start_timeout_s:.0f}s")
                 ready, _, _ = select.select([fd], [], [], min(left, 0.2))
                 if ready:
                     try:
@@ -103,9 +149,14 @@ class TPFollowers:
                     except EOFError:
                         self._check_alive(wait_s=2.0)
                         raise self._fail(f"rank {i + 1} closed its channel") from None
-                    if got != what:
-                        raise self._fail(f"rank {i + 1} sent {got!r}, expected {what!r}")
+                    kind = got[0] if isinstance(got, tuple) else got
+                    if kind == "side":  # a report that raced ahead of an attach reply
+                        continue
+                    if kind != what:
+                        raise self._fail(f"rank {i + 1} sent {got!r:.300}, expected {what!r}")
+                    frames.append(got)
                     break
+        return frames
 
     # ---- steps ---------------------------------------------------------------------------
 
@@ -183,6 +234,15 @@ def _kill_all(procs: list[subprocess.Popen[bytes]], chans: list[int]) -> None:
             p.stdin.close()
     for fd in chans:
         os.close(fd)
+
+
+def _widen(fd: int) -> None:
+    """A follower's reports (transfer outcomes) must never fill the pipe while rank 0 is
+    inside a step waiting on that follower's collective: 1 MiB, where Linux allows."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+    except (AttributeError, OSError):  # not Linux, or over /proc/sys/fs/pipe-max-size
+        pass
 
 
 def _jsonable(v: object) -> bool:

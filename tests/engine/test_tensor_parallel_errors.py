@@ -65,15 +65,18 @@ def test_engine_and_cli_reject_bad_sizes(model_dir, capsys):
     assert "--tensor-parallel-size: 8 does not divide" in capsys.readouterr().err
 
 
-def test_cluster_roles_reject_tp_until_wired(model_dir):
+def test_cluster_roles_take_tp(model_dir):
     from deploy.cli import build_parser
     from deploy.worker_cmd import spec_from_args
 
     for role in ("producer", "consumer"):
-        args = build_parser().parse_args([role, "--router", "127.0.0.1:1", "--model", model_dir,
-                                          "--tensor-parallel-size", "2"])
-        with pytest.raises(ValueError, match="--tensor-parallel-size: not supported"):
-            spec_from_args(args, role)
+        for backend in ("ucx", "ipc", "nixl"):
+            args = build_parser().parse_args([role, "--router", "127.0.0.1:1", "--model",
+                                              model_dir, "--tensor-parallel-size", "2",
+                                              "--transfer-backend", backend])
+            spec = spec_from_args(args, role)
+            assert (spec.engine.tensor_parallel_size, spec.engine.role) == (2, role)
+            assert spec.transfer["backend"] == backend
     args = build_parser().parse_args(["colocated", "--router", "127.0.0.1:1", "--model",
                                       model_dir, "--tensor-parallel-size", "2",
                                       "--devices", "cpu,cpu", "--tp-timeout", "9"])
@@ -170,15 +173,20 @@ def test_followers_exit_when_rank0_dies(model_dir):
     assert all(_gone(k) for k in kids), kids
 
 
-def test_launch_passes_tp_to_colocated_workers_and_refuses_pd_roles(model_dir, capsys):
+def test_launch_passes_tp_to_every_worker_role(model_dir, capsys):
     from deploy.cli import build_parser, main
     from deploy.launch_cmd import spec_from_args
 
-    rc = main(["launch", "--model", model_dir, "--tensor-parallel-size", "2", "--grpc-port",
+    args = build_parser().parse_args(["launch", "--model", model_dir, "--producers", "1",
+                                      "--consumers", "2", "--tensor-parallel-size", "2",
+                                      "--grpc-port", "0", "--http-port", "0"])
+    spec = spec_from_args(args)
+    assert (spec.producers, spec.consumers) == (1, 2)
+    assert "--tensor-parallel-size=2" in spec.worker_args
+    rc = main(["launch", "--model", model_dir, "--tensor-parallel-size", "0", "--grpc-port",
                "0", "--http-port", "0"])
     assert rc == 2
-    assert "--tensor-parallel-size: not supported with TP yet in cluster roles" in \
-        capsys.readouterr().err
+    assert "--tensor-parallel-size: must be >= 1" in capsys.readouterr().err
     args = build_parser().parse_args(["launch", "--model", model_dir, "--producers", "0",
                                       "--consumers", "0", "--colocated", "1",
                                       "--tensor-parallel-size", "2", "--grpc-port", "0",

@@ -166,7 +166,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., age_s: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., tokens_streamed: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role")
+    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role", "tp_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class WorkerStatus(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TARGET_ROLE_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -191,7 +192,8 @@ class WorkerStatus(_message.Message):
     kv_address: str
     draining: bool
     target_role: _common_pb2.Role
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "cluster_token", "done", "reason")

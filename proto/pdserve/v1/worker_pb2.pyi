@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "version")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class RegisterRequest(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
@@ -28,8 +29,9 @@ class RegisterRequest(_message.Message):
     max_model_len: int
     load: _common_pb2.WorkerLoad
     cluster_token: str
+    tp_size: int
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -124,20 +126,22 @@ class TransferResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     seed: int
     colocated: bool
     prior_output_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    source_tp_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ...) -> None: ...
 
 class DecodeOutput(_message.Message):
     __slots__ = ("reserved", "tokens")

@@ -1,0 +1,212 @@
+"""Tensor-parallel producers and consumers in live clusters (router, gRPC workers, engine
+processes and their follower ranks, real UCX / shared-memory transfers between each
+producer rank and the consumer ranks that own its heads).
+
+Tokens must equal the colocated TP1 engine's, greedy and seeded, for producer TP2 +
+consumer TP1, TP1 + TP2 and TP2 + TP2, over ucx and ipc, with 2 KV heads (one per rank)
+and 1 (replicated on both ranks of a TP2 worker). Six clusters cover that: each TP pair
+runs on each backend, and each pair sees both head counts. Killing a follower rank of a TP
+consumer mid-request ends its requests (error naming the worker, or migrated by the
+router) and the cluster keeps serving on the other consumer; a producer rank dying while
+its worker is idle takes the worker down too, and the other producer serves.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from cluster_client import generate, stub_for, wait_for_full_kv
+from live_cluster import dump_logs, start_cluster
+from pdserve.v1 import router_pb2
+from tiny_models import PROMPTS, make_tiny_model
+
+from deploy.procs import cmdline
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+# block 4 and a 16-token budget: prompts are prefilled in several chunks, so each producer
+# rank pushes runs while later chunks compute
+ENGINE = ("--device", "cpu", "--dtype", "float32", "--block-size", "4",
+          "--max-num-batched-tokens", "16", "--kv-cache-mib", "4")
+# a longer prompt: 18 blocks, a run crossing many chunks
+LONG = [(i * 37 + 11) % 250 + 3 for i in range(70)]
+CASES = [  # (backend, producer TP, consumer TP, KV heads)
+    ("ucx", 2, 1, 2), ("ucx", 1, 2, 1), ("ucx", 2, 2, 2),
+    ("ipc", 2, 1, 1), ("ipc", 1, 2, 2), ("ipc", 2, 2, 1),
+]
+
+
+def _byte_tokenizer(path: str) -> None:
+    """A 256-token byte-level tokenizer.json: the router needs one to serve the model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.save(f"{path}/tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+    root = tmp_path_factory.mktemp("pdtp")
+    out = {}
+    for kv in (2, 1):
+        path = make_tiny_model(os.path.join(root, f"kv{kv}"), "llama", seed=kv,
+                               num_key_value_heads=kv)
+        _byte_tokenizer(path)
+        out[kv] = path
+    return out
+
+
+def _sampling(i: int, seeded: bool) -> dict:
+    if seeded:
+        return dict(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=500 + i,
+                    ignore_eos=True)
+    return dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+def _reference(path: str, prompts: list[list[int]], seeded: bool,
+               **kw: object) -> list[list[int]]:
+    params = [SamplingParams(**{**_sampling(i, seeded), **kw}) for i in range(len(prompts))]
+    with LLM(path, block_size=4, max_num_batched_tokens=16, dtype="float32") as llm:
+        return [c.token_ids for c in llm.generate(prompts, params)]
+
+
+def _run(address: str, prompts: list[list[int]], seeded: bool) -> list:
+    ch, stub = stub_for(address)
+    with ch, ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(generate, stub, _sampling(i, seeded),
+                            prompt_token_ids=router_pb2.TokenIds(ids=p))
+                for i, p in enumerate(prompts)]
+        return [f.result() for f in futs]
+
+
+def _cluster(tmp_path_factory, name: str, path: str, backend: str, ptp: int, ctp: int,
+             consumers: int = 1):
+    return start_cluster(tmp_path_factory, name, model=path, producers=1,
+                         consumers=consumers, transfer_backend=backend,
+                         worker_args=(*ENGINE, "--tensor-parallel-size", str(ctp)),
+                         producer_args=("--tensor-parallel-size", str(ptp)))
+
+
+@pytest.mark.parametrize("backend,ptp,ctp,kv", CASES,
+                         ids=[f"{b}-p{p}c{c}-kv{k}" for b, p, c, k in CASES])
+def test_tp_pair_tokens_equal_colocated_tp1(tmp_path_factory, models, backend, ptp, ctp, kv):
+    path = models[kv]
+    prompts = [*PROMPTS, LONG]
+    refs = {s: _reference(path, prompts, s) for s in (False, True)}
+    c = _cluster(tmp_path_factory, f"tp-{backend}-{ptp}{ctp}", path, backend, ptp, ctp)
+    try:
+        status = {w.worker_id: w for w in c.status().workers}
+        assert status["producer-0"].tp_size == ptp and status["consumer-0"].tp_size == ctp
+        # a TP consumer advertises one KV address per rank
+        assert len(status["consumer-0"].kv_address.split(",")) == ctp
+        for seeded in (False, True):
+            results = _run(c.router_address, prompts, seeded)
+            for i, r in enumerate(results):
+                assert r.code is None and not r.error, (i, r.code, r.details, r.error,
+                                                        dump_logs(c))
+                assert r.timing.producer == "producer-0"
+                assert r.timing.consumer == "consumer-0"
+                assert r.token_ids == refs[seeded][i], (seeded, i)
+        ch, stub = stub_for(c.router_address)
+        with ch:
+            wait_for_full_kv(stub, timeout=30)  # every rank released its blocks
+    finally:
+        c.stop()
+
+
+def _follower_ranks(c, name: str) -> list[int]:
+    """Live follower-rank processes of worker ``name`` (they share its process group)."""
+    return [pid for pid in c.group_alive(name) if "engine.parallel.follower" in cmdline(pid)]
+
+
+def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving(
+        tmp_path_factory, models):
+    path = models[2]
+    c = _cluster(tmp_path_factory, "tp-kill", path, "ucx", 1, 2, consumers=2)
+    try:
+        victim = _follower_ranks(c, "consumer-0")
+        assert len(victim) == 1, victim  # consumer-0's rank 1
+        ch, stub = stub_for(c.router_address)
+        long = dict(max_tokens=200, temperature=0.0, ignore_eos=True)
+        with ch, ThreadPoolExecutor(4) as pool:
+            futs = [pool.submit(generate, stub, long, timeout=120,
+                                prompt_token_ids=router_pb2.TokenIds(ids=p))
+                    for p in PROMPTS]
+            # wait until consumer-0 is decoding some of them, then kill its rank 1
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                w = {w.worker_id: w for w in c.status().workers}.get("consumer-0")
+                if w is not None and w.load.running > 0:
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("consumer-0 never ran a request\n" + dump_logs(c))
+            os.kill(victim[0], signal.SIGKILL)
+            t0 = time.monotonic()
+            results = [f.result(timeout=120) for f in futs]
+            took = time.monotonic() - t0
+        ref = _reference(path, PROMPTS, False, max_tokens=200)
+        failed = 0
+        for i, r in enumerate(results):  # migrated (complete, same tokens) or an error
+            if r.error or r.code is not None:  # naming the worker whose rank died
+                failed += 1
+                assert "consumer-0" in f"{r.error} {r.details}", (r.error, r.details)
+            else:
+                assert r.token_ids == ref[i], i
+        with open(c.log_paths["router"], errors="replace") as f:
+            migrated = [ln for ln in f if "migrating after" in ln and "consumer-0" in ln
+                        and "rank 1" in ln]
+        assert failed + len(migrated) >= 1, dump_logs(c)  # the death did hit requests
+        assert took < 100, took  # generate's own timeout is 120 s
+        # the worker as a whole went down (all its ranks), and the cluster serves on
+        deadline = time.monotonic() + 30
+        while c.procs["consumer-0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.procs["consumer-0"].poll() is not None, dump_logs(c)
+        assert not c.group_alive("consumer-0")  # its engine and follower ranks too
+        ch, stub = stub_for(c.router_address)
+        with ch:
+            r = generate(stub, dict(max_tokens=10, temperature=0.0, ignore_eos=True),
+                         prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[0]))
+        assert r.code is None and not r.error, (r.details, r.error, dump_logs(c))
+        assert r.timing.consumer == "consumer-1"
+        assert r.token_ids == ref[0][:10]
+    finally:
+        c.stop()
+
+
+def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
+        tmp_path_factory, models):
+    # No step is running, so no collective notices: rank 0's loop checks its followers on
+    # every turn, and the worker must still go down as a whole, promptly.
+    path = models[2]
+    c = start_cluster(tmp_path_factory, "tp-pkill", model=path, producers=2, consumers=1,
+                      worker_args=ENGINE, producer_args=("--tensor-parallel-size", "2"))
+    try:
+        victim = _follower_ranks(c, "producer-0")
+        assert len(victim) == 1, victim
+        os.kill(victim[0], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while c.procs["producer-0"].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.procs["producer-0"].poll() is not None, dump_logs(c)
+        with open(c.log_paths["producer-0"], errors="replace") as f:
+            assert f"rank 1 (pid {victim[0]}) exited" in f.read()
+        deadline = time.monotonic() + 30
+        while "producer-0" in {w.worker_id for w in c.status().workers} \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ref = _reference(path, PROMPTS, False)
+        results = _run(c.router_address, PROMPTS, False)
+        for i, r in enumerate(results):
+            assert r.code is None and not r.error, (i, r.details, r.error, dump_logs(c))
+            assert r.timing.producer == "producer-1" and r.token_ids == ref[i], i
+    finally:
+        c.stop()

@@ -1,0 +1,176 @@
+"""Rank 0's view of a TP worker's KV transfer endpoints: one per rank, each on its own pool
+shard, acting as one sender (producer) or one receiver (consumer).
+
+Lifecycle of one request's record (rank 0 owns it):
+  begin (first push / expect; the ranks that hold a part, per transfer.tp_plan) -->
+  each rank reports its own terminal update (rank 0 from its local endpoint, followers over
+  the side channel) --> the first rank that ends other than DONE cancels the others -->
+  once EVERY involved rank is terminal, poll() reports one combined update (DONE only if
+  all were DONE) --> release() forgets it on every rank.
+So blocks stay pinned (producer) or reserved (consumer) until no rank reads or writes them.
+A follower that dies never reports: ``TPFollowers.reports`` raises TPRankError instead, and
+the engine process fails as a whole (the worker's requests end with its error).
+
+A consumer with several ranks advertises every rank's address, comma-joined in rank order
+(``join_addresses``): the producer splits it and each producer rank pushes to the consumer
+ranks that take its heads. A one-rank consumer's address is a plain address, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.kv_layout import KVLayout
+from engine.llm_engine import LLMEngine
+from engine.parallel.followers import TPFollowers
+from transfer import Accounting, TransferConfig, TransferStats, TransferStatus, TransferUpdate
+from transfer.base import KVReceiver, KVSender
+from worker.tp_rank_side import FACTORY
+
+SEP = ","
+
+
+def split_addresses(address: str) -> list[str]:
+    """A consumer's advertised KV address -> one address per consumer rank."""
+    parts = [a.strip() for a in address.split(SEP)]
+    if not parts or any(not a for a in parts):
+        raise ValueError(f"kv_address: empty rank address in {address!r}")
+    return parts
+
+
+def join_addresses(addresses: list[str]) -> str:
+    return SEP.join(addresses)
+
+
+def followers_of(engine: LLMEngine) -> TPFollowers | None:
+    return engine.runner.followers
+
+
+def attach_ranks(followers: TPFollowers, kind: str, layout: KVLayout, cfg: TransferConfig,
+                 name: str) -> list[dict[str, Any]]:
+    """Starts the endpoint of every follower rank; returns their infos (ranks 1..N-1).
+    A fixed KV port (multi-node firewalls) gives rank r port + r."""
+    transfer = dataclasses.asdict(cfg)
+    layout_d = {k: v for k, v in dataclasses.asdict(layout).items() if k != "tp_rank"}
+    for_all: dict[str, Any] = {"kind": kind, "layout": layout_d, "transfer": transfer,
+                               "name": name}
+    if cfg.port:
+        # one message for all ranks: each picks port + rank in its own TransferConfig
+        for_all["transfer"] = {**transfer, "port": 0}
+        for_all["base_port"] = cfg.port
+    infos: list[dict[str, Any]] = followers.attach(FACTORY, for_all)
+    return infos
+
+
+@dataclass
+class _Rec:
+    ranks: frozenset[int]  # ranks holding a part of this request
+    got: dict[int, TransferUpdate] = field(default_factory=dict)  # first terminal per rank
+    first_bad: TransferUpdate | None = None  # the first rank's non-DONE end, with its rank
+    combined: TransferUpdate | None = None  # reported by poll(); release() may follow
+
+
+class TPEndpoints:
+    """What the TP sender and receiver share: records, combining, cancel and release."""
+
+    def __init__(self, local: KVSender | KVReceiver, followers: TPFollowers | None) -> None:
+        self.local = local
+        self.followers = followers
+        self.recs: dict[str, _Rec] = {}
+
+    def _begin(self, rid: str, ranks: set[int]) -> _Rec:
+        rec = self.recs[rid] = _Rec(frozenset(ranks))
+        return rec
+
+    def _side(self, rank: int, msg: Any) -> None:
+        assert self.followers is not None
+        self.followers.side(rank, msg)
+
+    def _on_report(self, rank: int, report: Any) -> None:
+        """A follower's report other than a terminal update."""
+
+    def poll(self) -> list[TransferUpdate]:
+        ends: list[TransferUpdate] = []
+        feed = [(0, u) for u in self.local.poll()]
+        if self.followers is not None:
+            for rank, rep in self.followers.reports():
+                if rep[0] == "update":
+                    _, rid, st, notice, error = rep
+                    feed.append((rank, TransferUpdate(rid, TransferStatus(st), notice, error)))
+                else:
+                    self._on_report(rank, rep)
+        for rank, u in feed:
+            done = self._feed(rank, u)
+            if done is not None:
+                ends.append(done)
+        return ends
+
+    def _feed(self, rank: int, u: TransferUpdate) -> TransferUpdate | None:
+        rec = self.recs.get(u.request_id)
+        if rec is None or rank in rec.got or rec.combined is not None:
+            return None
+        rec.got[rank] = u
+        if u.status != TransferStatus.DONE and rec.first_bad is None:
+            who = f"rank {rank}: " if len(rec.ranks) > 1 else ""
+            rec.first_bad = dataclasses.replace(u, error=f"{who}{u.error}")
+            self._cancel_rest(u.request_id, rec, f"rank {rank} ended: {u.error}")
+        if rec.got.keys() < rec.ranks:
+            return None
+        if rec.first_bad is not None:
+            rec.combined = rec.first_bad
+        else:
+            rec.combined = rec.got[min(rec.ranks)]
+        self._ended(u.request_id)
+        return rec.combined
+
+    def _ended(self, rid: str) -> None:
+        """Hook: the combined update of rid is out."""
+
+    def _cancel_rest(self, rid: str, rec: _Rec, reason: str) -> None:
+        for r in rec.ranks - rec.got.keys():
+            if r == 0:
+                self.local.cancel(rid, reason)
+            else:
+                self._side(r, ("cancel", rid, reason))
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> None:
+        rec = self.recs.get(request_id)
+        if rec is None:
+            self.local.cancel(request_id, reason)
+            return
+        if rec.combined is None:
+            self._cancel_rest(request_id, rec, reason)
+
+    def release(self, request_id: str) -> None:
+        rec = self.recs.get(request_id)
+        if rec is None:
+            self.local.release(request_id)
+            return
+        if rec.combined is None:
+            raise ValueError(f"release({request_id!r}): not every rank is terminal yet")
+        del self.recs[request_id]
+        for r in rec.ranks:
+            if r == 0:
+                self.local.release(request_id)
+            else:
+                self._side(r, ("release", request_id))
+
+    def status(self, request_id: str) -> TransferStatus:
+        rec = self.recs.get(request_id)
+        if rec is None:
+            return self.local.status(request_id)
+        if rec.combined is not None:
+            return rec.combined.status
+        return TransferStatus.IN_FLIGHT if rec.got else self.local.status(request_id)
+
+    def accounting(self) -> Accounting:
+        acc = self.local.accounting()
+        return dataclasses.replace(acc, transfers=max(acc.transfers, len(self.recs)))
+
+    def stats(self) -> TransferStats:
+        return self.local.stats()  # rank 0's; followers' counters stay on their ranks
+
+    def close(self) -> None:
+        self.local.close()  # the followers close theirs when the engine stops them
