@@ -52,6 +52,10 @@ class ClusterSpec:
     cluster_token: str = field(default="", repr=False)  # router's and workers' --cluster-token
     worker_metrics: bool = True  # give each worker a /metrics port (LocalCluster.metrics_ports)
     devices: tuple[str, ...] = ()  # cycled over producers, consumers, colocated; (): no --device
+    # Workers on other hosts of this machine: name ("producer-0") -> (network namespace, its
+    # address there); such a worker runs under `ip netns exec`, binds and advertises that
+    # address, and reaches the router at ``host`` (which must be reachable from there).
+    netns: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("producers", "consumers", "colocated"):
@@ -153,8 +157,8 @@ class LocalCluster:
         self._spawn("router", self._cmd(*router))
         n = s.producers + s.consumers + s.colocated
         threads = s.threads or max(1, (os.cpu_count() or 1) // n)
-        common = [*model, "--router", self.router_address, "--host", s.host,
-                  "--threads", str(threads), *s.worker_args]
+        common = [*model, "--router", self.router_address, "--threads", str(threads),
+                  *s.worker_args]
         devices = assign_devices(s.devices, s.producers, s.consumers, s.colocated)
         for role, count in (("producer", s.producers), ("consumer", s.consumers),
                             ("colocated", s.colocated)):
@@ -164,11 +168,14 @@ class LocalCluster:
                     extra += ["--device", devices[f"{role}-{i}"]]
                 if role == "producer":
                     extra += list(s.producer_args)
+                name = f"{role}-{i}"
+                ns, host = s.netns.get(name, ("", s.host))
                 if s.worker_metrics:
-                    self.metrics_ports[f"{role}-{i}"] = port = free_port(s.host)
+                    # in a fresh namespace any port is free; the number just has to be known
+                    self.metrics_ports[name] = port = free_port(s.host if not ns else "127.0.0.1")
                     extra += ["--metrics-port", str(port)]
-                self._spawn(f"{role}-{i}", self._cmd(role, *common, *extra,
-                                                     "--worker-id", f"{role}-{i}"))
+                cmd = self._cmd(role, *common, "--host", host, *extra, "--worker-id", name)
+                self._spawn(name, ["ip", "netns", "exec", ns, *cmd] if ns else cmd)
         self.wait_ready(n, timeout)
         self.echo.set()
 

@@ -34,6 +34,9 @@ def add_router_parser(sub: Any) -> None:
                    help="seconds to wait for a leg's first token before failing the request")
     p.add_argument("--token-timeout", type=float, default=300.0,
                    help="seconds to wait for a leg's next message before failing the request")
+    p.add_argument("--hold-interval", type=float, default=1.0,
+                   help="seconds between the router's word to a producer that the consumer's "
+                        "reservation still waits for blocks (renews the producer's --lease)")
     p.add_argument("--abort-timeout", type=float, default=2.0,
                    help="deadline of Abort calls to workers")
     p.add_argument("--prefill-retries", type=int, default=2,
@@ -70,7 +73,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         tls_key=args.tls_key, max_running_requests=args.max_running_requests,
                         max_queued_requests=args.max_queued_requests,
                         retry_after_s=args.retry_after, prefill_retries=args.prefill_retries,
-                        max_migrations=args.max_migrations)
+                        max_migrations=args.max_migrations,
+                        hold_interval_s=args.hold_interval)
 
 
 def run_router(args: argparse.Namespace) -> int:

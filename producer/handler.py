@@ -8,6 +8,12 @@ returns them to the pool while the sender may still read them; release() here, o
 transfer is terminal (DONE, failed, cancelled), frees them. A request never pushed is
 simply aborted. The request's state is the engine's (``state_of``): QUEUED, PREFILLING,
 TRANSFERRING once token 0 is out, FINISHED_* when token 0 ended it or it was failed.
+
+Leases: until the destination comes, the lease is renewed by the router's ``HoldCmd``,
+sent while the consumer is alive and its reservation waits for blocks (backpressure slows
+the cluster; it does not fail requests); when the consumer dies or the router goes quiet the
+renewals stop and the blocks are freed ``lease_s`` later at most. After the destination,
+the lease bounds the pushes and the consumer's ack.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from worker.messages import (
     AbortCmd,
     Command,
     DestinationCmd,
+    HoldCmd,
     PrefillCmd,
     Token0Event,
     Token0SentCmd,
@@ -108,6 +115,10 @@ class ProducerHandler(RoleHandler):
                 return
             o.dest_address, o.dest_blocks = cmd.kv_address, list(cmd.block_ids)
             self._push_ready(o)
+        elif isinstance(cmd, HoldCmd):
+            o = self.out.get(cmd.rid)
+            if o is not None and o.dest_blocks is None:
+                o.lease_until = max(o.lease_until, time.monotonic() + self.lease_s)
         elif isinstance(cmd, Token0SentCmd):
             o = self.out.get(cmd.rid)
             if o is not None:

@@ -15,6 +15,7 @@ from worker.messages import (
     AbortCmd,
     DestinationCmd,
     FatalEvent,
+    HoldCmd,
     PrefillCmd,
     Token0Event,
     Token0SentCmd,
@@ -48,6 +49,8 @@ class ProducerServicer(WorkerServicer):
                     d = msg.destination
                     self.bridge.send(DestinationCmd(rid, d.consumer_id, d.kv_address,
                                                     tuple(d.block_ids)))
+                elif msg.WhichOneof("kind") == "queued":
+                    self.bridge.send(HoldCmd(rid, msg.queued.consumer_id))
 
         reader = asyncio.create_task(destinations())
         done = False

@@ -23,6 +23,10 @@ class RouterConfig:
     token0_timeout_s: float = 600.0  # request sent -> first token of each leg
     token_timeout_s: float = 300.0  # between later messages of a leg
     abort_timeout_s: float = 2.0  # deadline of Worker.Abort calls (the worker may be dead)
+    # While a consumer's reservation waits for blocks (backpressure), the producer holds the
+    # prefilled blocks under a lease that these renewals keep alive; keep it well under the
+    # workers' --lease.
+    hold_interval_s: float = 1.0
     # A producer that fails before token 0 (stream error, early end, dropped) costs the
     # client nothing yet, so the request is placed again, at most this many times.
     prefill_retries: int = 2
@@ -65,7 +69,8 @@ class RouterConfig:
                       self.heartbeat_timeout_s)
         for flag, v in (("--token0-timeout", self.token0_timeout_s),
                         ("--token-timeout", self.token_timeout_s),
-                        ("--abort-timeout", self.abort_timeout_s)):
+                        ("--abort-timeout", self.abort_timeout_s),
+                        ("--hold-interval", self.hold_interval_s)):
             if not v > 0:
                 raise bad(flag, "must be > 0", v)
         if self.prefill_retries < 0:

@@ -111,9 +111,15 @@ class ProducerLeg(Leg):
         super().__init__(worker, call, report)  # call: grpc.aio.StreamStreamCall
         self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
         self._closed_writing = False
+        self._holding: asyncio.Task[None] | None = None  # hold_until_reserved, kept alive
 
-    def start(self, request: worker_pb2.PrefillRequest) -> None:
+    def start(self, request: worker_pb2.PrefillRequest,
+              hold: tuple[DecodeLeg, float, Callable[[], bool]] | None = None) -> None:
+        """``hold``: (the consumer's leg, interval, the run ended?) for hold_until_reserved."""
         self._start(self._read(request))
+        if hold is not None:  # it ends by itself: paired, the run ended, or a leg gone
+            self._holding = asyncio.get_running_loop().create_task(
+                hold_until_reserved(self, *hold))
 
     async def linger(self, bound_s: float) -> None:
         loop = asyncio.get_running_loop()
@@ -149,6 +155,16 @@ class ProducerLeg(Leg):
             await self.half_close()
         except Exception:  # noqa: BLE001 - the read side reports the call's real status
             pass
+
+    @property
+    def paired(self) -> bool:
+        """The destination went out (and the input was closed): no more holds."""
+        return self._closed_writing
+
+    async def hold(self, consumer_id: str) -> None:
+        """The consumer is alive and its reservation waits: the producer keeps the blocks."""
+        await self._write(worker_pb2.PrefillInput(
+            queued=worker_pb2.ReservationQueued(consumer_id=consumer_id)))
 
     async def half_close(self) -> None:
         async with self._write_lock:
@@ -202,3 +218,22 @@ class DecodeLeg(Leg):
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
             code, msg = describe_rpc_error(self.worker, e)
             self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+
+
+async def hold_until_reserved(producer: ProducerLeg, decode: DecodeLeg, interval_s: float,
+                              done: Callable[[], bool]) -> None:
+    """Until the destination went to the producer (or ``done()``: the run ended), renews its
+    lease on the prefilled blocks while the consumer's stream is open. A consumer that stops
+    heartbeating is dropped by the registry, which ends the attempt and so the renewals: the
+    producer then frees the blocks within its lease."""
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            if (done() or producer.paired or not decode.reading
+                    or not producer.reading):
+                return
+            await producer.hold(decode.worker.worker_id)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - the leg's reader reports the call's failure
+        return

@@ -84,8 +84,7 @@ from router.validation import PreparedRequest
 log = logging.getLogger(__name__)
 
 S = RequestState
-# How long a leg that already did its part may take to close its stream before the router
-# cancels the call.
+# How long a leg that did its part may take to close its stream before the router cancels it.
 LINGER_S = 5.0
 # The forward path; a report never moves a request backwards along it.
 FORWARD = (S.QUEUED, S.RESERVING, S.PREFILLING, S.TRANSFERRING, S.WAITING_FOR_KV, S.DECODING)
@@ -209,7 +208,8 @@ class RequestRun:
         self.decode.start()
         self.producer.start(worker_pb2.PrefillRequest(
             request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids))
+            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids),
+            hold=(self.decode, self.config.hold_interval_s, lambda: self._closed))
         self.state = S.RESERVING
 
     def _on_report(self, ev: Event) -> None:

@@ -64,6 +64,16 @@ class Token0SentCmd:
 
 
 @dataclass(frozen=True)
+class HoldCmd:
+    """The router says the consumer is alive and its reservation waits for blocks: renew the
+    lease on the prefilled blocks (producer)."""
+
+    KIND: ClassVar[str] = "hold"
+    rid: str
+    consumer_id: str
+
+
+@dataclass(frozen=True)
 class AbortCmd:
     KIND: ClassVar[str] = "abort"
     rid: str
@@ -138,13 +148,14 @@ class FatalEvent:
     error: str
 
 
-Command = PrefillCmd | DestinationCmd | DecodeCmd | Token0SentCmd | AbortCmd | StopCmd
+Command = (PrefillCmd | DestinationCmd | DecodeCmd | Token0SentCmd | HoldCmd | AbortCmd
+           | StopCmd)
 Event = (ReadyEvent | Token0Event | TransferResultEvent | ReservedEvent | TokensEvent
          | StatsEvent | FatalEvent)
 Message = Command | Event
 
 COMMANDS: tuple[type[Command], ...] = (PrefillCmd, DestinationCmd, DecodeCmd, Token0SentCmd,
-                                       AbortCmd, StopCmd)
+                                       HoldCmd, AbortCmd, StopCmd)
 EVENTS: tuple[type[Event], ...] = (ReadyEvent, Token0Event, TransferResultEvent, ReservedEvent,
                                    TokensEvent, StatsEvent, FatalEvent)
 

@@ -9,6 +9,9 @@ whose role has no other member down, so the cluster can always recover):
 - ``sigstop``: the group is stopped past the router's heartbeat deadline, then continued.
 - ``hostile``: junk at a consumer's KV port: a lone 0xc1 byte, random bytes, truncated
   and mistyped msgpack, a valid-looking kind with bad fields, an oversized frame.
+- with a NetHub (every worker in its own network namespace): ``rate_limit``,
+  ``partition`` and ``link_down`` (tests/chaos/link_faults.py), each undone after its
+  outage.
 
 Every request is one of a few fixed (prompt, sampling) cases whose tokens the colocated
 engine computed in-process beforehand, so every completed request, migrated, retried or
@@ -23,12 +26,14 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import grpc
-import msgpack
-import zmq
+from chaos.hostile import hostile_frames, kv_address
+from chaos.link_faults import LINK_KINDS, inject_link
+from netns_hosts import NetHub
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from deploy.cluster import LocalCluster
@@ -36,6 +41,8 @@ from deploy.cluster import LocalCluster
 OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
 # cheapest to recover from first, so even a short run on a slow machine sees every kind
 FAULT_KINDS = ("hostile", "sigstop", "sigkill")
+# with a NetHub: link faults woven in, still cheapest first
+NET_FAULT_KINDS = ("hostile", "rate_limit", "sigstop", "partition", "link_down", "sigkill")
 PROMPTS = ("Tell me about the sea.", "List three colours and why you like them.",
            "Explain how a bicycle works.", "Write a short poem about winter mornings.")
 # greedy, and seeded with penalties (the randomness is a pure function of (seed, position))
@@ -90,12 +97,14 @@ class Fault:
     outage_s: float = 0.0  # how long it lasts (sigkill: until the restart)
     undone_at: float = 0.0
     detail: str = ""
+    workers: tuple[str, ...] = ()  # every worker it touches (a partition: both sides)
 
 
 class ChaosRun:
     def __init__(self, cluster: LocalCluster, cases: list[Case], *, seed: int,
                  clients: int = 4, deadline_s: float = 90.0, fault_every_s: float = 8.0,
-                 outage_s: tuple[float, float] = (3.0, 5.0)) -> None:
+                 outage_s: tuple[float, float] = (3.0, 5.0), hub: NetHub | None = None,
+                 kinds: tuple[str, ...] | None = None) -> None:
         self.cluster = cluster
         self.cases = cases
         self.rng = random.Random(seed)
@@ -107,7 +116,12 @@ class ChaosRun:
         self.outcomes: list[Outcome] = []
         self.faults: list[Fault] = []
         self.unexpected_exits: list[str] = []  # workers that died without the driver
-        self._down: dict[str, Fault] = {}  # worker -> the fault it is under now
+        self.hub = hub
+        self.kinds = kinds or (NET_FAULT_KINDS if hub is not None else FAULT_KINDS)
+        if hub is None and set(self.kinds) & set(LINK_KINDS):
+            raise ValueError("kinds: link faults need a NetHub (hub=)")
+        self._down: dict[int, Fault] = {}  # id(fault) -> a fault in effect now
+        self._undos: dict[int, Callable[[], None]] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._n = 0
@@ -153,7 +167,8 @@ class ChaosRun:
                        if w.healthy}
         except grpc.RpcError:
             return []
-        up = [n for n in self.workers if n in healthy and n not in self._down]
+        busy = {w for f in self._down.values() for w in f.workers}
+        up = [n for n in self.workers if n in healthy and n not in busy]
         down_roles = {_role(n) for n in self.workers if n not in up} if whole else set()
         return [n for n in up if _role(n) in roles and _role(n) not in down_roles]
 
@@ -168,31 +183,46 @@ class ChaosRun:
             f.detail = hostile_frames(kv_address(self.cluster, target), self.rng)
             f.undone_at = time.monotonic()
             return f
+        if kind in LINK_KINDS:
+            assert self.hub is not None
+            got = inject_link(kind, self.hub, self.rng, self._targets,
+                              lambda roles: self._targets(roles, whole=False))
+            if got is None:
+                return None
+            _, workers, detail, undo = got
+            f = Fault(kind, "+".join(workers), now, outage_s=self.rng.uniform(*self.outage_s),
+                      detail=detail, workers=workers)
+            self._down[id(f)], self._undos[id(f)] = f, undo
+            return f
         names = self._targets(("producer", "consumer"))
         if not names:
             return None
         target = self.rng.choice(names)
         pid = self.cluster.procs[target].pid
-        f = Fault(kind, target, now, outage_s=self.rng.uniform(*self.outage_s))
+        f = Fault(kind, target, now, outage_s=self.rng.uniform(*self.outage_s),
+                  workers=(target,))
         if kind == "sigkill":
             self.cluster.kill(target)  # the whole group, and waits for it
         else:
             os.killpg(pid, signal.SIGSTOP)
-        self._down[target] = f
+        self._down[id(f)] = f
         return f
 
     def _undo(self, f: Fault) -> None:
         if f.kind == "sigkill":
             self.cluster.respawn(f.target)
-        else:
+        elif f.kind == "sigstop":
             os.killpg(self.cluster.procs[f.target].pid, signal.SIGCONT)
+        else:
+            self._undos.pop(id(f))()
         f.undone_at = time.monotonic()
-        self._down.pop(f.target, None)
+        self._down.pop(id(f), None)
 
     def _check_exits(self) -> None:
+        killed = {f.target for f in self._down.values() if f.kind == "sigkill"}
         for n in self.workers:
             p = self.cluster.procs[n]
-            if p.poll() is not None and n not in self._down:
+            if p.poll() is not None and n not in killed:
                 why = self.cluster.exit_reason(n)
                 self.unexpected_exits.append(why)
                 self.cluster.respawn(n)  # keep going; the invariant reports it
@@ -208,7 +238,7 @@ class ChaosRun:
                     self._undo(d)
             self._check_exits()
             if now >= next_fault:
-                f = self._inject(FAULT_KINDS[turn % len(FAULT_KINDS)])
+                f = self._inject(self.kinds[turn % len(self.kinds)])
                 if f is None:  # its role is not whole yet: the same kind again soon
                     next_fault = now + 1.0
                     continue
@@ -296,8 +326,12 @@ class ChaosRun:
         hit = [o for o in self.outcomes if any(o.started < f.at < o.ended for f in self.faults)]
         recovery = sorted(self._recovery_s(f) for f in self.faults if f.kind != "hostile")
         log = router_log(self.cluster)
+        net = ("" if self.hub is None else
+               f"each worker its own network namespace on bridge {self.hub.bridge}, UCX on "
+               f"TCP; partitions by {'nftables' if self.hub.has_nft else 'ip route prohibit'}")
         return {
             "seed": self.seed,
+            "network": net or "every process in the host's namespace",
             "requests_sent": len(self.outcomes),
             "requests_ok": sum(o.ok for o in self.outcomes),
             "faults_injected": kinds,
@@ -322,41 +356,6 @@ class ChaosRun:
 
 def _role(worker: str) -> str:
     return worker.rsplit("-", 1)[0]
-
-
-def kv_address(cluster: LocalCluster, name: str) -> str:
-    """A consumer's KV port, from the last ready line it logged (a restart logs a new one)."""
-    assert cluster.log_dir
-    with open(os.path.join(cluster.log_dir, f"{name}.log"), errors="replace") as f:
-        found = re.findall(r"'kv_address': '([^']+)'", f.read())
-    if not found:
-        raise RuntimeError(f"{name}: no kv_address in its log yet")
-    return str(found[-1])
-
-
-def hostile_frames(address: str, rng: random.Random) -> str:
-    """Sends junk to a KV port from a stranger's socket; returns what was sent."""
-    frames = [b"\xc1", rng.randbytes(rng.randrange(1, 512)),
-              msgpack.packb(["push", "x"])[:-1],  # truncated
-              msgpack.packb({"kind": 7, "blocks": "all"}),  # mistyped
-              msgpack.packb(["hello", -1, [10 ** 12], None]),  # a kind with bad fields
-              b"\x00" * (4 << 20)]  # oversized
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, 1000)
-    try:
-        sock.connect(address)
-        for fr in frames:
-            try:
-                sock.send_multipart([fr] if rng.random() < 0.7 else [fr, fr])
-            except zmq.Again:
-                break
-        time.sleep(0.05)
-    finally:
-        sock.close()
-        ctx.term()
-    return f"{len(frames)} frames to {address}"
 
 
 def router_log(cluster: LocalCluster) -> str:

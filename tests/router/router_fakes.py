@@ -75,7 +75,9 @@ def tokens(ids: list[int], text: str, finish: int = 0, **kw: Any) -> worker_pb2.
 
 
 async def next_destination(w: FakeWorker, inputs: AsyncIterator[Any]) -> None:
-    msg = await inputs.__anext__()
+    """The next destination; the holds before it (the reservation queued) are recorded."""
+    while (msg := await inputs.__anext__()).WhichOneof("kind") == "queued":
+        w.holds.append((time.monotonic(), msg.queued.consumer_id))
     w.destinations.append(msg.destination)
 
 
@@ -123,6 +125,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.prefill_requests: list[worker_pb2.PrefillRequest] = []
         self.decode_requests: list[worker_pb2.DecodeRequest] = []
         self.destinations: list[worker_pb2.KVDestination] = []
+        self.holds: list[tuple[float, str]] = []  # (monotonic, consumer id) of each hold
         self.aborts: list[str] = []
         self.cancelled: list[str] = []  # streams the router cancelled
         self.inputs_closed: list[str] = []  # Prefill streams the router half-closed

@@ -16,6 +16,7 @@ SAMPLES: list[m.Message] = [
     m.DestinationCmd("r1", "consumer-0", "ucx://10.0.0.3:1", (4, 5)),
     m.DecodeCmd("r1", (1, 2), {"max_tokens": 3}, True),
     m.Token0SentCmd("r1"),
+    m.HoldCmd("r1", "consumer-0"),
     m.AbortCmd("r1"),
     m.StopCmd(),
     m.ReadyEvent({"kv_address": "a", "kv_blocks_total": 9}),

@@ -56,12 +56,20 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class PrefillInput(_message.Message):
-    __slots__ = ("request", "destination")
+    __slots__ = ("request", "destination", "queued")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     request: PrefillRequest
     destination: KVDestination
-    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+    queued: ReservationQueued
+    def __init__(self, request: _Optional[_Union[PrefillRequest, _Mapping]] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., queued: _Optional[_Union[ReservationQueued, _Mapping]] = ...) -> None: ...
+
+class ReservationQueued(_message.Message):
+    __slots__ = ("consumer_id",)
+    CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
+    consumer_id: str
+    def __init__(self, consumer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids")
