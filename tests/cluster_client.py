@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +59,17 @@ def generate(stub: router_pb2_grpc.RouterStub, sampling: dict[str, Any], timeout
         res.code = e.code()
         res.details = e.details() or ""
     return res
+
+
+def generate_all(address: str, prompts: list[list[int]],
+                 sampling: Callable[[int], dict[str, Any]]) -> list[Result]:
+    """Every prompt (by token ids) at once, prompt i with ``sampling(i)``; results in order."""
+    ch, stub = stub_for(address)
+    with ch, ThreadPoolExecutor(len(prompts)) as pool:
+        futs = [pool.submit(generate, stub, sampling(i),
+                            prompt_token_ids=router_pb2.TokenIds(ids=p))
+                for i, p in enumerate(prompts)]
+        return [f.result() for f in futs]
 
 
 def stub_for(address: str) -> tuple[grpc.Channel, router_pb2_grpc.RouterStub]:

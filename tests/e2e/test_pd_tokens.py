@@ -3,12 +3,10 @@ seeded, with many requests in flight; token 0 reaches the client before the cons
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
-from cluster_client import chat, generate, stub_for, wait_for_full_kv
+from cluster_client import chat, generate, generate_all, stub_for, wait_for_full_kv
 from live_cluster import start_cluster
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.v1 import common_pb2
 
 from engine.sampling_params import SamplingParams
 
@@ -35,12 +33,7 @@ def _sampling(i: int, seeded: bool) -> dict:
 
 
 def _run_concurrently(address: str, prompts: list[list[int]], seeded: bool) -> list:
-    ch, stub = stub_for(address)
-    with ch, ThreadPoolExecutor(len(prompts)) as pool:
-        futs = [pool.submit(generate, stub, _sampling(i, seeded),
-                            prompt_token_ids=router_pb2.TokenIds(ids=p))
-                for i, p in enumerate(prompts)]
-        return [f.result() for f in futs]
+    return generate_all(address, prompts, lambda i: _sampling(i, seeded))
 
 
 def _check_against_colocated(results: list, prompts: list[list[int]], llm, seeded: bool) -> None:  # type: ignore[no-untyped-def]

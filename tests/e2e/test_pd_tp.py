@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_client import generate, stub_for, wait_for_full_kv
+from cluster_client import generate, generate_all, stub_for, wait_for_full_kv
 from live_cluster import dump_logs, start_cluster
 from pdserve.v1 import router_pb2
 from tiny_models import PROMPTS, make_tiny_model
@@ -78,12 +78,7 @@ def _reference(path: str, prompts: list[list[int]], seeded: bool,
 
 
 def _run(address: str, prompts: list[list[int]], seeded: bool) -> list:
-    ch, stub = stub_for(address)
-    with ch, ThreadPoolExecutor(len(prompts)) as pool:
-        futs = [pool.submit(generate, stub, _sampling(i, seeded),
-                            prompt_token_ids=router_pb2.TokenIds(ids=p))
-                for i, p in enumerate(prompts)]
-        return [f.result() for f in futs]
+    return generate_all(address, prompts, lambda i: _sampling(i, seeded))
 
 
 def _cluster(tmp_path_factory, name: str, path: str, backend: str, ptp: int, ctp: int,
