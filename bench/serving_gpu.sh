@@ -12,12 +12,12 @@ export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERE
 mkdir -p "$out"
 work=$(mktemp -d)
 python3 -m deploy.benchmark.dummy_model "$work/model" --preset "$preset" || exit 1
-timeout 330 python3 -m deploy.cli bench --compare --model "$work/model" --devices "$devices" \
+timeout ${SERVING_TIMEOUT:-480} python3 -m deploy.cli bench --compare --model "$work/model" --devices "$devices" \
   --worker-arg=--load-format=dummy --worker-arg=--dtype=bfloat16 \
   --worker-arg=--kv-cache-mib="$kv" --worker-arg=--max-num-batched-tokens=2048 \
   --worker-arg=--max-model-len=8192 \
-  --input-len 4096 --output-len 256 --ignore-eos --num-prompts 4 --warmup 1 \
-  --concurrency 1,4 --request-timeout 120 --goodput ttft:1000 tpot:50 \
+  --input-len 4096 --output-len 256 --ignore-eos --num-prompts ${NUM_PROMPTS:-32} --warmup 2 \
+  --concurrency 1,4 --request-timeout 120 --goodput ttft:1000 tpot:25 \
   --result-json "$out/serving.json" --markdown "$out/serving.md" --log-dir "$work/logs" "$@"
 rc=$?
 tar -czf "$out/logs.tgz" -C "$work" logs 2>/dev/null
