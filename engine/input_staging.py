@@ -67,6 +67,12 @@ class DecodeStaging:
         self._num_edits = k + n - start
         self._rows[row] = (block_ids, n)
 
+    def pending_edits(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of this step's table edits (flat indices, block ids): what a tensor-
+        parallel follower applies to its own table to keep it equal to this one."""
+        k = self._num_edits
+        return self._edits[self._slot].numpy()[:k].copy(), self._vals[:k].copy()
+
     def upload(self, ints: torch.Tensor, temperature: torch.Tensor,
                tables: torch.Tensor) -> None:
         """Copies the staged ints and temperatures, and applies the table edits."""

@@ -13,6 +13,7 @@ import torch
 from engine.decode_graphs import DecodeGraphs
 from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.graph_step import GraphStep
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.penalty_state import PenaltyState
 from engine.request import PLACEHOLDER, Request
@@ -58,15 +59,25 @@ class ModelRunner:
         if self.followers is not None:
             self.followers.start_kv(tuple(kv_cache.shape), kv_cache.dtype)
         # Pure-decode steps read persistent buffers, replayed as CUDA graphs where allowed.
-        # Not yet under TP: every rank would need the same graphs and buffers.
+        # Under TP every follower holds the same buffers and graphs (engine.parallel.
+        # graph_step): they capture at the same time, so the warm-up's collectives pair up.
         self.graphs: DecodeGraphs | None = None
-        if max_num_seqs and max_model_len and self.followers is None:
+        if max_num_seqs and max_model_len:
             max_blocks = -(-max_model_len // block_size)
+            use = cuda_graphs and device.type == "cuda" and model.kernels.graph_safe
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device,
-                                       use_graphs=cuda_graphs and device.type == "cuda"
-                                       and model.kernels.graph_safe)
+                                       use_graphs=use)
             self.staging = DecodeStaging(self.graphs.max_batch, max_blocks, device)
-            self.graphs.capture()
+            if self.followers is not None:
+                self.followers.start_graphs(max_num_seqs, max_blocks, use)
+            try:
+                self.graphs.capture()
+            except (RuntimeError, OSError) as e:
+                if self.followers is not None:
+                    raise self.followers.failure(e) from e
+                raise
+            if self.followers is not None:
+                self.followers.graphs_ready(captured=use)
         self.penalties = PenaltyState(self.vocab, device)
         # the step output whose ids are in graphs.buf.sampled (None: nobody's)
         self._sampled_holds: SamplerOutput | None = None
@@ -189,15 +200,26 @@ class ModelRunner:
         st[4, b:n] = -1
         temps[b:n] = 0.0
         buf = g.buf
-        self.staging.upload(buf.ints, buf.temperature, buf.block_tables)
+        head = bool(samplers) and simple and len(sample_rows) == b
+        copy_prev = 0
         if any_prev and self._sampled_holds is not (prev.out if prev else None):
             assert prev is not None  # its ids are not in buf.sampled: put them there
-            ids = prev.out.device_token_ids
-            buf.sampled[:ids.shape[0]].copy_(ids)
+            copy_prev = prev.out.device_token_ids.shape[0]
+        if self.followers is not None:
+            at, to = self.staging.pending_edits()
+            self.followers.send(GraphStep(
+                padded=n, ints=st[:, :n].copy(), temps=temps[:n].copy(), edit_at=at,
+                edit_to=to, copy_prev=copy_prev, head=head,
+                logit_rows=None if len(sample_rows) == b else sample_rows, batch=b,
+                samples=bool(samplers)))
+        self.staging.upload(buf.ints, buf.temperature, buf.block_tables)
+        if copy_prev:
+            assert prev is not None
+            buf.sampled[:copy_prev].copy_(prev.out.device_token_ids)
         hidden = g.replay(n)
         if not samplers:
             return samplers, SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
-        if simple and len(sample_rows) == b:
+        if head:
             ids = g.replay_head(n)[:b]
             out = SamplerOutput(ids if ids.is_cuda else ids.clone())
             # On CUDA the view stays valid for what reads it: the host copy queued next,
@@ -207,7 +229,10 @@ class ModelRunner:
         rows = hidden[:b] if len(sample_rows) == b else \
             hidden[self._tensor(sample_rows, torch.int64)]
         logits = self.model.compute_logits(rows)
-        return samplers, self._sample(logits, self._sampling_batch(samplers, prev, prev_rows))
+        out = self._sample(logits, self._sampling_batch(samplers, prev, prev_rows))
+        if self.followers is not None:  # their next step may read these as inputs
+            self.followers.group.broadcast(out.device_token_ids, 0)
+        return samplers, out
 
     def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
                         prev_rows: dict[int, int]) -> SamplingBatch:

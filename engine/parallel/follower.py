@@ -11,8 +11,11 @@ between them.
 from __future__ import annotations
 
 import json
+import os
 import select
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -20,6 +23,8 @@ import torch.distributed as dist
 
 from engine import host_memory
 from engine.attention import kernels_for
+from engine.decode_graphs import DecodeGraphs
+from engine.parallel.graph_step import GraphStep, apply_graph_step
 from engine.parallel.group import TPGroup
 from engine.parallel.rank_side import RankSide, attach
 from engine.parallel.step_plan import StepPlan, run_plan
@@ -36,6 +41,7 @@ def main(argv: list[str]) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     write_frame(chan, "hello")
+    _exit_with_parent()
     store = dist.TCPStore("127.0.0.1", a["port"], a["size"], False,
                           timeout=_td(cfg["tp_timeout_s"]))
     group = TPGroup(dist.PrefixStore(a["prefix"], store), a["rank"], a["size"], device,
@@ -66,6 +72,7 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
            device: torch.device, chan: int) -> None:
     prev_ids: torch.Tensor | None = None
     side: RankSide | None = None
+    graphs: DecodeGraphs | None = None  # rank 0's decode graphs, replayed in step with it
     try:
         while True:
             if side is not None:
@@ -79,12 +86,21 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
                 return  # rank 0 is gone
             if msg is None:
                 return
-            if isinstance(msg, StepPlan):
+            if isinstance(msg, GraphStep):
+                assert graphs is not None, "a graph step before the graphs were built"
+                prev_ids = apply_graph_step(graphs, msg, prev_ids, group, device)
+            elif isinstance(msg, StepPlan):
                 run_plan(model, kv_cache, msg, prev_ids, device)  # type: ignore[arg-type]
                 prev_ids = None
                 if msg.sample_at:  # rank 0 sampled: keep its ids for the next step's inputs
                     prev_ids = group.broadcast(
                         torch.empty(len(msg.sample_at), dtype=torch.int64, device=device), 0)
+            elif msg[0] == "graphs":
+                _, max_batch, max_blocks, use = msg
+                graphs = DecodeGraphs(model, kv_cache, max_batch, max_blocks,  # type: ignore[arg-type]
+                                      device, use_graphs=use)
+                graphs.capture()
+                write_frame(chan, "graphs-ready")
             elif msg[0] == "side" and side is not None:
                 side.on_message(msg[1])
             elif msg[0] == "attach":
@@ -101,6 +117,20 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
     finally:
         if side is not None:
             side.close()
+
+
+def _exit_with_parent() -> None:
+    """A thread that ends this process when rank 0's process is gone. The main loop notices
+    a closed channel only between steps; a collective captured in a CUDA graph waits for
+    rank 0 without any timeout, and the process must not outlive it holding the GPU."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
 def _td(seconds: float) -> timedelta:

@@ -4,14 +4,18 @@ Lifecycle of one follower (each a process rank 0 spawns, `python -m
 engine.parallel.follower`):
 
   SPAWNED --"hello"--> JOINING (its half of the process group) --(rank 0 joins)-->
-  LOADING (its weight shard) --("kv", shape) / "ready"--> FOLLOWING (one StepPlan per
-  step; with a rank side attached, side messages in between and reports back on its
-  channel) --(None, or rank 0's channel closes)--> EXITED
+  LOADING (its weight shard) --("kv", shape) / "ready"--> CAPTURING (("graphs", sizes):
+  the decode buffers and graphs, with rank 0) --"graphs-ready"--> FOLLOWING (one StepPlan
+  or, for a pure-decode step, one GraphStep per step; with a rank side attached, side
+  messages in between and reports back on its channel) --(None, or rank 0's channel
+  closes, or rank 0's process is gone)--> EXITED
 
 Timeouts: start-up waits at most `start_timeout_s` for each message and fails at once
 when a follower exits; every collective is bounded by the group's timeout; a follower
 that exits mid-step makes rank 0's next collective or plan write fail, and `failure()`
 turns that into one TPRankError naming the dead rank. A failed engine stays failed.
+Collectives captured in CUDA graphs have no timeout: a watcher thread aborts the
+communicator as soon as a follower exits, which ends them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -35,6 +40,7 @@ from engine.config import EngineConfig
 from engine.parallel.group import TPGroup
 from engine.parallel.wire import read_frame, write_frame
 
+WATCH_INTERVAL_S = 0.2  # how soon a dead follower aborts rank 0's captured collectives
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -49,6 +55,8 @@ class TPFollowers:
         self.timeout_s = config.tp_timeout_s
         self.start_timeout_s = start_timeout_s
         self.failed: TPRankError | None = None
+        self._closing = False
+        self._watcher: threading.Thread | None = None
         self.store = dist.TCPStore("127.0.0.1", 0, self.size, True, wait_for_workers=False,
                                    timeout=_td(self.timeout_s))
         prefix = f"pdserve-tp-{uuid.uuid4().hex}"
@@ -89,6 +97,28 @@ class TPFollowers:
         ready once its weights are loaded."""
         self._send_all(("kv", tuple(shape), str(dtype).removeprefix("torch.")))
         self._expect("ready")
+
+    def start_graphs(self, max_batch: int, max_blocks: int, use_graphs: bool) -> None:
+        """Each follower builds its decode buffers and captures the same graphs as rank 0,
+        which captures meanwhile (their warm-up runs the collectives for real)."""
+        self._send_all(("graphs", max_batch, max_blocks, use_graphs))
+
+    def graphs_ready(self, captured: bool) -> None:
+        """captured: the graphs hold collectives, which no timeout bounds; a watcher thread
+        aborts the communicator when a follower exits, so rank 0 never waits on it forever."""
+        self._expect("graphs-ready")
+        if captured and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._closing:
+            if any(p.poll() is not None for p in self.procs):
+                if not self._closing:
+                    self.group.abort()
+                return
+            time.sleep(WATCH_INTERVAL_S)
 
     def attach(self, factory: str, args: Any, timeout_s: float = 60.0) -> list[Any]:
         """Starts a rank side (engine.parallel.rank_side) on every follower; returns each
@@ -210,6 +240,7 @@ class TPFollowers:
 
     def close(self, grace_s: float = 2.0) -> None:
         """Stops every follower: a polite None, then a kill after grace_s."""
+        self._closing = True
         for p in self.procs:
             if p.poll() is None and p.stdin is not None and grace_s > 0:
                 try:

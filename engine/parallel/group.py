@@ -43,3 +43,11 @@ class TPGroup:
     def broadcast(self, x: torch.Tensor, root: int = 0) -> torch.Tensor:
         self.pg.broadcast(x, root).wait()
         return x
+
+    def abort(self) -> None:
+        """Tears the communicator down from any thread, so collectives that wait for a dead
+        peer end (with an error) instead of spinning. Collectives captured in a CUDA graph
+        are outside the group's timeout watchdog: this is what ends them."""
+        fn = getattr(self.pg, "abort", None) or getattr(self.pg, "_abort", None)
+        if fn is not None:
+            fn()

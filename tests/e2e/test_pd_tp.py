@@ -121,6 +121,9 @@ def _follower_ranks(c, name: str) -> list[int]:
     return [pid for pid in c.group_alive(name) if "engine.parallel.follower" in cmdline(pid)]
 
 
+KILL_TOKENS = 440  # the longest prompt (50) + this stays within max_model_len 512
+
+
 def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving(
         tmp_path_factory, models):
     path = models[2]
@@ -129,7 +132,9 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
         victim = _follower_ranks(c, "consumer-0")
         assert len(victim) == 1, victim  # consumer-0's rank 1
         ch, stub = stub_for(c.router_address)
-        long = dict(max_tokens=200, temperature=0.0, ignore_eos=True)
+        # long enough that the requests are still decoding when the kill lands (the
+        # router's view of "running" lags by up to a heartbeat)
+        long = dict(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
         with ch, ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(generate, stub, long, timeout=120,
                                 prompt_token_ids=router_pb2.TokenIds(ids=p))
@@ -147,7 +152,7 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
             t0 = time.monotonic()
             results = [f.result(timeout=120) for f in futs]
             took = time.monotonic() - t0
-        ref = _reference(path, PROMPTS, False, max_tokens=200)
+        ref = _reference(path, PROMPTS, False, max_tokens=KILL_TOKENS)
         failed = 0
         for i, r in enumerate(results):  # migrated (complete, same tokens) or an error
             if r.error or r.code is not None:  # naming the worker whose rank died
