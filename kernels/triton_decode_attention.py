@@ -40,6 +40,13 @@ BLOCK_N = 64  # KV tokens per inner-loop tile
 NUM_WARPS = 4
 NUM_STAGES = 4
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+# ... except when there are very few (request, KV head) pairs: at batch 1 (8 KV heads) the
+# whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
+# of 64 tokens spread it over 64: on an H200, Llama-3-8B shape, batch 1, the step's 32
+# attention layers took 0.21 ms instead of 0.36 (decode step 4.72 ms instead of 4.85); at
+# batch 8 (64 pairs) 256 stayed faster (bench/attn_split_probe.py, 2026-12-01).
+FEW_PAIRS = 16
+FEW_PAIRS_MIN_SPLIT_TOKENS = 64
 # Split until (B * Hkv * splits) reaches this many programs per SM: many short programs
 # keep the last wave's tail small (about 2 run at once per SM at the default tiles).
 PROGRAMS_PER_SM = 16
@@ -148,9 +155,14 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """Enough splits to give every SM programs_per_sm programs, none under MIN_SPLIT_TOKENS."""
+    """Enough splits to give every SM programs_per_sm programs, none under min_split_tokens."""
     want = triton.cdiv(programs_per_sm * _num_sms(device), max(1, batch * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+    return max(1, min(want, triton.cdiv(max_seq_len, min_split_tokens(batch, num_kv_heads))))
+
+
+def min_split_tokens(batch: int, num_kv_heads: int) -> int:
+    """The least tokens a split holds (see FEW_PAIRS)."""
+    return FEW_PAIRS_MIN_SPLIT_TOKENS if batch * num_kv_heads <= FEW_PAIRS else MIN_SPLIT_TOKENS
 
 
 def decode_attention(
@@ -195,7 +207,7 @@ def decode_attention(
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     if dyn and num_splits > 1:
         # the least a split holds; each program sizes its split from its request's length
-        split_len = triton.cdiv(min(MIN_SPLIT_TOKENS, split_len), block_n) * block_n
+        split_len = triton.cdiv(min(min_split_tokens(bsz, hkv), split_len), block_n) * block_n
     g = hq // hkv
     split = num_splits > 1
     if split:

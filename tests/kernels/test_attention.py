@@ -68,8 +68,11 @@ def test_decode(g, d, dtype, num_splits, gen, device, close):
 
 def test_decode_heuristic_splits_long_context(gen, device, close):
     # One request, one KV head: the heuristic must split a 600-token context.
-    from kernels.triton_decode_attention import choose_num_splits
+    from kernels.triton_decode_attention import choose_num_splits, min_split_tokens
     assert choose_num_splits(1, 1, 600, device) > 1
+    # few (request, KV head) pairs split finer than many do
+    assert min_split_tokens(1, 8) < min_split_tokens(8, 8)
+    assert choose_num_splits(1, 8, 512, device) > choose_num_splits(8, 8, 512, device)
     _decode_case([600], 16, 1, 4, 64, torch.bfloat16, gen, device, None, {"block_n": 32},
                   close)
 
@@ -172,9 +175,9 @@ def test_decode_split_k_sized_from_real_lengths(gen, device, close):
 def test_decode_splits_sized_per_request_on_the_device(gen, device, close):
     # No hint (as inside a CUDA graph): the grid has the capacity's splits and each request
     # spreads its own context over them; short ones use one split, long ones all, evenly.
-    from kernels.triton_decode_attention import MIN_SPLIT_TOKENS, decode_attention
+    from kernels.triton_decode_attention import decode_attention, min_split_tokens
 
-    lens = [1700, 40, MIN_SPLIT_TOKENS + 1, 1]
+    lens = [1700, 40, min_split_tokens(4, 1) + 1, 1]
     kv, table = paged_kv(lens, 16, 1, 64, torch.float32, gen, device)
     table = torch.cat([table, table.new_zeros(len(lens), 20)], dim=1)
     q = _rand((len(lens), 2, 64), torch.float32, gen, device)
