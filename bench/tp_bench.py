@@ -133,7 +133,8 @@ def collective_share(run: dict, model_cfg: dict, args: argparse.Namespace,
     for name, (tokens, sampled) in points.items():
         plans[name] = step_collectives(model_cfg, tp, tokens, sampled, args.dtype)
         plans[f"{name}_head"] = [op for op in plans[name] if op.kind != "all_reduce"]
-    timed = time_collectives(plans, tp, args.device, iters=args.collective_iters)
+    # bounded well inside tp_gpu.sh's step budget: a rank that hangs costs the share, not the run
+    timed = time_collectives(plans, tp, args.device, iters=args.collective_iters, timeout_s=90)
     out = {}
     for name in points:
         t, head = timed[name], timed[f"{name}_head"]
