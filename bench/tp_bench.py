@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -161,6 +162,9 @@ def main() -> None:
     ap.add_argument("--collective-iters", type=int, default=20)
     ap.add_argument("--out", default="bench/results/tp_h200.json")
     args = ap.parse_args()
+    # a SIGTERM (tp_gpu.sh's step timeout) unwinds through the finally blocks that stop
+    # the follower ranks and the collective processes
+    signal.signal(signal.SIGTERM, _terminated)
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -178,13 +182,7 @@ def main() -> None:
     for tp in tps:
         result["runs"].append(run_tp(args, model_dir, tp, batches))
         print(json.dumps(result["runs"][-1]), flush=True)
-    for run in result["runs"]:
-        if run["tp"] > 1:
-            try:
-                run["collectives"] = collective_share(run, model_cfg, args, batches)
-            except RuntimeError as e:  # the step numbers still stand; say why this is missing
-                run["collectives_error"] = str(e)[-2000:]
-                print(f"tp{run['tp']} collectives failed: {e}", flush=True)
+        save(result, args.out)  # what is measured survives a later step's timeout
     base = next((r for r in result["runs"] if r["tp"] == 1), None)
     for run in result["runs"]:
         if base is None or run is base:
@@ -194,10 +192,27 @@ def main() -> None:
         run["goals"] = {k: {"goal": g, "ratio": run["vs_tp1"][k],
                             "met": run["vs_tp1"][k] <= g}
                         for k, g in GOALS.items() if k in run["vs_tp1"]}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    save(result, args.out)
+    for run in result["runs"]:
+        if run["tp"] > 1:
+            try:
+                run["collectives"] = collective_share(run, model_cfg, args, batches)
+            except RuntimeError as e:  # the step numbers still stand; say why this is missing
+                run["collectives_error"] = str(e)[-2000:]
+                print(f"tp{run['tp']} collectives failed: {e}", flush=True)
+    save(result, args.out)
     print(json.dumps(result, indent=1))
+
+
+def save(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
+    raise SystemExit(f"terminated by signal {signum}")
 
 
 if __name__ == "__main__":

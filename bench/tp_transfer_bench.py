@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -125,7 +126,10 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run_backend(args: argparse.Namespace, model_dir: str, backend: str) -> dict[str, Any]:
+def run_backend(args: argparse.Namespace, model_dir: str, backend: str,
+                doc: dict[str, Any]) -> None:
+    """Fills ``doc`` as it goes (records appended as they finish, so a cut-short run
+    leaves what it measured)."""
     devices = tuple(d for d in args.devices.split(",") if d)
     engine = ["--load-format", "dummy", "--dtype", args.dtype,
               "--kv-cache-mib", str(args.kv_cache_mib),
@@ -139,9 +143,9 @@ def run_backend(args: argparse.Namespace, model_dir: str, backend: str) -> dict[
     log_dir = os.path.join(args.out, f"logs_{backend}")
     cluster = LocalCluster(spec, log_dir=log_dir)
     t0 = time.perf_counter()
-    cluster.start(timeout=args.start_timeout)
-    doc: dict[str, Any] = {"backend": backend, "start_s": round(time.perf_counter() - t0, 1)}
-    try:
+    try:  # start() stops what it started when start-up fails, but not on a SIGTERM
+        cluster.start(timeout=args.start_timeout)
+        doc["start_s"] = round(time.perf_counter() - t0, 1)
         workers = {w.worker_id: w for w in cluster.status().workers}
         placement = {"producer-0": devices[0], "consumer-0": devices[1 % len(devices)]}
         doc["workers"] = {n: {"tp": workers[n].tp_size, "device": d,
@@ -159,7 +163,7 @@ def run_backend(args: argparse.Namespace, model_dir: str, backend: str) -> dict[
             warm = [one_request(stub, prompt(), args.output_len, args.request_timeout)
                     for _ in range(args.warmup)]
             doc["warmup"] = warm
-            records = []
+            records: list[dict[str, Any]] = doc.setdefault("records", [])
             for i in range(args.reps):
                 rec = one_request(stub, prompt(), args.output_len, args.request_timeout)
                 rec["rep"] = i
@@ -168,11 +172,8 @@ def run_backend(args: argparse.Namespace, model_dir: str, backend: str) -> dict[
                     f"{k} {rec.get(k)}" for k in ("prefill_ms", "land_ms", "land_ratio",
                                                   "kv_transfer_ms", "error") if k in rec),
                       flush=True)
-        doc["records"] = records
-        doc["summary"] = summarize(records)
     finally:
         cluster.stop()
-    return doc
 
 
 def main() -> int:
@@ -197,6 +198,9 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=120.0)
     ap.add_argument("--out", required=True, help="output directory")
     args = ap.parse_args()
+    # the cluster's processes run in sessions of their own: a SIGTERM (tp_gpu.sh's step
+    # timeout) must unwind through cluster.stop(), or they would outlive this script
+    signal.signal(signal.SIGTERM, _terminated)
     cuda = args.devices.startswith("cuda")
     args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
     os.makedirs(args.out, exist_ok=True)
@@ -209,20 +213,31 @@ def main() -> int:
             "model": f"{args.preset} shape, dummy weights", "dtype": args.dtype,
             "producer_tp": args.producer_tp, "consumer_tp": args.consumer_tp,
             "devices": args.devices, "tokens": args.tokens, "chunk": args.chunk,
-            "command": " ".join(sys.argv),
+            "command": " ".join(sys.argv), "backend": backend,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+        path = os.path.join(args.out, f"tp_transfer_{backend}.json")
         try:
-            doc.update(run_backend(args, model_dir, backend))
+            run_backend(args, model_dir, backend, doc)
         except Exception as e:  # noqa: BLE001 - recorded; the next backend still runs
             doc["error"] = f"{type(e).__name__}: {e}"
             print(f"{backend}: {doc['error']}", flush=True)
-        path = os.path.join(args.out, f"tp_transfer_{backend}.json")
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"{backend}: {json.dumps(doc.get('summary', doc.get('error')))} -> {path}",
-              flush=True)
+        except SystemExit as e:  # SIGTERM: keep what was measured, then go
+            doc["error"] = str(e)
+            raise
+        finally:
+            if "records" in doc:
+                doc["summary"] = summarize(doc["records"])
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"{backend}: {json.dumps(doc.get('summary', doc.get('error')))} -> {path}",
+                  flush=True)
         ok = ok and doc.get("summary", {}).get("ok") == args.reps
     return 0 if ok else 1
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up
+    raise SystemExit(f"terminated by signal {signum}")
 
 
 if __name__ == "__main__":
