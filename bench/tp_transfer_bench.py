@@ -31,7 +31,9 @@ KV no later than 1.1x the prefill time after the producer got the request (the
 "overshoot" of bench/transfer_overlap_bench.py, here through the whole serving stack with
 a TP2 producer). The goal is judged on the median over --reps; the max is reported too.
 ``kv_transfer_ms`` (the producer's first push -> the consumer's ack, the "KV ms" of
-``pdserve bench``) is recorded alongside.
+``pdserve bench``; it starts after the first chunk, so it spans most of the prefill when
+pushes overlap compute) and ``kv_transfer_ratio`` (it over prefill_ms) are recorded
+alongside.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ def request_times(t: router_pb2.ServerTiming) -> dict[str, Any]:
     return {"prefill_ms": prefill, "land_ms": land,
             "land_ratio": round(land / prefill, 4) if prefill and land is not None else None,
             "kv_transfer_ms": round(t.kv_transfer_ms, 3) if t.kv_transfer_ms > 0 else None,
+            # the push window against prefill: ~1 when pushes overlap every chunk's compute
+            "kv_transfer_ratio": round(t.kv_transfer_ms / prefill, 4)
+            if prefill and t.kv_transfer_ms > 0 else None,
             "hold_ms": ms(t.router_token0_sent_ns, t.producer_token0_sampled_ns),
             "first_decode_after_land_ms": ms(t.consumer_first_step_ns, t.consumer_kv_ready_ns),
             "producer": t.producer, "consumer": t.consumer}
@@ -116,7 +121,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": len(records), "ok": len(ok)}
     if not ok:
         return out
-    for key in ("prefill_ms", "land_ms", "land_ratio", "kv_transfer_ms", "ttft_ms"):
+    for key in ("prefill_ms", "land_ms", "land_ratio", "kv_transfer_ms", "kv_transfer_ratio",
+                "ttft_ms"):
         vals = [r[key] for r in ok if r.get(key) is not None]
         if vals:
             out[f"{key}_p50"] = round(statistics.median(vals), 4)

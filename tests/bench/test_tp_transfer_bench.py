@@ -27,12 +27,14 @@ def test_request_times_measures_landing_from_token0_against_prefill() -> None:
                                 producer="producer-0", consumer="consumer-0")
     r = request_times(t)
     assert r["prefill_ms"] == 80.0 and r["land_ms"] == 6.0 and r["land_ratio"] == 0.075
-    assert r["kv_transfer_ms"] == 70.5 and r["hold_ms"] == 1.0
+    assert r["kv_transfer_ms"] == 70.5 and r["kv_transfer_ratio"] == 0.8812
+    assert r["hold_ms"] == 1.0
     assert r["first_decode_after_land_ms"] == 1.0
     # a request whose consumer never reported its KV: no ratio (not a zero one)
     r = request_times(router_pb2.ServerTiming(producer_received_ns=1_000 * MS,
                                               producer_token0_sampled_ns=1_080 * MS))
     assert r["land_ms"] is None and r["land_ratio"] is None and r["kv_transfer_ms"] is None
+    assert r["kv_transfer_ratio"] is None
 
 
 def test_summarize_judges_the_median_and_skips_failures() -> None:
