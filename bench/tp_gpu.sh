@@ -40,7 +40,7 @@ step() {  # step NAME SECONDS CMD...: log to OUT/NAME.log, print its tail
   echo "exit $? after $(( $(date +%s) - start )) s"
   tail -"${TAILN:-8}" "$out/$name.log"
 }
-TAILN=14 step tp_bench 270 "$py" bench/tp_bench.py "${tp_args[@]}" --out "$out/tp_bench.json"
+TAILN=4 step tp_bench 270 "$py" bench/tp_bench.py "${tp_args[@]}" --out "$out/tp_bench.json"
 step transfer_ipc 140 "$py" bench/tp_transfer_bench.py "${xfer_args[@]}" --backend ipc \
   --out "$out"
 step transfer_ucx 140 "$py" bench/tp_transfer_bench.py "${xfer_args[@]}" --backend ucx \
