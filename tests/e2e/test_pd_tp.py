@@ -5,7 +5,8 @@ producer rank and the consumer ranks that own its heads).
 Tokens must equal the colocated TP1 engine's, greedy and seeded, for producer TP2 +
 consumer TP1, TP1 + TP2 and TP2 + TP2, over ucx and ipc, with 2 KV heads (one per rank)
 and 1 (replicated on both ranks of a TP2 worker). Six clusters cover that: each TP pair
-runs on each backend, and each pair sees both head counts. Killing a follower rank of a TP
+runs on each backend, and each pair sees both head counts; a seventh runs producer TP2 +
+consumer TP1 over nixl (a NIXL agent per rank on each side). Killing a follower rank of a TP
 consumer mid-request ends its requests (error naming the worker, or migrated by the
 router) and the cluster keeps serving on the other consumer; a producer rank dying while
 its worker is idle takes the worker down too, and the other producer serves.
@@ -37,6 +38,7 @@ LONG = [(i * 37 + 11) % 250 + 3 for i in range(70)]
 CASES = [  # (backend, producer TP, consumer TP, KV heads)
     ("ucx", 2, 1, 2), ("ucx", 1, 2, 1), ("ucx", 2, 2, 2),
     ("ipc", 2, 1, 1), ("ipc", 1, 2, 2), ("ipc", 2, 2, 1),
+    ("nixl", 2, 1, 2),
 ]
 
 
