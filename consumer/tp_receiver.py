@@ -40,6 +40,7 @@ class TPReceiver(TPEndpoints, KVReceiver):
             self._side(r, ("expect", request_id, list(dst_block_ids), deadline, source_tp))
 
     def _on_report(self, rank: int, report: Any) -> None:
+        super()._on_report(rank, report)
         if report[0] == "expected":
             waiting = self.unconfirmed.get(report[1])
             if waiting is not None:

@@ -79,6 +79,7 @@ class TPEndpoints:
         self.local = local
         self.followers = followers
         self.recs: dict[str, _Rec] = {}
+        self.rank_stats: dict[int, TransferStats] = {}  # each follower's last counters
 
     def _begin(self, rid: str, ranks: set[int]) -> _Rec:
         rec = self.recs[rid] = _Rec(frozenset(ranks))
@@ -90,6 +91,8 @@ class TPEndpoints:
 
     def _on_report(self, rank: int, report: Any) -> None:
         """A follower's report other than a terminal update."""
+        if report[0] == "stats":
+            self.rank_stats[rank] = TransferStats(*report[1:4])
 
     def poll(self) -> list[TransferUpdate]:
         ends: list[TransferUpdate] = []
@@ -170,7 +173,15 @@ class TPEndpoints:
         return dataclasses.replace(acc, transfers=max(acc.transfers, len(self.recs)))
 
     def stats(self) -> TransferStats:
-        return self.local.stats()  # rank 0's; followers' counters stay on their ranks
+        """Every rank's counters summed: each rank moves (and may be sent bad frames for)
+        its own heads, so the worker's bytes are the sum over its ranks."""
+        total = self.local.stats()
+        for st in self.rank_stats.values():
+            total = TransferStats(
+                malformed_messages=total.malformed_messages + st.malformed_messages,
+                rejected_handshakes=total.rejected_handshakes + st.rejected_handshakes,
+                payload_bytes=total.payload_bytes + st.payload_bytes)
+        return total
 
     def close(self) -> None:
         self.local.close()  # the followers close theirs when the engine stops them

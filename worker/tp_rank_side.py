@@ -10,7 +10,8 @@ Messages (tuples, first item the op):
   ("push", rid, [address...], src, dst, deadline)  producer: connect + push to each
   ("finish", rid, notice) / ("cancel", rid, reason) / ("release", rid)
   ("expect", rid, dst, deadline, source_tp)        consumer; answered ("expected", rid)
-Reports: ("update", rid, status, notice, error) once per terminal record.
+Reports: ("update", rid, status, notice, error) once per terminal record;
+  ("stats", malformed, rejected, payload_bytes) whenever this rank's counters changed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class TransferRankSide:
             raise ValueError(f"kind: expected 'producer' or 'consumer', got {self.kind!r}")
         self.out: list[Any] = []
         self.failed: set[str] = set()  # records that failed here before the side had one
+        self.last_stats = (0, 0, 0)  # the counters last reported to rank 0
 
     def info(self) -> dict[str, Any]:
         return {"address": self.side.address if isinstance(self.side, KVReceiver) else ""}
@@ -101,6 +103,11 @@ class TransferRankSide:
     def poll(self) -> list[Any]:
         for u in self.side.poll():
             self.out.append(("update", u.request_id, int(u.status), u.notice, u.error))
+        st = self.side.stats()
+        counters = (st.malformed_messages, st.rejected_handshakes, st.payload_bytes)
+        if counters != self.last_stats:  # rank 0 sums every rank's counters for /metrics
+            self.last_stats = counters
+            self.out.append(("stats", *counters))
         out, self.out = self.out, []
         return out
 

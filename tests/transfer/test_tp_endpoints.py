@@ -115,6 +115,15 @@ def test_every_consumer_rank_gets_its_heads_and_both_sides_end_as_one(a, b, head
             assert torch.equal(w.dst[c][dst], want[src]), c
             others = [i for i in range(NB) if i not in dst]
             assert bool((w.dst[c][others] == -1).all()), c  # nothing outside the reservation
+        # /metrics' byte counters sum every rank's: each consumer rank's heads, once
+        want_bytes = len(src) * LAYERS * 2 * BS * DIM * 4 * sum(
+            lay.head_count for lay in w.dst_lay)
+        w.tx.poll()  # the followers' latest counters arrive with their reports
+        w.rx.poll()
+        assert w.tx.stats().payload_bytes == want_bytes
+        assert w.rx.stats().payload_bytes == want_bytes
+        if a > 1:
+            assert w.tx.local.stats().payload_bytes < want_bytes  # rank 0 alone is not all
         w.tx.release("r1")
         w.rx.release("r1")
         assert w.tx.accounting().transfers == 0 and w.rx.accounting().transfers == 0
