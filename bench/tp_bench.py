@@ -128,11 +128,13 @@ def collective_share(run: dict, model_cfg: dict, args: argparse.Namespace,
                      batches: list[int]) -> dict:
     """The step's collectives alone on run["tp"] ranks, per decode batch and the prefill."""
     tp = run["tp"]
-    points = {f"decode_b{b}": (b, b) for b in batches}  # (tokens, sampled rows)
-    points["prefill"] = (args.prefill, 1)
+    # (tokens, sampled rows, broadcast): decode rows sample in the graphs' head (default
+    # sampling is temperature alone), so rank 0 broadcasts no ids there
+    points = {f"decode_b{b}": (b, b, False) for b in batches}
+    points["prefill"] = (args.prefill, 1, True)
     plans = {}
-    for name, (tokens, sampled) in points.items():
-        plans[name] = step_collectives(model_cfg, tp, tokens, sampled, args.dtype)
+    for name, (tokens, sampled, bcast) in points.items():
+        plans[name] = step_collectives(model_cfg, tp, tokens, sampled, args.dtype, bcast)
         plans[f"{name}_head"] = [op for op in plans[name] if op.kind != "all_reduce"]
     # bounded well inside tp_gpu.sh's step budget: a rank that hangs costs the share, not the run
     timed = time_collectives(plans, tp, args.device, iters=args.collective_iters, timeout_s=90)

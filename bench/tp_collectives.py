@@ -4,9 +4,10 @@ share).
 ``step_collectives`` lists what one forward of engine/models/llama.py issues under TP N, in
 order: the vocabulary-parallel embedding's all-reduce and two per decoder layer (attention
 output, MLP output), each [T, hidden] in the model's dtype; then, when rows are sampled,
-the LM head's all-gather of [S, vocab/N] float32 logits and rank 0's broadcast of the S
-sampled ids (int64) that the runner adds after the forward. tests/bench/test_tp_collectives.py
-checks this list against what a real TP2 engine calls.
+the LM head's all-gather of [S, vocab/N] logits (model dtype) and rank 0's broadcast of the S
+sampled ids (int64) that the runner adds after the forward, except in a decode step whose
+rows all sample in the decode graphs' head (engine/parallel/graph_step.py).
+tests/bench/test_tp_collectives.py checks this list against what a real TP2 engine calls.
 
 ``time_collectives`` starts one process per rank (rank r on cuda:r, or all on the CPU with
 gloo), joins them through the engine's own ``TPGroup`` (the same NCCL/gloo calls the model
@@ -49,14 +50,17 @@ class Collective:
 
 
 def step_collectives(model_cfg: dict[str, Any], tp: int, tokens: int, sampled: int,
-                     dtype: str) -> list[Collective]:
-    """One step of ``tokens`` input tokens of which ``sampled`` rows are sampled."""
+                     dtype: str, broadcast: bool = True) -> list[Collective]:
+    """One step of ``tokens`` input tokens of which ``sampled`` rows are sampled.
+    broadcast=False: a pure-decode step whose rows all sample in the decode graphs' head,
+    where every rank draws the same ids and rank 0 broadcasts nothing."""
     hidden, layers = model_cfg["hidden_size"], model_cfg["num_hidden_layers"]
     vocab_shard = -(-model_cfg["vocab_size"] // tp)  # shards.py: ceil(vocab / tp), padded
     ops = [Collective("all_reduce", (tokens, hidden), dtype)] * (1 + 2 * layers)
     if sampled:
-        ops += [Collective("all_gather", (sampled, vocab_shard), "float32"),
-                Collective("broadcast", (sampled,), "int64")]
+        ops.append(Collective("all_gather", (sampled, vocab_shard), dtype))
+        if broadcast:
+            ops.append(Collective("broadcast", (sampled,), "int64"))
     return ops
 
 

@@ -36,7 +36,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, H] -> [S, vocab] float32 on every rank (rank 0 samples from it)."""
-        logits = nn.functional.linear(hidden, self.weight).float()  # [S, Vs]
+        logits = nn.functional.linear(hidden, self.weight)  # [S, Vs], the model's dtype
         if self.group is None:
-            return logits
-        return self.group.all_gather_cat(logits)[:, :self.vocab]
+            return logits.float()
+        # gathered before the cast: the same values, half the bytes of float32 (bf16/fp16)
+        return self.group.all_gather_cat(logits)[:, :self.vocab].float()

@@ -64,12 +64,21 @@ def test_step_collectives_match_a_real_tp2_engine(tiny) -> None:  # type: ignore
                                  first_token=7)
         seen.clear()
         engine.step()
-        plan = step_collectives(cfg, 2, 3, 3, "float32")
+        plan = step_collectives(cfg, 2, 3, 3, "float32", broadcast=False)
         assert seen == plan
-        # 1 + 2 per layer all-reduces of [3, hidden], then the head's gather and broadcast
-        assert len(plan) == 2 * cfg["num_hidden_layers"] + 3
-        assert plan[-2] == Collective("all_gather", (3, 16000), "float32")
-        assert plan[-1].nbytes == 3 * 8
+        # 1 + 2 per layer all-reduces of [3, hidden], then the head's gather; every rank
+        # samples the same ids in the decode graphs' head, so nothing is broadcast
+        assert len(plan) == 2 * cfg["num_hidden_layers"] + 2
+        assert plan[-1] == Collective("all_gather", (3, 16000), "float32")
+        # a row that needs the eager sampler (top-k): rank 0 broadcasts what it drew
+        seen.clear()
+        blocks = engine.reserve(20)
+        assert blocks is not None
+        engine.add_prefilled("k", [5 + j for j in range(20)],
+                             SamplingParams(max_tokens=8, top_k=5, ignore_eos=True), blocks,
+                             first_token=7)
+        engine.step()
+        assert seen[-1].kind == "broadcast" and seen[-1].nbytes == 4 * 8
     finally:
         engine.runner.close()
 
