@@ -8,8 +8,10 @@ out of its ZMQ poll as soon as a call is queued.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -98,6 +100,7 @@ class IOLoop:
         self._stop = True
 
     def _run(self) -> None:
+        name_os_thread(f"{self._thread.name}-io")
         try:
             self.on_start()
             while not self._stop:
@@ -145,3 +148,16 @@ class IOLoop:
 
     def on_stop(self) -> None:
         """Releases everything."""
+
+
+def name_os_thread(name: str) -> None:
+    """Gives the calling thread an OS name (``top -H``, ``/proc/*/task/*/comm``, py-spy):
+    Python 3.11 leaves every thread named after the process, so an engine process's
+    transfer threads could not be told apart from its engine loop when one of them ate CPU."""
+    if sys.platform != "linux":
+        return
+    PR_SET_NAME = 15  # noqa: N806 - the kernel's name
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # a naming failure must never stop a thread
+        pass
