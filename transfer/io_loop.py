@@ -24,6 +24,10 @@ from transfer.types import TransferUpdate
 
 BUSY_POLL_MS = 1  # loop period while data-plane ops are in flight (completion latency)
 IDLE_POLL_MS = 50  # loop period otherwise (deadline / heartbeat granularity)
+# Longest sleep of a loop that says when its next timer is due (``idle_poll_ms``): every
+# wakeup takes the GIL from the engine thread sharing the process, so a side with no
+# transfer open sleeps until its next heartbeat instead of waking 20 times a second.
+MAX_IDLE_POLL_MS = 1000
 
 
 class IOLoop:
@@ -105,7 +109,8 @@ class IOLoop:
             self.on_start()
             while not self._stop:
                 busy = self.busy()
-                events = dict(self.poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+                wait = BUSY_POLL_MS if busy else self.idle_poll_ms(time.monotonic())
+                events = dict(self.poller.poll(wait))
                 if self._rfd in events:
                     try:
                         os.read(self._rfd, 4096)
@@ -136,6 +141,11 @@ class IOLoop:
 
     def busy(self) -> bool:
         return False
+
+    def idle_poll_ms(self, now: float) -> int:
+        """How long the loop may sleep when not ``busy`` (a call or a message wakes it
+        sooner): until the earliest timer ``tick`` has to act on."""
+        return IDLE_POLL_MS
 
     def on_readable(self, sock: Any) -> None:
         """Reads every message waiting on ``sock``."""

@@ -10,9 +10,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from xfer_helpers import Pair
+import torch
+from xfer_helpers import LAYOUT, Pair, cfg, pool
 
-from transfer import TransferNotice, TransferStatus
+from transfer import TransferNotice, TransferStatus, make_receiver, make_sender
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,31 @@ def test_a_transfer_is_not_held_by_the_progress_threads_sleep(ucx_pair: Pair) ->
         p.rx.release(rid)
         p.tx.release(rid)
     assert statistics.median(took) < 0.05, took  # the sleep is 0.1 s
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_an_idle_receiver_wakes_for_its_heartbeats_only() -> None:
+    """With no transfer open, a consumer's I/O thread sleeps until its next ping is due
+    (it woke every 50 ms, each time taking the GIL from the engine loop), and a transfer
+    that starts meanwhile is served at once."""
+    c = cfg("ucx", heartbeat_interval_s=1.0, peer_timeout_s=5.0)
+    src, dst = pool(), pool(fill=-1.0)
+    with make_receiver(dst, LAYOUT, c, name="quietrx") as rx, \
+            make_sender(src, LAYOUT, c, name="quiettx") as tx:
+        tx.connect(rx.address, timeout=10)
+        (tid,) = [t for t, n in _threads().items() if n == "quietrx-io"]
+        time.sleep(0.5)  # the handshake's turns are over
+        before = _wakeups(tid)
+        time.sleep(2.0)
+        woke = _wakeups(tid) - before
+        # a ping each way a second, each a wakeup or two: ~4 in 2 s (was 40+)
+        assert woke < 16, woke
+        rx.expect("r", [3])
+        t0 = time.perf_counter()
+        tx.push("r", rx.address, [1], [3])
+        tx.finish("r", TransferNotice("r", 42, False, 1))
+        assert rx.wait("r", 10).status == TransferStatus.DONE
+        assert time.perf_counter() - t0 < 0.5
+        assert torch.equal(dst[3], src[1])
+        # a side still connected keeps its peer: the silence verdict was not hurried
+        assert rx.accounting().peers == 1
