@@ -8,8 +8,10 @@ out of its ZMQ poll as soon as a call is queued.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +24,10 @@ from transfer.types import TransferUpdate
 
 BUSY_POLL_MS = 1  # loop period while data-plane ops are in flight (completion latency)
 IDLE_POLL_MS = 50  # loop period otherwise (deadline / heartbeat granularity)
+# Longest sleep of a loop that says when its next timer is due (``idle_poll_ms``): every
+# wakeup takes the GIL from the engine thread sharing the process, so a side with no
+# transfer open sleeps until its next heartbeat instead of waking 20 times a second.
+MAX_IDLE_POLL_MS = 1000
 
 
 class IOLoop:
@@ -98,11 +104,13 @@ class IOLoop:
         self._stop = True
 
     def _run(self) -> None:
+        name_os_thread(f"{self._thread.name}-io")
         try:
             self.on_start()
             while not self._stop:
                 busy = self.busy()
-                events = dict(self.poller.poll(BUSY_POLL_MS if busy else IDLE_POLL_MS))
+                wait = BUSY_POLL_MS if busy else self.idle_poll_ms(time.monotonic())
+                events = dict(self.poller.poll(wait))
                 if self._rfd in events:
                     try:
                         os.read(self._rfd, 4096)
@@ -134,6 +142,11 @@ class IOLoop:
     def busy(self) -> bool:
         return False
 
+    def idle_poll_ms(self, now: float) -> int:
+        """How long the loop may sleep when not ``busy`` (a call or a message wakes it
+        sooner): until the earliest timer ``tick`` has to act on."""
+        return IDLE_POLL_MS
+
     def on_readable(self, sock: Any) -> None:
         """Reads every message waiting on ``sock``."""
 
@@ -145,3 +158,16 @@ class IOLoop:
 
     def on_stop(self) -> None:
         """Releases everything."""
+
+
+def name_os_thread(name: str) -> None:
+    """Gives the calling thread an OS name (``top -H``, ``/proc/*/task/*/comm``, py-spy):
+    Python 3.11 leaves every thread named after the process, so an engine process's
+    transfer threads could not be told apart from its engine loop when one of them ate CPU."""
+    if sys.platform != "linux":
+        return
+    PR_SET_NAME = 15  # noqa: N806 - the kernel's name
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # a naming failure must never stop a thread
+        pass

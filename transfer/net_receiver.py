@@ -23,6 +23,7 @@ from engine.kv_layout import KVLayout
 from transfer import handshake, tp_plan, wire
 from transfer.base import KVReceiver
 from transfer.head_cut import cut_between
+from transfer.io_loop import IDLE_POLL_MS, MAX_IDLE_POLL_MS
 from transfer.net_side import NetSide, make_plane
 from transfer.records import Peer, RecvPart, RecvRecord
 from transfer.types import (
@@ -340,6 +341,19 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
             elif now - peer.last_ping > self.config.heartbeat_interval_s:
                 peer.last_ping = now
                 self._send(peer.ident, wire.Ping())
+
+    def idle_poll_ms(self, now: float) -> int:
+        """Open records (deadlines, endings) and draining runs keep the usual period; with
+        none, the next heartbeat or silence verdict is the only timer."""
+        if self.peers and any(p.drains for p in self.peers.values()) \
+                or any(not r.status.terminal for r in self.recs.values()):
+            return IDLE_POLL_MS
+        due = [min(p.last_ping + self.config.heartbeat_interval_s,
+                   p.last_heard + self.config.peer_timeout_s) for p in self.peers.values()]
+        if not due:
+            return MAX_IDLE_POLL_MS
+        # +1: tick acts once a timer has strictly passed
+        return max(1, min(MAX_IDLE_POLL_MS, int((min(due) - now) * 1e3) + 1))
 
     def _drop_peer(self, peer: Peer, reason: str) -> None:
         assert self.plane is not None

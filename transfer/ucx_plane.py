@@ -31,9 +31,17 @@ import ucxx._lib.libucxx as ucx
 from ucxx._lib.arr import Array
 
 from transfer.head_cut import HeadCut
+from transfer.io_loop import name_os_thread
 from transfer.plane import DataPlane
 from transfer.pool import KVPool, strided
 from transfer.types import TransferError
+
+# The progress thread's longest sleep. UCX wakes it for every event it has (a completion,
+# an incoming message; a request posted through delayed submission signals the worker),
+# so this bounds only what nothing signals. It was 1 ms: a thousand wakeups a second in
+# every worker, idle or not, each a full ucp_worker_progress next to the engine's thread
+# (on GPUs, with the pool's CUDA context current).
+EPOLL_TIMEOUT_MS = 100
 
 
 class UcxPlane(DataPlane):
@@ -43,12 +51,12 @@ class UcxPlane(DataPlane):
         # delayed submission: requests made on our I/O thread are posted by the progress
         # thread, the only thread that touches the UCX worker
         self._worker = ucx.UCXWorker(self._ctx, enable_delayed_submission=True)
-        if pool.is_cuda:
-            self._worker.set_progress_thread_start_callback(_cuda_ctx, cb_args=(pool.device_index,))
+        self._worker.set_progress_thread_start_callback(
+            _progress_thread_start, cb_args=(pool.device_index if pool.is_cuda else -1,))
         # a C++ thread progresses without the GIL; "thread" sleeps in epoll between events,
         # which measured faster than spinning on a 2-core host (spinners steal the core)
         self._worker.start_progress_thread(polling_mode=progress == "thread-polling",
-                                           epoll_timeout=1)
+                                           epoll_timeout=EPOLL_TIMEOUT_MS)
         self._discard = np.zeros(1, dtype=np.uint8)
         self._closed = False
         self._stream: Any = None  # CUDA pools: gathers and scatters of head-sliced runs
@@ -129,7 +137,10 @@ class UcxPlane(DataPlane):
             self._worker.stop_progress_thread()
 
 
-def _cuda_ctx(device: int) -> None:
+def _progress_thread_start(device: int) -> None:
+    name_os_thread("ucx-progress")
+    if device < 0:
+        return
     # the progress thread must have the pool's CUDA context current for cuda_ipc
     import torch
 

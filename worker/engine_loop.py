@@ -31,6 +31,7 @@ from worker.messages import (
     encode,
 )
 from worker.role import Emit, RoleHandler
+from worker.step_stats import StepStats
 
 log = logging.getLogger("pdserve.worker")
 STATS_INTERVAL_S = 0.25  # load reports feed the gRPC process's heartbeats
@@ -69,6 +70,7 @@ class WorkerLoop:
         self.poller.register(commands, zmq.POLLIN)
         self.running = True
         self._last_stats = 0.0
+        self.steps = StepStats()
 
     def _drain_commands(self, timeout_ms: int) -> bool:
         """Applies every queued command, waiting up to timeout_ms for the first; False when
@@ -102,24 +104,32 @@ class WorkerLoop:
                 break
         if self.engine.has_unfinished():
             self.handler.before_step(time.time_ns())
+            self.steps.start()
+            outs = self.engine.step()
+            self.steps.end(outs)
             # always: a step with no tokens may still report reservations or final blocks
-            self.handler.on_outputs(self.engine.step(), time.time_ns())
+            self.handler.on_outputs(outs, time.time_ns())
+        else:
+            self.steps.idle()
         self.handler.after_step()
         now = time.monotonic()
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now
-            self.events.send(encode(StatsEvent(load_report(self.handler))))
+            self.events.send(encode(StatsEvent(load_report(self.handler, self.steps))))
+            if (line := self.steps.window_line()) is not None:
+                log.info("%s", line)
 
     def run(self) -> None:
         while self.running:
             self.turn()
 
 
-def load_report(handler: RoleHandler) -> dict[str, Any]:
-    """The role's load plus every request the engine holds (state, ages, blocks)."""
+def load_report(handler: RoleHandler, steps: StepStats | None = None) -> dict[str, Any]:
+    """The role's load plus every request the engine holds (state, ages, blocks) and the
+    engine's step counters."""
     held = sorted(handler.engine.held_requests(), key=lambda h: -h.age_s)
     return {**handler.load(), "requests": [h.row() for h in held[:MAX_LISTED_REQUESTS]],
-            "requests_held": len(held)}
+            "requests_held": len(held), **(steps or StepStats()).counters()}
 
 
 def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:

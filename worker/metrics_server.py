@@ -1,8 +1,8 @@
 """A worker's Prometheus endpoint: a small aiohttp server in the worker's gRPC process.
 
-Engine-side numbers (queue, KV blocks, transfers, leases, preemptions) come from the
-engine process's latest load report (EV_STATS, every 0.25 s), so serving /metrics never
-touches the engine; per-RPC outcomes and transfer times are counted here as they stream.
+Engine-side numbers (queue, KV blocks, transfers, leases, preemptions, engine steps) come
+from the engine process's latest load report (EV_STATS, every 0.25 s), so serving /metrics
+never touches the engine; per-RPC outcomes and transfer times are counted here as they stream.
 """
 
 from __future__ import annotations
@@ -50,6 +50,19 @@ _COUNTERS = {
                               "KV-channel frames from peers dropped as malformed"),
     "kv_rejected_handshakes": ("pdserve_worker_kv_rejected_handshakes",
                                "KV-channel handshakes refused (token, version, layout)"),
+    # worker/step_stats.py: mean batch = rows / steps, mean step = seconds / steps, mean
+    # host time between steps = gap seconds / gaps (rates of each, over any window)
+    "engine_steps": ("pdserve_worker_engine_steps", "Engine steps run"),
+    "engine_step_rows": ("pdserve_worker_engine_step_rows",
+                         "Requests that got tokens from an engine step, summed over steps"),
+    "engine_step_tokens": ("pdserve_worker_engine_step_tokens", "Tokens engine steps reported"),
+    "engine_step_seconds": ("pdserve_worker_engine_step_seconds",
+                            "Wall seconds inside engine steps"),
+    "engine_step_gap_seconds": ("pdserve_worker_engine_step_gap_seconds",
+                                "Wall seconds between consecutive engine steps (the engine "
+                                "process's own work between them: commands, role, transfers)"),
+    "engine_step_gaps": ("pdserve_worker_engine_step_gaps",
+                         "Gaps summed in pdserve_worker_engine_step_gap_seconds"),
 }
 
 

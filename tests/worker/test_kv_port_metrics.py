@@ -74,3 +74,25 @@ def test_a_junk_frame_on_the_consumer_kv_port_is_counted_on_metrics(
         ctx.term()
     assert cluster.status().workers  # the router still sees its workers
     assert all(w.healthy for w in cluster.status().workers), dump_logs(cluster)
+
+
+def test_a_live_consumer_counts_its_decode_steps_on_metrics(cluster: LocalCluster) -> None:
+    """One request of 20 tokens: the producer samples token 0, the consumer's engine steps
+    report the other 19, one row each (the batch is that one request)."""
+    from cluster_client import generate, stub_for
+    from pdserve.v1 import router_pb2
+
+    port = cluster.metrics_ports["consumer-0"]
+    names = {k: f"pdserve_worker_engine_{k}_total" for k in
+             ("steps", "step_rows", "step_tokens", "step_seconds", "step_gap_seconds")}
+    before = {k: _metric(port, n) for k, n in names.items()}
+    ch, stub = stub_for(cluster.router_address)
+    with ch:
+        res = generate(stub, {"max_tokens": 20, "temperature": 0, "ignore_eos": True},
+                       prompt_token_ids=router_pb2.TokenIds(ids=list(range(100, 140))))
+    assert len(res.token_ids) == 20, (res, dump_logs(cluster))
+    _wait_metric(port, names["step_tokens"], before["step_tokens"] + 19)
+    d = {k: _metric(port, n) - before[k] for k, n in names.items()}
+    assert d["step_tokens"] == 19 and d["step_rows"] == 19, d
+    assert 19 <= d["steps"] <= 22, d  # deferred output: a step or two report nothing
+    assert d["step_seconds"] > 0 and d["step_gap_seconds"] > 0, d

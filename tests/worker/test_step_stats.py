@@ -1,0 +1,145 @@
+"""The engine loop counts its steps (number, rows, step wall time, time between steps), the
+load report carries the totals, /metrics exports them, and a log line summarizes each
+window while busy."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import pytest
+import zmq
+from tiny_models import make_tiny_model
+
+from consumer.colocated import ColocatedHandler
+from engine.llm import LLM
+from engine.outputs import RequestOutput
+from engine.request_state import RequestState
+from engine.sampling_params import SamplingParams
+from worker import ipc
+from worker.engine_loop import WorkerLoop, load_report
+from worker.messages import DecodeCmd, Event, StatsEvent, decode, encode
+from worker.metrics_server import WorkerMetrics
+from worker.step_stats import StepStats
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _out(n: int) -> RequestOutput:
+    return RequestOutput("r", list(range(n)), "", RequestState.DECODING, None, 3, n, 0, 0)
+
+
+def test_step_and_gap_times_count_only_consecutive_steps() -> None:
+    clock = Clock()
+    s = StepStats(clock)
+    clock.t = 100.0
+    s.start()
+    clock.t = 100.004  # a 4 ms step with two rows, one of them two tokens
+    s.end([_out(1), _out(2), _out(0)])
+    clock.t = 100.005  # 1 ms later the next step
+    s.start()
+    clock.t = 100.007
+    s.end([_out(1)])
+    s.idle()  # the engine ran dry: the 5 s wait below is no gap
+    clock.t = 105.0
+    s.start()
+    clock.t = 105.003
+    s.end([])
+    c = s.counters()
+    assert (c["engine_steps"], c["engine_step_rows"], c["engine_step_tokens"]) == (3, 3, 4)
+    assert c["engine_step_seconds"] == pytest.approx(0.009)
+    assert c["engine_step_gaps"] == 1
+    assert c["engine_step_gap_seconds"] == pytest.approx(0.001)
+
+
+def test_window_line_reports_the_window_means_and_stays_quiet_when_idle() -> None:
+    clock = Clock()
+    s = StepStats(clock)
+    assert s.window_line() is None  # opens the first window
+    for _ in range(4):  # 4 steps of 5 ms, 2 rows each, 1 ms apart
+        s.start()
+        clock.t += 0.005
+        s.end([_out(1), _out(1)])
+        clock.t += 0.001
+    assert s.window_line(every_s=10.0) is None  # the window is not over
+    clock.t = 110.5
+    line = s.window_line(every_s=10.0)
+    assert line == ("steps: 4 in 10.5 s, mean batch 2.00, step 5.00 ms, "
+                    "between steps 1.00 ms")
+    clock.t = 121.0
+    assert s.window_line(every_s=10.0) is None  # no steps in that window: no line
+
+
+def _metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m is not None, f"{name} missing:\n{text}"
+    return float(m.group(1))
+
+
+def test_metrics_export_the_step_counters() -> None:
+    s = StepStats(Clock())
+    s.start()
+    s.clock.t += 0.25  # type: ignore[attr-defined]
+    s.end([_out(1), _out(1), _out(1)])
+    load = {"waiting": 0, **s.counters()}
+    text = WorkerMetrics("w1", "consumer", lambda: load).render().decode()
+    assert _metric(text, "pdserve_worker_engine_steps_total") == 1
+    assert _metric(text, "pdserve_worker_engine_step_rows_total") == 3
+    assert _metric(text, "pdserve_worker_engine_step_tokens_total") == 3
+    assert _metric(text, "pdserve_worker_engine_step_seconds_total") == pytest.approx(0.25)
+    assert _metric(text, "pdserve_worker_engine_step_gap_seconds_total") == 0
+    assert _metric(text, "pdserve_worker_engine_step_gaps_total") == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(os.path.join(tmp_path_factory.mktemp("steps"), "llama"), "llama")
+
+
+def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> None:
+    """Real sockets, a real tiny engine and the colocated role: the load report's counters
+    match what the request went through."""
+    eng = LLM(tiny_llama, role="colocated", block_size=4).engine
+    paths = ipc.IpcPaths.fresh()
+    ctx = zmq.Context()
+    try:
+        pull = ipc.bind_pull(ctx, paths.commands)
+        push = ipc.connect_push(ctx, paths.commands)
+        ev_pull = ipc.bind_pull(ctx, paths.events)
+        events = ipc.connect_push(ctx, paths.events)
+        emitted: list[Event] = []
+        loop = WorkerLoop(ColocatedHandler(eng, emitted.append), pull, events)
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True).to_dict()
+        push.send(encode(DecodeCmd("a", (5, 17, 33, 90, 12), params, False)))
+        turns = 0
+        while not any(getattr(e, "finish", None) for e in emitted):
+            loop.turn()
+            turns += 1
+            assert turns < 200
+        c = load_report(loop.handler, loop.steps)
+        tokens = sum(len(e.ids) for e in emitted)  # type: ignore[attr-defined]
+        assert tokens == 20
+        # every turn stepped (the command came before the first), and every step after
+        # the first followed a step
+        assert c["engine_steps"] == turns
+        assert c["engine_step_gaps"] == turns - 1
+        assert c["engine_step_tokens"] == 20
+        assert c["engine_step_rows"] == 20  # one request, one token a step
+        assert 0 < c["engine_step_seconds"] and 0 < c["engine_step_gap_seconds"]
+        # what the loop sent: its load reports carry the same counters, as of then
+        reports: list[dict[str, Any]] = []
+        while ev_pull.poll(0):
+            msg = decode(ev_pull.recv())
+            if isinstance(msg, StatsEvent):
+                reports.append(msg.load)
+        assert reports and reports[0]["engine_steps"] <= c["engine_steps"]
+    finally:
+        ctx.destroy(linger=0)
+        paths.cleanup()
