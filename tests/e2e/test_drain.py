@@ -29,6 +29,8 @@ from steady_load import (
 from deploy.cluster import LocalCluster
 
 WORKER_ARGS = ("--max-num-batched-tokens", "32", "--kv-cache-mib", "16")
+# heartbeats 4x a second: the router's view of a worker's load (wait_busy) is fresh
+HEARTBEAT_S = "0.25"
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +58,13 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
                                                           tiny_llm):
     c = start_cluster(tmp_path_factory, "roll", producers=2, consumers=2, model=tiny_model,
                       threads=1, worker_args=WORKER_ARGS,
-                      router_args=("--heartbeat-timeout", "3", "--policy", "round_robin"))
+                      router_args=("--heartbeat-timeout", "3", "--heartbeat-interval",
+                                   HEARTBEAT_S, "--policy", "round_robin"))
     try:
-        # long enough that a drain always finds requests in flight, on a fast machine too
-        load = SteadyLoad(c.router_address, clients=3, max_tokens=(96, 400, 1500))
+        # long enough that a drain always finds requests in flight, on a fast machine too:
+        # wait_busy sees a consumer's load as of its last heartbeat (at most 0.25 s old), and
+        # the longest request still runs for seconds after that
+        load = SteadyLoad(c.router_address, clients=3, max_tokens=(64, 300, 800))
         with load.running():
             load.wait_for(8)
             for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):
