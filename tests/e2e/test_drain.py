@@ -31,11 +31,19 @@ from deploy.cluster import LocalCluster
 WORKER_ARGS = ("--max-num-batched-tokens", "32", "--kv-cache-mib", "16")
 # heartbeats 4x a second: the router's view of a worker's load (wait_busy) is fresh
 HEARTBEAT_S = "0.25"
+LONG_TOKENS = 24000
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_served_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with room for a request that outlives any drain timeout: 3900 tokens
+    took under 5 s on a quiet 2-core machine, and did not."""
+    return tiny_served_model(str(tmp_path_factory.mktemp("tinylong")), max_len=32768)
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +101,11 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
 
 
 def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
-        tmp_path_factory, tiny_model):
+        tmp_path_factory, long_model):
     c = start_cluster(tmp_path_factory, "drain-timeout", producers=0, consumers=0,
-                      colocated=1, model=tiny_model, threads=1,
-                      worker_args=(*WORKER_ARGS, "--drain-timeout", "4"),
+                      colocated=1, model=long_model, threads=1,
+                      worker_args=(*WORKER_ARGS, "--drain-timeout", "4",
+                                   "--max-model-len", str(LONG_TOKENS + 576)),
                       router_args=("--heartbeat-timeout", "3"))
     ch, stub = stub_for(c.router_address)
     try:
@@ -104,8 +113,8 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
-            # far longer than the drain timeout on this CPU
-            long = pool.submit(generate, stub, dict(max_tokens=3900, temperature=0.0,
+            # far longer than the drain timeout on any CPU (12 MiB of its 16 MiB KV pool)
+            long = pool.submit(generate, stub, dict(max_tokens=LONG_TOKENS, temperature=0.0,
                                                     ignore_eos=True),
                                prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[1]))
             wait_until(lambda: workers(c)["colocated-0"].load.running == 1, 30, "decoding")
@@ -128,7 +137,7 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
             res = long.result(120)
         assert res.finish_reason == common_pb2.FINISH_REASON_ERROR, (res.code, res.details)
         assert "drain timeout (4 s, --drain-timeout)" in res.error, res.error
-        assert 0 < len(res.token_ids) < 3900
+        assert 0 < len(res.token_ids) < LONG_TOKENS
         assert c.procs["colocated-0"].wait(30) == 0
         assert time.monotonic() - t0 < 30
         wait_until(lambda: "colocated-0" not in workers(c), 10, "deregistered")
