@@ -27,9 +27,9 @@ PROMPTS = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)]
            for i, n in enumerate((5, 11, 40, 75, 23, 130, 64, 9))]
 
 
-def tiny_served_model(path: str) -> str:
+def tiny_served_model(path: str, max_len: int = 4096) -> str:
     """A tiny llama with a word-level tokenizer of its 256 ids (the router needs one)."""
-    make_tiny_model(path, "llama", max_position_embeddings=4096)
+    make_tiny_model(path, "llama", max_position_embeddings=max_len)
     tk = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
     tk.save(os.path.join(path, "tokenizer.json"))
     return path

@@ -29,11 +29,21 @@ from steady_load import (
 from deploy.cluster import LocalCluster
 
 WORKER_ARGS = ("--max-num-batched-tokens", "32", "--kv-cache-mib", "16")
+# heartbeats 4x a second: the router's view of a worker's load (wait_busy) is fresh
+HEARTBEAT_S = "0.25"
+LONG_TOKENS = 24000
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return tiny_served_model(str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny model with room for a request that outlives any drain timeout: 3900 tokens
+    took under 5 s on a quiet 2-core machine, and did not."""
+    return tiny_served_model(str(tmp_path_factory.mktemp("tinylong")), max_len=32768)
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +66,13 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
                                                           tiny_llm):
     c = start_cluster(tmp_path_factory, "roll", producers=2, consumers=2, model=tiny_model,
                       threads=1, worker_args=WORKER_ARGS,
-                      router_args=("--heartbeat-timeout", "3", "--policy", "round_robin"))
+                      router_args=("--heartbeat-timeout", "3", "--heartbeat-interval",
+                                   HEARTBEAT_S, "--policy", "round_robin"))
     try:
-        # long enough that a drain always finds requests in flight, on a fast machine too
-        load = SteadyLoad(c.router_address, clients=3, max_tokens=(96, 400, 1500))
+        # long enough that a drain always finds requests in flight, on a fast machine too:
+        # wait_busy sees a consumer's load as of its last heartbeat (at most 0.25 s old), and
+        # the longest request still runs for seconds after that
+        load = SteadyLoad(c.router_address, clients=3, max_tokens=(64, 300, 800))
         with load.running():
             load.wait_for(8)
             for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):
@@ -88,10 +101,11 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
 
 
 def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
-        tmp_path_factory, tiny_model):
+        tmp_path_factory, long_model):
     c = start_cluster(tmp_path_factory, "drain-timeout", producers=0, consumers=0,
-                      colocated=1, model=tiny_model, threads=1,
-                      worker_args=(*WORKER_ARGS, "--drain-timeout", "4"),
+                      colocated=1, model=long_model, threads=1,
+                      worker_args=(*WORKER_ARGS, "--drain-timeout", "4",
+                                   "--max-model-len", str(LONG_TOKENS + 576)),
                       router_args=("--heartbeat-timeout", "3"))
     ch, stub = stub_for(c.router_address)
     try:
@@ -99,8 +113,8 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
-            # far longer than the drain timeout on this CPU
-            long = pool.submit(generate, stub, dict(max_tokens=3900, temperature=0.0,
+            # far longer than the drain timeout on any CPU (12 MiB of its 16 MiB KV pool)
+            long = pool.submit(generate, stub, dict(max_tokens=LONG_TOKENS, temperature=0.0,
                                                     ignore_eos=True),
                                prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[1]))
             wait_until(lambda: workers(c)["colocated-0"].load.running == 1, 30, "decoding")
@@ -123,7 +137,7 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
             res = long.result(120)
         assert res.finish_reason == common_pb2.FINISH_REASON_ERROR, (res.code, res.details)
         assert "drain timeout (4 s, --drain-timeout)" in res.error, res.error
-        assert 0 < len(res.token_ids) < 3900
+        assert 0 < len(res.token_ids) < LONG_TOKENS
         assert c.procs["colocated-0"].wait(30) == 0
         assert time.monotonic() - t0 < 30
         wait_until(lambda: "colocated-0" not in workers(c), 10, "deregistered")

@@ -18,6 +18,19 @@ def _workers(stub) -> set[str]:  # type: ignore[no-untyped-def]
     return {w.worker_id for w in stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers}
 
 
+def _wait_decoding(stub, rids: list[str], timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
+    """Until every request in ``rids`` is decoding on its consumer (tokens streamed from it)."""
+    end = time.monotonic() + timeout
+    while True:
+        st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(include_requests=True))
+        seen = {r.request_id: r for r in st.requests}
+        if all(rid in seen and seen[rid].state == "DECODING" and seen[rid].tokens_streamed >= 2
+               for rid in rids):
+            return
+        assert time.monotonic() < end, [seen.get(rid) for rid in rids]
+        time.sleep(0.05)
+
+
 def _wait_dropped(stub, name: str, timeout: float = 15.0) -> None:  # type: ignore[no-untyped-def]
     end = time.monotonic() + timeout
     while name in _workers(stub):
@@ -37,11 +50,14 @@ def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, ba
     ch, stub = stub_for(c.router_address)
     try:
         # --- a consumer dies mid-decode ------------------------------------------------
-        decode = dict(max_tokens=300, temperature=0, ignore_eos=True)
+        # long enough to be still decoding well after the router shows it decoding
+        decode = dict(max_tokens=150, temperature=0, ignore_eos=True)
+        rids = [f"kill-{backend}-{i}" for i in range(2)]
         with ThreadPoolExecutor(2) as pool:
-            futs = [pool.submit(generate, stub, decode, timeout=120,
-                                **chat(f"Count to a thousand, take {i}.")) for i in range(2)]
-            time.sleep(3.0)  # both are decoding (round robin: one per consumer)
+            futs = [pool.submit(generate, stub, decode, timeout=120, request_id=rid,
+                                **chat(f"Count to a thousand, take {i}."))
+                    for i, rid in enumerate(rids)]
+            _wait_decoding(stub, rids)  # round robin: one per consumer
             t_kill = time.monotonic()
             # its gRPC process alone, as the OOM killer would: the engine must follow
             assert len(c.group_alive("consumer-0")) >= 2
@@ -54,7 +70,7 @@ def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, ba
         ok = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_LENGTH]
         assert len(failed) == 1 and len(ok) == 1, [(r.finish_reason, r.error) for r in results]
         assert "consumer-0" in failed[0].error
-        assert len(ok[0].token_ids) == 300
+        assert len(ok[0].token_ids) == decode["max_tokens"]
         assert time.monotonic() - t_kill < 60  # ended, no hang (the survivor ran to the end)
         _wait_dropped(stub, "consumer-0")
         after = [generate(stub, dict(max_tokens=3, temperature=0), **chat("Hi!"))

@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 import pytest
 from cluster_client import generate, stub_for, wait_for_full_kv
-from live_cluster import dump_logs, start_cluster
-from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from live_cluster import dump_logs
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from deploy.cluster import LocalCluster, free_port
 from engine.sampling_params import SamplingParams
@@ -83,11 +83,18 @@ class DeadKVConsumer(worker_pb2_grpc.WorkerServicer):
         self.server.start()
         with grpc.insecure_channel(self.router) as ch:
             self._register(worker_pb2_grpc.RegistryStub(ch))
-        threading.Thread(target=self._heartbeat, daemon=True).start()
+        self._beat = threading.Thread(target=self._heartbeat, daemon=True)
+        self._beat.start()
 
     def stop(self) -> None:
+        """Leaves as a drained worker does (Deregister done): the router forgets consumer-9
+        at once, and the shared cluster is a plain 1P1D again for the tests after this."""
         self._stop.set()
         self.server.stop(0)
+        self._beat.join(10)  # no heartbeat in flight registers it again after this
+        with grpc.insecure_channel(self.router) as ch:
+            router_pb2_grpc.MembershipStub(ch).Deregister(router_pb2.DeregisterRequest(
+                worker_id="consumer-9", done=True, reason="test over"), timeout=10)
 
 
 def _ready_info(cluster: LocalCluster, name: str) -> dict[str, Any]:
@@ -99,12 +106,13 @@ def _ready_info(cluster: LocalCluster, name: str) -> dict[str, Any]:
     return info
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
-    c = start_cluster(tmp_path_factory, "cdeadkv", producers=1, consumers=1,
-                      router_args=("--heartbeat-timeout", "3"))
-    yield c
-    c.stop()
+@pytest.fixture
+def cluster(cluster_1p1d):  # type: ignore[no-untyped-def]
+    """The session's 1P1D cluster (tests/e2e/conftest.py), whole again afterwards: the fake
+    consumer leaves it, and this checks that it did."""
+    yield cluster_1p1d
+    workers = {w.worker_id for w in cluster_1p1d.status().workers}
+    assert workers == {"producer-0", "consumer-0"}, workers
 
 
 def test_unreachable_consumer_kv_port_is_repaired_within_the_deadline(cluster,

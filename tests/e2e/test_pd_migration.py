@@ -44,6 +44,10 @@ def _healthy(stub) -> set[str]:  # type: ignore[no-untyped-def]
             if w.healthy}
 
 
+def _consumers(stub) -> set[str]:  # type: ignore[no-untyped-def]
+    return _healthy(stub) & set(CONSUMERS)
+
+
 def _wait_for(pred, what: str, timeout: float):  # type: ignore[no-untyped-def]
     end = time.monotonic() + timeout
     while not pred():
@@ -90,11 +94,12 @@ def test_consumer_sigkill_mid_decode_migrates(cluster, colocated_llm, sampling):
     try:
         victim, _, _ = _fault_mid_decode(cluster, stub, colocated_llm, sampling,
                                          f"kill-{sampling['temperature']}", cluster.kill)
-        # the survivors' pools are whole; the producer and both other consumers serve on
+        # the survivors' pools are whole; the producer and the other consumers serve on
         wait_for_full_kv(stub, timeout=60)
         assert victim not in _healthy(stub)
-        cluster.respawn(victim)  # for the next test: three consumers again
-        _wait_for(lambda: set(CONSUMERS) <= _healthy(stub), "respawned consumer", 180)
+        if len(_consumers(stub)) < 2:  # the next test needs one to move to: respawn one
+            cluster.respawn(victim)  # (once per module: a respawn costs a model load)
+            _wait_for(lambda: victim in _healthy(stub), "respawned consumer", 180)
     finally:
         ch.close()
 
@@ -109,7 +114,8 @@ def test_consumer_sigstop_past_heartbeat_deadline_moves_and_is_not_double_servin
         stopped.append(cluster.procs[name].pid)
 
     try:
-        _wait_for(lambda: set(CONSUMERS) <= _healthy(stub), "three consumers", 180)
+        _wait_for(lambda: len(_consumers(stub)) >= 2, "two consumers", 180)
+        serving = _consumers(stub)
         victim, _, took = _fault_mid_decode(cluster, stub, colocated_llm, GREEDY, "stopped",
                                             sigstop)
         # dropped at the 2 s heartbeat deadline, then the rest decoded elsewhere: well
@@ -127,9 +133,9 @@ def test_consumer_sigstop_past_heartbeat_deadline_moves_and_is_not_double_servin
         # and it serves new requests normally
         rs = [generate(stub, dict(max_tokens=3, temperature=0.0),
                        prompt_token_ids=router_pb2.TokenIds(ids=[1, 2, 3, 4]))
-              for _ in range(3)]
+              for _ in range(len(serving))]
         assert all(r.error == "" and len(r.token_ids) == 3 for r in rs), [r.error for r in rs]
-        assert victim in {r.timing.consumer for r in rs}  # round robin over all three
+        assert victim in {r.timing.consumer for r in rs}  # round robin over all of them
     finally:
         for pid in stopped:
             os.killpg(pid, signal.SIGCONT)

@@ -79,6 +79,20 @@ def _reference(path: str, prompts: list[list[int]], seeded: bool,
         return [c.token_ids for c in llm.generate(prompts, params)]
 
 
+@pytest.fixture(scope="module")
+def tp1_tokens(models: dict[int, str]):  # type: ignore[no-untyped-def]
+    """The colocated TP1 engine's tokens for [*PROMPTS, LONG], per (KV heads, seeded),
+    computed once for the module: every case on the same model compares against them."""
+    cache: dict[tuple[int, bool], list[list[int]]] = {}
+
+    def get(kv: int, seeded: bool) -> list[list[int]]:
+        if (kv, seeded) not in cache:
+            cache[(kv, seeded)] = _reference(models[kv], [*PROMPTS, LONG], seeded)
+        return cache[(kv, seeded)]
+
+    return get
+
+
 def _run(address: str, prompts: list[list[int]], seeded: bool) -> list:
     return generate_all(address, prompts, lambda i: _sampling(i, seeded))
 
@@ -93,10 +107,11 @@ def _cluster(tmp_path_factory, name: str, path: str, backend: str, ptp: int, ctp
 
 @pytest.mark.parametrize("backend,ptp,ctp,kv", CASES,
                          ids=[f"{b}-p{p}c{c}-kv{k}" for b, p, c, k in CASES])
-def test_tp_pair_tokens_equal_colocated_tp1(tmp_path_factory, models, backend, ptp, ctp, kv):
+def test_tp_pair_tokens_equal_colocated_tp1(tmp_path_factory, models, tp1_tokens, backend, ptp,
+                                            ctp, kv):
     path = models[kv]
     prompts = [*PROMPTS, LONG]
-    refs = {s: _reference(path, prompts, s) for s in (False, True)}
+    refs = {s: tp1_tokens(kv, s) for s in (False, True)}
     c = _cluster(tmp_path_factory, f"tp-{backend}-{ptp}{ctp}", path, backend, ptp, ctp)
     try:
         status = {w.worker_id: w for w in c.status().workers}
@@ -185,7 +200,7 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
 
 
 def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
-        tmp_path_factory, models):
+        tmp_path_factory, models, tp1_tokens):
     # No step is running, so no collective notices: rank 0's loop checks its followers on
     # every turn, and the worker must still go down as a whole, promptly.
     path = models[2]
@@ -205,7 +220,7 @@ def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
         while "producer-0" in {w.worker_id for w in c.status().workers} \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
-        ref = _reference(path, PROMPTS, False)
+        ref = tp1_tokens(2, False)  # [*PROMPTS, LONG]: the first len(PROMPTS) are these
         results = _run(c.router_address, PROMPTS, False)
         for i, r in enumerate(results):
             assert r.code is None and not r.error, (i, r.details, r.error, dump_logs(c))

@@ -22,6 +22,9 @@ from steady_load import (
 from deploy.cli import main
 
 WORKER_ARGS = ("--max-num-batched-tokens", "32", "--kv-cache-mib", "16")
+# heartbeats (and the orders polled with them) 4x a second: a worker learns of its role
+# change, and the router sees its load, within a quarter second
+HEARTBEAT_S = "0.25"
 P, C, X = common_pb2.ROLE_PRODUCER, common_pb2.ROLE_CONSUMER, common_pb2.ROLE_COLOCATED
 
 
@@ -35,13 +38,14 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
 
     c = start_cluster(tmp_path_factory, "roles", producers=1, consumers=1, model=tiny_model,
                       threads=1, worker_args=WORKER_ARGS,
-                      router_args=("--heartbeat-timeout", "3"))
+                      router_args=("--heartbeat-timeout", "3", "--heartbeat-interval",
+                                   HEARTBEAT_S))
     try:
         before = {w.worker_id: w.address for w in workers(c).values()}
-        # some requests long enough to be in flight when a worker learns of its change
         # long enough that a change always finds requests in flight: the worker learns of its
-        # order at its next heartbeat, and shorter requests may all have ended by then
-        load = SteadyLoad(c.router_address, clients=3, max_tokens=(400, 1500, 3000))
+        # order at its next heartbeat (every 0.25 s here), and shorter requests may all have
+        # ended by then; the longest still runs for seconds, many heartbeats
+        load = SteadyLoad(c.router_address, clients=3, max_tokens=(200, 600, 2000))
         with load.running():
             load.wait_for(6)
             wait_busy(c, "consumer-0")
