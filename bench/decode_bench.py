@@ -38,8 +38,8 @@ LLAMA3_8B = {
 }
 
 
-def graph_time_ms(fn, iters: int = 20) -> float:
-    """Median ms of one replay of ``fn`` captured in a CUDA graph."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (warm-up: compiles, allocates), then captured."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -48,6 +48,12 @@ def graph_time_ms(fn, iters: int = 20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
+    return g
+
+
+def graph_time_ms(fn, iters: int = 20) -> float:
+    """Median ms of one replay of ``fn`` captured in a CUDA graph."""
+    g = capture(fn)
     g.replay()
     torch.cuda.synchronize()
     times = []

@@ -183,16 +183,10 @@ def _capture(fn: Any) -> tuple[Any, str]:
     """(graph, "") with fn captured, or (None, why) when capture failed."""
     import torch
 
+    from bench.decode_bench import capture
+
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return g, ""
+        return capture(fn), ""
     except Exception as e:  # noqa: BLE001 - reported, and the eager pass is timed instead
         torch.cuda.synchronize()
         return None, f"{type(e).__name__}: {e}"
