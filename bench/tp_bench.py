@@ -15,7 +15,8 @@ runs a ``prefill``-token prompt (one chunk) and samples token 0, best of 2 after
 
 The all-reduce's share: after the engines are closed, the same step's collectives (see
 bench/tp_collectives.py: 1 + 2 per layer all-reduces of [tokens, hidden], the LM head's
-gather and the sampled-id broadcast) run alone on the same GPUs, captured in one CUDA graph
+gather, and the sampled-id broadcast where rows sample eagerly: not in graphed decode)
+run alone on the same GPUs, captured in one CUDA graph
 per rank where possible. ``allreduce_ms`` is one such pass, ``allreduce_share`` its
 fraction of the TP step measured above; ``lm_head_ms`` is the gather and broadcast alone.
 The goals: TP2 decode at batch 1 <= 0.65x TP1's, 4k prefill on TP2 <= 0.6x TP1's.
