@@ -6,12 +6,15 @@ import torch
 
 
 def rms_norm_ref(
-    x: torch.Tensor,  # [T, H]
+    x: torch.Tensor,  # [T, H], or [S, T, H] float32 partial sums (residual then required)
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]: added to x first when given
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (normed, new_residual); new_residual is x (+ residual), the sum fed forward."""
+    if x.dim() == 3:
+        assert residual is not None, "x: partial sums [S, T, H] need a residual"
+        x = x.sum(0).to(residual.dtype)
     if residual is not None:
         x = x + residual
     xf = x.float()

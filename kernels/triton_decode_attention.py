@@ -4,8 +4,10 @@ One program owns (request, KV head, split): it loads that KV head's keys and val
 and scores all ``G = Hq / Hkv`` query heads that share them, so HBM traffic is the KV
 bytes alone (the query group is padded to a 16-row tile for the tensor cores; decode is
 memory bound, the wasted rows are free). Long contexts with few (request, KV head) pairs
-are split along the sequence so the whole GPU streams KV; a small second kernel merges
-the splits by their log-sum-exp. See ref_attention.decode_attention_ref for the contract.
+are split along the sequence so the whole GPU streams KV; the last of a pair's split
+programs to finish merges the splits by their log-sum-exp (a counter per pair; a small
+second kernel instead when fused_merge is off). See ref_attention.decode_attention_ref for
+the contract.
 
 Host syncs: none. Without a ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at
 capture) the split count is sized for the block table's capacity and each request divides
@@ -50,11 +52,26 @@ FEW_PAIRS_MIN_SPLIT_TOKENS = 64
 # Split until (B * Hkv * splits) reaches this many programs per SM: many short programs
 # keep the last wave's tail small (about 2 run at once per SM at the default tiles).
 PROGRAMS_PER_SM = 16
+# Grids of at most FUSED_MAX_SPLITS splits merge in the last split program of each
+# (request, KV head), MERGE_CHUNK splits per pass, instead of a second kernel. With more,
+# that one program's serial passes cost more than a merge kernel spread over every query
+# head: on an H200, Llama-3-8B shape, the fused merge took batch 32 / context 512 from
+# 5.80 to 5.54 ms a step, but batch 1 / 4096 (64 splits) from 4.83 to 4.99 ms
+# (bench/fusion_probe.py, 2026-12-01).
+FUSED_MAX_SPLITS = 32
+MERGE_CHUNK = 16
+
+
+@triton.jit
+def _request_split_len(seq_len, least, num_splits, BLOCK_N: tl.constexpr):
+    """A request's context evenly over the splits it needs, each at least `least` tokens."""
+    even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(even, least)
 
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, cnt_ptr,
     s_qb, s_qh,  # q strides [B, Hq, D]; D is contiguous
     s_cb, s_ckv, s_cs, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D is contiguous
     s_btb,  # block_tables row stride
@@ -64,22 +81,28 @@ def _decode_kernel(
     num_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
-    DYN: tl.constexpr,
+    DYN: tl.constexpr, FUSED: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr,
+    ROUND: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    if DYN:  # this request's context, evenly over the splits it needs
-        even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        split_len = tl.maximum(even, split_len)
+    if DYN:  # ROUND, not BLOCK_N: the merge must size the splits the same way
+        split_len = _request_split_len(seq_len, split_len, num_splits, ROUND)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     hq = kvh * G + g  # [BLOCK_G]: q heads sharing this KV head (SDPA's enable_gqa order)
     gmask = g < G
+    if SPLIT:
+        if start >= seq_len:  # the merge reads only the splits this request used
+            if FUSED and split == 0:  # no context (a graph's padding row): zeros, as unsplit
+                tl.store(out_ptr + b * s_ob + hq[:, None] * s_oh + d[None, :],
+                         tl.zeros([BLOCK_G, D], out_ptr.dtype.element_ty), mask=gmask[:, None])
+            return
+
     q = tl.load(q_ptr + b * s_qb + hq[:, None] * s_qh + d[None, :], mask=gmask[:, None],
                 other=0.0).to(COMPUTE)  # [BLOCK_G, D]
 
@@ -111,39 +134,104 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v)
         m = m_new
 
-    # An empty split (start >= seq_len) leaves lsum == 0: it writes o = 0, lse = -inf.
     o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None]
     if SPLIT:
         part = (b * tl.num_programs(1) * G + hq).to(tl.int64) * num_splits + split  # [BLOCK_G]
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=gmask[:, None])
         lse = tl.where(lsum > 0.0, m + tl.log2(tl.maximum(lsum, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=gmask)
+        if FUSED:
+            # The last of this (request, KV head)'s splits to finish merges them all, so no
+            # second kernel (its launch and the gap before it cost more than the merge at
+            # small batches). The barrier orders every thread's partial stores before the
+            # counter's release; the acquire orders the merger's loads after the others'.
+            tl.debug_barrier()
+            used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
+            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == used - 1:
+                tl.store(cnt, 0)  # zero again for the next launch (or graph replay)
+                _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kvh * G, s_ob, s_oh,
+                             num_splits, used, G, D, G_PAD, MERGE_S)
     else:
         tl.store(out_ptr + b * s_ob + hq[:, None] * s_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
+def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, h0, s_ob, s_oh, num_splits, used,
+                 G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr):
+    """Merges the first `used` splits of q heads h0 .. h0+G-1 of request b, MERGE_S at a time
+    (an online log-sum-exp across chunks), into out. Loads bypass L1 (.cg): the other
+    programs' partials were written through L2."""
+    g = tl.arange(0, G_PAD)
+    sp = tl.arange(0, MERGE_S)
+    d = tl.arange(0, D)
+    rows = (b * tl.num_programs(1) * G + h0 + g).to(tl.int64) * num_splits  # [G_PAD]
+    mx = tl.full([G_PAD], float("-inf"), tl.float32)
+    wsum = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        idx = rows[:, None] + s0 + sp[None, :]  # [G_PAD, MERGE_S]
+        mask = (g[:, None] < G) & (s0 + sp[None, :] < used)
+        lse = tl.load(part_lse_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + idx[:, :, None] * D + d[None, None, :], mask=mask[:, :, None],
+                    other=0.0, cache_modifier=".cg")  # [G_PAD, MERGE_S, D]
+        mx_new = tl.maximum(mx, tl.max(lse, axis=1))
+        safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # padded head rows
+        scale = tl.exp2(mx - safe)
+        w = tl.exp2(lse - safe[:, None])  # [G_PAD, MERGE_S]; masked splits weigh 0
+        wsum = wsum * scale + tl.sum(w, axis=1)
+        acc = acc * scale[:, None] + tl.sum(o * w[:, :, None], axis=1)
+        mx = mx_new
+    res = acc / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
+    tl.store(out_ptr + b * s_ob + (h0 + g)[:, None] * s_oh + d[None, :],
+             res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
+
+
+@triton.jit
 def _merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr,
     s_ob, s_oh,
+    split_len,  # as the decode kernel's (DYN: the least tokens per split)
     num_splits,
-    D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, DYN: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    if DYN:
+        split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
-    smask = sp < num_splits
+    smask = sp < used
     base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
     lse = tl.load(part_lse_ptr + base + sp, mask=smask, other=float("-inf"))  # [BLOCK_S]
     mx = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # empty splits weigh 0
+    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # masked splits weigh 0
     o = tl.load(part_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=smask[:, None],
                 other=0.0)  # [BLOCK_S, D]
     wsum = tl.sum(w, axis=0)
     res = tl.sum(o * w[:, None], axis=0) / tl.where(wsum > 0.0, wsum, 1.0)
     tl.store(out_ptr + b * s_ob + h * s_oh + d, res.to(out_ptr.dtype.element_ty))
+
+
+# The fused merge's counters, one per (request, KV head), per device: zero between launches
+# (the merging program zeroes its own). One buffer serves every launch on the device, which
+# is safe because decode attention launches on one stream in order; the merge kernel
+# remains for launches with more pairs than this.
+MAX_FUSED_PAIRS = 1 << 16
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _merge_counters(device: torch.device) -> torch.Tensor | None:
+    cnt = _counters.get(device)
+    if cnt is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # not allocated inside a graph's pool; eager warm-up allocates it
+        cnt = _counters[device] = torch.zeros(MAX_FUSED_PAIRS, dtype=torch.int32,
+                                              device=device)
+    return cnt
 
 
 @functools.cache
@@ -179,6 +267,7 @@ def decode_attention(
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
     programs_per_sm: int = PROGRAMS_PER_SM,
+    fused_merge: bool | None = None,  # None: when num_splits <= FUSED_MAX_SPLITS
 ) -> torch.Tensor:
     hq, hkv, bs = check_paged_qkv(q, kv_layer, "[B, Hq, D]")
     bsz, d = q.shape[0], q.shape[2]
@@ -218,6 +307,13 @@ def decode_attention(
         part_lse = part[bsz * hq * num_splits * d:]
     else:
         part_o = part_lse = out  # unused
+    # Allocated at the first launch, split or not, so that an eager warm-up (unsplit at a
+    # large batch) has it in place before graphs capture the split sizes.
+    cnt = _merge_counters(q.device)
+    fused = (split and cnt is not None and bsz * hkv <= MAX_FUSED_PAIRS
+             and (num_splits <= FUSED_MAX_SPLITS if fused_merge is None else fused_merge))
+    if not fused:
+        cnt = None
     block_g = max(16, triton.next_power_of_2(g))
     want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
                                kv_layer.dtype, q.device, min_block_m=block_g)
@@ -225,6 +321,7 @@ def decode_attention(
     def launch(t: Tiles) -> None:
         _decode_kernel[(bsz, hkv, num_splits)](
             q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+            cnt if cnt is not None else seq_lens,  # unused pointer when not fused
             q.stride(0), q.stride(1),
             kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
             block_tables.stride(0),
@@ -233,15 +330,18 @@ def decode_attention(
             G=g, BLOCK_G=block_g, D=d, BS=bs,
             BLOCK_N=t.block_n, SPLIT=split, COMPUTE=compute_dtype(kv_layer),
             IEEE=kv_layer.dtype == torch.float32, DYN=dyn and split,
+            FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n,
+            MERGE_S=min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits))),
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     # split_len is a multiple of block_n; shrinking halves block_n, so it still divides it.
     launch_fitting(("decode", kv_layer.dtype, d, q.device), want, launch, min_block_m=block_g)
-    if split:
+    if split and not fused:
         _merge_kernel[(bsz, hq)](
-            part_o, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
+            num_splits, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_N=block_n, DYN=dyn, num_warps=4,
         )
     return out
 

@@ -17,13 +17,22 @@ from kernels.triton_common import check, check_device, check_float, check_int, c
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
     s_x, s_r, s_o, s_nr,  # row strides; rows are contiguous
+    s_part,  # PARTS > 0: stride between x's float32 partial sums
     H, eps,
-    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PARTS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    if PARTS > 0:
+        # x = the sum of a split-K projection's partials, rounded as the projection's
+        # own output would be: this replaces the GEMM's separate reduce kernel.
+        xs = tl.zeros([BLOCK_H], tl.float32)
+        for p in tl.static_range(PARTS):
+            xs += tl.load(x_ptr + p * s_part + row * s_x + cols, mask=mask, other=0.0)
+        x = xs.to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0)
         # Round the sum to the input dtype before using it, as the reference's x + residual.
@@ -37,12 +46,20 @@ def _rms_norm_kernel(
 
 
 def rms_norm(
-    x: torch.Tensor,  # [T, H]
+    x: torch.Tensor,  # [T, H], or [S, T, H] float32 partial sums (residual then required)
     weight: torch.Tensor,  # [H]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, H]: added to x first when given
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (normed, new_residual); new_residual is x (+ residual). Inputs are not modified."""
+    """Returns (normed, new_residual); new_residual is x (+ residual). Inputs are not modified.
+    Partial sums are summed in float32 and rounded to the residual's dtype first."""
+    parts, x_parts = 0, x
+    if x.dim() == 3:
+        check(residual is not None, "x: partial sums [S, T, H] need a residual")
+        check(x.dtype == torch.float32, "x: partial sums must be float32")
+        check(x.stride(2) == 1, "x: rows must be contiguous")
+        parts, x_parts = x.shape[0], x
+        x = x[0]
     check(x.dim() == 2, "x: expected [T, H]")
     num_tokens, hidden = x.shape
     check_shape("weight", weight, (hidden,))
@@ -51,11 +68,12 @@ def rms_norm(
     check(x.stride(1) == 1, "x: rows must be contiguous")
     if residual is not None:
         check_shape("residual", residual, x.shape)
-        check(residual.dtype == x.dtype, "residual: dtype must match x")
+        check(parts > 0 or residual.dtype == x.dtype, "residual: dtype must match x")
         check(residual.stride(1) == 1, "residual: rows must be contiguous")
         check_device(x, weight, residual)
     check_device(x, weight)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    like = residual if parts and residual is not None else x
+    out = torch.empty_like(like, memory_format=torch.contiguous_format)
     new_res = x if residual is None else torch.empty_like(out)
     if num_tokens == 0:
         return out, new_res
@@ -64,8 +82,9 @@ def rms_norm(
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, new_res,
         x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
+        x_parts.stride(0) if parts else 0,
         hidden, eps,
-        HAS_RES=residual is not None, BLOCK_H=block_h,
+        HAS_RES=residual is not None, BLOCK_H=block_h, PARTS=parts,
         num_warps=min(16, max(1, block_h // 512)),
     )
     return out, new_res

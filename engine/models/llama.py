@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, KernelSet, PagedAttention
 from engine.config import ModelConfig
+from engine.models.split_k import split_k_linear
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import TPShard, hf_slice, shard_for
@@ -35,7 +36,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """This rank's query and KV heads; o_proj is row-parallel (one all-reduce)."""
+    """This rank's query and KV heads; o_proj is row-parallel (one all-reduce). On one CUDA
+    rank at few rows, o_proj (and MLP's down_proj) return float32 K-split partial sums
+    [S, T, H] that the next RMSNorm sums (engine/models/split_k.py)."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
                  group: TPGroup | None) -> None:
@@ -62,8 +65,11 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
             k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
         o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin)  # RoPE inside; [T, Hq, D]
-        out = self.o_proj(o.reshape(t, self.nq * self.d))
-        return out if self.group is None else self.group.all_reduce(out)
+        o = o.reshape(t, self.nq * self.d)
+        if self.group is not None:
+            return self.group.all_reduce(self.o_proj(o))
+        parts = split_k_linear(o, self.o_proj)  # [S, T, H] for the next norm to sum
+        return self.o_proj(o) if parts is None else parts
 
 
 class MLP(nn.Module):
@@ -79,8 +85,11 @@ class MLP(nn.Module):
         self.k = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.k.silu_and_mul(self.gate_up_proj(x)))
-        return out if self.group is None else self.group.all_reduce(out)
+        act = self.k.silu_and_mul(self.gate_up_proj(x))
+        if self.group is not None:
+            return self.group.all_reduce(self.down_proj(act))
+        parts = split_k_linear(act, self.down_proj)  # [S, T, H] for the next norm to sum
+        return self.down_proj(act) if parts is None else parts
 
 
 class DecoderLayer(nn.Module):
