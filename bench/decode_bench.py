@@ -7,7 +7,8 @@ In one run on one GPU, for a Llama-3-8B-shaped model (bf16, dummy weights):
     and context;
   * the engine's decode step: requests admitted with their prompt KV already in place
     (``add_prefilled``, as a P/D consumer does), then timed ``LLMEngine.step()`` calls,
-    each a full decode step (deferred output, one host read per step);
+    each a full decode step (deferred output, one host read per step): the median of
+    --repeats windows of --steps steps;
   * HF transformers with a static cache (batch 1, 8, 32), eager, no compile.
 
     python bench/decode_bench.py --out bench/results/decode_h200.json
@@ -109,10 +110,12 @@ def attention_ms(engine, tables: torch.Tensor, lens: torch.Tensor) -> float:
     return graph_time_ms(step)
 
 
-def engine_point(engine, batch: int, context: int, steps: int) -> dict:
+def engine_point(engine, batch: int, context: int, steps: int, repeats: int = 1) -> dict:
+    """The decode step's wall time: the median over `repeats` windows of `steps` steps
+    (the spread between windows is what a difference between versions must exceed)."""
     from engine.sampling_params import SamplingParams
 
-    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps * repeats + 8, ignore_eos=True)
     ids = []
     for i in range(batch):
         blocks = engine.reserve(context)
@@ -126,12 +129,15 @@ def engine_point(engine, batch: int, context: int, steps: int) -> dict:
         ids.append(rid)
     for _ in range(3):  # warm-up: the first steps also fill the deferred pipeline
         engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    windows = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        windows.append((time.perf_counter() - t0) / steps * 1e3)
+    step_ms = sorted(windows)[len(windows) // 2]
     tables = torch.tensor([engine.requests[r].block_ids[: -(-context // engine.config.block_size)]
                            for r in ids], dtype=torch.int32, device="cuda")
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -140,8 +146,11 @@ def engine_point(engine, batch: int, context: int, steps: int) -> dict:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    return {"batch": batch, "context": context, "engine_step_ms": round(step_ms, 3),
-            "engine_tok_s": round(batch / step_ms * 1e3, 1), "attention_ms": round(att, 3)}
+    point = {"batch": batch, "context": context, "engine_step_ms": round(step_ms, 3),
+             "engine_tok_s": round(batch / step_ms * 1e3, 1), "attention_ms": round(att, 3)}
+    if repeats > 1:
+        point["engine_step_ms_windows"] = [round(w, 3) for w in windows]
+    return point
 
 
 def hf_static_ms(cfg_dir: str, batch: int, context: int, steps: int) -> float:
@@ -182,6 +191,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--hf-batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="timed windows of --steps steps per point; the median is reported")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--out", default="bench/results/decode_h200.json")
     args = ap.parse_args()
@@ -201,7 +212,8 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = build_engine(EngineConfig(
         model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy",
-        max_num_seqs=max(batches), max_model_len=max(contexts) + args.steps + 64,
+        max_num_seqs=max(batches),
+        max_model_len=max(contexts) + args.steps * args.repeats + 64,
         max_num_batched_tokens=2048, gpu_memory_utilization=0.85,
         enforce_eager=args.enforce_eager))
     result["engine_build_s"] = round(time.perf_counter() - t0, 1)
@@ -211,7 +223,7 @@ def main() -> None:
     for ctx in contexts:
         for b in batches:
             try:
-                p = engine_point(engine, b, ctx, args.steps)
+                p = engine_point(engine, b, ctx, args.steps, args.repeats)
             except Exception as e:  # keep the other points; the error is the result
                 p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
             if "skipped" not in p:
