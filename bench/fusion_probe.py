@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--out", default="fusion_probe.json")
     ap.add_argument("--no-projections", action="store_true", help="the engine part only")
+    ap.add_argument("--repeats", type=int, default=1, help="timed windows per point (median)")
+    ap.add_argument("--configs", default="neither,merge,merge + split_k 2,merge + split_k 4",
+                    help="comma list of the engine settings below")
     args = ap.parse_args()
     out: dict = {"device": torch.cuda.get_device_name(), "projections": [], "engine": []}
     for name, (k, n) in ({} if args.no_projections else SHAPES).items():
@@ -80,20 +83,25 @@ def main() -> None:
     pts = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",")]
     engine = build_engine(EngineConfig(
         model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy",
-        max_num_seqs=max(b for b, _ in pts), max_model_len=4096 + args.steps + 64,
+        max_num_seqs=max(b for b, _ in pts), max_model_len=4096 + args.steps * args.repeats + 64,
         max_num_batched_tokens=2048, gpu_memory_utilization=0.85))
-    # (name, FUSED_MAX_SPLITS, split_k MAX_ROWS, SPLITS)
-    configs = [("neither", 0, 0, 2), ("merge", dec.FUSED_MAX_SPLITS, 0, 2),
-               ("merge + split_k 2", dec.FUSED_MAX_SPLITS, 4, 2),
-               ("merge + split_k 4", dec.FUSED_MAX_SPLITS, 4, 4)]
-    for name, fused, rows, splits in configs:
-        dec.FUSED_MAX_SPLITS, sk.MAX_ROWS, sk.SPLITS = fused, rows, splits
+    # (name, FUSED_MAX_SPLITS, split_k MAX_ROWS, SPLITS, split_k QKV, FEW_PAIRS_MAX_SPLITS)
+    fm = dec.FUSED_MAX_SPLITS
+    configs = {"neither": (0, 0, 2, False, 0), "merge": (fm, 0, 2, False, 0),
+               "merge + split_k 2": (fm, 4, 2, False, 0),
+               "merge + split_k 4": (fm, 4, 4, False, 0),
+               "merge + split_k 2 + qkv": (fm, 4, 2, True, 0),
+               "merge + split_k 2 + few-pairs cap 32": (fm, 4, 2, False, 32),
+               "merge + split_k 2 + qkv + cap 32": (fm, 4, 2, True, 32)}
+    for name in args.configs.split(","):
+        (dec.FUSED_MAX_SPLITS, sk.MAX_ROWS, sk.SPLITS, sk.QKV,
+         dec.FEW_PAIRS_MAX_SPLITS) = configs[name]
         g = engine.runner.graphs
         g.graphs.clear()
         g.heads.clear()
         g.capture()
         for b, c in pts:
-            p = engine_point(engine, b, c, args.steps)
+            p = engine_point(engine, b, c, args.steps, args.repeats)
             p["config"] = name
             print(json.dumps(p), flush=True)
             out["engine"].append(p)

@@ -86,9 +86,14 @@ class PagedAttention:
         meta: AttentionMetadata,
         positions: torch.Tensor,  # [T]
         cos_sin: torch.Tensor,  # [max_pos, D] float32
+        out_dtype: torch.dtype | None = None,  # q, k, v: [S, T, H, D] float32 partial sums
     ) -> torch.Tensor:  # [T, Hq, D]
         """Rotates q and k, stores k and v (one fused kernel), then attends."""
-        if self.k.rope_store_kv is not None:
+        if out_dtype is not None:  # a K-split qkv_proj's partials (engine/models/split_k)
+            assert self.k.rope_store_kv is not None
+            q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping,
+                                     out_dtype=out_dtype)
+        elif self.k.rope_store_kv is not None:
             q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
         else:
             q, k = self.k.rope(q, k, positions, cos_sin)

@@ -49,6 +49,11 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 # batch 8 (64 pairs) 256 stayed faster (bench/attn_split_probe.py, 2026-12-01).
 FEW_PAIRS = 16
 FEW_PAIRS_MIN_SPLIT_TOKENS = 64
+# ... and with few pairs, at most this many splits (0: no cap), so that their merge fuses
+# (FUSED_MAX_SPLITS) even when a graph's grid is sized for a long capacity. On an H200 at
+# batch 1 (Llama-3-8B shape) the step went from 4.526 to 4.484 ms at context 512 and
+# stayed within 0.03 ms at 2048 and 4096 (bench/fusion_probe.py, 2026-12-01).
+FEW_PAIRS_MAX_SPLITS = 32
 # Split until (B * Hkv * splits) reaches this many programs per SM: many short programs
 # keep the last wave's tail small (about 2 run at once per SM at the default tiles).
 PROGRAMS_PER_SM = 16
@@ -245,6 +250,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Enough splits to give every SM programs_per_sm programs, none under min_split_tokens."""
     want = triton.cdiv(programs_per_sm * _num_sms(device), max(1, batch * num_kv_heads))
+    if FEW_PAIRS_MAX_SPLITS and batch * num_kv_heads <= FEW_PAIRS:
+        want = min(want, FEW_PAIRS_MAX_SPLITS)
     return max(1, min(want, triton.cdiv(max_seq_len, min_split_tokens(batch, num_kv_heads))))
 
 

@@ -17,16 +17,27 @@ from kernels.triton_common import check, check_device, check_float, check_int, c
 
 
 @triton.jit
-def _rotate(x_ptr, s_xt, s_xh, t, cos, sin, H: tl.constexpr, HALF: tl.constexpr,
-            BLOCK_H: tl.constexpr):
+def _load(src, mask, s_part, PARTS: tl.constexpr, TY: tl.constexpr):
+    """x as float32, rounded to TY as the projection's output would be: PARTS > 0 sums that
+    many float32 partial sums s_part apart (a K-split projection, engine/models/split_k)."""
+    if PARTS > 0:
+        x = tl.load(src, mask=mask, other=0.0)
+        for p in tl.static_range(1, PARTS):
+            x += tl.load(src + p * s_part, mask=mask, other=0.0)
+        return x.to(TY).to(tl.float32)
+    return tl.load(src, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotate(x_ptr, s_xt, s_xh, t, cos, sin, s_part, H: tl.constexpr, HALF: tl.constexpr,
+            BLOCK_H: tl.constexpr, PARTS: tl.constexpr, TY: tl.constexpr):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HALF)[None, :]
     mask = h < H
     src = x_ptr + t * s_xt + h * s_xh + d  # [BLOCK_H, HALF]: first halves
-    x1 = tl.load(src, mask=mask).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
-    ty = x_ptr.dtype.element_ty
-    return (x1 * cos - x2 * sin).to(ty), (x2 * cos + x1 * sin).to(ty), h, d, mask
+    x1 = _load(src, mask, s_part, PARTS, TY)
+    x2 = _load(src + HALF, mask, s_part, PARTS, TY)
+    return (x1 * cos - x2 * sin).to(TY), (x2 * cos + x1 * sin).to(TY), h, d, mask
 
 
 @triton.jit
@@ -34,20 +45,24 @@ def _rope_store_kv_kernel(
     q_ptr, k_ptr, v_ptr, qo_ptr, kv_ptr, pos_ptr, cs_ptr, slot_ptr,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_cs,
     s_cb, s_ckv, s_cs2, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D contiguous
+    s_part,  # PARTS > 0: stride between q/k/v's float32 partial sums
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PARTS: tl.constexpr,
 ):
+    TY = qo_ptr.dtype.element_ty  # the projection's (the model's) dtype
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     dc = tl.arange(0, HALF)[None, :]
     cos = tl.load(cs_ptr + pos * s_cs + dc)  # [1, HALF] float32, shared by every head
     sin = tl.load(cs_ptr + pos * s_cs + HALF + dc)
-    q1, q2, h, d, mask = _rotate(q_ptr, s_qt, s_qh, t, cos, sin, HQ, HALF, BLOCK_HQ)
+    q1, q2, h, d, mask = _rotate(q_ptr, s_qt, s_qh, t, cos, sin, s_part, HQ, HALF, BLOCK_HQ,
+                                 PARTS, TY)
     dst = qo_ptr + t * s_qot + h * s_qoh + d
     tl.store(dst, q1, mask=mask)
     tl.store(dst + HALF, q2, mask=mask)
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    k1, k2, hk, dk, kmask = _rotate(k_ptr, s_kt, s_kh, t, cos, sin, HKV, HALF, BLOCK_HKV)
+    k1, k2, hk, dk, kmask = _rotate(k_ptr, s_kt, s_kh, t, cos, sin, s_part, HKV, HALF,
+                                    BLOCK_HKV, PARTS, TY)
     kmask = kmask & (slot >= 0)  # padding tokens (slot < 0) store nothing
     blk = tl.maximum(slot, 0) // BS
     cache = kv_ptr + blk * s_cb + (tl.maximum(slot, 0) - blk * BS) * s_cs2 + hk * s_ch + dk
@@ -55,8 +70,9 @@ def _rope_store_kv_kernel(
     tl.store(cache, k1.to(ty), mask=kmask)
     tl.store(cache + HALF, k2.to(ty), mask=kmask)
     vsrc = v_ptr + t * s_vt + hk * s_vh + dk
-    tl.store(cache + s_ckv, tl.load(vsrc, mask=kmask).to(ty), mask=kmask)
-    tl.store(cache + s_ckv + HALF, tl.load(vsrc + HALF, mask=kmask).to(ty), mask=kmask)
+    tl.store(cache + s_ckv, _load(vsrc, kmask, s_part, PARTS, TY).to(ty), mask=kmask)
+    tl.store(cache + s_ckv + HALF, _load(vsrc + HALF, kmask, s_part, PARTS, TY).to(ty),
+             mask=kmask)
 
 
 def rope_store_kv(
@@ -67,7 +83,21 @@ def rope_store_kv(
     cos_sin: torch.Tensor,  # [max_pos, D] float32
     kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 skips
+    out_dtype: torch.dtype | None = None,  # with partial sums: the projection's dtype
 ) -> torch.Tensor:
+    """q, k, v may instead be [S, T, H, D] float32 partial sums of a K-split projection
+    (views of one tensor): they are summed and rounded to out_dtype first."""
+    parts, s_part = 0, 0
+    if q.dim() == 4:
+        check(k.dim() == 4 and v.dim() == 4 and q.shape[0] == k.shape[0] == v.shape[0],
+              "q, k, v: partial sums must all be [S, T, H, D]")
+        check(q.dtype == k.dtype == v.dtype == torch.float32,
+              "q, k, v: partial sums must be float32")
+        check(q.stride(0) == k.stride(0) == v.stride(0),
+              "q, k, v: partial sums must be views of one [S, T, *] tensor")
+        check(out_dtype is not None, "out_dtype: required with partial sums")
+        parts, s_part = q.shape[0], q.stride(0)
+        q, k, v = q[0], k[0], v[0]
     check(q.dim() == 3 and k.dim() == 3, "q, k: expected [T, H, D]")
     num_tokens, hq, d = q.shape
     hkv = k.shape[1]
@@ -88,7 +118,7 @@ def rope_store_kv(
     check_int("positions", positions)
     check_int("slot_mapping", slot_mapping)
     check_device(q, k, v, positions, cos_sin, kv_layer, slot_mapping)
-    q_out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    q_out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
     _rope_store_kv_kernel[(num_tokens,)](
@@ -96,8 +126,9 @@ def rope_store_kv(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
+        s_part,
         HQ=hq, HKV=hkv, HALF=d // 2, BS=kv_layer.shape[2],
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        num_warps=4,
+        PARTS=parts, num_warps=4,
     )
     return q_out

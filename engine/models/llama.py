@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, KernelSet, PagedAttention
 from engine.config import ModelConfig
+from engine.models import split_k
 from engine.models.split_k import split_k_linear
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
@@ -37,8 +38,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """This rank's query and KV heads; o_proj is row-parallel (one all-reduce). On one CUDA
-    rank at few rows, o_proj (and MLP's down_proj) return float32 K-split partial sums
-    [S, T, H] that the next RMSNorm sums (engine/models/split_k.py)."""
+    rank at few rows, qkv_proj, o_proj (and MLP's down_proj) leave float32 K-split partial
+    sums that the next kernel (RoPE + KV store, RMSNorm) adds (engine/models/split_k.py)."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
                  group: TPGroup | None) -> None:
@@ -56,15 +57,24 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], dim=-1)
-        q = q.reshape(t, self.nq, self.d)
-        k = k.reshape(t, self.nkv, self.d)
-        v = v.reshape(t, self.nkv, self.d)
-        if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
-            k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
-        o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin)  # RoPE inside; [T, Hq, D]
+        parts = None
+        if (split_k.QKV and self.group is None and self.q_norm is None
+                and self.k.rope_store_kv is not None):
+            parts = split_k_linear(x, self.qkv_proj)  # [S, T, (Hq + 2 Hkv) D], summed by RoPE
+        if parts is not None:
+            heads = parts.unflatten(-1, (self.nq + 2 * self.nkv, self.d))
+            q, k, v = heads.split([self.nq, self.nkv, self.nkv], dim=2)
+            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin, out_dtype=x.dtype)
+        else:
+            qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
+            q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], -1)
+            q = q.reshape(t, self.nq, self.d)
+            k = k.reshape(t, self.nkv, self.d)
+            v = v.reshape(t, self.nkv, self.d)
+            if self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
+                k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
+            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin)  # RoPE inside
         o = o.reshape(t, self.nq * self.d)
         if self.group is not None:
             return self.group.all_reduce(self.o_proj(o))

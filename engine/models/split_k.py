@@ -1,12 +1,15 @@
-"""Split-K projections whose reduce is fused into the next RMSNorm.
+"""Split-K projections whose reduce is fused into the kernel that reads their output.
 
-At one to a few rows a projection like o_proj or down_proj is a matrix-vector product, and
-cuBLAS runs it split along K with a separate reduce kernel (two launches, and the gap
-between them, per projection). When the projection's output only feeds a residual add and
-an RMSNorm, which already reads every element once, the GEMM can instead leave its K-split
-float32 partial sums as a strided batched product, and the norm kernel sums them
-(kernels/triton_norm.rms_norm with [S, T, H] input). Only on CUDA and one rank: a TP rank's
-row-parallel output is all-reduced first.
+At one to a few rows a projection is a matrix-vector product; cuBLAS runs o_proj and
+down_proj split along K with a separate reduce kernel (two launches, and the gap between
+them), and qkv_proj unsplit at ~3.2 TB/s. Each of their outputs is read once by one small
+kernel: o_proj's and down_proj's by the residual add + RMSNorm, qkv_proj's by RoPE + KV
+store. So the GEMM leaves S float32 partial sums as a strided batched product, and that
+kernel adds them (kernels/triton_norm.rms_norm with [S, T, H] input,
+kernels/triton_rope_kv.rope_store_kv with [S, T, H, D] q/k/v). Only on CUDA and one rank:
+a TP rank's row-parallel output is all-reduced first. On an H200, Llama-3-8B shape,
+batch 1: 4.64 -> 4.53 ms a step for o_proj + down_proj, 4.50 with qkv_proj
+(bench/fusion_probe.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import torch
 # is compute-shaped and cuBLAS's own choice wins. Tuned on an H200 with
 # bench/linear_split_probe.py.
 MAX_ROWS = 4
+# qkv_proj too (its partials summed by the RoPE + KV store kernel).
+QKV = True
 # Partial sums per projection. Two measured best for Llama-3-8B's o_proj and down_proj
 # alone (bench/fusion_probe.py: more partials made cuBLAS pick slower batched kernels).
 SPLITS = 2

@@ -85,3 +85,16 @@ def test_fused_merge_in_a_cuda_graph_replayed_with_new_lengths(batch, hkv, max_l
         close(out, ref, torch.bfloat16)
         assert torch.allclose(out.float(), plain.float(), rtol=1e-2, atol=1e-2), f"replay {i}"
         assert int(tda._counters[q.device].count_nonzero()) == 0
+
+
+def test_few_pairs_cap_their_splits_so_the_merge_fuses(device):
+    # A graph's grid is sized for the table's capacity; with few (request, KV head) pairs the
+    # split count is capped at FEW_PAIRS_MAX_SPLITS, within FUSED_MAX_SPLITS.
+    from kernels import triton_decode_attention as tda
+
+    assert 0 < tda.FEW_PAIRS_MAX_SPLITS <= tda.FUSED_MAX_SPLITS
+    wide = 10_000  # programs per SM: enough that the SM count does not bind
+    assert tda.choose_num_splits(1, 8, 1 << 20, device, wide) == tda.FEW_PAIRS_MAX_SPLITS
+    assert tda.choose_num_splits(1, 8, 512, device, wide) == 512 // tda.FEW_PAIRS_MIN_SPLIT_TOKENS
+    many = tda.choose_num_splits(64, 8, 1 << 20, device, wide)  # not few pairs: no cap
+    assert many == -(-wide * tda._num_sms(device) // (64 * 8)) > tda.FEW_PAIRS_MAX_SPLITS

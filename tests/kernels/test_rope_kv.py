@@ -67,3 +67,33 @@ def test_rope_store_kv_rejects_bad_shapes(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_kv_gpu(dtype, gen, close):
     _case(1024, 32, 8, 128, dtype, gen, torch.device("cuda"), close, nb=128, bs=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_rope_store_kv_sums_a_k_split_projections_partials(dtype, parts, gen, device, close):
+    # q, k, v as views of [S, T, (Hq + 2 Hkv) D] float32 partials: the kernel sums them and
+    # rounds to the model's dtype, then does what it does for that projection's output.
+    from kernels.triton_rope_kv import rope_store_kv
+
+    t, hq, hkv, d = 3, 4, 2, 64
+    qkv_p = torch.randn(parts, t, (hq + 2 * hkv) * d, generator=gen).to(device)
+    whole = qkv_p.sum(0).to(dtype).view(t, hq + 2 * hkv, d)
+    views = qkv_p.view(parts, t, hq + 2 * hkv, d)
+    q, k, v = views[:, :, :hq], views[:, :, hq:hq + hkv], views[:, :, hq + hkv:]
+    positions = torch.arange(5, 5 + t).to(device)
+    cs = cos_sin_table(d, 64, 10000.0, None).to(device)
+    slots = torch.tensor([3, 17, 30]).to(device)
+    cache = torch.zeros(4, 2, 16, hkv, d, dtype=dtype, device=device)
+    expected = cache.clone()
+    q_ref = rope_store_kv_ref(whole[:, :hq], whole[:, hq:hq + hkv], whole[:, hq + hkv:],
+                              positions, cs, expected, slots)
+    q_out = rope_store_kv(q, k, v, positions, cs, cache, slots, out_dtype=dtype)
+    assert q_out.dtype == dtype
+    close(q_out, q_ref, dtype)
+    close(cache, expected, dtype)
+    cache2 = torch.zeros_like(cache)
+    q_ref2 = rope_store_kv_ref(q, k, v, positions, cs, cache2, slots, out_dtype=dtype)
+    assert torch.equal(q_ref2, q_ref) and torch.equal(cache2, expected)
+    with pytest.raises(ValueError, match="out_dtype"):
+        rope_store_kv(q, k, v, positions, cs, cache, slots)
