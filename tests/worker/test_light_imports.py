@@ -48,7 +48,10 @@ print(json.dumps({k: first.get(k, ["(loaded)"]) for k in HEAVY if k in sys.modul
 
 WORKER_MODULES = ("deploy.cli", "deploy.worker_cmd", "worker.runner", "worker.server",
                   "worker.servicer", "worker.engine_loop", "worker.role", "producer.role",
-                  "producer.servicer", "consumer.role", "consumer.servicer")
+                  "producer.servicer", "consumer.role", "consumer.servicer",
+                  # what the gRPC process and the engine exchange, and what it converts
+                  "worker.messages", "worker.convert", "engine.sampling_params",
+                  "engine.outputs", "engine.config")
 # what `pdserve producer|consumer|colocated` builds before it starts the engine process,
 # with --device auto (the default), for every role (a role change rebuilds another)
 WORKER_BUILD = """
