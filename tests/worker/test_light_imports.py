@@ -70,9 +70,13 @@ from deploy.router_cmd import router_config
 from router.server import RouterServer
 RouterServer(router_config(build_parser().parse_args(["router"])))
 """
+# `pdserve launch` checks its flags and model, then starts every service as a process
 LAUNCH_BUILD = """
 from deploy.cli import build_parser
-build_parser().parse_args(["launch"])
+from deploy.launch_checks import check_devices, check_model
+args = build_parser().parse_args(["launch"])
+check_devices(("auto",))
+check_model(args.model)
 """
 
 
