@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.cuda_probe import has_cuda
+
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -91,12 +93,6 @@ class ModelConfig:
             return ModelConfig.from_hf(json.load(f))
 
 
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """How one engine runs. Bad values raise ValueError naming the flag."""
@@ -129,7 +125,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # "auto": CUDA and bfloat16 when a GPU is present, else CPU and float32.
         if self.device == "auto":
-            object.__setattr__(self, "device", "cuda" if _has_cuda() else "cpu")
+            object.__setattr__(self, "device", "cuda" if has_cuda() else "cpu")
         if self.dtype == "auto":
             object.__setattr__(self, "dtype",
                                "bfloat16" if self.device.startswith("cuda") else "float32")

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.llm_engine import LLMEngine
 from worker.role import Emit, RoleHandler
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
+    from engine.llm_engine import LLMEngine
     from worker.engine_loop import EngineSpec
 
 

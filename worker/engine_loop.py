@@ -13,12 +13,11 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
 from worker import ipc
 from worker.messages import (
     Event,
@@ -33,6 +32,9 @@ from worker.messages import (
 from worker.role import Emit, RoleHandler
 from worker.step_stats import StepStats
 
+if TYPE_CHECKING:  # the gRPC process imports this module for EngineSpec: no torch there
+    from engine.llm_engine import LLMEngine
+
 log = logging.getLogger("pdserve.worker")
 STATS_INTERVAL_S = 0.25  # load reports feed the gRPC process's heartbeats
 # Rows of held requests per load report (GET /debug/requests); the oldest first, since
@@ -41,7 +43,7 @@ MAX_LISTED_REQUESTS = 500
 # Builds the role's handler around the built engine. The role package supplies it (the
 # worker never imports producer/ or consumer/); it must be a module-level function so the
 # spec pickles into the spawned engine process by reference.
-HandlerFactory = Callable[[LLMEngine, Emit, "EngineSpec"], RoleHandler]
+HandlerFactory = Callable[["LLMEngine", Emit, "EngineSpec"], RoleHandler]
 
 
 @dataclass(frozen=True)

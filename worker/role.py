@@ -5,12 +5,14 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from worker.messages import Command, Event, TokensEvent
+
+if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
+    from engine.llm_engine import LLMEngine
 
 Emit = Callable[[Event], None]
 
