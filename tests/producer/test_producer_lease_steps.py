@@ -162,7 +162,8 @@ def test_a_destination_that_arrives_during_a_long_step_is_used(producer, tiny_ll
                                   [DestinationCmd("held", "c0", r.kv_address, r.block_ids)]]
     p.stretch_steps(lambda: sends.pop(0) if sends else [])
     p.send(HoldCmd("held", "c0"))
-    p.send(PrefillCmd("busy", tuple(BUSY), GREEDY.to_dict(), 0))
+    # one token: token 0 ends "busy", so it never waits for a consumer of its own
+    p.send(PrefillCmd("busy", tuple(BUSY), SamplingParams(max_tokens=1).to_dict(), 0))
     _until(lambda: any(e.finish for e in c.of("held", TokensEvent))
            or any(not e.ok for e in p.of("held", TransferResultEvent)), p.turn, c.turn)
     assert p.handler.lease_expiries == 0
