@@ -12,8 +12,14 @@ TRANSFERRING once token 0 is out, FINISHED_* when token 0 ended it or it was fai
 Leases: until the destination comes, the lease is renewed by the router's ``HoldCmd``,
 sent while the consumer is alive and its reservation waits for blocks (backpressure slows
 the cluster; it does not fail requests); when the consumer dies or the router goes quiet the
-renewals stop and the blocks are freed ``lease_s`` later at most. After the destination,
-the lease bounds the pushes and the consumer's ack.
+renewals stop and the blocks are freed ``lease_s`` later at most (plus one engine step).
+The destination renews it too; after it, the lease bounds the pushes and the consumer's ack.
+
+A lease is judged at the moment this process last *listened* to the router, not at the
+moment the check runs: the engine loop applies commands only between steps, so a hold or a
+destination that arrived during a step longer than the lease (a long prefill chunk, a CPU
+under load) is still queued when ``after_step`` runs. Judged at "now", such a request was
+failed with "no destination" while its renewal sat in the queue.
 """
 
 from __future__ import annotations
@@ -83,6 +89,10 @@ class ProducerHandler(RoleHandler):
         self.sender = TPSender(local, engine.layout, followers)
         self.lease_s = lease_s
         self.out: dict[str, Outgoing] = {}
+        # monotonic: when the loop last applied the queued commands before a step (0: no
+        # step this turn, so it did just before after_step); what leases are judged at
+        self._listened_at = 0.0
+        self._judged_at = 0.0  # the time the last after_step judged leases at
         self.lease_expiries = 0
         # Cumulative counters for the worker's /metrics (sent with every load report).
         self.kv_bytes_sent = 0
@@ -114,6 +124,7 @@ class ProducerHandler(RoleHandler):
                               f"{e}")
                 return
             o.dest_address, o.dest_blocks = cmd.kv_address, list(cmd.block_ids)
+            o.lease_until = max(o.lease_until, time.monotonic() + self.lease_s)
             self._push_ready(o)
         elif isinstance(cmd, HoldCmd):
             o = self.out.get(cmd.rid)
@@ -205,6 +216,11 @@ class ProducerHandler(RoleHandler):
 
     # ---- transfers and leases -----------------------------------------------------------
 
+    def before_step(self, now_ns: int) -> None:
+        # WorkerLoop.turn: drain the commands, before_step, step, on_outputs, after_step;
+        # whatever the router sends from here on waits for the next turn's drain.
+        self._listened_at = time.monotonic()
+
     def after_step(self) -> None:
         for o in list(self.out.values()):
             self._push_ready(o)  # pushes only what the last step filled; cheap otherwise
@@ -228,15 +244,25 @@ class ProducerHandler(RoleHandler):
                                 "blocks", rec.rid, state.name if state else "?")
                 self._transfer_event(rec.rid, False, f"KV transfer {u.status.name.lower()}: "
                                                    f"{u.error}")
-        now = time.monotonic()
+        # Judged as of the last drain of the command queue: a hold, a destination or a
+        # Token0SentCmd (which the final notice waits for) that came during the step counts.
+        # (The ack is polled just above, but judging it one step late costs nothing.)
+        listened = self._listened_at or time.monotonic()
+        self._listened_at = 0.0
+        self._judged_at = listened
         for o in list(self.out.values()):
-            if now > o.lease_until and self.engine.state_of(o.rid) == RequestState.TRANSFERRING:
-                self.lease_expiries += 1
-                why = "no destination" if o.dest_blocks is None else "no acknowledgement"
-                log.warning("request %s: lease expired in TRANSFERRING after %.1f s (%s from "
-                            "the consumer); freeing its blocks", o.rid, self.lease_s, why)
-                self._fail(o, f"lease expired after {self.lease_s:.0f} s: {why} from the "
-                              "consumer")
+            if (listened > o.lease_until
+                    and self.engine.state_of(o.rid) == RequestState.TRANSFERRING):
+                self._expire(o, "no destination and no hold from the router: the consumer's "
+                                "reservation never reached this producer"
+                             if o.dest_blocks is None else
+                             "no acknowledgement from the consumer")
+
+    def _expire(self, o: Outgoing, why: str) -> None:
+        self.lease_expiries += 1
+        log.warning("request %s: lease expired in TRANSFERRING after %g s, %s; freeing its "
+                    "blocks", o.rid, self.lease_s, why)
+        self._fail(o, f"lease expired after {self.lease_s:g} s: {why}")
 
     def _fail(self, o: Outgoing, error: str,
               state: RequestState = RequestState.FINISHED_ERROR) -> None:
@@ -261,11 +287,13 @@ class ProducerHandler(RoleHandler):
     def load(self) -> dict[str, Any]:
         d = super().load()
         d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.pushed)
-        now = time.monotonic()
-        # Held past the lease: after_step already failed these; blocks still held means
-        # the cancel never completed, so nothing else will free them.
+        # Held past the lease as after_step judged it (so after_step already failed these;
+        # blocks still held means the cancel never completed, so nothing else will free
+        # them). Not a request still QUEUED or PREFILLING: no lease runs before token 0.
+        at = self._judged_at or time.monotonic()
         orphans = sum(h.blocks for h in self.engine.held_requests()
-                      if (o := self.out.get(h.request_id)) is not None and now > o.lease_until)
+                      if h.state not in (RequestState.QUEUED, RequestState.PREFILLING)
+                      and (o := self.out.get(h.request_id)) is not None and at > o.lease_until)
         d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
                                                             d["kv_blocks_total"], orphans)
         d.update(orphan_blocks=orphans, lease_expiries=self.lease_expiries,
