@@ -16,7 +16,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.decode_bench import LLAMA3_8B, engine_point  # noqa: E402
+from bench.decode_bench import LLAMA3_8B, engine_point, recapture  # noqa: E402
 
 
 def main() -> None:
@@ -53,10 +53,7 @@ def main() -> None:
         print(json.dumps(out["runs"][-1]), flush=True)
         dec.MIN_SPLIT_TOKENS = ms
         dec.FEW_PAIRS = 0  # every batch uses the swept size
-        g = engine.runner.graphs
-        g.graphs.clear()
-        g.heads.clear()
-        g.capture()
+        recapture(engine)
         for b, c in pts:
             p = engine_point(engine, b, c, args.steps)
             p["min_split_tokens"] = ms

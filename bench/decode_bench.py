@@ -110,6 +110,14 @@ def attention_ms(engine, tables: torch.Tensor, lens: torch.Tensor) -> float:
     return graph_time_ms(step)
 
 
+def recapture(engine) -> None:
+    """Captures the engine's decode graphs again (probes change kernel settings between)."""
+    g = engine.runner.graphs
+    g.graphs.clear()
+    g.heads.clear()
+    g.capture()
+
+
 def engine_point(engine, batch: int, context: int, steps: int, repeats: int = 1) -> dict:
     """The decode step's wall time: the median over `repeats` windows of `steps` steps
     (the spread between windows is what a difference between versions must exceed)."""

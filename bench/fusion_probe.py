@@ -24,7 +24,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.decode_bench import LLAMA3_8B, engine_point, graph_time_ms  # noqa: E402
+from bench.decode_bench import LLAMA3_8B, engine_point, graph_time_ms, recapture  # noqa: E402
 
 SHAPES = {"o_proj": (4096, 4096), "down_proj": (14336, 4096)}  # (K, N)
 
@@ -96,10 +96,7 @@ def main() -> None:
     for name in args.configs.split(","):
         (dec.FUSED_MAX_SPLITS, sk.MAX_ROWS, sk.SPLITS, sk.QKV,
          dec.FEW_PAIRS_MAX_SPLITS) = configs[name]
-        g = engine.runner.graphs
-        g.graphs.clear()
-        g.heads.clear()
-        g.capture()
+        recapture(engine)
         for b, c in pts:
             p = engine_point(engine, b, c, args.steps, args.repeats)
             p["config"] = name
