@@ -35,6 +35,8 @@ ENGINE = ("--device", "cpu", "--dtype", "float32", "--block-size", "4",
           "--max-num-batched-tokens", "16", "--kv-cache-mib", "4")
 # a longer prompt: 18 blocks, a run crossing many chunks
 LONG = [(i * 37 + 11) % 250 + 3 for i in range(70)]
+# ClusterStatus deadline: cluster.status's 2 s default timed out once on a loaded 2-core VM
+STATUS_TIMEOUT_S = 30.0
 CASES = [  # (backend, producer TP, consumer TP, KV heads)
     ("ucx", 2, 1, 2), ("ucx", 1, 2, 1), ("ucx", 2, 2, 2),
     ("ipc", 2, 1, 1), ("ipc", 1, 2, 2), ("ipc", 2, 2, 1),
@@ -114,7 +116,7 @@ def test_tp_pair_tokens_equal_colocated_tp1(tmp_path_factory, models, tp1_tokens
     refs = {s: tp1_tokens(kv, s) for s in (False, True)}
     c = _cluster(tmp_path_factory, f"tp-{backend}-{ptp}{ctp}", path, backend, ptp, ctp)
     try:
-        status = {w.worker_id: w for w in c.status().workers}
+        status = {w.worker_id: w for w in c.status(STATUS_TIMEOUT_S).workers}
         assert status["producer-0"].tp_size == ptp and status["consumer-0"].tp_size == ctp
         # a TP consumer advertises one KV address per rank
         assert len(status["consumer-0"].kv_address.split(",")) == ctp
@@ -143,7 +145,6 @@ KILL_TOKENS = 440  # the longest prompt (50) + this stays within max_model_len 5
 # a state the test observes, so the request is mid-decode whatever the machine's speed,
 # with KILL_TOKENS - KILL_AT tokens still to go.
 KILL_AT = 8
-STATUS_TIMEOUT_S = 30.0
 # How soon after the kill the router must have no request left on the dead worker: the
 # step's collective fails at once (the peer's socket closes), the engine then waits up to
 # 2 s to reap the rank; tp_timeout_s (60 s, the bound on a hung collective) must not be it.
@@ -154,7 +155,6 @@ def _on(stub, worker: str, min_tokens: int = 0) -> list:
     """The router's in-flight requests whose consumer is ``worker`` (DECODING, with at least
     ``min_tokens`` streamed, when min_tokens is set): the router's own view, not a
     heartbeat's."""
-    # a deadline a loaded 2-core machine meets (2 s did not, once: cluster.status's)
     st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(include_requests=True),
                             timeout=STATUS_TIMEOUT_S)
     return [r for r in st.requests if r.consumer == worker and (
@@ -254,7 +254,7 @@ def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
         with open(c.log_paths["producer-0"], errors="replace") as f:
             assert f"rank 1 (pid {victim[0]}) exited" in f.read()
         deadline = time.monotonic() + 30
-        while "producer-0" in {w.worker_id for w in c.status().workers} \
+        while "producer-0" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         ref = tp1_tokens(2, False)  # [*PROMPTS, LONG]: the first len(PROMPTS) are these
