@@ -176,7 +176,7 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
                                 prompt_token_ids=router_pb2.TokenIds(ids=p))
                     for rid, p in zip(ids, PROMPTS, strict=True)]
             # round_robin puts two of the four on each consumer: kill consumer-0's rank 1
-            # once one of them is streaming (a poll, then a kill: a few ms, a few tokens)
+            # once one of them has streamed KILL_AT tokens (a poll, then a kill: a few ms)
             deadline = time.monotonic() + 60
             while not (hit := _on(stub, "consumer-0", KILL_AT)):
                 if time.monotonic() > deadline or all(f.done() for f in futs):
@@ -192,6 +192,7 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
             assert not left, (off, left, dump_logs(c))
             results = [f.result(timeout=120) for f in futs]
             took = time.monotonic() - t0
+            # shown with a failure (or -rP): where the kill landed, how long each part took
             print(f"TPKILL hit={[(r.request_id, r.tokens_streamed) for r in hit]} "
                   f"off={off:.2f}s took={took:.1f}s")
         ref = _reference(path, PROMPTS, False, max_tokens=KILL_TOKENS)
