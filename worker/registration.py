@@ -1,7 +1,10 @@
 """Joining the router: Register once the engine is ready, then heartbeat the load; register
 again if the router forgot us (it restarted, or dropped us after missed heartbeats). With
 each heartbeat, poll the router's orders (a role change it wants). Leaving: Deregister
-(draining: no new work comes) and, once drained, Deregister(done)."""
+(draining: no new work comes) and, once drained, Deregister(done). A worker whose engine
+failed leaves at once (Deregister(done)) and never registers again: it serves nothing until
+it restarts, and between the failure and its exit (the engine stops its TP ranks and
+transfer endpoints first) the router would otherwise place new requests on it."""
 
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ def load_pb(load: dict[str, Any]) -> common_pb2.WorkerLoad:
 class Registration:
     def __init__(self, router: str, worker_id: str, role: str, address: str,
                  info: dict[str, Any], load: Callable[[], dict[str, Any]],
-                 cluster_token: str = "", router_ca: str = "") -> None:
+                 cluster_token: str = "", router_ca: str = "",
+                 failed: Callable[[], str | None] = lambda: None) -> None:
         if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA
             with open(router_ca, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
@@ -53,6 +57,8 @@ class Registration:
         self.draining = False  # set once deregistered: never register again
         self.change_role = 0  # common_pb2.Role the router ordered (0: none)
         self.ordered = asyncio.Event()  # set when change_role is
+        self.failed = failed  # why the engine failed (None while it serves)
+        self.left = False  # told the router so (once)
 
     async def register(self) -> None:
         resp = await self.stub.Register(worker_pb2.RegisterRequest(
@@ -69,6 +75,16 @@ class Registration:
         """Registers (retrying while the router is not up) and heartbeats forever."""
         registered = False
         while True:
+            if (why := self.failed()) is not None:
+                # No heartbeat (it would keep this worker placeable) and no register (after
+                # the router dropped it for its failed requests, that would bring it back as
+                # a new registration, which the requests that failed here do not exclude).
+                if not self.left:
+                    self.left = True
+                    log.warning("engine failed: leaving the router (%s)", why)
+                    await self.deregister(f"engine failed: {why}", done=True)
+                await asyncio.sleep(self.interval)
+                continue
             try:
                 if not registered and not self.draining:
                     await self.register()

@@ -87,7 +87,8 @@ class WorkerServer:
             log.info("%s metrics on http://%s:%d/metrics", self.worker_id,
                      cfg.advertise_host or cfg.bind_host, mport)
         reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address, info,
-                           lambda: bridge.load, cfg.cluster_token, cfg.router_ca)
+                           lambda: bridge.load, cfg.cluster_token, cfg.router_ca,
+                           failed=lambda: bridge.fatal)
         self.registration = reg
         self.tasks.append(asyncio.create_task(reg.run()))
         self.tasks.append(asyncio.create_task(self._watch_engine()))

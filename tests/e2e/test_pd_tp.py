@@ -35,6 +35,8 @@ ENGINE = ("--device", "cpu", "--dtype", "float32", "--block-size", "4",
           "--max-num-batched-tokens", "16", "--kv-cache-mib", "4")
 # a longer prompt: 18 blocks, a run crossing many chunks
 LONG = [(i * 37 + 11) % 250 + 3 for i in range(70)]
+# ClusterStatus deadline: cluster.status's 2 s default timed out once on a loaded 2-core VM
+STATUS_TIMEOUT_S = 30.0
 CASES = [  # (backend, producer TP, consumer TP, KV heads)
     ("ucx", 2, 1, 2), ("ucx", 1, 2, 1), ("ucx", 2, 2, 2),
     ("ipc", 2, 1, 1), ("ipc", 1, 2, 2), ("ipc", 2, 2, 1),
@@ -114,7 +116,7 @@ def test_tp_pair_tokens_equal_colocated_tp1(tmp_path_factory, models, tp1_tokens
     refs = {s: tp1_tokens(kv, s) for s in (False, True)}
     c = _cluster(tmp_path_factory, f"tp-{backend}-{ptp}{ctp}", path, backend, ptp, ctp)
     try:
-        status = {w.worker_id: w for w in c.status().workers}
+        status = {w.worker_id: w for w in c.status(STATUS_TIMEOUT_S).workers}
         assert status["producer-0"].tp_size == ptp and status["consumer-0"].tp_size == ctp
         # a TP consumer advertises one KV address per rank
         assert len(status["consumer-0"].kv_address.split(",")) == ctp
@@ -139,6 +141,24 @@ def _follower_ranks(c, name: str) -> list[int]:
 
 
 KILL_TOKENS = 440  # the longest prompt (50) + this stays within max_model_len 512
+# The kill lands once the router has streamed this many of a consumer-0 request's tokens:
+# a state the test observes, so the request is mid-decode whatever the machine's speed,
+# with KILL_TOKENS - KILL_AT tokens still to go.
+KILL_AT = 8
+# How soon after the kill the router must have no request left on the dead worker: the
+# step's collective fails at once (the peer's socket closes), the engine then waits up to
+# 2 s to reap the rank; tp_timeout_s (60 s, the bound on a hung collective) must not be it.
+HIT_DEADLINE_S = 30.0
+
+
+def _on(stub, worker: str, min_tokens: int = 0) -> list:
+    """The router's in-flight requests whose consumer is ``worker`` (DECODING, with at least
+    ``min_tokens`` streamed, when min_tokens is set): the router's own view, not a
+    heartbeat's."""
+    st = stub.ClusterStatus(router_pb2.ClusterStatusRequest(include_requests=True),
+                            timeout=STATUS_TIMEOUT_S)
+    return [r for r in st.requests if r.consumer == worker and (
+        not min_tokens or r.state == "DECODING" and r.tokens_streamed >= min_tokens)]
 
 
 def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving(
@@ -149,38 +169,48 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
         victim = _follower_ranks(c, "consumer-0")
         assert len(victim) == 1, victim  # consumer-0's rank 1
         ch, stub = stub_for(c.router_address)
-        # long enough that the requests are still decoding when the kill lands (the
-        # router's view of "running" lags by up to a heartbeat)
         long = dict(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
-        with ch, ThreadPoolExecutor(4) as pool:
-            futs = [pool.submit(generate, stub, long, timeout=120,
+        ids = [f"tp-kill-{i}" for i in range(len(PROMPTS))]
+        with ch, ThreadPoolExecutor(len(PROMPTS)) as pool:
+            futs = [pool.submit(generate, stub, long, timeout=120, request_id=rid,
                                 prompt_token_ids=router_pb2.TokenIds(ids=p))
-                    for p in PROMPTS]
-            # wait until consumer-0 is decoding some of them, then kill its rank 1
+                    for rid, p in zip(ids, PROMPTS, strict=True)]
+            # round_robin puts two of the four on each consumer: kill consumer-0's rank 1
+            # once one of them has streamed KILL_AT tokens (a poll, then a kill: a few ms)
             deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                w = {w.worker_id: w for w in c.status().workers}.get("consumer-0")
-                if w is not None and w.load.running > 0:
-                    break
-                time.sleep(0.05)
-            else:
-                pytest.fail("consumer-0 never ran a request\n" + dump_logs(c))
+            while not (hit := _on(stub, "consumer-0", KILL_AT)):
+                if time.monotonic() > deadline or all(f.done() for f in futs):
+                    pytest.fail("consumer-0 never decoded a request\n" + dump_logs(c))
+                time.sleep(0.02)
             os.kill(victim[0], signal.SIGKILL)
             t0 = time.monotonic()
+            # the death is noticed and acted on: no request is left on consumer-0 (each
+            # ended with an error, or was placed again), well before a collective's timeout
+            while (left := _on(stub, "consumer-0")) and time.monotonic() - t0 < HIT_DEADLINE_S:
+                time.sleep(0.05)
+            off = time.monotonic() - t0
+            assert not left, (off, left, dump_logs(c))
             results = [f.result(timeout=120) for f in futs]
             took = time.monotonic() - t0
+            # shown with a failure (or -rP): where the kill landed, how long each part took
+            print(f"TPKILL hit={[(r.request_id, r.tokens_streamed) for r in hit]} "
+                  f"off={off:.2f}s took={took:.1f}s")
         ref = _reference(path, PROMPTS, False, max_tokens=KILL_TOKENS)
-        failed = 0
-        for i, r in enumerate(results):  # migrated (complete, same tokens) or an error
-            if r.error or r.code is not None:  # naming the worker whose rank died
-                failed += 1
-                assert "consumer-0" in f"{r.error} {r.details}", (r.error, r.details)
-            else:
-                assert r.token_ids == ref[i], i
         with open(c.log_paths["router"], errors="replace") as f:
-            migrated = [ln for ln in f if "migrating after" in ln and "consumer-0" in ln
-                        and "rank 1" in ln]
-        assert failed + len(migrated) >= 1, dump_logs(c)  # the death did hit requests
+            migrated = {ln.split("request ", 1)[1].split(":", 1)[0] for ln in f
+                        if "migrating after" in ln and "consumer-0" in ln and "rank 1" in ln}
+        failed = set()
+        for rid, r, want in zip(ids, results, ref, strict=True):
+            if r.error or r.code is not None:  # an error naming the worker whose rank died
+                failed.add(rid)
+                assert "consumer-0" in f"{r.error} {r.details}", (rid, r.error, r.details)
+            else:  # complete, with the same tokens, wherever it ended up
+                assert r.token_ids == want, (rid, r.timing)
+        # every request consumer-0 was decoding at the kill was hit: failed, or migrated
+        # with its streamed tokens (the router's log names the worker and the rank)
+        for r in hit:
+            assert r.request_id in failed | migrated, (r.request_id, failed, migrated,
+                                                       dump_logs(c))
         assert took < 100, took  # generate's own timeout is 120 s
         # the worker as a whole went down (all its ranks), and the cluster serves on
         deadline = time.monotonic() + 30
@@ -192,9 +222,17 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
         with ch:
             r = generate(stub, dict(max_tokens=10, temperature=0.0, ignore_eos=True),
                          prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[0]))
-        assert r.code is None and not r.error, (r.details, r.error, dump_logs(c))
-        assert r.timing.consumer == "consumer-1"
-        assert r.token_ids == ref[0][:10]
+            assert r.code is None and not r.error, (r.details, r.error, dump_logs(c))
+            assert r.timing.consumer == "consumer-1"
+            assert r.token_ids == ref[0][:10]
+            # once the router has dropped consumer-0, the survivors hold no block of any
+            # request that was on it (the producer's pushes to it included)
+            deadline = time.monotonic() + 30
+            while "consumer-0" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert {w.worker_id for w in wait_for_full_kv(stub, timeout=30)} \
+                == {"producer-0", "consumer-1"}
     finally:
         c.stop()
 
@@ -217,7 +255,7 @@ def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
         with open(c.log_paths["producer-0"], errors="replace") as f:
             assert f"rank 1 (pid {victim[0]}) exited" in f.read()
         deadline = time.monotonic() + 30
-        while "producer-0" in {w.worker_id for w in c.status().workers} \
+        while "producer-0" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         ref = tp1_tokens(2, False)  # [*PROMPTS, LONG]: the first len(PROMPTS) are these
