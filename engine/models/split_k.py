@@ -8,17 +8,17 @@ store. So the GEMM leaves S float32 partial sums as a strided batched product, a
 kernel adds them (kernels/triton_norm.rms_norm with [S, T, H] input,
 kernels/triton_rope_kv.rope_store_kv with [S, T, H, D] q/k/v). Only on CUDA and one rank:
 a TP rank's row-parallel output is all-reduced first. On an H200, Llama-3-8B shape,
-batch 1: 4.64 -> 4.53 ms a step for o_proj + down_proj, 4.50 with qkv_proj
-(bench/fusion_probe.py, bench/RESULTS.md).
+batch 1, a step took 4.636 -> 4.515 ms with o_proj + down_proj (one run), 4.526 -> 4.499 ms
+adding qkv_proj (another run; bench/fusion_probe.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
 
 import torch
 
-# Up to this many rows the fused-reduce form is used (0 turns it off); beyond it the GEMM
-# is compute-shaped and cuBLAS's own choice wins. Tuned on an H200 with
-# bench/linear_split_probe.py.
+# Up to this many rows the fused-reduce form is used (0 turns it off). Measured faster at
+# 1, 2 and 4 rows (bench/fusion_probe.py); more rows were not tried, and as the GEMM grows
+# compute-shaped cuBLAS's own split choice should win.
 MAX_ROWS = 4
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).
 QKV = True
