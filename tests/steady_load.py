@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 from cluster_client import Result, generate, stub_for
-from pdserve.v1 import common_pb2, router_pb2
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from tiny_models import make_tiny_model
 from tokenizers import Tokenizer, models
 
@@ -68,7 +69,8 @@ class SteadyLoad:
             while not self._stop.is_set():
                 p = (k * 5 + n) % len(PROMPTS)
                 mt = self.max_tokens[(k + n) % len(self.max_tokens)]
-                r = generate(stub, sampling(p, mt), timeout=300,
+                # the id names max_tokens: wait_decoding reads how much of it is left
+                r = generate(stub, sampling(p, mt), timeout=300, request_id=f"load-{k}-{n}-{mt}",
                              prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[p]))
                 with self._lock:
                     self.sent.append(Sent(p, mt, r))
@@ -126,12 +128,29 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def wait_busy(c: LocalCluster, name: str, timeout: float = 60.0) -> None:
-    """Until the router's view of ``name`` (from its heartbeats) shows a request running on
-    it: a drain or role change started then has work in flight to wait for, whatever the
-    machine's speed."""
-    wait_until(lambda: name in workers(c) and workers(c)[name].load.running >= 1, timeout,
-               f"{name} running a request")
+def requests_on(c: LocalCluster, name: str) -> list[router_pb2.RequestStatus]:
+    """The router's in-flight requests whose consumer is ``name``: its own per-request view."""
+    with grpc.insecure_channel(c.router_address) as ch:
+        st = router_pb2_grpc.RouterStub(ch).ClusterStatus(
+            router_pb2.ClusterStatusRequest(include_requests=True), timeout=10,
+            metadata=c.auth_metadata())
+    return [r for r in st.requests if r.consumer == name]
+
+
+def tokens_left(r: router_pb2.RequestStatus) -> int:
+    """Tokens a SteadyLoad request has still to stream (its id names its max_tokens)."""
+    return int(r.request_id.rsplit("-", 1)[1]) - r.tokens_streamed
+
+
+def wait_decoding(c: LocalCluster, name: str, left: int, timeout: float = 120.0) -> None:
+    """Until the router shows a SteadyLoad request decoding on ``name`` with at least ``left``
+    tokens still to stream, so that a drain or role change started now has work in flight
+    whatever the machine's speed. (A heartbeat's load count is up to an interval old, and the
+    request it saw may have streamed its last token since: CI once saw four drains in a row
+    find nothing in flight.)"""
+    wait_until(lambda: any(r.state == "DECODING" and r.request_id.startswith("load-")
+                           and tokens_left(r) >= left for r in requests_on(c, name)),
+               timeout, f"{name} decoding a request with {left}+ tokens to go")
 
 
 def log_text(c: LocalCluster, name: str) -> str:

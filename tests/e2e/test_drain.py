@@ -21,7 +21,7 @@ from steady_load import (
     check_against_colocated,
     log_text,
     tiny_served_model,
-    wait_busy,
+    wait_decoding,
     wait_until,
     workers,
 )
@@ -29,8 +29,11 @@ from steady_load import (
 from deploy.cluster import LocalCluster
 
 WORKER_ARGS = ("--max-num-batched-tokens", "32", "--kv-cache-mib", "16")
-# heartbeats 4x a second: the router's view of a worker's load (wait_busy) is fresh
 HEARTBEAT_S = "0.25"
+# A consumer is drained only once the router shows it decoding a request with this many tokens
+# still to stream: the drain's deregistration and in-transit grace (0.5 s) pass well inside
+# them, even on a fast machine.
+DRAIN_LEFT = 400
 LONG_TOKENS = 24000
 
 
@@ -69,16 +72,13 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
                       router_args=("--heartbeat-timeout", "3", "--heartbeat-interval",
                                    HEARTBEAT_S, "--policy", "round_robin"))
     try:
-        # long enough that a drain always finds requests in flight, on a fast machine too:
-        # wait_busy sees a consumer's load as of its last heartbeat (at most 0.25 s old), and
-        # the longest request still runs for seconds after that
         load = SteadyLoad(c.router_address, clients=3, max_tokens=(64, 300, 800))
         with load.running():
             load.wait_for(8)
             for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):
                 old = c.procs[name]
                 if name.startswith("consumer"):
-                    wait_busy(c, name)  # a decode of up to 1500 tokens is running there
+                    wait_decoding(c, name, DRAIN_LEFT)
                 sigterm(c, name, group=i >= 2)
                 # the router stops picking it at once, while it is still listed
                 wait_until(lambda n=name: n not in workers(c) or workers(c)[n].draining,
@@ -95,7 +95,9 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
         logs = "".join(log_text(c, n) for n in ("producer-0", "consumer-0", "producer-1",
                                                  "consumer-1"))
         assert logs.count("drained (SIGTERM)") == 4
-        assert re.search(r"waiting for [1-9]", logs), "no drain had a request in flight to wait for"
+        for name in ("consumer-0", "consumer-1"):
+            assert re.search(r"waiting for [1-9]", log_text(c, name)), \
+                f"{name}'s drain had no request in flight to wait for"
     finally:
         c.stop()
 

@@ -15,7 +15,7 @@ from steady_load import (
     check_against_colocated,
     log_text,
     tiny_served_model,
-    wait_busy,
+    wait_decoding,
     workers,
 )
 
@@ -48,7 +48,8 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
         load = SteadyLoad(c.router_address, clients=3, max_tokens=(200, 600, 2000))
         with load.running():
             load.wait_for(6)
-            wait_busy(c, "consumer-0")
+            # the worker learns of its order at its next heartbeat (0.25 s) and then drains
+            wait_decoding(c, "consumer-0", 1000)
             assert main(["plan", "apply", "--router", c.router_address, "--producers", "0",
                          "--consumers", "0", "--colocated", "2"]) == 0
             ws = workers(c)
