@@ -6,6 +6,7 @@ role's parts are handed to the worker, since the router may order a role change
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any
 
@@ -102,8 +103,10 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
     from worker.runner import run_worker_roles
     from worker.server import WorkerConfig
 
-    if not args.drain_timeout > 0:
-        raise ValueError(f"--drain-timeout: must be > 0, got {args.drain_timeout}")
+    for flag, v in (("--drain-timeout", args.drain_timeout), ("--lease", args.lease),
+                    ("--reservation-timeout", args.reservation_timeout)):
+        if not 0 < v < math.inf:  # a NaN fails too
+            raise ValueError(f"{flag}: must be a number of seconds > 0, got {v}")
 
     def config_for(role: str) -> WorkerConfig:
         return WorkerConfig(spec=spec_from_args(args, role), servicer=ROLE_PARTS[role][1],

@@ -14,18 +14,24 @@ from router.registry import RegistrationError, Registry
 
 log = logging.getLogger(__name__)
 
+# A producer's --lease must outlast this many of the router's --hold-interval: the holds keep
+# a backpressured request's blocks alive, and one hold late or lost must not free them.
+LEASE_HOLDS = 2
+
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     def __init__(self, registry: Registry, heartbeat_interval_s: float,
-                 cluster_token: str) -> None:
+                 cluster_token: str, hold_interval_s: float = 0.0) -> None:
         self.registry = registry
         self.heartbeat_interval_s = heartbeat_interval_s
         self.cluster_token = cluster_token
+        self.hold_interval_s = hold_interval_s  # 0: the lease is not checked
 
     async def Register(self, request: worker_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.RegisterResponse:
         await self._authenticate(request.cluster_token, request.worker_id, context)
         try:
+            self._check_lease(request)
             w = self.registry.register(
                 worker_id=request.worker_id, role=request.role, address=request.address,
                 kv_address=request.kv_address, model=request.model,
@@ -41,6 +47,16 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
         log.info("registered %s %s at %s (max_model_len %d)", w.role_name, w.worker_id,
                  w.address, w.max_model_len)
         return worker_pb2.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    def _check_lease(self, request: worker_pb2.RegisterRequest) -> None:
+        lease, least = request.lease_s, LEASE_HOLDS * self.hold_interval_s
+        if lease and least and not lease >= least:  # "not >=": a NaN lease is refused too
+            raise RegistrationError(
+                f"lease_s: worker {request.worker_id}'s --lease ({lease:g} s) is under "
+                f"{LEASE_HOLDS}x this router's --hold-interval ({self.hold_interval_s:g} s): as "
+                f"a producer it would free the blocks of a request waiting for a consumer "
+                f"between two of the router's holds; raise the worker's --lease or lower the "
+                f"router's --hold-interval", precondition=True)
 
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.HeartbeatResponse:

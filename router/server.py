@@ -103,7 +103,8 @@ class RouterServer:
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, policy.name),
                                                      server)
         worker_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token),
+            RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token,
+                             cfg.hold_interval_s),
             server)
         router_pb2_grpc.add_MembershipServicer_to_server(
             MembershipServicer(self.registry, cfg.cluster_token), server)

@@ -26,6 +26,19 @@ HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_F
                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
+def handshake_failure(events: list[int]) -> str:
+    """Why ZMQ handshakes failed, as far as the monitor's events tell. A wrong CURVE key shows
+    as "no detail", as does a peer that died mid-handshake (seen when a TP consumer rank was
+    killed during a transfer), so that message names both."""
+    if any(e & zmq.EVENT_HANDSHAKE_FAILED_AUTH for e in events):
+        return "the peer refused our credentials (a wrong cluster token)"
+    if any(e & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL for e in events):
+        return ("a protocol error (a cluster token, so CURVE, on one side only; or a peer "
+                "that does not speak pdserve's KV protocol)")
+    return ("no detail from ZMQ: a wrong or missing cluster token, or the peer closed the "
+            "connection during the handshake (it stopped or restarted)")
+
+
 def enabled(config: TransferConfig) -> bool:
     return bool(config.cluster_token) and config.curve
 

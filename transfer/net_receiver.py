@@ -20,7 +20,7 @@ from typing import Any
 import zmq
 
 from engine.kv_layout import KVLayout
-from transfer import handshake, tp_plan, wire
+from transfer import curve, handshake, tp_plan, wire
 from transfer.base import KVReceiver
 from transfer.head_cut import cut_between
 from transfer.io_loop import IDLE_POLL_MS, MAX_IDLE_POLL_MS
@@ -100,9 +100,9 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
 
     def on_readable(self, sock: Any) -> None:
         if sock is self.monitor:
-            for _ in range(self.failed_handshakes(self.monitor)):
-                self.rejected("a peer", "ZMQ handshake failed (wrong cluster token, or "
-                              "CURVE on one side only)")
+            for event in self.failed_handshakes(self.monitor):
+                self.rejected("a peer", "ZMQ handshake failed: "
+                              f"{curve.handshake_failure([event])}")
             return
         while True:
             try:

@@ -165,15 +165,14 @@ class NetSide(IOLoop, Generic[R]):
         self.poller.register(mon, zmq.POLLIN)
         return mon
 
-    def failed_handshakes(self, mon: Any) -> int:
-        """How many failed ZMQ handshakes ``mon`` reported since the last call."""
-        n = 0
+    def failed_handshakes(self, mon: Any) -> list[int]:
+        """The events of the failed ZMQ handshakes ``mon`` reported since the last call."""
+        events: list[int] = []
         while True:
             try:
-                recv_monitor_message(mon, flags=zmq.NOBLOCK)
+                events.append(int(recv_monitor_message(mon, flags=zmq.NOBLOCK)["event"]))
             except zmq.Again:
-                return n
-            n += 1
+                return events
 
     def unwatch(self, sock: Any, mon: Any) -> None:
         self.poller.unregister(mon)

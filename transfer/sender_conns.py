@@ -16,7 +16,7 @@ from concurrent.futures import Future
 import zmq
 
 from engine.kv_layout import KVLayout
-from transfer import handshake, wire
+from transfer import curve, handshake, wire
 from transfer.head_cut import cut_between
 from transfer.net_side import NetSide
 from transfer.records import Conn, SendRecord
@@ -77,9 +77,9 @@ class SenderConnections(NetSide[SendRecord]):
             conn.monitor = None
 
     def _on_monitor(self, conn: Conn) -> None:
-        if self.failed_handshakes(conn.monitor) and conn.handle is None:
-            err = HandshakeError(f"consumer {conn.address}: encrypted handshake failed (wrong "
-                                 "or missing cluster token, or CURVE on one side only)")
+        if (events := self.failed_handshakes(conn.monitor)) and conn.handle is None:
+            err = HandshakeError(f"consumer {conn.address}: ZMQ handshake failed: "
+                                 f"{curve.handshake_failure(events)}")
             self._refused(conn, err)
 
     def _on_welcome(self, conn: Conn, m: wire.Hello) -> None:

@@ -86,7 +86,8 @@ class WorkerServer:
             mport = await self.metrics_server.start(cfg.bind_host, cfg.metrics_port)
             log.info("%s metrics on http://%s:%d/metrics", self.worker_id,
                      cfg.advertise_host or cfg.bind_host, mport)
-        reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address, info,
+        reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address,
+                           {**info, "lease_s": cfg.spec.lease_s},
                            lambda: bridge.load, cfg.cluster_token, cfg.router_ca,
                            failed=lambda: bridge.fatal)
         self.registration = reg

@@ -20,6 +20,7 @@ import pytest
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
 from live_cluster import dump_logs, start_cluster
 
+from deploy.cluster import ClusterStartError
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -83,3 +84,16 @@ def test_steps_longer_than_the_lease_fail_no_held_request(slow_step_cluster, col
         wait_for_full_kv(stub, timeout=30)
     finally:
         ch.close()
+
+
+def test_a_lease_too_short_for_the_routers_holds_stops_the_producer_at_start(
+        tmp_path_factory):  # type: ignore[no-untyped-def]
+    """Real processes: the producer, refused by the router, exits at start naming both flags
+    (before, it served and failed requests waiting for a consumer with "lease expired")."""
+    with pytest.raises(ClusterStartError) as e:
+        start_cluster(tmp_path_factory, "short-lease", producers=1, consumers=1,
+                      producer_args=("--lease", "1.5"), router_args=("--hold-interval", "1"))
+    msg = str(e.value)
+    assert "producer-0" in msg, msg
+    assert "lease_s: worker producer-0's --lease (1.5 s) is under 2x this router's " \
+           "--hold-interval (1 s)" in msg, msg

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x86\x02\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x16\n\x0ekv_fingerprint\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rcluster_token\x18\t \x01(\t\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07version\x18\x14 \x01(\t\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"b\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rcluster_token\x18\x03 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xa8\x01\n\x0cPrefillInput\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.PrefillRequestH\x00\x12\x30\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestinationH\x00\x12/\n\x06queued\x18\x03 \x01(\x0b\x32\x1d.pdserve.v1.ReservationQueuedH\x00\x42\x06\n\x04kind\"(\n\x11ReservationQueued\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\"\x94\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x18\n\x10prior_output_ids\x18\x05 \x03(\r\"K\n\rKVDestination\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"m\n\rPrefillOutput\x12$\n\x06token0\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Token0H\x00\x12.\n\x08transfer\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.TransferResultH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x06Token0\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x12\n\nsampled_ns\x18\x06 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x07 \x01(\x03\x12\x0f\n\x07sent_ns\x18\x08 \x01(\x03\"C\n\x0eTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\"\xbe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x11\n\tcolocated\x18\x05 \x01(\x08\x12\x18\n\x10prior_output_ids\x18\x06 \x03(\r\x12\x16\n\x0esource_tp_size\x18\x07 \x01(\r\"f\n\x0c\x44\x65\x63odeOutput\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x42\x06\n\x04kind\"1\n\x08Reserved\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\xd6\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0bkv_ready_ns\x18\x07 \x01(\x03\x12\x15\n\rfirst_step_ns\x18\x08 \x01(\x03\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x13WorkerAbortResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x32\x9b\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse2\xd7\x01\n\x06Worker\x12\x42\n\x07Prefill\x12\x18.pdserve.v1.PrefillInput\x1a\x19.pdserve.v1.PrefillOutput(\x01\x30\x01\x12?\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x18.pdserve.v1.DecodeOutput0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x97\x02\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdserve.v1.Role\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x12\n\nkv_address\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x16\n\x0ekv_fingerprint\x18\x06 \x01(\t\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12$\n\x04load\x18\x08 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rcluster_token\x18\t \x01(\t\x12\x0f\n\x07tp_size\x18\n \x01(\r\x12\x0f\n\x07lease_s\x18\x0b \x01(\x01\x12\x0f\n\x07version\x18\x14 \x01(\t\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"b\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04load\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rcluster_token\x18\x03 \x01(\t\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\xa8\x01\n\x0cPrefillInput\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1a.pdserve.v1.PrefillRequestH\x00\x12\x30\n\x0b\x64\x65stination\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.KVDestinationH\x00\x12/\n\x06queued\x18\x03 \x01(\x0b\x32\x1d.pdserve.v1.ReservationQueuedH\x00\x42\x06\n\x04kind\"(\n\x11ReservationQueued\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\"\x94\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x18\n\x10prior_output_ids\x18\x05 \x03(\r\"K\n\rKVDestination\x12\x13\n\x0b\x63onsumer_id\x18\x01 \x01(\t\x12\x12\n\nkv_address\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"m\n\rPrefillOutput\x12$\n\x06token0\x18\x01 \x01(\x0b\x32\x12.pdserve.v1.Token0H\x00\x12.\n\x08transfer\x18\x02 \x01(\x0b\x32\x1a.pdserve.v1.TransferResultH\x00\x42\x06\n\x04kind\"\xd3\x01\n\x06Token0\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12)\n\x07logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x12\n\nsampled_ns\x18\x06 \x01(\x03\x12\x13\n\x0breceived_ns\x18\x07 \x01(\x03\x12\x0f\n\x07sent_ns\x18\x08 \x01(\x03\"C\n\x0eTransferResult\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0ekv_transfer_ms\x18\x03 \x01(\x01\"\xbe\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x11\n\tcolocated\x18\x05 \x01(\x08\x12\x18\n\x10prior_output_ids\x18\x06 \x03(\r\x12\x16\n\x0esource_tp_size\x18\x07 \x01(\r\"f\n\x0c\x44\x65\x63odeOutput\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12$\n\x06tokens\x18\x02 \x01(\x0b\x32\x12.pdserve.v1.TokensH\x00\x42\x06\n\x04kind\"1\n\x08Reserved\x12\x12\n\nkv_address\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\"\xd6\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x13\n\x0bkv_ready_ns\x18\x07 \x01(\x03\x12\x15\n\rfirst_step_ns\x18\x08 \x01(\x03\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"!\n\x13WorkerAbortResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x32\x9b\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse2\xd7\x01\n\x06Worker\x12\x42\n\x07Prefill\x12\x18.pdserve.v1.PrefillInput\x1a\x19.pdserve.v1.PrefillOutput(\x01\x30\x01\x12?\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x18.pdserve.v1.DecodeOutput0\x01\x12H\n\x05\x41\x62ort\x12\x1e.pdserve.v1.WorkerAbortRequest\x1a\x1f.pdserve.v1.WorkerAbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,41 +33,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_REGISTERREQUEST']._serialized_start=65
-  _globals['_REGISTERREQUEST']._serialized_end=327
-  _globals['_REGISTERRESPONSE']._serialized_start=329
-  _globals['_REGISTERRESPONSE']._serialized_end=377
-  _globals['_HEARTBEATREQUEST']._serialized_start=379
-  _globals['_HEARTBEATREQUEST']._serialized_end=477
-  _globals['_HEARTBEATRESPONSE']._serialized_start=479
-  _globals['_HEARTBEATRESPONSE']._serialized_end=513
-  _globals['_PREFILLINPUT']._serialized_start=516
-  _globals['_PREFILLINPUT']._serialized_end=684
-  _globals['_RESERVATIONQUEUED']._serialized_start=686
-  _globals['_RESERVATIONQUEUED']._serialized_end=726
-  _globals['_PREFILLREQUEST']._serialized_start=729
-  _globals['_PREFILLREQUEST']._serialized_end=877
-  _globals['_KVDESTINATION']._serialized_start=879
-  _globals['_KVDESTINATION']._serialized_end=954
-  _globals['_PREFILLOUTPUT']._serialized_start=956
-  _globals['_PREFILLOUTPUT']._serialized_end=1065
-  _globals['_TOKEN0']._serialized_start=1068
-  _globals['_TOKEN0']._serialized_end=1279
-  _globals['_TRANSFERRESULT']._serialized_start=1281
-  _globals['_TRANSFERRESULT']._serialized_end=1348
-  _globals['_DECODEREQUEST']._serialized_start=1351
-  _globals['_DECODEREQUEST']._serialized_end=1541
-  _globals['_DECODEOUTPUT']._serialized_start=1543
-  _globals['_DECODEOUTPUT']._serialized_end=1645
-  _globals['_RESERVED']._serialized_start=1647
-  _globals['_RESERVED']._serialized_end=1696
-  _globals['_TOKENS']._serialized_start=1699
-  _globals['_TOKENS']._serialized_end=1913
-  _globals['_WORKERABORTREQUEST']._serialized_start=1915
-  _globals['_WORKERABORTREQUEST']._serialized_end=1955
-  _globals['_WORKERABORTRESPONSE']._serialized_start=1957
-  _globals['_WORKERABORTRESPONSE']._serialized_end=1990
-  _globals['_REGISTRY']._serialized_start=1993
-  _globals['_REGISTRY']._serialized_end=2148
-  _globals['_WORKER']._serialized_start=2151
-  _globals['_WORKER']._serialized_end=2366
+  _globals['_REGISTERREQUEST']._serialized_end=344
+  _globals['_REGISTERRESPONSE']._serialized_start=346
+  _globals['_REGISTERRESPONSE']._serialized_end=394
+  _globals['_HEARTBEATREQUEST']._serialized_start=396
+  _globals['_HEARTBEATREQUEST']._serialized_end=494
+  _globals['_HEARTBEATRESPONSE']._serialized_start=496
+  _globals['_HEARTBEATRESPONSE']._serialized_end=530
+  _globals['_PREFILLINPUT']._serialized_start=533
+  _globals['_PREFILLINPUT']._serialized_end=701
+  _globals['_RESERVATIONQUEUED']._serialized_start=703
+  _globals['_RESERVATIONQUEUED']._serialized_end=743
+  _globals['_PREFILLREQUEST']._serialized_start=746
+  _globals['_PREFILLREQUEST']._serialized_end=894
+  _globals['_KVDESTINATION']._serialized_start=896
+  _globals['_KVDESTINATION']._serialized_end=971
+  _globals['_PREFILLOUTPUT']._serialized_start=973
+  _globals['_PREFILLOUTPUT']._serialized_end=1082
+  _globals['_TOKEN0']._serialized_start=1085
+  _globals['_TOKEN0']._serialized_end=1296
+  _globals['_TRANSFERRESULT']._serialized_start=1298
+  _globals['_TRANSFERRESULT']._serialized_end=1365
+  _globals['_DECODEREQUEST']._serialized_start=1368
+  _globals['_DECODEREQUEST']._serialized_end=1558
+  _globals['_DECODEOUTPUT']._serialized_start=1560
+  _globals['_DECODEOUTPUT']._serialized_end=1662
+  _globals['_RESERVED']._serialized_start=1664
+  _globals['_RESERVED']._serialized_end=1713
+  _globals['_TOKENS']._serialized_start=1716
+  _globals['_TOKENS']._serialized_end=1930
+  _globals['_WORKERABORTREQUEST']._serialized_start=1932
+  _globals['_WORKERABORTREQUEST']._serialized_end=1972
+  _globals['_WORKERABORTRESPONSE']._serialized_start=1974
+  _globals['_WORKERABORTRESPONSE']._serialized_end=2007
+  _globals['_REGISTRY']._serialized_start=2010
+  _globals['_REGISTRY']._serialized_end=2165
+  _globals['_WORKER']._serialized_start=2168
+  _globals['_WORKER']._serialized_end=2383
 # @@protoc_insertion_point(module_scope)
