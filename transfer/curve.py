@@ -31,7 +31,7 @@ def handshake_failure(events: list[int]) -> str:
     as "no detail", as does a peer that died mid-handshake (seen when a TP consumer rank was
     killed during a transfer), so that message names both."""
     if any(e & zmq.EVENT_HANDSHAKE_FAILED_AUTH for e in events):
-        return "the peer refused our credentials (a wrong cluster token)"
+        return "authentication failed (a wrong cluster token)"
     if any(e & zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL for e in events):
         return ("a protocol error (a cluster token, so CURVE, on one side only; or a peer "
                 "that does not speak pdserve's KV protocol)")
