@@ -75,7 +75,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                         "request may queue behind other prompts there first)")
     r.add_argument("--lease", type=float, default=30.0,
                    help="producer: seconds blocks are held waiting for a consumer's "
-                        "destination")
+                        "destination; at least 2x the router's --hold-interval (the router "
+                        "refuses a shorter one)")
     r.add_argument("--defer-output", action="store_true",
                    help="producer, FOR BENCHMARKS ONLY: defer the producer's output like a "
                         "decode engine, to measure what direct output saves")
