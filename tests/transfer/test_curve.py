@@ -106,9 +106,14 @@ def test_a_producer_without_the_token_cannot_finish_a_handshake(rx: object, toke
     try:
         with pytest.raises(HandshakeError) as e:
             tx.connect(rx.address, timeout=10)  # type: ignore[attr-defined]
-        # no token: a protocol error (CURVE on one side only); another token: ZMQ gives no
-        # detail; either way the error says the token is the likely cause
-        assert str(e.value).startswith(f"consumer {rx.address}: ZMQ handshake failed: "), e.value  # type: ignore[attr-defined]
+        # another token (a wrong CURVE key): ZMQ gives no detail, as for a peer that died
+        # mid-handshake, so the message names both; no token: the consumer sees a protocol
+        # error, the producer most often no detail (the consumer closed on it). Either way
+        # the message names the token.
+        assert str(e.value).startswith(  # type: ignore[attr-defined]
+            f"consumer {rx.address}: ZMQ handshake failed: "), e.value
+        if token:
+            assert "no detail from ZMQ" in str(e.value), e.value
         assert "cluster token" in str(e.value), e.value
         assert tx.accounting().peers == 0
         assert rx.accounting().peers == 0  # type: ignore[attr-defined]
