@@ -28,7 +28,7 @@ sys.path[:0] = [REPO, os.path.join(REPO, "proto")]
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from pdserve.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 
-from deploy.cluster import free_port  # noqa: E402
+from deploy.ports import free_port  # noqa: E402
 
 
 def spawn(tree: str, *args: str) -> subprocess.Popen:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from deploy.launch_checks import assign_devices
+from deploy.ports import free_port
 from deploy.proc_output import ProcOutput, error_line
 from deploy.procs import processes
 
@@ -23,12 +23,6 @@ from deploy.procs import processes
 class ClusterStartError(RuntimeError):
     """A process of the cluster died (or the cluster stalled) during start-up; the message
     names the process and its error in one line."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)

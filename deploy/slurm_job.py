@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from deploy.cluster import ROLE_NAMES, free_port
+from deploy.cluster import ROLE_NAMES
 from deploy.cluster_config import load_cluster_config
 from deploy.launch_checks import check_model, check_port
+from deploy.ports import free_port
 
 
 @dataclass(frozen=True)

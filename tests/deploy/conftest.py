@@ -5,7 +5,6 @@ directory."""
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -13,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from deploy.ports import free_run
 
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scancel", "scontrol", "sinfo")
 
@@ -25,26 +26,6 @@ def unavailable() -> str:
     if missing:
         return f"not installed: {', '.join(missing)} (.ci/run installs slurm-wlm and munge)"
     return ""
-
-
-def _free_run(n: int) -> int:
-    """The first of n consecutive free TCP ports."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("0.0.0.0", p))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 class SlurmCluster:
@@ -63,7 +44,7 @@ class SlurmCluster:
         self._run(["munged", "-f", "-S", str(r / "munge" / "sock"), f"--key-file={key}",
                    f"--log-file={r / 'munge' / 'log'}", f"--pid-file={r / 'munge' / 'pid'}",
                    f"--seed-file={r / 'munge' / 'seed'}"])
-        base = _free_run(4)
+        base = free_run(4, "0.0.0.0")
         host = socket.gethostname()
         node_line = (f"NodeName=n[1-3] NodeHostname={host} NodeAddr=127.0.0.1 "
                      f"Port=[{base + 1}-{base + 3}] CPUs=1 RealMemory=1000")

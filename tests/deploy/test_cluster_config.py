@@ -14,8 +14,8 @@ import pytest
 from cluster_client import chat, generate, stub_for
 
 from deploy.cli import build_parser, main
-from deploy.cluster import free_port
 from deploy.cluster_config import apply_config, parse_cluster_config
+from deploy.ports import free_port
 from deploy.procs import cmdline, processes
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deploy.cli import main
-from deploy.cluster import ClusterSpec, LocalCluster, free_port
+from deploy.cluster import ClusterSpec, LocalCluster
 from deploy.doctor import (
     FAIL,
     PASS,
@@ -28,6 +28,7 @@ from deploy.doctor import (
     render,
     transport_checks,
 )
+from deploy.ports import free_port
 
 
 def test_packages_pass_and_a_missing_one_fails() -> None:

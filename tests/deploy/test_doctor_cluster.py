@@ -15,8 +15,8 @@ import pytest
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from deploy.cli import main
-from deploy.cluster import free_port
 from deploy.doctor import FAIL, PASS, cluster_checks, render
+from deploy.ports import free_port
 from engine.model_source import model_display_name, resolve_model
 from router.config import RouterConfig
 from router.server import RouterServer

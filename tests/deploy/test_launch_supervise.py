@@ -13,7 +13,7 @@ import time
 
 from cluster_client import chat, generate, stub_for
 
-from deploy.cluster import free_port
+from deploy.ports import free_port
 from deploy.procs import cmdline, processes
 
 

@@ -22,7 +22,8 @@ from cluster_client import generate, stub_for, wait_for_full_kv
 from live_cluster import dump_logs
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from deploy.cluster import LocalCluster, free_port
+from deploy.cluster import LocalCluster
+from deploy.ports import free_port
 from engine.sampling_params import SamplingParams
 
 SAMPLING = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
