@@ -74,5 +74,9 @@ def free_run(n: int, host: str = "127.0.0.1") -> int:
                 _issued.update(ports)
                 return base
         if n == 1:  # nothing outside the range: the kernel's pick, racy as it is
-            return _kernel_pick(host)
+            for _ in range(100):
+                port = _kernel_pick(host)
+                if port not in _issued:
+                    _issued.add(port)
+                    return port
     raise RuntimeError(f"no run of {n} free ports on {host} outside the ephemeral range")
