@@ -5,6 +5,7 @@ and every way out ends in the right FINISHED_* state."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import grpc
@@ -188,8 +189,9 @@ def test_consumer_tokens_before_token0_mean_decoding_and_token0_does_not_go_back
             s = await until_state(cl, "r1", "DECODING")
             assert s.tokens_streamed == 0  # held back until token 0
             g.open("token0")
-            await asyncio.sleep(0.2)
-            s = (await listed(cl))["r1"]
+            end = time.monotonic() + 30  # the client loop hands token 0 and 101 on
+            while (s := (await listed(cl))["r1"]).tokens_streamed < 2 and time.monotonic() < end:
+                await asyncio.sleep(0.01)
             assert s.state == "DECODING" and s.tokens_streamed == 2
             call.cancel()
             await asyncio.gather(reader, return_exceptions=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import time
 from typing import Any
 
 import aiohttp
@@ -223,11 +224,15 @@ def test_debug_requests_lists_a_live_request_behind_the_api_key() -> None:
                     assert r.status == 401
                     assert (await r.json())["error"]["type"] == "authentication_error"
                 rows: list[Any] = []
-                for _ in range(500):
+                # The state moves when a leg reads a message, tokens_streamed when the client
+                # loop has handed them on, a moment later: wait for both (CI once saw
+                # DECODING with 0 streamed).
+                end = time.monotonic() + 30
+                while time.monotonic() < end:
                     async with s.get(url, headers=auth) as r:
                         assert r.status == 200
                         rows = (await r.json())["data"]
-                    if rows and rows[0]["state"] == "DECODING":
+                    if rows and rows[0]["state"] == "DECODING" and rows[0]["tokens_streamed"] == 2:
                         break
                     await asyncio.sleep(0.01)
                 (row,) = rows
