@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import socket
 
+from deploy.ports import bind_error
 from engine.model_source import resolve_model
 
 DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
@@ -20,13 +21,8 @@ def check_port(flag: str, host: str, port: int, allow_off: bool = False) -> None
         raise ValueError(f"{flag}: {port} is not a port (0-65535; 0: a free port{off})")
     if port <= 0:
         return
-    with socket.socket() as s:
-        # as a server would bind it: a port in TIME_WAIT is free, a listening one is not
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"{flag}: cannot bind {host}:{port} ({e.strerror})") from None
+    if (why := bind_error(host, port)) is not None:
+        raise ValueError(f"{flag}: cannot bind {host}:{port} ({why})")
 
 
 def check_host(host: str) -> None:

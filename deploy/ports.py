@@ -37,15 +37,16 @@ def pick_range(ephemeral: tuple[int, int]) -> range:
     return max(below, above, key=len)
 
 
-def _bindable(host: str, port: int) -> bool:
+def bind_error(host: str, port: int) -> str | None:
+    """Why a server could not bind ``host:port`` now (None: it could)."""
     with socket.socket() as s:
         # as a server binds it: a port in TIME_WAIT is free, a bound or listening one is not
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-        return True
+        except OSError as e:
+            return e.strerror or str(e)
+        return None
 
 
 def _kernel_pick(host: str) -> int:
@@ -62,15 +63,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 def free_run(n: int, host: str = "127.0.0.1") -> int:
     """The first of ``n`` consecutive such ports (SLURM's slurmd wants a run of them)."""
     span = pick_range(ephemeral_range())
+    # an ephemeral range over almost every port leaves no room to draw from
+    tries = 500 if len(span) >= n + 64 else 0
     with _lock:
-        for _ in range(500):
-            if len(span) < n + 64:  # an ephemeral range over almost every port
-                break
+        for _ in range(tries):
             base = random.randrange(span.start, span.stop - n + 1)
             ports = range(base, base + n)
             if any(p in _issued for p in ports):
                 continue
-            if all(_bindable(host, p) for p in ports):
+            if all(bind_error(host, p) is None for p in ports):
                 _issued.update(ports)
                 return base
         if n == 1:  # nothing outside the range: the kernel's pick, racy as it is
