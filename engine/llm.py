@@ -23,9 +23,10 @@ from engine.weights import build_model, read_model_config
 
 
 def _model_path(config: EngineConfig) -> str:
-    if config.load_format == "dummy" and config.model and os.path.isdir(config.model) \
+    weightless = config.load_format == "dummy" or config.simulate is not None
+    if weightless and config.model and os.path.isdir(config.model) \
             and os.path.isfile(os.path.join(config.model, "config.json")):
-        return os.path.abspath(config.model)  # dummy weights need only the config
+        return os.path.abspath(config.model)  # dummy weights (or none) need only the config
     return resolve_model(config.model)
 
 
@@ -33,6 +34,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     """One engine; with tensor_parallel_size N, this process is rank 0 and N - 1 follower
     processes are spawned (and stopped by LLMEngine's runner.close(), or when it dies)."""
     path = _model_path(config)
+    if config.simulate is not None:
+        from engine.sim_runner import build_sim_engine
+
+        return build_sim_engine(config, path)
     model_cfg = read_model_config(path)
     tp = config.tensor_parallel_size
     followers = None
