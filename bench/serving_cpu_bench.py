@@ -254,8 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         base_url = f"http://{cluster.spec.host}:{cluster.http_port}"
         indexed = list(enumerate(specs))
         conc = _split(list(range(args.concurrency)), procs_n)
-        for part, streams in zip(_split(indexed, procs_n), conc, strict=True):
-            job = ClientJob(args.backend, cluster.router_address, base_url, part,
+        for share, streams in zip(_split(indexed, procs_n), conc, strict=True):
+            job = ClientJob(args.backend, cluster.router_address, base_url, share,
                             max(1, len(streams)), args.warmup, sampling)
             p = ctx.Process(target=client_main, args=(job, ready, go, results), daemon=True)
             p.start()
