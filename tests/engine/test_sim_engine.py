@@ -178,3 +178,29 @@ def test_flags_and_config_load_no_torch():
     code = ("import sys, deploy.engine_args, engine.sim_config, engine.config; "
             "assert 'torch' not in sys.modules, 'torch loaded'")
     subprocess.run([sys.executable, "-c", code], check=True, env=os.environ.copy())
+
+
+def test_every_command_passes_the_flag(model_dir):
+    from deploy.bench_cmd import build_targets
+    from deploy.cli import build_parser
+    from deploy.launch_cmd import spec_from_args as launch_spec
+    from deploy.worker_cmd import spec_from_args as worker_spec
+
+    for role in ("producer", "consumer", "colocated"):
+        args = build_parser().parse_args([role, "--router", "127.0.0.1:1", "--model", model_dir,
+                                          "--simulate-step-ms", "7"])
+        assert worker_spec(args, role).engine.simulate == SimConfig(step_ms=7)
+    args = build_parser().parse_args(["launch", "--model", model_dir, "--grpc-port", "0",
+                                      "--http-port", "0", "--simulate-step-ms", "7"])
+    assert "--simulate-step-ms=7.0" in launch_spec(args).worker_args
+    args = build_parser().parse_args(["bench", "--launch", "pd", "--model", model_dir,
+                                      "--simulate-step-ms", "7",
+                                      "--simulate-prefill-us-per-token", "2"])
+    (target,) = build_targets(args)
+    assert target.spec is not None
+    assert target.spec.worker_args[-2:] == ("--simulate-step-ms=7.0",
+                                            "--simulate-prefill-us-per-token=2.0")
+    args = build_parser().parse_args(["bench", "--launch", "pd",
+                                      "--simulate-prefill-us-per-token", "2"])
+    with pytest.raises(ValueError, match="^--simulate-prefill-us-per-token: needs"):
+        build_targets(args)
