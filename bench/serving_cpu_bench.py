@@ -47,6 +47,8 @@ from deploy.benchmark.record import RequestRecord  # noqa: E402
 from deploy.benchmark.workload import LengthRange, RequestSpec, random_workload  # noqa: E402
 
 TINY_DUMMY = "tiny-dummy"
+# /proc CPU times count in clock ticks (10 ms where CLK_TCK is 100): measured windows of a
+# few seconds or more keep that rounding under a percent.
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -90,7 +92,8 @@ def group_pids(pgid: int) -> list[int]:
 
 def role_of(pid: int, leader: int, name: str) -> str:
     """Which part of a cluster process a pid is: the router, a worker's service (its gRPC
-    process, the group leader), its engine (spawned ranks), or a helper."""
+    process, the group leader), its engine (spawned ranks), a transfer data-plane process,
+    or a helper."""
     if name == "router":
         return "router"
     if pid == leader:
@@ -98,6 +101,8 @@ def role_of(pid: int, leader: int, name: str) -> str:
     cmd = proc_cmdline(pid)
     if "resource_tracker" in cmd or "forkserver" in cmd:
         return "helper"
+    if "transfer." in cmd:  # a transfer backend's own data-plane process
+        return "transfer"
     return "engine"
 
 
