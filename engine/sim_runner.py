@@ -22,21 +22,21 @@ cluster fits anywhere; its contents are never written.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.llm_engine import InflightStep, LLMEngine
-from engine.model_identity import model_identity
-from engine.model_source import model_display_name
+from engine.model_runner import InflightStep, ModelRunner
 from engine.request import Request
 from engine.sampler import SamplerOutput
 from engine.scheduler import ScheduledChunk
 from engine.sim_config import SimConfig
-from engine.tokenizer import Tokenizer
-from engine.weights import read_model_config
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
+    from engine.tokenizer import Tokenizer
 
 _M64 = (1 << 64) - 1
 _EOS_SALT = 0x5EED_E05
@@ -143,17 +143,13 @@ class SimRunner:
         pass
 
 
-def build_sim_engine(config: EngineConfig, path: str) -> LLMEngine:
-    """A simulated engine serving the model at ``path``: its config and tokenizer are read,
-    no weights. Its KV pool lives in host memory whatever --device says."""
-    if config.tensor_parallel_size != 1 or config.devices is not None:
-        raise ValueError("simulate_step_ms: a simulated engine has one rank "
-                         "(no --tensor-parallel-size or --devices)")
-    config = dataclasses.replace(config, device="cpu", gpu_memory_utilization=None)
-    model_cfg = sim_model_config(read_model_config(path))
-    tokenizer = None
-    if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
-        tokenizer = Tokenizer.from_source(path)
-    # never the fingerprint of the real model: a real engine must not take a sim's "KV"
-    identity = "sim:" + model_identity(path, "dummy", config.seed)
-    return LLMEngine(config, model_cfg, None, tokenizer, model_display_name(path), identity)
+def make_runner(config: EngineConfig, model: LlamaForCausalLM | None, kv_cache: torch.Tensor,
+                eos_token_ids: frozenset[int], device: torch.device, max_model_len: int,
+                tokenizer: Tokenizer | None, vocab_size: int) -> ModelRunner | SimRunner:
+    """The engine's runner: the model's, or a SimRunner for a simulated engine."""
+    if config.simulate is not None:
+        return SimRunner(config.simulate, vocab_size, eos_token_ids, tokenizer)
+    assert model is not None
+    return ModelRunner(model, kv_cache, config.block_size, eos_token_ids, device,
+                       max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
+                       cuda_graphs=not config.enforce_eager)
