@@ -127,8 +127,12 @@ def _cluster_spec(args: argparse.Namespace, model: str | None) -> Any:
         worker += ["--max-num-seqs", str(max(64, args.concurrency))]
     router = ["--max-running-requests", str(max(512, args.concurrency)),
               "--max-queued-requests", str(max(1024, args.concurrency)), *args.router_arg]
+    # the cluster runs this tree's code, whatever an installed pdserve would give
+    path = os.pathsep.join([ROOT, os.path.join(ROOT, "proto"),
+                            *filter(None, [os.environ.get("PYTHONPATH")])])
     return ClusterSpec(producers=args.producers, consumers=args.consumers,
                        colocated=args.colocated, model=model, worker_args=tuple(worker),
+                       env={"PYTHONPATH": path},
                        router_args=tuple(router),
                        http_port=0 if args.backend == "http" else -1,
                        transfer_backend=args.transfer_backend)
@@ -149,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from deploy.benchmark.dummy_model import write_dummy_model
     from deploy.cluster import LocalCluster
 
+    load_start = os.getloadavg()  # a shared machine's other work skews every number
     tmp = tempfile.mkdtemp(prefix="pdserve-cpu-bench-")
     model = args.model
     if model == TINY_DUMMY:
@@ -221,7 +226,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tool": "bench/serving_cpu_bench.py", "command": sys.argv,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(), "host": platform.node(),
-                    "python": platform.python_version()},
+                    "python": platform.python_version(), "load_avg_start": load_start,
+                    "load_avg_end": os.getloadavg()},
+        "tree": _tree(),
         "config": {"model": args.model, "simulate_step_ms": args.simulate_step_ms,
                    "producers": args.producers, "consumers": args.consumers,
                    "colocated": args.colocated, "concurrency": args.concurrency,
@@ -243,6 +250,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "e2el_ms": _pcts([r.e2el * 1e3 for r in ok]),
         "cpu": cpu,
     }
+
+
+def _tree() -> dict[str, Any]:
+    """The commit measured, and whether the tree had uncommitted changes."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        r = subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else ""
+
+    return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
 
 def _cpu_model() -> str:
