@@ -96,6 +96,7 @@ class SimRunner:
         self.sim = sim
         self.followers = None  # never tensor parallel
         self.plain = plain_token_ids(vocab_size, eos_token_ids, tokenizer)
+        self._plain_at = {t: i for i, t in enumerate(self.plain)}  # logprobs' alternatives
         self.eos = min(eos_token_ids) if eos_token_ids else None
         self.busy_until = 0.0  # when the simulated device finishes its last launched step
 
@@ -132,7 +133,7 @@ class SimRunner:
         lps = torch.full((tokens.shape[0],), -1.0)
         if top_n == 0:
             return SimOutput(tokens, self.busy_until, lps)
-        at = {t: i for i, t in enumerate(self.plain)}
+        at = self._plain_at
         rows = [[t] + [self.plain[(at.get(t, 0) + j) % n] for j in range(1, top_n)]
                 for t in tokens.tolist()]
         top_lps = -torch.arange(1, top_n + 1, dtype=torch.float32).expand(len(rows), top_n)
