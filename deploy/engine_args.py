@@ -41,15 +41,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds any one collective between the ranks may take before the "
                         "engine fails (a hung rank)")
-    s = p.add_argument_group("simulated engine (serving-plane load tests; no model)")
-    s.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
-                   help="run no model: every engine step takes MS milliseconds and samples "
-                        "hashed token ids of the served tokenizer (never EOS), so the router "
-                        "and worker services are measured at GPU token rates without a GPU")
-    s.add_argument("--simulate-prefill-us-per-token", type=float, default=0.0, metavar="US",
+    g.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                   help="a simulated engine (serving-plane load tests): no model; every step "
+                        "takes MS ms and samples hashed token ids of the served tokenizer "
+                        "(never EOS), so router and services meet GPU token rates on a CPU")
+    g.add_argument("--simulate-prefill-us-per-token", type=float, default=0.0, metavar="US",
                    help="with --simulate-step-ms: microseconds each prompt token adds to its "
                         "step")
-    s.add_argument("--simulate-eos-prob", type=float, default=0.0, metavar="P",
+    g.add_argument("--simulate-eos-prob", type=float, default=0.0, metavar="P",
                    help="with --simulate-step-ms: chance that a token (past min_tokens) is EOS")
 
 

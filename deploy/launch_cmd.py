@@ -48,10 +48,6 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--log-dir", default=None, help="write each process's output there")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=32")
-    p.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
-                   help="simulated engines: no model, every step takes MS ms and samples "
-                        "hashed tokens (serving-plane load tests without GPUs); more in "
-                        "'pdserve consumer --help'")
     p.add_argument("--config", default=None,
                    help="a cluster.yaml (model, workers, devices, ports, engine flags, "
                         "policies); flags given on the command line win")
@@ -78,15 +74,13 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     if tp < 1:
         raise ValueError(f"--tensor-parallel-size: must be >= 1, got {tp}")
     tp_args = (f"--tensor-parallel-size={tp}",) if tp > 1 else ()
-    sim_args = (f"--simulate-step-ms={args.simulate_step_ms}",) \
-        if args.simulate_step_ms is not None else ()
     # Its own cluster gets its own secret: workers refuse calls from outside it.
     token = args.cluster_token or secrets.token_hex(16)
     return ClusterSpec(producers=args.producers, consumers=args.consumers,
                        colocated=args.colocated, model=args.model, host=args.host,
                        grpc_port=args.grpc_port, http_port=args.http_port, policy=args.policy,
                        transfer_backend=args.transfer_backend, threads=args.threads,
-                       worker_args=(*args.worker_arg, *tp_args, *sim_args), api_key=args.api_key,
+                       worker_args=(*args.worker_arg, *tp_args), api_key=args.api_key,
                        cluster_token=token, devices=devices)
 
 

@@ -191,8 +191,8 @@ def test_every_command_passes_the_flag(model_dir):
                                           "--simulate-step-ms", "7"])
         assert worker_spec(args, role).engine.simulate == SimConfig(step_ms=7)
     args = build_parser().parse_args(["launch", "--model", model_dir, "--grpc-port", "0",
-                                      "--http-port", "0", "--simulate-step-ms", "7"])
-    assert "--simulate-step-ms=7.0" in launch_spec(args).worker_args
+                                      "--http-port", "0", "--worker-arg=--simulate-step-ms=7"])
+    assert "--simulate-step-ms=7" in launch_spec(args).worker_args
     args = build_parser().parse_args(["bench", "--launch", "pd", "--model", model_dir,
                                       "--simulate-step-ms", "7",
                                       "--simulate-prefill-us-per-token", "2"])
