@@ -138,6 +138,22 @@ def _cluster_spec(args: argparse.Namespace, model: str | None) -> Any:
                        transfer_backend=args.transfer_backend)
 
 
+def _collect(results: Any, clients: list[Any]) -> list[dict[str, Any]]:
+    """Every client's result; a client that died without one fails the run at once."""
+    import queue
+
+    outs: list[dict[str, Any]] = []
+    while len(outs) < len(clients):
+        try:
+            outs.append(results.get(timeout=1.0))
+        except queue.Empty:
+            dead = [p for p in clients if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"client process {dead[0].pid} exited with "
+                                   f"{dead[0].exitcode} before reporting") from None
+    return outs
+
+
 def _split(items: list[Any], n: int) -> list[list[Any]]:
     return [items[i::n] for i in range(n)]
 
@@ -189,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         before = snapshot(groups)
         t0 = time.perf_counter()
         go.set()
-        outs = [results.get(timeout=args.request_timeout * len(specs)) for _ in clients]
+        outs = _collect(results, clients)
         after = snapshot(groups)
         wall = time.perf_counter() - t0
         used = cpu_between(before, after)  # reads command lines: before the cluster stops
