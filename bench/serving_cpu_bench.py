@@ -6,7 +6,9 @@ does), drives it with N concurrent streaming clients spread over several client 
 time (utime + stime from /proc/<pid>/stat) before and after the measured window. Reports
 µs of CPU per streamed token for the router, each worker's service (gRPC) process and its
 engine process, the clients' own CPU (so a client bottleneck is visible), tokens/s,
-TTFT/TPOT/ITL percentiles and failures.
+TTFT/TPOT/ITL percentiles and failures. "router" sums every process of the router's process
+group (front doors it spawns, e.g. ``--router-arg=--frontends=4``); each part lists its
+processes with their own CPU.
 
 Engines: ``--model tiny-dummy`` (a tiny Llama config with ``--load-format dummy``: real
 forwards, negligible weights) or ``--simulate-step-ms MS`` (simulated engines: no model,
@@ -232,6 +234,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cpu[part] = {"cpu_s": round(v["cpu_s"], 3),
                      "us_per_token": round(v["cpu_s"] / per_token * 1e6, 2),
                      "cores": round(v["cpu_s"] / wall, 3), "procs": v["procs"]}
+    routers = [v["cpu_s"] for k, v in used.items() if k.startswith("router")]
+    if len(routers) > 1:  # front doors started as processes of their own
+        cpu["routers_total"] = {"cpu_s": round(sum(routers), 3),
+                                "us_per_token": round(sum(routers) / per_token * 1e6, 2),
+                                "cores": round(sum(routers) / wall, 3)}
     client_cpu = sum(o["cpu_s"] for o in outs)
     cpu["clients"] = {"cpu_s": round(client_cpu, 3),
                       "us_per_token": round(client_cpu / per_token * 1e6, 2),

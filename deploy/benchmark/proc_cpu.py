@@ -55,7 +55,7 @@ def role_of(pid: int, leader: int, name: str) -> str:
     """Which part of a cluster process a pid is: the router, a worker's service (its gRPC
     process, the group leader), its engine (spawned ranks), a transfer data-plane process,
     or a helper."""
-    if name == "router":
+    if name.startswith("router"):  # "router", or a front door started apart ("router-1")
         return "router"
     if pid == leader:
         return "service"
@@ -71,7 +71,9 @@ def role_of(pid: int, leader: int, name: str) -> str:
 class CpuSnapshot:
     at: float  # time.monotonic()
     cpu: dict[int, float]  # pid -> cpu seconds
-    part: dict[int, str]  # pid -> "router" | "<worker>/service" | "<worker>/engine" | ...
+    # pid -> "router" (its processes, frontends included) | "router-N" | "<worker>/service" |
+    # "<worker>/engine" | "<worker>/transfer" | "<worker>/helper"
+    part: dict[int, str]
 
 
 def snapshot(groups: dict[str, int]) -> CpuSnapshot:
@@ -83,7 +85,7 @@ def snapshot(groups: dict[str, int]) -> CpuSnapshot:
             if t is not None:
                 cpu[pid] = t
                 role = role_of(pid, leader, name)
-                part[pid] = "router" if role == "router" else f"{name}/{role}"
+                part[pid] = name if role == "router" else f"{name}/{role}"
     return CpuSnapshot(time.monotonic(), cpu, part)
 
 
