@@ -228,7 +228,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     expected = sum(s.output_len for s in specs)
     duration = (max(r.end for r in records) - min(r.start for r in records)) if records \
         else wall
-    per_token = max(streamed, 1)
+    # gRPC messages say how many tokens they carry; an SSE chunk does not (its count is one
+    # per chunk), so over HTTP the usage counts of completed requests are the basis
+    basis = counted if args.backend == "http" else streamed
+    per_token = max(basis, 1)
     cpu: dict[str, Any] = {}
     for part, v in sorted(used.items()):
         cpu[part] = {"cpu_s": round(v["cpu_s"], 3),
@@ -265,8 +268,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:10],
         "tokens_expected": expected, "tokens_streamed": streamed, "tokens_counted": counted,
+        "tokens_basis": "tokens_counted" if args.backend == "http" else "tokens_streamed",
         "messages": msgs, "tokens_per_message": round(streamed / msgs, 3) if msgs else None,
-        "tokens_per_s": round(streamed / duration, 1) if duration > 0 else None,
+        "tokens_per_s": round(basis / duration, 1) if duration > 0 else None,
         "ttft_ms": _pcts([r.ttft * 1e3 for r in ok if r.ttft is not None]),
         "tpot_ms": _pcts([r.tpot * 1e3 for r in ok if r.tpot is not None]),
         "itl_ms": _pcts([g * 1e3 for r in ok for g in r.itl]),

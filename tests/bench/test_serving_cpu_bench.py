@@ -37,7 +37,8 @@ def test_sim_run_counts_every_token_and_its_cpu(tmp_path, backend):
         assert cpu[part]["cpu_s"] > 0 and cpu[part]["us_per_token"] > 0, (part, cpu)
     # per-token CPU is the part's CPU over the tokens streamed
     r = cpu["router"]
-    assert r["us_per_token"] == pytest.approx(r["cpu_s"] / doc["tokens_streamed"] * 1e6,
+    assert doc["tokens_basis"] == ("tokens_streamed" if backend == "grpc" else "tokens_counted")
+    assert r["us_per_token"] == pytest.approx(r["cpu_s"] / doc[doc["tokens_basis"]] * 1e6,
                                               rel=0.01, abs=0.1)
     assert cpu["consumer-0/service"]["procs"][0]["cmd"].find("consumer") >= 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
