@@ -18,6 +18,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from engine.sim_config import SimConfig
 
+pytestmark = pytest.mark.slow  # two live clusters
 STEP_MS = 10
 SIM_ARGS = ("--simulate-step-ms", str(STEP_MS), "--max-num-batched-tokens", "128",
             "--kv-cache-mib", "16")
