@@ -123,6 +123,8 @@ def _cluster_spec(args: argparse.Namespace, model: str | None) -> Any:
     if args.simulate_step_ms is not None:
         worker += ["--simulate-step-ms", str(args.simulate_step_ms),
                    "--simulate-prefill-us-per-token", str(args.simulate_prefill_us_per_token)]
+        if not any(a.startswith("--device") for a in worker):
+            worker += ["--device", "cpu"]  # on a GPU host too: no CUDA context per worker
     elif args.model == TINY_DUMMY:
         worker += ["--load-format", "dummy"]
     if not any(a.startswith("--max-num-seqs") for a in worker):
