@@ -13,7 +13,7 @@
 # CPU dry run at toy size:
 #   NUM=8 LONG=32 bash bench/serving_path_gpu.sh /tmp/dry tiny cpu 512
 set -uo pipefail
-out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-80000}
+out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
@@ -40,7 +40,7 @@ want, end = int(sys.argv[1]), time.time() + 400
 while time.time() < end:
     try:
         with grpc.insecure_channel("127.0.0.1:50051") as ch:
-            st = router_pb2_grpc.AdminStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(),
+            st = router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(),
                                                             timeout=2)
         if len(st.workers) >= want:
             sys.exit(0)
@@ -62,7 +62,7 @@ stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; s
 
 # ---- P/D, sharing the GPU ----
 start_router pd
-python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib 12000 \
+python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib 8000 \
   --metrics-port 9101 --worker-id producer-0 > "$out/producer.log" 2>&1 &
 python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
   --metrics-port 9102 --worker-id consumer-0 > "$out/consumer.log" 2>&1 &
