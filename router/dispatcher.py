@@ -21,7 +21,8 @@ from router.config import RouterConfig
 from router.legs import Ev, Event
 from router.policy import Policy, Slot, place
 from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
-from router.request_run import RequestInfo, RequestRun
+from router.request_info import RequestInfo
+from router.request_run import RequestRun
 from router.validation import PreparedRequest, RequestError
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from router.validation import (
     PreparedRequest,
     RequestError,
     check_length,
+    check_min_tokens,
     engine_params,
     input_size,
     invalid,
-    min_prompt_tokens,
     prepare,
     prepare_in_pool,
 )
@@ -86,13 +86,7 @@ class Frontend:
             if not self.registry.serving():  # refuse before the expensive part
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    no_workers_message(self.registry))
-            # A prompt that cannot fit is refused before tokenizing all of it (what a
-            # client could otherwise make the router do, over and over, for free).
-            max_len = self.registry.max_model_len()
-            if (least := min_prompt_tokens(request, self.tokenizer)) >= max_len:
-                raise invalid(f"prompt: at least {least} tokens ({size} characters), "
-                              f"max_model_len is {max_len} (room for one output token "
-                              f"needed)")
+            check_min_tokens(request, self.tokenizer, self.registry.max_model_len())
             if self.tokenize_pool.source is not None:  # pool processes have the tokenizer
                 fn = functools.partial(prepare_in_pool, request, self.model_names,
                                        self.max_tokens_limit)

@@ -65,7 +65,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -77,6 +76,7 @@ from router.event_queue import EventQueue
 from router.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
 from router.policy import Slot
 from router.registry import WorkerInfo
+from router.request_info import RequestInfo
 from router.run_output import RunOutput
 from router.run_recovery import Recovery
 from router.run_streams import colocated_stream, disaggregated_stream
@@ -99,23 +99,10 @@ FINISHED = {
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
-@dataclass(frozen=True)
-class RequestInfo:
-    """One request as listed by ClusterStatus and GET /debug/requests."""
-
-    request_id: str
-    state: RequestState
-    age_s: float  # since the router received it
-    producer: str  # worker ids of its legs ("" when none yet, or colocated)
-    consumer: str
-    colocated: str
-    tokens_streamed: int  # tokens handed to the client so far
-
-
 class RequestRun:
     def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
-                 outputs_for: Callable[[WorkerInfo], WorkerOutputs] | None = None,
+                 outputs_for: Callable[[WorkerInfo], WorkerOutputs | None] = lambda w: None,
                  on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
                  replace: Callable[[list[WorkerInfo], bool], Slot | None]) -> None:
         self.prep = prep
@@ -128,7 +115,8 @@ class RequestRun:
         self.decode: DecodeLeg | None = None
         self.ended: set[str] = set()  # worker ids whose leg finished its part
         self._stub_for = stub_for
-        self._outputs_for_worker = outputs_for  # None: Decode streams carry the tokens
+        # a worker's Outputs stream (None: Decode streams carry the tokens)
+        self._outputs_for = outputs_for
         # a new slot avoiding the given workers, for a retry (False) or a migration (True)
         self._replace = replace
         self.recovery = Recovery(config.prefill_retries, config.max_migrations)
@@ -360,9 +348,6 @@ class RequestRun:
                 and not (w is self.slot.producer and self.completed)]
 
     # -- helpers ---------------------------------------------------------------------------
-
-    def _outputs_for(self, w: WorkerInfo) -> WorkerOutputs | None:
-        return self._outputs_for_worker(w) if self._outputs_for_worker is not None else None
 
     def _decode_request(self, *, colocated: bool) -> worker_pb2.DecodeRequest:
         prep, p = self.prep, self.slot.producer if self.slot is not None else None

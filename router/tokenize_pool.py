@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import multiprocessing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -39,11 +38,6 @@ def _load_child(source: str) -> None:
     from engine.tokenizer import Tokenizer
 
     _CHILD_TOKENIZER = Tokenizer.from_source(source)
-
-
-def parse_json(raw: bytes) -> Any:
-    """json.loads in a pool process: it holds the GIL throughout (a 12 MB body: 0.3 s)."""
-    return json.loads(raw)
 
 
 def child_tokenizer() -> Any:

@@ -109,6 +109,17 @@ def prepare_in_pool(req: router_pb2.GenerateRequest, model_names: set[str],
     return prepare(req, child_tokenizer(), model_names, max_tokens_limit=max_tokens_limit)
 
 
+def check_min_tokens(req: router_pb2.GenerateRequest, tokenizer: Tokenizer,
+                     max_model_len: int) -> None:
+    """Refuses, before tokenizing it, a prompt that cannot fit: its least possible token
+    count already reaches ``max_model_len`` (what a client could otherwise make the router
+    tokenize, over and over, for free)."""
+    least = min_prompt_tokens(req, tokenizer)
+    if least >= max_model_len:
+        raise invalid(f"prompt: at least {least} tokens ({input_size(req)} characters), "
+                      f"max_model_len is {max_model_len} (room for one output token needed)")
+
+
 def min_prompt_tokens(req: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> int:
     """A lower bound on the prompt's token count, without tokenizing it: no token covers
     more than ``tokenizer.max_token_chars`` characters (the chat template only adds)."""
