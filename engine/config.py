@@ -112,6 +112,9 @@ class EngineConfig:
     seed: int = 0  # draws the seed of requests that give none
     defer_output: bool | None = None  # None: by role; set only to compare modes in benchmarks
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # Keep full prompt blocks' KV after their requests end, keyed by a hash chain, and skip
+    # computing a prefix found there (engine/prefix_cache.py); tokens are the same either way.
+    enable_prefix_caching: bool = True
     # Fraction of the device's memory for weights, activations, graphs and KV; the KV pool
     # gets what is left (CUDA only; None: the pool is kv_cache_bytes / num_kv_blocks).
     gpu_memory_utilization: float | None = None

@@ -23,6 +23,8 @@ from engine.kv_layout import KVLayout
 from engine.model_runner import InflightStep, ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult
+from engine.prefix_cache import KVEvent, KVSnapshot, PrefixCache, PrefixCacheStats
+from engine.prefix_hash import block_hashes, chain_root
 from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
@@ -72,7 +74,11 @@ class LLMEngine:
         # on CPU, huge pages: a transfer between processes pins every page it moves
         self.kv_cache = (host_memory.zeros(shape, dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=self.device))
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        # Prefix caching keys blocks by a chain rooted in the KV fingerprint, which every
+        # worker registers, so a router computes the same hashes (engine/prefix_hash.py).
+        self.blocks = BlockManager(num_blocks, config.block_size,
+                                   PrefixCache() if config.enable_prefix_caching else None)
+        self.prefix_model_key = self.layout.fingerprint()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_waiting,
                                    self.max_model_len)
@@ -108,9 +114,16 @@ class LLMEngine:
         check_prior(prompt_token_ids, params, prior_output_ids, self.model_cfg.vocab_size,
                     self.max_model_len)
 
+    def chain_root(self, cache_salt: str | None = None) -> bytes | None:
+        """The root of this engine's block hash chains for a salt; None with caching off."""
+        if self.blocks.cache is None:
+            return None
+        return chain_root(self.prefix_model_key, "", cache_salt)
+
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, state: RequestState,
-                     prior_output_ids: list[int] | None = None) -> Request:
+                     prior_output_ids: list[int] | None = None,
+                     cache_salt: str | None = None) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
@@ -119,7 +132,8 @@ class LLMEngine:
             self.validate_prior(prompt_token_ids, params, prior)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
-                      prefill_only=self.config.role == "producer")
+                      prefill_only=self.config.role == "producer",
+                      cache_root=self.chain_root(cache_salt))
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer
 
@@ -130,28 +144,39 @@ class LLMEngine:
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, prior_output_ids: list[int] | None = None
-                    ) -> Request:
+                    params: SamplingParams, prior_output_ids: list[int] | None = None,
+                    cache_salt: str | None = None) -> Request:
         """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
         later.
+
+        cache_salt: requests share cached prefix blocks only with requests of the same salt
+        (e.g. one per tenant); None shares with every unsalted request.
 
         prior_output_ids: a migrated request's tokens its client already has; they are
         prefilled with the prompt and generation goes on after them as if it never stopped
         (same positions, penalties, min/max_tokens and stop state)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED,
-                                prior_output_ids)
+                                prior_output_ids, cache_salt)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
     def add_remote(self, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams, prior_output_ids: list[int] | None = None) -> None:
+                   params: SamplingParams, prior_output_ids: list[int] | None = None,
+                   cache_salt: str | None = None, reuse_cached: bool = False) -> None:
         """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
         in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
-        request's prior_output_ids come with the KV too (blocks for prompt + prior)."""
+        request's prior_output_ids come with the KV too (blocks for prompt + prior).
+
+        reuse_cached: the reservation's leading blocks may be cached blocks already holding
+        the prompt's KV (``reserved_cached`` in the step result says how many); the sender
+        must then write none of them (they may be shared with running requests), only the
+        blocks after. Off by default: a sender that writes every block needs fresh ones.
+        Landed KV is cached either way (after kv_landed)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
-                                prior_output_ids)
+                                prior_output_ids, cache_salt)
+        req.reuse_cached = reuse_cached
         self.scheduler.add_remote(req)
         self.requests[request_id] = req
 
@@ -166,6 +191,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is {req.state.name}, not "
                              "WAITING_FOR_KV")
         self._land(req, first_token, first_logprob)
+        self.scheduler.cache_computed(req)  # the transfer is done: the KV is all there
         self.scheduler.kv_landed(req)
 
     def _land(self, req: Request, first_token: int, first_logprob: LogprobRow | None) -> None:
@@ -201,6 +227,7 @@ class LLMEngine:
         prompt + prior_output_ids, and first_token is the one sampled after them."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
                                 prior_output_ids)
+        req.cache_root = None  # the caller's KV may be anything (benches): never cached
         if len(block_ids) != self.blocks.blocks_for(req.num_tokens):
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a "
                              f"{req.num_tokens}-token prompt")
@@ -264,6 +291,35 @@ class LLMEngine:
     def block_accounting(self) -> BlockAccounting:
         return self.blocks.accounting()
 
+    # ---- prefix cache: what a worker reports, and what a P/D reservation asks ---------------
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up and hit (cumulative), cached and evictable blocks."""
+        return self.blocks.cache_stats()
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        """The blocks cached and evicted since the last drain, in order (a worker forwards
+        them each step so a router index can follow). Their ``seq`` runs 1, 2, 3, ...; a
+        gap means the bounded queue dropped events nobody drained: resync from
+        kv_cache_snapshot(). Empty with caching off."""
+        return self.blocks.cache.events.drain() if self.blocks.cache else []
+
+    def kv_cache_snapshot(self) -> KVSnapshot:
+        """Every cached block's (hash, parent) as of event ``seq``: a reader's view after a
+        gap (apply the events after seq on top of it)."""
+        if self.blocks.cache is None:
+            return KVSnapshot(0, ())
+        return self.blocks.cache.snapshot()
+
+    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """How many leading full blocks of token_ids this engine holds cached now (a
+        consumer's answer to "what need not be sent"; a hint: they may be evicted before
+        a reservation takes them, which add_remote(reuse_cached=True) reports exactly)."""
+        root = self.chain_root(cache_salt)
+        if root is None:
+            return 0
+        return len(self.blocks.match(block_hashes(token_ids, self.config.block_size, root)))
+
     def _free(self, req: Request, block_ids: list[int]) -> None:
         """Frees now, or when the newest launched step that may write them has been read
         (deferred output: a step is launched before the previous one is read, and on a GPU
@@ -302,6 +358,8 @@ class LLMEngine:
     def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput) -> StepResult:
         res = StepResult(outputs)
         res.reserved = {r.request_id: list(r.block_ids) for r in sched.reserved}
+        res.reserved_cached = {r.request_id: r.num_registered_blocks for r in sched.reserved
+                               if r.num_registered_blocks}
         bs = self.config.block_size
         for r in [c.request for c in sched.chunks] + sched.preempted:
             if r.prefill_only and not r.finished:
@@ -327,6 +385,7 @@ class LLMEngine:
                 continue
             i = step.out_index[row]
             r.output_token_ids[i] = ids[row]
+            self.scheduler.cache_computed(r)  # a block whose last input was this token
             if lps is not None and r.params.logprobs is not None:
                 tl = lps[row]
                 r.logprobs.append(LogprobRow(tl.token_id, tl.logprob,
@@ -364,7 +423,8 @@ class LLMEngine:
             finish_reason=r.state.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=i + 1, sampled_step=sampled_step, emitted_step=self._step_id,
             sampled_ns=sampled_ns,
-            new_logprobs=new_lps, stop_reason=stop_reason, seed=r.seed)
+            new_logprobs=new_lps, stop_reason=stop_reason, seed=r.seed,
+            num_cached_tokens=r.num_cached_tokens or 0)
 
     def _finish(self, r: Request, state: RequestState) -> None:
         self.scheduler.remove(r)

@@ -23,6 +23,9 @@ class RequestOutput:
     new_logprobs: list[LogprobRow] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     seed: int = 0  # the request's sampling seed (a producer hands it to the consumer)
+    # prompt tokens whose KV a prefix-cache hit supplied at the request's first admission
+    # (OpenAI usage.prompt_tokens_details.cached_tokens); a consumer's: reused at reservation
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -37,6 +40,9 @@ class StepResult(list[RequestOutput]):
         super().__init__(outputs)
         # consumer: remote requests the scheduler gave blocks this step (id -> block ids)
         self.reserved: dict[str, list[int]] = {}
+        # ... of which the leading N already hold the prompt's KV (add_remote with
+        # reuse_cached): the sender must skip them. Absent: 0
+        self.reserved_cached: dict[str, int] = {}
         # producer: leading prompt blocks whose KV is final after this step (0 after a
         # preemption); all of them once token 0 is out
         self.final_blocks: dict[str, int] = {}
