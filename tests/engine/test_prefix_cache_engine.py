@@ -242,3 +242,20 @@ def test_the_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert engine_config(p.parse_args([])).enable_prefix_caching
     assert not engine_config(p.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+
+
+def test_tensor_parallel_ranks_follow_rank_0s_hits(tiny_models):
+    """Rank 0 decides which blocks hold what; the follower runs the same block tables, so a
+    hit on it reads the KV its own shard cached (same tokens as TP1 without the cache)."""
+    from engine.llm import LLM
+
+    path = tiny_models["llama"]  # 2 KV heads: one per rank
+    waves = [[PREFIX + [1, 2, 3], PROMPTS[2]], [PREFIX + [4], PREFIX[:16], PROMPTS[2] + [5]]]
+    runs = []
+    for kw in ({"enable_prefix_caching": False}, {"tensor_parallel_size": 2}):
+        with LLM(path, block_size=BS, max_num_batched_tokens=16, **kw) as llm:
+            runs.append([[c.token_ids for c in llm.generate(w, SEEDED)] for w in waves])
+            if "tensor_parallel_size" in kw:
+                assert llm.engine.prefix_cache_stats().hit_tokens == 24 + 12 + 48
+                _pool_whole(llm.engine)
+    assert runs[0] == runs[1]
