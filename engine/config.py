@@ -170,3 +170,16 @@ class EngineConfig:
         if self.defer_output is not None:
             return self.defer_output
         return self.role != "producer"
+
+
+def resolve_max_model_len(config: EngineConfig, m: ModelConfig) -> int:
+    """The engine's max_model_len: the flag, within what the model can attend over."""
+    limit = m.max_position_embeddings
+    if m.sliding_window:
+        limit = min(limit, m.sliding_window)  # no sliding-window attention: stay inside it
+    if config.max_model_len is None:
+        return min(limit, 8192)
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit "
+                         f"({limit})")
+    return config.max_model_len

@@ -18,13 +18,13 @@ import torch
 
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
 from engine.kv_layout import KVLayout
 from engine.model_runner import InflightStep, ModelRunner
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import HeldRequest, RequestOutput, StepResult
-from engine.prefix_cache import KVEvent, KVSnapshot, PrefixCache, PrefixCacheStats
-from engine.prefix_hash import block_hashes, chain_root
+from engine.outputs import HeldRequest, RequestOutput, StepResult, logprob_rows
+from engine.prefix_cache import PrefixCache
+from engine.prefix_queries import PrefixCacheQueries
 from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 TraceHook = Callable[[str, int], None]
 
 
-class LLMEngine:
+class LLMEngine(PrefixCacheQueries):
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
                  tokenizer: Tokenizer | None, model_name: str,
                  model_identity: str | None = None) -> None:
@@ -49,7 +49,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = torch.device(config.device)
-        self.max_model_len = _max_model_len(config, model_cfg)
+        self.max_model_len = resolve_max_model_len(config, model_cfg)
         self.layout = KVLayout(
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
@@ -74,8 +74,6 @@ class LLMEngine:
         # on CPU, huge pages: a transfer between processes pins every page it moves
         self.kv_cache = (host_memory.zeros(shape, dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=self.device))
-        # Prefix caching keys blocks by a chain rooted in the KV fingerprint, which every
-        # worker registers, so a router computes the same hashes (engine/prefix_hash.py).
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    PrefixCache() if config.enable_prefix_caching else None)
         self.prefix_model_key = self.layout.fingerprint()
@@ -114,12 +112,6 @@ class LLMEngine:
         check_prior(prompt_token_ids, params, prior_output_ids, self.model_cfg.vocab_size,
                     self.max_model_len)
 
-    def chain_root(self, cache_salt: str | None = None) -> bytes | None:
-        """The root of this engine's block hash chains for a salt; None with caching off."""
-        if self.blocks.cache is None:
-            return None
-        return chain_root(self.prefix_model_key, "", cache_salt)
-
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, state: RequestState,
                      prior_output_ids: list[int] | None = None,
@@ -149,8 +141,7 @@ class LLMEngine:
         """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
         later.
 
-        cache_salt: requests share cached prefix blocks only with requests of the same salt
-        (e.g. one per tenant); None shares with every unsalted request.
+        cache_salt: only requests of one salt (e.g. a tenant) share cached prefix blocks.
 
         prior_output_ids: a migrated request's tokens its client already has; they are
         prefilled with the prompt and generation goes on after them as if it never stopped
@@ -168,12 +159,7 @@ class LLMEngine:
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
         in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
         request's prior_output_ids come with the KV too (blocks for prompt + prior).
-
-        reuse_cached: the reservation's leading blocks may be cached blocks already holding
-        the prompt's KV (``reserved_cached`` in the step result says how many); the sender
-        must then write none of them (they may be shared with running requests), only the
-        blocks after. Off by default: a sender that writes every block needs fresh ones.
-        Landed KV is cached either way (after kv_landed)."""
+        reuse_cached: may reserve cached blocks the sender must skip (prefix_queries.py)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
                                 prior_output_ids, cache_salt)
         req.reuse_cached = reuse_cached
@@ -291,35 +277,6 @@ class LLMEngine:
     def block_accounting(self) -> BlockAccounting:
         return self.blocks.accounting()
 
-    # ---- prefix cache: what a worker reports, and what a P/D reservation asks ---------------
-
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        """Prompt tokens looked up and hit (cumulative), cached and evictable blocks."""
-        return self.blocks.cache_stats()
-
-    def drain_kv_events(self) -> list[KVEvent]:
-        """The blocks cached and evicted since the last drain, in order (a worker forwards
-        them each step so a router index can follow). Their ``seq`` runs 1, 2, 3, ...; a
-        gap means the bounded queue dropped events nobody drained: resync from
-        kv_cache_snapshot(). Empty with caching off."""
-        return self.blocks.cache.events.drain() if self.blocks.cache else []
-
-    def kv_cache_snapshot(self) -> KVSnapshot:
-        """Every cached block's (hash, parent) as of event ``seq``: a reader's view after a
-        gap (apply the events after seq on top of it)."""
-        if self.blocks.cache is None:
-            return KVSnapshot(0, ())
-        return self.blocks.cache.snapshot()
-
-    def cached_prefix_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> int:
-        """How many leading full blocks of token_ids this engine holds cached now (a
-        consumer's answer to "what need not be sent"; a hint: they may be evicted before
-        a reservation takes them, which add_remote(reuse_cached=True) reports exactly)."""
-        root = self.chain_root(cache_salt)
-        if root is None:
-            return 0
-        return len(self.blocks.match(block_hashes(token_ids, self.config.block_size, root)))
-
     def _free(self, req: Request, block_ids: list[int]) -> None:
         """Frees now, or when the newest launched step that may write them has been read
         (deferred output: a step is launched before the previous one is read, and on a GPU
@@ -378,7 +335,7 @@ class LLMEngine:
         sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns
         if self.trace:
             self.trace("read", step.step_id)
-        lps = _logprob_rows(step)
+        lps = logprob_rows(step.out)
         outputs = []
         for row, r in enumerate(step.requests):
             if r.finished:  # stopped or aborted after this step was launched: drop the token
@@ -433,28 +390,3 @@ class LLMEngine:
         r.block_ids = []
         if not r.pinned:  # else a transfer may still read them: kept until release()
             self.requests.pop(r.request_id, None)
-
-
-def _logprob_rows(step: InflightStep) -> list[LogprobRow] | None:
-    out = step.out
-    if out.logprobs is None:
-        return None
-    lp = out.logprobs.tolist()
-    ids = out.token_ids.tolist()
-    if out.top_ids is None or out.top_logprobs is None:
-        return [LogprobRow(t, v) for t, v in zip(ids, lp, strict=True)]
-    tops = [tuple(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
-                                                         out.top_logprobs.tolist(), strict=True)]
-    return [LogprobRow(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]
-
-
-def _max_model_len(config: EngineConfig, m: ModelConfig) -> int:
-    limit = m.max_position_embeddings
-    if m.sliding_window:
-        limit = min(limit, m.sliding_window)  # no sliding-window attention: stay inside it
-    if config.max_model_len is None:
-        return min(limit, 8192)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit "
-                         f"({limit})")
-    return config.max_model_len

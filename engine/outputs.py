@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import LogprobRow
 from engine.request_state import RequestState
+
+if TYPE_CHECKING:  # light module (the gRPC process imports it): no torch at run time
+    from engine.sampler import SamplerOutput
 
 
 @dataclass
@@ -63,3 +67,16 @@ class HeldRequest:
         return {"request_id": self.request_id, "state": self.state.name,
                 "age_s": round(self.age_s, 3), "state_age_s": round(self.state_age_s, 3),
                 "blocks": self.blocks}
+
+
+def logprob_rows(out: SamplerOutput) -> list[LogprobRow] | None:
+    """A step's sampled rows as LogprobRows (None: no request asked for logprobs)."""
+    if out.logprobs is None:
+        return None
+    lp = out.logprobs.tolist()
+    ids = out.token_ids.tolist()
+    if out.top_ids is None or out.top_logprobs is None:
+        return [LogprobRow(t, v) for t, v in zip(ids, lp, strict=True)]
+    tops = [tuple(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
+                                                         out.top_logprobs.tolist(), strict=True)]
+    return [LogprobRow(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]
