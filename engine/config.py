@@ -159,6 +159,8 @@ class EngineConfig:
                 d == "cpu" or d.startswith("cuda") for d in self.devices)),
              "(--devices) must list 'cpu' or 'cuda[:N]' devices"),
             ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
+            ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
+             "(--enable-prefix-caching) must be True or False"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -119,6 +119,8 @@ class LLMEngine(PrefixCacheQueries):
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt: must be a string, got {type(cache_salt).__name__}")
         prior = list(prior_output_ids or ())
         if prior:
             self.validate_prior(prompt_token_ids, params, prior)

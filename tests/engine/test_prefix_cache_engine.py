@@ -9,6 +9,7 @@ import pytest
 from tiny_models import PROMPTS
 
 from deploy.engine_args import add_engine_args, engine_config
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.prefix_cache import BlocksRemoved, BlocksStored
@@ -242,6 +243,15 @@ def test_the_flag_reaches_the_engine_config():
     add_engine_args(p)
     assert engine_config(p.parse_args([])).enable_prefix_caching
     assert not engine_config(p.parse_args(["--no-enable-prefix-caching"])).enable_prefix_caching
+    with pytest.raises(ValueError, match="^enable_prefix_caching: "):
+        EngineConfig(enable_prefix_caching="yes")  # type: ignore[arg-type]
+
+
+def test_a_salt_must_be_a_string(tiny_models, make_llm):
+    eng = make_llm(tiny_models["llama"], block_size=BS).engine
+    with pytest.raises(ValueError, match="^cache_salt: "):
+        eng.add_request("r", PREFIX, GREEDY, cache_salt=7)  # type: ignore[arg-type]
+    assert not eng.requests
 
 
 def test_tensor_parallel_ranks_follow_rank_0s_hits(tiny_models):
