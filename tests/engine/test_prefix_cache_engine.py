@@ -139,6 +139,27 @@ def test_refcounts_return_to_zero_on_every_path(tiny_models, make_llm):
     assert eng.cached_prefix_blocks(PREFIX) == 6  # still cached, now unowned
 
 
+def test_a_stop_under_deferred_output_frees_after_the_launched_step(tiny_models, make_llm):
+    """A request that stops while the next step (launched with it) is in flight keeps its
+    blocks until that step is read; then its full blocks stay cached, unowned."""
+    eng = make_llm(tiny_models["llama"], block_size=BS).engine
+    prompt = PREFIX[:10]
+    ref = _run(eng, {"ref": (prompt, GREEDY)}, salt="ref")["ref"][0]
+    j = ref.index(ref[2])  # the stop token's first appearance
+    stop = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=[ref[2]])
+    eng.add_request("s", prompt, stop)
+    while True:
+        held = list(eng.requests["s"].block_ids)
+        res = eng.step()
+        if "s" in res.finished:
+            break
+    assert res[-1].new_token_ids[-1] == ref[2] and res[-1].num_output_tokens == j + 1
+    assert eng._inflight is not None and all(eng.blocks.refcount(b) == 1 for b in held)
+    eng.step()  # reads the launched step: now the blocks go
+    _pool_whole(eng)
+    assert eng.cached_prefix_blocks(prompt) == 2
+
+
 @pytest.mark.parametrize("defer", [True, False], ids=["deferred", "direct"])
 def test_preemption_with_the_cache_gives_the_same_tokens(tiny_models, make_llm, defer):
     path = tiny_models["llama"]
@@ -207,6 +228,13 @@ def test_consumer_reservation_reuses_cached_leading_blocks(tiny_models, make_llm
     assert res.reserved["reuse"] == cached and res.reserved_cached == {"reuse": 4}
     assert not set(res.reserved["fresh"]) & set(cached)
     eng.abort("fresh")  # WAITING_FOR_KV
+    eng.add_remote("queued", prompt, params, reuse_cached=True)
+    eng.abort("queued")  # RESERVING: held nothing yet
+    eng.add_remote("gone", prompt, params, reuse_cached=True)
+    assert eng.step().reserved_cached == {"gone": 4}
+    assert all(eng.blocks.refcount(b) == 2 for b in cached)  # "reuse" and "gone"
+    eng.abort("gone")  # WAITING_FOR_KV holding shared cached blocks: one reference goes
+    assert all(eng.blocks.refcount(b) == 1 for b in cached)
     eng.kv_landed("reuse", ref[0])  # all 16 prompt tokens' KV were already there
     tokens = [ref[0]]
     outs: list[RequestOutput] = []
@@ -215,7 +243,8 @@ def test_consumer_reservation_reuses_cached_leading_blocks(tiny_models, make_llm
     tokens += [t for o in outs for t in o.new_token_ids]
     assert tokens == ref and outs[-1].num_cached_tokens == 16
     stats = eng.prefix_cache_stats()
-    assert (stats.queried_tokens, stats.hit_tokens) == (16 + 16, 0 + 16)  # "fresh" asked none
+    # "local" missed, "reuse" and "gone" hit all 16; "fresh" asked nothing
+    assert (stats.queried_tokens, stats.hit_tokens) == (16 * 3, 0 + 16 * 2)
     eng.release("fresh")
     _pool_whole(eng)
 
