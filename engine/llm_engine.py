@@ -90,7 +90,9 @@ class LLMEngine(PrefixCacheQueries):
         self._inflight: InflightStep | None = None
         # launched steps not read yet -> the requests they write, and blocks to free once
         # each has been read
-        self._unread: dict[int, frozenset[str]] = {}
+        # (and how far each request's KV is written once it has been read: prefix caching
+        # registers only blocks whose KV is fully written)
+        self._unread: dict[int, dict[str, tuple[Request, int]]] = {}
         self._free_after: dict[int, list[int]] = {}
         self._step_id = 0
         self._seed_rng = random.Random(config.seed)
@@ -179,7 +181,7 @@ class LLMEngine(PrefixCacheQueries):
             raise ValueError(f"request_id: {request_id!r} is {req.state.name}, not "
                              "WAITING_FOR_KV")
         self._land(req, first_token, first_logprob)
-        self.scheduler.cache_computed(req)  # the transfer is done: the KV is all there
+        self.scheduler.cache_written(req, req.num_tokens)  # the transfer is done
         self.scheduler.kv_landed(req)
 
     def _land(self, req: Request, first_token: int, first_logprob: LogprobRow | None) -> None:
@@ -306,7 +308,8 @@ class LLMEngine(PrefixCacheQueries):
                 index.append(len(r.output_token_ids))
                 r.output_token_ids.append(PLACEHOLDER)
             launched = InflightStep(self._step_id, samplers, index, out, time.time_ns())
-            self._unread[self._step_id] = frozenset(c.request.request_id for c in sched.chunks)
+            self._unread[self._step_id] = {c.request.request_id: (c.request, c.start + c.num_tokens)
+                                           for c in sched.chunks}
         if not self.defers_output:
             outputs = self._process(launched) if launched else []
         else:
@@ -330,7 +333,8 @@ class LLMEngine(PrefixCacheQueries):
 
     def _process(self, step: InflightStep) -> list[RequestOutput]:
         ids = step.out.token_ids.tolist()  # the host sync: the step has completed
-        self._unread.pop(step.step_id, None)
+        for r, written in self._unread.pop(step.step_id, {}).values():
+            self.scheduler.cache_written(r, written)  # ids read: the step has completed
         self.blocks.free(self._free_after.pop(step.step_id, []))
         # When the sampling forward had run: read back now (direct), or at its launch when
         # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
@@ -344,7 +348,6 @@ class LLMEngine(PrefixCacheQueries):
                 continue
             i = step.out_index[row]
             r.output_token_ids[i] = ids[row]
-            self.scheduler.cache_computed(r)  # a block whose last input was this token
             if lps is not None and r.params.logprobs is not None:
                 tl = lps[row]
                 r.logprobs.append(LogprobRow(tl.token_id, tl.logprob,

@@ -14,8 +14,9 @@ after a preemption) takes the longest run of cached blocks matching its token ch
 starts computing after them; the last known token is always computed, since its forward
 samples the next. A consumer's reservation may take cached leading blocks too
 (``reuse_cached``), so only the rest has to arrive. Blocks are offered to the cache once
-their KV is written (the step that computes them was launched: every later reader is
-ordered after it) and their tokens are known (not a deferred step's unread sample).
+their KV is fully written (the step that computed them has been read back, or the
+transfer that carried them is done): a cached block may be read by anything, a transfer
+included, which is not ordered after a step still running on the device.
 """
 
 from __future__ import annotations
@@ -146,13 +147,15 @@ class Scheduler:
             if self.blocks.cache is not None and req.cache_root is not None and looked_up:
                 self.blocks.cache.record_query(req.num_tokens, cached)
 
-    def cache_computed(self, req: Request) -> None:
-        """Offers req's leading full blocks whose KV is written (below num_computed_tokens)
-        and whose tokens are known to the cache; each block once."""
+    def cache_written(self, req: Request, written: int) -> None:
+        """Offers req's leading full blocks whose KV is fully written (positions below
+        ``written``: a read step's, or a landed transfer's) to the cache, each block once."""
         if self.blocks.cache is None or req.cache_root is None or not req.block_ids:
             return
         k = req.num_registered_blocks
-        full = min(req.num_computed_tokens // self.blocks.block_size, len(req.block_ids))
+        # num_computed_tokens: a preemption since the write dropped the KV
+        upto = min(written, req.num_computed_tokens)
+        full = min(upto // self.blocks.block_size, len(req.block_ids))
         if full <= k:
             return
         hs = self._hashes(req, full)
@@ -241,7 +244,6 @@ class Scheduler:
             c.request.num_computed_tokens = c.start + c.num_tokens
             self.tokens_computed += c.num_tokens
             r = c.request
-            self.cache_computed(r)
             if c.samples and r.state == RequestState.PREFILLING and not r.prefill_only:
                 r.move(RequestState.DECODING)  # a producer's waits for token 0's read
 

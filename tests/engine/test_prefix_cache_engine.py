@@ -139,6 +139,22 @@ def test_refcounts_return_to_zero_on_every_path(tiny_models, make_llm):
     assert eng.cached_prefix_blocks(PREFIX) == 6  # still cached, now unowned
 
 
+def test_blocks_are_cached_once_the_step_that_wrote_them_is_read(tiny_models, make_llm):
+    """Deferred output: a launched step may still be running on the device, so its blocks
+    join the cache when it is read back (a transfer reading a cached block is not ordered
+    after the device's work)."""
+    eng = make_llm(tiny_models["llama"], block_size=BS, max_num_batched_tokens=8).engine
+    eng.add_request("r", PREFIX, GREEDY)
+    eng.step()  # launches positions 0-7
+    assert eng._inflight is not None and eng.cached_prefix_blocks(PREFIX) == 0
+    eng.step()  # launches 8-15, reads 0-7
+    assert eng.cached_prefix_blocks(PREFIX) == 2
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.cached_prefix_blocks(PREFIX) == 6
+    _pool_whole(eng)
+
+
 def test_a_stop_under_deferred_output_frees_after_the_launched_step(tiny_models, make_llm):
     """A request that stops while the next step (launched with it) is in flight keeps its
     blocks until that step is read; then its full blocks stay cached, unowned."""
