@@ -73,6 +73,7 @@ class PrefixCacheStats:
     cached_blocks: int  # gauge: blocks holding cached KV, owned or not
     evictable_blocks: int  # gauge: cached blocks no request owns (counted as free)
     evicted_blocks: int  # cached blocks reused for other KV
+    kv_events_dropped: int = 0  # events the bounded queue dropped unread (readers resync)
 
     def counters(self) -> dict[str, Any]:
         """For a load report, named as the worker's other engine counters are."""
@@ -81,7 +82,8 @@ class PrefixCacheStats:
                 "prefix_cache_hit_tokens": self.hit_tokens,
                 "prefix_cache_blocks": self.cached_blocks,
                 "prefix_cache_evictable_blocks": self.evictable_blocks,
-                "prefix_cache_evicted_blocks": self.evicted_blocks}
+                "prefix_cache_evicted_blocks": self.evicted_blocks,
+                "prefix_cache_kv_events_dropped": self.kv_events_dropped}
 
 
 class KVEventQueue:
@@ -219,4 +221,4 @@ class PrefixCache:
 
     def stats(self) -> PrefixCacheStats:
         return PrefixCacheStats(True, self.queried_tokens, self.hit_tokens, self.num_cached,
-                                self.num_evictable, self.evicted_blocks)
+                                self.num_evictable, self.evicted_blocks, self.events.dropped)
