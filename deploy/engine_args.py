@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
+from engine.sim_config import SimConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +45,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds any one collective between the ranks may take before the "
                         "engine fails (a hung rank)")
+    g.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                   help="a simulated engine (serving-plane load tests): no model; every step "
+                        "takes MS ms and samples hashed token ids of the served tokenizer "
+                        "(never EOS), so router and services meet GPU token rates on a CPU")
+    g.add_argument("--simulate-prefill-us-per-token", type=float, default=0.0, metavar="US",
+                   help="with --simulate-step-ms: microseconds each prompt token adds to its "
+                        "step")
+    g.add_argument("--simulate-eos-prob", type=float, default=0.0, metavar="P",
+                   help="with --simulate-step-ms: chance that a token (past min_tokens) is EOS")
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -57,5 +67,18 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) or None)
+    kw["simulate"] = simulate_config(args)
     kw.update(overrides)
     return EngineConfig(**kw)
+
+
+def simulate_config(args: argparse.Namespace) -> SimConfig | None:
+    if args.simulate_step_ms is None:
+        for flag in ("prefill_us_per_token", "eos_prob"):
+            if getattr(args, f"simulate_{flag}"):
+                raise ValueError(f"--simulate-{flag.replace('_', '-')}: needs "
+                                 "--simulate-step-ms")
+        return None
+    return SimConfig(step_ms=args.simulate_step_ms,
+                     prefill_us_per_token=args.simulate_prefill_us_per_token,
+                     eos_prob=args.simulate_eos_prob)

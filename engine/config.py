@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cuda_probe import has_cuda
+from engine.sim_config import SimConfig
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -123,6 +124,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     devices: tuple[str, ...] | None = None  # one per rank; None: consecutive from `device`
     tp_timeout_s: float = 60.0  # bound on any one collective (a hung rank fails the engine)
+    # A simulated engine: no model, timed steps, hashed tokens (engine/sim_runner.py)
+    simulate: SimConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -20,7 +20,7 @@ from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
 from engine.kv_layout import KVLayout
-from engine.model_runner import InflightStep, ModelRunner
+from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult, logprob_rows
 from engine.prefix_cache import PrefixCache
@@ -30,6 +30,7 @@ from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sim_runner import make_runner
 from engine.stop_check import check_stop, streamable_len
 
 if TYPE_CHECKING:
@@ -39,8 +40,8 @@ TraceHook = Callable[[str, int], None]
 
 
 class LLMEngine(PrefixCacheQueries):
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
-                 tokenizer: Tokenizer | None, model_name: str,
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
+                 model: LlamaForCausalLM | None, tokenizer: Tokenizer | None, model_name: str,
                  model_identity: str | None = None) -> None:
         """model_name: what the model is called (registration, logs); model_identity: what
         the KV fingerprint compares (engine/model_identity.py; default: the name)."""
@@ -56,7 +57,8 @@ class LLMEngine(PrefixCacheQueries):
             head_dim=model_cfg.head_dim, num_blocks=1,
             # rank 0's pool: its own heads (model.shard), which head_range must agree with
             tp_size=config.tensor_parallel_size, tp_rank=0)
-        assert self.layout.head_count == model.shard.num_kv_heads, "TP head split differs"
+        assert model is None or self.layout.head_count == model.shard.num_kv_heads, \
+            "TP head split differs"  # no model: a simulated engine (config.simulate)
         # Never more than every seat filled to max_model_len could use.
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         kv_bytes = config.kv_cache_bytes
@@ -82,10 +84,8 @@ class LLMEngine(PrefixCacheQueries):
                                    self.max_model_len)
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.eos_token_ids,
-                                  self.device, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len,
-                                  cuda_graphs=not config.enforce_eager)
+        self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
+                                  self.max_model_len, tokenizer, model_cfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None
         # launched steps not read yet -> the requests they write, and blocks to free once

@@ -51,6 +51,7 @@ class Dispatcher:
                                f"request_id: {prep.request_id!r} is already in flight")
         run = RequestRun(prep, received_ns, self.config,
                          stub_for=lambda w: self.channels.stub(w.worker_id, w.address),
+                         outputs_for=lambda w: self.channels.outputs(w.worker_id, w.address),
                          on_unreachable=self._unreachable, spawn=self._spawn,
                          replace=self._replace)
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot

@@ -9,6 +9,7 @@ validation, admission and dispatch are one code path; this file only translates.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from pdserve.v1 import router_pb2
 
+from router.admission import Overloaded
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, http_ssl_context
 from router.config import RouterConfig
 from router.frontend import Frontend
@@ -27,12 +29,16 @@ from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_request import OpenAIRequest, parse_chat, parse_completion
 from router.openai_response import ResponseBuilder, TokenTexts
 from router.openapi import openapi_document
+from router.tokenize_pool import parse_json
 from router.validation import RequestError
 
 log = logging.getLogger(__name__)
 # Request bodies above this are refused (413) before parsing: a bound on memory per request
 # that still fits a prompt of a few hundred thousand tokens.
 MAX_BODY_BYTES = 16 << 20
+# Bodies past this are parsed in a pool process: json.loads holds the GIL (and so the
+# router's loop) for ~25 ms per MB here.
+OFFLOOP_JSON_BYTES = 256 << 10
 # On stop, open streams get this long to end (the dispatcher has already failed their runs).
 SHUTDOWN_S = 2.0
 # Paths that need the API key when one is set (health and metrics stay open to probes).
@@ -181,7 +187,12 @@ class HttpFrontDoor:
     async def _body(self, request: web.Request) -> Any:
         raw = await request.read()
         try:
+            if len(raw) > OFFLOOP_JSON_BYTES:  # off the loop: see tokenize_pool.parse_json
+                return await self.frontend.tokenize_pool.run(
+                    len(raw), functools.partial(parse_json, raw))
             return json.loads(raw)
+        except Overloaded as e:
+            raise from_request_error(e, chat=False) from e
         except (ValueError, UnicodeDecodeError) as e:
             raise HttpError(400, f"body: not valid JSON ({e})", param="body") from e
 

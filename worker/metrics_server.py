@@ -33,6 +33,11 @@ _GAUGES = {
                                 "1 when orphans exhaust the KV pool (the worker is unhealthy)"),
 }
 _COUNTERS = {
+    "output_batches": ("pdserve_worker_output_batches",
+                       "OutputBatch messages queued for routers' Outputs streams (one per "
+                       "engine step per router)"),
+    "output_messages": ("pdserve_worker_output_messages",
+                        "Per-request token messages carried in those batches"),
     "lease_expiries": ("pdserve_worker_lease_expiries", "Producer leases that expired"),
     "aborts": ("pdserve_worker_aborts", "Abort commands received"),
     "preemptions": ("pdserve_worker_preemptions", "Requests preempted (KV dropped, recomputed)"),
