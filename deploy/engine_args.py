@@ -27,6 +27,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the KV pool gets the rest (overrides --kv-cache-mib)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every decode step runs eagerly")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="reuse the KV of prompt prefixes already computed (full blocks, "
+                        "keyed by a hash chain); --no-enable-prefix-caching recomputes all")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -59,6 +63,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) or None)
