@@ -147,6 +147,10 @@ def no_workers_message(registry: Registry) -> str:
             f"usable; need a producer and a consumer, or a colocated worker")
 
 
+BUSY_NOUNS = {PRODUCER: ("producer", "producers"), CONSUMER: ("consumer", "consumers"),
+              COLOCATED: ("colocated worker", "colocated workers")}
+
+
 def busy_message(registry: Registry, retry_after_s: float) -> str:
     """Why a new request was refused while workers that could take it are alive but behind:
     which pools have no worker keeping up, and how far behind each busy one is."""
@@ -158,8 +162,7 @@ def busy_message(registry: Registry, retry_after_s: float) -> str:
         if not placeable[PRODUCER]:
             blocked.append(PRODUCER)
         blocked.append(COLOCATED)
-    pools = [f"all {n} {ROLE_NAMES[r]}{'s' if n != 1 else ''} "
-             f"{'are' if n != 1 else 'is'} busy"
+    pools = [f"all {n} {BUSY_NOUNS[r][n != 1]} {'are' if n != 1 else 'is'} busy"
              for r in blocked if (n := len(registry.usable(r)))]
     why = "; ".join(f"{w.worker_id}: {w.busy_reason(registry.busy_lag_s)}"
                     for w in registry.busy())
