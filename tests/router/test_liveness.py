@@ -18,6 +18,7 @@ from pdserve.v1 import common_pb2, router_pb2
 from router_fakes import CO, Cluster, read_all, request, run, tokens, wait_until
 
 from router.admission import Overloaded
+from router.dispatcher import busy_message
 from router.http_errors import from_request_error
 from router.policy import LeastLoaded, RoundRobin, place
 from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
@@ -186,12 +187,10 @@ def test_all_busy_is_http_429_with_retry_after() -> None:
     reg = Registry(heartbeat_timeout_s=3.0, busy_lag_s=2.0)
     add(reg, "co0", CO, loop_lag_s=2.5)
     add(reg, "co1", CO, engine_report_age_s=9.0)
-    from router.dispatcher import busy_message
-
     msg = busy_message(reg, 1.0)
-    assert msg == ("all 2 colocated workers are busy: co0: its event loop is 2.5 s behind; co1: its "
-                   "engine's last load report is 9.0 s old (over --busy-lag 2 s); retry after "
-                   "1 s")
+    assert msg == ("all 2 colocated workers are busy: co0: its event loop is 2.5 s behind; "
+                   "co1: its engine's last load report is 9.0 s old (over --busy-lag 2 s); "
+                   "retry after 1 s")
     http = from_request_error(Overloaded(msg, 1.0), chat=False)
     assert http.status == 429 and http.headers == {"Retry-After": "1"}
 
