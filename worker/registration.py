@@ -89,11 +89,14 @@ class LoopWatch:
 
     def tick(self) -> None:
         now = self._clock()
-        self.peak = max(self.peak, now - self.ticked - self.tick_s)
+        late = max(0.0, now - self.ticked - self.tick_s)
+        self.peak = max(self.peak, late)
         self.ticked = now
         load = self._load()
         if load is not self._seen:  # a new report (each one is a new object)
             self._seen, self._seen_at = load, now
+        else:  # the reports waiting behind a stalled loop are not the engine's delay
+            self._seen_at = min(now, self._seen_at + late)
         self.engine_age = now - self._seen_at
 
     def read(self) -> tuple[float, float]:
