@@ -128,8 +128,7 @@ def test_a_busy_worker_gets_no_new_requests_and_is_never_dropped() -> None:
     assert place(reg, LeastLoaded()).consumer is c1  # type: ignore[union-attr]
     # an engine whose reports stopped coming is busy too
     beat(reg, "c1", engine_report_age_s=3.0)
-    assert reg.get("c1").busy_reason(2.0) == \
-        "its engine's last load report is 3.0 s old"  # type: ignore[union-attr]
+    assert c1.busy_reason(2.0) == "its engine's last load report is 3.0 s old"
     assert place(reg, RoundRobin()) is None  # no consumer keeps up
     assert place(reg, RoundRobin(), busy_ok=True) is not None  # a running request may go
     assert reg.serving()  # alive: health stays SERVING (this is load, not an outage)
