@@ -260,3 +260,23 @@ def test_a_stalled_router_loop_fails_no_request_and_drops_no_worker() -> None:
             assert reg.stall_credit_s > 2.0
 
     run(main())
+
+
+@pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
+def test_a_bad_busy_lag_is_refused_naming_the_flag(value: float) -> None:
+    from router.config import RouterConfig
+
+    with pytest.raises(ValueError, match=r"^--busy-lag: must be a number of seconds >= 0"):
+        RouterConfig(busy_lag_s=value)
+    assert RouterConfig(busy_lag_s=0.0).busy_lag_s == 0.0  # off
+
+
+def test_the_router_command_passes_busy_lag() -> None:
+    import argparse
+
+    from deploy.router_cmd import add_router_parser, router_config
+
+    ap = argparse.ArgumentParser()
+    add_router_parser(ap.add_subparsers())
+    assert router_config(ap.parse_args(["router"])).busy_lag_s == 2.0
+    assert router_config(ap.parse_args(["router", "--busy-lag", "0.5"])).busy_lag_s == 0.5
