@@ -164,7 +164,6 @@ def busy_message(registry: Registry, retry_after_s: float) -> str:
         blocked.append(COLOCATED)
     pools = [f"all {n} {BUSY_NOUNS[r][n != 1]} {'are' if n != 1 else 'is'} busy"
              for r in blocked if (n := len(registry.usable(r)))]
-    why = "; ".join(f"{w.worker_id}: {w.busy_reason(registry.busy_lag_s)}"
-                    for w in registry.busy())
-    return (f"{' and '.join(pools) or 'every worker that could take it is busy'}: {why} "
-            f"(over --busy-lag {registry.busy_lag_s:g} s); retry after {retry_after_s:g} s")
+    why = "; ".join(f"{w.worker_id}: {registry.busy_reason(w)}" for w in registry.busy())
+    return (f"{' and '.join(pools) or 'every worker that could take it is busy'}: {why}; "
+            f"retry after {retry_after_s:g} s")

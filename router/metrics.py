@@ -166,8 +166,9 @@ class _ClusterCollector(Collector):
                                   "age (heartbeats it could not process)",
                                   value=reg.stall_credit_s)
         busy = GaugeMetricFamily("pdserve_worker_busy",
-                                 "1 while the worker reports itself behind by more than "
-                                 "--busy-lag: it keeps its requests but gets no new ones",
+                                 "1 while the worker reports itself behind (--busy-lag, "
+                                 "--busy-engine-age): it keeps its requests but gets no new "
+                                 "ones",
                                  labels=["worker", "role"])
         healthy = GaugeMetricFamily("pdserve_router_workers",
                                     "Registered workers by role and health",
@@ -198,7 +199,7 @@ class _ClusterCollector(Collector):
             for k, v in vals.items():
                 fams[k].add_metric([w.worker_id, w.role_name], v)
             busy.add_metric([w.worker_id, w.role_name],
-                            1 if w.busy_reason(reg.busy_lag_s) else 0)
+                            1 if reg.busy_reason(w) else 0)
         for (role, h), n in sorted(counts.items()):
             healthy.add_metric([role, h], n)
         yield healthy

@@ -10,7 +10,8 @@ for new work) -> gone (``Deregister(done)``, a missed heartbeat deadline, or rep
 its own re-registration, e.g. in its new role).
 
 Alive is not the same as keeping up (issue 22). A worker whose heartbeats report it behind
-(its gRPC process's event loop, or its engine's load reports, older than ``busy_lag_s``) is
+(its gRPC process's event loop more than ``busy_lag_s``, or its engine's last load report
+older than ``busy_engine_s``) is
 *busy*: listed, usable for health, keeping its requests, but not picked for new ones
 (``placeable``); it is dropped only when its heartbeats stop. And heartbeat age is judged
 against the router's own loop: the router's sweep ticks (``tick``) measure how late the
@@ -80,23 +81,26 @@ class WorkerInfo:
     def healthy(self) -> bool:
         return not self.unhealthy_reason
 
-    def busy_reason(self, busy_lag_s: float) -> str:
-        """Why the worker is behind by more than ``busy_lag_s`` ("" if not, or 0: off)."""
-        if not busy_lag_s:
-            return ""
+    def busy_reason(self, loop_s: float, engine_s: float) -> str:
+        """Why the worker is behind: its event loop by more than ``loop_s``, or its engine's
+        last report older than ``engine_s`` ("" if neither; 0: that check is off)."""
         load = self.load
-        if load.loop_lag_s > busy_lag_s:
-            return f"its event loop is {load.loop_lag_s:.1f} s behind"
-        if load.engine_report_age_s > busy_lag_s:
-            return f"its engine's last load report is {load.engine_report_age_s:.1f} s old"
+        if loop_s and load.loop_lag_s > loop_s:
+            return f"its event loop is {load.loop_lag_s:.1f} s behind (--busy-lag {loop_s:g} s)"
+        if engine_s and load.engine_report_age_s > engine_s:
+            return (f"its engine's last load report is {load.engine_report_age_s:.1f} s old "
+                    f"(--busy-engine-age {engine_s:g} s)")
         return ""
 
 
 class Registry:
     def __init__(self, *, heartbeat_timeout_s: float, served_model: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, busy_lag_s: float = 0.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, busy_lag_s: float = 0.0,
+                 busy_engine_s: float = 0.0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.busy_lag_s = busy_lag_s  # a worker this far behind gets no new requests (0: off)
+        # a worker this far behind gets no new requests (router/config.py; 0: off)
+        self.busy_lag_s = busy_lag_s
+        self.busy_engine_s = busy_engine_s
         self.served_model = served_model  # display name workers must serve; None: any
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
@@ -267,12 +271,16 @@ class Registry:
 
     def placeable(self, role: int) -> list[WorkerInfo]:
         """Usable workers that keep up: where new requests go (busy ones keep theirs)."""
-        return [w for w in self.usable(role) if not w.busy_reason(self.busy_lag_s)]
+        return [w for w in self.usable(role) if not self.busy_reason(w)]
 
     def busy(self) -> list[WorkerInfo]:
         """Usable workers that are behind, by worker id."""
         return sorted((w for r in ROLE_NAMES for w in self.usable(r)
-                       if w.busy_reason(self.busy_lag_s)), key=lambda w: w.worker_id)
+                       if self.busy_reason(w)), key=lambda w: w.worker_id)
+
+    def busy_reason(self, w: WorkerInfo) -> str:
+        """Why ``w`` is busy under this router's bounds ("" when it keeps up)."""
+        return w.busy_reason(self.busy_lag_s, self.busy_engine_s)
 
     def serving(self) -> bool:
         """A request can be placed: a producer with a consumer, or a colocated worker."""

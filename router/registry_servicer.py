@@ -62,11 +62,10 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                         context: grpc.aio.ServicerContext) -> worker_pb2.HeartbeatResponse:
         await self._authenticate(request.cluster_token, request.worker_id, context)
         w = self.registry.get(request.worker_id)
-        lag = self.registry.busy_lag_s
-        was = w.busy_reason(lag) if w is not None else ""
+        was = self.registry.busy_reason(w) if w is not None else ""
         known = self.registry.heartbeat(request.worker_id,
                                         request.load if request.HasField("load") else None)
-        if known and w is not None and bool(now := w.busy_reason(lag)) != bool(was):
+        if known and w is not None and bool(now := self.registry.busy_reason(w)) != bool(was):
             if now:
                 log.warning("%s %s is busy (%s): no new requests go to it until it catches "
                             "up; it keeps those it runs", w.role_name, w.worker_id, now)

@@ -86,7 +86,8 @@ class RouterServer:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.from_source, path)
         self.registry = Registry(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                 served_model=model_id, busy_lag_s=cfg.busy_lag_s)
+                                 served_model=model_id, busy_lag_s=cfg.busy_lag_s,
+                                 busy_engine_s=cfg.busy_engine_s)
         self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0,
                                         cluster_token=cfg.cluster_token)
         policy = make_policy(cfg.policy)

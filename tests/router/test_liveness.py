@@ -112,13 +112,15 @@ def test_a_silent_worker_is_still_dropped_stall_or_not() -> None:
 
 def test_a_busy_worker_gets_no_new_requests_and_is_never_dropped() -> None:
     clock = Clock()
-    reg = Registry(heartbeat_timeout_s=3.0, clock=clock, busy_lag_s=2.0)
+    reg = Registry(heartbeat_timeout_s=3.0, clock=clock, busy_lag_s=2.0, busy_engine_s=2.0)
     add(reg, "p0", PRODUCER)
     add(reg, "c0", CONSUMER)
     c1 = add(reg, "c1", CONSUMER)
     beat(reg, "c0", loop_lag_s=4.5)  # its gRPC process's loop is 4.5 s behind
     assert reg.busy() == [reg.get("c0")]
-    assert reg.get("c0").busy_reason(2.0) == "its event loop is 4.5 s behind"  # type: ignore[union-attr]
+    c0 = reg.get("c0")
+    assert c0 is not None and reg.busy_reason(c0) == "its event loop is 4.5 s behind " \
+        "(--busy-lag 2 s)"
     for policy in (RoundRobin(), LeastLoaded()):
         for _ in range(6):
             slot = place(reg, policy)
@@ -128,7 +130,8 @@ def test_a_busy_worker_gets_no_new_requests_and_is_never_dropped() -> None:
     assert place(reg, LeastLoaded()).consumer is c1  # type: ignore[union-attr]
     # an engine whose reports stopped coming is busy too
     beat(reg, "c1", engine_report_age_s=3.0)
-    assert c1.busy_reason(2.0) == "its engine's last load report is 3.0 s old"
+    assert reg.busy_reason(c1) == \
+        "its engine's last load report is 3.0 s old (--busy-engine-age 2 s)"
     assert place(reg, RoundRobin()) is None  # no consumer keeps up
     assert place(reg, RoundRobin(), busy_ok=True) is not None  # a running request may go
     assert reg.serving()  # alive: health stays SERVING (this is load, not an outage)
@@ -141,9 +144,9 @@ def test_a_busy_worker_gets_no_new_requests_and_is_never_dropped() -> None:
     assert place(reg, RoundRobin()).consumer is reg.get("c0")  # type: ignore[union-attr]
 
 
-def test_busy_lag_zero_turns_busy_off() -> None:
-    reg = Registry(heartbeat_timeout_s=3.0, busy_lag_s=0.0)
-    add(reg, "co0", COLOCATED, loop_lag_s=100.0)
+def test_zero_bounds_turn_busy_off() -> None:
+    reg = Registry(heartbeat_timeout_s=3.0, busy_lag_s=0.0, busy_engine_s=0.0)
+    add(reg, "co0", COLOCATED, loop_lag_s=100.0, engine_report_age_s=100.0)
     assert reg.busy() == [] and place(reg, RoundRobin()) is not None
 
 
@@ -164,7 +167,7 @@ def test_all_busy_is_resource_exhausted_with_a_retry_hint() -> None:
             err = e.value
             assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
             assert err.details() == ("all 1 consumer is busy: c0: its event loop is 3.5 s "
-                                     "behind (over --busy-lag 1 s); retry after 2 s"), err
+                                     "behind (--busy-lag 1 s); retry after 2 s"), err
             assert ("retry-after", "2") in tuple(err.trailing_metadata() or ())
             # busy for many heartbeat timeouts (0.5 s): kept, the same registration
             await asyncio.sleep(1.5)
@@ -183,13 +186,13 @@ def test_all_busy_is_resource_exhausted_with_a_retry_hint() -> None:
 
 
 def test_all_busy_is_http_429_with_retry_after() -> None:
-    reg = Registry(heartbeat_timeout_s=3.0, busy_lag_s=2.0)
+    reg = Registry(heartbeat_timeout_s=3.0, busy_lag_s=2.0, busy_engine_s=5.0)
     add(reg, "co0", CO, loop_lag_s=2.5)
     add(reg, "co1", CO, engine_report_age_s=9.0)
     msg = busy_message(reg, 1.0)
-    assert msg == ("all 2 colocated workers are busy: co0: its event loop is 2.5 s behind; "
-                   "co1: its engine's last load report is 9.0 s old (over --busy-lag 2 s); "
-                   "retry after 1 s")
+    assert msg == ("all 2 colocated workers are busy: co0: its event loop is 2.5 s behind "
+                   "(--busy-lag 2 s); co1: its engine's last load report is 9.0 s old "
+                   "(--busy-engine-age 5 s); retry after 1 s")
     http = from_request_error(Overloaded(msg, 1.0), chat=False)
     assert http.status == 429 and http.headers == {"Retry-After": "1"}
 
@@ -263,20 +266,25 @@ def test_a_stalled_router_loop_fails_no_request_and_drops_no_worker() -> None:
 
 
 @pytest.mark.parametrize("value", [-1.0, float("nan"), float("inf")])
-def test_a_bad_busy_lag_is_refused_naming_the_flag(value: float) -> None:
+@pytest.mark.parametrize("field,flag", [("busy_lag_s", "--busy-lag"),
+                                        ("busy_engine_s", "--busy-engine-age")])
+def test_a_bad_busy_bound_is_refused_naming_the_flag(value: float, field: str,
+                                                     flag: str) -> None:
     from router.config import RouterConfig
 
-    with pytest.raises(ValueError, match=r"^--busy-lag: must be a number of seconds >= 0"):
-        RouterConfig(busy_lag_s=value)
-    assert RouterConfig(busy_lag_s=0.0).busy_lag_s == 0.0  # off
+    with pytest.raises(ValueError, match=rf"^{flag}: must be a number of seconds >= 0"):
+        RouterConfig(**{field: value})  # type: ignore[arg-type]
+    assert getattr(RouterConfig(**{field: 0.0}), field) == 0.0  # type: ignore[arg-type]
 
 
-def test_the_router_command_passes_busy_lag() -> None:
+def test_the_router_command_passes_the_busy_bounds() -> None:
     import argparse
 
     from deploy.router_cmd import add_router_parser, router_config
 
     ap = argparse.ArgumentParser()
     add_router_parser(ap.add_subparsers())
-    assert router_config(ap.parse_args(["router"])).busy_lag_s == 2.0
-    assert router_config(ap.parse_args(["router", "--busy-lag", "0.5"])).busy_lag_s == 0.5
+    default = router_config(ap.parse_args(["router"]))
+    assert (default.busy_lag_s, default.busy_engine_s) == (2.0, 10.0)
+    cfg = router_config(ap.parse_args(["router", "--busy-lag", "0.5", "--busy-engine-age", "0"]))
+    assert (cfg.busy_lag_s, cfg.busy_engine_s) == (0.5, 0.0)

@@ -39,7 +39,8 @@ class RouterThread:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.server = RouterServer(
             RouterConfig(grpc_port=0, heartbeat_interval_s=INTERVAL_S,
-                         heartbeat_timeout_s=TIMEOUT_S, busy_lag_s=1.0),
+                         heartbeat_timeout_s=TIMEOUT_S, busy_lag_s=1.0,
+                         busy_engine_s=1.0),
             tokenizer=Tokenizer.from_source(resolve_model(None)))
         self.beats: list[common_pb2.WorkerLoad] = []  # every heartbeat's load, as received
         self.dropped: list[str] = []
@@ -112,18 +113,18 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
                 # ... saying how far behind the loop was: the router saw it busy
                 lags = [b.loop_lag_s for b in during]
                 assert max(lags) > 3.0 and lags == sorted(lags), lags
-                assert first.busy_reason(1.0).startswith("its event loop is")
+                assert first.busy_reason(1.0, 1.0).startswith("its event loop is")
                 assert not router.call(registry.placeable, common_pb2.ROLE_CONSUMER)
                 # the loop runs again: the next heartbeats say so (the worst lag since the
                 # last heartbeat first, then the present)
-                await _until(lambda: not first.busy_reason(1.0), timeout_s=5)
+                await _until(lambda: not first.busy_reason(1.0, 1.0), timeout_s=5)
                 assert router.beats[-1].loop_lag_s < 1.0
                 assert max(b.engine_report_age_s for b in router.beats) < 1.0
                 # an engine whose reports stop (a step that never ends) is busy too, while
                 # the loop keeps up
                 reports.cancel()
                 await _until(lambda: first.load.engine_report_age_s > 1.0, timeout_s=5)
-                assert first.busy_reason(1.0).startswith("its engine's last load report is")
+                assert first.busy_reason(1.0, 1.0).startswith("its engine's last load report is")
                 assert router.beats[-1].loop_lag_s < 1.0
                 # orders from the router still reach the loop (from the thread)
                 router.call(registry.order_role_change, "consumer-0", common_pb2.ROLE_PRODUCER)
