@@ -67,8 +67,8 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                                         request.load if request.HasField("load") else None)
         if known and w is not None and bool(now := self.registry.busy_reason(w)) != bool(was):
             if now:
-                log.warning("%s %s is busy (%s): no new requests go to it until it catches "
-                            "up; it keeps those it runs", w.role_name, w.worker_id, now)
+                log.warning("%s %s is busy: %s; no new requests go to it until it catches "
+                            "up, it keeps those it runs", w.role_name, w.worker_id, now)
             else:
                 log.info("%s %s caught up: it takes new requests again", w.role_name,
                          w.worker_id)
