@@ -28,6 +28,12 @@ def add_router_parser(sub: Any) -> None:
                    help="seconds between worker heartbeats (told to workers)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="drop a worker silent this many seconds")
+    p.add_argument("--busy-lag", type=float, default=2.0,
+                   help="a worker whose heartbeats report its event loop this many seconds "
+                        "behind is busy: it keeps its requests but gets no new ones (0: off)")
+    p.add_argument("--busy-engine-age", type=float, default=10.0,
+                   help="the same for a worker whose engine's last load report is this many "
+                        "seconds old (0: off)")
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret workers must present (default: $PDSERVE_CLUSTER_TOKEN, "
                         "else none)")
@@ -73,6 +79,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         model=args.model, policy=args.policy,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_s=args.heartbeat_timeout,
+                        busy_lag_s=args.busy_lag, busy_engine_s=args.busy_engine_age,
                         cluster_token=args.cluster_token, token0_timeout_s=args.token0_timeout,
                         token_timeout_s=args.token_timeout, abort_timeout_s=args.abort_timeout,
                         http_port=args.http_port, api_key=args.api_key, tls_cert=args.tls_cert,

@@ -16,6 +16,17 @@ class RouterConfig:
     policy: str = "least_loaded"
     heartbeat_interval_s: float = 1.0  # told to workers in RegisterResponse
     heartbeat_timeout_s: float = 3.0  # a worker silent this long is dropped
+    # A worker whose heartbeats report its gRPC process's event loop this far behind is busy:
+    # it keeps its requests and is never dropped for it, but gets no new ones; with every
+    # worker that could take a request busy, new requests are refused with 429 /
+    # RESOURCE_EXHAUSTED. Well over a loaded host's jitter; a loop this late streams tokens
+    # seconds late. 0: off.
+    busy_lag_s: float = 2.0
+    # The same for an engine process whose last load report (sent between steps) is this
+    # old: wedged, or in a step far longer than any normal one. Longer than --busy-lag
+    # since a CPU worker's prefill step can take seconds, and requests sent to an engine in
+    # a long step just wait for it. 0: off.
+    busy_engine_s: float = 10.0
     cluster_token: str = ""  # shared secret for Register/Heartbeat; "" disables the check
     # Upper bounds on silence from a worker inside one request. Generous because a long
     # prompt on a CPU producer, or a consumer queueing the reservation under load, can take
@@ -72,6 +83,10 @@ class RouterConfig:
             raise bad("--heartbeat-timeout",
                       f"must exceed the heartbeat interval ({self.heartbeat_interval_s} s)",
                       self.heartbeat_timeout_s)
+        for flag, v in (("--busy-lag", self.busy_lag_s),
+                        ("--busy-engine-age", self.busy_engine_s)):
+            if not v >= 0 or v == float("inf"):
+                raise bad(flag, "must be a number of seconds >= 0 (0: off)", v)
         for flag, v in (("--token0-timeout", self.token0_timeout_s),
                         ("--token-timeout", self.token_timeout_s),
                         ("--abort-timeout", self.abort_timeout_s),

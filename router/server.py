@@ -49,6 +49,8 @@ ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 ADMIN_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 MEMBERSHIP_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Membership"].full_name
 REGISTRY_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+# A sweep tick this late is a stall worth a log line (lateness under it is still credited).
+STALL_LOG_S = 1.0
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
@@ -95,7 +97,8 @@ class RouterServer:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.from_source, path)
         self.registry = Registry(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                 served_model=model_id)
+                                 served_model=model_id, busy_lag_s=cfg.busy_lag_s,
+                                 busy_engine_s=cfg.busy_engine_s)
         self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0,
                                         cluster_token=cfg.cluster_token)
         policy = make_policy(cfg.policy)
@@ -202,11 +205,19 @@ class RouterServer:
     # -- internals -------------------------------------------------------------------------
 
     async def _sweep(self) -> None:
+        """Drops silent workers. Each wakeup is also the loop's liveness tick: how late it
+        ran is how long this loop could not process heartbeats, and is credited to every
+        worker before any is judged (``Registry.tick``)."""
         assert self.registry is not None
         # A quarter of the timeout: a silent worker is dropped at most 25% late.
         period = min(0.5, self.config.heartbeat_timeout_s / 4)
+        self.registry.tick(period)
         while True:
             await asyncio.sleep(period)
+            late = self.registry.tick(period)
+            if late > STALL_LOG_S:
+                log.warning("the router's event loop stalled for %.1f s: no worker is "
+                            "charged for heartbeats it could not process then", late)
             for w in self.registry.sweep():
                 log.warning("dropped %s %s (%s): no heartbeat for %.1f s", w.role_name,
                             w.worker_id, w.address, self.config.heartbeat_timeout_s)
