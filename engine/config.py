@@ -14,6 +14,8 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROLES = ("colocated", "producer", "consumer")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -24,7 +26,7 @@ LOAD_FORMATS = ("auto", "dummy")
 class ModelConfig:
     """The decoder's shape, read from an HF config.json (or built from GGUF metadata)."""
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "deepseek_v2" | "deepseek_v3"
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -42,6 +44,35 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # ---- DeepSeek-V2/V3: MLA attention (kv_lora_rank > 0) and its MoE (engine/models/
+    # deepseek.py); the defaults describe a dense model, so other archs never read them.
+    q_lora_rank: int | None = None  # None: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int = 0  # latent width the KV cache stores per token (0: not MLA)
+    qk_nope_head_dim: int = 0  # per-head query/key dims without RoPE (through kv_b_proj)
+    qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the key's are shared by heads
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE pairs are (x0, x1), (x2, x3)...: DeepSeek's layout
+    first_k_dense_replace: int = 0  # layers [0, k) use the dense MLP
+    moe_layer_freq: int = 1  # from layer k on, every moe_layer_freq-th layer is MoE
+    n_routed_experts: int = 0  # 0: every layer is dense
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
+    num_experts_per_tok: int = 0
+    n_group: int = 1  # expert groups for grouped top-k
+    topk_group: int = 1  # groups a token may route into
+    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" | "noaux_tc"
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (with e_score_correction_bias)
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = False  # renormalize the top-k weights to sum to one
+    moe_intermediate_size: int = 0  # per routed expert (shared: times n_shared_experts)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """DeepSeek's rule: dense below first_k_dense_replace, then every moe_layer_freq-th."""
+        return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -65,7 +96,8 @@ class ModelConfig:
                 scaling = scaling or params
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
-        return ModelConfig(
+        extra = _deepseek_fields(arch, cfg, scaling) if arch.startswith("deepseek") else {}
+        base: dict[str, Any] = dict(
             arch=arch,
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -86,11 +118,97 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+        return ModelConfig(**{**base, **extra})
 
     @staticmethod
     def from_dir(path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             return ModelConfig.from_hf(json.load(f))
+
+
+def _deepseek_fields(arch: str, cfg: dict[str, Any],
+                     scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """ModelConfig's MLA and MoE fields from a DeepSeek config; ValueError names any field
+    whose value the engine does not implement (never silently ignored). Semantics are
+    transformers' (models/deepseek_v2|deepseek_v3), the reference the tests compare to."""
+    v3 = arch == "deepseek_v3"
+
+    def refuse(name: str, why: str) -> ValueError:
+        return ValueError(f"{name}: {why}, got {cfg.get(name)!r}")
+
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise refuse("hidden_act", "only 'silu' is implemented")
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name):
+            raise refuse(name, "biases on DeepSeek projections are not implemented")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
+        raise ValueError(f"rope_scaling: DeepSeek supports 'yarn' only, got {scaling!r}")
+    n_routed = int(cfg.get("n_routed_experts") or 0)
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    # transformers' V3 router is always sigmoid + noaux_tc, its V2 router always softmax
+    # with greedy or group-limited top-k; other combinations have no reference to match.
+    if v3 and method != "noaux_tc":
+        raise refuse("topk_method", "DeepseekV3 implements 'noaux_tc' only")
+    if v3 and scoring != "sigmoid":
+        raise refuse("scoring_func", "DeepseekV3 implements 'sigmoid' only")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):
+        raise refuse("topk_method", "DeepseekV2 implements 'greedy' and "
+                     "'group_limited_greedy'")
+    if not v3 and scoring != "softmax":
+        raise refuse("scoring_func", "DeepseekV2 implements 'softmax' only")
+    if not v3 and cfg.get("norm_topk_prob"):  # transformers' V2 router never renormalizes
+        raise refuse("norm_topk_prob", "DeepseekV2 does not renormalize top-k weights")
+    n_group = int(cfg.get("n_group") or 1)
+    topk_group = int(cfg.get("topk_group") or n_group)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    q_lora = cfg.get("q_lora_rank")
+    out = dict(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        # V2 rotates (x0, x1) pairs as complex numbers; V3 has the flag (default on)
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        moe_layer_freq=freq,
+        n_routed_experts=n_routed,
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        topk_method=method,
+        scoring_func=scoring,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        # what the shared dense code reads: the query/key head (memory estimates) and all
+        # heads as "KV heads" (TP checks); the cache itself is the latent (kv_layout)
+        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
+        num_kv_heads=int(cfg["num_attention_heads"]),
+    )
+    checks = [
+        ("kv_lora_rank", out["kv_lora_rank"] >= 1, "must be >= 1"),
+        ("q_lora_rank", q_lora is None or out["q_lora_rank"] >= 1, "must be >= 1 or null"),
+        ("qk_rope_head_dim", out["qk_rope_head_dim"] >= 2 and out["qk_rope_head_dim"] % 2 == 0,
+         "must be even and >= 2"),
+        ("qk_nope_head_dim", out["qk_nope_head_dim"] >= 1, "must be >= 1"),
+        ("v_head_dim", out["v_head_dim"] >= 1, "must be >= 1"),
+        ("moe_layer_freq", freq >= 1, "must be >= 1"),
+        ("num_experts_per_tok", n_routed == 0 or 1 <= top_k <= n_routed,
+         "must be in [1, n_routed_experts]"),
+        ("moe_intermediate_size", n_routed == 0 or out["moe_intermediate_size"] >= 1,
+         "must be >= 1"),
+        ("n_group", n_routed == 0 or (n_group >= 1 and n_routed % n_group == 0),
+         "must divide n_routed_experts"),
+        ("topk_group", 1 <= topk_group <= n_group, "must be in [1, n_group]"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise refuse(name, why)
+    return out
 
 
 @dataclass(frozen=True)
