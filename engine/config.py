@@ -164,7 +164,7 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
     q_lora = cfg.get("q_lora_rank")
-    out = dict(
+    out: dict[str, Any] = dict(
         q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),

@@ -48,13 +48,17 @@ class LLMEngine:
         self.model_name = model_name
         self.device = torch.device(config.device)
         self.max_model_len = _max_model_len(config, model_cfg)
+        # what a token stores per layer: K/V heads, or MLA's latent (one head, every rank)
+        kv_shape = (KVLayout.kv_shape("mla", 1, model_cfg.kv_lora_rank
+                                      + model_cfg.qk_rope_head_dim) if model_cfg.is_mla
+                    else KVLayout.kv_shape("kv", model_cfg.num_kv_heads, model_cfg.head_dim))
         self.layout = KVLayout(
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
-            num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
-            head_dim=model_cfg.head_dim, num_blocks=1,
+            num_layers=model_cfg.num_layers, **kv_shape, num_blocks=1,
             # rank 0's pool: its own heads (model.shard), which head_range must agree with
             tp_size=config.tensor_parallel_size, tp_rank=0)
-        assert self.layout.head_count == model.shard.num_kv_heads, "TP head split differs"
+        assert model_cfg.is_mla or self.layout.head_count == model.shard.num_kv_heads, \
+            "TP head split differs"
         # Never more than every seat filled to max_model_len could use.
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         kv_bytes = config.kv_cache_bytes

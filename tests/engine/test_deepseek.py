@@ -1,0 +1,212 @@
+"""DeepSeek-V2/V3 (MLA attention) on tiny random transformers models, CPU fp32: greedy tokens
+equal transformers', logits of chunked prefill and of absorbed decode within tolerance, the
+latent KV layout, config fields refused by name, dummy weights, tensor parallelism.
+
+These configs are dense (first_k_dense_replace >= layers); the MoE layers are
+engine/models/moe.py's."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from tiny_models import PROMPTS, hf_greedy
+
+from engine.config import ModelConfig
+from engine.sampling_params import SamplingParams
+
+# hidden 64, 4 heads; latent 32 + rope 16; per head: nope 16, rope 16, value 24 (V's width
+# differs from K's on purpose)
+BASE: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=256, max_position_embeddings=512, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=24, first_k_dense_replace=2, n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32,
+    # a wide init makes logits peaked, so greedy argmax is far from ties
+    initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0)
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v2": ("v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                      topk_group=2)),
+    # q LoRA, YaRN with an mscale correction on both cos/sin and the softmax scale
+    "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN)),
+    "v3-noninterleaved": ("v3", dict(q_lora_rank=24, rope_interleave=False)),
+}
+
+
+def make_tiny_deepseek(path: str, version: str, seed: int = 0, **overrides: Any) -> str:
+    import transformers as tf
+
+    cfg_cls, model_cls = ((tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM) if version == "v2"
+                          else (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM))
+    torch.manual_seed(seed)
+    model_cls(cfg_cls(**{**BASE, **overrides})).eval().save_pretrained(
+        path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ds_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("deepseek")
+    return {name: make_tiny_deepseek(os.path.join(root, name), v, seed=i, **kw)
+            for i, (name, (v, kw)) in enumerate(MODELS.items())}
+
+
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("name,budget", [("v2", 16), ("v2", 512), ("v3", 16),
+                                         ("v3-noninterleaved", 16)])
+def test_greedy_matches_transformers(ds_models, make_llm, name, budget):
+    path = ds_models[name]
+    # budget 16: prompts prefill in chunks that read earlier chunks' latent from the cache,
+    # mixed with other requests' decodes; 512: whole prompts, then pure decode steps
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=budget)
+    results = llm.generate(PROMPTS, GREEDY)
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert res.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (name, prompt)
+
+
+def _engine_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
+    """[len(prompt), vocab]: the prompt but its last token prefilled in chunks of `chunk`
+    (each reading the previous chunks' latent from the paged cache), then the last token
+    as a decode step (the absorbed form)."""
+    from engine.attention import AttentionMetadata, kernels_for
+    from engine.weights import build_model, read_model_config
+
+    cfg = read_model_config(path)
+    cpu = torch.device("cpu")
+    model = build_model(path, cfg, kernels_for(cpu), cpu, "float32", "auto", 512)
+    bs = 4
+    nb = -(-len(prompt) // bs)
+    kv = torch.zeros(nb + 2, cfg.num_layers, 1, bs, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    blocks = list(range(nb + 1, 1, -1))  # scattered: block i of the prompt is not block i
+    table = torch.tensor([blocks], dtype=torch.int32)
+    out = []
+    spans = [(s, min(s + chunk, len(prompt) - 1)) for s in range(0, len(prompt) - 1, chunk)]
+    for start, end in [*spans, (len(prompt) - 1, len(prompt))]:
+        pos = torch.arange(start, end)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in pos.tolist()]),
+            block_tables=table, cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32), decode_only=end - start == 1,
+            max_seq_len=end)
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(torch.tensor(prompt[start:end]), pos, kv,
+                                                  meta)))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_logits_match_transformers(ds_models, name):
+    import transformers as tf
+
+    path = ds_models[name]
+    prompt = PROMPTS[2][:23]
+    hf = tf.AutoModelForCausalLM.from_pretrained(path).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].float()
+    got = _engine_logits(path, prompt, chunk=5)
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < 2e-4 * want.abs().max().item(), err
+
+
+def test_latent_layout_and_fingerprint(ds_models, make_llm, tiny_models):
+    path = ds_models["v3"]
+    cfg = json.loads(open(os.path.join(path, "config.json")).read())
+    llm = make_llm(path, block_size=4)
+    lay = llm.engine.layout
+    assert (lay.kind, lay.planes, lay.num_kv_heads, lay.head_dim) == ("mla", 1, 1, 48)
+    # bytes per block = layers x block_size x (kv_lora_rank + qk_rope_head_dim) x fp32
+    assert lay.block_nbytes == cfg["num_hidden_layers"] * 4 * (32 + 16) * 4
+    assert tuple(llm.engine.kv_cache.shape[1:]) == (2, 1, 4, 1, 48)
+    dense = make_llm(tiny_models["llama"], block_size=4).engine.layout
+    assert dense.kind == "kv" and dense.fingerprint() != lay.fingerprint()
+    # the latent is the same on every TP rank: one head, never split
+    import dataclasses
+    for r in range(4):
+        shard = dataclasses.replace(lay, tp_size=4, tp_rank=r)
+        assert (shard.head_start, shard.head_count, shard.block_nbytes) == \
+            (0, 1, lay.block_nbytes)
+        assert shard.fingerprint() == lay.fingerprint()
+
+
+def test_dummy_weights_from_a_config(ds_models, make_llm, tmp_path):
+    import shutil
+
+    shutil.copy(os.path.join(ds_models["v3"], "config.json"), tmp_path / "config.json")
+    llm = make_llm(str(tmp_path), load_format="dummy", dtype="bfloat16", block_size=4)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0,
+                                                    ignore_eos=True))
+    assert [len(o.token_ids) for o in out] == [6, 6]
+    assert all(0 <= t < BASE["vocab_size"] for o in out for t in o.token_ids)
+
+
+def _hf_cfg(version: str, **kw: Any) -> dict[str, Any]:
+    cfg = {**BASE, "architectures": [f"Deepseek{version.upper()}ForCausalLM"],
+           "q_lora_rank": None, "rope_theta": 10000.0}
+    cfg.update(kw)
+    return cfg
+
+
+def test_config_reads_deepseek_fields():
+    v3 = ModelConfig.from_hf(_hf_cfg("v3", q_lora_rank=24, n_group=4, topk_group=2,
+                                     routed_scaling_factor=2.5, norm_topk_prob=True,
+                                     first_k_dense_replace=1, n_shared_experts=1))
+    assert v3.arch == "deepseek_v3" and v3.is_mla
+    assert (v3.q_lora_rank, v3.kv_lora_rank, v3.qk_nope_head_dim, v3.qk_rope_head_dim,
+            v3.v_head_dim) == (24, 32, 16, 16, 24)
+    assert (v3.topk_method, v3.scoring_func, v3.n_group, v3.topk_group) == \
+        ("noaux_tc", "sigmoid", 4, 2)
+    assert (v3.routed_scaling_factor, v3.norm_topk_prob, v3.n_shared_experts) == \
+        (2.5, True, 1)
+    assert v3.rope_interleave and not v3.is_moe_layer(0) and v3.is_moe_layer(1)
+    v2 = ModelConfig.from_hf(_hf_cfg("v2", moe_layer_freq=2, first_k_dense_replace=1))
+    assert (v2.topk_method, v2.scoring_func, v2.q_lora_rank) == ("greedy", "softmax", None)
+    assert [v2.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+    llama = ModelConfig.from_hf({**BASE, "architectures": ["LlamaForCausalLM"]})
+    assert not llama.is_mla and not llama.is_moe_layer(5)
+
+
+@pytest.mark.parametrize("version,field,value", [
+    ("v2", "norm_topk_prob", True),  # transformers' V2 router never renormalizes
+    ("v2", "topk_method", "noaux_tc"),
+    ("v2", "scoring_func", "sigmoid"),
+    ("v3", "topk_method", "greedy"),
+    ("v3", "scoring_func", "softmax"),
+    ("v3", "hidden_act", "gelu"),
+    ("v3", "attention_bias", True),
+    ("v2", "n_group", 3),  # does not divide 8 experts
+    ("v2", "topk_group", 5),
+    ("v2", "num_experts_per_tok", 9),
+    ("v2", "kv_lora_rank", 0),
+    ("v3", "qk_rope_head_dim", 7),
+    ("v3", "rope_scaling", {"type": "linear", "factor": 2.0}),
+])
+def test_config_refuses_unimplemented_values_by_name(version, field, value):
+    kw: dict[str, Any] = {field: value}
+    if field in ("topk_group", "n_group"):
+        kw.setdefault("n_group", 4)
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        ModelConfig.from_hf(_hf_cfg(version, **kw))
+
+
+def test_tensor_parallel_2_equals_tp1_and_transformers(ds_models):
+    from engine.llm import LLM
+
+    path = ds_models["v3"]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(**kw: object) -> list[list[int]]:
+        with LLM(path, block_size=4, max_num_batched_tokens=16, **kw) as llm:
+            return [c.token_ids for c in llm.generate(PROMPTS, params)]
+
+    tp2 = run(tensor_parallel_size=2)
+    for prompt, toks in zip(PROMPTS, tp2, strict=True):
+        assert toks == hf_greedy(path, prompt, params.max_tokens), prompt
