@@ -1,0 +1,39 @@
+"""Small random DeepSeek-V2/V3 models (MLA attention) saved by transformers, shared by tests
+(importable: tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# hidden 64, 4 heads; latent 32 + rope 16; per head: nope 16, rope 16, value 24 (V's width
+# differs from K's on purpose)
+BASE: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=256, max_position_embeddings=512, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=16, v_head_dim=24, first_k_dense_replace=2, n_routed_experts=8,
+    num_experts_per_tok=2, moe_intermediate_size=32,
+    # a wide init makes logits peaked, so greedy argmax is far from ties
+    initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    pad_token_id=0)
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "v2": ("v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
+                      topk_group=2)),
+    # q LoRA, YaRN with an mscale correction on both cos/sin and the softmax scale
+    "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN)),
+    "v3-noninterleaved": ("v3", dict(q_lora_rank=24, rope_interleave=False)),
+}
+
+
+def make_tiny_deepseek(path: str, version: str, seed: int = 0, **overrides: Any) -> str:
+    import transformers as tf
+
+    cfg_cls, model_cls = ((tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM) if version == "v2"
+                          else (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM))
+    torch.manual_seed(seed)
+    model_cls(cfg_cls(**{**BASE, **overrides})).eval().save_pretrained(
+        path, safe_serialization=True)
+    return path
