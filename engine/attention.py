@@ -40,6 +40,8 @@ class KernelSet:
     sample_simple: Callable[..., Any] | None = None
     # RoPE fused with store_kv (kernels.ref_rope_kv.rope_store_kv_ref's contract)
     rope_store_kv: Callable[..., Any] | None = None
+    # mixture-of-experts MLP (kernels.ref_moe.fused_moe_ref's contract)
+    fused_moe: Callable[..., Any] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -50,6 +52,7 @@ class KernelSet:
 
 def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSet:
     if device.type == "cuda" and not force_reference:
+        from kernels.ref_moe import fused_moe_ref as fused_moe  # Triton kernel: next commit
         from kernels.triton_act import silu_and_mul
         from kernels.triton_decode_attention import decode_attention
         from kernels.triton_norm import rms_norm, rope
@@ -59,17 +62,20 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         from kernels.triton_store_kv import store_kv
 
         return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
-                         silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv)
+                         silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv,
+                         fused_moe=fused_moe)
     from kernels.ref_act import silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref
+    from kernels.ref_moe import fused_moe_ref
     from kernels.ref_norm import rms_norm_ref, rope_ref
     from kernels.ref_rope_kv import rope_store_kv_ref
     from kernels.ref_sample import sample_simple_ref
 
     return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
                      rope_ref, "torch-reference", silu_and_mul_ref,
-                     sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref)
+                     sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref,
+                     fused_moe=fused_moe_ref)
 
 
 class PagedAttention:

@@ -14,10 +14,59 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 ROLES = ("colocated", "producer", "consumer")
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: which layers have one, how tokens are routed (as
+    engine/models/moe.select_experts computes it) and the experts' shape."""
+
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts per token
+    intermediate_size: int  # one expert's gate/up width
+    layers: tuple[int, ...]  # decoder layers whose MLP is this MoE (others are dense)
+    renormalize: bool  # top-k weights divided by their sum
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    n_group: int | None = None  # grouped top-k: experts split in n_group groups ...
+    topk_group: int | None = None  # ... of which the best topk_group are eligible
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    score_bias: bool = False  # e_score_correction_bias added to scores for choice only
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
+    shared_intermediate_size: int = 0  # the shared MLP's width (all shared experts)
+    router_fp32: bool = False  # router logits computed in float32 (DeepSeek)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("num_experts", self.num_experts >= 1, "must be >= 1"),
+            ("num_experts_per_tok", 1 <= self.top_k <= self.num_experts,
+             f"must be in [1, {self.num_experts}]"),
+            ("moe_intermediate_size", self.intermediate_size >= 1, "must be >= 1"),
+            ("scoring_func", self.scoring_func in SCORING_FUNCS,
+             f"must be one of {SCORING_FUNCS}"),
+            ("n_group", self.n_group is None or (self.n_group >= 1
+                                                  and self.num_experts % self.n_group == 0),
+             f"must divide the {self.num_experts} experts"),
+            ("topk_group", (self.n_group is None) == (self.topk_group is None)
+             and (self.topk_group is None or 1 <= self.topk_group <= (self.n_group or 0)),
+             "must be given with n_group and lie in [1, n_group]"),
+            ("routed_scaling_factor", self.routed_scaling_factor > 0, "must be > 0"),
+            ("n_shared_experts", self.n_shared_experts >= 0, "must be >= 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"model: {name} {why}")
+        if self.n_group is not None and self.topk_group is not None:
+            per_group = self.num_experts // self.n_group
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError("model: num_experts_per_tok exceeds the experts of topk_group "
+                                 "groups")
 
 
 @dataclass(frozen=True)
@@ -42,6 +91,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (None: every layer dense)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -65,6 +115,9 @@ class ModelConfig:
                 scaling = scaling or params
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {cfg.get('hidden_act')!r} is not supported "
+                             "(only 'silu')")
         return ModelConfig(
             arch=arch,
             hidden_size=hidden,
@@ -85,12 +138,38 @@ class ModelConfig:
             else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_config_from_hf(cfg, arch),
         )
 
     @staticmethod
     def from_dir(path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             return ModelConfig.from_hf(json.load(f))
+
+
+def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    """The MoE fields of an HF config; None for a dense architecture. Training-only fields
+    (router aux loss, router jitter, output_router_logits) change nothing at inference."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "qwen3_moe":
+        n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"model: decoder_sparse_step must be >= 1, got {step}")
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        if n == 0:  # HF builds every layer dense then
+            return None
+        return MoEConfig(
+            num_experts=n, top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+            renormalize=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "mixtral":
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]), layers=tuple(range(layers)),
+            renormalize=True)  # Mixtral always renormalizes its top-k
+    return None
 
 
 @dataclass(frozen=True)
