@@ -52,9 +52,9 @@ class KernelSet:
 
 def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSet:
     if device.type == "cuda" and not force_reference:
-        from kernels.ref_moe import fused_moe_ref as fused_moe  # Triton kernel: next commit
         from kernels.triton_act import silu_and_mul
         from kernels.triton_decode_attention import decode_attention
+        from kernels.triton_moe import fused_moe
         from kernels.triton_norm import rms_norm, rope
         from kernels.triton_prefill_attention import prefill_attention
         from kernels.triton_rope_kv import rope_store_kv

@@ -8,17 +8,20 @@ nothing: under tensor parallelism the all-reduce that follows adds the other ran
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  expert_start: int = 0) -> torch.Tensor:
+                  expert_start: int = 0, config: dict[str, Any] | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E_local, 2I, H] = [gate | up] rows; w2: [E_local, H, I];
     topk_weights: [T, k] float32; topk_ids: [T, k] int (global expert ids).
-    Returns [T, H] in x's dtype. The projections run in x's dtype as HF's experts do; the
-    weighted sum over the top-k is kept in float32 and rounded once."""
+    config: the Triton kernel's tile sizes, unused here. Returns [T, H] in x's dtype.
+    The projections run in x's dtype as HF's experts do; the weighted sum over the top-k
+    is kept in float32 and rounded once."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)  # [T, H]
