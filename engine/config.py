@@ -73,7 +73,7 @@ class MoEConfig:
 class ModelConfig:
     """The decoder's shape, read from an HF config.json (or built from GGUF metadata)."""
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # a SUPPORTED_ARCHS value: "llama" | "mistral" | "qwen2" | "qwen3" | ...
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -132,7 +132,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
             else None,
@@ -151,23 +151,26 @@ def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
     """The MoE fields of an HF config; None for a dense architecture. Training-only fields
     (router aux loss, router jitter, output_router_logits) change nothing at inference."""
     layers = int(cfg["num_hidden_layers"])
+    # absent fields take transformers' defaults, as HF itself would run the config
     if arch == "qwen3_moe":
-        n = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        n = cfg.get("num_experts", cfg.get("num_local_experts", 128))
         step = int(cfg.get("decoder_sparse_step", 1))
         if step < 1:
             raise ValueError(f"model: decoder_sparse_step must be >= 1, got {step}")
         dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
-        if n == 0:  # HF builds every layer dense then
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        if not n or not sparse:  # HF builds every layer dense then
             return None
         return MoEConfig(
-            num_experts=n, top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["moe_intermediate_size"]),
-            layers=tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0),
+            num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 768)), layers=sparse,
             renormalize=bool(cfg.get("norm_topk_prob", False)))
     if arch == "mixtral":
         return MoEConfig(
-            num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"]), layers=tuple(range(layers)),
+            num_experts=int(cfg.get("num_local_experts", 8)),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg.get("intermediate_size", 14336)),
+            layers=tuple(range(layers)),
             renormalize=True)  # Mixtral always renormalizes its top-k
     return None
 
