@@ -132,3 +132,35 @@ def test_checkpoint_missing_an_expert_is_refused(moe_models, tmp_path):
         (tmp_path / "config.json").write_text(f.read())
     with pytest.raises(ValueError, match="lacks weights.*layers.1.mlp.experts.w2"):
         LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True,
+                   logprobs=1),
+], ids=["greedy", "seeded"])
+def test_producer_to_consumer_handoff_equals_colocated(moe_models, make_llm, params):
+    """The identity rule on an MoE model at engine level: a producer engine prefills (in
+    chunks), its KV blocks are copied into a consumer's reserved blocks, the consumer
+    decodes: the colocated engine's tokens."""
+    path = moe_models["qwen3_moe"]
+    prompt = PROMPTS[2]  # 50 tokens: 13 blocks of 4
+    ref = make_llm(path, block_size=4).generate([prompt], params)[0]
+    prod = make_llm(path, block_size=4, role="producer", max_num_batched_tokens=16).engine
+    cons = make_llm(path, block_size=4, role="consumer").engine
+    prod.add_request("r", prompt, params)
+    outs = []
+    while not outs:
+        outs = prod.step()
+    (t0,) = outs
+    src = prod.requests["r"].block_ids
+    dst = cons.reserve(len(prompt))
+    assert dst is not None
+    cons.kv_cache[dst] = prod.kv_cache[src]  # what the transfer layer does
+    prod.release("r")
+    cons.add_prefilled("r", prompt, params, dst, t0.new_token_ids[0], t0.new_logprobs[0])
+    tokens = list(t0.new_token_ids)
+    while cons.has_unfinished():
+        for o in cons.step():
+            tokens += o.new_token_ids
+    assert tokens == ref.token_ids
