@@ -14,19 +14,68 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROLES = ("colocated", "producer", "consumer")
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: which layers have one, how tokens are routed (as
+    engine/models/moe.select_experts computes it) and the experts' shape."""
+
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts per token
+    intermediate_size: int  # one expert's gate/up width
+    layers: tuple[int, ...]  # decoder layers whose MLP is this MoE (others are dense)
+    renormalize: bool  # top-k weights divided by their sum
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    n_group: int | None = None  # grouped top-k: experts split in n_group groups ...
+    topk_group: int | None = None  # ... of which the best topk_group are eligible
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    score_bias: bool = False  # e_score_correction_bias added to scores for choice only
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
+    shared_intermediate_size: int = 0  # the shared MLP's width (all shared experts)
+    router_fp32: bool = False  # router logits computed in float32 (DeepSeek)
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("num_experts", self.num_experts >= 1, "must be >= 1"),
+            ("num_experts_per_tok", 1 <= self.top_k <= self.num_experts,
+             f"must be in [1, {self.num_experts}]"),
+            ("moe_intermediate_size", self.intermediate_size >= 1, "must be >= 1"),
+            ("scoring_func", self.scoring_func in SCORING_FUNCS,
+             f"must be one of {SCORING_FUNCS}"),
+            ("n_group", self.n_group is None or (self.n_group >= 1
+                                                  and self.num_experts % self.n_group == 0),
+             f"must divide the {self.num_experts} experts"),
+            ("topk_group", (self.n_group is None) == (self.topk_group is None)
+             and (self.topk_group is None or 1 <= self.topk_group <= (self.n_group or 0)),
+             "must be given with n_group and lie in [1, n_group]"),
+            ("routed_scaling_factor", self.routed_scaling_factor > 0, "must be > 0"),
+            ("n_shared_experts", self.n_shared_experts >= 0, "must be >= 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"model: {name} {why}")
+        if self.n_group is not None and self.topk_group is not None:
+            per_group = self.num_experts // self.n_group
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError("model: num_experts_per_tok exceeds the experts of topk_group "
+                                 "groups")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape, read from an HF config.json (or built from GGUF metadata)."""
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3" | "deepseek_v2" | "deepseek_v3"
+    arch: str  # a SUPPORTED_ARCHS value: "llama" | "mistral" | "qwen2" | "qwen3" | ...
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -44,35 +93,19 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # ---- DeepSeek-V2/V3: MLA attention (kv_lora_rank > 0) and its MoE (engine/models/
-    # deepseek.py); the defaults describe a dense model, so other archs never read them.
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (None: every layer dense)
+    # ---- DeepSeek-V2/V3's multi-head latent attention (engine/models/mla.py), when
+    # kv_lora_rank > 0; the defaults describe no MLA, so other archs never read them.
     q_lora_rank: int | None = None  # None: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
     kv_lora_rank: int = 0  # latent width the KV cache stores per token (0: not MLA)
     qk_nope_head_dim: int = 0  # per-head query/key dims without RoPE (through kv_b_proj)
     qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the key's are shared by heads
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE pairs are (x0, x1), (x2, x3)...: DeepSeek's layout
-    first_k_dense_replace: int = 0  # layers [0, k) use the dense MLP
-    moe_layer_freq: int = 1  # from layer k on, every moe_layer_freq-th layer is MoE
-    n_routed_experts: int = 0  # 0: every layer is dense
-    n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
-    num_experts_per_tok: int = 0
-    n_group: int = 1  # expert groups for grouped top-k
-    topk_group: int = 1  # groups a token may route into
-    topk_method: str = "greedy"  # "greedy" | "group_limited_greedy" | "noaux_tc"
-    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (with e_score_correction_bias)
-    routed_scaling_factor: float = 1.0
-    norm_topk_prob: bool = False  # renormalize the top-k weights to sum to one
-    moe_intermediate_size: int = 0  # per routed expert (shared: times n_shared_experts)
 
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """DeepSeek's rule: dense below first_k_dense_replace, then every moe_layer_freq-th."""
-        return (self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
-                and layer % self.moe_layer_freq == 0)
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -96,7 +129,9 @@ class ModelConfig:
                 scaling = scaling or params
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
-        extra = _deepseek_fields(arch, cfg, scaling) if arch.startswith("deepseek") else {}
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {cfg.get('hidden_act')!r} is not supported "
+                             "(only 'silu')")
         base: dict[str, Any] = dict(
             arch=arch,
             hidden_size=hidden,
@@ -111,14 +146,17 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
             else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_config_from_hf(cfg, arch),
         )
-        return ModelConfig(**{**base, **extra})
+        if arch.startswith("deepseek"):  # MLA fields, its MoE, and what they override
+            base.update(_deepseek_fields(arch, cfg, scaling))
+        return ModelConfig(**base)
 
     @staticmethod
     def from_dir(path: str) -> ModelConfig:
@@ -126,18 +164,44 @@ class ModelConfig:
             return ModelConfig.from_hf(json.load(f))
 
 
+def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    """The MoE fields of an HF config; None for a dense architecture. Training-only fields
+    (router aux loss, router jitter, output_router_logits) change nothing at inference."""
+    layers = int(cfg["num_hidden_layers"])
+    # absent fields take transformers' defaults, as HF itself would run the config
+    if arch == "qwen3_moe":
+        n = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"model: decoder_sparse_step must be >= 1, got {step}")
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        if not n or not sparse:  # HF builds every layer dense then
+            return None
+        return MoEConfig(
+            num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 768)), layers=sparse,
+            renormalize=bool(cfg.get("norm_topk_prob", False)))
+    if arch == "mixtral":
+        return MoEConfig(
+            num_experts=int(cfg.get("num_local_experts", 8)),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg.get("intermediate_size", 14336)),
+            layers=tuple(range(layers)),
+            renormalize=True)  # Mixtral always renormalizes its top-k
+    return None
+
+
 def _deepseek_fields(arch: str, cfg: dict[str, Any],
                      scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """ModelConfig's MLA and MoE fields from a DeepSeek config; ValueError names any field
-    whose value the engine does not implement (never silently ignored). Semantics are
+    """ModelConfig's MLA fields and MoEConfig from a DeepSeek config; ValueError names any
+    field whose value the engine does not implement (never silently ignored). Semantics are
     transformers' (models/deepseek_v2|deepseek_v3), the reference the tests compare to."""
     v3 = arch == "deepseek_v3"
 
     def refuse(name: str, why: str) -> ValueError:
         return ValueError(f"{name}: {why}, got {cfg.get(name)!r}")
 
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", "only 'silu' is implemented")
     for name in ("attention_bias", "mlp_bias"):
         if cfg.get(name):
             raise refuse(name, "biases on DeepSeek projections are not implemented")
@@ -163,44 +227,21 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
     topk_group = int(cfg.get("topk_group") or n_group)
     top_k = int(cfg.get("num_experts_per_tok") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    moe_inter = int(cfg.get("moe_intermediate_size") or 0)
     q_lora = cfg.get("q_lora_rank")
-    out: dict[str, Any] = dict(
-        q_lora_rank=None if q_lora is None else int(q_lora),
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
-        # V2 rotates (x0, x1) pairs as complex numbers; V3 has the flag (default on)
-        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
-        moe_layer_freq=freq,
-        n_routed_experts=n_routed,
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        num_experts_per_tok=top_k,
-        n_group=n_group,
-        topk_group=topk_group,
-        topk_method=method,
-        scoring_func=scoring,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
-        # what the shared dense code reads: the query/key head (memory estimates) and all
-        # heads as "KV heads" (TP checks); the cache itself is the latent (kv_layout)
-        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
-        num_kv_heads=int(cfg["num_attention_heads"]),
-    )
     checks = [
-        ("kv_lora_rank", out["kv_lora_rank"] >= 1, "must be >= 1"),
-        ("q_lora_rank", q_lora is None or out["q_lora_rank"] >= 1, "must be >= 1 or null"),
-        ("qk_rope_head_dim", out["qk_rope_head_dim"] >= 2 and out["qk_rope_head_dim"] % 2 == 0,
-         "must be even and >= 2"),
-        ("qk_nope_head_dim", out["qk_nope_head_dim"] >= 1, "must be >= 1"),
-        ("v_head_dim", out["v_head_dim"] >= 1, "must be >= 1"),
+        ("kv_lora_rank", int(cfg["kv_lora_rank"]) >= 1, "must be >= 1"),
+        ("q_lora_rank", q_lora is None or int(q_lora) >= 1, "must be >= 1 or null"),
+        ("qk_rope_head_dim", int(cfg["qk_rope_head_dim"]) >= 2
+         and int(cfg["qk_rope_head_dim"]) % 2 == 0, "must be even and >= 2"),
+        ("qk_nope_head_dim", int(cfg["qk_nope_head_dim"]) >= 1, "must be >= 1"),
+        ("v_head_dim", int(cfg["v_head_dim"]) >= 1, "must be >= 1"),
         ("moe_layer_freq", freq >= 1, "must be >= 1"),
+        ("first_k_dense_replace", first_dense >= 0, "must be >= 0"),
         ("num_experts_per_tok", n_routed == 0 or 1 <= top_k <= n_routed,
          "must be in [1, n_routed_experts]"),
-        ("moe_intermediate_size", n_routed == 0 or out["moe_intermediate_size"] >= 1,
-         "must be >= 1"),
+        ("moe_intermediate_size", n_routed == 0 or moe_inter >= 1, "must be >= 1"),
         ("n_group", n_routed == 0 or (n_group >= 1 and n_routed % n_group == 0),
          "must divide n_routed_experts"),
         ("topk_group", 1 <= topk_group <= n_group, "must be in [1, n_group]"),
@@ -208,7 +249,33 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
     for name, ok, why in checks:
         if not ok:
             raise refuse(name, why)
-    return out
+    # DeepSeek's rule: dense below first_k_dense_replace, then every moe_layer_freq-th
+    # layer (transformers reads no moe_layer_freq: released configs all have 1)
+    layers = tuple(i for i in range(int(cfg["num_hidden_layers"]))
+                   if i >= first_dense and i % freq == 0)
+    grouped = method != "greedy"  # V2's greedy ignores n_group (V2-Lite sets n_group 1)
+    shared = int(cfg.get("n_shared_experts") or 0)
+    moe = MoEConfig(
+        num_experts=n_routed, top_k=top_k, intermediate_size=moe_inter, layers=layers,
+        renormalize=v3 and bool(cfg.get("norm_topk_prob", True)), scoring_func=scoring,
+        n_group=n_group if grouped else None, topk_group=topk_group if grouped else None,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        score_bias=v3, n_shared_experts=shared, shared_intermediate_size=moe_inter * shared,
+        router_fp32=True) if n_routed and layers else None
+    return dict(
+        moe=moe,
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        # V2 rotates (x0, x1) pairs as complex numbers; V3 has the flag (default on)
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        # what the shared dense code reads: the query/key head (memory estimates) and all
+        # heads as "KV heads" (TP checks); the cache itself is the latent (kv_layout)
+        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
+        num_kv_heads=int(cfg["num_attention_heads"]),
+    )
 
 
 @dataclass(frozen=True)

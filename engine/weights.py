@@ -11,10 +11,9 @@ import torch
 
 from engine.attention import KernelSet
 from engine.config import ModelConfig
-from engine.models.deepseek import DeepseekForCausalLM
+from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TPGroup
-from engine.parallel.shards import local_from_full
 
 # hf name -> (dim, start, stop) this rank reads, or None for the whole tensor
 Slicer = Callable[[str], "tuple[int, int, int] | None"]
@@ -74,8 +73,7 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
                 g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
                 w = torch.empty(meta.shape, dtype=p.dtype, device=p.device)
                 w.normal_(0, 0.02, generator=g)
-            p.copy_(model.local_from_full(name, w) if isinstance(model, DeepseekForCausalLM)
-                    else local_from_full(model.shard, model.cfg, name, w))
+            p.copy_(model.local_from_full(name, w))
 
 
 def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.device,
@@ -85,9 +83,8 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
     prev = torch.get_default_dtype()
     torch.set_default_dtype(TORCH_DTYPES[dtype])
     try:
-        cls = DeepseekForCausalLM if cfg.is_mla else LlamaForCausalLM
         with torch.device(device):
-            model = cls(cfg, kernels, max_positions, group)
+            model = model_class(cfg)(cfg, kernels, max_positions, group)
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":

@@ -19,11 +19,18 @@ BASE: dict[str, Any] = dict(
     pad_token_id=0)
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
         "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}
+# MoE: layer 0 dense (first_k_dense_replace 1), layer 1 eight routed experts in 4 groups
+MOE: dict[str, Any] = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                           n_group=4, topk_group=2, moe_intermediate_size=32)
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "v2": ("v2", dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4,
-                      topk_group=2)),
-    # q LoRA, YaRN with an mscale correction on both cos/sin and the softmax scale
-    "v3": ("v3", dict(q_lora_rank=24, n_group=4, topk_group=2, rope_parameters=YARN)),
+    # q_proj (no q LoRA), softmax routing, group-limited greedy top-k, 2 shared experts
+    "v2": ("v2", dict(MOE, q_lora_rank=None, topk_method="group_limited_greedy",
+                      n_shared_experts=2)),
+    # q LoRA, YaRN with an mscale correction on both cos/sin and the softmax scale; sigmoid
+    # routing with a score-correction bias (noaux_tc), renormalized and scaled, 1 shared
+    "v3": ("v3", dict(MOE, q_lora_rank=24, rope_parameters=YARN, n_shared_experts=1,
+                      routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # dense layers, rotate-half rope
     "v3-noninterleaved": ("v3", dict(q_lora_rank=24, rope_interleave=False)),
 }
 
@@ -34,6 +41,11 @@ def make_tiny_deepseek(path: str, version: str, seed: int = 0, **overrides: Any)
     cfg_cls, model_cls = ((tf.DeepseekV2Config, tf.DeepseekV2ForCausalLM) if version == "v2"
                           else (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM))
     torch.manual_seed(seed)
-    model_cls(cfg_cls(**{**BASE, **overrides})).eval().save_pretrained(
-        path, safe_serialization=True)
+    model = model_cls(cfg_cls(**{**BASE, **overrides})).eval()
+    with torch.no_grad():  # transformers inits the bias to zeros: give it something to do
+        for layer in model.model.layers:
+            bias = getattr(layer.mlp, "gate", None)
+            if bias is not None and hasattr(bias, "e_score_correction_bias"):
+                bias.e_score_correction_bias.normal_(0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
     return path

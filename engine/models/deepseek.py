@@ -1,9 +1,12 @@
 """DeepSeek-V2 / V3: MLA attention (engine/models/mla.py) and, per layer, the dense MLP of
-the Llama family or DeepSeek's mixture of experts.
+the Llama family or DeepSeek's mixture of experts (engine/models/moe.py).
 
 The model reuses LlamaForCausalLM's forward (embedding, layers over the block-major cache,
 final norm) and its LM head; what differs is the layers, the RoPE table (qk_rope_head_dim
-wide, YaRN) and the weight names.
+wide, YaRN) and the weight names. Weight handling is two cooperating classes, in this MRO:
+DeepseekForCausalLM -> MoeForCausalLM (router, shared and routed experts; every other
+tensor goes to super()) -> _DeepseekDense (MLA attention, dense MLP, embedding, head) ->
+LlamaForCausalLM.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from engine.attention import AttentionMetadata, KernelSet
 from engine.config import ModelConfig
 from engine.models.llama import MLP, LlamaForCausalLM, RMSNorm
 from engine.models.mla import MLAAttention
+from engine.models.moe_model import MoeForCausalLM
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
@@ -28,16 +32,13 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
-                 group: TPGroup | None, layer: int) -> None:
+                 group: TPGroup | None, mlp: nn.Module | None) -> None:
+        """mlp: the layer's MoE block; None: the dense MLP."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = MLAAttention(cfg, kernels, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        if cfg.is_moe_layer(layer):
-            raise ValueError(f"n_routed_experts: layer {layer} is a mixture-of-experts layer, "
-                             "which needs engine/models/moe.py (not merged on this branch); "
-                             "first_k_dense_replace >= num_hidden_layers runs dense")
-        self.mlp = MLP(cfg, kernels, shard, group)
+        self.mlp = mlp if mlp is not None else MLP(cfg, kernels, shard, group)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_layer: torch.Tensor,
@@ -48,7 +49,9 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class DeepseekForCausalLM(LlamaForCausalLM):
+class _DeepseekDense(LlamaForCausalLM):
+    """Everything but the MoE blocks' weights (see the module docstring)."""
+
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, max_positions: int,
                  group: TPGroup | None = None) -> None:
         """group: this rank's tensor-parallel group (None: one rank holds everything)."""
@@ -61,7 +64,7 @@ class DeepseekForCausalLM(LlamaForCausalLM):
         g, sh = self.group, self.shard
         self.followers = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, kernels, sh, g, i)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, kernels, sh, g, self.make_mlp(i))
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(sh, cfg.vocab_size, cfg.hidden_size, g)
@@ -171,3 +174,14 @@ class DeepseekForCausalLM(LlamaForCausalLM):
                 dst.copy_(w.to(p.dtype))
             used.add(target)
         return used
+
+
+class DeepseekForCausalLM(MoeForCausalLM, _DeepseekDense):
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Returns the names of the parameters it filled (the MoE loader reports the shared
+        experts' by HF name: gate_proj and up_proj fill our fused gate_up_proj)."""
+        used = super().load_weights(weights)
+        return {_SHARED_GATE_UP.sub(r"\1.gate_up_proj.", n) for n in used}
+
+
+_SHARED_GATE_UP = re.compile(r"(\.shared_experts)\.(?:gate|up)_proj\.")

@@ -127,21 +127,30 @@ def _hf_cfg(version: str, **kw: Any) -> dict[str, Any]:
 
 def test_config_reads_deepseek_fields():
     v3 = ModelConfig.from_hf(_hf_cfg("v3", q_lora_rank=24, n_group=4, topk_group=2,
-                                     routed_scaling_factor=2.5, norm_topk_prob=True,
-                                     first_k_dense_replace=1, n_shared_experts=1))
-    assert v3.arch == "deepseek_v3" and v3.is_mla
+                                     routed_scaling_factor=2.5, first_k_dense_replace=1,
+                                     n_shared_experts=1, num_hidden_layers=4))
+    assert v3.arch == "deepseek_v3" and v3.is_mla and v3.rope_interleave
     assert (v3.q_lora_rank, v3.kv_lora_rank, v3.qk_nope_head_dim, v3.qk_rope_head_dim,
             v3.v_head_dim) == (24, 32, 16, 16, 24)
-    assert (v3.topk_method, v3.scoring_func, v3.n_group, v3.topk_group) == \
-        ("noaux_tc", "sigmoid", 4, 2)
-    assert (v3.routed_scaling_factor, v3.norm_topk_prob, v3.n_shared_experts) == \
-        (2.5, True, 1)
-    assert v3.rope_interleave and not v3.is_moe_layer(0) and v3.is_moe_layer(1)
-    v2 = ModelConfig.from_hf(_hf_cfg("v2", moe_layer_freq=2, first_k_dense_replace=1))
-    assert (v2.topk_method, v2.scoring_func, v2.q_lora_rank) == ("greedy", "softmax", None)
-    assert [v2.is_moe_layer(i) for i in range(4)] == [False, False, True, False]
+    m = v3.moe
+    assert m is not None and m.layers == (1, 2, 3)
+    assert (m.scoring_func, m.score_bias, m.n_group, m.topk_group, m.renormalize) == \
+        ("sigmoid", True, 4, 2, True)  # noaux_tc; transformers' V3 default renormalizes
+    assert (m.routed_scaling_factor, m.n_shared_experts, m.shared_intermediate_size,
+            m.router_fp32) == (2.5, 1, 32, True)
+    v2 = ModelConfig.from_hf(_hf_cfg("v2", moe_layer_freq=2, first_k_dense_replace=1,
+                                     num_hidden_layers=4, n_group=4, topk_group=2))
+    assert v2.q_lora_rank is None and v2.moe is not None
+    assert v2.moe.layers == (2,)  # DeepSeek's moe_layer_freq rule
+    # greedy ignores the groups; softmax, no renormalization, no bias
+    assert (v2.moe.n_group, v2.moe.scoring_func, v2.moe.renormalize, v2.moe.score_bias) == \
+        (None, "softmax", False, False)
+    grouped = ModelConfig.from_hf(_hf_cfg("v2", topk_method="group_limited_greedy",
+                                          n_group=4, topk_group=2, first_k_dense_replace=1))
+    assert grouped.moe is not None and (grouped.moe.n_group, grouped.moe.topk_group) == (4, 2)
+    assert ModelConfig.from_hf(_hf_cfg("v2")).moe is None  # first_k_dense_replace 2 of 2
     llama = ModelConfig.from_hf({**BASE, "architectures": ["LlamaForCausalLM"]})
-    assert not llama.is_mla and not llama.is_moe_layer(5)
+    assert not llama.is_mla and llama.moe is None
 
 
 @pytest.mark.parametrize("version,field,value", [
@@ -150,7 +159,6 @@ def test_config_reads_deepseek_fields():
     ("v2", "scoring_func", "sigmoid"),
     ("v3", "topk_method", "greedy"),
     ("v3", "scoring_func", "softmax"),
-    ("v3", "hidden_act", "gelu"),
     ("v3", "attention_bias", True),
     ("v2", "n_group", 3),  # does not divide 8 experts
     ("v2", "topk_group", 5),
@@ -165,6 +173,11 @@ def test_config_refuses_unimplemented_values_by_name(version, field, value):
         kw.setdefault("n_group", 4)
     with pytest.raises(ValueError, match=f"^{field}: "):
         ModelConfig.from_hf(_hf_cfg(version, **kw))
+
+
+def test_hidden_act_is_refused_by_name():
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf(_hf_cfg("v3", hidden_act="gelu"))
 
 
 def test_tensor_parallel_2_equals_tp1_and_transformers(ds_models):

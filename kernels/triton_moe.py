@@ -1,0 +1,249 @@
+"""Triton fused mixture-of-experts MLP (kernels/ref_moe.py's contract).
+
+Four steps, none of which reads a device value on the host, so a decode step that runs
+them can be captured in a CUDA graph (every size below comes from shapes alone):
+
+1. align (`moe_align`): the T*k (token, slot) pairs are sorted by expert and each
+   expert's run is padded to a multiple of BLOCK_M, so a BLOCK_M-row tile holds pairs of
+   one expert only. Its output is `sorted_ids` (pair index per padded row; N = T*k marks
+   padding) and `block_expert` (the local expert of each tile; -1 past the last tile).
+   The tile count is bounded from shapes: an expert with c pairs needs ceil(c / BM) tiles,
+   at most min(N, E_local) experts are non-empty, so N + min(N, E_local) * (BM - 1) rows.
+2. gate/up (`_gate_up_kernel`): a grouped GEMM, tile (m, n) computes rows m of one
+   expert against columns n of that expert's gate and of its up projection, and stores
+   silu(gate) * up: the [T*k, 2I] product never reaches memory.
+3. down (`_down_kernel`): the same grouped GEMM over w2, with the router's weight of each
+   pair applied in the epilogue; one output row per pair.
+4. sum (`_sum_topk_kernel`): each token's k rows added in float32, in slot order (the
+   result is deterministic, unlike atomics), and pairs routed to another rank's experts
+   skipped.
+
+Decode reads each touched expert's weights once: a tile's weights are one expert's, and at
+few tokens per expert there is one row tile per expert. Tile sizes come from
+kernels/moe_configs.json, keyed by device name and token-count bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
+
+
+@functools.cache
+def _config_table() -> dict[str, dict[str, dict[str, int]]]:
+    with open(CONFIG_FILE) as f:
+        table: dict[str, dict[str, dict[str, int]]] = json.load(f)["configs"]
+    return table
+
+
+def tile_config(num_tokens: int, device: torch.device) -> dict[str, int]:
+    """The tile config for a call with `num_tokens` rows: the device's table (by its CUDA
+    name; "cpu" for the interpreter), else "default"; within it the smallest bucket at or
+    above num_tokens, else the largest."""
+    table = _config_table()
+    buckets = table.get(_device_name(device)) or table["default"]
+    sizes = sorted(int(b) for b in buckets)
+    pick = next((b for b in sizes if b >= num_tokens), sizes[-1])
+    return buckets[str(pick)]
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    """Cached: the name is asked on every launch, on the decode step's host path."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def max_sorted_rows(num_pairs: int, num_local: int, block_m: int) -> int:
+    """Rows of the padded, expert-sorted layout (a bound from shapes, module doc step 1)."""
+    rows = num_pairs + min(num_pairs, num_local) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
+              num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] global ids -> (sorted_ids [P] int32, block_expert [P / BM] int32).
+    Pairs keep their order within an expert (a stable sort), so the layout is a pure
+    function of topk_ids."""
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    p = max_sorted_rows(n, num_local, block_m)
+    ids = topk_ids.reshape(-1).to(torch.int64) - expert_start  # [N]
+    valid = (ids >= 0) & (ids < num_local)
+    key = torch.where(valid, ids, num_local)  # [N]; bucket E_local: another rank's pair
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, torch.ones_like(key))  # [E+1]; bincount would sync
+    padded = (counts + block_m - 1) // block_m * block_m  # [E+1]
+    padded[num_local] = 0
+    pad_end = torch.cumsum(padded, 0)  # [E+1]
+    pad_start = pad_end - padded
+    run_start = torch.cumsum(counts, 0) - counts  # [E+1]: unpadded run starts
+    order = torch.sort(key, stable=True).indices  # [N] pair ids grouped by expert
+    skey = key[order]
+    rank = torch.arange(n, device=dev) - run_start[skey]  # position within the expert's run
+    # other ranks' pairs all land in one dump row past the end, sliced off
+    dest = torch.where(skey < num_local, pad_start[skey] + rank, p)  # [N]
+    sorted_ids = torch.full((p + 1,), n, dtype=torch.int32, device=dev)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    starts = torch.arange(0, p, block_m, device=dev)  # [P / BM] first row of each tile
+    block_expert = torch.searchsorted(pad_end[:num_local], starts, right=True)
+    block_expert = torch.where(starts < pad_end[num_local - 1], block_expert, -1)
+    return sorted_ids[:p], block_expert.to(torch.int32)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr,
+    N, H, INTER, TOP_K,
+    s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if e < 0:  # a tile past the experts' padded runs: nothing to do
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)  # [BM]; N: padding
+    row_ok = pair < N
+    tok = (pair // TOP_K).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of INTER
+    col_ok = cols < INTER
+    ks = tl.arange(0, BLOCK_K)
+    w_gate = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn  # [1, BN]
+    w_up = w_gate + INTER * s_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < H
+        a = tl.load(x_ptr + tok[:, None] * s_x + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BM, BK]
+        wm = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(w_gate + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)  # [BK, BN]
+        u = tl.load(w_up + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)
+        acc_g = tl.dot(a, g, acc_g)
+        acc_u = tl.dot(a, u, acc_u)
+    # rounded to the storage dtype as HF's unfused linear outputs are, then the activation
+    g_r = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = g_r / (1.0 + tl.exp(-g_r)) * u_r
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * s_o + cols[None, :],
+             act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
+    N, H, INTER,
+    s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < N
+    pair64 = pair.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn  # [1, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kk = k0 + ks
+        k_ok = kk < INTER
+        a = tl.load(a_ptr + pair64[:, None] * s_a + kk[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        w = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(DOT_DTYPE)  # [BK, BN]
+        acc = tl.dot(a, w, acc)
+    # the router weight applied to the expert's rounded output, as HF does
+    wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
+    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+    tl.store(out_ptr + pair64[:, None] * s_o + cols[None, :], y,
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K, expert_start, num_local,
+                     s_y, s_o, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
+        if (e >= 0) & (e < num_local):  # another rank's pair wrote no row
+            acc += tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_start: int = 0, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """x: [T, H]; w13: [E_local, 2I, H]; w2: [E_local, H, I]; topk_weights: [T, k]
+    float32; topk_ids: [T, k] int32/int64 global ids; config: tile sizes (default: the
+    table's). Returns [T, H] in x's dtype."""
+    check(x.dim() == 2, "x: expected [T, H]")
+    check(w13.dim() == 3 and w2.dim() == 3, "w13, w2: expected [E, 2I, H], [E, H, I]")
+    t, h = x.shape
+    e_local, two_i, _ = w13.shape
+    inter = two_i // 2
+    check(tuple(w13.shape) == (e_local, 2 * inter, h) and two_i % 2 == 0,
+          f"w13: expected [E, 2I, {h}], got {tuple(w13.shape)}")
+    check(tuple(w2.shape) == (e_local, h, inter),
+          f"w2: expected {(e_local, h, inter)}, got {tuple(w2.shape)}")
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == t, "topk_ids: expected [T, k]")
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+          "topk_weights: expected the shape of topk_ids")
+    check(topk_weights.dtype == torch.float32, "topk_weights: expected float32")
+    check_float("x", x)
+    check(w13.dtype == x.dtype and w2.dtype == x.dtype, "w13, w2: expected x's dtype")
+    check_int("topk_ids", topk_ids)
+    check_device(x, w13, w2, topk_weights, topk_ids)
+    for name, ten in (("x", x), ("w13", w13), ("w2", w2)):
+        check(ten.stride(-1) == 1, f"{name}: rows must be contiguous")
+    k = topk_ids.shape[1]
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    cfg = config or tile_config(t, x.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 2)}
+    n = t * k
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    sorted_ids, block_expert = moe_align(ids, bm, expert_start, e_local)
+    tiles_m = block_expert.shape[0]
+    dot = compute_dtype(x)
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
+    _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
+        x, w13, act, sorted_ids, block_expert, n, h, inter, k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, **launch)
+    y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
+    bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
+    _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
+        act, w2, y, sorted_ids, block_expert, weights, n, h, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, **launch)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
+        y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
+        BLOCK_H=block_h, num_warps=4)
+    return out
