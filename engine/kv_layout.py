@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what must be equal between peers for their KV to be the same numbers (not the TP split)
@@ -53,6 +57,14 @@ def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: {tp_rank} outside [0, {tp_size})")
     return tp_rank * num_kv_heads // tp_size, max(1, num_kv_heads // tp_size)
+
+
+def kv_shape_of(cfg: ModelConfig) -> dict[str, int]:
+    """KVLayout's fields for what a token of this model stores per layer: its K/V heads, or
+    (MLA) the latent, kv_lora_rank + qk_rope_head_dim values."""
+    if cfg.is_mla:
+        return KVLayout.kv_shape("mla", 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return KVLayout.kv_shape("kv", cfg.num_kv_heads, cfg.head_dim)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.kv_layout import KVLayout
+from engine.kv_layout import KVLayout, kv_shape_of
 from engine.model_runner import InflightStep, ModelRunner
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult
@@ -48,14 +48,10 @@ class LLMEngine:
         self.model_name = model_name
         self.device = torch.device(config.device)
         self.max_model_len = _max_model_len(config, model_cfg)
-        # what a token stores per layer: K/V heads, or MLA's latent (one head, every rank)
-        kv_shape = (KVLayout.kv_shape("mla", 1, model_cfg.kv_lora_rank
-                                      + model_cfg.qk_rope_head_dim) if model_cfg.is_mla
-                    else KVLayout.kv_shape("kv", model_cfg.num_kv_heads, model_cfg.head_dim))
         self.layout = KVLayout(
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
-            num_layers=model_cfg.num_layers, **kv_shape, num_blocks=1,
-            # rank 0's pool: its own heads (model.shard), which head_range must agree with
+            num_layers=model_cfg.num_layers, **kv_shape_of(model_cfg), num_blocks=1,
+            # rank 0's pool: its own heads (model.shard; MLA: the latent, whole on every rank)
             tp_size=config.tensor_parallel_size, tp_rank=0)
         assert model_cfg.is_mla or self.layout.head_count == model.shard.num_kv_heads, \
             "TP head split differs"
