@@ -25,6 +25,10 @@ class AttentionMetadata:
     # Host-known bound on seq_lens: sizes decode's split-K from the real contexts. None
     # (CUDA graphs, whose grid cannot change per step): the block table's capacity.
     max_seq_len: int | None = None
+    # The same lengths as host lists when the step was planned on the host (eager steps;
+    # None in CUDA graphs): MLA splits a mixed step's prefill and decode rows with them.
+    cu_seqlens_q_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
 
 @dataclass(frozen=True)

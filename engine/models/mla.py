@@ -6,10 +6,13 @@ kind "mla"): ``c`` is the compressed KV after kv_a_layernorm (C = kv_lora_rank v
 come from ``c`` through kv_b_proj, whose weight is, per head, W_UK [Dn, C] (the key's
 non-rotated part) stacked on W_UV [Dv, C] (the value).
 
-- Prefill (and any step with more than one query per request) decompresses the context's
+- Prefill (requests with more than one query in the step) decompresses the context's
   latent rows, prior chunks' included, into per-head K [Dn | R] and V and runs the dense
   paged prefill attention on them: its FLOPs are those of ordinary attention, and a
-  chunk needs no latent-specific kernel.
+  chunk needs no latent-specific kernel. In a mixed step (planned on the host, so the
+  lengths are host lists) only the prefilling requests' own blocks are decompressed; the
+  requests decoding beside them take the absorbed path. Without host lengths every block
+  the tables name is decompressed (correct, and bounded by the tables' size).
 - Decode runs in the absorbed form: q_nope goes through W_UK onto the latent, attention
   is multi-query over the latent rows themselves (kernels/triton_mla_decode.py), and the
   result goes through W_UV. A step then reads C + R values per token instead of
@@ -21,6 +24,8 @@ computes and stores the same latent. o_proj is row-parallel: one all-reduce.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -85,9 +90,13 @@ class MLAAttention(nn.Module):
         assert self.k.store_latent is not None
         self.k.store_latent(latent, kv_layer, meta.slot_mapping)
         if meta.decode_only:
-            o = self._decode(q_nope, q_pe, kv_layer, meta)
+            o = self._decode(q_nope, q_pe, kv_layer, meta.block_tables, meta.seq_lens,
+                             meta.max_seq_len)
+        elif meta.cu_seqlens_q_host is not None and meta.seq_lens_host is not None:
+            o = self._mixed(q_nope, q_pe, kv_layer, meta, _split_of(meta, kv_layer.shape[2]))
         else:
-            o = self._prefill(q_nope, q_pe, kv_layer, meta)
+            o = self._prefill(q_nope, q_pe, kv_layer, meta.block_tables, meta.cu_seqlens_q,
+                              meta.seq_lens)
         out = self.o_proj(o.reshape(t, self.h * self.dv))
         return out if self.group is None else self.group.all_reduce(out)
 
@@ -97,28 +106,50 @@ class MLAAttention(nn.Module):
         return w[:, :self.dn], w[:, self.dn:]
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:  # [B, H, Dv]
+                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                max_seq_len: int | None) -> torch.Tensor:  # [B, H, Dv]
+        """One query per request, in the absorbed form."""
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, B, C]
         q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, H, C + R]
         assert self.k.mla_decode is not None
-        o_lat = self.k.mla_decode(q, kv_layer, meta.block_tables, meta.seq_lens, self.scale,
-                                  self.c, max_seq_len=meta.max_seq_len)  # [B, H, C]
+        o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
+                                  max_seq_len=max_seq_len)  # [B, H, C]
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
+    def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+               meta: AttentionMetadata, sp: _Split) -> torch.Tensor:  # [T, H, Dv]
+        """Decoding rows absorbed, prefilling requests on their own decompressed blocks."""
+        o = q_nope.new_empty(q_nope.shape[0], self.h, self.dv)
+        if sp.dec_rows is not None:
+            assert sp.dec_reqs is not None
+            o[sp.dec_rows] = self._decode(
+                q_nope[sp.dec_rows], q_pe[sp.dec_rows], kv_layer,
+                meta.block_tables[sp.dec_reqs], meta.seq_lens[sp.dec_reqs], sp.dec_max_len)
+        if sp.pre_rows is not None:
+            assert sp.pre_blocks is not None and sp.pre_tables is not None \
+                and sp.pre_cu is not None and sp.pre_lens is not None
+            blocks = meta.block_tables.reshape(-1)[sp.pre_blocks]  # [Nb]: their own blocks
+            o[sp.pre_rows] = self._prefill(q_nope[sp.pre_rows], q_pe[sp.pre_rows], kv_layer,
+                                           blocks, sp.pre_cu, sp.pre_lens, sp.pre_tables)
+        return o
+
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:  # [T, H, Dv]
-        """Decompresses every block the step's tables name (no host sync: padding entries
-        are decompressed too, and never read) into a dense paged K/V of this rank's heads,
-        then runs the dense paged prefill attention on it."""
-        bt = meta.block_tables  # [B, W]
-        b, w = bt.shape
+                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens: torch.Tensor,
+                 tables: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
+        """Decompresses the blocks `block_tables` names into a dense paged K/V of this rank's
+        heads and runs the dense paged prefill attention on it. block_tables: [B, W] (every
+        entry is decompressed, padding too: no host sync) with tables None, or the flat
+        [Nb] blocks that `tables` [B, W'] indexes."""
+        bt = block_tables
         bs = kv_layer.shape[2]
-        lat = kv_layer[bt.reshape(-1).long(), 0, :, 0]  # [B*W, BS, C + R]
-        kv = self.kv_b_proj(lat[..., :self.c])  # [B*W, BS, H * (Dn + Dv)]
-        kv = kv.view(b * w, bs, self.h, self.dn + self.dv)
+        lat = kv_layer[bt.reshape(-1).long(), 0, :, 0]  # [Nb, BS, C + R]
+        nb = lat.shape[0]
+        kv = self.kv_b_proj(lat[..., :self.c])  # [Nb, BS, H * (Dn + Dv)]
+        kv = kv.view(nb, bs, self.h, self.dn + self.dv)
         d = self.pad_dim
-        paged = kv.new_zeros(b * w, 2, bs, self.h, d)  # [B*W, 2, BS, H, D]
+        paged = kv.new_zeros(nb, 2, bs, self.h, d)  # [Nb, 2, BS, H, D]
         paged[:, 0, :, :, :self.dn] = kv[..., :self.dn]
         paged[:, 0, :, :, self.dn:self.dn + self.r] = lat[:, :, None, self.c:]
         paged[:, 1, :, :, :self.dv] = kv[..., self.dn:]
@@ -126,7 +157,63 @@ class MLAAttention(nn.Module):
         q = q_nope.new_zeros(t, self.h, d)
         q[..., :self.dn] = q_nope
         q[..., self.dn:self.dn + self.r] = q_pe
-        tables = torch.arange(b * w, dtype=torch.int32, device=bt.device).view(b, w)
-        o = self.k.prefill_attention(q, paged, tables, meta.cu_seqlens_q, meta.seq_lens,
+        if tables is None:  # block (b, j) of the step's tables is row b * W + j of paged
+            tables = torch.arange(nb, dtype=torch.int32, device=bt.device).view(bt.shape)
+        o = self.k.prefill_attention(q, paged, tables, cu_seqlens_q, seq_lens,
                                      self.scale)  # [T, H, D]
         return o[..., :self.dv]
+
+
+@dataclass
+class _Split:
+    """A mixed step's requests split by kind, as device index tensors (None: no such rows).
+    Made once per step (every MLA layer reads the same one)."""
+
+    dec_rows: torch.Tensor | None  # [Bd] int64: the token row of each decoding request
+    dec_reqs: torch.Tensor | None  # [Bd] int64: its request index
+    dec_max_len: int  # longest decoding context (the decode kernel's split hint)
+    pre_rows: torch.Tensor | None  # [Tp] int64: every token row of the prefilling requests
+    pre_blocks: torch.Tensor | None  # [Nb] int64: flat indices into block_tables of theirs
+    pre_tables: torch.Tensor | None  # [Bp, W'] int32: request p's blocks among those Nb
+    pre_cu: torch.Tensor | None  # [Bp + 1] int32: their queries among the Tp rows
+    pre_lens: torch.Tensor | None  # [Bp] int32
+
+
+def _split_of(meta: AttentionMetadata, block_size: int) -> _Split:
+    """The step's split, built from the host lengths at the first MLA layer and kept on
+    the metadata for the others."""
+    cached = getattr(meta, "_mla_split", None)
+    if isinstance(cached, _Split):
+        return cached
+    cu, lens = meta.cu_seqlens_q_host, meta.seq_lens_host
+    assert cu is not None and lens is not None
+    dev = meta.block_tables.device
+    width = meta.block_tables.shape[1]
+
+    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor | None:
+        return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True) if data else None
+
+    dec = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    pre = [b for b in range(len(lens)) if cu[b + 1] - cu[b] > 1]
+    rows: list[int] = []
+    flat: list[int] = []
+    tables: list[list[int]] = []
+    pre_cu = [0]
+    for b in pre:
+        rows.extend(range(cu[b], cu[b + 1]))
+        pre_cu.append(len(rows))
+        n = -(-lens[b] // block_size)
+        tables.append(list(range(len(flat), len(flat) + n)))
+        flat.extend(range(b * width, b * width + n))
+    w = max((len(t) for t in tables), default=0)
+    split = _Split(
+        dec_rows=tensor([cu[b] for b in dec], torch.int64),
+        dec_reqs=tensor(dec, torch.int64),
+        dec_max_len=max((lens[b] for b in dec), default=0),
+        pre_rows=tensor(rows, torch.int64),
+        pre_blocks=tensor(flat, torch.int64),
+        pre_tables=tensor([t + [0] * (w - len(t)) for t in tables], torch.int32),
+        pre_cu=tensor(pre_cu if pre else [], torch.int32),
+        pre_lens=tensor([lens[b] for b in pre], torch.int32))
+    meta._mla_split = split  # type: ignore[attr-defined]
+    return split

@@ -42,10 +42,12 @@ def test_greedy_matches_transformers(ds_models, make_llm, name, budget):
         assert res.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (name, prompt)
 
 
-def _engine_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
+def _engine_logits(path: str, prompt: list[int], chunk: int, host: bool) -> torch.Tensor:
     """[len(prompt), vocab]: the prompt but its last token prefilled in chunks of `chunk`
     (each reading the previous chunks' latent from the paged cache), then the last token
-    as a decode step (the absorbed form)."""
+    as a decode step (the absorbed form). host: the chunks' lengths come as host lists too
+    (as the engine's planned steps give them), so MLA decompresses only the request's own
+    blocks; else every block of the table."""
     from engine.attention import AttentionMetadata, kernels_for
     from engine.weights import build_model, read_model_config
 
@@ -65,15 +67,16 @@ def _engine_logits(path: str, prompt: list[int], chunk: int) -> torch.Tensor:
             slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in pos.tolist()]),
             block_tables=table, cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
             seq_lens=torch.tensor([end], dtype=torch.int32), decode_only=end - start == 1,
-            max_seq_len=end)
+            max_seq_len=end, cu_seqlens_q_host=[0, end - start] if host else None,
+            seq_lens_host=[end] if host else None)
         with torch.inference_mode():
             out.append(model.compute_logits(model(torch.tensor(prompt[start:end]), pos, kv,
                                                   meta)))
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("name", ["v2", "v3"])
-def test_logits_match_transformers(ds_models, name):
+@pytest.mark.parametrize("name,host", [("v2", True), ("v3", True), ("v3", False)])
+def test_logits_match_transformers(ds_models, name, host):
     import transformers as tf
 
     path = ds_models[name]
@@ -81,7 +84,7 @@ def test_logits_match_transformers(ds_models, name):
     hf = tf.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0].float()
-    got = _engine_logits(path, prompt, chunk=5)
+    got = _engine_logits(path, prompt, chunk=5, host=host)
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
     assert err < 2e-4 * want.abs().max().item(), err
