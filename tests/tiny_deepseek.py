@@ -18,7 +18,7 @@ BASE: dict[str, Any] = dict(
     initializer_range=0.3, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     pad_token_id=0)
 YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-        "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8}
+        "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 0.8}
 # MoE: layer 0 dense (first_k_dense_replace 1), layer 1 eight routed experts in 4 groups
 MOE: dict[str, Any] = dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
                            n_group=4, topk_group=2, moe_intermediate_size=32)
@@ -49,3 +49,36 @@ def make_tiny_deepseek(path: str, version: str, seed: int = 0, **overrides: Any)
                 bias.e_score_correction_bias.normal_(0, 0.3)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def engine_logits(path: str, prompt: list[int], chunk: int, host: bool) -> torch.Tensor:
+    """[len(prompt), vocab]: the prompt but its last token prefilled in chunks of `chunk`
+    (each reading the previous chunks' latent from the paged cache), then the last token
+    as a decode step (the absorbed form). host: the chunks' lengths come as host lists too
+    (as the engine's planned steps give them), so MLA decompresses only the request's own
+    blocks; else every block of the table."""
+    from engine.attention import AttentionMetadata, kernels_for
+    from engine.weights import build_model, read_model_config
+
+    cfg = read_model_config(path)
+    cpu = torch.device("cpu")
+    model = build_model(path, cfg, kernels_for(cpu), cpu, "float32", "auto", 512)
+    bs = 4
+    nb = -(-len(prompt) // bs)
+    kv = torch.zeros(nb + 2, cfg.num_layers, 1, bs, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    blocks = list(range(nb + 1, 1, -1))  # scattered: block i of the prompt is not block i
+    table = torch.tensor([blocks], dtype=torch.int32)
+    out = []
+    spans = [(s, min(s + chunk, len(prompt) - 1)) for s in range(0, len(prompt) - 1, chunk)]
+    for start, end in [*spans, (len(prompt) - 1, len(prompt))]:
+        pos = torch.arange(start, end)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in pos.tolist()]),
+            block_tables=table, cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32), decode_only=end - start == 1,
+            max_seq_len=end, cu_seqlens_q_host=[0, end - start] if host else None,
+            seq_lens_host=[end] if host else None)
+        with torch.inference_mode():
+            out.append(model.compute_logits(model(torch.tensor(prompt[start:end]), pos, kv,
+                                                  meta)))
+    return torch.cat(out)

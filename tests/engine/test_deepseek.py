@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_deepseek import BASE, MODELS, make_tiny_deepseek
+from tiny_deepseek import BASE, MODELS, engine_logits, make_tiny_deepseek
 from tiny_models import PROMPTS, hf_greedy
 
 from engine.config import ModelConfig
@@ -42,39 +42,6 @@ def test_greedy_matches_transformers(ds_models, make_llm, name, budget):
         assert res.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (name, prompt)
 
 
-def _engine_logits(path: str, prompt: list[int], chunk: int, host: bool) -> torch.Tensor:
-    """[len(prompt), vocab]: the prompt but its last token prefilled in chunks of `chunk`
-    (each reading the previous chunks' latent from the paged cache), then the last token
-    as a decode step (the absorbed form). host: the chunks' lengths come as host lists too
-    (as the engine's planned steps give them), so MLA decompresses only the request's own
-    blocks; else every block of the table."""
-    from engine.attention import AttentionMetadata, kernels_for
-    from engine.weights import build_model, read_model_config
-
-    cfg = read_model_config(path)
-    cpu = torch.device("cpu")
-    model = build_model(path, cfg, kernels_for(cpu), cpu, "float32", "auto", 512)
-    bs = 4
-    nb = -(-len(prompt) // bs)
-    kv = torch.zeros(nb + 2, cfg.num_layers, 1, bs, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    blocks = list(range(nb + 1, 1, -1))  # scattered: block i of the prompt is not block i
-    table = torch.tensor([blocks], dtype=torch.int32)
-    out = []
-    spans = [(s, min(s + chunk, len(prompt) - 1)) for s in range(0, len(prompt) - 1, chunk)]
-    for start, end in [*spans, (len(prompt) - 1, len(prompt))]:
-        pos = torch.arange(start, end)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor([blocks[p // bs] * bs + p % bs for p in pos.tolist()]),
-            block_tables=table, cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
-            seq_lens=torch.tensor([end], dtype=torch.int32), decode_only=end - start == 1,
-            max_seq_len=end, cu_seqlens_q_host=[0, end - start] if host else None,
-            seq_lens_host=[end] if host else None)
-        with torch.inference_mode():
-            out.append(model.compute_logits(model(torch.tensor(prompt[start:end]), pos, kv,
-                                                  meta)))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("name,host", [("v2", True), ("v3", True), ("v3", False)])
 def test_logits_match_transformers(ds_models, name, host):
     import transformers as tf
@@ -84,7 +51,7 @@ def test_logits_match_transformers(ds_models, name, host):
     hf = tf.AutoModelForCausalLM.from_pretrained(path).eval()
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0].float()
-    got = _engine_logits(path, prompt, chunk=5, host=host)
+    got = engine_logits(path, prompt, chunk=5, host=host)
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
     assert err < 2e-4 * want.abs().max().item(), err
@@ -196,3 +163,20 @@ def test_tensor_parallel_2_equals_tp1_and_transformers(ds_models):
     tp2 = run(tensor_parallel_size=2)
     for prompt, toks in zip(PROMPTS, tp2, strict=True):
         assert toks == hf_greedy(path, prompt, params.max_tokens), prompt
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_cuda_triton_and_graphs_equal_transformers(ds_models, name):
+    # On the GPU: Triton latent store, rope, MLA decode (split-K, inside CUDA graphs) and
+    # fused MoE; fp32, so greedy tokens equal transformers' run on the CPU
+    from engine.llm import LLM
+
+    path = ds_models[name]
+    with LLM(path, device="cuda", dtype="float32", block_size=16,
+             max_num_batched_tokens=32) as llm:
+        results = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays
+    for prompt, res in zip(PROMPTS, results, strict=True):
+        assert res.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (name, prompt)

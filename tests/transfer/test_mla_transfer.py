@@ -99,3 +99,15 @@ def test_layout_kind_is_part_of_the_fingerprint():
         KVLayout(**same, num_kv_heads=2, head_dim=576, planes=1)
     with pytest.raises(ValueError, match="^planes: "):
         KVLayout(**same, num_kv_heads=1, head_dim=576, planes=3)
+
+
+def test_tp_plans_of_a_latent_layout():
+    # One "head": every rank of either side holds the whole latent. A TP2 producer sends
+    # it once (from rank 0) to a TP1 consumer; a TP1 producer sends it to each rank of a
+    # TP2 consumer (once per consumer rank: moving it once per worker and copying it
+    # between the consumer's ranks is not built yet)
+    from transfer.tp_plan import plan
+
+    assert [(p.src_rank, p.dst_rank, p.num_heads) for p in plan(2, 1, 1)] == [(0, 0, 1)]
+    assert [(p.src_rank, p.dst_rank) for p in plan(1, 2, 1)] == [(0, 0), (0, 1)]
+    assert [(p.src_rank, p.dst_rank) for p in plan(2, 2, 1)] == [(0, 0), (1, 1)]
