@@ -145,6 +145,51 @@ def test_config_refuses_unimplemented_values_by_name(version, field, value):
         ModelConfig.from_hf(_hf_cfg(version, **kw))
 
 
+# the released configs' fields (values as published), minus what only sizes the model
+V2_LITE = dict(
+    architectures=["DeepseekV2ForCausalLM"], hidden_size=2048, intermediate_size=10944,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, vocab_size=102400,
+    max_position_embeddings=163840, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, first_k_dense_replace=1, moe_layer_freq=1,
+    n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+    topk_method="greedy", scoring_func="softmax", norm_topk_prob=False,
+    routed_scaling_factor=1.0, moe_intermediate_size=1408, aux_loss_alpha=0.001, seq_aux=True,
+    ep_size=1, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000, attention_bias=False,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                  "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                  "type": "yarn"})
+V3 = dict(
+    V2_LITE, architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
+    intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128,
+    num_key_value_heads=128, vocab_size=129280, q_lora_rank=1536, first_k_dense_replace=3,
+    n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+    topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+    routed_scaling_factor=2.5, moe_intermediate_size=2048, num_nextn_predict_layers=1,
+    rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                  "type": "yarn"})
+
+
+def test_released_configs():
+    import math
+
+    lite = ModelConfig.from_hf(V2_LITE)
+    assert lite.moe is not None and lite.moe.layers == tuple(range(1, 27))
+    assert (lite.moe.top_k, lite.moe.n_group, lite.moe.shared_intermediate_size) == \
+        (6, None, 2 * 1408)
+    assert lite.kv_lora_rank + lite.qk_rope_head_dim == 576 and lite.q_lora_rank is None
+    v3 = ModelConfig.from_hf(V3)
+    assert v3.moe is not None and v3.moe.layers == tuple(range(3, 61))
+    assert (v3.moe.n_group, v3.moe.topk_group, v3.moe.score_bias) == (8, 4, True)
+    from engine.rope import rope_attention_factor, softmax_mscale
+    scaling = dict(v3.rope_scaling or ())
+    assert rope_attention_factor(scaling) == 1.0  # mscale == mscale_all_dim
+    assert softmax_mscale(scaling) == pytest.approx((0.1 * math.log(40) + 1) ** 2)
+    # the published V3 checkpoint is fp8: refused by name, not loaded as garbage
+    with pytest.raises(ValueError, match="^quantization_config: "):
+        ModelConfig.from_hf({**V3, "quantization_config": {"quant_method": "fp8"}})
+
+
 def test_hidden_act_is_refused_by_name():
     with pytest.raises(ValueError, match="hidden_act"):
         ModelConfig.from_hf(_hf_cfg("v3", hidden_act="gelu"))
