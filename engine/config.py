@@ -172,7 +172,55 @@ def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
             intermediate_size=int(cfg.get("intermediate_size", 14336)),
             layers=tuple(range(layers)),
             renormalize=True)  # Mixtral always renormalizes its top-k
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(cfg, arch, layers)
     return None
+
+
+def _deepseek_moe(cfg: dict[str, Any], arch: str, layers: int) -> MoEConfig | None:
+    """DeepSeek-V2/V3's MoE as transformers runs it: layers from first_k_dense_replace on;
+    V2 softmax top-k (greedy or group_limited_greedy), V3 sigmoid scores with
+    e_score_correction_bias and grouped top-k (noaux_tc); routed experts scaled by
+    routed_scaling_factor; n_shared_experts always-on experts of moe_intermediate_size."""
+    n = cfg.get("n_routed_experts")
+    if not n:
+        return None
+    freq = int(cfg.get("moe_layer_freq", 1))
+    if freq != 1:  # DeepSeek's own code honours it, transformers does not: no one answer
+        raise ValueError(f"model: moe_layer_freq {freq} is not supported (only 1)")
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    inter = int(cfg.get("moe_intermediate_size", 1407 if arch == "deepseek_v2" else 2048))
+    shared = int(cfg.get("n_shared_experts") or 0)
+    common: dict[str, Any] = dict(
+        num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok") or 0),
+        intermediate_size=inter, layers=tuple(range(first, layers)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor",
+                                            1.0 if arch == "deepseek_v2" else 2.5)),
+        n_shared_experts=shared, shared_intermediate_size=inter * shared, router_fp32=True)
+    method = cfg.get("topk_method") or ("greedy" if arch == "deepseek_v2" else "noaux_tc")
+    scoring = cfg.get("scoring_func") or ("softmax" if arch == "deepseek_v2" else "sigmoid")
+    if arch == "deepseek_v2":
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"model: topk_method {method!r} is not supported for "
+                             "DeepSeek-V2 (greedy, group_limited_greedy)")
+        if scoring != "softmax":
+            raise ValueError(f"model: scoring_func {scoring!r} is not supported for "
+                             "DeepSeek-V2 (softmax)")
+        if cfg.get("norm_topk_prob"):  # DeepSeek's code applies it, transformers drops it
+            raise ValueError("model: norm_topk_prob true is not supported for DeepSeek-V2")
+        grouped = method == "group_limited_greedy"
+        return MoEConfig(**common, renormalize=False, scoring_func="softmax",
+                         n_group=int(cfg["n_group"]) if grouped else None,
+                         topk_group=int(cfg["topk_group"]) if grouped else None)
+    if method != "noaux_tc":
+        raise ValueError(f"model: topk_method {method!r} is not supported for DeepSeek-V3 "
+                         "(noaux_tc)")
+    if scoring != "sigmoid":
+        raise ValueError(f"model: scoring_func {scoring!r} is not supported for DeepSeek-V3 "
+                         "(sigmoid)")
+    return MoEConfig(**common, renormalize=bool(cfg.get("norm_topk_prob", True)),
+                     scoring_func="sigmoid", n_group=int(cfg.get("n_group") or 1),
+                     topk_group=int(cfg.get("topk_group") or 1), score_bias=True)
 
 
 @dataclass(frozen=True)
