@@ -89,6 +89,19 @@ def test_align_layout(device):
     assert block_expert.tolist() == [0, 1, 2, -1, -1]
 
 
+@pytest.mark.parametrize("t,k,e,start,e_local,bm", [
+    (3, 2, 6, 0, 4, 4), (1, 8, 128, 0, 128, 16), (37, 3, 10, 5, 5, 16), (200, 2, 3, 0, 3, 16)])
+def test_align_kernel_equals_torch_align(t, k, e, start, e_local, bm, device):
+    from kernels.triton_moe import moe_align, moe_align_triton
+
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].to(device)
+    want = moe_align(ids, bm, start, e_local)
+    got = moe_align_triton(ids, bm, start, e_local)
+    assert got[0].tolist() == want[0].tolist()
+    assert got[1].tolist() == want[1].tolist()
+
+
 def test_tile_config_buckets():
     from kernels.triton_moe import tile_config
 
