@@ -194,8 +194,8 @@ def _gate_up_kernel(
         wm = k_ok[:, None] & col_ok[None, :]
         g = tl.load(w_gate + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)  # [BK, BN]
         u = tl.load(w_up + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        acc_g = tl.dot(a, g, acc_g, input_precision="ieee")  # fp32: no TF32
+        acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
     # rounded to the storage dtype as HF's unfused linear outputs are, then the activation
     g_r = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
     u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -233,7 +233,7 @@ def _down_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
         w = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0).to(DOT_DTYPE)  # [BK, BN]
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
     # the router weight applied to the expert's rounded output, as HF does
     wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
