@@ -168,7 +168,7 @@ def _gate_up_kernel(
     N, H, INTER, TOP_K,
     s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -194,8 +194,12 @@ def _gate_up_kernel(
         wm = k_ok[:, None] & col_ok[None, :]
         g = tl.load(w_gate + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)  # [BK, BN]
         u = tl.load(w_up + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)
-        acc_g = tl.dot(a, g, acc_g, input_precision="ieee")  # fp32: no TF32
-        acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        if IEEE:  # float32 models: no TF32 (the attention kernels do the same)
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
     # rounded to the storage dtype as HF's unfused linear outputs are, then the activation
     g_r = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
     u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -210,7 +214,7 @@ def _down_kernel(
     N, H, INTER,
     s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -233,7 +237,10 @@ def _down_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
         w = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0).to(DOT_DTYPE)  # [BK, BN]
-        acc = tl.dot(a, w, acc, input_precision="ieee")
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
     # the router weight applied to the expert's rounded output, as HF does
     wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
@@ -294,17 +301,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
     tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)
+    ieee = x.dtype == torch.float32
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
         x, w13, act, sorted_ids, block_expert, n, h, inter, k,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
         act, w2, y, sorted_ids, block_expert, weights, n, h, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, **launch)
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee, **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
