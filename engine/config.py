@@ -41,6 +41,9 @@ class MoEConfig:
     n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
     shared_intermediate_size: int = 0  # the shared MLP's width (all shared experts)
     router_fp32: bool = False  # router logits computed in float32 (DeepSeek)
+    # top-k weights rounded to the model's dtype before they scale the experts (Qwen3-MoE,
+    # as transformers does; Mixtral and DeepSeek keep them float32)
+    weights_in_model_dtype: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -164,7 +167,7 @@ def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
         return MoEConfig(
             num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok", 8)),
             intermediate_size=int(cfg.get("moe_intermediate_size", 768)), layers=sparse,
-            renormalize=bool(cfg.get("norm_topk_prob", False)))
+            renormalize=bool(cfg.get("norm_topk_prob", False)), weights_in_model_dtype=True)
     if arch == "mixtral":
         return MoEConfig(
             num_experts=int(cfg.get("num_local_experts", 8)),

@@ -233,10 +233,13 @@ class SparseMoeBlock(nn.Module):
         w = self.gate.weight
         logits = F.linear(x.float(), w.float()) if c.router_fp32 else F.linear(x, w)  # [T, E]
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        return select_experts(logits, c.top_k, scoring_func=c.scoring_func,
-                              renormalize=c.renormalize, n_group=c.n_group,
-                              topk_group=c.topk_group, e_score_correction_bias=bias,
-                              routed_scaling_factor=c.routed_scaling_factor)
+        weights, ids = select_experts(logits, c.top_k, scoring_func=c.scoring_func,
+                                      renormalize=c.renormalize, n_group=c.n_group,
+                                      topk_group=c.topk_group, e_score_correction_bias=bias,
+                                      routed_scaling_factor=c.routed_scaling_factor)
+        if c.weights_in_model_dtype and x.dtype != torch.float32:
+            weights = weights.to(x.dtype).float()  # the rounding HF applies (Qwen3-MoE)
+        return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""

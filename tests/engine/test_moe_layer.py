@@ -296,3 +296,18 @@ def test_deepseek_fields_not_implemented_are_refused_by_name(arch, field, value)
     cfg[field] = value
     with pytest.raises(ValueError, match=field):
         moe_config_from_hf(cfg, arch)
+
+
+def test_qwen3_moe_block_in_bf16_rounds_weights_as_transformers():
+    """Qwen3-MoE rounds its top-k weights to the model dtype; the block does the same."""
+    hf = _hf_qwen3_block().to(torch.bfloat16)
+    cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=24, layers=(0,),
+                    renormalize=True, weights_in_model_dtype=True)
+    block = SparseMoeBlock(cfg, 32, KERNELS, None).to(torch.bfloat16)
+    _load_from_hf(block, hf)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    w, _ = block.route(x)
+    assert torch.equal(w, w.to(torch.bfloat16).float())
+    with torch.no_grad():
+        out, ref = block(x).float(), hf(x.unsqueeze(0))[0].float()
+    assert float((out - ref).norm() / ref.norm()) < 1e-2
