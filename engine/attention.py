@@ -42,6 +42,8 @@ class KernelSet:
     rope_store_kv: Callable[..., Any] | None = None
     # mixture-of-experts MLP (kernels.ref_moe.fused_moe_ref's contract)
     fused_moe: Callable[..., Any] | None = None
+    # top-k routing without expert groups (kernels.ref_moe.moe_route_ref's contract)
+    moe_route: Callable[..., Any] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -54,7 +56,7 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
     if device.type == "cuda" and not force_reference:
         from kernels.triton_act import silu_and_mul
         from kernels.triton_decode_attention import decode_attention
-        from kernels.triton_moe import fused_moe
+        from kernels.triton_moe import fused_moe, moe_route
         from kernels.triton_norm import rms_norm, rope
         from kernels.triton_prefill_attention import prefill_attention
         from kernels.triton_rope_kv import rope_store_kv
@@ -63,11 +65,11 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
 
         return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
                          silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv,
-                         fused_moe=fused_moe)
+                         fused_moe=fused_moe, moe_route=moe_route)
     from kernels.ref_act import silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref
-    from kernels.ref_moe import fused_moe_ref
+    from kernels.ref_moe import fused_moe_ref, moe_route_ref
     from kernels.ref_norm import rms_norm_ref, rope_ref
     from kernels.ref_rope_kv import rope_store_kv_ref
     from kernels.ref_sample import sample_simple_ref
@@ -75,7 +77,7 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
     return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
                      rope_ref, "torch-reference", silu_and_mul_ref,
                      sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref,
-                     fused_moe=fused_moe_ref)
+                     fused_moe=fused_moe_ref, moe_route=moe_route_ref)
 
 
 class PagedAttention:

@@ -318,3 +318,81 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
         BLOCK_H=block_h, num_warps=4)
     return out
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    ok = es < E
+    x = tl.load(logits_ptr + t * s_l + es, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    scores = tl.where(ok, scores, 0.0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + es, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_K], dtype=tl.float32)  # the chosen experts' scores, in order
+    picked_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        idx = tl.min(tl.where(choice == best, es, BLOCK_E), axis=0)  # the first maximum
+        w = tl.sum(tl.where(es == idx, scores, 0.0), axis=0)
+        picked = tl.where(ks == j, w, picked)
+        picked_ids = tl.where(ks == j, idx.to(tl.int64), picked_ids)
+        choice = tl.where(es == idx, float("-inf"), choice)
+    if RENORM:
+        total = tl.sum(picked, axis=0)
+        if SIGMOID:
+            total += 1e-20
+        picked = picked / total
+    picked = picked * scale
+    if ROUND:
+        picked = picked.to(ROUND_DTYPE).to(tl.float32)
+    kmask = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, picked, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + ks, picked_ids, mask=kmask)
+
+
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
+              routed_scaling_factor: float = 1.0,
+              e_score_correction_bias: torch.Tensor | None = None,
+              round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.ref_moe.moe_route_ref in one program per token: at decode the torch form is
+    eight small kernels per layer (casts, softmax, top-k, gather, sum, divide, rounding)."""
+    check(logits.dim() == 2, "logits: expected [T, E]")
+    check_float("logits", logits)
+    check(logits.stride(1) == 1, "logits: rows must be contiguous")
+    check(scoring_func in ("softmax", "sigmoid"),
+          f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    t, e = logits.shape
+    check(1 <= top_k <= e, f"top_k: must be in [1, {e}], got {top_k}")
+    if e_score_correction_bias is not None:
+        check(tuple(e_score_correction_bias.shape) == (e,), "e_score_correction_bias: "
+              f"expected shape ({e},)")
+        check_device(logits, e_score_correction_bias)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
+    _route_kernel[(t,)](
+        logits, e_score_correction_bias if e_score_correction_bias is not None else logits,
+        weights, ids, e, logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=scoring_func == "sigmoid",
+        HAS_BIAS=e_score_correction_bias is not None, RENORM=renormalize,
+        ROUND=rnd is not None, ROUND_DTYPE=rnd if rnd is not None else tl.float32,
+        num_warps=4)
+    return weights, ids
