@@ -170,11 +170,6 @@ def parse_expert_name(name: str) -> ExpertName | None:
     return None
 
 
-def stacked_param_name(e: ExpertName) -> str:
-    """The parameter of our MoE block the tensor lands in (for missing-weight checks)."""
-    return f"{e.block}.experts.{'w2' if e.proj == 'down' else 'w13'}"
-
-
 class SharedExperts(nn.Module):
     """The always-on experts as one gated MLP, column/row-parallel over tp ranks; returns
     this rank's partial sum (the block's all-reduce adds the ranks)."""
