@@ -43,6 +43,9 @@ class MoEConfig:
     n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
     shared_intermediate_size: int = 0  # the shared MLP's width (all shared experts)
     router_fp32: bool = False  # router logits computed in float32 (DeepSeek)
+    # top-k weights rounded to the model's dtype before they scale the experts (Qwen3-MoE,
+    # as transformers does; Mixtral and DeepSeek keep them float32)
+    weights_in_model_dtype: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -154,7 +157,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             moe=moe_config_from_hf(cfg, arch),
         )
-        if arch.startswith("deepseek"):  # MLA fields, its MoE, and what they override
+        if arch.startswith("deepseek"):  # MLA fields, and what they override
             base.update(_deepseek_fields(arch, cfg, scaling))
         return ModelConfig(**base)
 
@@ -181,7 +184,7 @@ def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
         return MoEConfig(
             num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok", 8)),
             intermediate_size=int(cfg.get("moe_intermediate_size", 768)), layers=sparse,
-            renormalize=bool(cfg.get("norm_topk_prob", False)))
+            renormalize=bool(cfg.get("norm_topk_prob", False)), weights_in_model_dtype=True)
     if arch == "mixtral":
         return MoEConfig(
             num_experts=int(cfg.get("num_local_experts", 8)),
@@ -189,15 +192,62 @@ def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
             intermediate_size=int(cfg.get("intermediate_size", 14336)),
             layers=tuple(range(layers)),
             renormalize=True)  # Mixtral always renormalizes its top-k
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(cfg, arch, layers)
     return None
+
+
+def _deepseek_moe(cfg: dict[str, Any], arch: str, layers: int) -> MoEConfig | None:
+    """DeepSeek-V2/V3's MoE as transformers runs it: layers from first_k_dense_replace on;
+    V2 softmax top-k (greedy or group_limited_greedy), V3 sigmoid scores with
+    e_score_correction_bias and grouped top-k (noaux_tc); routed experts scaled by
+    routed_scaling_factor; n_shared_experts always-on experts of moe_intermediate_size."""
+    n = cfg.get("n_routed_experts")
+    if not n:
+        return None
+    freq = int(cfg.get("moe_layer_freq", 1))
+    if freq != 1:  # DeepSeek's own code honours it, transformers does not: no one answer
+        raise ValueError(f"model: moe_layer_freq {freq} is not supported (only 1)")
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    inter = int(cfg.get("moe_intermediate_size", 1407 if arch == "deepseek_v2" else 2048))
+    shared = int(cfg.get("n_shared_experts") or 0)
+    common: dict[str, Any] = dict(
+        num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok") or 0),
+        intermediate_size=inter, layers=tuple(range(first, layers)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor",
+                                            1.0 if arch == "deepseek_v2" else 2.5)),
+        n_shared_experts=shared, shared_intermediate_size=inter * shared, router_fp32=True)
+    method = cfg.get("topk_method") or ("greedy" if arch == "deepseek_v2" else "noaux_tc")
+    scoring = cfg.get("scoring_func") or ("softmax" if arch == "deepseek_v2" else "sigmoid")
+    if arch == "deepseek_v2":
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"model: topk_method {method!r} is not supported for "
+                             "DeepSeek-V2 (greedy, group_limited_greedy)")
+        if scoring != "softmax":
+            raise ValueError(f"model: scoring_func {scoring!r} is not supported for "
+                             "DeepSeek-V2 (softmax)")
+        if cfg.get("norm_topk_prob"):  # DeepSeek's code applies it, transformers drops it
+            raise ValueError("model: norm_topk_prob true is not supported for DeepSeek-V2")
+        grouped = method == "group_limited_greedy"
+        return MoEConfig(**common, renormalize=False, scoring_func="softmax",
+                         n_group=int(cfg["n_group"]) if grouped else None,
+                         topk_group=int(cfg["topk_group"]) if grouped else None)
+    if method != "noaux_tc":
+        raise ValueError(f"model: topk_method {method!r} is not supported for DeepSeek-V3 "
+                         "(noaux_tc)")
+    if scoring != "sigmoid":
+        raise ValueError(f"model: scoring_func {scoring!r} is not supported for DeepSeek-V3 "
+                         "(sigmoid)")
+    return MoEConfig(**common, renormalize=bool(cfg.get("norm_topk_prob", True)),
+                     scoring_func="sigmoid", n_group=int(cfg.get("n_group") or 1),
+                     topk_group=int(cfg.get("topk_group") or 1), score_bias=True)
 
 
 def _deepseek_fields(arch: str, cfg: dict[str, Any],
                      scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """ModelConfig's MLA fields and MoEConfig from a DeepSeek config; ValueError names any
-    field whose value the engine does not implement (never silently ignored). Semantics are
-    transformers' (models/deepseek_v2|deepseek_v3), the reference the tests compare to."""
-    v3 = arch == "deepseek_v3"
+    """ModelConfig's MLA fields from a DeepSeek config (its MoE is _deepseek_moe's);
+    ValueError names any field whose value the engine does not implement (never silently
+    ignored). Semantics are transformers' (models/deepseek_v2|deepseek_v3)."""
 
     def refuse(name: str, why: str) -> ValueError:
         return ValueError(f"{name}: {why}, got {cfg.get(name)!r}")
@@ -210,28 +260,6 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
                      "bf16 conversion)")
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
         raise ValueError(f"rope_scaling: DeepSeek supports 'yarn' only, got {scaling!r}")
-    n_routed = int(cfg.get("n_routed_experts") or 0)
-    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    # transformers' V3 router is always sigmoid + noaux_tc, its V2 router always softmax
-    # with greedy or group-limited top-k; other combinations have no reference to match.
-    if v3 and method != "noaux_tc":
-        raise refuse("topk_method", "DeepseekV3 implements 'noaux_tc' only")
-    if v3 and scoring != "sigmoid":
-        raise refuse("scoring_func", "DeepseekV3 implements 'sigmoid' only")
-    if not v3 and method not in ("greedy", "group_limited_greedy"):
-        raise refuse("topk_method", "DeepseekV2 implements 'greedy' and "
-                     "'group_limited_greedy'")
-    if not v3 and scoring != "softmax":
-        raise refuse("scoring_func", "DeepseekV2 implements 'softmax' only")
-    if not v3 and cfg.get("norm_topk_prob"):  # transformers' V2 router never renormalizes
-        raise refuse("norm_topk_prob", "DeepseekV2 does not renormalize top-k weights")
-    n_group = int(cfg.get("n_group") or 1)
-    topk_group = int(cfg.get("topk_group") or n_group)
-    top_k = int(cfg.get("num_experts_per_tok") or 0)
-    freq = int(cfg.get("moe_layer_freq") or 1)
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)
-    moe_inter = int(cfg.get("moe_intermediate_size") or 0)
     q_lora = cfg.get("q_lora_rank")
     checks = [
         ("kv_lora_rank", int(cfg["kv_lora_rank"]) >= 1, "must be >= 1"),
@@ -240,40 +268,19 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
          and int(cfg["qk_rope_head_dim"]) % 2 == 0, "must be even and >= 2"),
         ("qk_nope_head_dim", int(cfg["qk_nope_head_dim"]) >= 1, "must be >= 1"),
         ("v_head_dim", int(cfg["v_head_dim"]) >= 1, "must be >= 1"),
-        ("moe_layer_freq", freq >= 1, "must be >= 1"),
-        ("first_k_dense_replace", first_dense >= 0, "must be >= 0"),
-        ("num_experts_per_tok", n_routed == 0 or 1 <= top_k <= n_routed,
-         "must be in [1, n_routed_experts]"),
-        ("moe_intermediate_size", n_routed == 0 or moe_inter >= 1, "must be >= 1"),
-        ("n_group", n_routed == 0 or (n_group >= 1 and n_routed % n_group == 0),
-         "must divide n_routed_experts"),
-        ("topk_group", 1 <= topk_group <= n_group, "must be in [1, n_group]"),
     ]
     for name, ok, why in checks:
         if not ok:
             raise refuse(name, why)
-    # DeepSeek's rule: dense below first_k_dense_replace, then every moe_layer_freq-th
-    # layer (transformers reads no moe_layer_freq: released configs all have 1)
-    layers = tuple(i for i in range(int(cfg["num_hidden_layers"]))
-                   if i >= first_dense and i % freq == 0)
-    grouped = method != "greedy"  # V2's greedy ignores n_group (V2-Lite sets n_group 1)
-    shared = int(cfg.get("n_shared_experts") or 0)
-    moe = MoEConfig(
-        num_experts=n_routed, top_k=top_k, intermediate_size=moe_inter, layers=layers,
-        renormalize=v3 and bool(cfg.get("norm_topk_prob", True)), scoring_func=scoring,
-        n_group=n_group if grouped else None, topk_group=topk_group if grouped else None,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        score_bias=v3, n_shared_experts=shared, shared_intermediate_size=moe_inter * shared,
-        router_fp32=True) if n_routed and layers else None
     return dict(
-        moe=moe,
         q_lora_rank=None if q_lora is None else int(q_lora),
         kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
         qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
         v_head_dim=int(cfg["v_head_dim"]),
         # V2 rotates (x0, x1) pairs as complex numbers; V3 has the flag (default on)
-        rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if arch == "deepseek_v3"
+        else True,
         # what the shared dense code reads: the query/key head (memory estimates) and all
         # heads as "KV heads" (TP checks); the cache itself is the latent (kv_layout)
         head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),

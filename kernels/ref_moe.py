@@ -35,3 +35,33 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
     return out.to(x.dtype)
+
+
+def moe_route_ref(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
+                  routed_scaling_factor: float = 1.0,
+                  e_score_correction_bias: torch.Tensor | None = None,
+                  round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing without expert groups: logits [T, E] -> (weights [T, k] float32,
+    ids [T, k] int64). Scores are softmax or sigmoid of the float32 logits; the bias (if
+    any) is added for the choice only; the weights are the chosen experts' scores,
+    renormalized to sum 1 (sigmoid: over sum + 1e-20, as DeepSeek-V3), times the scaling
+    factor, then (round_dtype) rounded to the model's dtype as Qwen3-MoE does."""
+    if scoring_func == "softmax":
+        scores = logits.float().softmax(dim=-1)  # [T, E]
+    elif scoring_func == "sigmoid":
+        scores = logits.float().sigmoid()
+    else:
+        raise ValueError(f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    choice = scores
+    if e_score_correction_bias is not None:
+        choice = scores + e_score_correction_bias.float().unsqueeze(0)
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]
+    if renormalize:
+        eps = 1e-20 if scoring_func == "sigmoid" else 0.0
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
+    if round_dtype is not None and round_dtype != torch.float32:
+        weights = weights.to(round_dtype).float()
+    return weights, ids

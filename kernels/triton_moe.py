@@ -3,12 +3,13 @@
 Four steps, none of which reads a device value on the host, so a decode step that runs
 them can be captured in a CUDA graph (every size below comes from shapes alone):
 
-1. align (`moe_align`): the T*k (token, slot) pairs are sorted by expert and each
-   expert's run is padded to a multiple of BLOCK_M, so a BLOCK_M-row tile holds pairs of
-   one expert only. Its output is `sorted_ids` (pair index per padded row; N = T*k marks
-   padding) and `block_expert` (the local expert of each tile; -1 past the last tile).
-   The tile count is bounded from shapes: an expert with c pairs needs ceil(c / BM) tiles,
-   at most min(N, E_local) experts are non-empty, so N + min(N, E_local) * (BM - 1) rows.
+1. align (`moe_align`; `moe_align_triton`, one program, for decode-sized calls): the
+   T*k (token, slot) pairs are sorted by expert and each expert's run is padded to a
+   multiple of BLOCK_M, so a BLOCK_M-row tile holds pairs of one expert only. Its output
+   is `sorted_ids` (pair index per padded row; N = T*k marks padding) and `block_expert`
+   (the local expert of each tile; -1 past the last tile). The tile count is bounded from
+   shapes: an expert with c pairs needs ceil(c / BM) tiles, at most min(N, E_local)
+   experts are non-empty, so N + min(N, E_local) * (BM - 1) rows.
 2. gate/up (`_gate_up_kernel`): a grouped GEMM, tile (m, n) computes rows m of one
    expert against columns n of that expert's gate and of its up projection, and stores
    silu(gate) * up: the [T*k, 2I] product never reaches memory.
@@ -100,13 +101,74 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
     return sorted_ids[:p], block_expert.to(torch.int32)
 
 
+# Up to this many (token, expert) pairs the align step is one Triton program (one launch in
+# place of the dozen small torch ops, which at decode would cost more than the GEMMs' own
+# launches); past it, the torch ops, whose launches a prefill's GEMMs amortize.
+ALIGN_KERNEL_MAX_PAIRS = 2048
+ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_local]
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, P, NUM_TILES, expert_start, num_local,
+                  BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
+    """moe_align in one program: count pairs per expert, lay out the padded runs, place
+    every pair (stable: earlier pairs first), and name each tile's expert."""
+    es = tl.arange(0, BLOCK_E)
+    counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for n0 in range(0, N, CHUNK):
+        offs = n0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32) - expert_start
+        e = tl.where((offs < N) & (e >= 0) & (e < num_local), e, BLOCK_E)  # BLOCK_E: none
+        counts += tl.sum((e[:, None] == es[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BE]
+    pad_end = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    for p0 in range(0, P, CHUNK):  # every row padding first; pairs overwrite theirs below
+        rows = p0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + rows, tl.full([CHUNK], 0, tl.int32) + N, mask=rows < P)
+    tl.debug_barrier()  # the fill lands before any thread places a pair over it
+    cursor = pad_end - padded  # [BE] next free row of each expert's run
+    for n0 in range(0, N, CHUNK):
+        offs = n0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32) - expert_start
+        ok = (offs < N) & (e >= 0) & (e < num_local)
+        onehot = (tl.where(ok, e, BLOCK_E)[:, None] == es[None, :]).to(tl.int32)  # [C, BE]
+        before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs earlier in the chunk
+        pos = tl.sum((cursor[None, :] + before) * onehot, axis=1)  # [C]
+        tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=ok)
+        cursor += tl.sum(onehot, axis=0)
+    for t0 in range(0, NUM_TILES, BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        starts = tiles * BLOCK_M
+        # the expert whose padded run holds the tile's first row: runs ending at or before
+        ended = (pad_end[None, :] <= starts[:, None]) & (es[None, :] < num_local)
+        ex = tl.sum(ended.to(tl.int32), axis=1)
+        ex = tl.where(starts < total, ex, -1)
+        tl.store(bexp_ptr + tiles, ex, mask=tiles < NUM_TILES)
+
+
+def moe_align_triton(topk_ids: torch.Tensor, block_m: int, expert_start: int,
+                     num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's result from one Triton program (for up to ALIGN_KERNEL_MAX_PAIRS)."""
+    n = topk_ids.numel()
+    p = max_sorted_rows(n, num_local, block_m)
+    sorted_ids = torch.empty(p, dtype=torch.int32, device=topk_ids.device)
+    block_expert = torch.empty(p // block_m, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](
+        topk_ids.reshape(-1), sorted_ids, block_expert, n, p, p // block_m, expert_start,
+        num_local, BLOCK_E=triton.next_power_of_2(num_local), CHUNK=ALIGN_CHUNK,
+        BLOCK_M=block_m, BLOCK_T=64, num_warps=8)
+    return sorted_ids, block_expert
+
+
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr,
     N, H, INTER, TOP_K,
     s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -132,8 +194,12 @@ def _gate_up_kernel(
         wm = k_ok[:, None] & col_ok[None, :]
         g = tl.load(w_gate + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)  # [BK, BN]
         u = tl.load(w_up + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)
-        acc_g = tl.dot(a, g, acc_g)
-        acc_u = tl.dot(a, u, acc_u)
+        if IEEE:  # float32 models: no TF32 (the attention kernels do the same)
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
     # rounded to the storage dtype as HF's unfused linear outputs are, then the activation
     g_r = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
     u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -148,7 +214,7 @@ def _down_kernel(
     N, H, INTER,
     s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -171,7 +237,10 @@ def _down_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
         w = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0).to(DOT_DTYPE)  # [BK, BN]
-        acc = tl.dot(a, w, acc)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
     # the router weight applied to the expert's rounded output, as HF does
     wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
     y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
@@ -228,22 +297,102 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * k
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
-    sorted_ids, block_expert = moe_align(ids, bm, expert_start, e_local)
+    align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align
+    sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
     tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)
+    ieee = x.dtype == torch.float32
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
         x, w13, act, sorted_ids, block_expert, n, h, inter, k,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
         act, w2, y, sorted_ids, block_expert, weights, n, h, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, **launch)
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee, **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
         BLOCK_H=block_h, num_warps=4)
     return out
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    ok = es < E
+    x = tl.load(logits_ptr + t * s_l + es, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    scores = tl.where(ok, scores, 0.0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + es, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_K], dtype=tl.float32)  # the chosen experts' scores, in order
+    picked_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        idx = tl.min(tl.where(choice == best, es, BLOCK_E), axis=0)  # the first maximum
+        w = tl.sum(tl.where(es == idx, scores, 0.0), axis=0)
+        picked = tl.where(ks == j, w, picked)
+        picked_ids = tl.where(ks == j, idx.to(tl.int64), picked_ids)
+        choice = tl.where(es == idx, float("-inf"), choice)
+    if RENORM:
+        total = tl.sum(picked, axis=0)
+        if SIGMOID:
+            total += 1e-20
+        picked = picked / total
+    picked = picked * scale
+    if ROUND:
+        picked = picked.to(ROUND_DTYPE).to(tl.float32)
+    kmask = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, picked, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + ks, picked_ids, mask=kmask)
+
+
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
+              routed_scaling_factor: float = 1.0,
+              e_score_correction_bias: torch.Tensor | None = None,
+              round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.ref_moe.moe_route_ref in one program per token: at decode the torch form is
+    eight small kernels per layer (casts, softmax, top-k, gather, sum, divide, rounding)."""
+    check(logits.dim() == 2, "logits: expected [T, E]")
+    check_float("logits", logits)
+    check(logits.stride(1) == 1, "logits: rows must be contiguous")
+    check(scoring_func in ("softmax", "sigmoid"),
+          f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    t, e = logits.shape
+    check(1 <= top_k <= e, f"top_k: must be in [1, {e}], got {top_k}")
+    if e_score_correction_bias is not None:
+        check(tuple(e_score_correction_bias.shape) == (e,), "e_score_correction_bias: "
+              f"expected shape ({e},)")
+        check_device(logits, e_score_correction_bias)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
+    _route_kernel[(t,)](
+        logits, e_score_correction_bias if e_score_correction_bias is not None else logits,
+        weights, ids, e, logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=scoring_func == "sigmoid",
+        HAS_BIAS=e_score_correction_bias is not None, RENORM=renormalize,
+        ROUND=rnd is not None, ROUND_DTYPE=rnd if rnd is not None else tl.float32,
+        num_warps=4)
+    return weights, ids

@@ -62,3 +62,15 @@ _hf_cache: dict[str, object] = {}
 
 PROMPTS = [[5, 17, 33, 90, 12, 7, 8, 3, 100, 200, 44], [9, 9, 9, 1, 4], list(range(10, 60)),
            [250, 3, 77, 31, 31, 31, 8, 120, 64, 64, 64, 64, 19, 22, 200, 201, 17]]
+
+
+def byte_tokenizer(path: str) -> None:
+    """Writes a 256-token byte-level tokenizer.json into a model dir: the router needs one
+    to serve the model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tk = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.save(f"{path}/tokenizer.json")

@@ -29,6 +29,7 @@ from torch import nn
 from engine.attention import KernelSet
 from engine.config import MoEConfig
 from engine.parallel.group import TPGroup
+from kernels.ref_moe import moe_route_ref
 
 TP_FLAG = "--tensor-parallel-size"
 
@@ -46,6 +47,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     group scores the sum of its two best biased scores, experts outside the chosen groups
     are never picked, and the weights are the unbiased scores of the picks.
     The routed scaling factor multiplies the weights last (after renormalization)."""
+    if n_group is None or topk_group is None or n_group == 1:  # no groups
+        return moe_route_ref(router_logits, top_k, scoring_func, renormalize,
+                             routed_scaling_factor, e_score_correction_bias)
     t, e = router_logits.shape
     if scoring_func == "softmax":
         scores = router_logits.float().softmax(dim=-1)  # [T, E]
@@ -56,18 +60,18 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     choice = scores
     if e_score_correction_bias is not None:
         choice = scores + e_score_correction_bias.float().unsqueeze(0)  # [T, E]
-    if n_group is not None and topk_group is not None and n_group > 1:
-        grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
-        if scoring_func == "sigmoid":
-            group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
-        else:
-            group_scores = grouped.max(dim=-1).values
-        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
-        # V2 zeroes the dropped softmax scores, V3 makes its biased choice scores -inf
-        fill = float("-inf") if scoring_func == "sigmoid" else 0.0
-        choice = choice.masked_fill(~keep, fill)
+    # grouped top-k: only experts of the best topk_group groups are eligible
+    grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
+    if scoring_func == "sigmoid":
+        group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.max(dim=-1).values
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
+    # V2 zeroes the dropped softmax scores, V3 makes its biased choice scores -inf
+    fill = float("-inf") if scoring_func == "sigmoid" else 0.0
+    choice = choice.masked_fill(~keep, fill)
     topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
     topk_weights = scores.gather(1, topk_ids)  # [T, k] float32
     if renormalize:
@@ -166,11 +170,6 @@ def parse_expert_name(name: str) -> ExpertName | None:
     return None
 
 
-def stacked_param_name(e: ExpertName) -> str:
-    """The parameter of our MoE block the tensor lands in (for missing-weight checks)."""
-    return f"{e.block}.experts.{'w2' if e.proj == 'down' else 'w13'}"
-
-
 class SharedExperts(nn.Module):
     """The always-on experts as one gated MLP, column/row-parallel over tp ranks; returns
     this rank's partial sum (the block's all-reduce adds the ranks)."""
@@ -214,6 +213,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.cfg = moe
         self.group = group
+        self.k = kernels
         # DeepSeek routes in float32 whatever the model's dtype; the others in the model's
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False,
                               dtype=torch.float32 if moe.router_fp32 else None)
@@ -233,10 +233,19 @@ class SparseMoeBlock(nn.Module):
         w = self.gate.weight
         logits = F.linear(x.float(), w.float()) if c.router_fp32 else F.linear(x, w)  # [T, E]
         bias = getattr(self.gate, "e_score_correction_bias", None)
-        return select_experts(logits, c.top_k, scoring_func=c.scoring_func,
-                              renormalize=c.renormalize, n_group=c.n_group,
-                              topk_group=c.topk_group, e_score_correction_bias=bias,
-                              routed_scaling_factor=c.routed_scaling_factor)
+        round_to = x.dtype if c.weights_in_model_dtype else None
+        if (c.n_group is None or c.n_group == 1) and self.k.moe_route is not None:
+            out: tuple[torch.Tensor, torch.Tensor] = self.k.moe_route(
+                logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor,
+                bias, round_dtype=round_to)
+            return out
+        weights, ids = select_experts(logits, c.top_k, scoring_func=c.scoring_func,
+                                      renormalize=c.renormalize, n_group=c.n_group,
+                                      topk_group=c.topk_group, e_score_correction_bias=bias,
+                                      routed_scaling_factor=c.routed_scaling_factor)
+        if round_to is not None and round_to != torch.float32:
+            weights = weights.to(round_to).float()  # the rounding HF applies (Qwen3-MoE)
+        return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""

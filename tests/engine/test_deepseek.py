@@ -108,17 +108,18 @@ def test_config_reads_deepseek_fields():
         ("sigmoid", True, 4, 2, True)  # noaux_tc; transformers' V3 default renormalizes
     assert (m.routed_scaling_factor, m.n_shared_experts, m.shared_intermediate_size,
             m.router_fp32) == (2.5, 1, 32, True)
-    v2 = ModelConfig.from_hf(_hf_cfg("v2", moe_layer_freq=2, first_k_dense_replace=1,
-                                     num_hidden_layers=4, n_group=4, topk_group=2))
+    v2 = ModelConfig.from_hf(_hf_cfg("v2", first_k_dense_replace=1, num_hidden_layers=4,
+                                     n_group=4, topk_group=2))
     assert v2.q_lora_rank is None and v2.moe is not None
-    assert v2.moe.layers == (2,)  # DeepSeek's moe_layer_freq rule
+    assert v2.moe.layers == (1, 2, 3)
     # greedy ignores the groups; softmax, no renormalization, no bias
     assert (v2.moe.n_group, v2.moe.scoring_func, v2.moe.renormalize, v2.moe.score_bias) == \
         (None, "softmax", False, False)
     grouped = ModelConfig.from_hf(_hf_cfg("v2", topk_method="group_limited_greedy",
                                           n_group=4, topk_group=2, first_k_dense_replace=1))
     assert grouped.moe is not None and (grouped.moe.n_group, grouped.moe.topk_group) == (4, 2)
-    assert ModelConfig.from_hf(_hf_cfg("v2")).moe is None  # first_k_dense_replace 2 of 2
+    dense = ModelConfig.from_hf(_hf_cfg("v2"))  # first_k_dense_replace 2 of 2 layers
+    assert dense.moe is None or dense.moe.layers == ()
     llama = ModelConfig.from_hf({**BASE, "architectures": ["LlamaForCausalLM"]})
     assert not llama.is_mla and llama.moe is None
 
@@ -132,6 +133,7 @@ def test_config_reads_deepseek_fields():
     ("v3", "attention_bias", True),
     ("v2", "n_group", 3),  # does not divide 8 experts
     ("v2", "topk_group", 5),
+    ("v2", "moe_layer_freq", 2),  # transformers ignores it, DeepSeek's code does not
     ("v2", "num_experts_per_tok", 9),
     ("v2", "kv_lora_rank", 0),
     ("v3", "qk_rope_head_dim", 7),
@@ -141,7 +143,8 @@ def test_config_refuses_unimplemented_values_by_name(version, field, value):
     kw: dict[str, Any] = {field: value}
     if field in ("topk_group", "n_group"):
         kw.setdefault("n_group", 4)
-    with pytest.raises(ValueError, match=f"^{field}: "):
+        kw.update(topk_method="group_limited_greedy", topk_group=kw.get("topk_group", 2))
+    with pytest.raises(ValueError, match=rf"^(model: )?{field}\b"):
         ModelConfig.from_hf(_hf_cfg(version, **kw))
 
 

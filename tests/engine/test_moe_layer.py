@@ -213,3 +213,101 @@ def test_full_param_to_local_takes_the_rank_slice():
     sh = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)  # [2I, H], I = 4
     got = full_param_to_local("mlp.shared_experts.gate_up_proj.weight", sh, 1, 2)
     assert torch.equal(got, torch.cat([sh[2:4], sh[6:8]]))
+
+
+def _hf_deepseek_block(arch: str, **kw: object):  # type: ignore[no-untyped-def]
+    """transformers' DeepSeek MoE block (router, routed and shared experts), random, and
+    the config dict a checkpoint's config.json would hold."""
+    import transformers as tf
+
+    base: dict[str, object] = dict(hidden_size=32, moe_intermediate_size=24,
+                                   intermediate_size=64, num_attention_heads=4,
+                                   num_hidden_layers=3, first_k_dense_replace=1,
+                                   n_routed_experts=16, n_shared_experts=2,
+                                   num_experts_per_tok=4)
+    base.update(kw)
+    if arch == "deepseek_v2":
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe
+
+        cfg = tf.DeepseekV2Config(**base)
+        hf = DeepseekV2Moe(cfg)
+    else:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        cfg = tf.DeepseekV3Config(**base)
+        hf = DeepseekV3MoE(cfg)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+        if arch == "deepseek_v3":
+            hf.gate.e_score_correction_bias.normal_(0, 0.3)
+    return hf.eval(), cfg.to_dict()
+
+
+@pytest.mark.parametrize("arch,kw", [
+    ("deepseek_v2", dict(topk_method="greedy", routed_scaling_factor=1.0)),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                         routed_scaling_factor=16.0)),
+    ("deepseek_v3", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                         norm_topk_prob=True)),
+])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_deepseek_block_matches_transformers(arch, kw, tp):
+    """The block the MLA family builds from a DeepSeek config (moe_config_from_hf), loaded
+    from transformers' stacked experts, equals transformers' block; under TP the ranks'
+    parts (routed experts and shared-expert columns) sum to it."""
+    from engine.config import moe_config_from_hf
+
+    hf, cfg = _hf_deepseek_block(arch, **kw)
+    moe = moe_config_from_hf(cfg, arch)
+    assert moe is not None and moe.layers == (1, 2) and moe.n_shared_experts == 2
+    sd = hf.state_dict()
+    x = torch.randn(13, 32)
+    total = torch.zeros(13, 32)
+    for rank in range(tp):
+        block = SparseMoeBlock(moe, 32, KERNELS, None, rank=rank, size=tp)
+        block.experts.load_expert(-1, "gate_up", sd["experts.gate_up_proj"])
+        block.experts.load_expert(-1, "down", sd["experts.down_proj"])
+        assert block.shared_experts is not None
+        for proj in ("gate", "up", "down"):
+            block.shared_experts.load(proj, sd[f"shared_experts.{proj}_proj.weight"])
+        with torch.no_grad():
+            block.gate.weight.copy_(sd["gate.weight"])
+            if arch == "deepseek_v3":
+                block.gate.e_score_correction_bias.copy_(sd["gate.e_score_correction_bias"])
+            total += block(x)
+    with torch.no_grad():
+        ref = hf(x.unsqueeze(0))[0]
+    torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch,field,value", [
+    ("deepseek_v2", "topk_method", "noaux_tc"),
+    ("deepseek_v2", "norm_topk_prob", True),
+    ("deepseek_v3", "scoring_func", "softmax"),
+    ("deepseek_v3", "topk_method", "group_limited_greedy"),
+    ("deepseek_v3", "moe_layer_freq", 2),
+])
+def test_deepseek_fields_not_implemented_are_refused_by_name(arch, field, value):
+    from engine.config import moe_config_from_hf
+
+    _, cfg = _hf_deepseek_block(arch)
+    cfg[field] = value
+    with pytest.raises(ValueError, match=field):
+        moe_config_from_hf(cfg, arch)
+
+
+def test_qwen3_moe_block_in_bf16_rounds_weights_as_transformers():
+    """Qwen3-MoE rounds its top-k weights to the model dtype; the block does the same."""
+    hf = _hf_qwen3_block().to(torch.bfloat16)
+    cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=24, layers=(0,),
+                    renormalize=True, weights_in_model_dtype=True)
+    block = SparseMoeBlock(cfg, 32, KERNELS, None).to(torch.bfloat16)
+    _load_from_hf(block, hf)
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    w, _ = block.route(x)
+    assert torch.equal(w, w.to(torch.bfloat16).float())
+    with torch.no_grad():
+        out, ref = block(x).float(), hf(x.unsqueeze(0))[0].float()
+    assert float((out - ref).norm() / ref.norm()) < 1e-2

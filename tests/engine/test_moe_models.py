@@ -164,3 +164,47 @@ def test_producer_to_consumer_handoff_equals_colocated(moe_models, make_llm, par
         for o in cons.step():
             tokens += o.new_token_ids
     assert tokens == ref.token_ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_decode_graphs_equal_eager_and_transformers_on_gpu(moe_models, make_llm):
+    """The fused MoE Triton kernel inside captured decode graphs: the same tokens as eager
+    steps and as transformers (float32, no TF32 in the kernel)."""
+    path = moe_models["qwen3_moe"]
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256)
+    graphed = make_llm(path, **kw)
+    g = graphed.engine.runner.graphs
+    assert g is not None and g.use_graphs
+    out_g = graphed.generate(PROMPTS, GREEDY)
+    assert g.num_replays >= N - 1
+    out_e = make_llm(path, enforce_eager=True, **kw).generate(PROMPTS, GREEDY)
+    for prompt, a, b in zip(PROMPTS, out_g, out_e, strict=True):
+        assert a.token_ids == b.token_ids == hf_greedy(path, prompt, N)
+
+
+def test_a_tp_rank_reads_and_stacks_only_its_experts(moe_models):
+    """Rank 1 of 2 reads nothing of experts 0-1 (an empty slice), and stacks experts 2-3
+    as [w1; w3] and w2, exactly the checkpoint's tensors."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from engine.attention import kernels_for
+    from engine.models.moe_model import MoeForCausalLM
+    from engine.weights import _safetensors
+
+    path = moe_models["mixtral"]  # 4 experts, intermediate 96, hidden 64
+    cfg = ModelConfig.from_dir(path)
+    group = SimpleNamespace(rank=1, size=2)  # construction only: no collective runs
+    model = MoeForCausalLM(cfg, kernels_for(torch.device("cpu")), 64, group)  # type: ignore[arg-type]
+    read = dict(_safetensors(path, model.wants))
+    pre = "model.layers.0.block_sparse_moe.experts"
+    assert read[f"{pre}.1.w2.weight"].numel() == 0
+    assert tuple(read[f"{pre}.2.w2.weight"].shape) == (64, 96)
+    used = model.load_weights(_safetensors(path, model.wants))
+    assert {"layers.0.mlp.experts.w13", "layers.0.mlp.experts.w2"} <= used
+    full = load_file(os.path.join(path, "model.safetensors"))
+    w13 = model.layers[0].mlp.experts.w13.data
+    assert torch.equal(w13[1], torch.cat([full[f"{pre}.3.w1.weight"], full[f"{pre}.3.w3.weight"]]))
+    assert torch.equal(model.layers[0].mlp.experts.w2.data[0], full[f"{pre}.2.w2.weight"])

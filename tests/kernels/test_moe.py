@@ -89,6 +89,19 @@ def test_align_layout(device):
     assert block_expert.tolist() == [0, 1, 2, -1, -1]
 
 
+@pytest.mark.parametrize("t,k,e,start,e_local,bm", [
+    (3, 2, 6, 0, 4, 4), (1, 8, 128, 0, 128, 16), (37, 3, 10, 5, 5, 16), (200, 2, 3, 0, 3, 16)])
+def test_align_kernel_equals_torch_align(t, k, e, start, e_local, bm, device):
+    from kernels.triton_moe import moe_align, moe_align_triton
+
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].to(device)
+    want = moe_align(ids, bm, start, e_local)
+    got = moe_align_triton(ids, bm, start, e_local)
+    assert got[0].tolist() == want[0].tolist()
+    assert got[1].tolist() == want[1].tolist()
+
+
 def test_tile_config_buckets():
     from kernels.triton_moe import tile_config
 
@@ -139,3 +152,36 @@ def test_fused_moe_gpu_expert_shard_and_graph(gen, close):
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 32).to(x.dtype)
     g.replay()
     close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("scoring,renorm,bias,scale,round_dtype,k,e", [
+    ("softmax", True, False, 1.0, None, 2, 8),
+    ("softmax", False, False, 1.0, torch.bfloat16, 8, 128),  # Qwen3-30B-A3B's routing
+    ("softmax", False, False, 16.0, None, 6, 64),
+    ("sigmoid", True, True, 2.5, None, 8, 256),
+    ("sigmoid", False, True, 1.0, None, 3, 10),
+])
+def test_moe_route_equals_reference(scoring, renorm, bias, scale, round_dtype, k, e, gen,
+                                    device):
+    from kernels.ref_moe import moe_route_ref
+    from kernels.triton_moe import moe_route
+
+    logits = (torch.randn(19, e, generator=gen) * 2).to(device)
+    b = torch.randn(e, generator=gen).to(device) if bias else None
+    args = (logits, k, scoring, renorm, scale, b)
+    w, ids = moe_route(*args, round_dtype=round_dtype)
+    rw, rids = moe_route_ref(*args, round_dtype=round_dtype)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    assert torch.equal(ids.sort(dim=1).values, rids.sort(dim=1).values)
+    # same experts; compare weights expert by expert
+    got = torch.zeros(19, e, device=device).scatter_(1, ids, w)
+    want = torch.zeros(19, e, device=device).scatter_(1, rids, rw)
+    tol = 1e-2 if round_dtype is not None else 1e-5  # one bf16 rounding apart at most
+    torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
+
+
+def test_moe_route_rejects_a_bad_scoring_func(device):
+    from kernels.triton_moe import moe_route
+
+    with pytest.raises(ValueError, match="scoring_func"):
+        moe_route(torch.zeros(2, 4, device=device), 2, "tanh", True)
