@@ -126,12 +126,10 @@ class MLAAttention(nn.Module):
             o[sp.dec_rows] = self._decode(
                 q_nope[sp.dec_rows], q_pe[sp.dec_rows], kv_layer,
                 meta.block_tables[sp.dec_reqs], meta.seq_lens[sp.dec_reqs], sp.dec_max_len)
-        if sp.pre_rows is not None:
-            assert sp.pre_blocks is not None and sp.pre_tables is not None \
-                and sp.pre_cu is not None and sp.pre_lens is not None
-            blocks = meta.block_tables.reshape(-1)[sp.pre_blocks]  # [Nb]: their own blocks
-            o[sp.pre_rows] = self._prefill(q_nope[sp.pre_rows], q_pe[sp.pre_rows], kv_layer,
-                                           blocks, sp.pre_cu, sp.pre_lens, sp.pre_tables)
+        for g in sp.groups:  # their own blocks only, a bounded number of tokens at a time
+            blocks = meta.block_tables.reshape(-1)[g.blocks]  # [Nb]
+            o[g.rows] = self._prefill(q_nope[g.rows], q_pe[g.rows], kv_layer, blocks, g.cu,
+                                      g.lens, g.tables)
         return o
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
@@ -164,19 +162,31 @@ class MLAAttention(nn.Module):
         return o[..., :self.dv]
 
 
-@dataclass
+# Context tokens one decompression holds at most (more only for a single request whose
+# context alone is longer): bounds the dense K/V workspace of a step that prefills several
+# long requests, H x pad_dim x 2 values per token (V2-Lite: 16 KiB a token in bf16).
+PREFILL_GROUP_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class _PrefillGroup:
+    """Prefilling requests decompressed together, as device index tensors."""
+
+    rows: torch.Tensor  # [Tp] int64: every token row of these requests
+    blocks: torch.Tensor  # [Nb] int64: flat indices into block_tables of their blocks
+    tables: torch.Tensor  # [Bp, W'] int32: request p's blocks among those Nb
+    cu: torch.Tensor  # [Bp + 1] int32: their queries among the Tp rows
+    lens: torch.Tensor  # [Bp] int32
+
+
+@dataclass(frozen=True)
 class _Split:
-    """A mixed step's requests split by kind, as device index tensors (None: no such rows).
-    Made once per step (every MLA layer reads the same one)."""
+    """A mixed step's requests split by kind (made once per step: every MLA layer reads it)."""
 
     dec_rows: torch.Tensor | None  # [Bd] int64: the token row of each decoding request
-    dec_reqs: torch.Tensor | None  # [Bd] int64: its request index
+    dec_reqs: torch.Tensor | None  # [Bd] int64: its request index (None: no decoding rows)
     dec_max_len: int  # longest decoding context (the decode kernel's split hint)
-    pre_rows: torch.Tensor | None  # [Tp] int64: every token row of the prefilling requests
-    pre_blocks: torch.Tensor | None  # [Nb] int64: flat indices into block_tables of theirs
-    pre_tables: torch.Tensor | None  # [Bp, W'] int32: request p's blocks among those Nb
-    pre_cu: torch.Tensor | None  # [Bp + 1] int32: their queries among the Tp rows
-    pre_lens: torch.Tensor | None  # [Bp] int32
+    groups: tuple[_PrefillGroup, ...]
 
 
 def _split_of(meta: AttentionMetadata, block_size: int) -> _Split:
@@ -190,30 +200,40 @@ def _split_of(meta: AttentionMetadata, block_size: int) -> _Split:
     dev = meta.block_tables.device
     width = meta.block_tables.shape[1]
 
-    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor | None:
-        return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True) if data else None
+    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
 
     dec = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
     pre = [b for b in range(len(lens)) if cu[b + 1] - cu[b] > 1]
-    rows: list[int] = []
-    flat: list[int] = []
-    tables: list[list[int]] = []
-    pre_cu = [0]
-    for b in pre:
-        rows.extend(range(cu[b], cu[b + 1]))
-        pre_cu.append(len(rows))
-        n = -(-lens[b] // block_size)
-        tables.append(list(range(len(flat), len(flat) + n)))
-        flat.extend(range(b * width, b * width + n))
-    w = max((len(t) for t in tables), default=0)
+    batches: list[list[int]] = []
+    held = 0
+    for b in pre:  # in order, a new group once the next request would pass the cap
+        if not batches or held + lens[b] > PREFILL_GROUP_TOKENS:
+            batches.append([])
+            held = 0
+        batches[-1].append(b)
+        held += lens[b]
+    groups = []
+    for batch in batches:
+        rows: list[int] = []
+        flat: list[int] = []
+        tables: list[list[int]] = []
+        group_cu = [0]
+        for b in batch:
+            rows.extend(range(cu[b], cu[b + 1]))
+            group_cu.append(len(rows))
+            n = -(-lens[b] // block_size)
+            tables.append(list(range(len(flat), len(flat) + n)))
+            flat.extend(range(b * width, b * width + n))
+        w = max(len(t) for t in tables)
+        groups.append(_PrefillGroup(
+            rows=tensor(rows, torch.int64), blocks=tensor(flat, torch.int64),
+            tables=tensor([t + [0] * (w - len(t)) for t in tables], torch.int32),
+            cu=tensor(group_cu, torch.int32), lens=tensor([lens[b] for b in batch],
+                                                          torch.int32)))
     split = _Split(
-        dec_rows=tensor([cu[b] for b in dec], torch.int64),
-        dec_reqs=tensor(dec, torch.int64),
-        dec_max_len=max((lens[b] for b in dec), default=0),
-        pre_rows=tensor(rows, torch.int64),
-        pre_blocks=tensor(flat, torch.int64),
-        pre_tables=tensor([t + [0] * (w - len(t)) for t in tables], torch.int32),
-        pre_cu=tensor(pre_cu if pre else [], torch.int32),
-        pre_lens=tensor([lens[b] for b in pre], torch.int32))
+        dec_rows=tensor([cu[b] for b in dec], torch.int64) if dec else None,
+        dec_reqs=tensor(dec, torch.int64) if dec else None,
+        dec_max_len=max((lens[b] for b in dec), default=0), groups=tuple(groups))
     meta._mla_split = split  # type: ignore[attr-defined]
     return split

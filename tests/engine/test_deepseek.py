@@ -88,6 +88,30 @@ def test_dummy_weights_from_a_config(ds_models, make_llm, tmp_path):
     assert all(0 <= t < BASE["vocab_size"] for o in out for t in o.token_ids)
 
 
+def test_prefill_groups_bound_the_decompressed_context(ds_models, make_llm, monkeypatch):
+    # a step prefilling all four prompts (budget 512) decompresses them in groups of at most
+    # 20 context tokens (one longer request alone): same tokens as transformers
+    import engine.models.mla as mla
+
+    monkeypatch.setattr(mla, "PREFILL_GROUP_TOKENS", 20)
+    sizes: list[tuple[int, ...]] = []
+    split_of = mla._split_of
+
+    def spy(meta, block_size):  # type: ignore[no-untyped-def]
+        sp = split_of(meta, block_size)
+        sizes.append(tuple(int(g.lens.sum()) for g in sp.groups))
+        return sp
+
+    monkeypatch.setattr(mla, "_split_of", spy)
+    path = ds_models["v2"]
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=512)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for prompt, res in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+        assert res.token_ids == hf_greedy(path, prompt, 8), prompt
+    first = sizes[0]  # the step prefilling prompts of 11, 5, 50 and 17 tokens
+    assert first == (16, 50, 17), first
+
+
 def _hf_cfg(version: str, **kw: Any) -> dict[str, Any]:
     cfg = {**BASE, "architectures": [f"Deepseek{version.upper()}ForCausalLM"],
            "q_lora_rank": None, "rope_theta": 10000.0}
