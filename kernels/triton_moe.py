@@ -168,7 +168,7 @@ def _gate_up_kernel(
     N, H, INTER, TOP_K,
     s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -178,22 +178,32 @@ def _gate_up_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)  # [BM]; N: padding
     row_ok = pair < N
-    tok = (pair // TOP_K).to(tl.int64)
+    # Padding rows read token 0 and columns past INTER wrap around, so the loads need no
+    # row or column masks; the store drops them. Addresses are a scalar base plus
+    # loop-invariant int32 offsets (the launcher checks they fit): loop-carried pointer
+    # tiles held every element's 64-bit address and spilled (ptxas, sm_90).
+    tok = tl.where(row_ok, pair // TOP_K, 0)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of INTER
-    col_ok = cols < INTER
     ks = tl.arange(0, BLOCK_K)
-    w_gate = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn  # [1, BN]
+    a_off = tok[:, None] * s_x + ks[None, :]  # [BM, BK] int32
+    w_off = (cols % INTER)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
+    w_gate = w_ptr + e * s_we
     w_up = w_gate + INTER * s_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < H
-        a = tl.load(x_ptr + tok[:, None] * s_x + kk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)  # [BM, BK]
-        wm = k_ok[:, None] & col_ok[None, :]
-        g = tl.load(w_gate + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)  # [BK, BN]
-        u = tl.load(w_up + kk[:, None], mask=wm, other=0.0).to(DOT_DTYPE)
+        if EVEN_K:
+            a = tl.load(x_ptr + k0 + a_off)
+            g = tl.load(w_gate + k0 + w_off)
+            u = tl.load(w_up + k0 + w_off)
+        else:
+            k_ok = ks < H - k0
+            a = tl.load(x_ptr + k0 + a_off, mask=k_ok[None, :], other=0.0)
+            g = tl.load(w_gate + k0 + w_off, mask=k_ok[:, None], other=0.0)
+            u = tl.load(w_up + k0 + w_off, mask=k_ok[:, None], other=0.0)
+        a = a.to(DOT_DTYPE)
+        g = g.to(DOT_DTYPE)
+        u = u.to(DOT_DTYPE)
         if IEEE:  # float32 models: no TF32 (the attention kernels do the same)
             acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
@@ -205,7 +215,7 @@ def _gate_up_kernel(
     u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
     act = g_r / (1.0 + tl.exp(-g_r)) * u_r
     tl.store(out_ptr + pair[:, None].to(tl.int64) * s_o + cols[None, :],
-             act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+             act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < INTER)[None, :])
 
 
 @triton.jit
@@ -214,7 +224,7 @@ def _down_kernel(
     N, H, INTER,
     s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -224,28 +234,33 @@ def _down_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + rows)
     row_ok = pair < N
-    pair64 = pair.to(tl.int64)
+    safe = tl.where(row_ok, pair, 0)  # padding rows read pair 0 (as _gate_up_kernel)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
-    col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + e * s_we + cols[None, :].to(tl.int64) * s_wn  # [1, BN]
+    a_off = safe[:, None] * s_a + ks[None, :]  # [BM, BK] int32
+    w_off = (cols % H)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
+    w_base = w_ptr + e * s_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        kk = k0 + ks
-        k_ok = kk < INTER
-        a = tl.load(a_ptr + pair64[:, None] * s_a + kk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        w = tl.load(w_base + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(DOT_DTYPE)  # [BK, BN]
+        if EVEN_K:
+            a = tl.load(a_ptr + k0 + a_off)
+            w = tl.load(w_base + k0 + w_off)
+        else:
+            k_ok = ks < INTER - k0
+            a = tl.load(a_ptr + k0 + a_off, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_base + k0 + w_off, mask=k_ok[:, None], other=0.0)
+        a = a.to(DOT_DTYPE)
+        w = w.to(DOT_DTYPE)
         if IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
+    pair64 = safe.to(tl.int64)
     # the router weight applied to the expert's rounded output, as HF does
     wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
-    y = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
     tl.store(out_ptr + pair64[:, None] * s_o + cols[None, :], y,
-             mask=row_ok[:, None] & col_ok[None, :])
+             mask=row_ok[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
@@ -288,6 +303,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     for name, ten in (("x", x), ("w13", w13), ("w2", w2)):
         check(ten.stride(-1) == 1, f"{name}: rows must be contiguous")
     k = topk_ids.shape[1]
+    # the GEMMs' int32 offsets: token rows of x, pair rows of the activation, one expert
+    check(t * x.stride(0) < 2**31 and t * k * inter < 2**31 and w13.stride(0) < 2**31
+          and w2.stride(0) < 2**31, "x, w13, w2: too large for the kernel's int32 offsets")
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
@@ -306,13 +324,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
         x, w13, act, sorted_ids, block_expert, n, h, inter, k,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, **launch)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
+        **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
         act, w2, y, sorted_ids, block_expert, weights, n, h, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee, **launch)
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
+        EVEN_K=inter % bk2 == 0, **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),

@@ -208,3 +208,24 @@ def test_a_tp_rank_reads_and_stacks_only_its_experts(moe_models):
     w13 = model.layers[0].mlp.experts.w13.data
     assert torch.equal(w13[1], torch.cat([full[f"{pre}.3.w1.weight"], full[f"{pre}.3.w3.weight"]]))
     assert torch.equal(model.layers[0].mlp.experts.w2.data[0], full[f"{pre}.2.w2.weight"])
+
+
+@pytest.mark.gpu
+def test_gpu_tp2_moe_graphs_equal_tp1_and_transformers(moe_models):
+    """Experts split over two GPUs, decode graphs captured with the MoE block's all-reduce:
+    the TP1 engine's tokens, and transformers'."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    path = moe_models["qwen3_moe"]
+    kw = dict(device="cuda", dtype="float32", block_size=4, max_num_seqs=8, max_model_len=128)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        with LLM(path, tensor_parallel_size=tp, **kw) as llm:
+            g = llm.engine.runner.graphs
+            assert g is not None and g.use_graphs
+            outs.append([c.token_ids for c in llm.generate(PROMPTS, params)])
+            assert g.num_replays > 0
+    assert outs[0] == outs[1]
+    for prompt, toks in zip(PROMPTS, outs[1], strict=True):
+        assert toks == hf_greedy(path, prompt, 16)

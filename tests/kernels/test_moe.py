@@ -70,6 +70,19 @@ def test_fused_moe_expert_shard_skips_other_ranks(start, gen, device, close):
     assert ref.abs().sum() > 0
 
 
+def test_fused_moe_top1(gen, device, close):
+    _case(5, 32, 32, 4, 1, torch.float32, gen, device, close)
+
+
+def test_fused_moe_rank_holding_none_of_the_chosen_experts_adds_zeros(gen, device):
+    from kernels.triton_moe import fused_moe
+
+    x, w13, w2, weights, _ = _inputs(6, 32, 32, 8, 2, torch.float32, gen, device, e_local=4)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0], [0, 2], [1, 3]], device=device)
+    out = fused_moe(x, w13, w2, weights, ids, 4)  # this rank holds experts 4-7
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_fused_moe_wide_tiles(gen, device, close):
     cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_N_DOWN": 32,
            "BLOCK_K_DOWN": 16, "num_warps": 4, "num_stages": 1}
