@@ -39,9 +39,14 @@ LOG2E = 1.4426950408889634
 
 BLOCK_N = 32  # latent rows per inner-loop tile (a [32, 512] bf16 tile is 32 KiB)
 NUM_STAGES = 2
+# 8 warps: at 4, a 16-head block's [16, 512] float32 accumulator and its latent tile spill
+# registers (ptxas, sm_90: 120 bytes); at 8 neither 16 nor 32 heads spill
+# (tests/kernels/test_mla_sm90.py). Not yet timed on a GPU.
+NUM_WARPS = 8
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 PROGRAMS_PER_SM = 8
-MAX_SPLITS = 64  # the merge holds [splits, C] per head in registers
+MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
+MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
 
 
 @triton.jit
@@ -135,26 +140,35 @@ def _mla_merge_kernel(
     s_ob, s_oh,
     split_len,  # as the decode kernel's (DYN: the least tokens per split)
     num_splits,
-    C: tl.constexpr, CP: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    C: tl.constexpr, CP: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
     DYN: tl.constexpr,
 ):
+    """Merges one (request, head)'s splits, MERGE_S at a time with an online log-sum-exp:
+    a [splits, C] tile at once spills registers past a few splits (ptxas, sm_90)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     if DYN:
         split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
-    sp = tl.arange(0, BLOCK_S)
+    sp = tl.arange(0, MERGE_S)
     c = tl.arange(0, CP)
-    smask = sp < used
     base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
-    lse = tl.load(part_lse_ptr + base + sp, mask=smask, other=float("-inf"))  # [BLOCK_S]
-    mx = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # unused splits weigh 0
-    o = tl.load(part_o_ptr + (base + sp)[:, None] * CP + c[None, :], mask=smask[:, None],
-                other=0.0)  # [BLOCK_S, CP]
-    wsum = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(wsum > 0.0, wsum, 1.0)
+    mx = tl.full([1], float("-inf"), tl.float32)
+    wsum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([CP], tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        smask = s0 + sp < used
+        lse = tl.load(part_lse_ptr + base + s0 + sp, mask=smask, other=float("-inf"))
+        o = tl.load(part_o_ptr + (base + s0 + sp)[:, None] * CP + c[None, :],
+                    mask=smask[:, None], other=0.0)  # [MERGE_S, CP]
+        mx_new = tl.maximum(mx, tl.max(lse, axis=0))  # finite: s0 < used
+        scale = tl.exp2(mx - mx_new)
+        w = tl.exp2(lse - mx_new)  # [MERGE_S]; unused splits weigh 0
+        wsum = wsum * scale + tl.sum(w, axis=0)
+        acc = acc * scale + tl.sum(o * w[:, None], axis=0)
+        mx = mx_new
+    res = acc / tl.where(wsum > 0.0, wsum, 1.0)  # no context (used 0): zeros
     tl.store(out_ptr + b * s_ob + h * s_oh + c, res.to(out_ptr.dtype.element_ty), mask=c < C)
 
 
@@ -186,7 +200,7 @@ def mla_decode(
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
     block_n: int = BLOCK_N,
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
-    num_warps: int | None = None,
+    num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     check(q.dim() == 3, "q: expected [B, H, C + R]")
@@ -215,8 +229,6 @@ def mla_decode(
     bs = kv_layer.shape[2]
     if block_h is None:
         block_h = 16 if heads <= 16 else 32
-    if num_warps is None:
-        num_warps = 4 if block_h <= 16 else 8
     head_blocks = triton.cdiv(heads, block_h)
     dyn = max_seq_len is None
     if max_seq_len is None:
@@ -251,7 +263,7 @@ def mla_decode(
     if split:
         _mla_merge_kernel[(bsz, heads)](
             part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
-            num_splits, C=c, CP=cp, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            num_splits, C=c, CP=cp, MERGE_S=min(MERGE_CHUNK, triton.next_power_of_2(num_splits)),
             BLOCK_N=block_n, DYN=dyn, num_warps=4,
         )
     return out
