@@ -75,7 +75,8 @@ class RoleHandler(abc.ABC):
                 "running": len(self.engine.scheduler.running),
                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
                 "transfers_in_flight": 0, "kv_exhausted_by_orphans": False,
-                "preemptions": self.engine.num_preemptions}
+                "preemptions": self.engine.num_preemptions,
+                **self.engine.prefix_cache_stats().counters()}
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),
