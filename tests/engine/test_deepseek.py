@@ -112,6 +112,19 @@ def test_prefill_groups_bound_the_decompressed_context(ds_models, make_llm, monk
     assert first == (16, 50, 17), first
 
 
+def test_prefix_cache_hits_read_the_cached_latent(ds_models, make_llm):
+    # a second prompt sharing 40 tokens with the first prefills only past its cached blocks;
+    # its chunk attends to the cached latent: transformers' tokens
+    path = ds_models["v3"]
+    llm = make_llm(path, block_size=4, max_num_batched_tokens=16)
+    first, second = PROMPTS[2], PROMPTS[2][:40] + [7, 8, 9]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm.generate([first], params)
+    got = llm.generate([second], params)[0].token_ids
+    assert llm.engine.prefix_cache_stats().hit_tokens == 40
+    assert got == hf_greedy(path, second, 12)
+
+
 def _hf_cfg(version: str, **kw: Any) -> dict[str, Any]:
     cfg = {**BASE, "architectures": [f"Deepseek{version.upper()}ForCausalLM"],
            "q_lora_rank": None, "rope_theta": 10000.0}
