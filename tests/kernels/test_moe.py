@@ -90,7 +90,7 @@ def test_fused_moe_wide_tiles(gen, device, close):
 
 
 def test_align_layout(device):
-    from kernels.triton_moe import max_sorted_rows, moe_align
+    from kernels.triton_moe_align import max_sorted_rows, moe_align
 
     ids = torch.tensor([[2, 0], [2, 1], [5, 2]], device=device)  # expert 5: another rank's
     sorted_ids, block_expert = moe_align(ids, 4, 0, 4)
@@ -105,7 +105,7 @@ def test_align_layout(device):
 @pytest.mark.parametrize("t,k,e,start,e_local,bm", [
     (3, 2, 6, 0, 4, 4), (1, 8, 128, 0, 128, 16), (37, 3, 10, 5, 5, 16), (200, 2, 3, 0, 3, 16)])
 def test_align_kernel_equals_torch_align(t, k, e, start, e_local, bm, device):
-    from kernels.triton_moe import moe_align, moe_align_triton
+    from kernels.triton_moe_align import moe_align, moe_align_triton
 
     gen = torch.Generator().manual_seed(t)
     ids = torch.rand(t, e, generator=gen).argsort(dim=1)[:, :k].to(device)

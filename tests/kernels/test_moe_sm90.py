@@ -20,6 +20,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import kernels.triton_moe as m
+import kernels.triton_moe_align as al
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TARGET = GPUTarget("cuda", 90, 32)
@@ -53,10 +54,10 @@ for bucket, c in json.load(open(m.CONFIG_FILE))["configs"]["default"].items():
     out[f"down/{bucket}"] = compile_(m._down_kernel, DN, dict(
         base, BLOCK_N=c.get("BLOCK_N_DOWN", c["BLOCK_N"]),
         BLOCK_K=c.get("BLOCK_K_DOWN", c["BLOCK_K"])), **opts)
-out["align/256"] = compile_(m._align_kernel, {
+out["align/256"] = compile_(al._align_kernel, {
     "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "N": "i32", "P": "i32",
     "NUM_TILES": "i32", "expert_start": "i32", "num_local": "i32"},
-    dict(BLOCK_E=256, CHUNK=m.ALIGN_CHUNK, BLOCK_M=16, BLOCK_T=64), num_warps=8)
+    dict(BLOCK_E=256, CHUNK=al.ALIGN_CHUNK, BLOCK_M=16, BLOCK_T=64), num_warps=8)
 out["route/256"] = compile_(m._route_kernel, {
     "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
     "E": "i32", "s_l": "i32", "scale": "fp32"},
