@@ -48,6 +48,11 @@ class RouterConfig:
     max_running_requests: int = 512
     max_queued_requests: int = 1024
     retry_after_s: float = 1.0  # the retry hint sent with a refusal
+    # Front-door processes on the same ports (router/frontends.py): this one (the primary)
+    # and frontends - 1 mirrors it starts. ``primary``: set only in a mirror, the primary's
+    # loopback gRPC address it forwards registry calls to and watches.
+    frontends: int = 1
+    primary: str = ""
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: object) -> ValueError:
@@ -88,6 +93,11 @@ class RouterConfig:
             raise bad("--max-queued-requests", "must be >= 0", self.max_queued_requests)
         if not self.retry_after_s > 0:
             raise bad("--retry-after", "must be > 0", self.retry_after_s)
+        if not 1 <= self.frontends <= 256:
+            raise bad("--frontends", "must be in [1, 256]", self.frontends)
+        if self.frontends > 1 and self.grpc_port == 0:
+            raise bad("--frontends", "needs a fixed --grpc-port (every frontend binds it)",
+                      self.frontends)
         if self.max_tokens_limit < 1:
             raise bad("--max-tokens-limit", "must be >= 1", self.max_tokens_limit)
 

@@ -29,10 +29,17 @@ from router.channels import WorkerChannels
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.frontend import Frontend
+from router.frontends import (
+    AdminProxy,
+    MembershipProxy,
+    PrimaryMembership,
+    RegistryMirror,
+    RegistryProxy,
+)
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.registry import Registry
-from router.registry_servicer import MembershipServicer, RegistryServicer
+from router.registry_servicer import RegistryServicer
 from router.role_change import RoleChanger
 from router.router_servicer import RouterServicer
 
@@ -71,6 +78,9 @@ class RouterServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self.role_changer: RoleChanger | None = None
         self._frontend: Frontend | None = None
+        self.internal_address = ""  # the primary's loopback address (--frontends > 1)
+        self.mirror: RegistryMirror | None = None  # set in a mirror frontend
+        self._primary: grpc.aio.Channel | None = None
 
     @property
     def address(self) -> str:
@@ -105,15 +115,23 @@ class RouterServer:
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, policy.name),
                                                      server)
-        worker_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token,
-                             cfg.hold_interval_s),
-            server)
-        router_pb2_grpc.add_MembershipServicer_to_server(
-            MembershipServicer(self.registry, cfg.cluster_token), server)
         self.role_changer = RoleChanger(self.registry)
-        router_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.registry, self.role_changer), server)
+        if cfg.primary:  # a mirror frontend: the primary keeps the registry
+            self._primary = grpc.aio.insecure_channel(cfg.primary)
+            worker_pb2_grpc.add_RegistryServicer_to_server(RegistryProxy(self._primary), server)
+            router_pb2_grpc.add_MembershipServicer_to_server(MembershipProxy(self._primary),
+                                                             server)
+            router_pb2_grpc.add_AdminServicer_to_server(AdminProxy(self._primary), server)
+            self.mirror = RegistryMirror(self.registry, self._primary, cfg.cluster_token)
+        else:
+            worker_pb2_grpc.add_RegistryServicer_to_server(
+                RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token,
+                                 cfg.hold_interval_s),
+                server)
+            router_pb2_grpc.add_MembershipServicer_to_server(
+                PrimaryMembership(self.registry, cfg.cluster_token), server)
+            router_pb2_grpc.add_AdminServicer_to_server(
+                AdminServicer(self.registry, self.role_changer), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -131,11 +149,15 @@ class RouterServer:
             raise ValueError(f"--grpc-port: cannot bind {bind}: {e}") from e
         if not self.port:
             raise ValueError(f"--grpc-port: cannot bind {bind}")
+        if cfg.frontends > 1:  # where the mirrors reach this process alone (frontends.py)
+            self.internal_address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
         self._server = server
         await self._set_health()
         self.registry.on_change.append(self._health_changed)
         self._spawn(self._sweep())
+        if self.mirror is not None:
+            self._spawn(self.mirror.run())
         if cfg.http_port >= 0:
             from router.http_server import HttpFrontDoor  # aiohttp only when HTTP is on
 
@@ -170,6 +192,8 @@ class RouterServer:
             await self._channels.close()
         if self._frontend is not None:
             self._frontend.tokenize_pool.close()
+        if self._primary is not None:
+            await self._primary.close()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -103,6 +103,7 @@ class Token0Event:
     stop_reason: str
     sampled_ns: int
     received_ns: int
+    cached_tokens: int = 0  # prompt tokens the prefill found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ class TokensEvent:
     error: str = ""
     kv_ready_ns: int = 0  # consumer: when the KV landed and the request was admitted
     first_step_ns: int = 0  # consumer: when its first decode step was launched
+    cached_tokens: int = 0  # prompt tokens the request's prefill found cached
 
 
 @dataclass(frozen=True)

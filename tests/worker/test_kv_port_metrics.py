@@ -101,7 +101,8 @@ def test_a_live_consumer_counts_its_decode_steps_on_metrics(cluster: LocalCluste
 def test_a_repeated_prompt_hits_the_producers_prefix_cache_on_metrics(
         cluster: LocalCluster) -> None:
     """Issue 26, reported: the same 80-token prompt twice; the second prefill finds its full
-    blocks cached, and the producer's /metrics counts the looked-up and hit tokens."""
+    blocks cached, the producer's /metrics counts the looked-up and hit tokens, and the
+    second response's usage says how many were cached."""
     from cluster_client import generate, stub_for
     from pdserve.v1 import router_pb2
 
@@ -122,3 +123,5 @@ def test_a_repeated_prompt_hits_the_producers_prefix_cache_on_metrics(
     hit = _metric(port, h) - before[1]
     # every full block but the one holding the last token (it is always computed)
     assert len(ids) - 16 - 1 <= hit < len(ids), (hit, dump_logs(cluster))
+    # and the client is told (gRPC usage; HTTP's prompt_tokens_details comes from it)
+    assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, hit), (first, second)
