@@ -25,6 +25,10 @@ class AttentionMetadata:
     # Host-known bound on seq_lens: sizes decode's split-K from the real contexts. None
     # (CUDA graphs, whose grid cannot change per step): the block table's capacity.
     max_seq_len: int | None = None
+    # The same lengths as host lists when the step was planned on the host (eager steps;
+    # None in CUDA graphs): MLA splits a mixed step's prefill and decode rows with them.
+    cu_seqlens_q_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,14 @@ class KernelSet:
     sample_simple: Callable[..., Any] | None = None
     # RoPE fused with store_kv (kernels.ref_rope_kv.rope_store_kv_ref's contract)
     rope_store_kv: Callable[..., Any] | None = None
+    # mixture-of-experts MLP (kernels.ref_moe.fused_moe_ref's contract)
+    fused_moe: Callable[..., Any] | None = None
+    # top-k routing without expert groups (kernels.ref_moe.moe_route_ref's contract)
+    moe_route: Callable[..., Any] | None = None
+    # MLA (engine/models/mla.py): the latent store (kernels.ref_kv.store_latent_ref) and
+    # absorbed-form decode (kernels.ref_mla_decode.mla_decode_ref)
+    store_latent: Callable[..., Any] | None = None
+    mla_decode: Callable[..., Any] | None = None
 
     @property
     def graph_safe(self) -> bool:
@@ -52,24 +64,32 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
     if device.type == "cuda" and not force_reference:
         from kernels.triton_act import silu_and_mul
         from kernels.triton_decode_attention import decode_attention
+        from kernels.triton_mla_decode import mla_decode
+        from kernels.triton_moe import fused_moe, moe_route
         from kernels.triton_norm import rms_norm, rope
         from kernels.triton_prefill_attention import prefill_attention
         from kernels.triton_rope_kv import rope_store_kv
         from kernels.triton_sample import sample_simple
-        from kernels.triton_store_kv import store_kv
+        from kernels.triton_store_kv import store_kv, store_latent
 
         return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
-                         silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv)
+                         silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv,
+                         fused_moe=fused_moe, moe_route=moe_route, store_latent=store_latent,
+                         mla_decode=mla_decode)
     from kernels.ref_act import silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
-    from kernels.ref_kv import store_kv_ref
+    from kernels.ref_kv import store_kv_ref, store_latent_ref
+    from kernels.ref_mla_decode import mla_decode_ref
+    from kernels.ref_moe import fused_moe_ref, moe_route_ref
     from kernels.ref_norm import rms_norm_ref, rope_ref
     from kernels.ref_rope_kv import rope_store_kv_ref
     from kernels.ref_sample import sample_simple_ref
 
     return KernelSet(store_kv_ref, prefill_attention_ref, decode_attention_ref, rms_norm_ref,
                      rope_ref, "torch-reference", silu_and_mul_ref,
-                     sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref)
+                     sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref,
+                     fused_moe=fused_moe_ref, moe_route=moe_route_ref,
+                     store_latent=store_latent_ref, mla_decode=mla_decode_ref)
 
 
 class PagedAttention:

@@ -15,17 +15,71 @@ SUPPORTED_ARCHS = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROLES = ("colocated", "producer", "consumer")
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: which layers have one, how tokens are routed (as
+    engine/models/moe.select_experts computes it) and the experts' shape."""
+
+    num_experts: int  # routed experts per MoE layer
+    top_k: int  # experts per token
+    intermediate_size: int  # one expert's gate/up width
+    layers: tuple[int, ...]  # decoder layers whose MLP is this MoE (others are dense)
+    renormalize: bool  # top-k weights divided by their sum
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    n_group: int | None = None  # grouped top-k: experts split in n_group groups ...
+    topk_group: int | None = None  # ... of which the best topk_group are eligible
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights
+    score_bias: bool = False  # e_score_correction_bias added to scores for choice only
+    n_shared_experts: int = 0  # always-on experts beside the routed ones (one fused MLP)
+    shared_intermediate_size: int = 0  # the shared MLP's width (all shared experts)
+    router_fp32: bool = False  # router logits computed in float32 (DeepSeek)
+    # top-k weights rounded to the model's dtype before they scale the experts (Qwen3-MoE,
+    # as transformers does; Mixtral and DeepSeek keep them float32)
+    weights_in_model_dtype: bool = False
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("num_experts", self.num_experts >= 1, "must be >= 1"),
+            ("num_experts_per_tok", 1 <= self.top_k <= self.num_experts,
+             f"must be in [1, {self.num_experts}]"),
+            ("moe_intermediate_size", self.intermediate_size >= 1, "must be >= 1"),
+            ("scoring_func", self.scoring_func in SCORING_FUNCS,
+             f"must be one of {SCORING_FUNCS}"),
+            ("n_group", self.n_group is None or (self.n_group >= 1
+                                                  and self.num_experts % self.n_group == 0),
+             f"must divide the {self.num_experts} experts"),
+            ("topk_group", (self.n_group is None) == (self.topk_group is None)
+             and (self.topk_group is None or 1 <= self.topk_group <= (self.n_group or 0)),
+             "must be given with n_group and lie in [1, n_group]"),
+            ("routed_scaling_factor", self.routed_scaling_factor > 0, "must be > 0"),
+            ("n_shared_experts", self.n_shared_experts >= 0, "must be >= 0"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"model: {name} {why}")
+        if self.n_group is not None and self.topk_group is not None:
+            per_group = self.num_experts // self.n_group
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError("model: num_experts_per_tok exceeds the experts of topk_group "
+                                 "groups")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The decoder's shape, read from an HF config.json (or built from GGUF metadata)."""
 
-    arch: str  # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str  # a SUPPORTED_ARCHS value: "llama" | "mistral" | "qwen2" | "qwen3" | ...
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -43,6 +97,19 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # mixture-of-experts MLPs (None: every layer dense)
+    # ---- DeepSeek-V2/V3's multi-head latent attention (engine/models/mla.py), when
+    # kv_lora_rank > 0; the defaults describe no MLA, so other archs never read them.
+    q_lora_rank: int | None = None  # None: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int = 0  # latent width the KV cache stores per token (0: not MLA)
+    qk_nope_head_dim: int = 0  # per-head query/key dims without RoPE (through kv_b_proj)
+    qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the key's are shared by heads
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # RoPE pairs are (x0, x1), (x2, x3)...: DeepSeek's layout
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @staticmethod
     def from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -66,7 +133,10 @@ class ModelConfig:
                 scaling = scaling or params
         if scaling is not None and scaling.get("rope_type", scaling.get("type")) == "default":
             scaling = None
-        return ModelConfig(
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {cfg.get('hidden_act')!r} is not supported "
+                             "(only 'silu')")
+        base: dict[str, Any] = dict(
             arch=arch,
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -80,18 +150,143 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True)
             else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=moe_config_from_hf(cfg, arch),
         )
+        if arch.startswith("deepseek"):  # MLA fields, and what they override
+            base.update(_deepseek_fields(arch, cfg, scaling))
+        return ModelConfig(**base)
 
     @staticmethod
     def from_dir(path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             return ModelConfig.from_hf(json.load(f))
+
+
+def moe_config_from_hf(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    """The MoE fields of an HF config; None for a dense architecture. Training-only fields
+    (router aux loss, router jitter, output_router_logits) change nothing at inference."""
+    layers = int(cfg["num_hidden_layers"])
+    # absent fields take transformers' defaults, as HF itself would run the config
+    if arch == "qwen3_moe":
+        n = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"model: decoder_sparse_step must be >= 1, got {step}")
+        dense = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        sparse = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        if not n or not sparse:  # HF builds every layer dense then
+            return None
+        return MoEConfig(
+            num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok", 8)),
+            intermediate_size=int(cfg.get("moe_intermediate_size", 768)), layers=sparse,
+            renormalize=bool(cfg.get("norm_topk_prob", False)), weights_in_model_dtype=True)
+    if arch == "mixtral":
+        return MoEConfig(
+            num_experts=int(cfg.get("num_local_experts", 8)),
+            top_k=int(cfg.get("num_experts_per_tok", 2)),
+            intermediate_size=int(cfg.get("intermediate_size", 14336)),
+            layers=tuple(range(layers)),
+            renormalize=True)  # Mixtral always renormalizes its top-k
+    if arch in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(cfg, arch, layers)
+    return None
+
+
+def _deepseek_moe(cfg: dict[str, Any], arch: str, layers: int) -> MoEConfig | None:
+    """DeepSeek-V2/V3's MoE as transformers runs it: layers from first_k_dense_replace on;
+    V2 softmax top-k (greedy or group_limited_greedy), V3 sigmoid scores with
+    e_score_correction_bias and grouped top-k (noaux_tc); routed experts scaled by
+    routed_scaling_factor; n_shared_experts always-on experts of moe_intermediate_size."""
+    n = cfg.get("n_routed_experts")
+    if not n:
+        return None
+    freq = int(cfg.get("moe_layer_freq", 1))
+    if freq != 1:  # DeepSeek's own code honours it, transformers does not: no one answer
+        raise ValueError(f"model: moe_layer_freq {freq} is not supported (only 1)")
+    first = int(cfg.get("first_k_dense_replace") or 0)
+    inter = int(cfg.get("moe_intermediate_size", 1407 if arch == "deepseek_v2" else 2048))
+    shared = int(cfg.get("n_shared_experts") or 0)
+    common: dict[str, Any] = dict(
+        num_experts=int(n), top_k=int(cfg.get("num_experts_per_tok") or 0),
+        intermediate_size=inter, layers=tuple(range(first, layers)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor",
+                                            1.0 if arch == "deepseek_v2" else 2.5)),
+        n_shared_experts=shared, shared_intermediate_size=inter * shared, router_fp32=True)
+    method = cfg.get("topk_method") or ("greedy" if arch == "deepseek_v2" else "noaux_tc")
+    scoring = cfg.get("scoring_func") or ("softmax" if arch == "deepseek_v2" else "sigmoid")
+    if arch == "deepseek_v2":
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(f"model: topk_method {method!r} is not supported for "
+                             "DeepSeek-V2 (greedy, group_limited_greedy)")
+        if scoring != "softmax":
+            raise ValueError(f"model: scoring_func {scoring!r} is not supported for "
+                             "DeepSeek-V2 (softmax)")
+        if cfg.get("norm_topk_prob"):  # DeepSeek's code applies it, transformers drops it
+            raise ValueError("model: norm_topk_prob true is not supported for DeepSeek-V2")
+        grouped = method == "group_limited_greedy"
+        return MoEConfig(**common, renormalize=False, scoring_func="softmax",
+                         n_group=int(cfg["n_group"]) if grouped else None,
+                         topk_group=int(cfg["topk_group"]) if grouped else None)
+    if method != "noaux_tc":
+        raise ValueError(f"model: topk_method {method!r} is not supported for DeepSeek-V3 "
+                         "(noaux_tc)")
+    if scoring != "sigmoid":
+        raise ValueError(f"model: scoring_func {scoring!r} is not supported for DeepSeek-V3 "
+                         "(sigmoid)")
+    return MoEConfig(**common, renormalize=bool(cfg.get("norm_topk_prob", True)),
+                     scoring_func="sigmoid", n_group=int(cfg.get("n_group") or 1),
+                     topk_group=int(cfg.get("topk_group") or 1), score_bias=True)
+
+
+def _deepseek_fields(arch: str, cfg: dict[str, Any],
+                     scaling: dict[str, Any] | None) -> dict[str, Any]:
+    """ModelConfig's MLA fields from a DeepSeek config (its MoE is _deepseek_moe's);
+    ValueError names any field whose value the engine does not implement (never silently
+    ignored). Semantics are transformers' (models/deepseek_v2|deepseek_v3)."""
+
+    def refuse(name: str, why: str) -> ValueError:
+        return ValueError(f"{name}: {why}, got {cfg.get(name)!r}")
+
+    for name in ("attention_bias", "mlp_bias"):
+        if cfg.get(name):
+            raise refuse(name, "biases on DeepSeek projections are not implemented")
+    if cfg.get("quantization_config"):  # DeepSeek-V3/R1 ship block-quantized fp8 weights
+        raise refuse("quantization_config", "quantized weights are not implemented (use a "
+                     "bf16 conversion)")
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
+        raise ValueError(f"rope_scaling: DeepSeek supports 'yarn' only, got {scaling!r}")
+    q_lora = cfg.get("q_lora_rank")
+    checks = [
+        ("kv_lora_rank", int(cfg["kv_lora_rank"]) >= 1, "must be >= 1"),
+        ("q_lora_rank", q_lora is None or int(q_lora) >= 1, "must be >= 1 or null"),
+        ("qk_rope_head_dim", int(cfg["qk_rope_head_dim"]) >= 2
+         and int(cfg["qk_rope_head_dim"]) % 2 == 0, "must be even and >= 2"),
+        ("qk_nope_head_dim", int(cfg["qk_nope_head_dim"]) >= 1, "must be >= 1"),
+        ("v_head_dim", int(cfg["v_head_dim"]) >= 1, "must be >= 1"),
+    ]
+    for name, ok, why in checks:
+        if not ok:
+            raise refuse(name, why)
+    return dict(
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        # V2 rotates (x0, x1) pairs as complex numbers; V3 has the flag (default on)
+        rope_interleave=bool(cfg.get("rope_interleave", True)) if arch == "deepseek_v3"
+        else True,
+        # what the shared dense code reads: the query/key head (memory estimates) and all
+        # heads as "KV heads" (TP checks); the cache itself is the latent (kv_layout)
+        head_dim=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]),
+        num_kv_heads=int(cfg["num_attention_heads"]),
+    )
 
 
 @dataclass(frozen=True)

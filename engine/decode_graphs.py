@@ -123,8 +123,11 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # Warm-up compiles every Triton kernel and sets the tile configs outside capture.
-            self._forward(self.max_batch)
+            # Warm-up compiles every Triton kernel and sets the tile configs outside capture,
+            # at every size: the fused MoE kernel's tiles (and its integer specializations)
+            # change with the row count, and a compile inside a capture would break it.
+            for n in reversed(self.sizes):
+                self._forward(n)
             self._head(self.max_batch)
             for n in reversed(self.sizes):
                 g = torch.cuda.CUDAGraph()

@@ -1,15 +1,27 @@
 """The shape of a worker's paged KV cache, and the fingerprint peers compare before a transfer.
 
 Block-major: the cache is one contiguous tensor
-``[num_blocks, num_layers, 2, block_size, head_count, head_dim]``, so block ``i`` (every
-layer's K and V for ``block_size`` tokens) is the contiguous byte range
+``[num_blocks, num_layers, planes, block_size, head_count, head_dim]``, so block ``i``
+(every layer's KV for ``block_size`` tokens) is the contiguous byte range
 ``[i * block_nbytes, (i + 1) * block_nbytes)`` and a run of adjacent blocks is one region.
+
+What a token stores per layer (``kind``):
+
+- ``"kv"`` (``planes`` 2): K and V, ``num_kv_heads`` heads of ``head_dim`` each;
+- ``"mla"`` (``planes`` 1): DeepSeek's MLA latent, one "head" of ``kv_lora_rank +
+  qk_rope_head_dim`` values (the normed compressed KV, then the roped shared key); V is
+  not stored, it is decompressed from the latent. ``num_kv_heads`` is 1.
+
+``planes`` is an int field (not a string kind) because a transfer handshake sends the
+layout's fields and accepts only ints beside model and dtype.
 
 Tensor parallelism: ``num_kv_heads`` is the model's TOTAL KV heads; a worker of
 ``tp_size`` N has N ranks and rank r's pool holds only its heads, ``head_count`` of them
 from ``head_start``. With H >= N heads (N divides H) rank r holds ``[r*H/N, (r+1)*H/N)``;
 with H < N (H divides N) each head is replicated on N/H ranks and rank r holds head
 ``r*H // N``. Both cases are ``head_start = r*H // N``, ``head_count = max(1, H // N)``.
+An MLA latent is that second case with H = 1: every rank holds the whole latent (it is
+not split by heads; each rank's query heads read all of it).
 This module imports no torch so transfer and service code can use it freely.
 """
 
@@ -17,10 +29,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # what must be equal between peers for their KV to be the same numbers (not the TP split)
-MATCHED_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim")
+MATCHED_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
+                  "planes")
+PLANES = {"kv": 2, "mla": 1}  # kind -> planes: what one token of one layer stores
 MAX_TP = 256  # ranks of one worker; bounds what a peer's handshake can make us compute
 
 
@@ -41,6 +59,14 @@ def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> tuple[int, int]
     return tp_rank * num_kv_heads // tp_size, max(1, num_kv_heads // tp_size)
 
 
+def kv_shape_of(cfg: ModelConfig) -> dict[str, int]:
+    """KVLayout's fields for what a token of this model stores per layer: its K/V heads, or
+    (MLA) the latent, kv_lora_rank + qk_rope_head_dim values."""
+    if cfg.is_mla:
+        return KVLayout.kv_shape("mla", 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return KVLayout.kv_shape("kv", cfg.num_kv_heads, cfg.head_dim)
+
+
 @dataclass(frozen=True)
 class KVLayout:
     model: str  # model identity (name or path) the KV was computed with
@@ -52,6 +78,20 @@ class KVLayout:
     num_blocks: int  # blocks in this worker's pool (not part of the fingerprint)
     tp_size: int = 1  # ranks of the worker (not part of the fingerprint)
     tp_rank: int = 0  # which rank's pool this is
+    planes: int = 2  # 2: K and V heads (kind "kv"); 1: one MLA latent (kind "mla")
+
+    @staticmethod
+    def kv_shape(kind: str, num_kv_heads: int, head_dim: int) -> dict[str, int]:
+        """The fields that say what a token stores: K/V heads, or an MLA latent of
+        ``head_dim`` (kv_lora_rank + qk_rope_head_dim) values, one head on every rank."""
+        if kind not in PLANES:
+            raise ValueError(f"kind: must be one of {sorted(PLANES)}, got {kind!r}")
+        heads = 1 if kind == "mla" else num_kv_heads
+        return {"num_kv_heads": heads, "head_dim": head_dim, "planes": PLANES[kind]}
+
+    @property
+    def kind(self) -> str:
+        return "mla" if self.planes == 1 else "kv"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -59,6 +99,10 @@ class KVLayout:
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "num_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.planes not in PLANES.values():
+            raise ValueError(f"planes: must be 2 (K/V) or 1 (MLA latent), got {self.planes!r}")
+        if self.planes == 1 and self.num_kv_heads != 1:
+            raise ValueError(f"num_kv_heads: an MLA latent is one head, got {self.num_kv_heads}")
         for name in ("tp_size", "tp_rank"):
             if type(getattr(self, name)) is not int:
                 raise ValueError(f"{name}: expected an int, got {getattr(self, name)!r}")
@@ -76,17 +120,22 @@ class KVLayout:
 
     @property
     def head_nbytes(self) -> int:
-        """One head of one token of one layer's K (or V)."""
+        """One head of one token of one layer's K (or V, or the MLA latent)."""
         return self.head_dim * DTYPE_SIZES[self.dtype]
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Shape of one block: [num_layers, 2, block_size, head_count, head_dim]."""
-        return (self.num_layers, 2, self.block_size, self.head_count, self.head_dim)
+        """Shape of one block: [num_layers, planes, block_size, head_count, head_dim]."""
+        return (self.num_layers, self.planes, self.block_size, self.head_count, self.head_dim)
+
+    @property
+    def rows_per_block(self) -> int:
+        """Token rows of one block (each ``head_count * head_nbytes`` bytes)."""
+        return self.num_layers * self.planes * self.block_size
 
     @property
     def block_nbytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.head_count * self.head_nbytes
+        return self.rows_per_block * self.head_count * self.head_nbytes
 
     @property
     def pool_nbytes(self) -> int:
@@ -97,6 +146,8 @@ class KVLayout:
         the TP split (a TP2 producer and a TP1 consumer of one model match)."""
         key = (f"{self.model}|{self.dtype}|{self.block_size}|{self.num_layers}|"
                f"{self.num_kv_heads}|{self.head_dim}")
+        if self.planes != 2:  # a K/V pool keeps the fingerprint it had before MLA existed
+            key += f"|{self.kind}"
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def describe_mismatch(self, other: KVLayout) -> str:

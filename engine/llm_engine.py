@@ -19,7 +19,7 @@ import torch
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
-from engine.kv_layout import KVLayout
+from engine.kv_layout import KVLayout, kv_shape_of
 from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult, logprob_rows
@@ -53,11 +53,11 @@ class LLMEngine(PrefixCacheQueries):
         self.max_model_len = resolve_max_model_len(config, model_cfg)
         self.layout = KVLayout(
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
-            num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
-            head_dim=model_cfg.head_dim, num_blocks=1,
-            # rank 0's pool: its own heads (model.shard), which head_range must agree with
+            num_layers=model_cfg.num_layers, **kv_shape_of(model_cfg), num_blocks=1,
+            # rank 0's pool: its own heads (model.shard; MLA: the latent, whole on every rank)
             tp_size=config.tensor_parallel_size, tp_rank=0)
-        assert model is None or self.layout.head_count == model.shard.num_kv_heads, \
+        assert model is None or model_cfg.is_mla \
+            or self.layout.head_count == model.shard.num_kv_heads, \
             "TP head split differs"  # no model: a simulated engine (config.simulate)
         # Never more than every seat filled to max_model_len could use.
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)

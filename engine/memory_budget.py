@@ -15,7 +15,13 @@ def activation_bytes(cfg: ModelConfig, tokens: int, sample_rows: int, elem: int)
     (layers run one after another) plus float32 logits and the sampler's copies of them."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
-    return tokens * per_token * elem + 4 * sample_rows * cfg.vocab_size * 4
+    moe = 0
+    if cfg.moe is not None:  # the fused MoE kernel's rows per (token, expert) pair:
+        # activation [I] in the model dtype, weighted output [H] float32, ids and weights
+        m = cfg.moe
+        moe = m.top_k * (m.intermediate_size * elem + cfg.hidden_size * 4 + 16) \
+            + m.num_experts * 4  # router logits
+    return tokens * (per_token * elem + moe) + 4 * sample_rows * cfg.vocab_size * 4
 
 
 def graph_bytes(config: EngineConfig, cfg: ModelConfig, elem: int) -> int:

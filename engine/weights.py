@@ -11,9 +11,9 @@ import torch
 
 from engine.attention import KernelSet
 from engine.config import ModelConfig
+from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TPGroup
-from engine.parallel.shards import local_from_full
 
 # hf name -> (dim, start, stop) this rank reads, or None for the whole tensor
 Slicer = Callable[[str], "tuple[int, int, int] | None"]
@@ -59,7 +59,7 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
     every TP size runs the same model."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.device("meta"):
-        full = LlamaForCausalLM(model.cfg, model.kernels, 1)  # TP1 names and shapes only
+        full = type(model)(model.cfg, model.kernels, 1)  # TP1 names and shapes only
     local = dict(model.named_parameters())
     with torch.no_grad():
         for i, (name, meta) in enumerate(full.named_parameters()):
@@ -73,7 +73,7 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
                 g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + i)
                 w = torch.empty(meta.shape, dtype=p.dtype, device=p.device)
                 w.normal_(0, 0.02, generator=g)
-            p.copy_(local_from_full(model.shard, model.cfg, name, w))
+            p.copy_(model.local_from_full(name, w))
 
 
 def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.device,
@@ -84,7 +84,7 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
     torch.set_default_dtype(TORCH_DTYPES[dtype])
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(cfg, kernels, max_positions, group)
+            model = model_class(cfg)(cfg, kernels, max_positions, group)
     finally:
         torch.set_default_dtype(prev)
     if load_format == "dummy":
@@ -99,7 +99,7 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         expected = {n.removeprefix("model.") for n, _ in model.named_parameters()}
         if cfg.tie_word_embeddings:
             expected.discard("lm_head.weight")
-        loaded = _fused_names(used)
+        loaded = used if cfg.is_mla else _fused_names(used)  # DeepSeek's: parameter names
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"model: checkpoint lacks weights {missing[:4]}")

@@ -44,3 +44,16 @@ def scatter_blocks_ref(
     block_ids: torch.Tensor,  # [N] int64
 ) -> None:
     cache.index_copy_(0, block_ids, src)
+
+
+def store_latent_ref(
+    latent: torch.Tensor,  # [T, D]: one MLA latent row per token (kv_lora_rank + rope)
+    kv_layer: torch.Tensor,  # [NB, 1, BS, 1, D]
+    slot_mapping: torch.Tensor,  # [T] int64, slot = block * BS + offset; < 0 means skip
+) -> None:
+    block_size = kv_layer.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots - blocks * block_size
+    kv_layer[blocks, 0, offsets, 0] = latent[keep].to(kv_layer.dtype)

@@ -15,7 +15,7 @@ from engine.models import split_k
 from engine.models.split_k import split_k_linear
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
-from engine.parallel.shards import TPShard, hf_slice, shard_for
+from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
 from engine.rope import cos_sin_table
 
 if TYPE_CHECKING:
@@ -104,12 +104,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
-                 group: TPGroup | None) -> None:
+                 group: TPGroup | None, mlp: nn.Module | None = None) -> None:
+        """mlp: the layer's MLP (x [T, H] -> [T, H] summed over the ranks, or K-split
+        partials); None: the dense one."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.self_attn = Attention(cfg, kernels, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = MLP(cfg, kernels, shard, group)
+        self.mlp = mlp if mlp is not None else MLP(cfg, kernels, shard, group)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_layer: torch.Tensor,
@@ -133,8 +135,8 @@ class LlamaForCausalLM(nn.Module):
         # Rank 0 of a TP engine: the other ranks, which its runner drives (build_engine).
         self.followers: TPFollowers | None = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, sh, g)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, sh, g, self.make_mlp(i))
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(sh, cfg.vocab_size, cfg.hidden_size, g)
         if cfg.tie_word_embeddings:
@@ -143,6 +145,15 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin", cos_sin_table(cfg.head_dim, max_positions, cfg.rope_theta, scaling),
             persistent=False)
+
+    def make_mlp(self, layer: int) -> nn.Module | None:
+        """Layer `layer`'s MLP; None: the dense one. A family with other MLPs (MoE)
+        overrides this; cfg, kernels, group and shard are set when it is called."""
+        return None
+
+    def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the TP1-shaped parameter `name` (dummy weights)."""
+        return local_from_full(self.shard, self.cfg, name, full)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -50,6 +50,9 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
     if cfg.intermediate_size % size:
         raise ValueError(f"{FLAG}: {size} does not divide the model's intermediate size "
                          f"{cfg.intermediate_size}")
+    if cfg.moe is not None and cfg.moe.num_experts % size:  # experts split whole
+        raise ValueError(f"{FLAG}: {size} does not divide the model's "
+                         f"{cfg.moe.num_experts} experts")
 
 
 def shard_for(cfg: ModelConfig, rank: int, size: int) -> TPShard:

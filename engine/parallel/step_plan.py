@@ -48,6 +48,8 @@ def run_plan(model: LlamaForCausalLM, kv_cache: torch.Tensor, plan: StepPlan,
         seq_lens=_tensor(plan.seq_lens, torch.int32, device),
         decode_only=plan.decode_only,
         max_seq_len=max(plan.seq_lens),
+        cu_seqlens_q_host=plan.cu_seqlens_q,
+        seq_lens_host=plan.seq_lens,
     )
     hidden = model(input_ids, _tensor(plan.positions, torch.int64, device), kv_cache, meta)
     if not plan.sample_at:

@@ -1,0 +1,326 @@
+"""MoE decode benchmark (issue 25): a Qwen3-30B-A3B-shaped model's decode step, and the
+fused MoE kernel alone, each against the HBM byte floor measured in the same run.
+
+In one run on one GPU (bf16, dummy weights: 48 layers, hidden 2048, 32/4 heads of 128,
+128 experts top-8, moe_intermediate 768, vocab 151936):
+  * HBM read rate (a sum over a 4 GiB tensor) and the bf16 matmul rate (8192^3 GEMM);
+  * per (batch, context): the engine's decode step (CUDA graphs, deferred output; the
+    median of --repeats windows of --steps steps), the distinct experts each layer's
+    routing touched in one step (one eager step with hooks on the MoE blocks), and the
+    step's floor = (dense weights + the touched experts + the KV read) / HBM read rate;
+  * per batch: the fused MoE kernel alone over all 48 layers' experts (one CUDA graph,
+    routing drawn uniformly), its bytes (the distinct experts it reads) over its time
+    against the HBM read rate;
+  * prefill of one --prefill-tokens prompt: its time and FLOP rate against the matmul rate;
+  * optionally transformers' own decode with a static cache (--hf-batches; eager).
+
+    python bench/moe_bench.py --out $OUT/moe_h200.json
+    python bench/moe_bench.py --tune   # tile candidates per token bucket for moe_configs.json
+
+Points whose KV does not fit the device are recorded with ``"skipped"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+    "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 151936,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+    "tie_word_embeddings": False, "use_sliding_window": False, "hidden_act": "silu",
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+
+# fused-kernel tile candidates for --tune (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each
+# compiles for sm_90 without register spills (ptxas -v, as tests/kernels/test_moe_sm90.py)
+CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
+              (16, 128, 64, 4, 3), (16, 64, 128, 8, 4), (32, 64, 64, 8, 3),
+              (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3)]
+
+
+def matmul_tflops() -> float:
+    from decode_bench import graph_time_ms
+
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    ms = graph_time_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def moe_blocks(model: Any) -> list[Any]:
+    from engine.models.moe import SparseMoeBlock
+
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+def expert_bytes(block: Any) -> int:
+    """One expert's weight bytes (gate, up and down)."""
+    w13, w2 = block.experts.w13, block.experts.w2
+    return (w13[0].numel() + w2[0].numel()) * w13.element_size()
+
+
+def dense_weight_bytes(model: Any) -> int:
+    """Bytes of weights a decode step reads besides experts: all but the stacked experts
+    and the embedding table (a step reads only its rows)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name.endswith(("experts.w13", "experts.w2")) or "embed_tokens" in name:
+            continue
+        total += p.numel() * p.element_size()
+    return total
+
+
+def touched_experts(engine: Any) -> list[int]:
+    """Distinct experts each MoE layer routed the running batch to, in one eager step."""
+    blocks = moe_blocks(engine.runner.model)
+    seen: list[int] = [0] * len(blocks)
+    hooks = []
+    for i, blk in enumerate(blocks):
+        def hook(mod: Any, args: tuple[Any, ...], out: Any, i: int = i) -> None:
+            _, ids = mod.route(args[0])
+            seen[i] = int(torch.unique(ids).numel())
+        hooks.append(blk.register_forward_hook(hook))
+    graphs = engine.runner.graphs
+    prev = graphs.use_graphs
+    graphs.use_graphs = False  # an eager step, so the hooks run (replays run no Python)
+    try:
+        engine.step()
+        engine.step()  # deferred output: the second step is the first one fully read
+    finally:
+        graphs.use_graphs = prev
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int,
+                 hbm: float) -> dict[str, Any]:
+    from decode_bench import engine_point
+
+    cfg = engine.model_cfg
+    model = engine.runner.model
+    point = engine_point(engine, batch, context, steps, repeats)
+    if "skipped" in point:
+        return point
+    # routing seen on a fresh batch of the same shape (engine_point aborted its requests)
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        blocks = engine.reserve(context)
+        if blocks is None:
+            break
+        rid = f"route-{batch}-{context}-{i}"
+        engine.add_prefilled(rid, [1 + (7 * i + j) % 1000 for j in range(context)], params,
+                             blocks, first_token=2)
+        ids.append(rid)
+    engine.step()
+    touched = touched_experts(engine)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    blocks = moe_blocks(model)
+    eb = expert_bytes(blocks[0])
+    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    floor_bytes = dense_weight_bytes(model) + sum(touched) * eb + kv
+    floor_ms = floor_bytes / (hbm * 1e12) * 1e3
+    point.update({
+        "experts_touched_mean": round(sum(touched) / len(touched), 1),
+        "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 3),
+        "ratio_to_floor": round(point["engine_step_ms"] / floor_ms, 3)})
+    return point
+
+
+def kernel_point(model: Any, batch: int, hbm: float,
+                 config: dict[str, int] | None = None) -> dict[str, Any]:
+    """The fused MoE kernel alone over every layer's experts (one graph), uniform routing."""
+    from decode_bench import graph_time_ms
+
+    from kernels.triton_moe import fused_moe
+
+    blocks = moe_blocks(model)
+    cfg = model.cfg.moe
+    h = model.cfg.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    x = torch.randn(batch, h, dtype=torch.bfloat16, device="cuda", generator=gen)
+    ids = [torch.rand(batch, cfg.num_experts, device="cuda", generator=gen)
+           .argsort(dim=1)[:, :cfg.top_k] for _ in blocks]  # distinct experts per token
+    w = torch.softmax(torch.randn(batch, cfg.top_k, device="cuda", generator=gen), dim=-1)
+    touched = sum(int(torch.unique(i).numel()) for i in ids)
+
+    def run() -> None:
+        for blk, i in zip(blocks, ids, strict=True):
+            fused_moe(x, blk.experts.w13, blk.experts.w2, w, i, 0, config=config)
+
+    ms = graph_time_ms(run)
+    nbytes = touched * expert_bytes(blocks[0]) + len(blocks) * batch * h * 2 * 2
+    tbps = nbytes / (ms * 1e-3) / 1e12
+    return {"batch": batch, "kernel_ms_all_layers": round(ms, 3),
+            "experts_touched_mean": round(touched / len(blocks), 1),
+            "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
+
+
+def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
+    from engine.sampling_params import SamplingParams
+
+    cfg = engine.model_cfg
+    times = []
+    for r in range(3):  # the first run compiles the prefill shapes
+        # a new first token each run: no block of it is in the prefix cache
+        prompt = [1 + r] + [1 + (13 * j) % 30000 for j in range(1, tokens)]
+        engine.add_request(f"prefill-{r}", prompt, SamplingParams(max_tokens=1))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    ms = sorted(times[1:])[0]
+    moe = cfg.moe
+    assert moe is not None
+    d = cfg.head_dim
+    attn_params = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * d \
+        + cfg.num_heads * d * cfg.hidden_size
+    active = cfg.num_layers * (attn_params + moe.top_k * 3 * moe.intermediate_size
+                               * cfg.hidden_size + moe.num_experts * cfg.hidden_size)
+    flops = 2 * tokens * active + 2 * cfg.num_layers * cfg.num_heads * d * tokens * tokens \
+        + 2 * cfg.vocab_size * cfg.hidden_size  # causal QK^T and PV; the head for 1 row
+    tflops = flops / (ms * 1e-3) / 1e12
+    return {"tokens": tokens, "prefill_ms": round(ms, 2), "tflops": round(tflops, 1),
+            "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
+
+
+def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
+    """Times each tile candidate per batch; returns the moe_configs.json entry."""
+    best: dict[str, Any] = {}
+    for b in batches:
+        rows = []
+        for bm, bn, bk, warps, stages in CANDIDATES:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn,
+                   "BLOCK_K_DOWN": bk, "num_warps": warps, "num_stages": stages}
+            try:
+                p = kernel_point(model, b, hbm, cfg)
+            except Exception as e:  # a config that does not fit: skip it
+                print("tune", b, cfg, repr(e)[:120], flush=True)
+                continue
+            rows.append((p["kernel_ms_all_layers"], cfg))
+            print("tune", b, cfg, p["kernel_ms_all_layers"], flush=True)
+        rows.sort(key=lambda r: r[0])
+        best[str(b)] = rows[0][1]
+    return {torch.cuda.get_device_name(): best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="512,4096")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--hf-batches", default="", help="e.g. 1,8: transformers' static-cache "
+                    "decode at context 512 (loads a second copy of the model)")
+    ap.add_argument("--tune", action="store_true", help="time tile candidates only")
+    ap.add_argument("--out", default="bench/results/moe_h200.json")
+    args = ap.parse_args()
+    from decode_bench import hbm_read_tbps, hf_static_ms
+
+    from engine.config import EngineConfig
+    from engine.llm import build_engine
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    cfg_dir = tempfile.mkdtemp()
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(QWEN3_30B_A3B, f)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "model": "Qwen3-30B-A3B shape, dummy",
+        "dtype": "bfloat16", "torch": torch.__version__, "command": " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    hbm = hbm_read_tbps()
+    result["hbm_read_tb_s"] = round(hbm, 3)
+    mm = matmul_tflops()
+    result["bf16_matmul_tflops"] = round(mm, 1)
+    print("HBM read TB/s", result["hbm_read_tb_s"], "matmul TFLOP/s", result["bf16_matmul_tflops"],
+          flush=True)
+    t0 = time.perf_counter()
+    engine = build_engine(EngineConfig(
+        model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy",
+        max_num_seqs=max(batches), max_model_len=max(max(contexts) + args.steps
+                                                     * args.repeats + 64,
+                                                     args.prefill_tokens + 8),
+        max_num_batched_tokens=max(2048, args.prefill_tokens), gpu_memory_utilization=0.9))
+    result["engine_build_s"] = round(time.perf_counter() - t0, 1)
+    result["kv_blocks"] = engine.layout.num_blocks
+    model = engine.runner.model
+    result["dense_weight_bytes"] = dense_weight_bytes(model)
+    result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
+    if args.tune:
+        result["tuned"] = tune(model, hbm, batches)
+        print(json.dumps(result["tuned"], indent=1))
+    else:
+        kernels = []
+        for b in batches:
+            try:
+                p = kernel_point(model, b, hbm)
+            except Exception as e:  # keep the other points; the error is the result
+                p = {"batch": b, "error": repr(e)[:300]}
+            print(json.dumps(p), flush=True)
+            kernels.append(p)
+        result["fused_moe_kernel"] = kernels
+        points = []
+        for ctx in contexts:
+            for b in batches:
+                try:
+                    p = decode_point(engine, b, ctx, args.steps, args.repeats, hbm)
+                except Exception as e:
+                    p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
+                print(json.dumps(p), flush=True)
+                points.append(p)
+        result["decode"] = points
+        try:
+            result["prefill"] = prefill_point(engine, args.prefill_tokens, mm)
+        except Exception as e:
+            result["prefill"] = {"error": repr(e)[:300]}
+        print(json.dumps(result["prefill"]), flush=True)
+    del engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    for b in [int(x) for x in args.hf_batches.split(",") if x]:
+        try:
+            ms = hf_static_ms(cfg_dir, b, 512, args.steps)
+        except Exception as e:
+            result.setdefault("hf_errors", []).append(repr(e)[:300])
+            continue
+        for p in result.get("decode", []):
+            if p.get("batch") == b and p.get("context") == 512:
+                p["hf_static_step_ms"] = round(ms, 3)
+                if "engine_step_ms" in p:
+                    p["speedup_vs_hf"] = round(ms / p["engine_step_ms"], 2)
+        print("hf", b, round(ms, 3), flush=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""DeepSeek's multi-head latent attention (MLA) over a paged latent cache.
+
+Per token and layer the cache stores one latent row ``[c | k_pe]`` (engine/kv_layout.py,
+kind "mla"): ``c`` is the compressed KV after kv_a_layernorm (C = kv_lora_rank values) and
+``k_pe`` the roped key every head shares (R = qk_rope_head_dim). Keys and values per head
+come from ``c`` through kv_b_proj, whose weight is, per head, W_UK [Dn, C] (the key's
+non-rotated part) stacked on W_UV [Dv, C] (the value).
+
+- Prefill (requests with more than one query in the step) decompresses the context's
+  latent rows, prior chunks' included, into per-head K [Dn | R] and V and runs the dense
+  paged prefill attention on them: its FLOPs are those of ordinary attention, and a
+  chunk needs no latent-specific kernel. In a mixed step (planned on the host, so the
+  lengths are host lists) only the prefilling requests' own blocks are decompressed; the
+  requests decoding beside them take the absorbed path. Without host lengths every block
+  the tables name is decompressed (correct, and bounded by the tables' size).
+- Decode runs in the absorbed form: q_nope goes through W_UK onto the latent, attention
+  is multi-query over the latent rows themselves (kernels/triton_mla_decode.py), and the
+  result goes through W_UV. A step then reads C + R values per token instead of
+  H * (Dn + R + Dv).
+
+Tensor parallelism: query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns)
+split by head; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank
+computes and stores the same latent. o_proj is row-parallel: one all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, KernelSet
+from engine.config import ModelConfig
+from engine.models.llama import RMSNorm
+from engine.parallel.group import TPGroup
+from engine.parallel.shards import TPShard
+from engine.rope import softmax_mscale
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
+                 group: TPGroup | None) -> None:
+        super().__init__()
+        self.h = shard.num_heads  # this rank's query heads
+        self.dn, self.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.dv, self.c = cfg.v_head_dim, cfg.kv_lora_rank
+        self.group = group
+        self.k = kernels
+        hidden, qk = cfg.hidden_size, self.dn + self.r
+        if cfg.q_lora_rank is None:
+            self.q_proj: nn.Linear | None = nn.Linear(hidden, self.h * qk, bias=False)
+            self.q_a_proj = self.q_b_proj = None
+            self.q_a_layernorm = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernels)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.c + self.r, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.c, cfg.rms_norm_eps, kernels)
+        self.kv_b_proj = nn.Linear(self.c, self.h * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.h * self.dv, hidden, bias=False)
+        scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
+        # YaRN's mscale correction (transformers' yarn_apply_mscale)
+        self.scale = qk ** -0.5 * softmax_mscale(scaling)
+        # the dense prefill kernel's head dim: K [Dn | R] and V zero-padded to one power of
+        # two (zeros add nothing to q.k, and V's padding columns are cut off after)
+        self.pad_dim = max(16, 1 << (max(qk, self.dv) - 1).bit_length())
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """x [T, hidden]; cos_sin [max_pos, R]; kv_layer [NB, 1, BS, 1, C + R]."""
+        t = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None \
+                and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+        q = q.view(t, self.h, self.dn + self.r)
+        q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
+        kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + R]
+        c = self.kv_a_layernorm(kv_a[:, :self.c].contiguous())[0]  # [T, C]
+        # DeepSeek's interleaved rope pairs were de-interleaved in the weights at load
+        # (load_weights), so the rotate-half kernel applies.
+        q_pe, k_pe = self.k.rope(q_pe.contiguous(), kv_a[:, None, self.c:].contiguous(),
+                                 positions, cos_sin)  # [T, H, R], [T, 1, R]
+        latent = torch.cat([c, k_pe.view(t, self.r)], dim=-1)  # [T, C + R]
+        assert self.k.store_latent is not None
+        self.k.store_latent(latent, kv_layer, meta.slot_mapping)
+        if meta.decode_only:
+            o = self._decode(q_nope, q_pe, kv_layer, meta.block_tables, meta.seq_lens,
+                             meta.max_seq_len)
+        elif meta.cu_seqlens_q_host is not None and meta.seq_lens_host is not None:
+            o = self._mixed(q_nope, q_pe, kv_layer, meta, _split_of(meta, kv_layer.shape[2]))
+        else:
+            o = self._prefill(q_nope, q_pe, kv_layer, meta.block_tables, meta.cu_seqlens_q,
+                              meta.seq_lens)
+        out = self.o_proj(o.reshape(t, self.h * self.dv))
+        return out if self.group is None else self.group.all_reduce(out)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of kv_b_proj's weight: W_UK [H, Dn, C] and W_UV [H, Dv, C]."""
+        w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.c)
+        return w[:, :self.dn], w[:, self.dn:]
+
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                max_seq_len: int | None) -> torch.Tensor:  # [B, H, Dv]
+        """One query per request, in the absorbed form."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, B, C]
+        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, H, C + R]
+        assert self.k.mla_decode is not None
+        o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
+                                  max_seq_len=max_seq_len)  # [B, H, C]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+               meta: AttentionMetadata, sp: _Split) -> torch.Tensor:  # [T, H, Dv]
+        """Decoding rows absorbed, prefilling requests on their own decompressed blocks."""
+        o = q_nope.new_empty(q_nope.shape[0], self.h, self.dv)
+        if sp.dec_rows is not None:
+            assert sp.dec_reqs is not None
+            o[sp.dec_rows] = self._decode(
+                q_nope[sp.dec_rows], q_pe[sp.dec_rows], kv_layer,
+                meta.block_tables[sp.dec_reqs], meta.seq_lens[sp.dec_reqs], sp.dec_max_len)
+        for g in sp.groups:  # their own blocks only, a bounded number of tokens at a time
+            blocks = meta.block_tables.reshape(-1)[g.blocks]  # [Nb]
+            o[g.rows] = self._prefill(q_nope[g.rows], q_pe[g.rows], kv_layer, blocks, g.cu,
+                                      g.lens, g.tables)
+        return o
+
+    def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
+                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens: torch.Tensor,
+                 tables: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
+        """Decompresses the blocks `block_tables` names into a dense paged K/V of this rank's
+        heads and runs the dense paged prefill attention on it. block_tables: [B, W] (every
+        entry is decompressed, padding too: no host sync) with tables None, or the flat
+        [Nb] blocks that `tables` [B, W'] indexes."""
+        bt = block_tables
+        bs = kv_layer.shape[2]
+        lat = kv_layer[bt.reshape(-1).long(), 0, :, 0]  # [Nb, BS, C + R]
+        nb = lat.shape[0]
+        kv = self.kv_b_proj(lat[..., :self.c])  # [Nb, BS, H * (Dn + Dv)]
+        kv = kv.view(nb, bs, self.h, self.dn + self.dv)
+        d = self.pad_dim
+        paged = kv.new_zeros(nb, 2, bs, self.h, d)  # [Nb, 2, BS, H, D]
+        paged[:, 0, :, :, :self.dn] = kv[..., :self.dn]
+        paged[:, 0, :, :, self.dn:self.dn + self.r] = lat[:, :, None, self.c:]
+        paged[:, 1, :, :, :self.dv] = kv[..., self.dn:]
+        t = q_nope.shape[0]
+        q = q_nope.new_zeros(t, self.h, d)
+        q[..., :self.dn] = q_nope
+        q[..., self.dn:self.dn + self.r] = q_pe
+        if tables is None:  # block (b, j) of the step's tables is row b * W + j of paged
+            tables = torch.arange(nb, dtype=torch.int32, device=bt.device).view(bt.shape)
+        o = self.k.prefill_attention(q, paged, tables, cu_seqlens_q, seq_lens,
+                                     self.scale)  # [T, H, D]
+        return o[..., :self.dv]
+
+
+# Context tokens one decompression holds at most (more only for a single request whose
+# context alone is longer): bounds the dense K/V workspace of a step that prefills several
+# long requests, H x pad_dim x 2 values per token (V2-Lite: 16 KiB a token in bf16).
+PREFILL_GROUP_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class _PrefillGroup:
+    """Prefilling requests decompressed together, as device index tensors."""
+
+    rows: torch.Tensor  # [Tp] int64: every token row of these requests
+    blocks: torch.Tensor  # [Nb] int64: flat indices into block_tables of their blocks
+    tables: torch.Tensor  # [Bp, W'] int32: request p's blocks among those Nb
+    cu: torch.Tensor  # [Bp + 1] int32: their queries among the Tp rows
+    lens: torch.Tensor  # [Bp] int32
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A mixed step's requests split by kind (made once per step: every MLA layer reads it)."""
+
+    dec_rows: torch.Tensor | None  # [Bd] int64: the token row of each decoding request
+    dec_reqs: torch.Tensor | None  # [Bd] int64: its request index (None: no decoding rows)
+    dec_max_len: int  # longest decoding context (the decode kernel's split hint)
+    groups: tuple[_PrefillGroup, ...]
+
+
+def _split_of(meta: AttentionMetadata, block_size: int) -> _Split:
+    """The step's split, built from the host lengths at the first MLA layer and kept on
+    the metadata for the others."""
+    cached = getattr(meta, "_mla_split", None)
+    if isinstance(cached, _Split):
+        return cached
+    cu, lens = meta.cu_seqlens_q_host, meta.seq_lens_host
+    assert cu is not None and lens is not None
+    dev = meta.block_tables.device
+    width = meta.block_tables.shape[1]
+
+    def tensor(data: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(data, dtype=dtype).to(dev, non_blocking=True)
+
+    dec = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    pre = [b for b in range(len(lens)) if cu[b + 1] - cu[b] > 1]
+    batches: list[list[int]] = []
+    held = 0
+    for b in pre:  # in order, a new group once the next request would pass the cap
+        if not batches or held + lens[b] > PREFILL_GROUP_TOKENS:
+            batches.append([])
+            held = 0
+        batches[-1].append(b)
+        held += lens[b]
+    groups = []
+    for batch in batches:
+        rows: list[int] = []
+        flat: list[int] = []
+        tables: list[list[int]] = []
+        group_cu = [0]
+        for b in batch:
+            rows.extend(range(cu[b], cu[b + 1]))
+            group_cu.append(len(rows))
+            n = -(-lens[b] // block_size)
+            tables.append(list(range(len(flat), len(flat) + n)))
+            flat.extend(range(b * width, b * width + n))
+        w = max(len(t) for t in tables)
+        groups.append(_PrefillGroup(
+            rows=tensor(rows, torch.int64), blocks=tensor(flat, torch.int64),
+            tables=tensor([t + [0] * (w - len(t)) for t in tables], torch.int32),
+            cu=tensor(group_cu, torch.int32), lens=tensor([lens[b] for b in batch],
+                                                          torch.int32)))
+    split = _Split(
+        dec_rows=tensor([cu[b] for b in dec], torch.int64) if dec else None,
+        dec_reqs=tensor(dec, torch.int64) if dec else None,
+        dec_max_len=max((lens[b] for b in dec), default=0), groups=tuple(groups))
+    meta._mla_split = split  # type: ignore[attr-defined]
+    return split

@@ -1,0 +1,277 @@
+"""Mixture-of-experts MLP shared by the MoE families (Qwen3-MoE, Mixtral, DeepSeek-V2/V3).
+
+A layer routes each token to `top_k` of `E` experts (`select_experts`, exactly as
+transformers computes it for each family), runs them as one fused kernel over stacked
+weights (`MoE`, the kernel from the engine's KernelSet: Triton on CUDA, the torch reference
+on CPU), and adds always-on shared experts where the model has them (`SparseMoeBlock`).
+
+Tensor parallelism shards experts, not their columns: rank r of tp holds experts
+[r * E / tp, (r + 1) * E / tp) whole, every rank routes every token (the router is
+replicated), a rank computes only the (token, expert) pairs it holds, and the all-reduce
+that follows the block sums the ranks' parts. Shared experts are column/row-parallel like
+the dense MLP, and their partial sum joins the same all-reduce.
+
+HF checkpoints store experts one by one (`experts.{j}.gate_proj/up_proj/down_proj`,
+Mixtral `block_sparse_moe.experts.{j}.w1/w3/w2`) or, as transformers 5 holds them in
+memory, stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]);
+`parse_expert_name` + `MoE.load_expert` stack either form at load.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import KernelSet
+from engine.config import MoEConfig
+from engine.parallel.group import TPGroup
+from kernels.ref_moe import moe_route_ref
+
+TP_FLAG = "--tensor-parallel-size"
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
+                   renormalize: bool, n_group: int | None = None, topk_group: int | None = None,
+                   e_score_correction_bias: torch.Tensor | None = None,
+                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
+
+    softmax: Qwen3-MoE (renormalize = norm_topk_prob), Mixtral (renormalize=True),
+    DeepSeek-V2 (greedy; with n_group/topk_group its group_limited_greedy: a group scores
+    its best expert, experts outside the best topk_group groups score 0).
+    sigmoid: DeepSeek-V3 (noaux_tc): the bias is added to the scores for the choice only, a
+    group scores the sum of its two best biased scores, experts outside the chosen groups
+    are never picked, and the weights are the unbiased scores of the picks.
+    The routed scaling factor multiplies the weights last (after renormalization)."""
+    if n_group is None or topk_group is None or n_group == 1:  # no groups
+        return moe_route_ref(router_logits, top_k, scoring_func, renormalize,
+                             routed_scaling_factor, e_score_correction_bias)
+    t, e = router_logits.shape
+    if scoring_func == "softmax":
+        scores = router_logits.float().softmax(dim=-1)  # [T, E]
+    elif scoring_func == "sigmoid":
+        scores = router_logits.float().sigmoid()
+    else:
+        raise ValueError(f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    choice = scores
+    if e_score_correction_bias is not None:
+        choice = scores + e_score_correction_bias.float().unsqueeze(0)  # [T, E]
+    # grouped top-k: only experts of the best topk_group groups are eligible
+    grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
+    if scoring_func == "sigmoid":
+        group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
+    else:
+        group_scores = grouped.max(dim=-1).values
+    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
+    # V2 zeroes the dropped softmax scores, V3 makes its biased choice scores -inf
+    fill = float("-inf") if scoring_func == "sigmoid" else 0.0
+    choice = choice.masked_fill(~keep, fill)
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
+    topk_weights = scores.gather(1, topk_ids)  # [T, k] float32
+    if renormalize:
+        # V3 guards its sum with 1e-20; softmax weights are positive, so it changes nothing
+        eps = 1e-20 if scoring_func == "sigmoid" else 0.0
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + eps)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return topk_weights, topk_ids
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The experts one tensor-parallel rank holds."""
+
+    start: int  # first global expert id on this rank
+    count: int  # experts on this rank (E / tp)
+
+
+def expert_shard(num_experts: int, rank: int, size: int) -> ExpertShard:
+    if num_experts % size:
+        raise ValueError(f"{TP_FLAG}: {size} does not divide the model's {num_experts} "
+                         "experts")
+    per = num_experts // size
+    return ExpertShard(rank * per, per)
+
+
+class MoE(nn.Module):
+    """This rank's experts, stacked for the fused kernel; forward adds nothing for the
+    (token, expert) pairs of other ranks and does not all-reduce (the block does, once)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, kernels: KernelSet,
+                 rank: int = 0, size: int = 1) -> None:
+        super().__init__()
+        self.shard = expert_shard(num_experts, rank, size)
+        self.num_experts, self.inter = num_experts, inter
+        self.w13 = nn.Parameter(torch.empty(self.shard.count, 2 * inter, hidden))  # [El, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(self.shard.count, hidden, inter))  # [El, H, I]
+        self.k = kernels
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_weights [T, k] float32, topk_ids [T, k] global ids -> [T, H]."""
+        assert self.k.fused_moe is not None, "kernels_for sets fused_moe on every device"
+        out: torch.Tensor = self.k.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                             self.shard.start)
+        return out
+
+    def load_expert(self, expert: int, proj: str, w: torch.Tensor) -> bool:
+        """Copies one HF expert tensor into the stack. expert: global id, or -1 for a
+        stacked [E, ...] tensor; proj: "gate" | "up" | "down" | "gate_up". Returns False
+        for an expert another rank holds (the caller drops it)."""
+        if expert < 0:  # stacked over all experts: keep this rank's
+            if w.shape[0] != self.num_experts:
+                raise ValueError(f"model: stacked expert weight has {w.shape[0]} experts, "
+                                 f"expected {self.num_experts}")
+            w = w.narrow(0, self.shard.start, self.shard.count)
+            dst = self.w2.data if proj == "down" else self.w13.data
+        else:
+            local = expert - self.shard.start
+            if not 0 <= local < self.shard.count:
+                return False
+            i = self.inter
+            dst = {"gate": self.w13.data[local, :i], "up": self.w13.data[local, i:],
+                   "gate_up": self.w13.data[local], "down": self.w2.data[local]}[proj]
+        if dst.shape != w.shape:
+            raise ValueError(f"model: expert {expert} {proj} weight has shape "
+                             f"{tuple(w.shape)}, expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(w.to(dst.dtype))
+        return True
+
+
+# `<prefix>.experts.<j>.<proj>.weight` (per expert) or `<prefix>.experts.<proj>` (stacked)
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_STACKED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
+_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+         "w2": "down", "gate_up_proj": "gate_up"}
+
+
+@dataclass(frozen=True)
+class ExpertName:
+    block: str  # the MoE block's module path, e.g. "layers.3.mlp"
+    expert: int  # global expert id; -1: the tensor stacks every expert
+    proj: str  # "gate" | "up" | "down" | "gate_up"
+
+
+def parse_expert_name(name: str) -> ExpertName | None:
+    """The expert an HF tensor name belongs to; None for any other tensor."""
+    m = _PER_EXPERT.match(name)
+    if m:
+        return ExpertName(m.group(1), int(m.group(2)), _PROJ[m.group(3)])
+    m = _STACKED.match(name)
+    if m:
+        return ExpertName(m.group(1), -1, _PROJ[m.group(2)])
+    return None
+
+
+class SharedExperts(nn.Module):
+    """The always-on experts as one gated MLP, column/row-parallel over tp ranks; returns
+    this rank's partial sum (the block's all-reduce adds the ranks)."""
+
+    def __init__(self, hidden: int, inter: int, kernels: KernelSet, rank: int,
+                 size: int) -> None:
+        super().__init__()
+        if inter % size:
+            raise ValueError(f"{TP_FLAG}: {size} does not divide the shared experts' "
+                             f"intermediate size {inter}")
+        self.inter, self.start = inter // size, rank * (inter // size)
+        self.gate_up_proj = nn.Linear(hidden, 2 * self.inter, bias=False)  # [2I/tp, H]
+        self.down_proj = nn.Linear(self.inter, hidden, bias=False)  # [H, I/tp]
+        self.k = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.k.silu_and_mul(self.gate_up_proj(x)))  # [T, H]
+
+    def load(self, proj: str, w: torch.Tensor) -> None:
+        """One HF tensor (proj: "gate" | "up" | "down"), whole or already this rank's."""
+        i, a = self.inter, self.start
+        dim = 1 if proj == "down" else 0
+        if w.shape[dim] != i:  # whole: keep this rank's columns
+            w = w.narrow(dim, a, i)
+        dst = {"gate": self.gate_up_proj.weight.data[:i], "up": self.gate_up_proj.weight.data[i:],
+               "down": self.down_proj.weight.data}[proj]
+        if dst.shape != w.shape:
+            raise ValueError(f"model: shared expert {proj} weight has shape {tuple(w.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.copy_(w.to(dst.dtype))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ shared experts): the MLP of an MoE decoder layer.
+    Parameter names follow HF's: `gate.weight` [E, H] (the router), `gate.
+    e_score_correction_bias` [E], `experts.w13` / `experts.w2` (stacked), `shared_experts.*`."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, kernels: KernelSet,
+                 group: TPGroup | None, rank: int = 0, size: int = 1) -> None:
+        super().__init__()
+        self.cfg = moe
+        self.group = group
+        self.k = kernels
+        # DeepSeek routes in float32 whatever the model's dtype; the others in the model's
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False,
+                              dtype=torch.float32 if moe.router_fp32 else None)
+        if moe.score_bias:
+            self.gate.register_parameter(
+                "e_score_correction_bias",
+                nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32),
+                             requires_grad=False))
+        self.experts = MoE(moe.num_experts, hidden, moe.intermediate_size, kernels, rank, size)
+        self.shared_experts = (SharedExperts(hidden, moe.shared_intermediate_size, kernels,
+                                             rank, size)
+                               if moe.n_shared_experts else None)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k])."""
+        c = self.cfg
+        w = self.gate.weight
+        logits = F.linear(x.float(), w.float()) if c.router_fp32 else F.linear(x, w)  # [T, E]
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        round_to = x.dtype if c.weights_in_model_dtype else None
+        if (c.n_group is None or c.n_group == 1) and self.k.moe_route is not None:
+            out: tuple[torch.Tensor, torch.Tensor] = self.k.moe_route(
+                logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor,
+                bias, round_dtype=round_to)
+            return out
+        weights, ids = select_experts(logits, c.top_k, scoring_func=c.scoring_func,
+                                      renormalize=c.renormalize, n_group=c.n_group,
+                                      topk_group=c.topk_group, e_score_correction_bias=bias,
+                                      routed_scaling_factor=c.routed_scaling_factor)
+        if round_to is not None and round_to != torch.float32:
+            weights = weights.to(round_to).float()  # the rounding HF applies (Qwen3-MoE)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""
+        weights, ids = self.route(x)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if self.group is not None:
+            out = self.group.all_reduce(out)
+        return out
+
+
+def full_param_to_local(name: str, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """This rank's part of a TP1-shaped MoE block parameter (dummy weights draw TP1's
+    tensors, then each rank keeps its slice, so every TP size runs the same model).
+    name: the parameter's name relative to anything (matched by suffix)."""
+    if size == 1:
+        return full
+    if name.endswith(("experts.w13", "experts.w2")):
+        per = full.shape[0] // size
+        return full.narrow(0, rank * per, per)
+    if name.endswith("shared_experts.gate_up_proj.weight"):
+        gate, up = full.chunk(2, dim=0)
+        per = gate.shape[0] // size
+        return torch.cat([gate.narrow(0, rank * per, per), up.narrow(0, rank * per, per)])
+    if name.endswith("shared_experts.down_proj.weight"):
+        per = full.shape[1] // size
+        return full.narrow(1, rank * per, per)
+    return full  # router weight and bias: replicated

@@ -1,0 +1,269 @@
+"""Triton paged MLA decode in the absorbed form, split-K over the context (flash-decoding).
+
+MLA's cache holds one latent row per token (``[c | k_pe]``, C + R values) that every
+query head reads, so decode is multi-query attention over one "head" whose value is the
+row's first C values (ref_mla_decode.mla_decode_ref is the contract). One program owns
+(request, block of BLOCK_H query heads, split): it streams that split's latent rows once
+and scores all its heads against them, so HBM traffic is the latent bytes times the number
+of head blocks (one at H <= BLOCK_H). The score is two products, ``q_c . c`` and
+``q_r . k_pe``, so neither C nor R has to be padded to the other's power of two.
+
+Long contexts are split along the sequence so the whole GPU streams the cache; a second
+kernel merges the splits by their log-sum-exp. Host syncs: none. Without a
+``max_seq_len`` hint (CUDA graphs, whose grid is fixed at capture) the split count is
+sized for the block table's capacity and each request spreads its own context over those
+splits on the device (at least MIN_SPLIT_TOKENS each), as triton_decode_attention does.
+A request of length 0 (a graph's padding row) gets zeros.
+
+Tiles are first choices, not tuned on a GPU yet (the issue's bench/moe_bench.py will).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import (
+    check,
+    check_device,
+    check_float,
+    check_int,
+    check_shape,
+    compute_dtype,
+)
+
+LOG2E = 1.4426950408889634
+
+BLOCK_N = 32  # latent rows per inner-loop tile (a [32, 512] bf16 tile is 32 KiB)
+NUM_STAGES = 2
+# 8 warps: at 4, a 16-head block's [16, 512] float32 accumulator and its latent tile spill
+# registers (ptxas, sm_90: 120 bytes); at 8 neither 16 nor 32 heads spill
+# (tests/kernels/test_mla_sm90.py). Not yet timed on a GPU.
+NUM_WARPS = 8
+MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+PROGRAMS_PER_SM = 8
+MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
+MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
+
+
+@triton.jit
+def _request_split_len(seq_len, least, num_splits, BLOCK_N: tl.constexpr):
+    """A request's context evenly over the splits, each at least `least` tokens."""
+    even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(even, least)
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    s_qb, s_qh,  # q strides [B, H, C + R]; the last dim is contiguous
+    s_cb, s_cs,  # kv_layer strides of the block and the token [NB, 1, BS, 1, C + R]
+    s_btb,  # block_tables row stride
+    s_ob, s_oh,  # out strides [B, H, C]
+    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    split_len,  # tokens per split, a multiple of BLOCK_N (DYN: the least per split)
+    num_splits, H,
+    C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
+    BLOCK_H: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    COMPUTE: tl.constexpr, IEEE: tl.constexpr, DYN: tl.constexpr,
+):
+    b = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    if DYN:
+        split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if SPLIT:
+        if start >= seq_len:  # the merge reads only the splits this request used
+            return
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
+    hmask = h < H
+    c = tl.arange(0, CP)
+    cmask = c < C
+    r = tl.arange(0, RP)
+    rmask = r < R
+    q_row = q_ptr + b.to(tl.int64) * s_qb + h[:, None] * s_qh
+    q_c = tl.load(q_row + c[None, :], mask=hmask[:, None] & cmask[None, :],
+                  other=0.0).to(COMPUTE)  # [BLOCK_H, CP]
+    q_r = tl.load(q_row + C + r[None, :], mask=hmask[:, None] & rmask[None, :],
+                  other=0.0).to(COMPUTE)  # [BLOCK_H, RP]
+
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, CP], tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * s_btb
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] token positions
+        nmask = n < end
+        blk = tl.load(bt_row + n // BS, mask=nmask, other=0).to(tl.int64)
+        row = kv_ptr + blk * s_cb + (n % BS) * s_cs  # [BLOCK_N] each token's latent row
+        lat = tl.load(row[:, None] + c[None, :], mask=nmask[:, None] & cmask[None, :],
+                      other=0.0).to(COMPUTE)  # [BLOCK_N, CP]: key (nope part) and value
+        kpe = tl.load(row[:, None] + C + r[None, :], mask=nmask[:, None] & rmask[None, :],
+                      other=0.0).to(COMPUTE)  # [BLOCK_N, RP]
+        if IEEE:
+            s = tl.dot(q_c, tl.trans(lat), input_precision="ieee")
+            s += tl.dot(q_r, tl.trans(kpe), input_precision="ieee")
+        else:
+            s = tl.dot(q_c, tl.trans(lat))
+            s += tl.dot(q_r, tl.trans(kpe))
+        s = tl.where(nmask[None, :], s, float("-inf"))  # [BLOCK_H, BLOCK_N], unscaled
+        m_new = tl.maximum(m, tl.max(s, axis=1) * qk_scale)  # finite: a valid token per tile
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), lat, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), lat)
+        m = m_new
+
+    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None]  # no context: zeros
+    if SPLIT:
+        part = (b * H + h).to(tl.int64) * num_splits + split  # [BLOCK_H]
+        tl.store(part_o_ptr + part[:, None] * CP + c[None, :], o, mask=hmask[:, None])
+        lse = tl.where(lsum > 0.0, m + tl.log2(tl.maximum(lsum, 1e-30)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=hmask)
+    else:
+        tl.store(out_ptr + b * s_ob + h[:, None] * s_oh + c[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr,
+    s_ob, s_oh,
+    split_len,  # as the decode kernel's (DYN: the least tokens per split)
+    num_splits,
+    C: tl.constexpr, CP: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    DYN: tl.constexpr,
+):
+    """Merges one (request, head)'s splits, MERGE_S at a time with an online log-sum-exp:
+    a [splits, C] tile at once spills registers past a few splits (ptxas, sm_90)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    if DYN:
+        split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
+    sp = tl.arange(0, MERGE_S)
+    c = tl.arange(0, CP)
+    base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
+    mx = tl.full([1], float("-inf"), tl.float32)
+    wsum = tl.zeros([1], tl.float32)
+    acc = tl.zeros([CP], tl.float32)
+    for s0 in range(0, used, MERGE_S):
+        smask = s0 + sp < used
+        lse = tl.load(part_lse_ptr + base + s0 + sp, mask=smask, other=float("-inf"))
+        o = tl.load(part_o_ptr + (base + s0 + sp)[:, None] * CP + c[None, :],
+                    mask=smask[:, None], other=0.0)  # [MERGE_S, CP]
+        mx_new = tl.maximum(mx, tl.max(lse, axis=0))  # finite: s0 < used
+        scale = tl.exp2(mx - mx_new)
+        w = tl.exp2(lse - mx_new)  # [MERGE_S]; unused splits weigh 0
+        wsum = wsum * scale + tl.sum(w, axis=0)
+        acc = acc * scale + tl.sum(o * w[:, None], axis=0)
+        mx = mx_new
+    res = acc / tl.where(wsum > 0.0, wsum, 1.0)  # no context (used 0): zeros
+    tl.store(out_ptr + b * s_ob + h * s_oh + c, res.to(out_ptr.dtype.element_ty), mask=c < C)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: small, so CPU tests still exercise several splits
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int,
+                      device: torch.device) -> int:
+    """Enough splits to give every SM PROGRAMS_PER_SM programs, none under
+    MIN_SPLIT_TOKENS, at most MAX_SPLITS."""
+    want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(1, batch * head_blocks))
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+
+
+def mla_decode(
+    q: torch.Tensor,  # [B, H, C + R]: [q_nope @ W_UK | roped q_pe] per head
+    kv_layer: torch.Tensor,  # [NB, 1, BS, 1, C + R]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context length including this token (0: none)
+    scale: float,
+    kv_lora_rank: int,  # C
+    out: torch.Tensor | None = None,  # [B, H, C]
+    *,
+    max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the splits
+    num_splits: int | None = None,  # override the heuristic (tests, tuning)
+    block_n: int = BLOCK_N,
+    block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
+    num_warps: int = NUM_WARPS,
+    num_stages: int = NUM_STAGES,
+) -> torch.Tensor:
+    check(q.dim() == 3, "q: expected [B, H, C + R]")
+    bsz, heads, width = q.shape
+    c = kv_lora_rank
+    check(0 < c < width, f"kv_lora_rank: {c} outside (0, {width})")
+    check(kv_layer.dim() == 5 and kv_layer.shape[1] == 1 and kv_layer.shape[3] == 1
+          and kv_layer.shape[4] == width, f"kv_layer: expected [NB, 1, BS, 1, {width}]")
+    check(block_tables.dim() == 2 and block_tables.shape[0] == bsz,
+          "block_tables: expected [B, *]")
+    check_shape("seq_lens", seq_lens, (bsz,))
+    check_float("q", q)
+    check_float("kv_layer", kv_layer)
+    check_int("block_tables", block_tables)
+    check_int("seq_lens", seq_lens)
+    check(q.stride(2) == 1 and kv_layer.stride(4) == 1, "q, kv_layer: last dim must be "
+          "contiguous")
+    check(block_tables.stride(1) == 1, "block_tables: rows must be contiguous")
+    if out is None:
+        out = q.new_empty(bsz, heads, c)
+    check_shape("out", out, (bsz, heads, c))
+    check(out.stride(2) == 1, "out: last dim must be contiguous")
+    check_device(q, kv_layer, block_tables, seq_lens, out)
+    if bsz == 0:
+        return out
+    bs = kv_layer.shape[2]
+    if block_h is None:
+        block_h = 16 if heads <= 16 else 32
+    head_blocks = triton.cdiv(heads, block_h)
+    dyn = max_seq_len is None
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * bs
+    if num_splits is None:
+        num_splits = choose_num_splits(bsz, head_blocks, max_seq_len, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
+    if dyn and num_splits > 1:
+        # the least a split holds; each program sizes its split from its request's length
+        split_len = triton.cdiv(min(MIN_SPLIT_TOKENS, split_len), block_n) * block_n
+    split = num_splits > 1
+    cp = max(16, triton.next_power_of_2(c))
+    rp = max(16, triton.next_power_of_2(width - c))
+    if split:
+        # One allocation for both: [B, H, S, CP] partial outputs, [B, H, S] their lse.
+        part = torch.empty(bsz * heads * num_splits * (cp + 1), dtype=torch.float32,
+                           device=q.device)
+        part_o = part[: bsz * heads * num_splits * cp]
+        part_lse = part[bsz * heads * num_splits * cp:]
+    else:
+        part_o = part_lse = out  # unused
+    _mla_decode_kernel[(bsz, head_blocks, num_splits)](
+        q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+        q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * LOG2E, split_len, num_splits, heads,
+        C=c, R=width - c, CP=cp, RP=rp, BLOCK_H=block_h, BS=bs, BLOCK_N=block_n,
+        SPLIT=split, COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
+        DYN=dyn and split, num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _mla_merge_kernel[(bsz, heads)](
+            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
+            num_splits, C=c, CP=cp, MERGE_S=min(MERGE_CHUNK, triton.next_power_of_2(num_splits)),
+            BLOCK_N=block_n, DYN=dyn, num_warps=4,
+        )
+    return out

@@ -1,0 +1,321 @@
+"""Triton fused mixture-of-experts MLP (kernels/ref_moe.py's contract).
+
+Four steps, none of which reads a device value on the host, so a decode step that runs
+them can be captured in a CUDA graph (every size below comes from shapes alone):
+
+1. align (kernels/triton_moe_align.py; one Triton program for decode-sized calls): the
+   T*k (token, slot) pairs are sorted by expert and each expert's run is padded to a
+   multiple of BLOCK_M, so a BLOCK_M-row tile holds pairs of one expert only. Its output
+   is `sorted_ids` (pair index per padded row; N = T*k marks padding) and `block_expert`
+   (the local expert of each tile; -1 past the last tile). The tile count is bounded from
+   shapes: an expert with c pairs needs ceil(c / BM) tiles, at most min(N, E_local)
+   experts are non-empty, so N + min(N, E_local) * (BM - 1) rows.
+2. gate/up (`_gate_up_kernel`): a grouped GEMM, tile (m, n) computes rows m of one
+   expert against columns n of that expert's gate and of its up projection, and stores
+   silu(gate) * up: the [T*k, 2I] product never reaches memory.
+3. down (`_down_kernel`): the same grouped GEMM over w2, with the router's weight of each
+   pair applied in the epilogue; one output row per pair.
+4. sum (`_sum_topk_kernel`): each token's k rows added in float32, in slot order (the
+   result is deterministic, unlike atomics), and pairs routed to another rank's experts
+   skipped.
+
+Decode reads each touched expert's weights once: a tile's weights are one expert's, and at
+few tokens per expert there is one row tile per expert. Tile sizes come from
+kernels/moe_configs.json, keyed by device name and token-count bucket.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
+from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_triton
+
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
+
+
+@functools.cache
+def _config_table() -> dict[str, dict[str, dict[str, int]]]:
+    with open(CONFIG_FILE) as f:
+        table: dict[str, dict[str, dict[str, int]]] = json.load(f)["configs"]
+    return table
+
+
+def tile_config(num_tokens: int, device: torch.device) -> dict[str, int]:
+    """The tile config for a call with `num_tokens` rows: the device's table (by its CUDA
+    name; "cpu" for the interpreter), else "default"; within it the smallest bucket at or
+    above num_tokens, else the largest."""
+    table = _config_table()
+    buckets = table.get(_device_name(device)) or table["default"]
+    sizes = sorted(int(b) for b in buckets)
+    pick = next((b for b in sizes if b >= num_tokens), sizes[-1])
+    return buckets[str(pick)]
+
+
+@functools.cache
+def _device_name(device: torch.device) -> str:
+    """Cached: the name is asked on every launch, on the decode step's host path."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr,
+    N, H, INTER, TOP_K,
+    s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if e < 0:  # a tile past the experts' padded runs: nothing to do
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)  # [BM]; N: padding
+    row_ok = pair < N
+    # Padding rows read token 0 and columns past INTER wrap around, so the loads need no
+    # row or column masks; the store drops them. Addresses are a scalar base plus
+    # loop-invariant int32 offsets (the launcher checks they fit): loop-carried pointer
+    # tiles held every element's 64-bit address and spilled (ptxas, sm_90).
+    tok = tl.where(row_ok, pair // TOP_K, 0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of INTER
+    ks = tl.arange(0, BLOCK_K)
+    a_off = tok[:, None] * s_x + ks[None, :]  # [BM, BK] int32
+    w_off = (cols % INTER)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
+    w_gate = w_ptr + e * s_we
+    w_up = w_gate + INTER * s_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptr + k0 + a_off)
+            g = tl.load(w_gate + k0 + w_off)
+            u = tl.load(w_up + k0 + w_off)
+        else:
+            k_ok = ks < H - k0
+            a = tl.load(x_ptr + k0 + a_off, mask=k_ok[None, :], other=0.0)
+            g = tl.load(w_gate + k0 + w_off, mask=k_ok[:, None], other=0.0)
+            u = tl.load(w_up + k0 + w_off, mask=k_ok[:, None], other=0.0)
+        a = a.to(DOT_DTYPE)
+        g = g.to(DOT_DTYPE)
+        u = u.to(DOT_DTYPE)
+        if IEEE:  # float32 models: no TF32 (the attention kernels do the same)
+            acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, g, acc_g)
+            acc_u = tl.dot(a, u, acc_u)
+    # rounded to the storage dtype as HF's unfused linear outputs are, then the activation
+    g_r = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
+    u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
+    act = g_r / (1.0 + tl.exp(-g_r)) * u_r
+    tl.store(out_ptr + pair[:, None].to(tl.int64) * s_o + cols[None, :],
+             act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < INTER)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
+    N, H, INTER,
+    s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if e < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < N
+    safe = tl.where(row_ok, pair, 0)  # padding rows read pair 0 (as _gate_up_kernel)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+    ks = tl.arange(0, BLOCK_K)
+    a_off = safe[:, None] * s_a + ks[None, :]  # [BM, BK] int32
+    w_off = (cols % H)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
+    w_base = w_ptr + e * s_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptr + k0 + a_off)
+            w = tl.load(w_base + k0 + w_off)
+        else:
+            k_ok = ks < INTER - k0
+            a = tl.load(a_ptr + k0 + a_off, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_base + k0 + w_off, mask=k_ok[:, None], other=0.0)
+        a = a.to(DOT_DTYPE)
+        w = w.to(DOT_DTYPE)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+    pair64 = safe.to(tl.int64)
+    # the router weight applied to the expert's rounded output, as HF does
+    wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
+    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
+    tl.store(out_ptr + pair64[:, None] * s_o + cols[None, :], y,
+             mask=row_ok[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
+def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K, expert_start, num_local,
+                     s_y, s_o, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(0, TOP_K):
+        e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
+        if (e >= 0) & (e < num_local):  # another rank's pair wrote no row
+            acc += tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              expert_start: int = 0, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """x: [T, H]; w13: [E_local, 2I, H]; w2: [E_local, H, I]; topk_weights: [T, k]
+    float32; topk_ids: [T, k] int32/int64 global ids; config: tile sizes (default: the
+    table's). Returns [T, H] in x's dtype."""
+    check(x.dim() == 2, "x: expected [T, H]")
+    check(w13.dim() == 3 and w2.dim() == 3, "w13, w2: expected [E, 2I, H], [E, H, I]")
+    t, h = x.shape
+    e_local, two_i, _ = w13.shape
+    inter = two_i // 2
+    check(tuple(w13.shape) == (e_local, 2 * inter, h) and two_i % 2 == 0,
+          f"w13: expected [E, 2I, {h}], got {tuple(w13.shape)}")
+    check(tuple(w2.shape) == (e_local, h, inter),
+          f"w2: expected {(e_local, h, inter)}, got {tuple(w2.shape)}")
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == t, "topk_ids: expected [T, k]")
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+          "topk_weights: expected the shape of topk_ids")
+    check(topk_weights.dtype == torch.float32, "topk_weights: expected float32")
+    check_float("x", x)
+    check(w13.dtype == x.dtype and w2.dtype == x.dtype, "w13, w2: expected x's dtype")
+    check_int("topk_ids", topk_ids)
+    check_device(x, w13, w2, topk_weights, topk_ids)
+    for name, ten in (("x", x), ("w13", w13), ("w2", w2)):
+        check(ten.stride(-1) == 1, f"{name}: rows must be contiguous")
+    k = topk_ids.shape[1]
+    # the GEMMs' int32 offsets: token rows of x, pair rows of the activation, one expert
+    check(t * x.stride(0) < 2**31 and t * k * inter < 2**31 and w13.stride(0) < 2**31
+          and w2.stride(0) < 2**31, "x, w13, w2: too large for the kernel's int32 offsets")
+    out = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    cfg = config or tile_config(t, x.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 2)}
+    n = t * k
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align
+    sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
+    tiles_m = block_expert.shape[0]
+    dot = compute_dtype(x)
+    ieee = x.dtype == torch.float32
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
+    _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
+        x, w13, act, sorted_ids, block_expert, n, h, inter, k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
+        **launch)
+    y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
+    bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
+    _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
+        act, w2, y, sorted_ids, block_expert, weights, n, h, inter,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
+        EVEN_K=inter % bk2 == 0, **launch)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
+        y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
+        BLOCK_H=block_h, num_warps=4)
+    return out
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
+                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    es = tl.arange(0, BLOCK_E)
+    ok = es < E
+    x = tl.load(logits_ptr + t * s_l + es, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        p = tl.exp(x - tl.max(x, axis=0))
+        scores = p / tl.sum(p, axis=0)
+    scores = tl.where(ok, scores, 0.0)
+    choice = scores
+    if HAS_BIAS:
+        choice = scores + tl.load(bias_ptr + es, mask=ok, other=0.0).to(tl.float32)
+    choice = tl.where(ok, choice, float("-inf"))
+    ks = tl.arange(0, BLOCK_K)
+    picked = tl.zeros([BLOCK_K], dtype=tl.float32)  # the chosen experts' scores, in order
+    picked_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        idx = tl.min(tl.where(choice == best, es, BLOCK_E), axis=0)  # the first maximum
+        w = tl.sum(tl.where(es == idx, scores, 0.0), axis=0)
+        picked = tl.where(ks == j, w, picked)
+        picked_ids = tl.where(ks == j, idx.to(tl.int64), picked_ids)
+        choice = tl.where(es == idx, float("-inf"), choice)
+    if RENORM:
+        total = tl.sum(picked, axis=0)
+        if SIGMOID:
+            total += 1e-20
+        picked = picked / total
+    picked = picked * scale
+    if ROUND:
+        picked = picked.to(ROUND_DTYPE).to(tl.float32)
+    kmask = ks < TOP_K
+    tl.store(w_ptr + t * TOP_K + ks, picked, mask=kmask)
+    tl.store(ids_ptr + t * TOP_K + ks, picked_ids, mask=kmask)
+
+
+_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
+              routed_scaling_factor: float = 1.0,
+              e_score_correction_bias: torch.Tensor | None = None,
+              round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.ref_moe.moe_route_ref in one program per token: at decode the torch form is
+    eight small kernels per layer (casts, softmax, top-k, gather, sum, divide, rounding)."""
+    check(logits.dim() == 2, "logits: expected [T, E]")
+    check_float("logits", logits)
+    check(logits.stride(1) == 1, "logits: rows must be contiguous")
+    check(scoring_func in ("softmax", "sigmoid"),
+          f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    t, e = logits.shape
+    check(1 <= top_k <= e, f"top_k: must be in [1, {e}], got {top_k}")
+    if e_score_correction_bias is not None:
+        check(tuple(e_score_correction_bias.shape) == (e,), "e_score_correction_bias: "
+              f"expected shape ({e},)")
+        check_device(logits, e_score_correction_bias)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    if t == 0:
+        return weights, ids
+    rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
+    _route_kernel[(t,)](
+        logits, e_score_correction_bias if e_score_correction_bias is not None else logits,
+        weights, ids, e, logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=scoring_func == "sigmoid",
+        HAS_BIAS=e_score_correction_bias is not None, RENORM=renormalize,
+        ROUND=rnd is not None, ROUND_DTYPE=rnd if rnd is not None else tl.float32,
+        num_warps=4)
+    return weights, ids
