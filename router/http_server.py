@@ -171,9 +171,9 @@ class HttpFrontDoor:
         return await self._generate(request, await self._parse(request, parse_completion))
 
     async def _parse(self, request: web.Request,
-                     parse: Callable[[Any], OpenAIRequest]) -> OpenAIRequest:
+                     parse: Callable[[Any, int], OpenAIRequest]) -> OpenAIRequest:
         try:
-            return parse(await self._body(request))
+            return parse(await self._body(request), self.frontend.max_tokens_limit)
         except HttpError:
             self.metrics.refused("http", "invalid_argument")  # as the router's own refusals
             raise
