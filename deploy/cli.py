@@ -26,7 +26,28 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_doctor_parser(sub)
     add_plan_parser(sub)
+    _show_defaults(parser)
     return parser
+
+
+SECRETS = ("api_key", "cluster_token")  # defaults from the environment: never printed
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help shows each flag's default (subcommands' too), except where
+    the help already says it, where there is nothing to show, and for secrets."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
+            continue
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or text == argparse.SUPPRESS
+                or "default" in text.lower() or action.dest in SECRETS or d is None
+                or d == "" or d == [] or d is argparse.SUPPRESS or isinstance(d, bool)):
+            continue
+        action.help = f"{text} (default: %(default)s)" if text else "default: %(default)s"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
