@@ -7,10 +7,12 @@ import sys
 from collections.abc import Sequence
 
 from deploy.bench_cmd import add_bench_parser
+from deploy.cluster import ClusterStartError
 from deploy.doctor_cmd import add_doctor_parser
 from deploy.generate_cmd import add_generate_parser
 from deploy.launch_cmd import add_launch_parser
 from deploy.plan_cmd import add_plan_parser
+from deploy.router_client import RouterError
 from deploy.router_cmd import add_router_parser
 from deploy.worker_cmd import add_worker_parsers
 
@@ -57,6 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    except (RouterError, ClusterStartError) as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
