@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from deploy.cpu_threads import engine_threads
 from deploy.launch_checks import assign_devices
 from deploy.ports import free_port
 from deploy.proc_output import ProcOutput, error_line
@@ -150,8 +151,7 @@ class LocalCluster:
             router += ["--http-port", str(self.http_port)]
         self._spawn("router", self._cmd(*router))
         n = s.producers + s.consumers + s.colocated
-        threads = s.threads or max(1, (os.cpu_count() or 1) // n)
-        common = [*model, "--router", self.router_address, "--threads", str(threads),
+        common = [*model, "--router", self.router_address, "--threads", str(self.worker_threads()),
                   *s.worker_args]
         devices = assign_devices(s.devices, s.producers, s.consumers, s.colocated)
         for role, count in (("producer", s.producers), ("consumer", s.consumers),
@@ -172,6 +172,12 @@ class LocalCluster:
                 self._spawn(name, ["ip", "netns", "exec", ns, *cmd] if ns else cmd)
         self.wait_ready(n, timeout)
         self.echo.set()
+
+    def worker_threads(self) -> int:
+        """Torch threads of each worker: --threads, else this host's usable cores split
+        among the workers (each taking all of them would oversubscribe the cores n times)."""
+        s = self.spec
+        return engine_threads(s.threads, share=s.producers + s.consumers + s.colocated)
 
     def status(self, timeout: float = 2.0) -> router_pb2.ClusterStatusResponse:
         with grpc.insecure_channel(self.router_address) as ch:

@@ -39,7 +39,8 @@ def add_launch_parser(sub: Any) -> None:
                    help="ucx: any hosts (TCP, shared memory, cuda_ipc); nixl: RDMA between "
                         "hosts; ipc: one host only, the consumer maps the producer's pool")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per worker (default: cores / workers)")
+                   help="torch threads per worker (default 0: the cores this process may "
+                        "use, cgroup quota and affinity included, split among the workers)")
     p.add_argument("--devices", default="",
                    help="comma-separated devices (cpu, cuda:0, ...) cycled over producers, "
                         "then consumers, then colocated workers: each gets --device")

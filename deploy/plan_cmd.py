@@ -60,7 +60,9 @@ def add_plan_parser(sub: Any) -> None:
     prof.add_argument("--decode-batch", default="1,4,16")
     prof.add_argument("--decode-context", default="64,512")
     prof.add_argument("--reps", type=int, default=3)
-    prof.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    prof.add_argument("--threads", type=int, default=0,
+                      help="torch threads (default 0: the cores this process may use, "
+                           "cgroup quota and affinity included)")
     prof.add_argument("--transfer-backend", default="ucx")
     prof.set_defaults(func=run_profile)
     add_apply_parser(ps)
@@ -132,12 +134,12 @@ def _dataset_lengths(args: argparse.Namespace, n: int,
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from deploy.cpu_threads import engine_threads
     from deploy.plan.measure import Grid, measure_profile, parse_ints
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(engine_threads(args.threads))
     grid = Grid(parse_ints("--prefill-tokens", args.prefill_tokens),
                 parse_ints("--decode-batch", args.decode_batch),
                 parse_ints("--decode-context", args.decode_context), args.reps)

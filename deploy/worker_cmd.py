@@ -12,6 +12,7 @@ from typing import Any
 
 from consumer.role import make_colocated_handler, make_consumer_handler
 from consumer.servicer import ConsumerServicer
+from deploy.cpu_threads import engine_threads
 from deploy.engine_args import add_engine_args, engine_config
 from producer.role import make_producer_handler
 from producer.servicer import ProducerServicer
@@ -49,7 +50,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port on --host (0: any free port, logged; -1: off)")
     g.add_argument("--threads", type=int, default=0,
-                   help="torch threads of the engine process (0: torch's default)")
+                   help="torch threads of the engine process (default 0: the cores this "
+                        "process may use, cgroup quota and affinity included)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="on SIGTERM (and before a role change) the worker deregisters, takes "
                         "no new requests and lets those in flight finish for up to this many "
@@ -96,7 +98,7 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                     "cluster_token": args.cluster_token}
     return EngineSpec(role=role, engine=engine_config(args, **overrides),
                       handler_factory=ROLE_PARTS[role][0], transfer=transfer,
-                      threads=args.threads, lease_s=args.lease,
+                      threads=engine_threads(args.threads), lease_s=args.lease,
                       reservation_s=args.reservation_timeout)
 
 
