@@ -223,12 +223,24 @@ class LocalCluster:
         pgid = self.procs[name].pid
         return [p.pid for p in processes() if p.pgrp == pgid and p.state != "Z"]
 
-    def stop(self) -> None:
-        for p in self.procs.values():
+    def stop(self, drain_s: float = 30.0) -> None:
+        """Workers first, then the router: SIGTERM makes each worker drain and deregister
+        from the router, which must still be there to hear it (stopping it first made every
+        worker report "could not deregister"). A worker still running after ``drain_s``
+        (its requests outlived it) is killed, and so is a router that does not stop."""
+        workers = {n: p for n, p in self.procs.items() if n != "router"}
+        self._terminate(workers, drain_s)
+        self._terminate({n: p for n, p in self.procs.items() if n == "router"}, 15.0)
+
+    def _terminate(self, procs: dict[str, subprocess.Popen[bytes]], wait_s: float) -> None:
+        for p in procs.values():
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        end = time.monotonic() + 15
-        for p in self.procs.values():
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + wait_s
+        for p in procs.values():
             try:
                 p.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
