@@ -4,6 +4,7 @@ before the router, saying nothing alarming."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -27,6 +28,39 @@ def _children(pid: int) -> set[int]:
         for c in parents.get(todo.pop(), []):
             found.add(c)
             todo.append(c)
+    return found
+
+
+def _listening(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for path, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: TCP_LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
+                ip = ipaddress.ip_address(raw)
+                if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                    ip = ip.ipv4_mapped  # a v6 socket bound to ::ffff:127.0.0.1
+                found.add((str(ip), int(hexport, 16)))
     return found
 
 
@@ -58,6 +92,10 @@ def test_launch_serves_and_stops_everything_on_ctrl_c():
         assert r.error == "" and "Paris" in r.text
         kids = _children(proc.pid)
         assert len(kids) >= 5  # router, 2 worker gRPC processes, 2 engine processes
+        # --host 127.0.0.1 (the default): nothing listens anywhere else, UCX included
+        listening = _listening(kids)
+        assert len(listening) >= 6, listening  # router, 2 x (gRPC, metrics), KV control
+        assert {a for a, _ in listening} <= {"127.0.0.1", "::1"}, listening
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
