@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import uuid
 from typing import Any
 
 from consumer.role import make_colocated_handler, make_consumer_handler
@@ -41,7 +42,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--advertise-host", default="",
                    help="address peers dial (default: --host); set when binding 0.0.0.0")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    g.add_argument("--worker-id", default="")
+    g.add_argument("--worker-id", default="",
+                   help="the worker's name at the router (default: worker-<random>; no role "
+                        "in it, since the router may change the role)")
     g.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret to join the router and to push KV into consumers "
                         "(default: $PDSERVE_CLUSTER_TOKEN)")
@@ -102,6 +105,12 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                       reservation_s=args.reservation_timeout)
 
 
+def worker_id(args: argparse.Namespace) -> str:
+    """The id given, else a role-neutral one: the id outlives a role change (the router and
+    peers keep using it), so a role in it would be wrong after the first change."""
+    return args.worker_id or f"worker-{uuid.uuid4().hex[:6]}"
+
+
 def run_worker_cmd(args: argparse.Namespace) -> int:
     from worker.runner import run_worker_roles
     from worker.server import WorkerConfig
@@ -119,6 +128,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
                             cluster_token=args.cluster_token, metrics_port=args.metrics_port,
                             router_ca=args.router_ca)
 
+    args.worker_id = worker_id(args)
     config_for(args.command)  # bad flags fail here, before anything starts
     return run_worker_roles(config_for, args.command, args.drain_timeout)
 

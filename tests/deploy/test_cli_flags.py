@@ -55,3 +55,15 @@ def test_the_embedded_model_answers_to_its_hf_id() -> None:
     args = build_parser().parse_args(["launch", "--grpc-port", "0", "--http-port", "0",
                                       "--model", "HuggingFaceTB/SmolLM2-135M-Instruct"])
     spec_from_args(args)  # the launcher's model check accepts it
+
+
+def test_a_workers_default_id_names_no_role() -> None:
+    """The router may change a worker's role and the id stays: so no role in a default id."""
+    from deploy.worker_cmd import worker_id
+
+    parser = build_parser()
+    ids = {worker_id(parser.parse_args([role, "--router", "x:1"]))
+           for role in ("producer", "consumer", "colocated")}
+    assert len(ids) == 3 and all(i.startswith("worker-") for i in ids), ids
+    assert worker_id(parser.parse_args(["producer", "--router", "x:1", "--worker-id",
+                                        "pod-7"])) == "pod-7"
