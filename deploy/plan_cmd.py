@@ -143,7 +143,6 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.gpus is not None:
             warning += "; try --max-gpus N to find how many would"
         print(f"\n{warning}")
-        print(warning, file=sys.stderr)
     met = "" if result["met"] else " (does NOT meet the SLOs)"
     print(f"\nbest on {result['gpus']} workers: {result['best']['split']}{met}")
     for line in result["launch"]:
