@@ -25,6 +25,10 @@ import struct
 log = logging.getLogger(__name__)
 
 ENV = "UCX_NET_DEVICES"
+# Set next to ENV when pdserve chose it: a child process (a worker started from a process
+# that made a transfer, a test's cluster) inherits both and chooses again for its own host,
+# while a value the operator set (without the mark) is always kept.
+MARK = "PDSERVE_UCX_NET_DEVICES_AUTO"
 WILDCARDS = ("", "0.0.0.0", "::", "*")
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 IFF_LOOPBACK = 0x8
@@ -113,9 +117,13 @@ def net_devices(host: str) -> str | None:
 def restrict_to_host(host: str) -> None:
     """Sets ``UCX_NET_DEVICES`` for ``host`` in this process's environment (before any UCX
     context is made; children inherit it), unless the operator set it."""
-    if ENV in os.environ:
-        return
+    if ENV in os.environ and os.environ.get(MARK) != os.environ[ENV]:
+        return  # the operator's choice
     devices = net_devices(host)
-    if devices is not None:
-        os.environ[ENV] = devices
+    if devices is None:
+        os.environ.pop(ENV, None)
+        os.environ.pop(MARK, None)
+        return
+    if os.environ.get(ENV) != devices:
         log.info("UCX network devices limited to %s (the transfer's host %s)", devices, host)
+    os.environ[ENV] = os.environ[MARK] = devices

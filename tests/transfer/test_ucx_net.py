@@ -37,8 +37,12 @@ def test_an_interface_address_names_that_interface(monkeypatch: pytest.MonkeyPat
 
 def test_the_operators_setting_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UCX_NET_DEVICES", "eth9")
+    monkeypatch.delenv(ucx_net.MARK, raising=False)
     restrict_to_host("127.0.0.1")
     assert os.environ["UCX_NET_DEVICES"] == "eth9"
     monkeypatch.delenv("UCX_NET_DEVICES")
     restrict_to_host("127.0.0.1")
     assert os.environ["UCX_NET_DEVICES"] == ucx_net._loopback_names()[0]
+    # ... but its own choice, inherited by a process bound elsewhere, is made again
+    restrict_to_host("0.0.0.0")
+    assert "UCX_NET_DEVICES" not in os.environ and ucx_net.MARK not in os.environ
