@@ -72,8 +72,9 @@ def main() -> None:
         hf = tf.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     hf.eval()
     vocab = hf.config.vocab_size
+    # no prefix cache: each repeat resends the same prompts (a hit is no prefill to time)
     llm = LLM(ARGS.model, dtype=ARGS.dtype, max_num_batched_tokens=8 * ARGS.prompt_len,
-              max_num_seqs=64, kv_cache_bytes=1 << 30)
+              max_num_seqs=64, kv_cache_bytes=1 << 30, enable_prefix_caching=False)
     rows = []
     for batch in (1, 8):
         pre = _prompts(batch, ARGS.prompt_len, vocab)

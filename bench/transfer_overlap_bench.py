@@ -219,7 +219,9 @@ def main() -> None:
         engine = build_engine(EngineConfig(
             model=_write_config(tmp, a.tiny), dtype="bfloat16", device=p_dev, role="producer",
             load_format="dummy", block_size=BLOCK, num_kv_blocks=nblk + 4,
-            max_model_len=a.tokens + 16, max_num_batched_tokens=a.chunk))
+            max_model_len=a.tokens + 16, max_num_batched_tokens=a.chunk,
+            # each prompt is prefilled twice (alone, then pushing): no cache hit between
+            enable_prefix_caching=False))
     # Twice the blocks the prompt needs, so a random choice of them is scattered.
     c_layout = dataclasses.replace(engine.layout, num_blocks=2 * nblk)
     ctx = mp.get_context("spawn")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.outputs import RequestOutput
 from engine.scheduler import QueueFull
-from worker.messages import AbortCmd, Command, DecodeCmd
+from worker.messages import AbortCmd, Command, DecodeCmd, TokensBatchEvent
 from worker.role import RoleHandler, error_event, sampling_from_wire, tokens_event
 
 
@@ -21,5 +21,5 @@ class ColocatedHandler(RoleHandler):
                 self.emit(error_event(cmd.rid, "abort", "aborted"))
 
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
-        for out in outs:
-            self.emit(tokens_event(out))
+        if outs:  # one message for the whole step
+            self.emit(TokensBatchEvent(tuple(tokens_event(out) for out in outs)))

@@ -22,7 +22,7 @@ from engine.request import LogprobRow
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import KVReceiver, TransferConfig, TransferStatus, TransferUpdate, make_receiver
-from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent
+from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent, TokensBatchEvent
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
 from worker.tp_endpoints import attach_ranks, followers_of
@@ -164,9 +164,12 @@ class ConsumerHandler(RoleHandler):
         if isinstance(outs, StepResult):
             for rid, blocks in outs.reserved.items():
                 self._reserved(rid, blocks)
+        items = []
         for out in outs:
             times = self.first_step.pop(out.request_id, (0, 0))
-            self.emit(tokens_event(out, kv_ready_ns=times[0], first_step_ns=times[1]))
+            items.append(tokens_event(out, kv_ready_ns=times[0], first_step_ns=times[1]))
+        if items:  # one message for the whole step
+            self.emit(TokensBatchEvent(tuple(items)))
 
     def has_background_work(self) -> bool:
         return self.engine.num_in(S.RESERVING, S.WAITING_FOR_KV) > 0

@@ -10,6 +10,7 @@ from pdserve.v1 import common_pb2, worker_pb2
 
 from worker.convert import tokens_pb
 from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent, TokensEvent
+from worker.output_hub import OutputsDone
 from worker.servicer import WorkerServicer
 
 
@@ -21,6 +22,16 @@ class ConsumerServicer(WorkerServicer):
         wire = await self._admit("decode", rid, request.prompt_token_ids, request.sampling,
                                  request.seed, context, request.prior_output_ids)
         q = await self._open(rid, context)
+        if request.subscriber_id:
+            sub = await self.bridge.hub.wait_for(request.subscriber_id)
+            if sub is None or sub.closed:
+                self.bridge.close_request(rid)
+                self._count("decode", "invalid")
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"subscriber_id: no Outputs stream {request.subscriber_id!r}"
+                                    " is open on this worker")
+                return
+            self.bridge.hub.attach(rid, sub)
         await self._start("decode", rid, DecodeCmd(rid, tuple(request.prompt_token_ids), wire,
                                                    request.colocated,
                                                    tuple(request.prior_output_ids),
@@ -39,6 +50,10 @@ class ConsumerServicer(WorkerServicer):
                     if done:
                         outcome = str(msg.finish)
                     yield worker_pb2.DecodeOutput(tokens=t)
+                elif isinstance(msg, OutputsDone):  # its last tokens went out in that batch
+                    done = True
+                    outcome = str(msg.finish)
+                    yield worker_pb2.DecodeOutput(done=worker_pb2.DecodeDone(final_seq=msg.seq))
                 elif isinstance(msg, FatalEvent):
                     outcome = "engine_failed"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, msg.error)

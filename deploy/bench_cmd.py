@@ -44,6 +44,11 @@ def add_bench_parser(sub: Any) -> None:
                    "--dataset (default: the embedded SmolLM2)")
     t.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every started worker, e.g. --worker-arg=--dtype=bfloat16")
+    t.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                   help="started clusters run simulated engines: no model, MS per step, "
+                        "hashed tokens (a serving-plane load test without GPUs)")
+    t.add_argument("--simulate-prefill-us-per-token", type=float, default=0.0, metavar="US",
+                   help="with --simulate-step-ms: what each prompt token adds to its step")
     t.add_argument("--producer-arg", action="append", default=[],
                    help="extra flag for started producers, e.g. --producer-arg=--defer-output")
     t.add_argument("--devices", default="",
@@ -149,7 +154,7 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
     from deploy.cluster import ClusterSpec
 
     devices = tuple(d for d in args.devices.split(",") if d)
-    base = ClusterSpec(model=args.model, worker_args=tuple(args.worker_arg),
+    base = ClusterSpec(model=args.model, worker_args=(*args.worker_arg, *sim_worker_args(args)),
                        producer_args=tuple(args.producer_arg),
                        http_port=0 if args.backend == "openai" else -1,
                        api_key=args.api_key)  # a started cluster's router takes the same key
@@ -159,6 +164,16 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
         pd, co = pd_and_colocated(base, args.producers, args.consumers, devices)
         return [pd if args.launch == "pd" else co]
     return [Target(args.router, address=args.router, base_url=args.base_url or "")]
+
+
+def sim_worker_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The workers' flags for --simulate-step-ms (checked by the workers' own parser)."""
+    if args.simulate_step_ms is None:
+        if args.simulate_prefill_us_per_token:
+            raise ValueError("--simulate-prefill-us-per-token: needs --simulate-step-ms")
+        return ()
+    return (f"--simulate-step-ms={args.simulate_step_ms}",
+            f"--simulate-prefill-us-per-token={args.simulate_prefill_us_per_token}")
 
 
 def backend_factory(args: argparse.Namespace) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
+from engine.sim_config import SimConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -29,6 +30,10 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
                         "the KV pool gets the rest (overrides --kv-cache-mib)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every decode step runs eagerly")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="reuse the KV of prompt prefixes already computed (full blocks, "
+                        "keyed by a hash chain); --no-enable-prefix-caching recomputes all")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -43,6 +48,15 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds any one collective between the ranks may take before the "
                         "engine fails (a hung rank)")
+    g.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
+                   help="a simulated engine (serving-plane load tests): no model; every step "
+                        "takes MS ms and samples hashed token ids of the served tokenizer "
+                        "(never EOS), so router and services meet GPU token rates on a CPU")
+    g.add_argument("--simulate-prefill-us-per-token", type=float, default=0.0, metavar="US",
+                   help="with --simulate-step-ms: microseconds each prompt token adds to its "
+                        "step")
+    g.add_argument("--simulate-eos-prob", type=float, default=0.0, metavar="P",
+                   help="with --simulate-step-ms: chance that a token (past min_tokens) is EOS")
 
 
     p.set_defaults(engine_dests=tuple(g.dests))
@@ -87,8 +101,22 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) or None)
+    kw["simulate"] = simulate_config(args)
     kw.update(overrides)
     return EngineConfig(**kw)
+
+
+def simulate_config(args: argparse.Namespace) -> SimConfig | None:
+    if args.simulate_step_ms is None:
+        for flag in ("prefill_us_per_token", "eos_prob"):
+            if getattr(args, f"simulate_{flag}"):
+                raise ValueError(f"--simulate-{flag.replace('_', '-')}: needs "
+                                 "--simulate-step-ms")
+        return None
+    return SimConfig(step_ms=args.simulate_step_ms,
+                     prefill_us_per_token=args.simulate_prefill_us_per_token,
+                     eos_prob=args.simulate_eos_prob)

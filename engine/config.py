@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cuda_probe import has_cuda
+from engine.sim_config import SimConfig
 
 SUPPORTED_ARCHS = {
     "LlamaForCausalLM": "llama",
@@ -112,6 +113,9 @@ class EngineConfig:
     seed: int = 0  # draws the seed of requests that give none
     defer_output: bool | None = None  # None: by role; set only to compare modes in benchmarks
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    # Keep full prompt blocks' KV after their requests end, keyed by a hash chain, and skip
+    # computing a prefix found there (engine/prefix_cache.py); tokens are the same either way.
+    enable_prefix_caching: bool = True
     # Fraction of the device's memory for weights, activations, graphs and KV; the KV pool
     # gets what is left (CUDA only; None: the pool is kv_cache_bytes / num_kv_blocks).
     gpu_memory_utilization: float | None = None
@@ -120,6 +124,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     devices: tuple[str, ...] | None = None  # one per rank; None: consecutive from `device`
     tp_timeout_s: float = 60.0  # bound on any one collective (a hung rank fails the engine)
+    # A simulated engine: no model, timed steps, hashed tokens (engine/sim_runner.py)
+    simulate: SimConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -156,6 +162,8 @@ class EngineConfig:
                 d == "cpu" or d.startswith("cuda") for d in self.devices)),
              "(--devices) must list 'cpu' or 'cuda[:N]' devices"),
             ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
+            ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
+             "(--enable-prefix-caching) must be True or False"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -167,3 +175,16 @@ class EngineConfig:
         if self.defer_output is not None:
             return self.defer_output
         return self.role != "producer"
+
+
+def resolve_max_model_len(config: EngineConfig, m: ModelConfig) -> int:
+    """The engine's max_model_len: the flag, within what the model can attend over."""
+    limit = m.max_position_embeddings
+    if m.sliding_window:
+        limit = min(limit, m.sliding_window)  # no sliding-window attention: stay inside it
+    if config.max_model_len is None:
+        return min(limit, 8192)
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit "
+                         f"({limit})")
+    return config.max_model_len

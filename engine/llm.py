@@ -7,7 +7,7 @@ import itertools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,13 +19,18 @@ from engine.model_source import model_display_name, resolve_model
 from engine.outputs import RequestOutput
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.sim_runner import sim_model_config
 from engine.weights import build_model, read_model_config
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 
 def _model_path(config: EngineConfig) -> str:
-    if config.load_format == "dummy" and config.model and os.path.isdir(config.model) \
+    weightless = config.load_format == "dummy" or config.simulate is not None
+    if weightless and config.model and os.path.isdir(config.model) \
             and os.path.isfile(os.path.join(config.model, "config.json")):
-        return os.path.abspath(config.model)  # dummy weights need only the config
+        return os.path.abspath(config.model)  # dummy weights (or none) need only the config
     return resolve_model(config.model)
 
 
@@ -33,6 +38,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     """One engine; with tensor_parallel_size N, this process is rank 0 and N - 1 follower
     processes are spawned (and stopped by LLMEngine's runner.close(), or when it dies)."""
     path = _model_path(config)
+    if config.simulate is not None:
+        return _build_sim_engine(config, path)
     model_cfg = read_model_config(path)
     tp = config.tensor_parallel_size
     followers = None
@@ -63,11 +70,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
                             config.load_format, max_positions=max(max_len, 1),
                             seed=config.seed, group=group)
         model.followers = followers
-        tokenizer = None
-        if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
-            from engine.tokenizer import Tokenizer
-
-            tokenizer = Tokenizer.from_source(path)
+        tokenizer = _tokenizer(path)
         # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
         identity = model_identity(path, config.load_format, config.seed)
         return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
@@ -76,6 +79,29 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         if followers is not None:
             followers.close(grace_s=0.0)
         raise
+
+
+def _tokenizer(path: str) -> Tokenizer | None:
+    if path.endswith(".gguf") or os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from engine.tokenizer import Tokenizer
+
+        return Tokenizer.from_source(path)
+    return None
+
+
+def _build_sim_engine(config: EngineConfig, path: str) -> LLMEngine:
+    """A simulated engine (engine/sim_runner.py) serving the model at ``path``: its config
+    and tokenizer, no weights, and a KV pool of the smallest shape in host memory whatever
+    --device says."""
+    if config.tensor_parallel_size != 1 or config.devices is not None:
+        raise ValueError("simulate_step_ms: a simulated engine has one rank "
+                         "(no --tensor-parallel-size or --devices)")
+    config = dataclasses.replace(config, device="cpu", gpu_memory_utilization=None)
+    model_cfg = sim_model_config(read_model_config(path))
+    # never a real model's fingerprint: no real engine may take a simulated engine's "KV"
+    identity = "sim:" + model_identity(path, "dummy", config.seed)
+    return LLMEngine(config, model_cfg, None, _tokenizer(path), model_display_name(path),
+                     identity)
 
 
 @dataclass

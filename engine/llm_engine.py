@@ -18,16 +18,19 @@ import torch
 
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
 from engine.kv_layout import KVLayout
-from engine.model_runner import InflightStep, ModelRunner
+from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
-from engine.outputs import HeldRequest, RequestOutput, StepResult
+from engine.outputs import HeldRequest, RequestOutput, StepResult, logprob_rows
+from engine.prefix_cache import PrefixCache
+from engine.prefix_queries import PrefixCacheQueries
 from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.sim_runner import make_runner
 from engine.stop_check import check_stop, streamable_len
 
 if TYPE_CHECKING:
@@ -36,9 +39,9 @@ if TYPE_CHECKING:
 TraceHook = Callable[[str, int], None]
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: LlamaForCausalLM,
-                 tokenizer: Tokenizer | None, model_name: str,
+class LLMEngine(PrefixCacheQueries):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
+                 model: LlamaForCausalLM | None, tokenizer: Tokenizer | None, model_name: str,
                  model_identity: str | None = None) -> None:
         """model_name: what the model is called (registration, logs); model_identity: what
         the KV fingerprint compares (engine/model_identity.py; default: the name)."""
@@ -47,14 +50,15 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = torch.device(config.device)
-        self.max_model_len = _max_model_len(config, model_cfg)
+        self.max_model_len = resolve_max_model_len(config, model_cfg)
         self.layout = KVLayout(
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
             num_layers=model_cfg.num_layers, num_kv_heads=model_cfg.num_kv_heads,
             head_dim=model_cfg.head_dim, num_blocks=1,
             # rank 0's pool: its own heads (model.shard), which head_range must agree with
             tp_size=config.tensor_parallel_size, tp_rank=0)
-        assert self.layout.head_count == model.shard.num_kv_heads, "TP head split differs"
+        assert model is None or self.layout.head_count == model.shard.num_kv_heads, \
+            "TP head split differs"  # no model: a simulated engine (config.simulate)
         # Never more than every seat filled to max_model_len could use.
         cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
         kv_bytes = config.kv_cache_bytes
@@ -72,21 +76,23 @@ class LLMEngine:
         # on CPU, huge pages: a transfer between processes pins every page it moves
         self.kv_cache = (host_memory.zeros(shape, dtype) if self.device.type == "cpu"
                          else torch.zeros(shape, dtype=dtype, device=self.device))
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size,
+                                   PrefixCache() if config.enable_prefix_caching else None)
+        self.prefix_model_key = self.layout.fingerprint()
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_waiting,
                                    self.max_model_len)
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
-        self.runner = ModelRunner(model, self.kv_cache, config.block_size, self.eos_token_ids,
-                                  self.device, max_num_seqs=config.max_num_seqs,
-                                  max_model_len=self.max_model_len,
-                                  cuda_graphs=not config.enforce_eager)
+        self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
+                                  self.max_model_len, tokenizer, model_cfg.vocab_size)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None
         # launched steps not read yet -> the requests they write, and blocks to free once
         # each has been read
-        self._unread: dict[int, frozenset[str]] = {}
+        # (and how far each request's KV is written once it has been read: prefix caching
+        # registers only blocks whose KV is fully written)
+        self._unread: dict[int, dict[str, tuple[Request, int]]] = {}
         self._free_after: dict[int, list[int]] = {}
         self._step_id = 0
         self._seed_rng = random.Random(config.seed)
@@ -110,16 +116,20 @@ class LLMEngine:
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, state: RequestState,
-                     prior_output_ids: list[int] | None = None) -> Request:
+                     prior_output_ids: list[int] | None = None,
+                     cache_salt: str | None = None) -> Request:
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt: must be a string, got {type(cache_salt).__name__}")
         prior = list(prior_output_ids or ())
         if prior:
             self.validate_prior(prompt_token_ids, params, prior)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
-                      prefill_only=self.config.role == "producer")
+                      prefill_only=self.config.role == "producer",
+                      cache_root=self.chain_root(cache_salt))
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer
 
@@ -130,28 +140,33 @@ class LLMEngine:
         return req
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams, prior_output_ids: list[int] | None = None
-                    ) -> Request:
+                    params: SamplingParams, prior_output_ids: list[int] | None = None,
+                    cache_salt: str | None = None) -> Request:
         """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
         later.
+
+        cache_salt: only requests of one salt (e.g. a tenant) share cached prefix blocks.
 
         prior_output_ids: a migrated request's tokens its client already has; they are
         prefilled with the prompt and generation goes on after them as if it never stopped
         (same positions, penalties, min/max_tokens and stop state)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED,
-                                prior_output_ids)
+                                prior_output_ids, cache_salt)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
     def add_remote(self, request_id: str, prompt_token_ids: list[int],
-                   params: SamplingParams, prior_output_ids: list[int] | None = None) -> None:
+                   params: SamplingParams, prior_output_ids: list[int] | None = None,
+                   cache_salt: str | None = None, reuse_cached: bool = False) -> None:
         """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
         in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
-        request's prior_output_ids come with the KV too (blocks for prompt + prior)."""
+        request's prior_output_ids come with the KV too (blocks for prompt + prior).
+        reuse_cached: may reserve cached blocks the sender must skip (prefix_queries.py)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
-                                prior_output_ids)
+                                prior_output_ids, cache_salt)
+        req.reuse_cached = reuse_cached
         self.scheduler.add_remote(req)
         self.requests[request_id] = req
 
@@ -166,6 +181,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is {req.state.name}, not "
                              "WAITING_FOR_KV")
         self._land(req, first_token, first_logprob)
+        self.scheduler.cache_written(req, req.num_tokens)  # the transfer is done
         self.scheduler.kv_landed(req)
 
     def _land(self, req: Request, first_token: int, first_logprob: LogprobRow | None) -> None:
@@ -201,6 +217,7 @@ class LLMEngine:
         prompt + prior_output_ids, and first_token is the one sampled after them."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
                                 prior_output_ids)
+        req.cache_root = None  # the caller's KV may be anything (benches): never cached
         if len(block_ids) != self.blocks.blocks_for(req.num_tokens):
             raise ValueError(f"block_ids: {len(block_ids)} blocks for a "
                              f"{req.num_tokens}-token prompt")
@@ -291,7 +308,8 @@ class LLMEngine:
                 index.append(len(r.output_token_ids))
                 r.output_token_ids.append(PLACEHOLDER)
             launched = InflightStep(self._step_id, samplers, index, out, time.time_ns())
-            self._unread[self._step_id] = frozenset(c.request.request_id for c in sched.chunks)
+            self._unread[self._step_id] = {c.request.request_id: (c.request, c.start + c.num_tokens)
+                                           for c in sched.chunks}
         if not self.defers_output:
             outputs = self._process(launched) if launched else []
         else:
@@ -302,6 +320,8 @@ class LLMEngine:
     def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput) -> StepResult:
         res = StepResult(outputs)
         res.reserved = {r.request_id: list(r.block_ids) for r in sched.reserved}
+        res.reserved_cached = {r.request_id: r.num_registered_blocks for r in sched.reserved
+                               if r.num_registered_blocks}
         bs = self.config.block_size
         for r in [c.request for c in sched.chunks] + sched.preempted:
             if r.prefill_only and not r.finished:
@@ -313,14 +333,15 @@ class LLMEngine:
 
     def _process(self, step: InflightStep) -> list[RequestOutput]:
         ids = step.out.token_ids.tolist()  # the host sync: the step has completed
-        self._unread.pop(step.step_id, None)
+        for r, written in self._unread.pop(step.step_id, {}).values():
+            self.scheduler.cache_written(r, written)  # ids read: the step has completed
         self.blocks.free(self._free_after.pop(step.step_id, []))
         # When the sampling forward had run: read back now (direct), or at its launch when
         # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
         sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns
         if self.trace:
             self.trace("read", step.step_id)
-        lps = _logprob_rows(step)
+        lps = logprob_rows(step.out)
         outputs = []
         for row, r in enumerate(step.requests):
             if r.finished:  # stopped or aborted after this step was launched: drop the token
@@ -364,7 +385,8 @@ class LLMEngine:
             finish_reason=r.state.finish_reason, num_prompt_tokens=r.num_prompt_tokens,
             num_output_tokens=i + 1, sampled_step=sampled_step, emitted_step=self._step_id,
             sampled_ns=sampled_ns,
-            new_logprobs=new_lps, stop_reason=stop_reason, seed=r.seed)
+            new_logprobs=new_lps, stop_reason=stop_reason, seed=r.seed,
+            num_cached_tokens=r.num_cached_tokens or 0)
 
     def _finish(self, r: Request, state: RequestState) -> None:
         self.scheduler.remove(r)
@@ -373,28 +395,3 @@ class LLMEngine:
         r.block_ids = []
         if not r.pinned:  # else a transfer may still read them: kept until release()
             self.requests.pop(r.request_id, None)
-
-
-def _logprob_rows(step: InflightStep) -> list[LogprobRow] | None:
-    out = step.out
-    if out.logprobs is None:
-        return None
-    lp = out.logprobs.tolist()
-    ids = out.token_ids.tolist()
-    if out.top_ids is None or out.top_logprobs is None:
-        return [LogprobRow(t, v) for t, v in zip(ids, lp, strict=True)]
-    tops = [tuple(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
-                                                         out.top_logprobs.tolist(), strict=True)]
-    return [LogprobRow(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]
-
-
-def _max_model_len(config: EngineConfig, m: ModelConfig) -> int:
-    limit = m.max_position_embeddings
-    if m.sliding_window:
-        limit = min(limit, m.sliding_window)  # no sliding-window attention: stay inside it
-    if config.max_model_len is None:
-        return min(limit, 8192)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's limit "
-                         f"({limit})")
-    return config.max_model_len

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import LogprobRow
 from engine.request_state import RequestState
+
+if TYPE_CHECKING:  # light module (the gRPC process imports it): no torch at run time
+    from engine.sampler import SamplerOutput
 
 
 @dataclass
@@ -23,6 +27,9 @@ class RequestOutput:
     new_logprobs: list[LogprobRow] = field(default_factory=list)
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     seed: int = 0  # the request's sampling seed (a producer hands it to the consumer)
+    # prompt tokens whose KV a prefix-cache hit supplied at the request's first admission
+    # (OpenAI usage.prompt_tokens_details.cached_tokens); a consumer's: reused at reservation
+    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -37,6 +44,9 @@ class StepResult(list[RequestOutput]):
         super().__init__(outputs)
         # consumer: remote requests the scheduler gave blocks this step (id -> block ids)
         self.reserved: dict[str, list[int]] = {}
+        # ... of which the leading N already hold the prompt's KV (add_remote with
+        # reuse_cached): the sender must skip them. Absent: 0
+        self.reserved_cached: dict[str, int] = {}
         # producer: leading prompt blocks whose KV is final after this step (0 after a
         # preemption); all of them once token 0 is out
         self.final_blocks: dict[str, int] = {}
@@ -57,3 +67,16 @@ class HeldRequest:
         return {"request_id": self.request_id, "state": self.state.name,
                 "age_s": round(self.age_s, 3), "state_age_s": round(self.state_age_s, 3),
                 "blocks": self.blocks}
+
+
+def logprob_rows(out: SamplerOutput) -> list[LogprobRow] | None:
+    """A step's sampled rows as LogprobRows (None: no request asked for logprobs)."""
+    if out.logprobs is None:
+        return None
+    lp = out.logprobs.tolist()
+    ids = out.token_ids.tolist()
+    if out.top_ids is None or out.top_logprobs is None:
+        return [LogprobRow(t, v) for t, v in zip(ids, lp, strict=True)]
+    tops = [tuple(zip(a, b, strict=True)) for a, b in zip(out.top_ids.tolist(),
+                                                         out.top_logprobs.tolist(), strict=True)]
+    return [LogprobRow(t, v, top) for t, v, top in zip(ids, lp, tops, strict=True)]

@@ -56,6 +56,14 @@ class Request:
     full_text: str = ""  # detokenized output so far (cut at a stop string when one hits)
     text_checked: int = 0  # full_text[:text_checked] has been searched for stop strings
     num_text_sent: int = 0  # full_text[:num_text_sent] has been reported
+    # Prefix caching (engine/prefix_cache.py). The root of this request's block hash chain
+    # (model, adapter, cache salt); None: its blocks are never looked up or cached (caching
+    # off, or KV this engine cannot vouch for, e.g. add_prefilled's).
+    cache_root: bytes | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # its leading full blocks', lazily
+    num_registered_blocks: int = 0  # block_ids[:n] were hits or offered to the cache
+    num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
+    reuse_cached: bool = False  # consumer: its reservation may take cached leading blocks
 
     @property
     def num_prompt_tokens(self) -> int:

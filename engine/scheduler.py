@@ -8,6 +8,15 @@ Remote requests (a consumer's: their KV is computed elsewhere) queue in ``reserv
 are admitted by the same policy, FIFO: a seat and the blocks for the prompt, no token
 budget since nothing is computed here. Admitted, they wait for the KV (``awaiting_kv``)
 holding both, and join ``running`` once it landed.
+
+Prefix caching (engine/prefix_cache.py): a request admitted from ``waiting`` (new, or back
+after a preemption) takes the longest run of cached blocks matching its token chain and
+starts computing after them; the last known token is always computed, since its forward
+samples the next. A consumer's reservation may take cached leading blocks too
+(``reuse_cached``), so only the rest has to arrive. Blocks are offered to the cache once
+their KV is fully written (the step that computed them has been read back, or the
+transfer that carried them is done): a cached block may be read by anything, a transfer
+included, which is not ordered after a step still running on the device.
 """
 
 from __future__ import annotations
@@ -16,7 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.request import Request
+from engine.prefix_hash import BlockHash, block_hash
+from engine.request import PLACEHOLDER, Request
 from engine.request_state import RequestState
 
 
@@ -55,6 +65,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.reserving: deque[Request] = deque()  # remote, waiting for blocks and a seat
         self.awaiting_kv: dict[str, Request] = {}  # remote, blocks held, KV not landed
+        self.tokens_computed = 0  # positions whose forward was launched, ever (cache hits
+        # are the positions a request did not need to compute)
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting:
@@ -93,13 +105,73 @@ class Scheduler:
 
     def _remote_fits(self) -> bool:
         return (bool(self.reserving) and self._seats() > 0
-                and self.blocks.can_allocate(self.blocks.blocks_for(
-                    self.reserving[0].num_tokens)))
+                and self._reservation(self.reserving[0]) is not None)
+
+    def _reservation(self, req: Request) -> list[int] | None:
+        """The cached blocks a remote request's reservation would take (every full prompt
+        block may be one: nothing is computed here), or None while it does not fit."""
+        hit = self._prefix_hit(req, req.num_tokens) if req.reuse_cached else []
+        fits = self.blocks.fits(hit, self.blocks.blocks_for(req.num_tokens) - len(hit))
+        return hit if fits else None
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def _hashes(self, req: Request, n_blocks: int) -> list[BlockHash]:
+        """The chain hashes of req's first n_blocks full blocks, as far as its tokens are
+        known (a deferred step's unread sample ends them); computed once per request."""
+        assert req.cache_root is not None
+        hs, bs = req.block_hashes, self.blocks.block_size
+        while len(hs) < n_blocks:
+            toks = _tokens(req, len(hs) * bs, (len(hs) + 1) * bs)
+            if PLACEHOLDER in toks:
+                break
+            hs.append(block_hash(hs[-1] if hs else req.cache_root, toks))
+        return hs[:n_blocks]
+
+    def _prefix_hit(self, req: Request, max_tokens: int) -> list[int]:
+        """Cached blocks holding req's leading full blocks within its first max_tokens."""
+        if self.blocks.cache is None or req.cache_root is None:
+            return []
+        return self.blocks.match(self._hashes(req, max_tokens // self.blocks.block_size))
+
+    def _take_prefix(self, req: Request, hit: list[int], looked_up: bool) -> None:
+        """req becomes an owner of its prefix hit, its first blocks; looked_up: the cache
+        was asked (counted in its stats)."""
+        assert not req.block_ids, f"{req.request_id} already holds blocks"
+        self.blocks.take(hit)
+        req.block_ids = list(hit)
+        req.num_registered_blocks = len(hit)
+        cached = len(hit) * self.blocks.block_size
+        if req.num_cached_tokens is None:  # reported once, for its first admission
+            req.num_cached_tokens = min(cached, req.num_prompt_tokens)
+            if self.blocks.cache is not None and req.cache_root is not None and looked_up:
+                self.blocks.cache.record_query(req.num_tokens, cached)
+
+    def cache_written(self, req: Request, written: int) -> None:
+        """Offers req's leading full blocks whose KV is fully written (positions below
+        ``written``: a read step's, or a landed transfer's) to the cache, each block once."""
+        if self.blocks.cache is None or req.cache_root is None or not req.block_ids:
+            return
+        k = req.num_registered_blocks
+        # num_computed_tokens: a preemption since the write dropped the KV
+        upto = min(written, req.num_computed_tokens)
+        full = min(upto // self.blocks.block_size, len(req.block_ids))
+        if full <= k:
+            return
+        hs = self._hashes(req, full)
+        if len(hs) <= k:
+            return
+        self.blocks.register(req.block_ids[k:len(hs)], hs[k:], hs[k - 1] if k else None)
+        req.num_registered_blocks = len(hs)
+
+    # ---- the step -------------------------------------------------------------------------
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        # Pinned blocks (a transfer may be reading them) keep their extra reference.
+        # Pinned blocks (a transfer may be reading them) keep their extra reference. Cached
+        # ones stay cached: its recompute (or anyone) may find them again.
         self.blocks.free(req.block_ids)
         req.block_ids = []
+        req.num_registered_blocks = 0
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.move(RequestState.QUEUED)
@@ -134,20 +206,33 @@ class Scheduler:
         # just went to someone who needed them.
         while self.waiting and budget > 0 and not out.preempted and self._seats() > 0:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):
+            # Not the last token: its forward must run to sample the next one.
+            hit = self._prefix_hit(req, req.num_tokens - 1)
+            start = len(hit) * self.blocks.block_size
+            n = min(req.num_tokens - start, budget)
+            if not self.blocks.fits(hit, self.blocks.blocks_for(start + n) - len(hit)):
                 break
             self.waiting.popleft()
+            self._take_prefix(req, hit, looked_up=True)
+            req.num_computed_tokens = start
+            grown = self.blocks.grow(req.block_ids, start + n)
+            assert grown, "fits() said the blocks were there"
             req.move(RequestState.PREFILLING)
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
         # Not after a preemption either: the freed blocks may still be written by the step
         # in flight, and a transfer landing in them would not be ordered after it.
-        while not out.preempted and self._remote_fits():
-            req = self.reserving.popleft()
+        while not out.preempted and self.reserving and self._seats() > 0:
+            req = self.reserving[0]
+            reuse = self._reservation(req)
+            if reuse is None:
+                break
+            self.reserving.popleft()
+            self._take_prefix(req, reuse, looked_up=req.reuse_cached)
             # prompt, plus the prior outputs a migrated request's KV also covers
-            req.block_ids = self.blocks.allocate(self.blocks.blocks_for(req.num_tokens))
+            req.block_ids += self.blocks.allocate(
+                self.blocks.blocks_for(req.num_tokens) - len(reuse))
             req.move(RequestState.WAITING_FOR_KV)
             self.awaiting_kv[req.request_id] = req
             out.reserved.append(req)
@@ -157,6 +242,18 @@ class Scheduler:
         """Marks the scheduled positions computed (the forward for them has been launched)."""
         for c in out.chunks:
             c.request.num_computed_tokens = c.start + c.num_tokens
+            self.tokens_computed += c.num_tokens
             r = c.request
             if c.samples and r.state == RequestState.PREFILLING and not r.prefill_only:
                 r.move(RequestState.DECODING)  # a producer's waits for token 0's read
+
+
+def _tokens(req: Request, a: int, b: int) -> list[int]:
+    """req's token ids at positions [a, b) (prompt, then outputs), without joining lists."""
+    p = req.prompt_token_ids
+    n = len(p)
+    if b <= n:
+        return p[a:b]
+    if a >= n:
+        return req.output_token_ids[a - n:b - n]
+    return p[a:] + req.output_token_ids[:b - n]

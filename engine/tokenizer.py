@@ -13,6 +13,7 @@ lstrip_blocks, ``raise_exception``/``strftime_now``, ``tojson``), so prompts mat
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -263,6 +264,15 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._tk.get_vocab_size(with_added_tokens=True))
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """No token covers more characters of text than this: a lower bound on a text's
+        token count is len(text) / this, known without tokenizing it. A vocab entry's length
+        counts bytes (byte-level BPE spells each byte as one character) or characters
+        (SentencePiece), and a decoded token has at most that many characters either way."""
+        return max(1, max((len(t) for t in self._tk.get_vocab(with_added_tokens=True)),
+                          default=1))
 
     # -- chat ------------------------------------------------------------------------------
 

@@ -155,7 +155,8 @@ class ProducerHandler(RoleHandler):
             tok = out.new_token_ids[0]
             row = out.new_logprobs[0] if out.new_logprobs else None
             self.emit(Token0Event(o.rid, tok, out.new_text, row, out.finish_reason,
-                                  stop_text(out.stop_reason), out.sampled_ns, o.received_ns))
+                                  stop_text(out.stop_reason), out.sampled_ns, o.received_ns,
+                                  out.num_cached_tokens))
             if out.finished:  # token 0 ended it: the engine freed all but the pinned blocks
                 if o.pushed:  # close the early chunks' transfer now, not at its deadline;
                     self.sender.cancel(o.rid, "token 0 finished the request")  # pins: poll

@@ -64,7 +64,7 @@ class ProducerServicer(WorkerServicer):
                         finish_reason=finish_reason_pb(msg.finish),
                         stop_reason=msg.stop_reason,
                         sampled_ns=msg.sampled_ns, received_ns=msg.received_ns,
-                        sent_ns=time.time_ns())
+                        sent_ns=time.time_ns(), cached_tokens=msg.cached_tokens)
                     if msg.logprob is not None:
                         t0.logprob.CopyFrom(token_logprob(msg.logprob))
                     yield worker_pb2.PrefillOutput(token0=t0)

@@ -9,6 +9,8 @@ from typing import Any
 import grpc
 from pdserve.v1 import worker_pb2_grpc
 
+from router.worker_outputs import WorkerOutputs
+
 # Prompts travel as token ids; a 1M-token prompt is ~5 MB on the wire, above gRPC's 4 MB
 # default, so raise the cap well past any max_model_len a worker will accept.
 MAX_MESSAGE_BYTES = 64 << 20
@@ -59,13 +61,29 @@ class WorkerChannels:
         # requests (sent after the drop fails them) can still reach a worker that is alive.
         self._close_delay_s = close_delay_s
         self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        self._outputs: dict[str, WorkerOutputs] = {}  # worker id -> its Outputs stream
         self._closing: set[asyncio.Task[None]] = set()
+
+    def outputs(self, worker_id: str, address: str) -> WorkerOutputs:
+        """The worker's Outputs stream on its current channel, opened (again) if needed."""
+        stub = self.stub(worker_id, address)
+        out = self._outputs.get(worker_id)
+        if out is None or not out.usable:
+            out = WorkerOutputs(worker_id, stub)
+            self._outputs[worker_id] = out
+        return out
+
+    def _close_outputs(self, worker_id: str) -> None:
+        out = self._outputs.pop(worker_id, None)
+        if out is not None:
+            out.close()
 
     def stub(self, worker_id: str, address: str) -> worker_pb2_grpc.WorkerStub:
         entry = self._channels.get(worker_id)
         if entry is not None and entry[0] == address:
             return entry[2]
         if entry is not None:  # the worker came back at another address
+            self._close_outputs(worker_id)
             self._close_later(entry[1])
         channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
                                             interceptors=self._interceptors)
@@ -77,9 +95,12 @@ class WorkerChannels:
         """Forgets a worker's channel; calls still on it are cancelled by the close."""
         entry = self._channels.pop(worker_id, None)
         if entry is not None:
+            self._close_outputs(worker_id)
             self._close_later(entry[1])
 
     async def close(self) -> None:
+        for worker_id in list(self._outputs):
+            self._close_outputs(worker_id)
         for _, channel, _ in self._channels.values():
             await channel.close(grace=None)
         self._channels.clear()

@@ -21,7 +21,8 @@ from router.config import RouterConfig
 from router.legs import Ev, Event
 from router.policy import Policy, Slot, place
 from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
-from router.request_run import RequestInfo, RequestRun
+from router.request_info import RequestInfo
+from router.request_run import RequestRun
 from router.validation import PreparedRequest, RequestError
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Dispatcher:
                                f"request_id: {prep.request_id!r} is already in flight")
         run = RequestRun(prep, received_ns, self.config,
                          stub_for=lambda w: self.channels.stub(w.worker_id, w.address),
+                         outputs_for=lambda w: self.channels.outputs(w.worker_id, w.address),
                          on_unreachable=self._unreachable, spawn=self._spawn,
                          replace=self._replace)
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot

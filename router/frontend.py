@@ -25,10 +25,12 @@ from router.validation import (
     PreparedRequest,
     RequestError,
     check_length,
+    check_min_tokens,
     engine_params,
     input_size,
     invalid,
     prepare,
+    prepare_in_pool,
 )
 
 # Inputs larger than this are tokenized on a thread of a bounded pool: a long prompt's chat
@@ -40,7 +42,8 @@ class Frontend:
     def __init__(self, dispatcher: Dispatcher, registry: Registry, tokenizer: Tokenizer,
                  model_id: str, model_names: set[str], max_tokens_limit: int,
                  admission: Admission, metrics: RouterMetrics,
-                 tokenize_pool: TokenizePool | None = None) -> None:
+                 tokenize_pool: TokenizePool | None = None,
+                 tokenizer_source: str | None = None) -> None:
         self.dispatcher = dispatcher
         self.registry = registry
         self.tokenizer = tokenizer
@@ -50,7 +53,7 @@ class Frontend:
         self.admission = admission
         self.metrics = metrics
         self.tokenize_pool = tokenize_pool or TokenizePool(
-            retry_after_s=admission.retry_after_s)
+            retry_after_s=admission.retry_after_s, source=tokenizer_source)
 
     async def generate(self, request: router_pb2.GenerateRequest, received_ns: int, api: str,
                        *, fill_max_tokens: bool = False
@@ -83,9 +86,14 @@ class Frontend:
             if not self.registry.serving():  # refuse before the expensive part
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    no_workers_message(self.registry))
-            prep = await self.tokenize_pool.run(size, functools.partial(
-                prepare, request, self.tokenizer, self.model_names,
-                max_tokens_limit=self.max_tokens_limit))
+            check_min_tokens(request, self.tokenizer, self.registry.max_model_len())
+            if self.tokenize_pool.source is not None:  # pool processes have the tokenizer
+                fn = functools.partial(prepare_in_pool, request, self.model_names,
+                                       self.max_tokens_limit)
+            else:
+                fn = functools.partial(prepare, request, self.tokenizer, self.model_names,
+                                       max_tokens_limit=self.max_tokens_limit)
+            prep = await self.tokenize_pool.run(size, fn)
         else:
             prep = prepare(request, self.tokenizer, self.model_names,
                            max_tokens_limit=self.max_tokens_limit)

@@ -44,6 +44,11 @@ class HttpError(Exception):
         self.code = code
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # raised in a pool process that parses a large body (router/large_body.py)
+        return (_rebuild, (self.status, self.message, self.type, self.param, self.code,
+                           self.headers))
+
     def body(self) -> dict[str, object]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
@@ -78,4 +83,9 @@ def from_request_error(e: RequestError, chat: bool) -> HttpError:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after_s)))
     if status != 400:
         param = None if status != 404 else param
+    return HttpError(status, message, type_=type_, param=param, code=code, headers=headers)
+
+
+def _rebuild(status: int, message: str, type_: str, param: str | None, code: str | None,
+             headers: dict[str, str]) -> HttpError:
     return HttpError(status, message, type_=type_, param=param, code=code, headers=headers)

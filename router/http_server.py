@@ -9,20 +9,24 @@ validation, admission and dispatch are one code path; this file only translates.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from multiprocessing import shared_memory
 from typing import Any
 
 from aiohttp import web
 from pdserve.v1 import router_pb2
 
+from router.admission import Overloaded
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, http_ssl_context
 from router.config import RouterConfig
 from router.frontend import Frontend
 from router.health import unhealthy_reason, usable_counts
 from router.http_errors import HttpError, from_request_error
+from router.large_body import parse_large_body, parse_shared_body
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_request import OpenAIRequest, parse_chat, parse_completion
 from router.openai_response import ResponseBuilder, TokenTexts
@@ -33,6 +37,9 @@ log = logging.getLogger(__name__)
 # Request bodies above this are refused (413) before parsing: a bound on memory per request
 # that still fits a prompt of a few hundred thousand tokens.
 MAX_BODY_BYTES = 16 << 20
+# Bodies past this are parsed in a pool process (router/large_body.py): parsing holds the
+# GIL, and so the router's loop, for ~40 ms per MB here.
+OFFLOOP_JSON_BYTES = 256 << 10
 # On stop, open streams get this long to end (the dispatcher has already failed their runs).
 SHUTDOWN_S = 2.0
 # Paths that need the API key when one is set (health and metrics stay open to probes).
@@ -171,19 +178,46 @@ class HttpFrontDoor:
         return await self._generate(request, await self._parse(request, parse_completion))
 
     async def _parse(self, request: web.Request,
-                     parse: Callable[[Any, int], OpenAIRequest]) -> OpenAIRequest:
+                     parse: Callable[..., OpenAIRequest]) -> OpenAIRequest:
+        raw = await request.read()
+        chat = parse is parse_chat
+        # the router's --max-tokens-limit, so both doors refuse with the same words
+        parse = functools.partial(parse, max_tokens_limit=self.frontend.max_tokens_limit)
         try:
-            return parse(await self._body(request), self.frontend.max_tokens_limit)
+            if len(raw) > OFFLOOP_JSON_BYTES:  # see router/large_body.py
+                return await self._parse_off_loop(raw, parse)
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise HttpError(400, f"body: not valid JSON ({e})", param="body") from e
+            return parse(body)
+        except Overloaded as e:  # the pool is full: 429, not counted as invalid
+            raise from_request_error(e, chat) from e
+        except RequestError as e:  # the length bound, in the pool
+            self.metrics.refused("http", e.code.name)
+            raise from_request_error(e, chat) from e
         except HttpError:
             self.metrics.refused("http", "invalid_argument")  # as the router's own refusals
             raise
 
-    async def _body(self, request: web.Request) -> Any:
-        raw = await request.read()
+    async def _parse_off_loop(self, raw: bytes, parse: Callable[[Any], OpenAIRequest]
+                              ) -> OpenAIRequest:
+        pool = self.frontend.tokenize_pool
+        max_len = self.frontend.registry.max_model_len()
+        if pool.source is None:  # threads (tests): the frontend's own tokenizer does
+            return await pool.run(len(raw), functools.partial(
+                parse_large_body, raw, parse, max_len, self.frontend.tokenizer))
+        shm = shared_memory.SharedMemory(create=True, size=len(raw))
         try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise HttpError(400, f"body: not valid JSON ({e})", param="body") from e
+            buf = shm.buf
+            assert buf is not None  # None only once closed
+            buf[:len(raw)] = raw
+            del buf  # no export may outlive close()
+            return await pool.run(len(raw), functools.partial(
+                parse_shared_body, shm.name, len(raw), parse, max_len))
+        finally:  # a pool process still reading keeps its mapping until it is done
+            shm.close()
+            shm.unlink()
 
     async def _generate(self, request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
         received_ns = time.time_ns()

@@ -21,6 +21,7 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from router.registry import WorkerInfo
+from router.worker_outputs import OutputsBroken, WorkerOutputs
 
 log = logging.getLogger(__name__)
 
@@ -195,13 +196,57 @@ class ProducerLeg(Leg):
 
 
 class DecodeLeg(Leg):
-    """The Decode stream of a consumer (reserved, then tokens) or a colocated worker."""
+    """The Decode stream of a consumer (reserved, then tokens) or a colocated worker.
 
-    def start(self) -> None:  # call: grpc.aio.UnaryStreamCall
+    With the worker's Outputs stream (``outputs``), the tokens come from it, demultiplexed
+    by request id, and the Decode stream carries only the reservation and, last, ``done``
+    with the batch that held the final tokens; without it (an older worker) the Decode
+    stream carries the tokens itself.
+    """
+
+    def __init__(self, worker: WorkerInfo, stub: worker_pb2_grpc.WorkerStub,
+                 request: worker_pb2.DecodeRequest, outputs: WorkerOutputs | None,
+                 report: Report) -> None:
+        super().__init__(worker, None, report)  # call: made once the mode is known
+        self._stub = stub
+        self._request = request
+        self._outputs = outputs
+
+    def start(self) -> None:
         self._start(self._read())
 
+    def cancel(self) -> None:
+        if self.call is not None:
+            self.call.cancel()
+        if self.task is not None:
+            self.task.cancel()
+
+    # Route: what the worker's Outputs stream calls
+    def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
+        self._report_event(Event(Ev.TOKENS, tokens))
+
+    def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
+        w = self.worker
+        self._report_event(Event(Ev.LEG_ERROR, (
+            w, code or grpc.StatusCode.UNAVAILABLE,
+            f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}")))
+
     async def _read(self) -> None:
+        rid = self._request.request_id
+        outputs = self._outputs
+        batched = False
         try:
+            if outputs is not None:
+                try:
+                    batched = await outputs.ready()
+                except OutputsBroken as e:
+                    self.on_outputs_broken(e.code, str(e))
+                    return
+            if batched:
+                assert outputs is not None
+                outputs.route(rid, self)
+                self._request.subscriber_id = outputs.subscriber_id
+            self.call = self._stub.Decode(self._request)
             async for out in self.call:
                 kind = out.WhichOneof("kind")
                 if kind == "reserved":
@@ -212,12 +257,18 @@ class DecodeLeg(Leg):
                     self._report_event(Event(Ev.RESERVED, dest))
                 elif kind == "tokens":
                     self._report_event(Event(Ev.TOKENS, out.tokens))
+                elif kind == "done" and outputs is not None:
+                    # the last tokens are in that batch: hand them on before the end
+                    await outputs.caught_up(out.done.final_seq)
             self._report_event(Event(Ev.DECODE_EOF))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
             code, msg = describe_rpc_error(self.worker, e)
             self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+        finally:
+            if batched and outputs is not None:
+                outputs.unroute(rid)
 
 
 async def hold_until_reserved(producer: ProducerLeg, decode: DecodeLeg, interval_s: float,

@@ -46,7 +46,7 @@ class ResponseBuilder:
         self._offset = 0  # completions text_offset: characters of the tokens so far
         self.finish: str | None = None
         self.error = ""  # the request failed in a worker (FINISH_REASON_ERROR)
-        self.usage: dict[str, int] | None = None
+        self.usage: dict[str, Any] | None = None
 
     # -- accumulation ------------------------------------------------------------------------
 
@@ -64,7 +64,8 @@ class ResponseBuilder:
             u = resp.usage
             self.usage = {"prompt_tokens": u.prompt_tokens,
                           "completion_tokens": u.completion_tokens,
-                          "total_tokens": u.prompt_tokens + u.completion_tokens}
+                          "total_tokens": u.prompt_tokens + u.completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
             if resp.finish_reason == common_pb2.FINISH_REASON_ERROR:
                 self.error = resp.error or "the request failed"
                 return None

@@ -91,8 +91,11 @@ def openapi_document(model_ids: list[str], secured: bool, max_model_len: int = 0
                              {"type": "array", "minItems": 1, "items": {
                                  "type": "integer", "minimum": 0, "maximum": U32}}]},
         "logprobs": _int(0, COMPLETION_MAX_LOGPROBS), **_sampling_fields(max_tokens)}}
-    usage = {"type": "object", "properties": {k: {"type": "integer"} for k in (
-        "prompt_tokens", "completion_tokens", "total_tokens")}}
+    usage = {"type": "object", "properties": {
+        **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens",
+                                             "total_tokens")},
+        "prompt_tokens_details": {"type": "object", "properties": {
+            "cached_tokens": {"type": "integer"}}}}}
     obj = {"type": "object"}
     schemas = {
         "ChatCompletionRequest": chat_req, "CompletionRequest": cmpl_req,

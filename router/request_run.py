@@ -65,7 +65,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -73,13 +72,16 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.request_state import RequestState
 from router.config import RouterConfig
+from router.event_queue import EventQueue
 from router.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
 from router.policy import Slot
 from router.registry import WorkerInfo
+from router.request_info import RequestInfo
 from router.run_output import RunOutput
 from router.run_recovery import Recovery
 from router.run_streams import colocated_stream, disaggregated_stream
 from router.validation import PreparedRequest
+from router.worker_outputs import WorkerOutputs
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +99,10 @@ FINISHED = {
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
-@dataclass(frozen=True)
-class RequestInfo:
-    """One request as listed by ClusterStatus and GET /debug/requests."""
-
-    request_id: str
-    state: RequestState
-    age_s: float  # since the router received it
-    producer: str  # worker ids of its legs ("" when none yet, or colocated)
-    consumer: str
-    colocated: str
-    tokens_streamed: int  # tokens handed to the client so far
-
-
 class RequestRun:
     def __init__(self, prep: PreparedRequest, received_ns: int, config: RouterConfig, *,
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
+                 outputs_for: Callable[[WorkerInfo], WorkerOutputs | None] = lambda w: None,
                  on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
                  replace: Callable[[list[WorkerInfo], bool], Slot | None]) -> None:
         self.prep = prep
@@ -125,13 +115,15 @@ class RequestRun:
         self.decode: DecodeLeg | None = None
         self.ended: set[str] = set()  # worker ids whose leg finished its part
         self._stub_for = stub_for
+        # a worker's Outputs stream (None: Decode streams carry the tokens)
+        self._outputs_for = outputs_for
         # a new slot avoiding the given workers, for a retry (False) or a migration (True)
         self._replace = replace
         self.recovery = Recovery(config.prefill_retries, config.max_migrations)
         self._on_unreachable = on_unreachable
         self._spawn = spawn
         self._received = time.monotonic()
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._queue = EventQueue()  # legs' reports; waiting token messages coalesce
         self.stopped = asyncio.Event()  # aborted or failed from outside (ends a queued wait)
         self._pairing: asyncio.Task[None] | None = None
         self.completed = False  # a leg finished the request (not the router, not an error)
@@ -194,16 +186,18 @@ class RequestRun:
         self.producer = None
         if slot.colocated is not None:
             w = slot.colocated
-            self.decode = DecodeLeg(w, self.stubs[w.worker_id].Decode(
-                self._decode_request(colocated=True)), report)
+            self.decode = DecodeLeg(w, self.stubs[w.worker_id],
+                                    self._decode_request(colocated=True), self._outputs_for(w),
+                                    report)
             self.decode.start()
             self.state = S.PREFILLING
             return
         p, c = slot.producer, slot.consumer
         assert p is not None and c is not None
         self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report)
-        self.decode = DecodeLeg(c, self.stubs[c.worker_id].Decode(
-            self._decode_request(colocated=False)), report)
+        self.decode = DecodeLeg(c, self.stubs[c.worker_id],
+                                self._decode_request(colocated=False), self._outputs_for(c),
+                                report)
         # Decode first: the reservation is the slower path, so it should not start late.
         self.decode.start()
         self.producer.start(worker_pb2.PrefillRequest(
@@ -292,7 +286,9 @@ class RequestRun:
         self._end_legs(self.legs_to_abort() if migrating else self._all_legs())
         self._unplace()
         # events of the failed attempt's legs are stale; the outside's (abort, shutdown) stay
-        stale = [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        stale = []
+        while not self._queue.empty():
+            stale.append(self._queue.get_nowait())
         for ev in stale:
             if ev.kind in (Ev.ABORT, Ev.FAIL):
                 self._queue.put_nowait(ev)

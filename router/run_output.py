@@ -27,6 +27,7 @@ class RunOutput:
         self.completion_tokens = 0  # tokens handed to the client so far
         # ... and their ids: a migrated request resumes after them (prior_output_ids)
         self.token_ids: list[int] = []
+        self.cached_tokens = 0  # prompt tokens the prefill found in a prefix cache
 
     @property
     def request_id(self) -> str:
@@ -39,6 +40,7 @@ class RunOutput:
         if t0.HasField("logprob"):
             resp.logprobs.append(t0.logprob)
         if not self.completion_tokens:  # a migrated request's "token 0" is not its first
+            self.cached_tokens = t0.cached_tokens
             self.timing.producer_received_ns = t0.received_ns
             self.timing.producer_token0_sampled_ns = t0.sampled_ns
             self.timing.producer_token0_sent_ns = t0.sent_ns
@@ -54,6 +56,8 @@ class RunOutput:
         resp = router_pb2.GenerateResponse(request_id=self.request_id,
                                            token_ids=tokens.token_ids, text=tokens.text,
                                            logprobs=tokens.logprobs)
+        if tokens.cached_tokens and not self.completion_tokens:  # colocated: its prefill
+            self.cached_tokens = tokens.cached_tokens
         self.completion_tokens += len(tokens.token_ids)
         self.token_ids += tokens.token_ids
         if tokens.kv_ready_ns and not self.timing.consumer_kv_ready_ns:
@@ -84,6 +88,7 @@ class RunOutput:
         resp.error = error
         resp.usage.prompt_tokens = len(self.prep.prompt_token_ids)
         resp.usage.completion_tokens = self.completion_tokens
+        resp.usage.cached_tokens = self.cached_tokens
         self.timing.router_finished_ns = time.time_ns()
         resp.timing.CopyFrom(self.timing)
         return resp

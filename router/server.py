@@ -70,6 +70,7 @@ class RouterServer:
         self._channels: WorkerChannels | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.role_changer: RoleChanger | None = None
+        self._frontend: Frontend | None = None
 
     @property
     def address(self) -> str:
@@ -95,7 +96,9 @@ class RouterServer:
                                    cfg.retry_after_s)
         self.metrics = RouterMetrics(self.registry, self.admission, self.dispatcher)
         frontend = Frontend(self.dispatcher, self.registry, tokenizer, model_id, names,
-                            cfg.max_tokens_limit, self.admission, self.metrics)
+                            cfg.max_tokens_limit, self.admission, self.metrics,
+                            tokenizer_source=path)
+        self._frontend = frontend
         # Admin changes the cluster's shape: at least the key that guards generation.
         interceptors = ([ApiKeyInterceptor(cfg.api_key, {ROUTER_SERVICE, ADMIN_SERVICE})]
                         if cfg.api_key else [])
@@ -165,6 +168,8 @@ class RouterServer:
             self._server = None
         if self._channels is not None:
             await self._channels.close()
+        if self._frontend is not None:
+            self._frontend.tokenize_pool.close()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

@@ -11,6 +11,7 @@ import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from pdserve.v1 import common_pb2, router_pb2
@@ -32,6 +33,11 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # raised in a tokenize pool process and re-raised here (pickled with its code)
+        return (RequestError, (self.code, self.message))
 
 
 def invalid(message: str) -> RequestError:
@@ -98,6 +104,33 @@ def check_length(prep: PreparedRequest, max_model_len: int) -> None:
                       max_tokens_field="sampling.max_tokens")
     except ValueError as e:
         raise invalid(str(e)) from e
+
+
+def prepare_in_pool(req: router_pb2.GenerateRequest, model_names: set[str],
+                    max_tokens_limit: int) -> PreparedRequest:
+    """``prepare`` in a tokenize pool process, with that process's tokenizer."""
+    from router.tokenize_pool import child_tokenizer
+
+    return prepare(req, child_tokenizer(), model_names, max_tokens_limit=max_tokens_limit)
+
+
+def check_min_tokens(req: router_pb2.GenerateRequest, tokenizer: Tokenizer,
+                     max_model_len: int) -> None:
+    """Refuses, before tokenizing it, a prompt that cannot fit: its least possible token
+    count already reaches ``max_model_len`` (what a client could otherwise make the router
+    tokenize, over and over, for free)."""
+    least = min_prompt_tokens(req, tokenizer)
+    if least >= max_model_len:
+        raise invalid(f"prompt: at least {least} tokens ({input_size(req)} characters), "
+                      f"max_model_len is {max_model_len} (room for one output token needed)")
+
+
+def min_prompt_tokens(req: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> int:
+    """A lower bound on the prompt's token count, without tokenizing it: no token covers
+    more than ``tokenizer.max_token_chars`` characters (the chat template only adds)."""
+    if req.WhichOneof("input") == "prompt_token_ids":
+        return len(req.prompt_token_ids.ids)
+    return -(-input_size(req) // tokenizer.max_token_chars)
 
 
 def input_size(req: router_pb2.GenerateRequest) -> int:

@@ -26,6 +26,7 @@ from worker.messages import (
     ReservedEvent,
     Token0Event,
     Token0SentCmd,
+    TokensBatchEvent,
     TokensEvent,
     TransferResultEvent,
 )
@@ -49,7 +50,8 @@ class Side:
 
     def __init__(self, make: Callable[[Callable[[Event], None]], RoleHandler]) -> None:
         self.events: list[Event] = []
-        self.handler = make(self.events.append)
+        self.batches = 0  # TokensBatchEvents seen (one per step that had tokens)
+        self.handler = make(self._emit)
         self.engine = self.handler.engine
 
     def turn(self) -> None:
@@ -57,6 +59,14 @@ class Side:
             self.handler.before_step(0)
             self.handler.on_outputs(self.engine.step(), 0)
         self.handler.after_step()
+
+    def _emit(self, ev: Event) -> None:
+        # a step's tokens come as one batch; tests look at them per request
+        if isinstance(ev, TokensBatchEvent):
+            self.batches += 1
+            self.events.extend(ev.items)
+        else:
+            self.events.append(ev)
 
     def of(self, rid: str, kind: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind) and e.rid == rid]

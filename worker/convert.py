@@ -84,4 +84,5 @@ def tokens_pb(ev: TokensEvent) -> worker_pb2.Tokens:
     return worker_pb2.Tokens(
         token_ids=ev.ids, text=ev.text, logprobs=[token_logprob(r) for r in ev.logprobs],
         finish_reason=_FINISH[ev.finish], stop_reason=ev.stop_reason, error=ev.error,
-        kv_ready_ns=ev.kv_ready_ns, first_step_ns=ev.first_step_ns)
+        kv_ready_ns=ev.kv_ready_ns, first_step_ns=ev.first_step_ns,
+        cached_tokens=ev.cached_tokens)

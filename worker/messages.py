@@ -103,6 +103,7 @@ class Token0Event:
     stop_reason: str
     sampled_ns: int
     received_ns: int
+    cached_tokens: int = 0  # prompt tokens the prefill found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,17 @@ class TokensEvent:
     error: str = ""
     kv_ready_ns: int = 0  # consumer: when the KV landed and the request was admitted
     first_step_ns: int = 0  # consumer: when its first decode step was launched
+    cached_tokens: int = 0  # prompt tokens the request's prefill found cached
+
+
+@dataclass(frozen=True)
+class TokensBatchEvent:
+    """One engine step's tokens for every request that got some: one message per step, so
+    the cost of this hop does not grow with the batch (a step of 256 requests was 256
+    messages)."""
+
+    KIND: ClassVar[str] = "batch"
+    items: tuple[TokensEvent, ...]
 
 
 @dataclass(frozen=True)
@@ -151,13 +163,13 @@ class FatalEvent:
 Command = (PrefillCmd | DestinationCmd | DecodeCmd | Token0SentCmd | HoldCmd | AbortCmd
            | StopCmd)
 Event = (ReadyEvent | Token0Event | TransferResultEvent | ReservedEvent | TokensEvent
-         | StatsEvent | FatalEvent)
+         | TokensBatchEvent | StatsEvent | FatalEvent)
 Message = Command | Event
 
 COMMANDS: tuple[type[Command], ...] = (PrefillCmd, DestinationCmd, DecodeCmd, Token0SentCmd,
                                        HoldCmd, AbortCmd, StopCmd)
 EVENTS: tuple[type[Event], ...] = (ReadyEvent, Token0Event, TransferResultEvent, ReservedEvent,
-                                   TokensEvent, StatsEvent, FatalEvent)
+                                   TokensEvent, TokensBatchEvent, StatsEvent, FatalEvent)
 
 
 # ---- the codec ---------------------------------------------------------------------------
@@ -250,6 +262,24 @@ def _shape(cls: type) -> _Shape:
                   tuple(c[0] for c in codecs), tuple(c[1] for c in codecs))
 
 
+def _nested(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """A tuple of ``cls`` messages as a list of their field lists, each checked like a
+    message of its own (errors name the item's field)."""
+    shape = _shape(cls)
+
+    def out(items: Any) -> list[Any]:
+        return [[conv(getattr(m, n)) for n, conv in zip(shape.names, shape.out, strict=True)]
+                for m in items]
+
+    def inn(v: Any) -> tuple[Any, ...]:
+        if not isinstance(v, (list, tuple)):
+            raise TypeError("a list of messages")
+        # "[i]" here; the enclosing field prefixes "kind.field" (see _build)
+        return tuple(_build(shape, item, f"[{i}]") for i, item in enumerate(v))
+    return out, inn
+
+
+_CODECS[tuple[TokensEvent, ...]] = _nested(TokensEvent)
 _BY_KIND: dict[str, _Shape] = {c.KIND: _shape(c) for c in (*COMMANDS, *EVENTS)}
 _BY_CLASS: dict[type, _Shape] = {s.cls: s for s in _BY_KIND.values()}
 
@@ -273,6 +303,15 @@ def decode(data: bytes) -> Message:
     shape = _BY_KIND.get(kind)
     if shape is None:
         raise MessageError(f"kind: unknown message kind {kind!r}")
+    msg: Message = _build(shape, values, kind)
+    return msg
+
+
+def _build(shape: _Shape, values: Any, kind: str) -> Any:
+    """One message of ``shape`` from its field list, every field checked. ``kind`` leads
+    every error: the message's kind, or "[i]" for an item nested in a field."""
+    if not isinstance(values, (list, tuple)):
+        raise MessageError(f"{kind}: expected a list of fields")
     if not shape.required <= len(values) <= len(shape.names):
         missing = shape.names[len(values)] if len(values) < shape.required else None
         raise MessageError(f"{kind}.{missing}: missing field" if missing else
@@ -285,8 +324,9 @@ def decode(data: bytes) -> Message:
         except TypeError as e:
             raise MessageError(f"{kind}.{name}: expected {e}, got {type(v).__name__}") \
                 from None
-    msg: Message = shape.cls(**args)
-    return msg
+        except MessageError as e:  # a nested message's own field
+            raise MessageError(f"{kind}.{name}{e}") from None
+    return shape.cls(**args)
 
 
 def rid_of(msg: Message) -> str:

@@ -22,6 +22,10 @@ TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     10.0, 30.0)
 # load-report key -> (metric name, help); gauges, then cumulative counters.
 _GAUGES = {
+    "prefix_cache_blocks": ("pdserve_worker_prefix_cache_blocks",
+                            "KV blocks holding a cached prompt prefix (in use or not)"),
+    "prefix_cache_evictable_blocks": ("pdserve_worker_prefix_cache_evictable_blocks",
+                                      "Cached blocks no request uses (counted as free)"),
     "waiting": ("pdserve_worker_queue_depth", "Requests waiting (consumers: for KV blocks)"),
     "running": ("pdserve_worker_running_requests", "Requests in the engine's running set"),
     "kv_blocks_total": ("pdserve_worker_kv_blocks_total", "KV blocks in the pool"),
@@ -33,6 +37,17 @@ _GAUGES = {
                                 "1 when orphans exhaust the KV pool (the worker is unhealthy)"),
 }
 _COUNTERS = {
+    "prefix_cache_queried_tokens": ("pdserve_worker_prefix_cache_queried_tokens",
+                                    "Prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hit_tokens": ("pdserve_worker_prefix_cache_hit_tokens",
+                                "Prompt tokens found in the prefix cache (not computed)"),
+    "prefix_cache_evicted_blocks": ("pdserve_worker_prefix_cache_evicted_blocks",
+                                    "Cached blocks evicted for new allocations"),
+    "output_batches": ("pdserve_worker_output_batches",
+                       "OutputBatch messages queued for routers' Outputs streams (one per "
+                       "engine step per router)"),
+    "output_messages": ("pdserve_worker_output_messages",
+                        "Per-request token messages carried in those batches"),
     "lease_expiries": ("pdserve_worker_lease_expiries", "Producer leases that expired"),
     "aborts": ("pdserve_worker_aborts", "Abort commands received"),
     "preemptions": ("pdserve_worker_preemptions", "Requests preempted (KV dropped, recomputed)"),

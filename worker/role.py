@@ -25,7 +25,8 @@ def tokens_event(out: RequestOutput, kv_ready_ns: int = 0,
                  first_step_ns: int = 0) -> TokensEvent:
     return TokensEvent(out.request_id, tuple(out.new_token_ids), out.new_text,
                        tuple(out.new_logprobs), out.finish_reason, stop_text(out.stop_reason),
-                       kv_ready_ns=kv_ready_ns, first_step_ns=first_step_ns)
+                       kv_ready_ns=kv_ready_ns, first_step_ns=first_step_ns,
+                       cached_tokens=out.num_cached_tokens)
 
 
 def error_event(rid: str, finish: str, error: str) -> TokensEvent:
@@ -75,7 +76,8 @@ class RoleHandler(abc.ABC):
                 "running": len(self.engine.scheduler.running),
                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
                 "transfers_in_flight": 0, "kv_exhausted_by_orphans": False,
-                "preemptions": self.engine.num_preemptions}
+                "preemptions": self.engine.num_preemptions,
+                **self.engine.prefix_cache_stats().counters()}
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),

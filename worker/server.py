@@ -73,7 +73,9 @@ class WorkerServer:
         self.proc.start()
         info = await asyncio.wait_for(self.bridge.ready, cfg.ready_timeout_s)
         bridge = self.bridge
-        self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: bridge.load)
+        hub = bridge.hub
+        self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: {
+            **bridge.load, "output_batches": hub.batches, "output_messages": hub.tokens})
         self.server = grpc.aio.server(interceptors=cfg.interceptors)
         worker_pb2_grpc.add_WorkerServicer_to_server(
             cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),

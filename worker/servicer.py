@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -27,11 +27,14 @@ from worker.messages import (
     MessageError,
     ReadyEvent,
     StatsEvent,
+    TokensBatchEvent,
+    TokensEvent,
     decode,
     encode,
     rid_of,
 )
 from worker.metrics_server import WorkerMetrics
+from worker.output_hub import OutputHub
 from worker.request_queue import RequestQueue
 
 log = logging.getLogger("pdserve.worker")
@@ -58,6 +61,7 @@ class EngineBridge:
         self.commands.setsockopt(zmq.SNDHWM, ipc.HWM)
         self.commands.connect(paths.commands)
         self.queues: dict[str, RequestQueue] = {}
+        self.hub = OutputHub()  # tokens of requests whose router reads an Outputs stream
         self.load: dict[str, Any] = {}
         self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
@@ -87,6 +91,7 @@ class EngineBridge:
 
     def close_request(self, rid: str) -> None:
         self.queues.pop(rid, None)
+        self.hub.detach(rid)
 
     async def pump(self) -> None:
         while True:
@@ -95,7 +100,14 @@ class EngineBridge:
             except MessageError as e:  # one bad event must not stop every stream
                 log.error("dropped a bad event from the engine process: %s", e)
                 continue
-            if isinstance(msg, StatsEvent):
+            if isinstance(msg, TokensBatchEvent):
+                for ev in msg.items:
+                    self._tokens(ev)
+                self._flush()
+            elif isinstance(msg, TokensEvent):
+                self._tokens(msg)
+                self._flush()
+            elif isinstance(msg, StatsEvent):
                 self.load = msg.load
             elif isinstance(msg, ReadyEvent):
                 if not self.ready.done():
@@ -107,6 +119,16 @@ class EngineBridge:
             elif not isinstance(msg, Event):
                 log.error("dropped a bad event from the engine process: %s is a command",
                           type(msg).KIND)
+
+    def _tokens(self, ev: TokensEvent) -> None:
+        if not self.hub.add(ev) and ev.rid in self.queues:
+            self.queues[ev.rid].put_nowait(ev)  # no Outputs stream: its Decode carries them
+
+    def _flush(self) -> None:
+        """The step's batches go out; a request whose last tokens are in one learns which."""
+        for done in self.hub.flush():
+            if (q := self.queues.get(done.rid)) is not None:
+                q.put_nowait(done)
 
     def fail_all(self, error: str) -> None:
         self.fatal = error
@@ -183,6 +205,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
             raise
+
+    async def Outputs(self, request: worker_pb2.OutputsRequest,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.OutputBatch]:
+        """The router's one stream for every step's tokens (worker/output_hub.py)."""
+        await self._check_token(context)
+        hub = self.bridge.hub
+        try:
+            sub, replaced = hub.subscribe(request.subscriber_id)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        self._orphaned(replaced, "its router opened a new Outputs stream")
+        try:
+            yield worker_pb2.OutputBatch(seq=0)  # subscribed: Decode calls may name it
+            while True:
+                yield await sub.next_batch()
+        finally:
+            self._orphaned(hub.unsubscribe(sub), "its router's Outputs stream ended")
+
+    def _orphaned(self, rids: list[str], why: str) -> None:
+        """Requests whose tokens had nowhere to go: abort them (blocks freed) and end their
+        Decode streams."""
+        for rid in rids:
+            self.bridge.send(AbortCmd(rid))
+            if (q := self.bridge.queues.get(rid)) is not None:
+                q.put_nowait(FatalEvent(f"request {rid}: {why}"))
+        if rids:
+            log.warning("%s: aborted %d request(s): %s", self.worker_id, len(rids), why)
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.WorkerAbortResponse:

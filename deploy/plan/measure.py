@@ -114,7 +114,10 @@ def _decode_ms(engine: LLMEngine, batch: int, context: int, grid: Grid,
 
 def measure_profile(config: EngineConfig, grid: Grid, transfer_backend: str = "ucx",
                     log: Callable[[str], None] = print) -> Profile:
-    config = dataclasses.replace(config, role="colocated", defer_output=False)
+    # No prefix cache: every repetition resends the same prompt, and a hit would time a
+    # one-token prefill instead of T tokens.
+    config = dataclasses.replace(config, role="colocated", defer_output=False,
+                                 enable_prefix_caching=False)
     engine = build_engine(config)
     counter = iter(range(1 << 62))
 

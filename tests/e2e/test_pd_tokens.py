@@ -127,3 +127,30 @@ def test_1p1d_over_the_same_host_ipc_backend_matches_colocated(tmp_path_factory,
             wait_for_full_kv(stub)
     finally:
         c.stop()
+
+
+def _counter(port: int, name: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def test_consumer_tokens_travel_in_one_batch_per_step(cluster_1p1d, colocated_llm):
+    """Issue 22: one message per engine step carries every request's tokens to the router
+    (the Outputs stream), not one gRPC message per token per request; the tokens are the
+    colocated engine's all the same."""
+    port = cluster_1p1d.metrics_ports["consumer-0"]
+    batches0 = _counter(port, "pdserve_worker_output_batches_total")
+    messages0 = _counter(port, "pdserve_worker_output_messages_total")
+    prompts = _prompts(colocated_llm.tokenizer)
+    results = _run_concurrently(cluster_1p1d.router_address, prompts, seeded=False)
+    _check_against_colocated(results, prompts, colocated_llm, seeded=False)
+    batches = _counter(port, "pdserve_worker_output_batches_total") - batches0
+    messages = _counter(port, "pdserve_worker_output_messages_total") - messages0
+    consumer_tokens = sum(len(r.token_ids) - 1 for r in results)  # token 0 is the producer's
+    # every consumer token went through a batch, and steps shared batches across requests
+    assert messages >= len([r for r in results if len(r.token_ids) > 1])
+    assert 0 < batches < messages, (batches, messages, consumer_tokens)

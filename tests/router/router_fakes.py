@@ -51,12 +51,12 @@ DecodeScript = Callable[["FakeWorker", worker_pb2.DecodeRequest],
                         AsyncIterator[worker_pb2.DecodeOutput]]
 
 
-def token0(token_id: int = TOKEN0, finish: int = 0, stop_reason: str = ""
-           ) -> worker_pb2.PrefillOutput:
+def token0(token_id: int = TOKEN0, finish: int = 0, stop_reason: str = "",
+           cached_tokens: int = 0) -> worker_pb2.PrefillOutput:
     t = now()
     return worker_pb2.PrefillOutput(token0=worker_pb2.Token0(
         token_id=token_id, text="A", finish_reason=finish, stop_reason=stop_reason,  # type: ignore[arg-type]
-        sampled_ns=t, received_ns=t - 1000, sent_ns=t + 1))
+        sampled_ns=t, received_ns=t - 1000, sent_ns=t + 1, cached_tokens=cached_tokens))
 
 
 def transfer(ok: bool = True, error: str = "") -> worker_pb2.PrefillOutput:

@@ -19,10 +19,13 @@ from router_fakes import (
     Cluster,
     FakeWorker,
     load_tokenizer,
+    next_destination,
     request,
     reserved,
     run,
+    token0,
     tokens,
+    transfer,
     wait_until,
 )
 
@@ -247,5 +250,31 @@ def test_debug_requests_lists_a_live_request_behind_the_api_key() -> None:
                     assert (await r.json())["data"] == []
                 doc = (await get(cl, "/openapi.json"))[1]
                 assert "/debug/requests" in doc["paths"]
+
+    run(main())
+
+
+def test_cached_prompt_tokens_reach_both_doors_usage() -> None:
+    """Issue 26, reported: the producer's prefix-cache hits (Token0.cached_tokens) are
+    usage.cached_tokens on gRPC and usage.prompt_tokens_details.cached_tokens on HTTP,
+    streamed (include_usage) or not."""
+    async def cached_prefill(w: Any, req: Any, inputs: Any) -> Any:
+        yield token0(cached_tokens=32)
+        await next_destination(w, inputs)
+        yield transfer()
+
+    async def main() -> None:
+        async with Cluster(http_port=0) as cl:
+            await cl.pd(prefill=cached_prefill)
+            final = (await cl.generate(max_tokens=4))[-1]
+            assert final.usage.cached_tokens == 32, final.usage
+            code, body, _ = await post(cl, "/v1/chat/completions", CHAT)
+            assert code == 200 and body["usage"]["prompt_tokens_details"] == {
+                "cached_tokens": 32}, body
+            code, text, _ = await post(cl, "/v1/completions", {
+                "prompt": "x", "stream": True, "stream_options": {"include_usage": True}})
+            events = [json.loads(ln[6:]) for ln in text.splitlines()
+                      if ln.startswith("data: {")]
+            assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
 
     run(main())

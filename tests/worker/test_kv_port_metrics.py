@@ -96,3 +96,32 @@ def test_a_live_consumer_counts_its_decode_steps_on_metrics(cluster: LocalCluste
     assert d["step_tokens"] == 19 and d["step_rows"] == 19, d
     assert 19 <= d["steps"] <= 22, d  # deferred output: a step or two report nothing
     assert d["step_seconds"] > 0 and d["step_gap_seconds"] > 0, d
+
+
+def test_a_repeated_prompt_hits_the_producers_prefix_cache_on_metrics(
+        cluster: LocalCluster) -> None:
+    """Issue 26, reported: the same 80-token prompt twice; the second prefill finds its full
+    blocks cached, the producer's /metrics counts the looked-up and hit tokens, and the
+    second response's usage says how many were cached."""
+    from cluster_client import generate, stub_for
+    from pdserve.v1 import router_pb2
+
+    port = cluster.metrics_ports["producer-0"]
+    q, h = ("pdserve_worker_prefix_cache_queried_tokens_total",
+            "pdserve_worker_prefix_cache_hit_tokens_total")
+    ids = list(range(300, 380))
+    ch, stub = stub_for(cluster.router_address)
+    with ch:
+        first = generate(stub, {"max_tokens": 2, "temperature": 0},
+                         prompt_token_ids=router_pb2.TokenIds(ids=ids))
+        time.sleep(0.6)  # the next load report (0.25 s) carries the first's counts
+        before = (_metric(port, q), _metric(port, h))
+        second = generate(stub, {"max_tokens": 2, "temperature": 0},
+                          prompt_token_ids=router_pb2.TokenIds(ids=ids))
+    assert first.token_ids == second.token_ids, (first, second)
+    _wait_metric(port, q, before[0] + len(ids))
+    hit = _metric(port, h) - before[1]
+    # every full block but the one holding the last token (it is always computed)
+    assert len(ids) - 16 - 1 <= hit < len(ids), (hit, dump_logs(cluster))
+    # and the client is told (gRPC usage; HTTP's prompt_tokens_details comes from it)
+    assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, hit), (first, second)

@@ -19,7 +19,7 @@ from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from worker import ipc
 from worker.engine_loop import WorkerLoop, load_report
-from worker.messages import DecodeCmd, Event, StatsEvent, decode, encode
+from worker.messages import DecodeCmd, Event, StatsEvent, TokensBatchEvent, decode, encode
 from worker.metrics_server import WorkerMetrics
 from worker.step_stats import StepStats
 
@@ -115,7 +115,11 @@ def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> N
         ev_pull = ipc.bind_pull(ctx, paths.events)
         events = ipc.connect_push(ctx, paths.events)
         emitted: list[Event] = []
-        loop = WorkerLoop(ColocatedHandler(eng, emitted.append), pull, events)
+
+        def emit(ev: Event) -> None:
+            emitted.extend(ev.items if isinstance(ev, TokensBatchEvent) else (ev,))
+
+        loop = WorkerLoop(ColocatedHandler(eng, emit), pull, events)
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True).to_dict()
         push.send(encode(DecodeCmd("a", (5, 17, 33, 90, 12), params, False)))
         turns = 0

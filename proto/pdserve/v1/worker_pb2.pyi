@@ -57,6 +57,20 @@ class HeartbeatResponse(_message.Message):
     known: bool
     def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
+class OutputsRequest(_message.Message):
+    __slots__ = ("subscriber_id",)
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    subscriber_id: str
+    def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
+
+class OutputBatch(_message.Message):
+    __slots__ = ("tokens", "seq")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
+    seq: int
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+
 class PrefillInput(_message.Message):
     __slots__ = ("request", "destination", "queued")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -106,7 +120,7 @@ class PrefillOutput(_message.Message):
     def __init__(self, token0: _Optional[_Union[Token0, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class Token0(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns")
+    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns", "cached_tokens")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +129,7 @@ class Token0(_message.Message):
     SAMPLED_NS_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: _common_pb2.TokenLogprob
@@ -123,7 +138,8 @@ class Token0(_message.Message):
     sampled_ns: int
     received_ns: int
     sent_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "kv_transfer_ms")
@@ -136,7 +152,7 @@ class TransferResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +160,7 @@ class DecodeRequest(_message.Message):
     COLOCATED_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -151,15 +168,24 @@ class DecodeRequest(_message.Message):
     colocated: bool
     prior_output_ids: _containers.RepeatedScalarFieldContainer[int]
     source_tp_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ...) -> None: ...
+    subscriber_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
 
 class DecodeOutput(_message.Message):
-    __slots__ = ("reserved", "tokens")
+    __slots__ = ("reserved", "tokens", "done")
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     reserved: Reserved
     tokens: Tokens
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
+    done: DecodeDone
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ...) -> None: ...
+
+class DecodeDone(_message.Message):
+    __slots__ = ("final_seq",)
+    FINAL_SEQ_FIELD_NUMBER: _ClassVar[int]
+    final_seq: int
+    def __init__(self, final_seq: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("kv_address", "block_ids")
@@ -170,7 +196,7 @@ class Reserved(_message.Message):
     def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "error", "kv_ready_ns", "first_step_ns")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "error", "kv_ready_ns", "first_step_ns", "request_id", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +205,8 @@ class Tokens(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_READY_NS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -187,7 +215,9 @@ class Tokens(_message.Message):
     error: str
     kv_ready_ns: int
     first_step_ns: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_ready_ns: _Optional[int] = ..., first_step_ns: _Optional[int] = ...) -> None: ...
+    request_id: str
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_ready_ns: _Optional[int] = ..., first_step_ns: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -169,6 +169,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
                 _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/pdserve.v1.Worker/Outputs',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.OutputBatch.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -197,6 +202,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Outputs(self, request, context):
+        """One long-lived stream per router process: every engine step's tokens for all of the
+        Decode requests that named this subscriber, in one message (the serving path's cost is
+        per step, not per token per request). It opens with an empty batch (seq 0) once the
+        subscriber is registered; ending it aborts the requests that named it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +229,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.OutputsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.OutputBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -298,6 +318,33 @@ class Worker:
             '/pdserve.v1.Worker/Abort',
             pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerAbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Worker/Outputs',
+            pdserve_dot_v1_dot_worker__pb2.OutputsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.OutputBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Issue 22 on one H200: the serving path at the seeds' concurrency, P and D sharing the GPU.
+# Dummy Llama-3-8B, bf16. One P/D cluster (router + producer + consumer, each its own
+# process, as a multi-node recipe starts them; the producer gets a small KV pool, the
+# consumer a large one) serves, in turn:
+#   prefill1 : 2048 in / 1 out, c=1         one full prefill step (the burst's GPU time unit)
+#   hold     : 128 in / 16 out, c=16,256    first-token hold (router sent - producer sampled)
+#   long     : 128 in / 1024 out, c=256,512 failures, TPOT, ITL, TTFT under long outputs
+#   seeds    : 1024 in / 32 out, c=256      the seeds' own load
+# then one colocated worker serves `long` at c=256, and bench/decode_bench.py times the
+# engine's own decode step at the batches the consumer ran (the TPOT reference).
+#   bash bench/serving_path_gpu.sh OUT_DIR [PRESET] [DEVICE] [CONSUMER_KV_MIB]
+# CPU dry run at toy size:
+#   NUM=8 LONG=32 bash bench/serving_path_gpu.sh /tmp/dry tiny cpu 512
+set -uo pipefail
+out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+work=$(mktemp -d)
+M=$work/model
+NUM=${NUM:-0}  # 0: the sizes above; N: every point at most N prompts (dry runs)
+LONG=${LONG:-1024}
+python3 -m deploy.benchmark.dummy_model "$M" --preset "$preset" || exit 1
+common=(--model "$M" --load-format dummy --device "$dev" --max-model-len 4096
+        --max-num-batched-tokens 2048 --max-num-seqs 512)
+[ "$dev" = cpu ] || common+=(--dtype bfloat16)
+n() { if [ "$NUM" -gt 0 ] && [ "$NUM" -lt "$1" ]; then echo "$NUM"; else echo "$1"; fi; }
+
+start_router() {
+  python3 -m deploy.cli router --host 127.0.0.1 --grpc-port 50051 --model "$M" \
+    > "$out/router_$1.log" 2>&1 &
+  echo $! > "$work/router.pid"
+}
+wait_workers() {  # until the router lists $1 workers
+  python3 - "$1" <<'EOF'
+import sys, time, grpc
+from pdserve.v1 import router_pb2, router_pb2_grpc
+want, end = int(sys.argv[1]), time.time() + 400
+while time.time() < end:
+    try:
+        with grpc.insecure_channel("127.0.0.1:50051") as ch:
+            st = router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(),
+                                                            timeout=2)
+        if len(st.workers) >= want:
+            sys.exit(0)
+    except grpc.RpcError:
+        pass
+    time.sleep(2)
+sys.exit("workers did not register")
+EOF
+}
+bench() {  # NAME, then pdserve bench flags
+  local name=$1; shift
+  timeout 400 python3 -m deploy.cli bench --router 127.0.0.1:50051 --model "$M" --ignore-eos \
+    --request-timeout 300 --warmup 2 --result-json "$out/$name.json" --markdown "$out/$name.md" \
+    "$@" > "$out/$name.log" 2>&1
+  echo "bench $name exit $?"; tail -4 "$out/$name.md" 2>/dev/null
+}
+stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; sleep 5
+             pkill -KILL -f "deploy.cli (router|producer|consumer|colocated)"; sleep 2; }
+
+# ---- P/D, sharing the GPU ----
+start_router pd
+python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib 8000 \
+  --metrics-port 9101 --worker-id producer-0 > "$out/producer.log" 2>&1 &
+python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
+  --metrics-port 9102 --worker-id consumer-0 > "$out/consumer.log" 2>&1 &
+if wait_workers 2; then
+  bench pd_prefill1 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts "$(n 4)"
+  bench pd_hold --input-len 128 --output-len 16 --concurrency 16,256 --num-prompts "$(n 256)"
+  bench pd_long --input-len 128 --output-len "$LONG" --concurrency 256,512 \
+    --num-prompts "$(n 512)"
+  bench pd_seeds --input-len 1024 --output-len 32 --concurrency 256 --num-prompts "$(n 256)"
+  grep -c "stopped heartbeating\|no heartbeat" "$out/router_pd.log"
+fi
+stop_all
+
+# ---- one colocated worker ----
+start_router co
+python3 -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
+  --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id colocated-0 > "$out/colocated.log" 2>&1 &
+if wait_workers 1; then
+  bench co_long --input-len 128 --output-len "$LONG" --concurrency 256 --num-prompts "$(n 256)"
+fi
+stop_all
+
+# ---- the engine's own decode step (the TPOT reference), same GPU, same run ----
+if [ "$dev" != cpu ]; then
+  timeout 300 python3 bench/decode_bench.py --batches 16,256,512 --contexts 640 --hf-batches "" \
+    --steps 20 --out "$out/decode_ref.json" > "$out/decode_ref.log" 2>&1
+  echo "decode_bench exit $?"; tail -8 "$out/decode_ref.log"
+fi

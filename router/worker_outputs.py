@@ -1,0 +1,155 @@
+"""The router's end of one worker's Outputs stream: per-step batches, demultiplexed.
+
+Each worker gets one ``Outputs`` call from this router process (its subscriber id is this
+process's id and a counter), opened on the first request placed there; every ``Decode``
+the router sends names it, and the worker then puts all of that router's tokens of one
+engine step into one ``OutputBatch``. Here each batch is read once and its entries handed
+to the legs by request id, so the per-token cost is a dict lookup and a callback instead
+of a gRPC message read per token per request.
+
+Lifecycle (who moves it):
+
+    CONNECTING ──first (empty) batch──▶ READY ──the call ends or fails──▶ BROKEN
+        │ the worker answers UNIMPLEMENTED (an older worker)
+        ▼
+    UNSUPPORTED: Decode streams carry their own tokens, as before
+
+A BROKEN stream tells every leg routed to it (its worker failed, or the channel closed);
+``WorkerChannels`` opens a new one for the next request. A Decode stream ends with
+``done.final_seq``: the leg waits (``caught_up``) until this reader has handed on every
+batch up to it, so a request's last tokens always reach its run before its stream's end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import uuid
+from typing import Any, Protocol
+
+import grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+ROUTER_ID = uuid.uuid4().hex[:16]  # this process: two routers (frontends) never collide
+_counter = itertools.count(1)
+
+
+class OutputsBroken(Exception):
+    """The Outputs stream failed before it was ready (``code``: the gRPC status, if any)."""
+
+    def __init__(self, code: grpc.StatusCode | None, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class State(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    UNSUPPORTED = "unsupported"
+    BROKEN = "broken"
+
+
+class Route(Protocol):
+    """What a leg gives the stream: where its tokens go, and what to do if it breaks."""
+
+    def on_tokens(self, tokens: worker_pb2.Tokens) -> None: ...
+
+    def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None: ...
+
+
+class WorkerOutputs:
+    def __init__(self, worker_id: str, stub: worker_pb2_grpc.WorkerStub) -> None:
+        self.worker_id = worker_id
+        self.subscriber_id = f"{ROUTER_ID}-{next(_counter)}"
+        self.state = State.CONNECTING
+        self.seq = 0  # the last batch handed on
+        self.batches = 0  # read (metrics, tests)
+        self.error = ""
+        self._routes: dict[str, Route] = {}
+        self._ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._call: Any = stub.Outputs(worker_pb2.OutputsRequest(
+            subscriber_id=self.subscriber_id))
+        self._task = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def usable(self) -> bool:
+        return self.state in (State.CONNECTING, State.READY, State.UNSUPPORTED)
+
+    async def ready(self) -> bool:
+        """True: Decode calls may name this stream; False: the worker has no Outputs (its
+        Decode streams carry tokens). Raises the call's error if it failed first."""
+        return await asyncio.shield(self._ready)
+
+    def route(self, rid: str, leg: Route) -> None:
+        self._routes[rid] = leg
+
+    def unroute(self, rid: str) -> None:
+        self._routes.pop(rid, None)
+
+    async def caught_up(self, seq: int) -> None:
+        """Returns once every batch up to ``seq`` was handed on (or the stream broke)."""
+        if self.seq >= seq or self.state is State.BROKEN:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((seq, fut))
+        await fut
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._task.cancel()
+
+    async def _read(self) -> None:
+        code: grpc.StatusCode | None = None
+        why = "ended its Outputs stream"
+        try:
+            async for batch in self._call:
+                if self.state is State.CONNECTING:
+                    self.state = State.READY
+                    self._ready.set_result(True)
+                routes = self._routes
+                for t in batch.tokens:
+                    leg = routes.get(t.request_id)
+                    if leg is not None:  # none: a leg already torn down
+                        leg.on_tokens(t)
+                self.batches += 1
+                self.seq = batch.seq
+                if self._waiters:
+                    self._wake(self.seq)
+        except asyncio.CancelledError:
+            why = "Outputs stream closed by the router"
+        except grpc.aio.AioRpcError as e:
+            code = e.code()
+            if code == grpc.StatusCode.UNIMPLEMENTED and self.state is State.CONNECTING:
+                self.state = State.UNSUPPORTED
+                self._ready.set_result(False)
+                return
+            why = f"Outputs stream failed: {code.name}: {e.details() or 'no details'}"
+        except Exception as e:  # noqa: BLE001 - any failure ends the stream the same way
+            why = f"Outputs stream failed: {e!r}"
+        self._broken(code, why)
+
+    def _broken(self, code: grpc.StatusCode | None, why: str) -> None:
+        self.state = State.BROKEN
+        self.error = why
+        if not self._ready.done():
+            self._ready.set_exception(OutputsBroken(code, why))
+            self._ready.exception()  # retrieved here: nobody may be waiting yet
+        routes, self._routes = self._routes, {}
+        for leg in routes.values():
+            leg.on_outputs_broken(code, why)
+        self._wake(None)
+
+    def _wake(self, upto: int | None) -> None:
+        """Wakes the waiters for batches up to ``upto`` (None: all of them)."""
+        keep = []
+        for seq, fut in self._waiters:
+            if upto is None or seq <= upto:
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                keep.append((seq, fut))
+        self._waiters = keep

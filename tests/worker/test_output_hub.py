@@ -1,0 +1,93 @@
+"""The gRPC process's per-step batching of tokens for routers' Outputs streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pdserve.v1 import common_pb2
+
+from worker.messages import TokensEvent
+from worker.output_hub import OutputHub, OutputsDone
+
+
+def tok(rid: str, ids: tuple[int, ...], finish: str | None = None) -> TokensEvent:
+    return TokensEvent(rid, ids, "".join(chr(97 + i % 26) for i in ids), (), finish)
+
+
+def test_one_batch_per_step_per_subscriber_and_done_names_its_seq() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        b, _ = hub.subscribe("router-b")
+        for rid in ("r1", "r2"):
+            hub.attach(rid, a)
+        hub.attach("r3", b)
+        # step 1: three requests, two routers -> two batches
+        for ev in (tok("r1", (1,)), tok("r2", (2,)), tok("r3", (3,))):
+            assert hub.add(ev)
+        assert not hub.add(tok("inline", (9,)))  # no subscriber: its Decode carries it
+        assert hub.flush() == []
+        # step 2: r1 finishes
+        hub.add(tok("r1", (4,), "length"))
+        hub.add(tok("r2", (5,)))
+        assert hub.flush() == [OutputsDone("r1", 2, "length")]
+        assert not hub.owns("r1") and hub.owns("r2")
+        assert hub.batches == 3 and hub.tokens == 5
+        # a reader that lagged gets both of a's batches in one message, in order
+        batch = await a.next_batch()
+        assert batch.seq == 2
+        assert [(t.request_id, list(t.token_ids)) for t in batch.tokens] == [
+            ("r1", [1]), ("r2", [2]), ("r1", [4]), ("r2", [5])]
+        assert batch.tokens[2].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        batch = await b.next_batch()
+        assert (batch.seq, [t.request_id for t in batch.tokens]) == (1, ["r3"])
+        # nothing queued: the reader waits for the next step
+        waiter = asyncio.ensure_future(b.next_batch())
+        await asyncio.sleep(0.01)
+        assert not waiter.done()
+        hub.add(tok("r3", (6,)))
+        hub.flush()
+        assert (await waiter).seq == 2
+
+    asyncio.run(main())
+
+
+def test_a_subscriber_that_leaves_hands_back_its_requests() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        hub.attach("r1", a)
+        hub.attach("r2", a)
+        hub.add(tok("r2", (1,), "stop"))
+        hub.flush()
+        # replaced by a new stream under the same id: the old one's requests are orphans
+        a2, orphans = hub.subscribe("router-a")
+        assert orphans == ["r1"] and a.closed and not a2.closed
+        assert not hub.add(tok("r1", (2,)))  # no longer routed anywhere
+        hub.attach("r3", a2)
+        assert hub.unsubscribe(a2) == ["r3"]
+        assert hub.unsubscribe(a2) == []  # idempotent
+        assert await hub.wait_for("router-a", 0.05) is None
+
+    asyncio.run(main())
+
+
+def test_decode_may_wait_for_its_subscriber_to_open() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        waiting = asyncio.ensure_future(hub.wait_for("late", 2.0))
+        await asyncio.sleep(0.01)
+        sub, _ = hub.subscribe("late")
+        assert await waiting is sub
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 300])
+def test_bad_subscriber_ids_are_refused_by_name(bad: str) -> None:
+    async def main() -> None:
+        with pytest.raises(ValueError, match="subscriber_id"):
+            OutputHub().subscribe(bad)
+
+    asyncio.run(main())

@@ -1,0 +1,183 @@
+"""Per-step batches of tokens for the router's Outputs streams (the gRPC process's side).
+
+A router opens one ``Outputs`` stream per worker and names it (``subscriber_id``) in each
+``Decode`` it sends; every engine step's tokens for all of that router's requests then
+leave in one ``OutputBatch``, instead of one gRPC message per token per request.
+
+Lifecycle of a subscriber (who moves it):
+
+    open ──Outputs call starts (subscribe)──▶ live ──the call ends (unsubscribe)──▶ gone
+                                               │ a new call with the same id replaces it
+                                               ▼ (the old one is gone)
+
+Lifecycle of a request's route: ``attach`` (its Decode named a live subscriber) ──its
+finishing tokens are queued (``flush`` reports (rid, seq))──▶ detached. A subscriber that
+goes away hands back the requests still attached: the router that read them is gone, so the
+servicer aborts them (nothing else would free their blocks).
+
+Nothing here waits on the engine-process pump: ``add`` and ``flush`` only append. A reader
+that falls behind gets its queued batches merged into one message (lossless, in order), so
+its backlog costs fewer, larger writes rather than more memory per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from dataclasses import dataclass
+
+from pdserve.v1 import common_pb2, worker_pb2
+
+from worker.convert import tokens_pb
+from worker.messages import TokensEvent
+
+MAX_SUBSCRIBER_ID = 256  # bytes; a router's id is a uuid and a counter
+# How long a Decode waits for the subscriber it names to open (the router opens the stream
+# just before its first request to a worker, so the two may cross).
+SUBSCRIBE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class OutputsDone:
+    """To a request's Decode stream: its last tokens left in batch ``seq`` (not an IPC
+    message: it never leaves the gRPC process)."""
+
+    rid: str
+    seq: int
+    finish: str  # the engine's finish reason ("stop", "length", "abort", "error")
+
+
+class Subscriber:
+    """One router's Outputs stream: batches waiting to be written, in seq order."""
+
+    def __init__(self, subscriber_id: str) -> None:
+        self.subscriber_id = subscriber_id
+        self.seq = 0  # the last batch queued (0: none yet; the stream opens with seq 0)
+        self.pending: list[worker_pb2.Tokens] = []  # the current step's, not yet a batch
+        self.rids: set[str] = set()  # requests attached to it
+        self.closed = False
+        self._queue: collections.deque[tuple[int, list[worker_pb2.Tokens]]] = \
+            collections.deque()
+        self._ready = asyncio.Event()
+
+    async def next_batch(self) -> worker_pb2.OutputBatch:
+        """Everything queued since the last call, as one message (waits for something)."""
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        tokens: list[worker_pb2.Tokens] = []
+        seq = 0
+        while self._queue:
+            seq, items = self._queue.popleft()
+            tokens.extend(items)
+        return worker_pb2.OutputBatch(tokens=tokens, seq=seq)
+
+    def _queue_pending(self) -> int:
+        self.seq += 1
+        self._queue.append((self.seq, self.pending))
+        self.pending = []
+        self._ready.set()
+        return self.seq
+
+
+class OutputHub:
+    def __init__(self) -> None:
+        self.subscribers: dict[str, Subscriber] = {}
+        self._owner: dict[str, Subscriber] = {}  # rid -> where its tokens go
+        self._dirty: list[Subscriber] = []  # subscribers with pending tokens
+        self._finishing: list[tuple[str, str, Subscriber]] = []  # (rid, finish, sub)
+        self._opened = asyncio.Event()  # set whenever a subscriber opens (Decode waits)
+        self.batches = 0  # batches queued, all subscribers (metrics, tests)
+        self.tokens = 0  # Tokens entries queued
+
+    # -- subscribers -----------------------------------------------------------------------
+
+    def subscribe(self, subscriber_id: str) -> tuple[Subscriber, list[str]]:
+        """A new live subscriber, and the requests of the one it replaces (to abort)."""
+        if not subscriber_id:
+            raise ValueError("subscriber_id: required")
+        if len(subscriber_id.encode()) > MAX_SUBSCRIBER_ID:
+            raise ValueError(f"subscriber_id: longer than {MAX_SUBSCRIBER_ID} bytes")
+        old = self.subscribers.get(subscriber_id)
+        orphans = self.unsubscribe(old) if old is not None else []
+        sub = Subscriber(subscriber_id)
+        self.subscribers[subscriber_id] = sub
+        self._opened.set()
+        self._opened = asyncio.Event()
+        return sub, orphans
+
+    def unsubscribe(self, sub: Subscriber) -> list[str]:
+        """The stream ended: the requests still attached (their reader is gone)."""
+        if sub.closed:
+            return []
+        sub.closed = True
+        if self.subscribers.get(sub.subscriber_id) is sub:
+            del self.subscribers[sub.subscriber_id]
+        orphans = sorted(sub.rids)
+        for rid in orphans:
+            self._owner.pop(rid, None)
+        sub.rids.clear()
+        return orphans
+
+    async def wait_for(self, subscriber_id: str, timeout_s: float = SUBSCRIBE_WAIT_S
+                       ) -> Subscriber | None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while (sub := self.subscribers.get(subscriber_id)) is None:
+            left = end - loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._opened.wait(), left)
+            except TimeoutError:
+                return None
+        return sub
+
+    # -- requests --------------------------------------------------------------------------
+
+    def attach(self, rid: str, sub: Subscriber) -> None:
+        self._owner[rid] = sub
+        sub.rids.add(rid)
+
+    def detach(self, rid: str) -> None:
+        sub = self._owner.pop(rid, None)
+        if sub is not None:
+            sub.rids.discard(rid)
+
+    def owns(self, rid: str) -> bool:
+        return rid in self._owner
+
+    def add(self, ev: TokensEvent) -> bool:
+        """Queues a request's tokens for its subscriber's next batch; False when it has none
+        (its Decode stream carries them itself)."""
+        sub = self._owner.get(ev.rid)
+        if sub is None:
+            return False
+        t = tokens_pb(ev)
+        t.request_id = ev.rid
+        if not sub.pending:
+            self._dirty.append(sub)
+        sub.pending.append(t)
+        if t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            # its last message: no more tokens may follow on any stream
+            self._owner.pop(ev.rid, None)
+            sub.rids.discard(ev.rid)
+            self._finishing.append((ev.rid, ev.finish or "", sub))
+        return True
+
+    def flush(self) -> list[OutputsDone]:
+        """Ends the step: one batch per subscriber that got tokens. Returns one OutputsDone
+        per request that finished in it (its Decode stream then ends with that seq)."""
+        seqs: dict[int, int] = {}
+        for sub in self._dirty:
+            if not sub.closed:
+                self.tokens += len(sub.pending)
+                self.batches += 1
+                seqs[id(sub)] = sub._queue_pending()
+            else:
+                sub.pending = []
+        self._dirty.clear()
+        done = [OutputsDone(rid, seqs[id(sub)], finish) for rid, finish, sub in self._finishing
+                if id(sub) in seqs]
+        self._finishing.clear()
+        return done
