@@ -104,3 +104,11 @@ def test_any_json_body_gets_an_answer_never_a_500(router: _Router, body: Any,
     if status == 400:
         param = out["error"]["param"]
         assert param and out["error"]["message"].startswith(f"{param}"), out
+
+
+def test_a_large_body_is_checked_the_same(router: _Router) -> None:
+    """Bodies past the off-loop bound are parsed in the tokenize pool: same 400."""
+    filler = "x" * (300 << 10)
+    status, err = router.post("/v1/chat/completions", _chat(messages=[
+        {"role": "user", "content": filler}, {"role": "user", "content": SURROGATE}]))
+    assert status == 400 and err["error"]["param"] == "messages[1].content", err
