@@ -84,3 +84,40 @@ def test_plan_apply_and_doctor_take_the_key(router: ThreadedRouter,
     main(["doctor", "--skip-node", "--router", router.grpc_address, "--api-key", KEY])
     out = capsys.readouterr().out
     assert "router" in out and "policy" in out  # ClusterStatus answered: the key was sent
+
+
+def test_the_slurm_job_waits_on_a_keyed_router(router: ThreadedRouter,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SLURM driver's readiness poll sends the key its router step was given."""
+    from deploy.slurm_job import _healthy
+
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+    up = _healthy(router.grpc_address)
+    assert len(up["producer"]) == 1 and len(up["consumer"]) == 1
+
+
+def test_the_slurm_job_stops_workers_before_the_router() -> None:
+    from deploy.slurm_job import stop_steps
+
+    order: list[str] = []
+
+    class Step:
+        def __init__(self, name: str) -> None:
+            self.name, self.done = name, False
+
+        def poll(self) -> int | None:
+            return 0 if self.done else None
+
+        def send_signal(self, sig: int) -> None:
+            order.append(f"TERM {self.name}")
+
+        def wait(self, timeout: float) -> int:
+            order.append(f"exited {self.name}")
+            self.done = True
+            return 0
+
+    stop_steps({"router": Step("router"), "producer-a2-0": Step("producer-a2-0"),
+                "consumer-a3-0": Step("consumer-a3-0")})
+    assert order[-2:] == ["TERM router", "exited router"]
+    assert set(order[:4]) == {"TERM producer-a2-0", "TERM consumer-a3-0",
+                              "exited producer-a2-0", "exited consumer-a3-0"}
