@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import subprocess
 import sys
 from typing import Any
 
@@ -27,6 +28,12 @@ def add_router_parser(sub: Any) -> None:
                    help="seconds between worker heartbeats (told to workers)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
                    help="drop a worker silent this many seconds")
+    p.add_argument("--busy-lag", type=float, default=2.0,
+                   help="a worker whose heartbeats report its event loop this many seconds "
+                        "behind is busy: it keeps its requests but gets no new ones (0: off)")
+    p.add_argument("--busy-engine-age", type=float, default=10.0,
+                   help="the same for a worker whose engine's last load report is this many "
+                        "seconds old (0: off)")
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret workers must present (default: $PDSERVE_CLUSTER_TOKEN, "
                         "else none)")
@@ -58,6 +65,11 @@ def add_router_parser(sub: Any) -> None:
                    help="requests waiting for a running slot; more get 429/RESOURCE_EXHAUSTED")
     f.add_argument("--retry-after", type=float, default=1.0,
                    help="seconds clients are told to wait after an overload refusal")
+    f.add_argument("--frontends", type=int, default=1,
+                   help="router processes serving the same ports (SO_REUSEPORT), for more "
+                        "streamed tokens/s than one process gives; one keeps the workers' "
+                        "registry, the others mirror it (needs a fixed --grpc-port)")
+    f.add_argument("--primary", default="", help=argparse.SUPPRESS)  # set in mirrors only
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_router)
 
@@ -67,6 +79,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         model=args.model, policy=args.policy,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_s=args.heartbeat_timeout,
+                        busy_lag_s=args.busy_lag, busy_engine_s=args.busy_engine_age,
                         cluster_token=args.cluster_token, token0_timeout_s=args.token0_timeout,
                         token_timeout_s=args.token_timeout, abort_timeout_s=args.abort_timeout,
                         http_port=args.http_port, api_key=args.api_key, tls_cert=args.tls_cert,
@@ -74,7 +87,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         max_queued_requests=args.max_queued_requests,
                         retry_after_s=args.retry_after, prefill_retries=args.prefill_retries,
                         max_migrations=args.max_migrations,
-                        hold_interval_s=args.hold_interval)
+                        hold_interval_s=args.hold_interval, frontends=args.frontends,
+                        primary=args.primary)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -93,7 +107,9 @@ async def _serve(cfg: RouterConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await server.start()
-    print(f"pdserve router: gRPC {server.address} (policy {cfg.policy})", flush=True)
+    mirrors = start_mirrors(cfg, server) if cfg.frontends > 1 else []
+    print(f"pdserve router: gRPC {server.address} (policy {cfg.policy})"
+          + (f", {cfg.frontends} frontends" if mirrors else ""), flush=True)
     if server.http_port:
         scheme = "https" if cfg.tls_cert else "http"
         print(f"pdserve router: HTTP {scheme}://{host_port(cfg.host, server.http_port)}/v1",
@@ -102,5 +118,31 @@ async def _serve(cfg: RouterConfig) -> int:
         await stop.wait()
     finally:
         print("pdserve router: shutting down", file=sys.stderr, flush=True)
+        for m in mirrors:
+            m.terminate()
         await server.stop()
+        for m in mirrors:
+            try:
+                m.wait(10)
+            except subprocess.TimeoutExpired:
+                m.kill()
     return 0
+
+
+def start_mirrors(cfg: RouterConfig, server: Any) -> list[subprocess.Popen[bytes]]:
+    """The other frontends (router/frontends.py): this command again, on the ports this
+    process bound, told where the primary's registry is. Each dies with this process."""
+    argv = [*sys.argv[1:], "--frontends", "1", "--primary", server.internal_address,
+            "--grpc-port", str(server.port)]
+    if server.http_port:
+        argv += ["--http-port", str(server.http_port)]
+    return [subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv],
+                             preexec_fn=_die_with_parent)
+            for _ in range(cfg.frontends - 1)]
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)

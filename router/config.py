@@ -16,6 +16,17 @@ class RouterConfig:
     policy: str = "least_loaded"
     heartbeat_interval_s: float = 1.0  # told to workers in RegisterResponse
     heartbeat_timeout_s: float = 3.0  # a worker silent this long is dropped
+    # A worker whose heartbeats report its gRPC process's event loop this far behind is busy:
+    # it keeps its requests and is never dropped for it, but gets no new ones; with every
+    # worker that could take a request busy, new requests are refused with 429 /
+    # RESOURCE_EXHAUSTED. Well over a loaded host's jitter; a loop this late streams tokens
+    # seconds late. 0: off.
+    busy_lag_s: float = 2.0
+    # The same for an engine process whose last load report (sent between steps) is this
+    # old: wedged, or in a step far longer than any normal one. Longer than --busy-lag
+    # since a CPU worker's prefill step can take seconds, and requests sent to an engine in
+    # a long step just wait for it. 0: off.
+    busy_engine_s: float = 10.0
     cluster_token: str = ""  # shared secret for Register/Heartbeat; "" disables the check
     # Upper bounds on silence from a worker inside one request. Generous because a long
     # prompt on a CPU producer, or a consumer queueing the reservation under load, can take
@@ -48,6 +59,11 @@ class RouterConfig:
     max_running_requests: int = 512
     max_queued_requests: int = 1024
     retry_after_s: float = 1.0  # the retry hint sent with a refusal
+    # Front-door processes on the same ports (router/frontends.py): this one (the primary)
+    # and frontends - 1 mirrors it starts. ``primary``: set only in a mirror, the primary's
+    # loopback gRPC address it forwards registry calls to and watches.
+    frontends: int = 1
+    primary: str = ""
 
     def __post_init__(self) -> None:
         def bad(flag: str, why: str, value: object) -> ValueError:
@@ -67,6 +83,10 @@ class RouterConfig:
             raise bad("--heartbeat-timeout",
                       f"must exceed the heartbeat interval ({self.heartbeat_interval_s} s)",
                       self.heartbeat_timeout_s)
+        for flag, v in (("--busy-lag", self.busy_lag_s),
+                        ("--busy-engine-age", self.busy_engine_s)):
+            if not v >= 0 or v == float("inf"):
+                raise bad(flag, "must be a number of seconds >= 0 (0: off)", v)
         for flag, v in (("--token0-timeout", self.token0_timeout_s),
                         ("--token-timeout", self.token_timeout_s),
                         ("--abort-timeout", self.abort_timeout_s),
@@ -88,6 +108,11 @@ class RouterConfig:
             raise bad("--max-queued-requests", "must be >= 0", self.max_queued_requests)
         if not self.retry_after_s > 0:
             raise bad("--retry-after", "must be > 0", self.retry_after_s)
+        if not 1 <= self.frontends <= 256:
+            raise bad("--frontends", "must be in [1, 256]", self.frontends)
+        if self.frontends > 1 and self.grpc_port == 0:
+            raise bad("--frontends", "needs a fixed --grpc-port (every frontend binds it)",
+                      self.frontends)
         if self.max_tokens_limit < 1:
             raise bad("--max-tokens-limit", "must be >= 1", self.max_tokens_limit)
 

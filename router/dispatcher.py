@@ -15,12 +15,12 @@ from typing import Any
 import grpc
 from pdserve.v1 import router_pb2
 
-from router.admission import Admission
+from router.admission import Admission, Overloaded
 from router.channels import WorkerChannels
 from router.config import RouterConfig
 from router.legs import Ev, Event
 from router.policy import Policy, Slot, place
-from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
+from router.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
 from router.request_info import RequestInfo
 from router.request_run import RequestRun
 from router.validation import PreparedRequest, RequestError
@@ -107,9 +107,21 @@ class Dispatcher:
         return slot
 
     def _place(self, exclude: list[WorkerInfo]) -> Slot | None:
+        """A slot for a new request (``exclude`` empty) or for a running one whose worker
+        failed (``exclude`` names it). None: no worker can take it (UNAVAILABLE). A new
+        request is never placed on a busy worker (behind, ``Registry.placeable``): when
+        only busy workers could take it, it is refused with RESOURCE_EXHAUSTED (429) and a
+        retry hint, since the cluster is alive and will take it once they catch up. A
+        running request goes to a busy worker rather than fail its client mid-stream."""
         if not self.registry.serving():
             return None
-        return place(self.registry, self.policy, exclude)
+        slot = place(self.registry, self.policy, exclude)
+        if slot is None and exclude:
+            slot = place(self.registry, self.policy, exclude, busy_ok=True)
+        elif slot is None and place(self.registry, self.policy, busy_ok=True) is not None:
+            raise Overloaded(busy_message(self.registry, self.config.retry_after_s),
+                             self.config.retry_after_s)
+        return slot
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -135,3 +147,25 @@ def no_workers_message(registry: Registry) -> str:
     p, c, co = (len(registry.usable(r)) for r in (PRODUCER, CONSUMER, COLOCATED))
     return (f"no workers can take the request: {p} producer(s), {c} consumer(s), {co} colocated "
             f"usable; need a producer and a consumer, or a colocated worker")
+
+
+BUSY_NOUNS = {PRODUCER: ("producer", "producers"), CONSUMER: ("consumer", "consumers"),
+              COLOCATED: ("colocated worker", "colocated workers")}
+
+
+def busy_message(registry: Registry, retry_after_s: float) -> str:
+    """Why a new request was refused while workers that could take it are alive but behind:
+    which pools have no worker keeping up, and how far behind each busy one is."""
+    placeable = {r: len(registry.placeable(r)) for r in ROLE_NAMES}
+    blocked = []  # roles that a slot needs and whose every usable worker is busy
+    if not placeable[COLOCATED]:
+        if not placeable[CONSUMER]:
+            blocked.append(CONSUMER)
+        if not placeable[PRODUCER]:
+            blocked.append(PRODUCER)
+        blocked.append(COLOCATED)
+    pools = [f"all {n} {BUSY_NOUNS[r][n != 1]} {'are' if n != 1 else 'is'} busy"
+             for r in blocked if (n := len(registry.usable(r)))]
+    why = "; ".join(f"{w.worker_id}: {registry.busy_reason(w)}" for w in registry.busy())
+    return (f"{' and '.join(pools) or 'every worker that could take it is busy'}: {why}; "
+            f"retry after {retry_after_s:g} s")

@@ -84,8 +84,10 @@ class HttpFrontDoor:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
+        # several frontends share the port (router/frontends.py)
+        shared = cfg.frontends > 1 or bool(cfg.primary)
         site = web.TCPSite(runner, cfg.listen_host, cfg.http_port, ssl_context=ssl_ctx,
-                           backlog=1024)
+                           backlog=1024, reuse_port=shared or None)
         try:
             await site.start()
         except OSError as e:

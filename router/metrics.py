@@ -157,6 +157,19 @@ class _ClusterCollector(Collector):
                                   "Requests moved to another worker after a later failure, "
                                   "with the tokens already streamed",
                                   value=self.dispatcher.migrations)
+        reg = self.registry
+        yield GaugeMetricFamily("pdserve_router_loop_lag_seconds",
+                                "How late the router's event loop ran its last liveness tick",
+                                value=reg.loop_lag_s)
+        yield CounterMetricFamily("pdserve_router_heartbeat_stall_credit_seconds",
+                                  "Router loop stalls credited to every worker's heartbeat "
+                                  "age (heartbeats it could not process)",
+                                  value=reg.stall_credit_s)
+        busy = GaugeMetricFamily("pdserve_worker_busy",
+                                 "1 while the worker reports itself behind (--busy-lag, "
+                                 "--busy-engine-age): it keeps its requests but gets no new "
+                                 "ones",
+                                 labels=["worker", "role"])
         healthy = GaugeMetricFamily("pdserve_router_workers",
                                     "Registered workers by role and health",
                                     labels=["role", "healthy"])
@@ -169,6 +182,8 @@ class _ClusterCollector(Collector):
             "kv_blocks_total": "KV blocks in the pool",
             "transfers_in_flight": "KV transfers in flight",
             "inflight": "Requests the router has dispatched to the worker",
+            "loop_lag_seconds": "How far behind the worker's gRPC event loop runs",
+            "engine_report_age_seconds": "Age of the engine process's last load report",
         }
         fams = {k: GaugeMetricFamily(f"pdserve_worker_{k}", f"{doc} (last heartbeat)",
                                      labels=["worker", "role"]) for k, doc in fields.items()}
@@ -178,10 +193,15 @@ class _ClusterCollector(Collector):
             vals = {"waiting": load.waiting, "running": load.running,
                     "kv_blocks_used": max(0, load.kv_blocks_total - load.kv_blocks_free),
                     "kv_blocks_total": load.kv_blocks_total,
-                    "transfers_in_flight": load.transfers_in_flight, "inflight": w.inflight}
+                    "transfers_in_flight": load.transfers_in_flight, "inflight": w.inflight,
+                    "loop_lag_seconds": load.loop_lag_s,
+                    "engine_report_age_seconds": load.engine_report_age_s}
             for k, v in vals.items():
                 fams[k].add_metric([w.worker_id, w.role_name], v)
+            busy.add_metric([w.worker_id, w.role_name],
+                            1 if reg.busy_reason(w) else 0)
         for (role, h), n in sorted(counts.items()):
             healthy.add_metric([role, h], n)
         yield healthy
+        yield busy
         yield from fams.values()

@@ -113,16 +113,20 @@ class Slot:
 
 
 def place(registry: Registry, policy: Policy,
-          exclude: Collection[WorkerInfo] = ()) -> Slot | None:
+          exclude: Collection[WorkerInfo] = (), *, busy_ok: bool = False) -> Slot | None:
     """A slot for the next request, or None when the cluster cannot serve one.
 
     exclude: registrations (any role) a retried or migrated request already failed on; a
     worker that registered again since (a restart) is a new one and may be picked.
+    busy_ok: busy workers (behind, ``Registry.placeable``) may be picked too; new requests
+    never go to them, but a running request that lost its worker is better off there than
+    failed.
     """
     gone = {id(w) for w in exclude}
+    pool = registry.usable if busy_ok else registry.placeable
 
     def usable(role: int) -> list[WorkerInfo]:
-        return [w for w in registry.usable(role) if id(w) not in gone]
+        return [w for w in pool(role) if id(w) not in gone]
 
     consumers = _sorted(usable(CONSUMER))
     entry = usable(COLOCATED)

@@ -8,6 +8,17 @@ A worker's life here: registered (usable) -> draining (``Deregister``, or a role
 ordered by the router: listed, heartbeating, its in-flight requests running, never picked
 for new work) -> gone (``Deregister(done)``, a missed heartbeat deadline, or replaced by
 its own re-registration, e.g. in its new role).
+
+Alive is not the same as keeping up (issue 22). A worker whose heartbeats report it behind
+(its gRPC process's event loop more than ``busy_lag_s``, or its engine's last load report
+older than ``busy_engine_s``) is
+*busy*: listed, usable for health, keeping its requests, but not picked for new ones
+(``placeable``); it is dropped only when its heartbeats stop. And heartbeat age is judged
+against the router's own loop: the router's sweep ticks (``tick``) measure how late the
+loop ran them, and a stall credits every worker its length, since heartbeats that arrived
+during it could not be processed. Between ticks, the stall in progress (the next tick
+overdue) is credited the same way (``_expired``), so a heartbeat or a placement handled
+right after a stall, before the tick, does not find its worker expired either.
 """
 
 from __future__ import annotations
@@ -70,11 +81,26 @@ class WorkerInfo:
     def healthy(self) -> bool:
         return not self.unhealthy_reason
 
+    def busy_reason(self, loop_s: float, engine_s: float) -> str:
+        """Why the worker is behind: its event loop by more than ``loop_s``, or its engine's
+        last report older than ``engine_s`` ("" if neither; 0: that check is off)."""
+        load = self.load
+        if loop_s and load.loop_lag_s > loop_s:
+            return f"its event loop is {load.loop_lag_s:.1f} s behind (--busy-lag {loop_s:g} s)"
+        if engine_s and load.engine_report_age_s > engine_s:
+            return (f"its engine's last load report is {load.engine_report_age_s:.1f} s old "
+                    f"(--busy-engine-age {engine_s:g} s)")
+        return ""
+
 
 class Registry:
     def __init__(self, *, heartbeat_timeout_s: float, served_model: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, busy_lag_s: float = 0.0,
+                 busy_engine_s: float = 0.0) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # a worker this far behind gets no new requests (router/config.py; 0: off)
+        self.busy_lag_s = busy_lag_s
+        self.busy_engine_s = busy_engine_s
         self.served_model = served_model  # display name workers must serve; None: any
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
@@ -87,6 +113,12 @@ class Registry:
         # usable worker instead of being refused (router/health.py wait_until_serving).
         self.hold_until = 0.0
         self.held = 0  # requests waiting on hold_until now
+        # The router loop's liveness ticks (``tick``): the last one, its period (0: none yet),
+        # how late the last one ran, and every lateness credited to the workers so far.
+        self._ticked = 0.0
+        self._tick_period = 0.0
+        self.loop_lag_s = 0.0
+        self.stall_credit_s = 0.0
 
     def clock(self) -> float:
         return self._clock()
@@ -147,6 +179,20 @@ class Registry:
         if w.healthy != was_healthy:
             self._notify_change()
         return True
+
+    def tick(self, period_s: float) -> float:
+        """The router's loop ran its liveness tick, meant every ``period_s``. Returns how late
+        it ran and credits every worker that much heartbeat age: a loop that stalled for 4 s
+        processed no heartbeat in that time, and silence it caused is no worker's."""
+        now = self._clock()
+        late = max(0.0, now - self._ticked - self._tick_period) if self._tick_period else 0.0
+        self._ticked, self._tick_period = now, period_s
+        self.loop_lag_s = late
+        if late > 0:
+            self.stall_credit_s += late
+            for w in self._workers.values():
+                w.last_heartbeat = min(now, w.last_heartbeat + late)
+        return late
 
     def sweep(self) -> list[WorkerInfo]:
         """Drops every worker whose last heartbeat is older than the timeout, and every
@@ -223,6 +269,19 @@ class Registry:
         return [w for w in self._workers.values()
                 if w.role == role and w.healthy and not w.draining and not self._expired(w, now)]
 
+    def placeable(self, role: int) -> list[WorkerInfo]:
+        """Usable workers that keep up: where new requests go (busy ones keep theirs)."""
+        return [w for w in self.usable(role) if not self.busy_reason(w)]
+
+    def busy(self) -> list[WorkerInfo]:
+        """Usable workers that are behind, by worker id."""
+        return sorted((w for r in ROLE_NAMES for w in self.usable(r)
+                       if self.busy_reason(w)), key=lambda w: w.worker_id)
+
+    def busy_reason(self, w: WorkerInfo) -> str:
+        """Why ``w`` is busy under this router's bounds ("" when it keeps up)."""
+        return w.busy_reason(self.busy_lag_s, self.busy_engine_s)
+
     def serving(self) -> bool:
         """A request can be placed: a producer with a consumer, or a colocated worker."""
         return bool(self.usable(COLOCATED)) or (
@@ -239,7 +298,14 @@ class Registry:
     # -- internals -------------------------------------------------------------------------
 
     def _expired(self, w: WorkerInfo, now: float) -> bool:
-        return now - w.last_heartbeat > self.heartbeat_timeout_s
+        return now - w.last_heartbeat - self._stalled(now) > self.heartbeat_timeout_s
+
+    def _stalled(self, now: float) -> float:
+        """How long the loop has been stalled now: the time past an overdue tick (the tick
+        credits it once it runs)."""
+        if not self._tick_period:
+            return 0.0
+        return max(0.0, now - self._ticked - self._tick_period)
 
     def _notify_drop(self, w: WorkerInfo, reason: str) -> None:
         for cb in list(self.on_drop):

@@ -61,8 +61,17 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     async def Heartbeat(self, request: worker_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> worker_pb2.HeartbeatResponse:
         await self._authenticate(request.cluster_token, request.worker_id, context)
+        w = self.registry.get(request.worker_id)
+        was = self.registry.busy_reason(w) if w is not None else ""
         known = self.registry.heartbeat(request.worker_id,
                                         request.load if request.HasField("load") else None)
+        if known and w is not None and bool(now := self.registry.busy_reason(w)) != bool(was):
+            if now:
+                log.warning("%s %s is busy: %s; no new requests go to it until it catches "
+                            "up, it keeps those it runs", w.role_name, w.worker_id, now)
+            else:
+                log.info("%s %s caught up: it takes new requests again", w.role_name,
+                         w.worker_id)
         return worker_pb2.HeartbeatResponse(known=known)
 
     async def _authenticate(self, token: str, worker_id: str,

@@ -29,10 +29,17 @@ from router.channels import WorkerChannels
 from router.config import RouterConfig
 from router.dispatcher import Dispatcher
 from router.frontend import Frontend
+from router.frontends import (
+    AdminProxy,
+    MembershipProxy,
+    PrimaryMembership,
+    RegistryMirror,
+    RegistryProxy,
+)
 from router.metrics import RouterMetrics
 from router.policy import make_policy
 from router.registry import Registry
-from router.registry_servicer import MembershipServicer, RegistryServicer
+from router.registry_servicer import RegistryServicer
 from router.role_change import RoleChanger
 from router.router_servicer import RouterServicer
 
@@ -42,6 +49,8 @@ ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 ADMIN_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 MEMBERSHIP_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Membership"].full_name
 REGISTRY_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+# A sweep tick this late is a stall worth a log line (lateness under it is still credited).
+STALL_LOG_S = 1.0
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", 64 << 20),
     ("grpc.max_receive_message_length", 64 << 20),
@@ -71,6 +80,9 @@ class RouterServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self.role_changer: RoleChanger | None = None
         self._frontend: Frontend | None = None
+        self.internal_address = ""  # the primary's loopback address (--frontends > 1)
+        self.mirror: RegistryMirror | None = None  # set in a mirror frontend
+        self._primary: grpc.aio.Channel | None = None
 
     @property
     def address(self) -> str:
@@ -85,7 +97,8 @@ class RouterServer:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.from_source, path)
         self.registry = Registry(heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-                                 served_model=model_id)
+                                 served_model=model_id, busy_lag_s=cfg.busy_lag_s,
+                                 busy_engine_s=cfg.busy_engine_s)
         self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0,
                                         cluster_token=cfg.cluster_token)
         policy = make_policy(cfg.policy)
@@ -105,15 +118,23 @@ class RouterServer:
         server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
         router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend, policy.name),
                                                      server)
-        worker_pb2_grpc.add_RegistryServicer_to_server(
-            RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token,
-                             cfg.hold_interval_s),
-            server)
-        router_pb2_grpc.add_MembershipServicer_to_server(
-            MembershipServicer(self.registry, cfg.cluster_token), server)
         self.role_changer = RoleChanger(self.registry)
-        router_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.registry, self.role_changer), server)
+        if cfg.primary:  # a mirror frontend: the primary keeps the registry
+            self._primary = grpc.aio.insecure_channel(cfg.primary)
+            worker_pb2_grpc.add_RegistryServicer_to_server(RegistryProxy(self._primary), server)
+            router_pb2_grpc.add_MembershipServicer_to_server(MembershipProxy(self._primary),
+                                                             server)
+            router_pb2_grpc.add_AdminServicer_to_server(AdminProxy(self._primary), server)
+            self.mirror = RegistryMirror(self.registry, self._primary, cfg.cluster_token)
+        else:
+            worker_pb2_grpc.add_RegistryServicer_to_server(
+                RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token,
+                                 cfg.hold_interval_s),
+                server)
+            router_pb2_grpc.add_MembershipServicer_to_server(
+                PrimaryMembership(self.registry, cfg.cluster_token), server)
+            router_pb2_grpc.add_AdminServicer_to_server(
+                AdminServicer(self.registry, self.role_changer), server)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -131,11 +152,15 @@ class RouterServer:
             raise ValueError(f"--grpc-port: cannot bind {bind}: {e}") from e
         if not self.port:
             raise ValueError(f"--grpc-port: cannot bind {bind}")
+        if cfg.frontends > 1:  # where the mirrors reach this process alone (frontends.py)
+            self.internal_address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
         await server.start()
         self._server = server
         await self._set_health()
         self.registry.on_change.append(self._health_changed)
         self._spawn(self._sweep())
+        if self.mirror is not None:
+            self._spawn(self.mirror.run())
         if cfg.http_port >= 0:
             from router.http_server import HttpFrontDoor  # aiohttp only when HTTP is on
 
@@ -170,6 +195,8 @@ class RouterServer:
             await self._channels.close()
         if self._frontend is not None:
             self._frontend.tokenize_pool.close()
+        if self._primary is not None:
+            await self._primary.close()
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -178,11 +205,19 @@ class RouterServer:
     # -- internals -------------------------------------------------------------------------
 
     async def _sweep(self) -> None:
+        """Drops silent workers. Each wakeup is also the loop's liveness tick: how late it
+        ran is how long this loop could not process heartbeats, and is credited to every
+        worker before any is judged (``Registry.tick``)."""
         assert self.registry is not None
         # A quarter of the timeout: a silent worker is dropped at most 25% late.
         period = min(0.5, self.config.heartbeat_timeout_s / 4)
+        self.registry.tick(period)
         while True:
             await asyncio.sleep(period)
+            late = self.registry.tick(period)
+            if late > STALL_LOG_S:
+                log.warning("the router's event loop stalled for %.1f s: no worker is "
+                            "charged for heartbeats it could not process then", late)
             for w in self.registry.sweep():
                 log.warning("dropped %s %s (%s): no heartbeat for %.1f s", w.role_name,
                             w.worker_id, w.address, self.config.heartbeat_timeout_s)

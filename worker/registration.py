@@ -4,15 +4,30 @@ each heartbeat, poll the router's orders (a role change it wants). Leaving: Dere
 (draining: no new work comes) and, once drained, Deregister(done). A worker whose engine
 failed leaves at once (Deregister(done)) and never registers again: it serves nothing until
 it restarts, and between the failure and its exit (the engine stops its TP ranks and
-transfer endpoints first) the router would otherwise place new requests on it."""
+transfer endpoints first) the router would otherwise place new requests on it.
+
+Liveness travels apart from the data plane (issue 22): the heartbeats leave from their own
+thread over their own (sync) gRPC channel, so an event loop saturated by token streams
+cannot delay them past the router's timeout; the router would take a busy worker for a dead
+one and fail all its requests. The thread reports how far behind the loop is instead
+(``LoopWatch``: a ticker task on the loop stamps the time, the thread reads how late it is)
+and the age of the engine process's last load report, and the router stops placing new
+requests on a worker that is behind (busy) without dropping it. Lifecycle: ``run()`` starts
+the ticker and the thread and ends them when it is cancelled or the router refuses the
+worker (raised from ``run()``); ``close()`` closes the channel (cancelling a call in flight)
+and waits for the thread. What the router sends back for the loop (a role-change order)
+crosses over with ``loop.call_soon_threadsafe``."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
+import threading
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -20,6 +35,15 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, work
 log = logging.getLogger("pdserve.worker")
 ROLES = {"producer": common_pb2.ROLE_PRODUCER, "consumer": common_pb2.ROLE_CONSUMER,
          "colocated": common_pb2.ROLE_COLOCATED}
+# The loop's ticker period: the resolution of the reported lag, at ten cheap wakeups a second.
+TICK_S = 0.1
+# Router calls from the heartbeat thread. Shorter than the router's heartbeat timeout (3 s by
+# default) would only fail calls to a router that is itself stalled; longer would delay a
+# re-registration after one.
+CALL_TIMEOUT_S = 5.0
+# Answers that mean "this worker may not join" (a retry cannot change them): run() raises.
+REFUSED = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
+           grpc.StatusCode.FAILED_PRECONDITION)
 
 
 def pdserve_version() -> str:
@@ -34,6 +58,54 @@ def load_pb(load: dict[str, Any]) -> common_pb2.WorkerLoad:
     return common_pb2.WorkerLoad(**{k: v for k, v in load.items() if k in fields})
 
 
+class LoopWatch:
+    """How far behind an event loop runs, read from another thread.
+
+    ``tick`` runs on the loop every ``tick_s``; ``read`` (the heartbeat thread) sees a loop
+    that is stuck now (its tick overdue) as well as one that was stuck since the last read
+    and caught up (the worst lateness a tick saw). The engine process's reports arrive on the
+    same loop (``EngineBridge.pump`` replaces its load dict with each), so their age is taken
+    in loop time, at each tick: a stalled loop shows as loop lag, not as a stale engine.
+    """
+
+    def __init__(self, load: Callable[[], object], tick_s: float = TICK_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.tick_s = tick_s
+        self._clock = clock
+        self._load = load
+        self.ticked = clock()  # when the loop last ran its tick
+        # The worst lateness since the last read. The thread's reset may lose one tick's
+        # update to a race with the loop: one heartbeat then under-reports a past stall,
+        # never a stall in progress (read from ``ticked``).
+        self.peak = 0.0
+        self._seen: object = None
+        self._seen_at = self.ticked
+        self.engine_age = 0.0
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            self.tick()
+
+    def tick(self) -> None:
+        now = self._clock()
+        late = max(0.0, now - self.ticked - self.tick_s)
+        self.peak = max(self.peak, late)
+        self.ticked = now
+        load = self._load()
+        if load is not self._seen:  # a new report (each one is a new object)
+            self._seen, self._seen_at = load, now
+        else:  # the reports waiting behind a stalled loop are not the engine's delay
+            self._seen_at = min(now, self._seen_at + late)
+        self.engine_age = now - self._seen_at
+
+    def read(self) -> tuple[float, float]:
+        """(loop lag, engine report age) in seconds, for one heartbeat."""
+        lag = max(0.0, self._clock() - self.ticked - self.tick_s, self.peak)
+        self.peak = 0.0
+        return lag, self.engine_age
+
+
 class Registration:
     def __init__(self, router: str, worker_id: str, role: str, address: str,
                  info: dict[str, Any], load: Callable[[], dict[str, Any]],
@@ -42,9 +114,9 @@ class Registration:
         if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA
             with open(router_ca, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self.channel = grpc.aio.secure_channel(router, creds)
+            self.channel = grpc.secure_channel(router, creds)
         else:
-            self.channel = grpc.aio.insecure_channel(router)
+            self.channel = grpc.insecure_channel(router)
         self.stub = worker_pb2_grpc.RegistryStub(self.channel)
         self.membership = router_pb2_grpc.MembershipStub(self.channel)
         self.worker_id = worker_id
@@ -55,27 +127,64 @@ class Registration:
         self.token = cluster_token
         self.interval = 1.0
         self.draining = False  # set once deregistered: never register again
-        self.change_role = 0  # common_pb2.Role the router ordered (0: none)
-        self.ordered = asyncio.Event()  # set when change_role is
+        self.change_role = 0  # common_pb2.Role the router ordered (0: none); set on the loop
+        self.ordered = asyncio.Event()  # set (on the loop) when change_role is
         self.failed = failed  # why the engine failed (None while it serves)
         self.left = False  # told the router so (once)
+        self.watch = LoopWatch(load)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._order_seen = False  # the thread's own copy of "ordered": stop polling
 
-    async def register(self) -> None:
-        resp = await self.stub.Register(worker_pb2.RegisterRequest(
-            worker_id=self.worker_id, role=ROLES[self.role], address=self.address,
-            kv_address=self.info.get("kv_address", ""), model=self.info["model"],
-            kv_fingerprint=self.info["kv_fingerprint"],
-            max_model_len=self.info["max_model_len"], load=load_pb(self.load()),
-            cluster_token=self.token, tp_size=int(self.info.get("tp_size", 1)),
-            lease_s=float(self.info.get("lease_s", 0.0)),
-            version=pdserve_version()), timeout=10)
-        self.interval = resp.heartbeat_interval_s or 1.0
-        log.info("registered with the router as %s (%s)", self.worker_id, self.role)
+    # -- the loop's side -------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Registers (retrying while the router is not up) and heartbeats forever."""
+        """Registers (retrying while the router is not up) and heartbeats until cancelled;
+        raises RuntimeError if the router refuses this worker."""
+        loop = asyncio.get_running_loop()
+        refused: asyncio.Future[None] = loop.create_future()
+        self._stop.clear()
+        ticker = asyncio.create_task(self.watch.run())
+        self._thread = threading.Thread(target=self._main, args=(loop, refused), daemon=True,
+                                        name=f"{self.worker_id}-heartbeat")
+        self._thread.start()
+        try:
+            await refused
+        finally:
+            self._stop.set()
+            ticker.cancel()
+
+    async def register(self) -> None:
+        await asyncio.to_thread(self._register)
+
+    async def deregister(self, reason: str, done: bool = False, timeout: float = 5.0) -> bool:
+        """Tells the router to stop sending work (done: to forget this worker). False when
+        the router could not be told (gone, or did not know us): nothing to wait for then."""
+        self.draining = True
+        return await asyncio.to_thread(self._deregister, reason, done, timeout)
+
+    async def close(self) -> None:
+        self._stop.set()
+        self.channel.close()  # ends a call in flight, so the thread sees the stop at once
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, CALL_TIMEOUT_S)
+
+    def _on_order(self, role: int) -> None:
+        self.change_role = role
+        self.ordered.set()
+
+    # -- the heartbeat thread --------------------------------------------------------------
+
+    def _main(self, loop: asyncio.AbstractEventLoop, refused: asyncio.Future[None]) -> None:
+        try:
+            self._beat(loop, refused)
+        except Exception as e:  # noqa: BLE001 - a dead thread would leave the worker silent
+            log.exception("the heartbeat thread failed")
+            _call_soon(loop, _set_exception, refused, e)
+
+    def _beat(self, loop: asyncio.AbstractEventLoop, refused: asyncio.Future[None]) -> None:
         registered = False
-        while True:
+        while not self._stop.is_set():
             if (why := self.failed()) is not None:
                 # No heartbeat (it would keep this worker placeable) and no register (after
                 # the router dropped it for its failed requests, that would bring it back as
@@ -83,55 +192,86 @@ class Registration:
                 if not self.left:
                     self.left = True
                     log.warning("engine failed: leaving the router (%s)", why)
-                    await self.deregister(f"engine failed: {why}", done=True)
-                await asyncio.sleep(self.interval)
+                    self.draining = True
+                    self._deregister(f"engine failed: {why}", True, CALL_TIMEOUT_S)
+                self._stop.wait(self.interval)
                 continue
             try:
                 if not registered and not self.draining:
-                    await self.register()
+                    self._register()
                     registered = True
                 elif registered:
-                    resp = await self.stub.Heartbeat(worker_pb2.HeartbeatRequest(
-                        worker_id=self.worker_id, load=load_pb(self.load()),
-                        cluster_token=self.token), timeout=5)
+                    resp = self.stub.Heartbeat(worker_pb2.HeartbeatRequest(
+                        worker_id=self.worker_id, load=self._load_pb(),
+                        cluster_token=self.token), timeout=CALL_TIMEOUT_S)
                     registered = resp.known
-                    if registered and not self.ordered.is_set():
-                        await self._poll_orders()
-            except grpc.aio.AioRpcError as e:
-                if e.code() in (grpc.StatusCode.UNAUTHENTICATED,
-                                grpc.StatusCode.INVALID_ARGUMENT,
-                                grpc.StatusCode.FAILED_PRECONDITION):
-                    raise RuntimeError(f"the router refused this worker: {e.details()}") from e
-                log.warning("router unreachable (%s); retrying", e.code().name)
+                    if registered and not self._order_seen:
+                        self._poll_orders(loop)
+            except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
+                call = cast(grpc.Call, e)
+                if call.code() in REFUSED:
+                    err = RuntimeError(f"the router refused this worker: {call.details()}")
+                    _call_soon(loop, _set_exception, refused, err)
+                    return
+                log.warning("router unreachable (%s); retrying", call.code().name)
                 registered = False
-            await asyncio.sleep(self.interval)
+            except ValueError:  # the channel was closed under us (close() during a call)
+                return
+            self._stop.wait(self.interval)
 
-    async def _poll_orders(self) -> None:
+    def _load_pb(self) -> common_pb2.WorkerLoad:
+        out = load_pb(self.load())
+        out.loop_lag_s, out.engine_report_age_s = self.watch.read()
+        return out
+
+    def _register(self) -> None:
+        resp = self.stub.Register(worker_pb2.RegisterRequest(
+            worker_id=self.worker_id, role=ROLES[self.role], address=self.address,
+            kv_address=self.info.get("kv_address", ""), model=self.info["model"],
+            kv_fingerprint=self.info["kv_fingerprint"],
+            max_model_len=self.info["max_model_len"], load=self._load_pb(),
+            cluster_token=self.token, tp_size=int(self.info.get("tp_size", 1)),
+            lease_s=float(self.info.get("lease_s", 0.0)),
+            version=pdserve_version()), timeout=10)
+        self.interval = resp.heartbeat_interval_s or 1.0
+        log.info("registered with the router as %s (%s)", self.worker_id, self.role)
+
+    def _poll_orders(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            resp = await self.membership.Orders(router_pb2.OrdersRequest(
-                worker_id=self.worker_id, cluster_token=self.token), timeout=5)
-        except grpc.aio.AioRpcError as e:
+            resp = self.membership.Orders(router_pb2.OrdersRequest(
+                worker_id=self.worker_id, cluster_token=self.token), timeout=CALL_TIMEOUT_S)
+        except grpc.RpcError as e:
             # not a reason to register again (an older router has no Membership service);
             # the heartbeat says whether the router still knows us
-            log.debug("orders poll failed: %s", e.code().name)
+            log.debug("orders poll failed: %s", cast(grpc.Call, e).code().name)
             return
         if resp.change_role and resp.change_role in ROLES.values():
-            self.change_role = resp.change_role
-            self.ordered.set()
+            self._order_seen = True
+            _call_soon(loop, self._on_order, int(resp.change_role))
 
-    async def deregister(self, reason: str, done: bool = False, timeout: float = 5.0) -> bool:
-        """Tells the router to stop sending work (done: to forget this worker). False when
-        the router could not be told (gone, or did not know us): nothing to wait for then."""
-        self.draining = True
+    def _deregister(self, reason: str, done: bool, timeout: float) -> bool:
         try:
-            resp = await self.membership.Deregister(router_pb2.DeregisterRequest(
+            resp = self.membership.Deregister(router_pb2.DeregisterRequest(
                 worker_id=self.worker_id, cluster_token=self.token, done=done, reason=reason),
                 timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            log.warning("could not deregister from the router (%s): %s", e.code().name,
-                        e.details())
+        except grpc.RpcError as e:
+            call = cast(grpc.Call, e)
+            log.warning("could not deregister from the router (%s): %s", call.code().name,
+                        call.details())
+            return False
+        except ValueError:  # closed channel: the worker is stopping
             return False
         return bool(resp.known)
 
-    async def close(self) -> None:
-        await self.channel.close()
+
+def _set_exception(fut: asyncio.Future[None], err: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(err)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    # the loop may be gone already (the worker is stopping): nothing is waiting then
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)

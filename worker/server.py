@@ -117,6 +117,8 @@ class WorkerServer:
     async def stop(self) -> None:
         for t in self.tasks:
             t.cancel()
+        if self.registration is not None:  # its heartbeat thread and channel
+            await self.registration.close()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.metrics_server is not None:

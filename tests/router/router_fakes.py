@@ -118,7 +118,11 @@ async def decode_hang_after_reserve(w: FakeWorker, req: worker_pb2.DecodeRequest
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker_id: str, role: int, *, prefill: PrefillScript = prefill_ok,
                  decode: DecodeScript = decode_ok, kv_fingerprint: str = "fp1",
-                 max_model_len: int = 2048, model: str = "smollm2") -> None:
+                 max_model_len: int = 2048, model: str = "smollm2",
+                 outputs: bool = False, batch_delay_s: float = 0.0) -> None:
+        """outputs: serve Outputs (tokens of Decode calls naming it go there, batched, and
+        Decode ends with done(final_seq)); batch_delay_s: each batch leaves that late, so
+        the done can overtake the batch holding the last tokens."""
         self.worker_id, self.role = worker_id, role
         self.prefill_script, self.decode_script = prefill, decode
         self.kv_fingerprint, self.max_model_len, self.model = kv_fingerprint, max_model_len, model
@@ -132,6 +136,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.abort_event = asyncio.Event()
         self.load = common_pb2.WorkerLoad(kv_blocks_free=100, kv_blocks_total=100)
         self.heartbeating = True
+        self.outputs, self.batch_delay_s = outputs, batch_delay_s
+        self.subscribers: dict[str, asyncio.Queue[Any]] = {}
+        self.seq = 0
         self.port = 0
         self._server: grpc.aio.Server | None = None
         self._hb: asyncio.Task[None] | None = None
@@ -206,12 +213,32 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: Any
                      ) -> AsyncIterator[worker_pb2.DecodeOutput]:
         self.decode_requests.append(request)
+        sub = self.subscribers.get(request.subscriber_id) if request.subscriber_id else None
         try:
             async for out in self.decode_script(self, request):
-                yield out
+                if sub is not None and out.WhichOneof("kind") == "tokens":
+                    out.tokens.request_id = request.request_id
+                    self.seq += 1
+                    sub.put_nowait((self.seq, out.tokens))
+                else:
+                    yield out
+            if sub is not None:
+                yield worker_pb2.DecodeOutput(done=worker_pb2.DecodeDone(final_seq=self.seq))
         except asyncio.CancelledError:
             self.cancelled.append(request.request_id)
             raise
+
+    async def Outputs(self, request: worker_pb2.OutputsRequest, context: Any
+                      ) -> AsyncIterator[worker_pb2.OutputBatch]:
+        if not self.outputs:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no Outputs here")
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        self.subscribers[request.subscriber_id] = q
+        yield worker_pb2.OutputBatch(seq=0)
+        while True:
+            seq, t = await q.get()
+            await asyncio.sleep(self.batch_delay_s)
+            yield worker_pb2.OutputBatch(tokens=[t], seq=seq)
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest, context: Any
                     ) -> worker_pb2.WorkerAbortResponse:

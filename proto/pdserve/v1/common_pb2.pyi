@@ -86,17 +86,21 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_free", "kv_blocks_total", "transfers_in_flight", "kv_exhausted_by_orphans")
+    __slots__ = ("waiting", "running", "kv_blocks_free", "kv_blocks_total", "transfers_in_flight", "kv_exhausted_by_orphans", "loop_lag_s", "engine_report_age_s")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     KV_EXHAUSTED_BY_ORPHANS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_S_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_free: int
     kv_blocks_total: int
     transfers_in_flight: int
     kv_exhausted_by_orphans: bool
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., kv_exhausted_by_orphans: _Optional[bool] = ...) -> None: ...
+    loop_lag_s: float
+    engine_report_age_s: float
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., kv_exhausted_by_orphans: _Optional[bool] = ..., loop_lag_s: _Optional[float] = ..., engine_report_age_s: _Optional[float] = ...) -> None: ...

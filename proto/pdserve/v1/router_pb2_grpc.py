@@ -252,6 +252,11 @@ class MembershipStub:
                 request_serializer=pdserve_dot_v1_dot_router__pb2.OrdersRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_router__pb2.OrdersResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/pdserve.v1.Membership/Watch',
+                request_serializer=pdserve_dot_v1_dot_router__pb2.WatchRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_router__pb2.RegistryView.FromString,
+                _registered_method=True)
 
 
 class MembershipServicer:
@@ -275,6 +280,14 @@ class MembershipServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """The primary router's registry, for its other frontend processes (--frontends): the
+        whole view now, then again every time it changes and at least every interval.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MembershipServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -287,6 +300,11 @@ def add_MembershipServicer_to_server(servicer, server):
                     servicer.Orders,
                     request_deserializer=pdserve_dot_v1_dot_router__pb2.OrdersRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_router__pb2.OrdersResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=pdserve_dot_v1_dot_router__pb2.WatchRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_router__pb2.RegistryView.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -345,6 +363,33 @@ class Membership:
             '/pdserve.v1.Membership/Orders',
             pdserve_dot_v1_dot_router__pb2.OrdersRequest.SerializeToString,
             pdserve_dot_v1_dot_router__pb2.OrdersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Membership/Watch',
+            pdserve_dot_v1_dot_router__pb2.WatchRequest.SerializeToString,
+            pdserve_dot_v1_dot_router__pb2.RegistryView.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,155 @@
+"""A worker whose gRPC event loop is blocked keeps heartbeating (issue 22).
+
+The worker's heartbeats leave from their own thread (worker/registration.py), so a loop
+saturated by token streams, here blocked outright for 4 s (4x the router's heartbeat
+timeout), delays none of them: the router keeps the worker, and hears from the same
+heartbeats how far behind the loop is (busy, not dead). Before, the heartbeats ran on that
+loop: the router dropped the worker after 1 s and failed every request on it.
+
+Real parts: the worker's ``Registration`` (its thread, its sync channel, the loop's ticker)
+and a real ``RouterServer`` (registry, sweep) on its own loop in another thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import pytest
+from pdserve.v1 import common_pb2
+
+from engine.model_source import resolve_model
+from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.server import RouterServer
+from worker.registration import Registration
+
+INFO = {"model": "smollm2", "kv_fingerprint": "fp", "max_model_len": 256,
+        "kv_address": "tcp://127.0.0.1:1"}
+INTERVAL_S, TIMEOUT_S = 0.2, 1.0
+
+
+class RouterThread:
+    """A real router on its own event loop, so the test's loop can block without it."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = RouterServer(
+            RouterConfig(grpc_port=0, heartbeat_interval_s=INTERVAL_S,
+                         heartbeat_timeout_s=TIMEOUT_S, busy_lag_s=1.0,
+                         busy_engine_s=1.0),
+            tokenizer=Tokenizer.from_source(resolve_model(None)))
+        self.beats: list[common_pb2.WorkerLoad] = []  # every heartbeat's load, as received
+        self.dropped: list[str] = []
+
+    def __enter__(self) -> RouterThread:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        reg = self.server.registry
+        assert reg is not None
+        beat = reg.heartbeat
+
+        def recording(worker_id: str, load: common_pb2.WorkerLoad | None) -> bool:
+            if load is not None:
+                self.beats.append(common_pb2.WorkerLoad.FromString(load.SerializeToString()))
+            return beat(worker_id, load)
+
+        reg.heartbeat = recording  # type: ignore[method-assign]
+        reg.on_drop.append(lambda w, why: self.dropped.append(why))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """fn(*args) on the router's loop (its registry is that loop's)."""
+        async def on_loop() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(10)
+
+
+async def _until(cond: Any, timeout_s: float = 10.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
+    with RouterThread() as router:
+        registry = router.server.registry
+        assert registry is not None
+
+        async def main() -> None:
+            report: list[dict[str, Any]] = [{}]
+
+            async def engine_reports() -> None:  # as EngineBridge.pump: a new dict each time
+                while True:
+                    report[0] = {"kv_blocks_free": 10, "kv_blocks_total": 10}
+                    await asyncio.sleep(0.25)
+
+            reports = asyncio.create_task(engine_reports())
+            reg = Registration(router.server.address, "consumer-0", "consumer", "127.0.0.1:1",
+                               INFO, lambda: report[0])
+            task = asyncio.create_task(reg.run())
+            try:
+                await _until(lambda: router.call(registry.get, "consumer-0") is not None)
+                first = router.call(registry.get, "consumer-0")
+                await asyncio.sleep(3 * INTERVAL_S)
+                n = len(router.beats)
+                time.sleep(4.0)  # the loop is blocked: 4x the router's heartbeat timeout
+                during = router.beats[n:]
+                assert router.dropped == []  # before: dropped after 1 s, requests failed
+                assert router.call(registry.get, "consumer-0") is first
+                assert len(during) >= 10, len(during)  # the thread went on every 0.2 s
+                # ... saying how far behind the loop was: the router saw it busy
+                lags = [b.loop_lag_s for b in during]
+                assert max(lags) > 3.0 and lags == sorted(lags), lags
+                assert first.busy_reason(1.0, 1.0).startswith("its event loop is")
+                assert not router.call(registry.placeable, common_pb2.ROLE_CONSUMER)
+                # the loop runs again: the next heartbeats say so (the worst lag since the
+                # last heartbeat first, then the present)
+                await _until(lambda: not first.busy_reason(1.0, 1.0), timeout_s=5)
+                assert router.beats[-1].loop_lag_s < 1.0
+                assert max(b.engine_report_age_s for b in router.beats) < 1.0
+                # an engine whose reports stop (a step that never ends) is busy too, while
+                # the loop keeps up
+                reports.cancel()
+                await _until(lambda: first.load.engine_report_age_s > 1.0, timeout_s=5)
+                assert first.busy_reason(1.0, 1.0).startswith("its engine's last load report is")
+                assert router.beats[-1].loop_lag_s < 1.0
+                # orders from the router still reach the loop (from the thread)
+                router.call(registry.order_role_change, "consumer-0", common_pb2.ROLE_PRODUCER)
+                await asyncio.wait_for(reg.ordered.wait(), 5)
+                assert reg.change_role == common_pb2.ROLE_PRODUCER
+                assert router.dropped == [] and router.call(registry.get, "consumer-0") is first
+            finally:
+                reports.cancel()
+                task.cancel()
+                await reg.close()
+            assert not reg._thread or not reg._thread.is_alive()  # closed: the thread ended
+
+        asyncio.run(main())
+
+
+def test_a_refused_worker_raises_from_run() -> None:
+    """The thread's verdict reaches the loop: run() raises the router's refusal."""
+    with RouterThread() as router:
+        async def main() -> None:
+            reg = Registration(router.server.address, "consumer-0", "consumer", "127.0.0.1:1",
+                               {**INFO, "model": "another-model"}, dict)
+            try:
+                with pytest.raises(RuntimeError, match="the router refused this worker: model:"):
+                    await asyncio.wait_for(reg.run(), 10)
+            finally:
+                await reg.close()
+
+        asyncio.run(main())
