@@ -15,6 +15,8 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from deploy.router_client import add_router_client_args
+
 # The library is imported when the command runs: every `pdserve` command (the router's too)
 # builds this parser, and the router must start fast.
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ def add_bench_parser(sub: Any) -> None:
     t.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
     t.add_argument("--base-url", default=None,
                    help="OpenAI HTTP base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
+    add_router_client_args(t)
     t.add_argument("--launch", choices=("pd", "colocated"), default=None,
                    help="start a local cluster of this kind instead of using --router")
     t.add_argument("--compare", action="store_true",
@@ -153,7 +156,8 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
     devices = tuple(d for d in args.devices.split(",") if d)
     base = ClusterSpec(model=args.model, worker_args=(*args.worker_arg, *sim_worker_args(args)),
                        producer_args=tuple(args.producer_arg),
-                       http_port=0 if args.backend == "openai" else -1)
+                       http_port=0 if args.backend == "openai" else -1,
+                       api_key=args.api_key)  # a started cluster's router takes the same key
     if args.compare:
         return pd_and_colocated(base, args.producers, args.consumers, devices)
     if args.launch:
@@ -179,13 +183,14 @@ def backend_factory(args: argparse.Namespace) -> Any:
         if args.backend == "grpc":
             from deploy.benchmark.grpc_backend import GrpcBackend
 
-            return GrpcBackend(target.address)
+            return GrpcBackend(target.address, args.api_key, args.router_ca)
         if not target.base_url:
             raise ValueError("--backend openai: needs --base-url (or a started cluster with "
                              "an HTTP port)")
         from deploy.benchmark.openai_backend import OpenAIBackend
 
-        return OpenAIBackend(target.base_url, status_address=target.address or None)
+        return OpenAIBackend(target.base_url, status_address=target.address or None,
+                             api_key=args.api_key, router_ca=args.router_ca)
 
     return make
 
@@ -223,9 +228,9 @@ def run_bench(args: argparse.Namespace) -> int:
     plan = build_plan(args)
     targets = build_targets(args)
     doc: dict[str, Any] = {
-        "tool": "pdserve bench", "format": 1, "command": ["pdserve", *sys.argv[1:]],
+        "tool": "pdserve bench", "format": 1, "command": ["pdserve", *_redacted(sys.argv[1:])],
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "args": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
         "workload": {"num_prompts": len(plan.specs), "warmup": len(plan.warmup),
                      "input_len": args.dataset or args.input_len,
                      "output_len": args.output_len, "ignore_eos": args.ignore_eos,
@@ -247,3 +252,21 @@ def run_bench(args: argparse.Namespace) -> int:
     emit(doc, args)
     failed = sum(p["metrics"]["failed"] for c in configs for p in c["points"])
     return 1 if failed else 0
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line for the result file, without the API key (result files are shared)."""
+    out = []
+    hide = False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a == "--api-key":
+            out.append(a)
+            hide = True
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(a)
+    return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
+from deploy.cpu_threads import engine_threads
 from deploy.launch_checks import assign_devices
 from deploy.ports import free_port
 from deploy.proc_output import ProcOutput, error_line
@@ -150,8 +151,7 @@ class LocalCluster:
             router += ["--http-port", str(self.http_port)]
         self._spawn("router", self._cmd(*router))
         n = s.producers + s.consumers + s.colocated
-        threads = s.threads or max(1, (os.cpu_count() or 1) // n)
-        common = [*model, "--router", self.router_address, "--threads", str(threads),
+        common = [*model, "--router", self.router_address, "--threads", str(self.worker_threads()),
                   *s.worker_args]
         devices = assign_devices(s.devices, s.producers, s.consumers, s.colocated)
         for role, count in (("producer", s.producers), ("consumer", s.consumers),
@@ -172,6 +172,12 @@ class LocalCluster:
                 self._spawn(name, ["ip", "netns", "exec", ns, *cmd] if ns else cmd)
         self.wait_ready(n, timeout)
         self.echo.set()
+
+    def worker_threads(self) -> int:
+        """Torch threads of each worker: --threads, else this host's usable cores split
+        among the workers (each taking all of them would oversubscribe the cores n times)."""
+        s = self.spec
+        return engine_threads(s.threads, share=s.producers + s.consumers + s.colocated)
 
     def status(self, timeout: float = 2.0) -> router_pb2.ClusterStatusResponse:
         with grpc.insecure_channel(self.router_address) as ch:
@@ -217,12 +223,24 @@ class LocalCluster:
         pgid = self.procs[name].pid
         return [p.pid for p in processes() if p.pgrp == pgid and p.state != "Z"]
 
-    def stop(self) -> None:
-        for p in self.procs.values():
+    def stop(self, drain_s: float = 30.0) -> None:
+        """Workers first, then the router: SIGTERM makes each worker drain and deregister
+        from the router, which must still be there to hear it (stopping it first made every
+        worker report "could not deregister"). A worker still running after ``drain_s``
+        (its requests outlived it) is killed, and so is a router that does not stop."""
+        workers = {n: p for n, p in self.procs.items() if n != "router"}
+        self._terminate(workers, drain_s)
+        self._terminate({n: p for n, p in self.procs.items() if n == "router"}, 15.0)
+
+    def _terminate(self, procs: dict[str, subprocess.Popen[bytes]], wait_s: float) -> None:
+        for p in procs.values():
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        end = time.monotonic() + 15
-        for p in self.procs.values():
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        end = time.monotonic() + wait_s
+        for p in procs.values():
             try:
                 p.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -177,20 +177,22 @@ def node_checks() -> list[Check]:
     return [*check_packages(), *check_cuda(), *check_ucx(), check_thp()]
 
 
-def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0) -> list[Check]:
+def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0,
+                   router_ca: str = "") -> list[Check]:
     """The cluster as the router sees it, and this node's reach to each worker."""
     import grpc
     from pdserve.v1 import router_pb2, router_pb2_grpc
 
     from deploy.cluster import ROLE_NAMES
+    from deploy.router_client import auth_metadata, channel, error_line
 
-    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
     try:
-        with grpc.insecure_channel(router) as ch:
+        with channel(router, router_ca) as ch:
             status = router_pb2_grpc.RouterStub(ch).ClusterStatus(
-                router_pb2.ClusterStatusRequest(), timeout=timeout, metadata=metadata)
+                router_pb2.ClusterStatusRequest(), timeout=timeout,
+                metadata=auth_metadata(api_key))
     except grpc.RpcError as e:
-        return [Check("router", FAIL, f"{router}: {e.code().name} {e.details()}")]
+        return [Check("router", FAIL, error_line(router, e))]
     out = [Check("router", PASS, f"{router}, policy {status.policy}, "
                                  f"{len(status.workers)} worker(s)")]
     roles = {ROLE_NAMES.get(w.role, "?") for w in status.workers if w.healthy and not w.draining}
@@ -228,6 +230,3 @@ def render(checks: list[Check]) -> str:
 def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == FAIL for c in checks) else 0
 
-
-def env_api_key() -> str:
-    return os.environ.get("PDSERVE_API_KEY", "")

@@ -8,8 +8,11 @@ from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
 from engine.sim_config import SimConfig
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
+def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """The engine's flags on ``p``, less those named in ``skip`` (e.g. ``"--devices"``, which
+    `launch` defines with its own meaning). The dests added are recorded in
+    ``p``'s default ``engine_dests`` so `launch` can pass them on (``engine_flag_args``)."""
+    g = _Skipping(p.add_argument_group("engine"), skip)
     g.add_argument("--model", default=None,
                    help="'smollm2' (the embedded default), an HF model directory or a .gguf file")
     g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES),
@@ -54,6 +57,41 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "step")
     g.add_argument("--simulate-eos-prob", type=float, default=0.0, metavar="P",
                    help="with --simulate-step-ms: chance that a token (past min_tokens) is EOS")
+
+
+    p.set_defaults(engine_dests=tuple(g.dests))
+
+
+class _Skipping:
+    """An argument group that leaves out the flags in ``skip`` and notes the dests it adds."""
+
+    def __init__(self, group: argparse._ArgumentGroup, skip: tuple[str, ...]) -> None:
+        self.group = group
+        self.skip = skip
+        self.dests: list[str] = []
+
+    def add_argument(self, flag: str, **kw: object) -> None:
+        if flag in self.skip:
+            return
+        action = self.group.add_argument(flag, **kw)  # type: ignore[arg-type]
+        self.dests.append(action.dest)
+
+
+def engine_flag_args(args: argparse.Namespace, parser_defaults: dict[str, object]
+                     ) -> tuple[str, ...]:
+    """The engine flags given on this command line (those not at their default), as flags
+    for a worker: how `launch` hands every engine flag to the workers it starts."""
+    out: list[str] = []
+    for dest in getattr(args, "engine_dests", ()):
+        value = getattr(args, dest)
+        if value == parser_defaults.get(dest):
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag)  # store_true: only True differs from the default
+        else:
+            out.append(f"{flag}={value}")
+    return tuple(out)
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:

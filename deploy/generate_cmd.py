@@ -24,14 +24,23 @@ def add_generate_parser(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (default 0: the cores this process may use, cgroup "
+                        "quota and affinity included)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (token_ids, text, finish_reason, ...)")
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from deploy.cpu_threads import engine_threads
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
+
+    threads = engine_threads(args.threads)
+    torch.set_num_threads(threads)  # before the engine exists: its ranks split this count
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -52,7 +61,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"prompt_token_ids": prompt_ids, "token_ids": token_ids, "text": text,
                           "finish_reason": finish, "num_prompt_tokens": len(prompt_ids),
-                          "num_output_tokens": len(token_ids)}))
+                          "num_output_tokens": len(token_ids), "threads": threads}))
     else:
         sys.stdout.write("\n")
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from deploy.cluster import ROLE_NAMES, ClusterSpec, ClusterStartError, LocalCluster
 from deploy.cluster_config import apply_config, load_cluster_config
+from deploy.engine_args import add_engine_args, engine_flag_args
 from deploy.launch_checks import check_devices, check_host, check_model, check_port
 from deploy.supervisor import RouterExited, Supervisor
 from transfer.types import BACKENDS
@@ -38,7 +39,8 @@ def add_launch_parser(sub: Any) -> None:
                    help="ucx: any hosts (TCP, shared memory, cuda_ipc); nixl: RDMA between "
                         "hosts; ipc: one host only, the consumer maps the producer's pool")
     p.add_argument("--threads", type=int, default=0,
-                   help="torch threads per worker (default: cores / workers)")
+                   help="torch threads per worker (default 0: the cores this process may "
+                        "use, cgroup quota and affinity included, split among the workers)")
     p.add_argument("--devices", default="",
                    help="comma-separated devices (cpu, cuda:0, ...) cycled over producers, "
                         "then consumers, then colocated workers: each gets --device")
@@ -51,6 +53,9 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--config", default=None,
                    help="a cluster.yaml (model, workers, devices, ports, engine flags, "
                         "policies); flags given on the command line win")
+    # Every engine flag, passed on to each worker; launch's own --model (router too),
+    # --devices (one per worker, cycled) and --tensor-parallel-size stand for the engine's.
+    add_engine_args(p, skip=("--model", "--devices", "--tensor-parallel-size"))
     p.set_defaults(func=run_launch, launch_defaults={
         a.dest: a.default for a in p._actions if a.dest != "help"})
 
@@ -76,11 +81,12 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     tp_args = (f"--tensor-parallel-size={tp}",) if tp > 1 else ()
     # Its own cluster gets its own secret: workers refuse calls from outside it.
     token = args.cluster_token or secrets.token_hex(16)
+    engine = engine_flag_args(args, args.launch_defaults)
     return ClusterSpec(producers=args.producers, consumers=args.consumers,
                        colocated=args.colocated, model=args.model, host=args.host,
                        grpc_port=args.grpc_port, http_port=args.http_port, policy=args.policy,
                        transfer_backend=args.transfer_backend, threads=args.threads,
-                       worker_args=(*args.worker_arg, *tp_args), api_key=args.api_key,
+                       worker_args=(*args.worker_arg, *engine, *tp_args), api_key=args.api_key,
                        cluster_token=token, devices=devices)
 
 

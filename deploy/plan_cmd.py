@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any
 
 from deploy.benchmark.workload import LengthRange
@@ -51,6 +52,9 @@ def add_plan_parser(sub: Any) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--accept-untrusted-profile", action="store_true",
+                   help="plan even on a profile with noisy or out-of-order points (its "
+                        "ranking may be wrong)")
     p.set_defaults(func=run_plan)
     ps = p.add_subparsers(dest="plan_command")
     prof = ps.add_parser("profile", help="measure this device's worker profile")
@@ -59,8 +63,16 @@ def add_plan_parser(sub: Any) -> None:
     prof.add_argument("--prefill-tokens", default="16,64,128,256,512")
     prof.add_argument("--decode-batch", default="1,4,16")
     prof.add_argument("--decode-context", default="64,512")
-    prof.add_argument("--reps", type=int, default=3)
-    prof.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    prof.add_argument("--reps", type=int, default=3,
+                      help="timings per point that must agree within --tolerance (their "
+                           "median is the point)")
+    prof.add_argument("--max-reps", type=int, default=15,
+                      help="timings per point at most while they do not agree")
+    prof.add_argument("--tolerance", type=float, default=0.15,
+                      help="relative spread, (max - min) / median, under which timings agree")
+    prof.add_argument("--threads", type=int, default=0,
+                      help="torch threads (default 0: the cores this process may use, "
+                           "cgroup quota and affinity included)")
     prof.add_argument("--transfer-backend", default="ucx")
     prof.set_defaults(func=run_profile)
     add_apply_parser(ps)
@@ -88,6 +100,14 @@ def run_plan(args: argparse.Namespace) -> int:
     if not 0 < slos.attainment <= 1:
         raise ValueError(f"--slo-attainment: must be in (0, 1], got {slos.attainment}")
     profile = Profile.load(args.profile)
+    untrusted = profile.trust_problems()
+    if untrusted:
+        listed = "; ".join(untrusted[:5]) + (f"; and {len(untrusted) - 5} more"
+                                             if len(untrusted) > 5 else "")
+        if not args.accept_untrusted_profile:
+            raise ValueError(f"--profile: {args.profile} cannot be trusted ({listed}); measure "
+                             "again on a quiet machine (or pass --accept-untrusted-profile)")
+        print(f"WARNING: planning on an untrusted profile: {listed}", file=sys.stderr)
     n = args.num_prompts or max(200, int(rate * 120))
     out_len = LengthRange.parse("--output-len", args.output_len)
     if args.dataset:
@@ -102,6 +122,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         result = fewest_gpus(profile, args.max_gpus, work, slos, limits, args.policy)
     result["launch"] = launch_lines(result["best"], profile.model, args.policy)
+    if "met" not in result:  # --gpus: say whether the best split meets the SLOs at all
+        result["met"] = bool(result["best"]["meets_slos"])
     if args.json:
         print(json.dumps(result))
         return 0
@@ -112,9 +134,17 @@ def run_plan(args: argparse.Namespace) -> int:
     if result["over_capacity"]:
         print(f"\nthe rate {rate:g}/s is past every split's capacity on {result['gpus']} "
               "workers: none keeps up")
-    if "met" in result and not result["met"]:
-        print(f"\nno split of up to {args.max_gpus} workers meets the SLOs at {rate:g}/s")
-    print(f"\nbest on {result['gpus']} workers: {result['best']['split']}")
+    if not result["met"]:
+        best = result["best"]
+        size = (f"up to {args.max_gpus}" if args.max_gpus is not None else str(args.gpus))
+        warning = (f"WARNING: no split of {size} workers meets the SLOs at {rate:g}/s: the "
+                   f"best, {best['split']}, has {100 * best['slo_attainment']:.1f}% of "
+                   f"requests within both (needs {100 * slos.attainment:g}%)")
+        if args.gpus is not None:
+            warning += "; try --max-gpus N to find how many would"
+        print(f"\n{warning}")
+    met = "" if result["met"] else " (does NOT meet the SLOs)"
+    print(f"\nbest on {result['gpus']} workers: {result['best']['split']}{met}")
     for line in result["launch"]:
         print(f"  {line}")
     return 0
@@ -132,16 +162,31 @@ def _dataset_lengths(args: argparse.Namespace, n: int,
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    import torch
+
+    from deploy.cpu_threads import engine_threads
     from deploy.plan.measure import Grid, measure_profile, parse_ints
 
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(engine_threads(args.threads))
+    if args.reps < 1 or args.max_reps < args.reps:
+        raise ValueError(f"--reps/--max-reps: need 1 <= --reps <= --max-reps, got "
+                         f"{args.reps} and {args.max_reps}")
+    if not 0 < args.tolerance < 10:
+        raise ValueError(f"--tolerance: must be a relative spread in (0, 10), got "
+                         f"{args.tolerance}")
     grid = Grid(parse_ints("--prefill-tokens", args.prefill_tokens),
                 parse_ints("--decode-batch", args.decode_batch),
-                parse_ints("--decode-context", args.decode_context), args.reps)
+                parse_ints("--decode-context", args.decode_context), args.reps,
+                args.max_reps, args.tolerance)
     profile = measure_profile(engine_config(args), grid, args.transfer_backend)
     profile.save(args.out)
     print(f"wrote {args.out}")
+    if profile.problems:
+        print(f"WARNING: {args.out} cannot be trusted, and `pdserve plan` will refuse it:",
+              file=sys.stderr)
+        for line in profile.problems:
+            print(f"  {line}", file=sys.stderr)
+        print("measure again on a quiet machine (other load skews every point), or with "
+              "more --max-reps", file=sys.stderr)
+        return 1
     return 0

@@ -120,9 +120,13 @@ def _healthy(router: str) -> dict[str, list[str]]:
     import grpc
     from pdserve.v1 import router_pb2, router_pb2_grpc
 
+    from deploy.router_client import API_KEY_ENV, auth_metadata
+
     with grpc.insecure_channel(router) as ch:
+        # the router step inherits $PDSERVE_API_KEY and then requires it from this call too
         status = router_pb2_grpc.RouterStub(ch).ClusterStatus(
-            router_pb2.ClusterStatusRequest(), timeout=3)
+            router_pb2.ClusterStatusRequest(), timeout=3,
+            metadata=auth_metadata(os.environ.get(API_KEY_ENV, "")))
     out: dict[str, list[str]] = {"producer": [], "consumer": [], "colocated": []}
     for w in status.workers:
         if w.healthy and ROLE_NAMES.get(w.role) in out:
@@ -179,17 +183,26 @@ def main() -> int:
                 written = True
                 print(f"pdserve: ready; endpoints in {endpoint_file}", flush=True)
     finally:
-        for s in steps.values():
+        stop_steps(steps)
+    return code
+
+
+def stop_steps(steps: dict[str, Any], wait_s: float = 30.0) -> None:
+    """SIGTERM (srun forwards it to its task) to the workers first, each of which drains and
+    deregisters from the router, then to the router: stopped first, it would leave every
+    worker unable to deregister. A step that outlives ``wait_s`` is killed."""
+    for group in ([s for n, s in steps.items() if n != "router"],
+                  [s for n, s in steps.items() if n == "router"]):
+        for s in group:
             if s.poll() is None:
-                s.send_signal(signal.SIGTERM)  # srun forwards it to its task
-        end = time.monotonic() + 30
-        for s in steps.values():
+                s.send_signal(signal.SIGTERM)
+        end = time.monotonic() + wait_s
+        for s in group:
             try:
                 s.wait(max(0.1, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 s.kill()
                 s.wait(10)
-    return code
 
 
 if __name__ == "__main__":

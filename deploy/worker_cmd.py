@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import uuid
 from typing import Any
 
 from consumer.role import make_colocated_handler, make_consumer_handler
 from consumer.servicer import ConsumerServicer
+from deploy.cpu_threads import engine_threads
 from deploy.engine_args import add_engine_args, engine_config
 from producer.role import make_producer_handler
 from producer.servicer import ProducerServicer
@@ -40,7 +42,9 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--advertise-host", default="",
                    help="address peers dial (default: --host); set when binding 0.0.0.0")
     g.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-    g.add_argument("--worker-id", default="")
+    g.add_argument("--worker-id", default="",
+                   help="the worker's name at the router (default: worker-<random>; no role "
+                        "in it, since the router may change the role)")
     g.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret to join the router and to push KV into consumers "
                         "(default: $PDSERVE_CLUSTER_TOKEN)")
@@ -49,7 +53,8 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
     g.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port on --host (0: any free port, logged; -1: off)")
     g.add_argument("--threads", type=int, default=0,
-                   help="torch threads of the engine process (0: torch's default)")
+                   help="torch threads of the engine process (default 0: the cores this "
+                        "process may use, cgroup quota and affinity included)")
     g.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="on SIGTERM (and before a role change) the worker deregisters, takes "
                         "no new requests and lets those in flight finish for up to this many "
@@ -96,8 +101,14 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
                     "cluster_token": args.cluster_token}
     return EngineSpec(role=role, engine=engine_config(args, **overrides),
                       handler_factory=ROLE_PARTS[role][0], transfer=transfer,
-                      threads=args.threads, lease_s=args.lease,
+                      threads=engine_threads(args.threads), lease_s=args.lease,
                       reservation_s=args.reservation_timeout)
+
+
+def worker_id(args: argparse.Namespace) -> str:
+    """The id given, else a role-neutral one: the id outlives a role change (the router and
+    peers keep using it), so a role in it would be wrong after the first change."""
+    return args.worker_id or f"worker-{uuid.uuid4().hex[:6]}"
 
 
 def run_worker_cmd(args: argparse.Namespace) -> int:
@@ -117,6 +128,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
                             cluster_token=args.cluster_token, metrics_port=args.metrics_port,
                             router_ca=args.router_ca)
 
+    args.worker_id = worker_id(args)
     config_for(args.command)  # bad flags fail here, before anything starts
     return run_worker_roles(config_for, args.command, args.drain_timeout)
 

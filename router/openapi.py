@@ -73,10 +73,13 @@ def openapi_document(model_ids: list[str], secured: bool, max_model_len: int = 0
     text_part = {"type": "object", "required": ["type", "text"], "properties": {
         "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant"]},
+        "role": {"type": "string",
+                 "enum": ["system", "developer", "user", "assistant", "tool"]},
         "content": {"oneOf": [{"type": "string"},
                               {"type": "array", "items": text_part, "minItems": 1}]},
-        "name": {"type": "string"}}}
+        "name": {"type": "string"},
+        "tool_call_id": {"type": "string", "minLength": 1,
+                         "description": "required when role is tool"}}}
     chat_req = {"type": "object", "required": ["messages"], "properties": {
         "model": model, "messages": {"type": "array", "minItems": 1, "items": message},
         "max_completion_tokens": _int(1, max_tokens),

@@ -8,7 +8,10 @@ Lifecycle of one change (one at a time per router):
                             picked for new work, its in-flight requests go on) and has a
                             target role, which it reads from its next Orders poll
                   ──▶ the worker drains (its --drain-timeout), rebuilds its engine in the
-                      new role in place and Registers again (same id, same address)
+                      new role in place and Registers again (same id, same address);
+                      while it rebuilds it sends no heartbeat, which is planned: the
+                      changer keeps its entry alive (``_expect_silence``) so the sweep
+                      neither drops it nor logs it as a lost worker
                   registered  a new incarnation in the target role: the next step starts
                 [guard: step_timeout_s per step; past it, or if the worker comes back in
                  another role, the change stops there with an error]
@@ -165,16 +168,36 @@ class RoleChanger:
         log.info("role change: %s (draining)", step.describe())
         progress(progress_msg(step, "draining", f"{step.describe()}: draining"))
         end = reg.clock() + timeout_s
+        silent_since = 0.0
         while True:
             w = reg.get(step.worker_id)
+            if w is old:
+                silent_since = self._expect_silence(step, old, silent_since)
             if w is not None and w is not old:  # it registered again
                 if w.role != step.to_role:
                     return (f"{step.worker_id} came back as {w.role_name}, not "
                             f"{ROLE_NAMES[step.to_role]}")
-                log.info("role change: %s (registered)", step.describe())
+                log.info("role change: %s (registered: %s is now a %s worker)", step.describe(),
+                         step.worker_id, ROLE_NAMES[step.to_role])
                 progress(progress_msg(step, "registered", f"{step.describe()}: registered"))
                 return ""
             if reg.clock() > end:
                 return (f"{step.worker_id} did not register as {ROLE_NAMES[step.to_role]} "
                         f"within {timeout_s:g} s")
             await asyncio.sleep(0.1)
+
+    def _expect_silence(self, step: Step, old: WorkerInfo, silent_since: float) -> float:
+        """A worker ordered to change role stops heartbeating while it rebuilds: planned,
+        not a failure. Its (draining, never picked) entry is kept alive until it registers
+        again or the step times out (then the sweep drops it as any silent worker). Returns
+        when the silence began (0: it still heartbeats)."""
+        now = self.registry.clock()
+        if not silent_since and now - old.last_heartbeat <= min(
+                1.0, self.registry.heartbeat_timeout_s / 2):
+            return 0.0
+        if not silent_since:
+            log.info("role change: %s (rebuilding as %s; no heartbeats until it registers "
+                     "again, as planned)", step.describe(), ROLE_NAMES[step.to_role])
+            silent_since = now
+        old.last_heartbeat = now  # what a heartbeat would do: the sweep leaves it be
+        return silent_since

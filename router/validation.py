@@ -21,7 +21,9 @@ from engine.sampling_fields import wire_values
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
-CHAT_ROLES = ("system", "user", "assistant")
+# OpenAI's roles ("developer" is renamed "system" by the HTTP door); a "tool" message is
+# a tool's result, rendered by the chat template like any other turn.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class RequestError(Exception):
@@ -71,13 +73,16 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
     if req.model and req.model not in model_names:
         raise invalid(f"model: {req.model!r} is not served here (served: "
                       f"{', '.join(sorted(model_names))})")
+    # One limit, one message, checked before the engine's own ">= 1" rule: the HTTP door
+    # says the same (router/openai_request.py).
+    if req.sampling.HasField("max_tokens") and not 1 <= req.sampling.max_tokens \
+            <= max_tokens_limit:
+        raise invalid(f"sampling.max_tokens: must be in [1, {max_tokens_limit}], "
+                      f"got {req.sampling.max_tokens}")
     try:
         params = engine_params(req.sampling)
     except ValueError as e:
         raise invalid(str(e)) from e
-    if params.max_tokens > max_tokens_limit:
-        raise invalid(f"sampling.max_tokens: must be <= {max_tokens_limit}, "
-                      f"got {params.max_tokens}")
     try:
         check_ids(params.stop_token_ids, tokenizer.vocab_size, "sampling.stop_token_ids")
     except ValueError as e:

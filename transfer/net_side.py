@@ -30,6 +30,7 @@ from transfer.types import (
     TransferStatus,
     TransferUpdate,
 )
+from transfer.ucx_net import restrict_to_host
 from transfer.wire import MAX_FRAME_BYTES, Kind, MalformedMessage, Message
 
 log = logging.getLogger("pdserve.transfer")
@@ -80,6 +81,10 @@ class NetSide(IOLoop, Generic[R]):
         # Without a cluster token any stranger can hand us data-plane info, and UCX aborts
         # the process on a malformed worker address: vet it in a child first (plane_probe).
         # NIXL checks the agent metadata it loads (garbage raises), ipc checks its own.
+        if config.backend in ("ucx", "nixl"):
+            # before any UCX context here or in the probe's child: UCX listens on every
+            # device it may use, and the operator named one address (transfer/ucx_net.py)
+            restrict_to_host(config.host)
         self._probe = None
         if config.backend == "ucx" and not config.cluster_token:
             self._probe = plane_probe.shared(config.backend)

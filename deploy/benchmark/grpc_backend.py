@@ -10,6 +10,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from deploy.benchmark.backend import Backend, SamplingChoice
 from deploy.benchmark.record import RequestRecord
 from deploy.benchmark.workload import RequestSpec
+from deploy.router_client import RouterError, aio_channel, auth_metadata, error_line
 
 FAILED_REASONS = {common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT}
 # Long prompts and many concurrent streams: lift gRPC's default message limits.
@@ -31,13 +32,15 @@ def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
 class GrpcBackend(Backend):
     name = "grpc"
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str = "", router_ca: str = "") -> None:
         self.address = address
+        self.router_ca = router_ca
+        self.metadata = auth_metadata(api_key)
         self._channel: grpc.aio.Channel | None = None
         self._stub: router_pb2_grpc.RouterStub | None = None
 
     async def open(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self._channel = aio_channel(self.address, self.router_ca, options=CHANNEL_OPTIONS)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
     async def close(self) -> None:
@@ -46,7 +49,11 @@ class GrpcBackend(Backend):
 
     async def workers(self) -> int:
         assert self._stub is not None
-        st = await self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10)
+        try:
+            st = await self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10,
+                                                metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:  # the first call: a wrong key or address ends here
+            raise RouterError(error_line(self.address, e)) from None
         return sum(1 for w in st.workers if w.healthy)
 
     async def send(self, spec: RequestSpec, rec: RequestRecord,
@@ -60,7 +67,8 @@ class GrpcBackend(Backend):
         counted = 0
         rec.start = time.perf_counter()
         try:
-            async for msg in self._stub.Generate(req, timeout=sampling.timeout_s):
+            async for msg in self._stub.Generate(req, timeout=sampling.timeout_s,
+                                                 metadata=self.metadata):
                 now = time.perf_counter()
                 if msg.token_ids:
                     rec.arrivals.append((now, len(msg.token_ids)))

@@ -15,18 +15,22 @@ from typing import Any
 from deploy.benchmark.backend import Backend, SamplingChoice
 from deploy.benchmark.record import RequestRecord
 from deploy.benchmark.workload import RequestSpec
+from deploy.router_client import API_KEY_ENV, RouterError
 
 
 class OpenAIBackend(Backend):
     name = "openai"
 
     def __init__(self, base_url: str, model: str | None = None,
-                 status_address: str | None = None) -> None:
+                 status_address: str | None = None, api_key: str = "",
+                 router_ca: str = "") -> None:
         self.base_url = base_url.rstrip("/")
         if not self.base_url.endswith("/v1"):
             self.base_url += "/v1"
         self.model = model
         self.status_address = status_address  # the router's gRPC address, for worker counts
+        self.api_key = api_key
+        self.router_ca = router_ca  # CA of an https:// router (and of its gRPC TLS)
         self._session: Any = None
 
     async def open(self) -> None:
@@ -35,18 +39,33 @@ class OpenAIBackend(Backend):
         except ImportError:
             raise ValueError("--backend openai needs the 'aiohttp' package "
                              "(pip install aiohttp)") from None
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        connector = None
+        if self.router_ca:
+            import ssl
+
+            connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(
+                cafile=self.router_ca))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                              headers=headers, connector=connector)
         if self.model is None:
             try:
                 async with self._session.get(f"{self.base_url}/models") as resp:
                     body = await resp.text()
+                    if resp.status == 401:
+                        raise RouterError(
+                            f"the router at {self.base_url} refused the call: HTTP 401 "
+                            f"(pass its key with --api-key or ${API_KEY_ENV})")
                     if resp.status != 200:
-                        raise ValueError(f"GET {self.base_url}/models: HTTP {resp.status}: "
-                                         f"{body[:200]}")
+                        raise RouterError(f"GET {self.base_url}/models: HTTP {resp.status}: "
+                                          f"{' '.join(body[:200].split())}")
                     self.model = json.loads(body)["data"][0]["id"]
             except aiohttp.ClientError as e:
                 await self.close()
-                raise ValueError(f"--base-url: cannot reach {self.base_url}: {e}") from None
+                raise RouterError(f"cannot reach the router at {self.base_url}: {e}") from None
+            except RouterError:
+                await self.close()
+                raise
 
     async def close(self) -> None:
         if self._session is not None:
@@ -58,7 +77,7 @@ class OpenAIBackend(Backend):
             return 0
         from deploy.benchmark.grpc_backend import GrpcBackend
 
-        g = GrpcBackend(self.status_address)
+        g = GrpcBackend(self.status_address, self.api_key, self.router_ca)
         await g.open()
         try:
             return await g.workers()

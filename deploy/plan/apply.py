@@ -5,9 +5,10 @@ drains each before it changes role; no request is lost."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Any
+
+from deploy.router_client import add_router_client_args, auth_metadata, channel, error_line
 
 ROLE_WORDS = {1: "producer", 2: "consumer", 3: "colocated"}
 
@@ -20,10 +21,7 @@ def add_apply_parser(ps: Any) -> None:
     a.add_argument("--producers", type=int, required=True)
     a.add_argument("--consumers", type=int, required=True)
     a.add_argument("--colocated", type=int, default=0)
-    a.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""),
-                   help="the router's API key (default: $PDSERVE_API_KEY)")
-    a.add_argument("--router-ca", default="",
-                   help="PEM CA certificate of a TLS router (its --tls-cert); default plaintext")
+    add_router_client_args(a)
     a.add_argument("--step-timeout", type=float, default=0.0,
                    help="seconds one worker's change (drain, rebuild, re-register) may take "
                         "(0: the router's default, 300)")
@@ -39,16 +37,10 @@ def run_apply(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag}: must be >= 0, got {getattr(args, flag)}")
     if args.step_timeout < 0:
         raise ValueError(f"--step-timeout: must be >= 0, got {args.step_timeout}")
-    if args.router_ca:
-        with open(args.router_ca, "rb") as f:
-            creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-        channel = grpc.secure_channel(args.router, creds)
-    else:
-        channel = grpc.insecure_channel(args.router)
-    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else ()
+    metadata = auth_metadata(args.api_key)
     error = "the router ended the change without a final message"
-    with channel:
-        stub = router_pb2_grpc.AdminStub(channel)
+    with channel(args.router, args.router_ca) as ch:
+        stub = router_pb2_grpc.AdminStub(ch)
         try:
             for msg in stub.ChangeSplit(router_pb2.ChangeSplitRequest(
                     producers=args.producers, consumers=args.consumers,
@@ -58,7 +50,7 @@ def run_apply(args: argparse.Namespace) -> int:
                 if msg.done:
                     error = msg.error
         except grpc.RpcError as e:
-            error = f"{e.code().name}: {e.details()}"  # type: ignore[attr-defined]
+            error = error_line(args.router, e)
     if error:
         print(f"pdserve: error: {error}", file=sys.stderr, flush=True)
         return 1

@@ -7,6 +7,12 @@ File format, version 1 (JSON)::
      "decode": {"batch": [int...], "context": [int...], "ms": [[float per context] per batch]},
      "kv_capacity_tokens": int, "kv_bytes_per_token": int, "transfer_GBps": float}
 
+Optional keys (written by `pdserve plan profile`): ``prefill.spread`` and ``decode.spread``
+(same shapes as ``ms``: each point's relative spread, (max - min) / median of the timings
+kept), ``tolerance`` (the spread a point had to get under) and ``problems`` (one line per
+noisy or out-of-order point). `pdserve plan` refuses a profile with problems, those stored
+and those it finds itself (a curve that falls where cost must grow).
+
 ``prefill.ms[i]`` is one engine step that computes ``prefill.tokens[i]`` prompt tokens;
 ``decode.ms[b][c]`` is one decode step of ``decode.batch[b]`` sequences whose context is
 ``decode.context[c]`` tokens each. Grids are strictly increasing.
@@ -31,6 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 VERSION = 1
+DEFAULT_TOLERANCE = 0.15  # relative spread of a point's timings under which they agree
 
 
 class ProfileError(ValueError):
@@ -73,6 +80,10 @@ class Profile:
     kv_bytes_per_token: int
     transfer_GBps: float
     version: int = VERSION
+    prefill_spread: tuple[float, ...] = ()  # per prefill point; () when not measured
+    decode_spread: tuple[tuple[float, ...], ...] = ()  # [batch index][context index]
+    tolerance: float = DEFAULT_TOLERANCE  # the spread a point had to get under
+    problems: tuple[str, ...] = ()  # what the measurement found wrong, one line each
 
     @property
     def sync_steps(self) -> bool:
@@ -101,11 +112,26 @@ class Profile:
 
     # -- the file -----------------------------------------------------------------------
 
+    def trust_problems(self) -> list[str]:
+        """Why this profile cannot be trusted: the problems its measurement recorded and
+        those visible in its numbers; [] when it can be."""
+        found = problems(self, self.tolerance)
+        return [*self.problems, *(p for p in found if p not in self.problems)]
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        for key in ("prefill_spread", "decode_spread", "tolerance", "problems"):
+            d.pop(key)
         d["prefill"] = {"tokens": list(self.prefill.tokens), "ms": list(self.prefill.ms)}
         d["decode"] = {"batch": list(self.decode.batch), "context": list(self.decode.context),
                        "ms": [list(r) for r in self.decode.ms]}
+        if self.prefill_spread:
+            d["prefill"]["spread"] = list(self.prefill_spread)
+        if self.decode_spread:
+            d["decode"]["spread"] = [list(r) for r in self.decode_spread]
+        if self.prefill_spread or self.decode_spread:
+            d["tolerance"] = self.tolerance
+            d["problems"] = list(self.problems)
         return {"version": self.version, **{k: v for k, v in d.items() if k != "version"}}
 
     def save(self, path: str) -> None:
@@ -145,18 +171,41 @@ class Profile:
         dms = tuple(_floats(r, f"decode.ms[{i}]", len(context)) if isinstance(r, list)
                     else _bad(f"decode.ms[{i}]", "a list of numbers", r)
                     for i, r in enumerate(rows))
+        psp = _spreads(pre.get("spread"), "prefill.spread", len(tokens))
+        dsp_raw = dec.get("spread")
+        if dsp_raw is not None and (not isinstance(dsp_raw, list) or len(dsp_raw) != len(batch)):
+            _bad("decode.spread", f"a list of {len(batch)} rows", dsp_raw)
+        dsp = tuple(_spreads(r, f"decode.spread[{i}]", len(context))
+                    for i, r in enumerate(dsp_raw or ()))
+        tol = data.get("tolerance", DEFAULT_TOLERANCE)
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
+            _bad("tolerance", "a positive number", tol)
+        probs = data.get("problems", [])
+        if not isinstance(probs, list) or not all(isinstance(x, str) for x in probs):
+            _bad("problems", "a list of strings", probs)
         p = Profile(model=_field(data, "model", str), device=_field(data, "device", str),
                     block_size=_field(data, "block_size", int),
                     prefill=PrefillCurve(tokens, pms), decode=DecodeGrid(batch, context, dms),
                     kv_capacity_tokens=_field(data, "kv_capacity_tokens", int),
                     kv_bytes_per_token=_field(data, "kv_bytes_per_token", int),
-                    transfer_GBps=float(_field(data, "transfer_GBps", (int, float))))
+                    transfer_GBps=float(_field(data, "transfer_GBps", (int, float))),
+                    prefill_spread=psp, decode_spread=dsp, tolerance=float(tol),
+                    problems=tuple(probs))
         for key in ("block_size", "kv_capacity_tokens", "kv_bytes_per_token", "transfer_GBps"):
             if getattr(p, key) <= 0:
                 raise ProfileError(f"profile: {key}: must be > 0, got {getattr(p, key)}")
         if p.kv_capacity_tokens < p.block_size:
             raise ProfileError("profile: kv_capacity_tokens: smaller than one block")
         return p
+
+
+def _spreads(v: Any, key: str, n: int) -> tuple[float, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, list) or len(v) != n or any(
+            isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0 for x in v):
+        _bad(key, f"{n} non-negative numbers (one per grid point)", v)
+    return tuple(float(x) for x in v)
 
 
 def _bad(key: str, what: str, value: Any) -> Any:
@@ -190,3 +239,48 @@ def _floats(v: list[Any], key: str, n: int) -> tuple[float, ...]:
     if any(isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0 for x in v):
         _bad(key, "positive numbers (milliseconds)", v)
     return tuple(float(x) for x in v)
+
+
+# A later grid point may cost less than an earlier one by this much before it counts as
+# out of order: at the smallest sizes a step's fixed cost dominates and timings are flat.
+MONOTONE_SLACK = 0.10
+
+
+def out_of_order(xs: tuple[int, ...], ys: list[float],
+                 spreads: tuple[float, ...] | list[float] = ()) -> list[int]:
+    """Indexes i whose value falls below the one before by more than the slack, or than
+    the two points' own spreads when those are larger (their noise explains that much)."""
+    sp = list(spreads) or [0.0] * len(ys)
+    return [i for i in range(1, len(ys))
+            if ys[i] < ys[i - 1] * (1 - max(MONOTONE_SLACK, sp[i - 1] + sp[i]))]
+
+
+def problems(profile: Profile, tolerance: float) -> list[str]:
+    """What makes a profile untrustworthy: noisy points and curves that fall where cost
+    must grow (more tokens, a bigger batch, a longer context). One line each."""
+    out = []
+    pre, dec = profile.prefill, profile.decode
+    for t, ms, sp in zip(pre.tokens, pre.ms, profile.prefill_spread or (), strict=False):
+        if sp > tolerance:
+            out.append(f"prefill {t} tokens: noisy ({ms:.2f} ms, spread {100 * sp:.0f}%)")
+    for i in out_of_order(pre.tokens, list(pre.ms), profile.prefill_spread):
+        out.append(f"prefill {pre.tokens[i]} tokens takes {pre.ms[i]:.2f} ms, less than "
+                   f"{pre.tokens[i - 1]} tokens ({pre.ms[i - 1]:.2f} ms)")
+    for b, row in enumerate(dec.ms):
+        sps = profile.decode_spread[b] if profile.decode_spread else ()
+        for c, (ms, sp) in enumerate(zip(row, sps, strict=False)):
+            if sp > tolerance:
+                out.append(f"decode batch {dec.batch[b]} context {dec.context[c]}: noisy "
+                           f"({ms:.2f} ms, spread {100 * sp:.0f}%)")
+        for c in out_of_order(dec.context, list(row), sps):
+            out.append(f"decode batch {dec.batch[b]}: context {dec.context[c]} takes "
+                       f"{row[c]:.2f} ms, less than context {dec.context[c - 1]} "
+                       f"({row[c - 1]:.2f} ms)")
+    for c in range(len(dec.context)):
+        col = [row[c] for row in dec.ms]
+        col_sp = [r[c] for r in profile.decode_spread] if profile.decode_spread else []
+        for b in out_of_order(dec.batch, col, col_sp):
+            out.append(f"decode context {dec.context[c]}: batch {dec.batch[b]} takes "
+                       f"{col[b]:.2f} ms, less than batch {dec.batch[b - 1]} "
+                       f"({col[b - 1]:.2f} ms)")
+    return out

@@ -20,7 +20,7 @@ import torch
 
 from engine import host_memory
 from engine.kv_layout import KVLayout
-from transfer import TransferConfig, TransferNotice, make_receiver, make_sender
+from transfer import TransferConfig, TransferNotice, make_receiver, make_sender, plane_probe
 
 TAG = "probe: "
 
@@ -100,6 +100,9 @@ def measure_transfer_GBps(layout: KVLayout, tokens: int = 2048, reps: int = 5,
     finally:
         if tx is not None:
             tx.close()
+            # the sender's address-vetting child (transfer/plane_probe.py) would otherwise
+            # live until this process exits: in a test run, past the run's end
+            plane_probe.close_all()
         try:
             child.wait(10)
         except subprocess.TimeoutExpired:

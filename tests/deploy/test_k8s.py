@@ -82,8 +82,6 @@ def test_overlay_has_what_a_cluster_needs(overlay: Path) -> None:
     assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
             for p in pol["from"]} == {"producer", "router"}
     assert 50070 in [p["port"] for p in pol["ports"]]
-    assert set(_by_kind(docs, "PodDisruptionBudget")) == {"pdserve-producer",
-                                                          "pdserve-consumer"}
     want = {"1p1d": (1, 1), "2p4d": (2, 4)}[overlay.name]
     assert (deps["pdserve-producer"]["spec"]["replicas"],
             deps["pdserve-consumer"]["spec"]["replicas"]) == want
@@ -110,3 +108,36 @@ def test_container_command_lines_are_the_cli_the_tests_run(overlay: Path) -> Non
             if args.command == "consumer":
                 assert args.kv_port == ports["kv"]
     assert seen == {"router", "producer", "consumer"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[o.name for o in OVERLAYS])
+def test_no_budget_blocks_a_node_drain(overlay: Path) -> None:
+    """A PodDisruptionBudget that keeps every replica of a Deployment (minAvailable: 1 on
+    one replica) makes `kubectl drain` of its node wait forever."""
+    docs = _render(overlay)
+    deps = _by_kind(docs, "Deployment")
+    covered = set()
+    for name, pdb in _by_kind(docs, "PodDisruptionBudget").items():
+        sel = pdb["spec"]["selector"]["matchLabels"]
+        matched = [d for d in deps.values()
+                   if sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert matched, f"{name} selects no Deployment"
+        for d in matched:
+            replicas = d["spec"]["replicas"]
+            covered.add(d["metadata"]["name"])
+            if "minAvailable" in pdb["spec"]:
+                assert pdb["spec"]["minAvailable"] < replicas, (name, replicas)
+            else:
+                assert pdb["spec"]["maxUnavailable"] >= 1, name
+    multi = {n for n, d in deps.items() if d["spec"]["replicas"] > 1}
+    assert covered == multi  # every pool that can lose a pod safely has a budget
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=[o.name for o in OVERLAYS])
+def test_the_locally_built_image_is_not_pulled_again(overlay: Path) -> None:
+    """docs/deployment.md builds the image on the node under a fixed tag: Always would try
+    to pull that tag from a registry that does not have it."""
+    for d in _by_kind(_render(overlay), "Deployment").values():
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            assert c["image"] == "ghcr.io/pdserve/pdserve:0.1.0"
+            assert c["imagePullPolicy"] == "IfNotPresent", d["metadata"]["name"]

@@ -183,6 +183,32 @@ async def _stream_chat(session: aiohttp.ClientSession, url: str, prompt: str) ->
         return 200, "".join(text)
 
 
+def test_pdserve_bench_with_api_key(cluster: LocalCluster, tmp_path: Any) -> None:
+    """`pdserve bench` against a keyed router: the key by flag (gRPC) and by
+    $PDSERVE_API_KEY (OpenAI HTTP) serves every request; a wrong key is one line, exit 1."""
+    bench = [sys.executable, "-m", "deploy.cli", "bench", "--router", cluster.router_address,
+             "--num-prompts", "4", "--warmup", "1", "--input-len", "16", "--output-len", "4",
+             "--ignore-eos", "--concurrency", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    out = tmp_path / "grpc.json"
+    r = subprocess.run([*bench, "--api-key", KEY, "--result-json", str(out)], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:] + dump_logs(cluster)
+    (point,) = json.loads(out.read_text())["configs"][0]["points"]
+    assert (point["metrics"]["completed"], point["metrics"]["failed"]) == (4, 0)
+    assert KEY not in out.read_text()
+    r = subprocess.run([*bench, "--backend", "openai", "--base-url", base(cluster)],
+                       env={**env, "PDSERVE_API_KEY": KEY}, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = subprocess.run([*bench, "--api-key", "wrong"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.startswith("pdserve:") or "Trace" in x]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"pdserve: error: the router at {cluster.router_address} "
+                               "refused the call") and "--api-key" in lines[0]
+
+
 def test_200_concurrent_streams_then_429_past_the_bound_and_recovery(
         cluster: LocalCluster, stub: router_pb2_grpc.RouterStub) -> None:
     oa = client(cluster)

@@ -1,8 +1,10 @@
-"""`pdserve launch` (the README's main command): prints its endpoints, serves, and on SIGTERM
-stops every process it started."""
+"""`pdserve launch` (the README's main command): prints its endpoints, serves, and on Ctrl-C
+(SIGINT; SIGTERM takes the same path) stops every process it started, workers (drained)
+before the router, saying nothing alarming."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -29,7 +31,43 @@ def _children(pid: int) -> set[int]:
     return found
 
 
-def test_launch_serves_and_stops_everything_on_sigterm():
+def _listening(pids: set[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for path, size in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 16)):
+        with open(path) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: TCP_LISTEN
+                    continue
+                hexaddr, hexport = cols[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                # /proc prints each 32-bit word in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, size, 4))
+                ip = ipaddress.ip_address(raw)
+                if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                    ip = ip.ipv4_mapped  # a v6 socket bound to ::ffff:127.0.0.1
+                found.add((str(ip), int(hexport, 16)))
+    return found
+
+
+ALARMING = re.compile(r"error|traceback|warn|could not|fail|dropped|killed|exception", re.I)
+
+
+def test_launch_serves_and_stops_everything_on_ctrl_c():
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "launch", "--grpc-port",
                              str(port), "--http-port", "-1", "--threads", "1"],
@@ -54,8 +92,17 @@ def test_launch_serves_and_stops_everything_on_sigterm():
         assert r.error == "" and "Paris" in r.text
         kids = _children(proc.pid)
         assert len(kids) >= 5  # router, 2 worker gRPC processes, 2 engine processes
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        # --host 127.0.0.1 (the default): nothing listens anywhere else, UCX included
+        listening = _listening(kids)
+        assert len(listening) >= 6, listening  # router, 2 x (gRPC, metrics), KV control
+        assert {a for a, _ in listening} <= {"127.0.0.1", "::1"}, listening
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the launcher
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        # workers drain and deregister while the router still runs, then the router stops
+        assert not ALARMING.search(out), out
+        assert out.index("producer-0 left") < out.index("router: shutting down"), out
+        assert out.index("consumer-0 left") < out.index("router: shutting down"), out
         time.sleep(0.5)
         alive = [k for k in kids if os.path.exists(f"/proc/{k}")
                  and "zombie" not in open(f"/proc/{k}/status").read().lower()]

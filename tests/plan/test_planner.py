@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from plan_profiles import make_profile
+from plan_profiles import make_profile, profile_json
 
 from deploy.benchmark.workload import LengthRange
 from deploy.cli import main
@@ -112,3 +112,32 @@ def test_cli_takes_lengths_from_a_sharegpt_dataset(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["best"]["split"] == "1C" and out["best"]["failed"] == 0
     assert out["best"]["completed"] == 8
+
+
+def test_plan_refuses_a_profile_it_cannot_trust(tmp_path, capsys):
+    d = profile_json()
+    d["prefill"]["ms"] = [5.0, 7616.0, 804.0, 900.0]  # busy machine: out of order
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    argv = ["plan", "--profile", str(path), "--gpus", "2", "--rate", "1",
+            "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--num-prompts", "30",
+            "--input-len", "256", "--output-len", "8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "cannot be trusted" in err and "prefill 1024 tokens takes 804.00 ms" in err
+    assert main([*argv, "--accept-untrusted-profile"]) == 0
+    assert "WARNING: planning on an untrusted profile" in capsys.readouterr().err
+
+
+def test_plan_for_n_gpus_warns_when_nothing_meets_the_slos(tmp_path, capsys):
+    path = tmp_path / "p.json"
+    make_profile(prefill_per_token_ms=0.4).save(str(path))
+    argv = ["plan", "--profile", str(path), "--gpus", "2", "--input-len", "2048",
+            "--output-len", "4", "--rate", "20", "--slo-ttft-ms", "100",
+            "--slo-tpot-ms", "10", "--num-prompts", "100"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: no split of 2 workers meets the SLOs at 20/s" in out
+    assert "(does NOT meet the SLOs)" in out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["met"] is False

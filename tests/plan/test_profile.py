@@ -64,3 +64,52 @@ def test_unreadable_file_is_a_clear_error(tmp_path):
         Profile.load(str(bad))
     with pytest.raises(ProfileError, match="cannot read"):
         Profile.load(str(tmp_path / "missing.json"))
+
+
+def test_a_point_is_sampled_until_its_timings_agree():
+    from deploy.plan.measure import Grid, stable
+
+    timings = iter([100.0, 30.0, 10.0, 10.4, 10.2, 99.0])
+    taken = []
+
+    def sample() -> float:
+        taken.append(next(timings))
+        return taken[-1]
+
+    ms, sp = stable(sample, Grid(reps=3, max_reps=10, tolerance=0.1))
+    assert len(taken) == 5 and ms == 10.2 and sp == pytest.approx(0.4 / 10.2)
+    # never agreeing: stops at max_reps and reports the spread it got
+    noisy = iter([1.0, 5.0] * 10)
+    ms, sp = stable(lambda: next(noisy), Grid(reps=3, max_reps=6, tolerance=0.1))
+    assert (ms, sp) == (5.0, pytest.approx(0.8))  # the last 3: 5, 1, 5
+
+
+def test_out_of_order_and_noisy_points_are_problems():
+    d = profile_json()
+    d["prefill"] = {"tokens": [16, 128, 512], "ms": [50.0, 7616.0, 804.0]}  # issue 23
+    p = Profile.from_json(d)
+    (why,) = p.trust_problems()
+    assert why == "prefill 512 tokens takes 804.00 ms, less than 128 tokens (7616.00 ms)"
+    d = profile_json()
+    d["decode"]["ms"][2][1] = 1.0  # batch 32, context 1024: cheaper than batch 8 and context 128
+    assert len(Profile.from_json(d).trust_problems()) == 2
+    d = profile_json()
+    d["prefill"]["spread"] = [0.01, 0.02, 0.6, 0.03]
+    d["problems"] = ["prefill 1024 tokens: noisy (107.40 ms, spread 60%)"]
+    p = Profile.from_json(d)
+    assert p.trust_problems() == ["prefill 1024 tokens: noisy (107.40 ms, spread 60%)"]
+    assert make_profile().trust_problems() == []
+
+
+def test_spreads_round_trip(tmp_path):
+    d = profile_json()
+    d["prefill"]["spread"] = [0.01, 0.02, 0.03, 0.04]
+    d["decode"]["spread"] = [[0.0, 0.1, 0.05]] * 4
+    d["tolerance"] = 0.2
+    d["problems"] = []
+    p = Profile.from_json(d)
+    p.save(str(tmp_path / "p.json"))
+    assert json.loads((tmp_path / "p.json").read_text()) == d
+    d["prefill"]["spread"] = [0.1]
+    with pytest.raises(ProfileError, match="prefill.spread"):
+        Profile.from_json(d)

@@ -208,6 +208,46 @@ def test_change_split_orders_workers_and_waits_for_their_new_roles() -> None:
     run(body(), timeout=30)
 
 
+def test_a_planned_rebuild_is_not_logged_as_a_lost_worker(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A worker changing role sends no heartbeat while it rebuilds (longer than the
+    heartbeat timeout): the router logs that as planned, never "dropped ... no heartbeat",
+    and the change completes."""
+    caplog.set_level("INFO")
+
+    async def body() -> None:
+        async with Cluster() as cl:  # heartbeat timeout 0.5 s
+            p0 = await cl.add("p0", P)
+            await cl.add("c0", C)
+            admin = router_pb2_grpc.AdminStub(cl.channel)
+            call = admin.ChangeSplit(router_pb2.ChangeSplitRequest(
+                producers=0, consumers=0, colocated=2, step_timeout_s=20))
+            while (m := await call.read()).state != "draining":
+                pass
+            w = p0 if m.worker_id == "p0" else cl.workers[1]
+            w.heartbeating = False  # drained; now rebuilding its engine: silent
+            await asyncio.sleep(2.0)  # 4x the heartbeat timeout
+            assert cl.server.registry is not None
+            assert cl.server.registry.get(w.worker_id) is not None
+            w.role = CO
+            w.heartbeating = True
+            await w.register()
+            assert (await call.read()).state == "registered"
+            other = cl.workers[1] if w is p0 else p0
+            assert (await call.read()).state == "draining"
+            other.role = CO
+            await other.register()
+            while not (m := await call.read()).done:
+                pass
+            assert m.state == "done", m
+
+    run(body(), timeout=30)
+    text = caplog.text
+    assert "dropped" not in text and "stopped heartbeating" not in text, text
+    assert "no heartbeats until it registers again, as planned" in text
+    assert "p0 is now a colocated worker" in text
+
+
 def test_change_split_fails_when_a_worker_does_not_come_back() -> None:
     async def body() -> None:
         async with Cluster() as cl:
@@ -241,7 +281,9 @@ def test_plan_apply_cli_reports_refusals_and_success(capsys: pytest.CaptureFixtu
     assert run(body(), timeout=30) == [1, 1, 0]
     out, err = capsys.readouterr()
     lines = err.splitlines()
-    assert lines[0].startswith("pdserve: error: UNAUTHENTICATED: authorization:")
-    assert lines[1] == ("pdserve: error: INVALID_ARGUMENT: producers + consumers + colocated: "
-                        "must add up to the 2 registered worker(s) not draining, got 3")
+    assert lines[0].startswith("pdserve: error: the router at ") and "refused the call: " \
+        "authorization:" in lines[0] and lines[0].endswith("(pass its key with --api-key "
+                                                            "or $PDSERVE_API_KEY)")
+    assert lines[1].endswith("answered INVALID_ARGUMENT: producers + consumers + colocated: "
+                             "must add up to the 2 registered worker(s) not draining, got 3")
     assert out.strip() == "role change done (0 step(s))"

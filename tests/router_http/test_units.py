@@ -45,6 +45,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ({**CHAT, "logit_bias": {"1": 2}}, "logit_bias"),
     ({**CHAT, "model": 7}, "model"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": 3}]},
+     "messages[0].tool_call_id"),
 ])
 def test_chat_body_errors_name_the_field(body: Any, param: str) -> None:
     with pytest.raises(HttpError) as e:
@@ -156,3 +159,50 @@ def test_orphan_exhaustion_needs_a_full_pool_mostly_held_by_orphans() -> None:
     assert not exhausted_by_orphans(free=2, total=100, orphan_blocks=10)  # busy, not stuck
     assert exhausted_by_orphans(free=2, total=100, orphan_blocks=60)
     assert not exhausted_by_orphans(free=0, total=0, orphan_blocks=0)
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [-1, 0, 10_000_000, 2**40])
+def test_max_tokens_has_one_limit_and_one_message(field: str, value: int) -> None:
+    with pytest.raises(HttpError) as e:
+        parse_chat({**CHAT, field: value}, 1 << 20)
+    assert e.value.message == f"{field}: must be in [1, 1048576], got {value}"
+    with pytest.raises(HttpError) as e:
+        parse_chat({**CHAT, field: 65}, 64)  # the router's --max-tokens-limit
+    assert e.value.message == f"{field}: must be in [1, 64], got 65"
+    assert parse_chat({**CHAT, field: 64}, 64).generate.sampling.max_tokens == 64
+
+
+def test_tool_messages_follow_the_openai_spec() -> None:
+    r = parse_chat({"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]})
+    assert [m.role for m in r.generate.chat.messages] == ["user", "assistant", "tool"]
+    assert r.generate.chat.messages[2].content == "sunny"
+
+
+def test_the_chat_template_renders_a_tool_message() -> None:
+    from router_fakes import load_tokenizer
+
+    from router.validation import prepare
+
+    tok = load_tokenizer()
+    r = parse_chat({"messages": [{"role": "user", "content": "weather?"},
+                                 {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]})
+    prep = prepare(r.generate, tok, {"smollm2"}, max_tokens_limit=16)
+    text = tok.decode(prep.prompt_token_ids, skip_special_tokens=False)
+    assert "<|im_start|>tool\nsunny<|im_end|>" in text
+    assert text.index("weather?") < text.index("sunny")
+
+
+def test_unknown_fields_are_logged_once_per_field(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="pdserve.router.http")
+    for _ in range(3):
+        parse_chat({**CHAT, "frobnicate": 1, "parallel_tool_calls": False, "user": "u1"})
+        parse_completion({"prompt": "x", "frobnicate": 2})
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("'frobnicate'" in m for m in lines) == 1
+    assert sum("'parallel_tool_calls'" in m for m in lines) == 1
+    assert not any("'user'" in m for m in lines)  # a supported field (OpenAI's end-user tag)
+    assert all("docs/http_api.md" in m for m in lines)
