@@ -130,6 +130,12 @@ def test_consumer_sigstop_past_heartbeat_deadline_moves_and_is_not_double_servin
         assert victim in {w.worker_id for w in workers}
         v = next(w for w in workers if w.worker_id == victim)
         assert v.load.running == 0 and v.load.waiting == 0
+        # Its first heartbeats after SIGCONT report the stop as event-loop lag, so for a
+        # heartbeat or two it is busy (no new requests): wait until it has caught up.
+        _wait_for(lambda: any(w.worker_id == victim and w.load.loop_lag_s < 1.0
+                              for w in stub.ClusterStatus(router_pb2.ClusterStatusRequest(),
+                                                          timeout=30).workers),
+                  "continued consumer caught up", 30)
         # and it serves new requests normally
         rs = [generate(stub, dict(max_tokens=3, temperature=0.0),
                        prompt_token_ids=router_pb2.TokenIds(ids=[1, 2, 3, 4]))
