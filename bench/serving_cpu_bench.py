@@ -131,8 +131,10 @@ def _cluster_spec(args: argparse.Namespace, model: str | None) -> Any:
         worker += ["--max-num-seqs", str(max(64, args.concurrency))]
     router = ["--max-running-requests", str(max(512, args.concurrency)),
               "--max-queued-requests", str(max(1024, args.concurrency)), *args.router_arg]
-    # the cluster runs this tree's code, whatever an installed pdserve would give
-    path = os.pathsep.join([ROOT, os.path.join(ROOT, "proto"),
+    # the cluster runs this tree's code (or --code-tree's: an older commit measured by the
+    # same clients and meter), whatever an installed pdserve would give
+    code = args.code_tree or ROOT
+    path = os.pathsep.join([code, os.path.join(code, "proto"),
                             *filter(None, [os.environ.get("PYTHONPATH")])])
     return ClusterSpec(producers=args.producers, consumers=args.consumers,
                        colocated=args.colocated, model=model, worker_args=tuple(worker),
@@ -256,7 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(), "host": platform.node(),
                     "python": platform.python_version(), "load_avg_start": load_start,
                     "load_avg_end": os.getloadavg()},
-        "tree": _tree(),
+        "tree": _tree(args.code_tree),
         "config": {"model": args.model, "simulate_step_ms": args.simulate_step_ms,
                    "producers": args.producers, "consumers": args.consumers,
                    "colocated": args.colocated, "concurrency": args.concurrency,
@@ -281,12 +283,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _tree() -> dict[str, Any]:
-    """The commit measured, and whether the tree had uncommitted changes."""
+def _tree(code: str | None = None) -> dict[str, Any]:
+    """The commit the cluster ran, and whether its tree had uncommitted changes."""
     import subprocess
 
     def git(*a: str) -> str:
-        r = subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True)
+        r = subprocess.run(["git", "-C", code or ROOT, *a], capture_output=True, text=True)
         return r.stdout.strip() if r.returncode == 0 else ""
 
     return {"commit": git("rev-parse", "HEAD"), "branch": git("rev-parse", "--abbrev-ref", "HEAD"),
@@ -335,6 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="extra flag for every worker, e.g. --worker-arg=--max-num-seqs=256")
     e.add_argument("--router-arg", action="append", default=[],
                    help="extra flag for the router, e.g. --router-arg=--frontends=4")
+    e.add_argument("--code-tree", default=None,
+                   help="run the cluster from this checkout (e.g. a worktree of an older "
+                        "commit) instead of the bench's own tree")
     w = p.add_argument_group("load")
     w.add_argument("--backend", default="grpc", choices=("grpc", "http"),
                    help="grpc: the router's Generate stream; http: /v1/completions SSE")

@@ -17,36 +17,17 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, KernelSet
+from engine.attention import KernelSet
 from engine.config import ModelConfig
-from engine.models.llama import MLP, LlamaForCausalLM, RMSNorm
+from engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from engine.models.mla import MLAAttention
 from engine.models.moe_model import MoeForCausalLM
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
-from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
+from engine.parallel.shards import hf_slice, local_from_full, shard_for
 from engine.rope import cos_sin_table
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
-                 group: TPGroup | None, mlp: nn.Module | None) -> None:
-        """mlp: the layer's MoE block; None: the dense MLP."""
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = MLAAttention(cfg, kernels, shard, group)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.mlp = mlp if mlp is not None else MLP(cfg, kernels, shard, group)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, cos_sin, kv_layer, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class _DeepseekDense(LlamaForCausalLM):
@@ -64,8 +45,10 @@ class _DeepseekDense(LlamaForCausalLM):
         g, sh = self.group, self.shard
         self.followers = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, kernels, sh, g, self.make_mlp(i))
-                                    for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, kernels, sh, g, self.make_mlp(i),
+                         attn=MLAAttention(cfg, kernels, sh, g))
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.lm_head = ParallelLMHead(sh, cfg.vocab_size, cfg.hidden_size, g)
         if cfg.tie_word_embeddings:

@@ -104,12 +104,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelSet, shard: TPShard,
-                 group: TPGroup | None, mlp: nn.Module | None = None) -> None:
+                 group: TPGroup | None, mlp: nn.Module | None = None,
+                 attn: nn.Module | None = None) -> None:
         """mlp: the layer's MLP (x [T, H] -> [T, H] summed over the ranks, or K-split
-        partials); None: the dense one."""
+        partials); None: the dense one. attn: its attention (same call as ``Attention``,
+        e.g. MLA); None: the GQA one."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.self_attn = Attention(cfg, kernels, shard, group)
+        self.self_attn = attn if attn is not None else Attention(cfg, kernels, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = mlp if mlp is not None else MLP(cfg, kernels, shard, group)
 
