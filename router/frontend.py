@@ -42,8 +42,9 @@ class Frontend:
     def __init__(self, dispatcher: Dispatcher, registry: Registry, tokenizer: Tokenizer,
                  model_id: str, model_names: set[str], max_tokens_limit: int,
                  admission: Admission, metrics: RouterMetrics,
-                 tokenize_pool: TokenizePool | None = None,
-                 tokenizer_source: str | None = None) -> None:
+                 *, tokenizer_source: str, tokenize_pool: TokenizePool | None = None
+                 ) -> None:
+        """tokenizer_source: the model whose tokenizer the tokenize pool's processes load."""
         self.dispatcher = dispatcher
         self.registry = registry
         self.tokenizer = tokenizer
@@ -87,13 +88,8 @@ class Frontend:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    no_workers_message(self.registry))
             check_min_tokens(request, self.tokenizer, self.registry.max_model_len())
-            if self.tokenize_pool.source is not None:  # pool processes have the tokenizer
-                fn = functools.partial(prepare_in_pool, request, self.model_names,
-                                       self.max_tokens_limit)
-            else:
-                fn = functools.partial(prepare, request, self.tokenizer, self.model_names,
-                                       max_tokens_limit=self.max_tokens_limit)
-            prep = await self.tokenize_pool.run(size, fn)
+            prep = await self.tokenize_pool.run(size, functools.partial(
+                prepare_in_pool, request, self.model_names, self.max_tokens_limit))
         else:
             prep = prepare(request, self.tokenizer, self.model_names,
                            max_tokens_limit=self.max_tokens_limit)

@@ -26,7 +26,7 @@ from router.config import RouterConfig
 from router.frontend import Frontend
 from router.health import unhealthy_reason, usable_counts
 from router.http_errors import HttpError, from_request_error
-from router.large_body import parse_large_body, parse_shared_body
+from router.large_body import parse_shared_body
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_request import OpenAIRequest, parse_chat, parse_completion
 from router.openai_response import ResponseBuilder, TokenTexts
@@ -206,9 +206,6 @@ class HttpFrontDoor:
                               ) -> OpenAIRequest:
         pool = self.frontend.tokenize_pool
         max_len = self.frontend.registry.max_model_len()
-        if pool.source is None:  # threads (tests): the frontend's own tokenizer does
-            return await pool.run(len(raw), functools.partial(
-                parse_large_body, raw, parse, max_len, self.frontend.tokenizer))
         shm = shared_memory.SharedMemory(create=True, size=len(raw))
         try:
             buf = shm.buf

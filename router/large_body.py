@@ -15,7 +15,6 @@ from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
-from engine.tokenizer import Tokenizer
 from router.http_errors import HttpError
 from router.openai_request import OpenAIRequest
 from router.tokenize_pool import child_tokenizer
@@ -39,16 +38,15 @@ def parse_shared_body(shm_name: str, size: int, parse: Callable[[Any], OpenAIReq
     return parse_large_body(raw, parse, max_model_len)
 
 
-def parse_large_body(raw: bytes, parse: Callable[[Any], OpenAIRequest], max_model_len: int,
-                     tokenizer: Tokenizer | None = None) -> OpenAIRequest:
+def parse_large_body(raw: bytes, parse: Callable[[Any], OpenAIRequest], max_model_len: int
+                     ) -> OpenAIRequest:
     """In a pool process: ``parse(json.loads(raw))``, then the length bound (skipped when
-    ``max_model_len`` is 0: no worker yet; the frontend refuses that itself). ``tokenizer``:
-    None in a pool process (it has its own); a thread pool's caller passes the router's."""
+    ``max_model_len`` is 0: no worker yet; the frontend refuses that itself)."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise HttpError(400, f"body: not valid JSON ({e})", param="body") from None
     req = parse(body)
     if max_model_len > 0:
-        check_min_tokens(req.generate, tokenizer or child_tokenizer(), max_model_len)
+        check_min_tokens(req.generate, child_tokenizer(), max_model_len)
     return req

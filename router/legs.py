@@ -84,7 +84,8 @@ class Leg:
 
     def cancel(self) -> None:
         """Ends the call now: the worker sees its stream cancelled (never awaits)."""
-        self.call.cancel()
+        if self.call is not None:  # a DecodeLeg makes its call once its mode is known
+            self.call.cancel()
         if self.task is not None:
             self.task.cancel()
 
@@ -214,12 +215,6 @@ class DecodeLeg(Leg):
 
     def start(self) -> None:
         self._start(self._read())
-
-    def cancel(self) -> None:
-        if self.call is not None:
-            self.call.cancel()
-        if self.task is not None:
-            self.task.cancel()
 
     # Route: what the worker's Outputs stream calls
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None:

@@ -3,7 +3,7 @@
 Processes, not threads: the tokenizers library holds the GIL while it encodes (measured:
 a 1 MB prompt held it for 1.4-5 s), so a tokenizing thread stalls the router's loop as
 surely as tokenizing on it. Each pool process loads the tokenizer once (``source``); a
-pool made without one (tests) runs its callables on threads.
+pool made without one runs its callables on threads (the bounds' unit tests).
 
 Tokenization happens before admission (the admission queue needs token counts to apply the
 engine's length rule), so without a bound a flood of huge prompts would pile up in an

@@ -66,8 +66,6 @@ class WorkerOutputs:
         self.subscriber_id = f"{ROUTER_ID}-{next(_counter)}"
         self.state = State.CONNECTING
         self.seq = 0  # the last batch handed on
-        self.batches = 0  # read (metrics, tests)
-        self.error = ""
         self._routes: dict[str, Route] = {}
         self._ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -115,7 +113,6 @@ class WorkerOutputs:
                     leg = routes.get(t.request_id)
                     if leg is not None:  # none: a leg already torn down
                         leg.on_tokens(t)
-                self.batches += 1
                 self.seq = batch.seq
                 if self._waiters:
                     self._wake(self.seq)
@@ -134,7 +131,6 @@ class WorkerOutputs:
 
     def _broken(self, code: grpc.StatusCode | None, why: str) -> None:
         self.state = State.BROKEN
-        self.error = why
         if not self._ready.done():
             self._ready.set_exception(OutputsBroken(code, why))
             self._ready.exception()  # retrieved here: nobody may be waiting yet
