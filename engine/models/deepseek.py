@@ -140,21 +140,10 @@ class _DeepseekDense(LlamaForCausalLM):
                     target, rows = name.replace(sub, "gate_up_proj"), span
             if target not in params:
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
-            p = params[target]
-            cut = self.wants(name)
-            if cut is not None and w.shape[cut[0]] == self._full_dim(name, cut[0]) \
-                    and cut[2] - cut[1] != w.shape[cut[0]]:
-                w = w.narrow(cut[0], cut[1], cut[2] - cut[1])
+            w = self._rank_part(name, w)
             if self.cfg.rope_interleave:
                 w = self._deinterleave(name, w)
-            with torch.no_grad():
-                dst = p if rows is None else p.narrow(0, rows[0], rows[1])
-                if target in ("embed_tokens.weight", "lm_head.weight"):
-                    dst = dst.narrow(0, 0, self.shard.vocab_rows)  # the rest is padding
-                if dst.shape != w.shape:
-                    raise ValueError(f"model: weight {name!r} has shape {tuple(w.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                dst.copy_(w.to(p.dtype))
+            self._copy_in(params[target], target, rows, name, w)
             used.add(target)
         return used
 

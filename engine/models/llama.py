@@ -197,21 +197,33 @@ class LlamaForCausalLM(nn.Module):
                     target, rows = name.replace(sub, "gate_up_proj"), span
             if target not in params:
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
-            p = params[target]
-            cut = self.wants(name)
-            if cut is not None and w.shape[cut[0]] == _full_dim(self.cfg, name, cut[0]) \
-                    and cut[2] - cut[1] != w.shape[cut[0]]:
-                w = w.narrow(cut[0], cut[1], cut[2] - cut[1])
-            with torch.no_grad():
-                dst = p if rows is None else p.narrow(0, rows[0], rows[1])
-                if target in ("embed_tokens.weight", "lm_head.weight"):
-                    dst = dst.narrow(0, 0, self.shard.vocab_rows)  # the rest is padding
-                if dst.shape != w.shape:
-                    raise ValueError(f"model: weight {name!r} has shape {tuple(w.shape)}, "
-                                     f"expected {tuple(dst.shape)}")
-                dst.copy_(w.to(p.dtype))
+            self._copy_in(params[target], target, rows, name, self._rank_part(name, w))
             used.add(name)
         return used
+
+    def _rank_part(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's part of HF tensor ``name`` (it may come whole or already sliced)."""
+        cut = self.wants(name)
+        if cut is not None and w.shape[cut[0]] == self._full_dim(name, cut[0]) \
+                and cut[2] - cut[1] != w.shape[cut[0]]:
+            w = w.narrow(cut[0], cut[1], cut[2] - cut[1])
+        return w
+
+    def _copy_in(self, p: torch.Tensor, target: str, rows: tuple[int, int] | None,
+                 name: str, w: torch.Tensor) -> None:
+        """Copies HF tensor ``name`` into parameter ``target`` (``rows`` of it: a fused
+        projection), refusing a shape that does not fit."""
+        with torch.no_grad():
+            dst = p if rows is None else p.narrow(0, rows[0], rows[1])
+            if target in ("embed_tokens.weight", "lm_head.weight"):
+                dst = dst.narrow(0, 0, self.shard.vocab_rows)  # the rest is padding
+            if dst.shape != w.shape:
+                raise ValueError(f"model: weight {name!r} has shape {tuple(w.shape)}, "
+                                 f"expected {tuple(dst.shape)}")
+            dst.copy_(w.to(p.dtype))
+
+    def _full_dim(self, name: str, dim: int) -> int:
+        return _full_dim(self.cfg, name, dim)
 
     def wants(self, hf_name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of an HF tensor this rank needs; None: all of it."""
