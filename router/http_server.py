@@ -14,7 +14,6 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from multiprocessing import shared_memory
 from typing import Any
 
 from aiohttp import web
@@ -26,7 +25,7 @@ from router.config import RouterConfig
 from router.frontend import Frontend
 from router.health import unhealthy_reason, usable_counts
 from router.http_errors import HttpError, from_request_error
-from router.large_body import parse_shared_body
+from router.large_body import parse_large_body
 from router.metrics import CONTENT_TYPE, RouterMetrics
 from router.openai_request import OpenAIRequest, parse_chat, parse_completion
 from router.openai_response import ResponseBuilder, TokenTexts
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 # that still fits a prompt of a few hundred thousand tokens.
 MAX_BODY_BYTES = 16 << 20
 # Bodies past this are parsed in a pool process (router/large_body.py): parsing holds the
-# GIL, and so the router's loop, for ~40 ms per MB here.
+# GIL, and so the router's loop (bench/router_stall_probe.py measures how long).
 OFFLOOP_JSON_BYTES = 256 << 10
 # On stop, open streams get this long to end (the dispatcher has already failed their runs).
 SHUTDOWN_S = 2.0
@@ -187,7 +186,8 @@ class HttpFrontDoor:
         parse = functools.partial(parse, max_tokens_limit=self.frontend.max_tokens_limit)
         try:
             if len(raw) > OFFLOOP_JSON_BYTES:  # see router/large_body.py
-                return await self._parse_off_loop(raw, parse)
+                return await self.frontend.tokenize_pool.run(len(raw), functools.partial(
+                    parse_large_body, raw, parse, self.frontend.registry.max_model_len()))
             try:
                 body = json.loads(raw)
             except (ValueError, UnicodeDecodeError) as e:
@@ -201,22 +201,6 @@ class HttpFrontDoor:
         except HttpError:
             self.metrics.refused("http", "invalid_argument")  # as the router's own refusals
             raise
-
-    async def _parse_off_loop(self, raw: bytes, parse: Callable[[Any], OpenAIRequest]
-                              ) -> OpenAIRequest:
-        pool = self.frontend.tokenize_pool
-        max_len = self.frontend.registry.max_model_len()
-        shm = shared_memory.SharedMemory(create=True, size=len(raw))
-        try:
-            buf = shm.buf
-            assert buf is not None  # None only once closed
-            buf[:len(raw)] = raw
-            del buf  # no export may outlive close()
-            return await pool.run(len(raw), functools.partial(
-                parse_shared_body, shm.name, len(raw), parse, max_len))
-        finally:  # a pool process still reading keeps its mapping until it is done
-            shm.close()
-            shm.unlink()
 
     async def _generate(self, request: web.Request, req: OpenAIRequest) -> web.StreamResponse:
         received_ns = time.time_ns()
