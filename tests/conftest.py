@@ -53,6 +53,16 @@ def _reap() -> None:
             return
 
 
+def _stop_resource_tracker() -> None:
+    """multiprocessing's resource tracker (started in this process by the router's
+    tokenize pool, a spawn-context ProcessPoolExecutor, in the in-process router tests)
+    lives as long as the process that started it, by design; it is stopped here like any
+    other child, before the leftover check below."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()  # closes its pipe and waits for it
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
@@ -62,6 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if sys.platform != "linux":
         return
+    _stop_resource_tracker()
     end = time.monotonic() + GRACE_S
     while (left := _descendants(os.getpid())) and time.monotonic() < end:
         _reap()
