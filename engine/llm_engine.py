@@ -19,6 +19,7 @@ import torch
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
+from engine.grammar.factory import GrammarFactory
 from engine.kv_layout import KVLayout, kv_shape_of
 from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
@@ -86,6 +87,7 @@ class LLMEngine(PrefixCacheQueries):
         self.eos_token_ids = frozenset(eos)
         self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
                                   self.max_model_len, tokenizer, model_cfg.vocab_size)
+        self.grammars = GrammarFactory(tokenizer, model_cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None
         # launched steps not read yet -> the requests they write, and blocks to free once
@@ -130,6 +132,9 @@ class LLMEngine(PrefixCacheQueries):
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
                       prefill_only=self.config.role == "producer",
                       cache_root=self.chain_root(cache_salt))
+        # built before the request is queued, so a grammar that does not compile is the
+        # caller's ValueError; prior outputs and token 0 are fed to it as they land
+        req.grammar = self.grammars.for_params(params)
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer
 

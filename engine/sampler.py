@@ -1,5 +1,6 @@
-"""Turns logits into tokens: penalties, min_tokens masking, temperature, top-k/p, min-p, and
-seeded draws that depend only on (seed, position); plus logprobs with top-N alternatives.
+"""Turns logits into tokens: penalties, min_tokens masking, structured-output masks,
+temperature, top-k/p, min-p, and seeded draws that depend only on (seed, position); plus
+logprobs with top-N alternatives.
 
 Everything stays on the device: the result is a tensor the next deferred step can consume
 before the host has read it.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar.apply import apply_bitmask
 from engine.random_draw import uniform_noise
 
 
@@ -38,6 +40,9 @@ class SamplingBatch:
     banned: torch.Tensor | None = None  # [S, V] bool: EOS/stop ids while under min_tokens
     max_logprobs: int = -1  # -1: no row wants logprobs
     max_top_k: int = 0  # the largest top_k of the batch when known on the host (0: unknown)
+    # Structured output: [S, ceil(V / 32)] int32, bit t set when token t is allowed (None when
+    # no row has a grammar; rows without one are all ones). engine.grammar.masks builds it.
+    allowed: torch.Tensor | None = None
 
 
 class SamplerOutput:
@@ -146,7 +151,8 @@ def is_simple(b: SamplingBatch) -> bool:
     """Greedy or temperature alone on every row: no filter, penalty, ban or logprobs."""
     return not (b.any_top_k or b.any_top_p or b.any_min_p or b.max_logprobs >= 0
                 or b.banned is not None or b.repetition is not None
-                or b.frequency is not None or b.presence is not None)
+                or b.frequency is not None or b.presence is not None
+                or b.allowed is not None)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch,
@@ -161,6 +167,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch,
     logits = apply_penalties(logits, b)
     if b.banned is not None:
         logits = logits.masked_fill(b.banned, float("-inf"))
+    if b.allowed is not None:
+        logits = apply_bitmask(logits, b.allowed)
     greedy_ids = logits.argmax(dim=-1)
     if b.all_greedy:
         token_ids = greedy_ids
