@@ -131,10 +131,8 @@ class LLMEngine(PrefixCacheQueries):
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
                       prefill_only=self.config.role == "producer",
-                      cache_root=self.chain_root(cache_salt))
-        # built before the request is queued, so a grammar that does not compile is the
-        # caller's ValueError; prior outputs and token 0 are fed to it as they land
-        req.grammar = self.grammars.for_params(params)
+                      cache_root=self.chain_root(cache_salt),
+                      grammar=self.grammars.for_params(params))  # ValueError: no compile
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer
 
