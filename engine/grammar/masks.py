@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from engine.request import PLACEHOLDER, Request
@@ -34,6 +35,12 @@ class GrammarMasks:
         self.words = words_for(vocab_size)
         self.device = device
         self.eos_ids = eos_ids
+        # the words holding EOS bits, and each word with those bits cleared (numpy: a few
+        # rows' edits cost microseconds, where per-element tensor ops cost that per bit)
+        words = sorted({t // 32 for t in eos_ids})
+        keep = [~sum(_bit(t % 32) for t in eos_ids if t // 32 == w) for w in words]
+        self._eos_words = np.array(words, dtype=np.int64)
+        self._eos_keep = np.array(keep, dtype=np.int64).astype(np.int32)
         self._executor: llguidance.LLExecutor | None = None
         # Two pinned buffers used in turn: a copy queued from one may still be running while
         # the next step fills the other; `_done[i]` marks when buffer i's copy has been made.
@@ -74,6 +81,12 @@ class GrammarMasks:
                 live.append((r.grammar.matcher, i))
         if live:
             self._fill(live, host)
+            # An EOS id ends the request here, whatever the grammar thinks of it: a model
+            # whose EOS is also an ordinary token (a byte, a word) must not stop mid-grammar.
+            busy = [i for m, i in live if not m.is_accepting()]
+            if busy:
+                view = host.numpy()
+                view[np.ix_(np.array(busy, dtype=np.int64), self._eos_words)] &= self._eos_keep
         if self.device.type != "cuda":
             return host.clone()
         dev = host.to(self.device, non_blocking=True)

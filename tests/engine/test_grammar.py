@@ -154,3 +154,17 @@ def test_resumed_request_continues_the_grammar(tiny) -> None:
         for out in eng.step():
             got += out.new_token_ids
     assert prior + got == whole.token_ids
+
+
+def test_an_eos_that_is_also_a_byte_never_ends_a_grammar_early(tiny) -> None:
+    """The tiny model's EOS (2) is the byte '#', which a JSON string may hold: greedy
+    decoding picked it inside a string until EOS was masked while the grammar cannot end."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+    spec = {"kind": "json_schema", "value": json.dumps(schema)}
+    prompts = [[5 + i, 17, 33, 90, 12][: 2 + i % 4] for i in range(11)]
+    res = tiny.generate(prompts, SamplingParams(max_tokens=60, temperature=0, structured=spec))
+    for r in res:
+        assert r.finish_reason == "stop"
+        assert len(json.loads(_text(tiny, r.token_ids))["name"]) <= 8
