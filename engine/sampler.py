@@ -148,11 +148,11 @@ def _top_k_only(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def is_simple(b: SamplingBatch) -> bool:
-    """Greedy or temperature alone on every row: no filter, penalty, ban or logprobs."""
+    """Greedy or temperature alone on every row: no filter, penalty, ban or logprobs (a
+    structured-output mask is simple: the simple sampler applies it as it reads)."""
     return not (b.any_top_k or b.any_top_p or b.any_min_p or b.max_logprobs >= 0
                 or b.banned is not None or b.repetition is not None
-                or b.frequency is not None or b.presence is not None
-                or b.allowed is not None)
+                or b.frequency is not None or b.presence is not None)
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch,
@@ -160,6 +160,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch,
     """logits: [S, V] float32 -> SamplerOutput (device tensors). ``simple``: a sampler of
     kernels.ref_sample.sample_simple_ref's contract, used when the batch needs no more."""
     if simple is not None and is_simple(b):
+        if b.allowed is not None:
+            return SamplerOutput(simple(logits, b.temperature, b.seeds, b.positions,
+                                        allowed=b.allowed))
         return SamplerOutput(simple(logits, b.temperature, b.seeds, b.positions))
     if b.max_logprobs >= 0:
         # Logprobs describe the model's own distribution, before any sampling transform.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.grammar.apply import apply_bitmask
 from engine.random_draw import uniform_noise
 
 
@@ -20,8 +21,11 @@ def sample_simple_ref(
     seeds: torch.Tensor,  # [S] int64
     positions: torch.Tensor,  # [S] int64: position of the token being sampled
     out: torch.Tensor | None = None,  # [S] int64
+    allowed: torch.Tensor | None = None,  # [S, ceil(V / 32)] int32 bitmask (None: all)
 ) -> torch.Tensor:
     logits = logits.float()
+    if allowed is not None:  # structured output: disallowed tokens are never drawn
+        logits = apply_bitmask(logits, allowed)
     greedy = logits.argmax(dim=-1)
     hot = temperature > 0
     if bool(hot.any()):
