@@ -1,6 +1,6 @@
 """Makes requests' grammar matchers for one engine: llguidance's view of the engine's
-tokenizer is built once, on the first structured request (0.3 s for a 49k vocabulary), and
-shared by every matcher after."""
+tokenizer is built once (0.3 s for a 49k vocabulary; a worker does it before it reports
+ready, an in-process LLM on its first structured request) and shared by every matcher."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ class GrammarFactory:
         self.vocab_size = vocab_size
         self.eos_ids = sorted(eos_ids)
         self._ll: Any = None
+        self._broken = ""  # why the tokenizer view could not be built (grammars refused)
+
+    def prepare(self) -> None:
+        """Builds the tokenizer view now (a worker, before it serves); no-op without a
+        tokenizer or once built."""
+        if self.tokenizer is None or self._ll is not None or self._broken:
+            return
+        try:
+            self._ll = make_tokenizer(self.tokenizer.to_json(), self.vocab_size, self.eos_ids)
+        except Exception as e:  # noqa: BLE001 - the engine serves on, without grammars
+            self._broken = f"{type(e).__name__}: {e}"
 
     def for_params(self, params: SamplingParams) -> RequestGrammar | None:
         """A matcher at the start of the request's grammar (None: unconstrained);
@@ -30,6 +41,8 @@ class GrammarFactory:
         if self.tokenizer is None:
             raise ValueError("structured: this engine has no tokenizer to build token masks "
                              "with")
+        self.prepare()
         if self._ll is None:
-            self._ll = make_tokenizer(self.tokenizer.to_json(), self.vocab_size, self.eos_ids)
+            raise ValueError(f"structured: this engine cannot build token masks for its "
+                             f"tokenizer ({self._broken})")
         return RequestGrammar(new_matcher(self._ll, params.structured))
