@@ -81,6 +81,11 @@ def synthetic_tokenizer(path: str, vocab_size: int, eos: int) -> None:
         json.dump({"eos_token_id": eos}, f)
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
           structured: dict[str, str] | None) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
@@ -102,15 +107,15 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
     windows = []
     host0 = masks.host_s
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        torch.cuda.synchronize()
+        _sync()
         windows.append((time.perf_counter() - t0) / steps * 1e3)
     host_ms = (masks.host_s - host0) / (steps * repeats) * 1e3
-    failed = sum(1 for r in ids if engine.requests[r].grammar is not None
-                 and engine.requests[r].grammar.failed)
+    errors = [engine.requests[r].grammar.error() for r in ids
+              if engine.requests[r].grammar is not None and engine.requests[r].grammar.failed]
     sample = None
     if structured:
         r = engine.requests[ids[0]]
@@ -122,8 +127,8 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
     out = {"batch": batch, "step_ms": round(sorted(windows)[len(windows) // 2], 3),
            "step_ms_windows": [round(w, 3) for w in windows]}
     if structured:
-        out.update(mask_host_ms_per_step=round(host_ms, 3), grammars_failed=failed,
-                   output_head=sample)
+        out.update(mask_host_ms_per_step=round(host_ms, 3), grammars_failed=len(errors),
+                   first_error=errors[0][:300] if errors else "", output_head=sample)
     return out
 
 
@@ -135,6 +140,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tokenizer", default="", help="a directory with a real tokenizer.json")
     ap.add_argument("--out", default="bench/results/grammar_h200.json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a 2-layer model of the same vocabulary on the CPU: checks the bench runs")
     a = ap.parse_args()
     from engine.config import EngineConfig
     from engine.llm import build_engine
@@ -142,8 +149,13 @@ def main() -> None:
 
     batches = [int(b) for b in a.batches.split(",") if b]
     cfg_dir = tempfile.mkdtemp()
+    model_cfg = dict(LLAMA3_8B)
+    if a.smoke:
+        model_cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         torch_dtype="float32")
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
+        json.dump(model_cfg, f)
     t0 = time.perf_counter()
     if a.tokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -154,16 +166,18 @@ def main() -> None:
     else:
         synthetic_tokenizer(cfg_dir, LLAMA3_8B["vocab_size"], LLAMA3_8B["eos_token_id"])
     tok_s = time.perf_counter() - t0
+    gpu = dict(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.85)
     engine = build_engine(EngineConfig(
-        model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy",
-        max_num_seqs=max(batches), max_model_len=a.context + a.steps * a.repeats + 64,
-        max_num_batched_tokens=2048, gpu_memory_utilization=0.85))
+        model=cfg_dir, load_format="dummy", max_num_seqs=max(batches),
+        max_model_len=a.context + a.steps * a.repeats + 64, max_num_batched_tokens=2048,
+        **(dict(dtype="float32", device="cpu") if a.smoke else gpu)))
     spec = {"kind": "json_schema", "value": json.dumps(SCHEMA)}
     t0 = time.perf_counter()
     engine.grammars.for_params(SamplingParams(structured=spec))
     first_matcher_s = time.perf_counter() - t0  # llguidance's tokenizer view + one compile
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "model": "Llama-3-8B shape, dummy, bf16",
+        "device": "cpu (smoke)" if a.smoke else torch.cuda.get_device_name(),
+        "model": "2 layers, smoke" if a.smoke else "Llama-3-8B shape, dummy, bf16",
         "tokenizer": a.tokenizer or "synthetic byte-level BPE, 128256 ids",
         "context": a.context, "tokenizer_build_s": round(tok_s, 2),
         "first_matcher_s": round(first_matcher_s, 3), "cpus": os.cpu_count(),

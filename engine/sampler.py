@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.grammar.apply import apply_bitmask
-from engine.random_draw import uniform_noise
+from engine.random_draw import race, uniform_noise
 
 
 @dataclass
@@ -181,7 +181,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch,
         probs = _filter(probs, b)
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token i with probability p_i.
         expo = -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
-        drawn = (probs / expo).argmax(dim=-1)
+        drawn = race(probs, expo).argmax(dim=-1)
         token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
     logprobs = top_lp = top_ids = None
     if b.max_logprobs >= 0:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.grammar.apply import apply_bitmask
-from engine.random_draw import uniform_noise
+from engine.random_draw import race, uniform_noise
 
 
 def sample_simple_ref(
@@ -32,7 +32,7 @@ def sample_simple_ref(
         temp = torch.where(hot, temperature, 1.0)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
         expo = -torch.log(uniform_noise(seeds.long(), positions.long(), logits.shape[-1]))
-        greedy = torch.where(hot, (probs / expo).argmax(dim=-1), greedy)
+        greedy = torch.where(hot, race(probs, expo).argmax(dim=-1), greedy)
     if out is None:
         return greedy
     out.copy_(greedy)

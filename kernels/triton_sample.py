@@ -55,15 +55,17 @@ def _sample_partial_kernel(
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < V
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        if HAS_MASK:  # structured output: bit c of the row's words allows token c
-            w = tl.load(mask_ptr + row.to(tl.int64) * s_m + cols // 32, mask=mask, other=0)
-            x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
         if temp > 0:
             colh = _hash32(cols.to(tl.uint32) * 0x9E37)
             bits = _hash32(key ^ colh)
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x / temp - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
+        if HAS_MASK:  # structured output: bit c of the row's words allows token c
+            # after the noise: a draw of u = 1 makes -log(-log(u)) infinite, and -inf + inf
+            # would be NaN on a disallowed token
+            w = tl.load(mask_ptr + row.to(tl.int64) * s_m + cols // 32, mask=mask, other=0)
+            x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
         m = tl.max(x, axis=0)
         i = tl.argmax(x, axis=0)  # first index of the maximum
         if m > best:  # strict: an earlier tile wins a tie, as torch.argmax

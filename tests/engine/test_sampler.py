@@ -207,3 +207,13 @@ def test_a_structured_output_mask_keeps_the_simple_sampler_and_its_draws() -> No
     fast = sample(logits, b, simple=hook).token_ids
     assert calls == [1] and ((fast >= 60) & (fast < 66)).all()
     assert torch.equal(fast, sample(logits, b).token_ids)  # the full sampler's draws
+
+
+def test_a_draw_of_one_never_picks_a_token_of_probability_zero() -> None:
+    """u = 1 happens (float32 rounds the largest noise value up), making E = 0: a masked or
+    filtered token's score would be 0 / 0 = NaN, and argmax picks NaN."""
+    from engine.random_draw import race
+
+    probs = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.0, 0.8]])
+    expo = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]])
+    assert race(probs, expo).argmax(dim=-1).tolist() == [1, 2]
