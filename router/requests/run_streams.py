@@ -10,64 +10,108 @@ tokens 0..n, and a failure of its worker may migrate it too.
 Each loop reads the run's single event queue (``RequestRun.next_event``), so ordering
 questions (token 0 vs. the consumer's tokens, a transfer failure vs. a dead consumer) are
 answered in one place; each ends with the request's final message, or returns without
-one when the run is to be placed again.
+one when the run is to be placed again. The loops move the run's phase
+(router/requests/run_phase.py) as they hand reports on, and read what they need to know
+(has token 0 gone out, has the consumer started) from it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 
+from router.config import RouterConfig
+from router.control.policy import Slot
 from router.control.registry import WorkerInfo
 from router.requests.legs import Ev, Event
+from router.requests.run_output import RunOutput
+from router.requests.run_phase import RunPhase
 
-if TYPE_CHECKING:
-    from router.requests.request_run import RequestRun
+
+class StreamedRun(Protocol):
+    """What the loops need of a request's run (``RequestRun``)."""
+
+    config: RouterConfig
+    out: RunOutput
+    slot: Slot | None
+    phase: RunPhase
+    ended: set[str]  # worker ids whose leg finished its part
+
+    def advance(self, phase: RunPhase) -> None: ...
+
+    async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo,
+                         bound: float | None = None) -> Event: ...
+
+    def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
+               ) -> tuple[router_pb2.GenerateResponse, str | None]: ...
+
+    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool: ...
+
+    def migrate_after(self, w: WorkerInfo, why: str, code: grpc.StatusCode | None = None
+                      ) -> bool: ...
+
+    def note_unreachable(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
+                         ) -> None: ...
+
+    def leg_failed(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
+                   ) -> router_pb2.GenerateResponse: ...
+
+    def stop(self, ev: Event) -> router_pb2.GenerateResponse: ...
+
 
 FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
 
 
-async def disaggregated_stream(run: RequestRun) -> AsyncIterator[router_pb2.GenerateResponse]:
+async def disaggregated_stream(run: StreamedRun
+                               ) -> AsyncIterator[router_pb2.GenerateResponse]:
     assert run.slot is not None
     p, c = run.slot.producer, run.slot.consumer
     assert p is not None and c is not None
     cfg, out = run.config, run.out
-    token0_sent = transferred = consumer_started = False
     held: list[worker_pb2.Tokens] = []  # consumer tokens that overtook token 0
+    # the consumer's reservation comes through the queue too: token 0's bound is kept
+    token0_by = time.monotonic() + cfg.token0_timeout_s
+
+    def token0_sent() -> bool:
+        return run.phase >= RunPhase.TOKEN0
 
     def recovered(w: WorkerInfo, why: str, code: grpc.StatusCode | None = None) -> bool:
         """Whether a failure of ``w`` sends the request elsewhere (then the stream ends
         without a final message and the run places it again)."""
-        if w is p and not token0_sent and not out.completion_tokens:
+        if w is p and not token0_sent() and not out.completion_tokens:
             # nothing streamed from this placement yet: a plain retry (bounded apart)
             run.note_unreachable(w, code, why)
             return run.retry_after(p, why, held)
         return run.migrate_after(w, why, code)
 
     while True:
-        if not token0_sent:
-            ev = await run.next_event(cfg.token0_timeout_s,
-                                      f"token 0 from producer {p.worker_id}", p)
-        elif not consumer_started:
+        if not token0_sent():
+            ev = await run.next_event(max(0.0, token0_by - time.monotonic()),
+                                      f"token 0 from producer {p.worker_id}", p,
+                                      cfg.token0_timeout_s)
+        elif run.phase is not RunPhase.DECODING:
             # Includes a queued reservation and the KV transfer, hence the long bound.
             ev = await run.next_event(cfg.token0_timeout_s,
                                       f"first token from consumer {c.worker_id}", c)
         else:
             ev = await run.next_event(cfg.token_timeout_s,
                                       f"next token from consumer {c.worker_id}", c)
-        if ev.kind is Ev.TOKEN0:
+        if ev.kind is Ev.RESERVED:
+            run.advance(RunPhase.PAIRED)  # the run sent the blocks on to the producer
+        elif ev.kind is Ev.TOKEN0:
             t0: worker_pb2.Token0 = ev.payload
             resp = out.token0(t0)
-            token0_sent = True
+            run.advance(RunPhase.TOKEN0)
             if t0.finish_reason:
-                run.completed = True
                 yield out.final(resp, t0.finish_reason, t0.stop_reason)
                 return
             yield resp
+            if held:
+                run.advance(RunPhase.DECODING)
             for tokens in held:
                 resp, error = run.tokens(tokens, c)
                 yield resp
@@ -76,8 +120,7 @@ async def disaggregated_stream(run: RequestRun) -> AsyncIterator[router_pb2.Gene
             held.clear()
         elif ev.kind is Ev.TOKENS:
             tokens = ev.payload
-            consumer_started = True
-            if not token0_sent:
+            if not token0_sent():
                 held.append(tokens)
                 if tokens.finish_reason:
                     run.ended.add(c.worker_id)  # its stream's end is no failure
@@ -86,6 +129,7 @@ async def disaggregated_stream(run: RequestRun) -> AsyncIterator[router_pb2.Gene
                     and recovered(c, f"consumer {c.worker_id}: {tokens.error or 'no details'}")):
                 run.ended.add(c.worker_id)  # it ended the request on its side
                 return  # e.g. its KV transfer failed after the client got token 0
+            run.advance(RunPhase.DECODING)
             resp, error = run.tokens(tokens, c)
             yield resp
             if error is not None:
@@ -101,10 +145,11 @@ async def disaggregated_stream(run: RequestRun) -> AsyncIterator[router_pb2.Gene
                 if not recovered(c, why):
                     yield out.failed(why)
                 return
-            transferred = True
+            run.advance(RunPhase.KV_LANDED)
         elif ev.kind is Ev.PRODUCER_EOF:
+            transferred = p.worker_id in run.ended  # an ok transfer result ended its part
             run.ended.add(p.worker_id)
-            if not token0_sent:
+            if not token0_sent():
                 why = f"producer {p.worker_id} ended its stream before token 0"
             elif not transferred:
                 why = f"producer {p.worker_id} ended its stream without a KV transfer result"
@@ -140,13 +185,12 @@ async def disaggregated_stream(run: RequestRun) -> AsyncIterator[router_pb2.Gene
             return
 
 
-async def colocated_stream(run: RequestRun) -> AsyncIterator[router_pb2.GenerateResponse]:
+async def colocated_stream(run: StreamedRun) -> AsyncIterator[router_pb2.GenerateResponse]:
     assert run.slot is not None
     w = run.slot.colocated
     assert w is not None
-    started = False
     while True:
-        if not started:
+        if run.phase is not RunPhase.DECODING:
             ev = await run.next_event(run.config.token0_timeout_s,
                                       f"token 0 from colocated worker {w.worker_id}", w)
         else:
@@ -154,8 +198,8 @@ async def colocated_stream(run: RequestRun) -> AsyncIterator[router_pb2.Generate
                                       f"next token from colocated worker {w.worker_id}", w)
         if ev.kind is Ev.TOKENS:
             tokens: worker_pb2.Tokens = ev.payload
-            if not started and tokens.token_ids:
-                started = True
+            if run.phase is not RunPhase.DECODING and tokens.token_ids:
+                run.advance(RunPhase.DECODING)
                 if not run.out.completion_tokens:  # a migrated request's first is earlier
                     run.out.timing.router_token0_sent_ns = time.time_ns()
             resp, error = run.tokens(tokens, w)
