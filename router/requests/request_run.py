@@ -59,8 +59,17 @@ from router.config import RouterConfig
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
 from router.requests.event_queue import EventQueue
-from router.requests.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
+from router.requests.legs import DecodeLeg, ProducerLeg, abort_on_worker
 from router.requests.request_info import RequestInfo
+from router.requests.run_events import (
+    STOPS,
+    Aborted,
+    Dropped,
+    Event,
+    Failed,
+    Reserved,
+    TimedOut,
+)
 from router.requests.run_output import RunOutput
 from router.requests.run_phase import RunPhase, check_phase
 from router.requests.run_recovery import Recovery
@@ -148,7 +157,7 @@ class RequestRun:
     def post(self, event: Event) -> None:
         """From outside the legs: Router.Abort, a dropped worker, shutdown."""
         self._queue.put_nowait(event)
-        if event.kind in (Ev.ABORT, Ev.FAIL):
+        if isinstance(event, STOPS):
             self.stopped.set()
 
     def place(self, slot: Slot) -> None:
@@ -205,10 +214,10 @@ class RequestRun:
     def _on_report(self, ev: Event) -> None:
         """Every leg's report lands here first and goes on to the client loop; the
         consumer's reservation also goes on to the producer at once."""
-        if ev.kind is Ev.RESERVED:
+        if isinstance(ev, Reserved):
             if self.producer is None or self._closed:
                 return
-            self._pairing = _spawn(self._pair(ev.payload))
+            self._pairing = _spawn(self._pair(ev.dest))
         self._queue.put_nowait(ev)
 
     async def _pair(self, dest: worker_pb2.KVDestination) -> None:
@@ -275,7 +284,7 @@ class RequestRun:
         while not self._queue.empty():
             stale.append(self._queue.get_nowait())
         for ev in stale:
-            if ev.kind in (Ev.ABORT, Ev.FAIL):
+            if isinstance(ev, STOPS):
                 self._queue.put_nowait(ev)
         slot = self._replace(rec.failed_on, migrating)
         if slot is None:
@@ -350,7 +359,7 @@ class RequestRun:
             async with asyncio.timeout(timeout):
                 return await self._queue.get()
         except TimeoutError:
-            return Event(Ev.TIMEOUT, (waiting_on, f"no {what} within {bound or timeout:g} s"))
+            return TimedOut(waiting_on, f"no {what} within {bound or timeout:g} s")
 
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                 ) -> tuple[router_pb2.GenerateResponse, str | None]:
@@ -371,12 +380,13 @@ class RequestRun:
             self._on_unreachable(w, msg)
 
     def stop(self, ev: Event) -> router_pb2.GenerateResponse:
-        if ev.kind is Ev.ABORT:
-            return self.out.aborted()
-        if ev.kind in (Ev.DROPPED, Ev.TIMEOUT):
-            return self.out.failed(ev.payload[1])
-        assert ev.kind is Ev.FAIL, ev.kind
-        return self.out.failed(str(ev.payload))
+        """The final message for an event that ends the run from outside or by a bound."""
+        match ev:
+            case Aborted():
+                return self.out.aborted()
+            case Dropped(reason=why) | TimedOut(message=why) | Failed(message=why):
+                return self.out.failed(why)
+        raise AssertionError(f"{ev!r} does not stop a run")
 
 
 def _spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
