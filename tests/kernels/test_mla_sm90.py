@@ -1,8 +1,8 @@
 """The MLA decode, merge and latent-store kernels compile for an H200 (sm_90) without a GPU,
 at DeepSeek's latent (512 + 64, bf16) and the launcher's default tiles, with no register
 spills past the measured exception below: ptxas from Triton's wheel, in a child process
-(the kernel tests' conftest runs Triton in its interpreter, which compiles nothing). The interpreter tests check values;
-this catches what only the compiler sees."""
+(the kernel tests' conftest runs Triton in its interpreter, which compiles nothing). The
+interpreter tests check values; this catches what only the compiler sees."""
 
 from __future__ import annotations
 
