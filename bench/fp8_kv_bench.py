@@ -47,7 +47,8 @@ def fill_pool(nb: int, layers: int, dtype: torch.dtype, gen: torch.Generator) ->
     return pool
 
 
-def attention_point(batch: int, context: int, fp8_block_ns: list[int]) -> dict:
+def attention_point(batch: int, context: int, fp8_block_ns: list[int], hbm: float) -> dict:
+    """hbm: the measured HBM read rate, bytes/s (the floors' denominator)."""
     from kernels.triton_decode_attention import decode_attention
 
     blocks = batch * -(-context // BS)
@@ -60,7 +61,6 @@ def attention_point(batch: int, context: int, fp8_block_ns: list[int]) -> dict:
     out = torch.empty_like(q)
     scale = D ** -0.5
     point: dict = {"batch": batch, "context": context, "layers_timed": layers}
-    hbm = hbm_read_tbps() * 1e12
     for name, dtype in DTYPES.items():
         pool = fill_pool(blocks, layers, dtype, gen)
         views = [pool[:, i] for i in range(layers)]
@@ -147,7 +147,9 @@ def main() -> None:
                  torch.cuda.get_device_name(), "torch": torch.__version__,
                  "shape": {"layers": LAYERS, "num_heads": HQ, "num_kv_heads": HKV,
                            "head_dim": D, "block_size": BS, "q_dtype": "bfloat16"},
-                 "hbm_read_tbps": round(hbm_read_tbps(), 3), "attention": []}
+                 "attention": []}
+    hbm = hbm_read_tbps()
+    out["hbm_read_tbps"] = round(hbm, 3)
 
     def save() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -155,7 +157,7 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
     for b, c in pts:
-        p = attention_point(b, c, block_ns)
+        p = attention_point(b, c, block_ns, hbm * 1e12)
         print(json.dumps(p), flush=True)
         out["attention"].append(p)
         save()
