@@ -6,7 +6,7 @@ float8_e4m3fn KV (--kv-cache-dtype fp8), measured in the same run.
    128, block 16; fewer layers where a point's pool would not fit), every layer once per
    CUDA-graph replay; per layer ms, next to the byte floor (the KV bytes a step reads /
    the measured HBM read rate). Points: batch x context, every request at full context.
-   ``--fp8-block-n`` also times other KV tiles for the float8 pool (tuning aid).
+   ``--fp8-tiles`` also times other KV tiles for the float8 pool (tuning aid).
 2. KV capacity: the engine (Llama-3-8B shape, dummy weights) built with the same
    --gpu-memory-utilization once per KV dtype, each in a process of its own (so the first
    engine's memory cannot shrink the second's budget): its pool's tokens and bytes, and
@@ -47,7 +47,8 @@ def fill_pool(nb: int, layers: int, dtype: torch.dtype, gen: torch.Generator) ->
     return pool
 
 
-def attention_point(batch: int, context: int, fp8_block_ns: list[int], hbm: float) -> dict:
+def attention_point(batch: int, context: int, fp8_tiles: list[tuple[int, int]],
+                    hbm: float) -> dict:
     """hbm: the measured HBM read rate, bytes/s (the floors' denominator)."""
     from kernels.triton_decode_attention import decode_attention
 
@@ -64,9 +65,9 @@ def attention_point(batch: int, context: int, fp8_block_ns: list[int], hbm: floa
     for name, dtype in DTYPES.items():
         pool = fill_pool(blocks, layers, dtype, gen)
         views = [pool[:, i] for i in range(layers)]
-        tiles = [None] + ([n for n in fp8_block_ns if n != 64] if name == "fp8" else [])
-        for block_n in tiles:
-            kw = {} if block_n is None else {"block_n": block_n}
+        tiles: list = [None] + (fp8_tiles if name == "fp8" else [])
+        for tile in tiles:
+            kw = {} if tile is None else {"block_n": tile[0], "num_warps": tile[1]}
 
             # no max_seq_len: the splits are sized as in the engine's decode graphs
             def step(kw: dict = kw, views: list = views) -> None:
@@ -74,7 +75,8 @@ def attention_point(batch: int, context: int, fp8_block_ns: list[int], hbm: floa
                     decode_attention(q, kv, tables, lens, scale, out=out, **kw)
 
             ms = graph_time_ms(step) / layers
-            key = f"{name}_attention_ms" if block_n is None else f"{name}_block_n{block_n}_ms"
+            key = (f"{name}_attention_ms" if tile is None
+                   else f"{name}_block_n{tile[0]}_warps{tile[1]}_ms")
             point[key] = round(ms, 4)
         nbytes = batch * context * 2 * HKV * D * pool.element_size()
         point[f"{name}_floor_ms"] = round(nbytes / hbm * 1e3, 4)
@@ -121,8 +123,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="32x4096,64x4096,32x8192,128x4096",
                     help="batch x context of the attention comparison")
-    ap.add_argument("--fp8-block-n", default="64,128",
-                    help="KV tiles also timed for the float8 pool (64: the default)")
+    ap.add_argument("--fp8-tiles", default="128:8",
+                    help="block_n:num_warps of KV tiles also timed for the float8 pool "
+                         "(the default tiles, 64:4, always are)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--engine-points", default="32x4096",
                     help="batch x context of the engines' decode steps ('' for none)")
@@ -142,7 +145,8 @@ def main() -> None:
                                          args.gpu_memory_utilization, eng, args.steps)))
         return
     pts = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",") if p]
-    block_ns = [int(x) for x in args.fp8_block_n.split(",") if x]
+    tiles = [(int(t.split(":")[0]), int(t.split(":")[1])) for t in args.fp8_tiles.split(",")
+             if t]
     out: dict = {"command": "python " + shlex.join(sys.argv), "device":
                  torch.cuda.get_device_name(), "torch": torch.__version__,
                  "shape": {"layers": LAYERS, "num_heads": HQ, "num_kv_heads": HKV,
@@ -157,7 +161,7 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
     for b, c in pts:
-        p = attention_point(b, c, block_ns, hbm * 1e12)
+        p = attention_point(b, c, tiles, hbm * 1e12)
         print(json.dumps(p), flush=True)
         out["attention"].append(p)
         save()
