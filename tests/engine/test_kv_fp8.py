@@ -142,3 +142,25 @@ def test_kv_cache_dtype_flag_is_checked():
         EngineConfig(kv_cache_dtype="int8")
     assert EngineConfig(kv_cache_dtype="fp8", dtype="bfloat16").kv_dtype == "float8_e4m3fn"
     assert EngineConfig(dtype="bfloat16").kv_dtype == "bfloat16"
+
+
+def test_tp2_followers_take_rank0s_scales(models, tmp_path):
+    """Scales of 0.002 saturate most entries (|x| > 0.9 clips), so they change the tokens: a
+    TP2 engine whose follower rank stored its heads with 1.0 would not match TP1."""
+    from safetensors.torch import save_file
+
+    path = str(tmp_path / "scaled")
+    shutil.copytree(models["llama"], path)
+    save_file({f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.002) for i in (0, 1)},
+              os.path.join(path, "kv_scales.safetensors"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+
+    def run(p: str, tp: int) -> tuple[list[list[int]], list[float]]:
+        with LLM(p, block_size=4, kv_cache_dtype="fp8", tensor_parallel_size=tp) as llm:
+            out = llm.generate(PROMPTS, params)
+        return [c.token_ids for c in out], [r.logprob for c in out for r in c.logprobs]
+
+    tp1, tp2, unscaled = run(path, 1), run(path, 2), run(models["llama"], 1)
+    assert tp2[0] == tp1[0]
+    assert max(abs(a - b) for a, b in zip(tp1[1], tp2[1], strict=True)) < 1e-3
+    assert tp1[0] != unscaled[0]  # the scales matter: this test can tell
