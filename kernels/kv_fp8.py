@@ -28,6 +28,22 @@ def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(dtype)
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor viewed as uint8 (anything else as is): torch has no float8 kernels
+    for some indexing ops on some devices (CPU's index_copy_), and byte copies are exact."""
+    return t.view(torch.uint8) if t.dtype == FP8_DTYPE else t
+
+
+def take(t: torch.Tensor, index: tuple) -> torch.Tensor:
+    """``t[index]`` (advanced indexing), through a byte view for a float8 tensor."""
+    return as_bytes(t)[index].view(t.dtype)
+
+
+def put(t: torch.Tensor, index: tuple, values: torch.Tensor) -> None:
+    """``t[index] = values`` (values already in t's dtype), through byte views for float8."""
+    as_bytes(t)[index] = as_bytes(values)
+
+
 def from_cache(t: torch.Tensor, scale: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Cache entries as ``dtype`` values: an fp8 entry times its scale."""
     if t.dtype != FP8_DTYPE:

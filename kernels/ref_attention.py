@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_fp8 import from_cache
+from kernels.kv_fp8 import from_cache, take
 
 
 def _gather_kv(
@@ -20,7 +20,7 @@ def _gather_kv(
     k_scale: float,
     v_scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Hkv, D] float32 each
-    kv = kv_layer[blocks]  # [nb, 2, BS, Hkv, D]
+    kv = take(kv_layer, (blocks,))  # [nb, 2, BS, Hkv, D]
     k = kv[:, 0].reshape(-1, *kv.shape[-2:])[:seq_len]  # [S, Hkv, D]
     v = kv[:, 1].reshape(-1, *kv.shape[-2:])[:seq_len]
     return from_cache(k, k_scale), from_cache(v, v_scale)
@@ -89,7 +89,7 @@ def decode_attention_ref(
     max_len = int(seq_lens.max())
     nb = -(-max_len // block_size)
     blocks = block_tables[:, :nb].long()  # [B, nb]
-    kv = kv_layer[blocks.reshape(-1)]  # [B*nb, 2, BS, Hkv, D]
+    kv = take(kv_layer, (blocks.reshape(-1),))  # [B*nb, 2, BS, Hkv, D]
     kv = kv.reshape(bsz, nb, 2, block_size, *kv.shape[-2:])
     k = kv[:, :, 0].reshape(bsz, nb * block_size, *kv.shape[-2:])  # [B, S, Hkv, D]
     v = kv[:, :, 1].reshape(bsz, nb * block_size, *kv.shape[-2:])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_fp8 import to_cache
+from kernels.kv_fp8 import as_bytes, put, to_cache
 
 
 def store_kv_ref(
@@ -28,8 +28,8 @@ def store_kv_ref(
     slots = slot_mapping[keep]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
-    kv_layer[blocks, 0, offsets] = to_cache(key[keep], kv_layer.dtype, k_scale)
-    kv_layer[blocks, 1, offsets] = to_cache(value[keep], kv_layer.dtype, v_scale)
+    put(kv_layer, (blocks, 0, offsets), to_cache(key[keep], kv_layer.dtype, k_scale))
+    put(kv_layer, (blocks, 1, offsets), to_cache(value[keep], kv_layer.dtype, v_scale))
 
 
 def gather_blocks_ref(
@@ -40,7 +40,7 @@ def gather_blocks_ref(
     if out is None:
         out = torch.empty((block_ids.numel(), *cache.shape[1:]), dtype=cache.dtype,
                           device=cache.device)
-    torch.index_select(cache, 0, block_ids, out=out)
+    torch.index_select(as_bytes(cache), 0, block_ids, out=as_bytes(out))
     return out
 
 
@@ -49,9 +49,7 @@ def scatter_blocks_ref(
     cache: torch.Tensor,  # [NB, *block_shape]
     block_ids: torch.Tensor,  # [N] int64
 ) -> None:
-    if cache.element_size() == 1:  # float8: torch's CPU index_copy_ has no such kernel
-        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
-    cache.index_copy_(0, block_ids, src)
+    as_bytes(cache).index_copy_(0, block_ids, as_bytes(src))
 
 
 def store_latent_ref(
@@ -66,4 +64,4 @@ def store_latent_ref(
     slots = slot_mapping[keep]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
-    kv_layer[blocks, 0, offsets, 0] = to_cache(latent[keep], kv_layer.dtype, scale)
+    put(kv_layer, (blocks, 0, offsets, 0), to_cache(latent[keep], kv_layer.dtype, scale))

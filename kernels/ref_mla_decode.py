@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_fp8 import from_cache
+from kernels.kv_fp8 import from_cache, take
 
 
 def mla_decode_ref(
@@ -41,7 +41,7 @@ def mla_decode_ref(
     max_len = max(int(seq_lens.max()), 1)
     nb = -(-max_len // bs)
     blocks = block_tables[:, :nb].long()  # [B, nb]
-    lat = kv_layer[blocks.reshape(-1), 0, :, 0]  # [B*nb, BS, C+R]
+    lat = take(kv_layer, (blocks.reshape(-1), 0, slice(None), 0))  # [B*nb, BS, C+R]
     lat = from_cache(lat.reshape(bsz, nb * bs, -1), kv_scale)  # [B, S, C+R] float32
     scores = torch.einsum("bhd,bsd->bhs", q.float(), lat) * scale  # [B, H, S]
     valid = torch.arange(nb * bs, device=q.device)[None, :] < seq_lens[:, None].long()

@@ -40,7 +40,7 @@ from engine.models.llama import RMSNorm
 from engine.parallel.group import TPGroup
 from engine.parallel.shards import TPShard
 from engine.rope import softmax_mscale
-from kernels.kv_fp8 import from_cache
+from kernels.kv_fp8 import from_cache, take
 
 
 class MLAAttention(nn.Module):
@@ -148,7 +148,7 @@ class MLAAttention(nn.Module):
         [Nb] blocks that `tables` [B, W'] indexes."""
         bt = block_tables
         bs = kv_layer.shape[2]
-        lat = kv_layer[bt.reshape(-1).long(), 0, :, 0]  # [Nb, BS, C + R]
+        lat = take(kv_layer, (bt.reshape(-1).long(), 0, slice(None), 0))  # [Nb, BS, C + R]
         lat = from_cache(lat, self.kv_scale, q_nope.dtype)  # a float8 cache's rows, scaled
         nb = lat.shape[0]
         kv = self.kv_b_proj(lat[..., :self.c])  # [Nb, BS, H * (Dn + Dv)]
