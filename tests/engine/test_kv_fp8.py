@@ -11,36 +11,16 @@ import shutil
 
 import pytest
 import torch
+from kv_probe import prompt_logits
 from tiny_deepseek import make_tiny_deepseek
 from tiny_models import PROMPTS, make_tiny_model
 
-from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.kv_scales import checkpoint_kv_scales
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-
-
-def prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    """[n, vocab] float32: the logits at every prompt position from one prefill through the
-    engine's model and KV pool (each position attends over K/V read back from the pool)."""
-    eng = llm.engine
-    bs = eng.config.block_size
-    n = len(prompt)
-    nb = -(-n // bs)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n), block_tables=torch.arange(nb, dtype=torch.int32)[None],
-        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32), decode_only=False,
-        cu_seqlens_q_host=[0, n], seq_lens_host=[n])
-    model = eng.runner.model
-    with torch.inference_mode():
-        hidden = model(torch.tensor(prompt), torch.arange(n), eng.kv_cache, meta)
-        out = model.compute_logits(hidden).float()
-    eng.kv_cache.zero_()  # nothing else used those blocks; leave the pool as it was
-    return out
 
 
 def assert_close(llm: LLM, ref: LLM, seq: list[int]) -> float:

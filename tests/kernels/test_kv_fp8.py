@@ -298,10 +298,14 @@ def test_store_kv_fp8_gpu_rounds_as_torch(gen):
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fp8_engine_triton_close_to_reference(tmp_path, dtype):
-    """The engine on the GPU with a float8 pool (Triton kernels, CUDA graphs, split-K) against
-    the same engine with the torch references: the first tokens are equal and at least 90%
-    of the free-running greedy tokens."""
+    """The engine on the GPU with a float8 pool (Triton kernels, CUDA graphs, split-K)
+    against the same engine with the torch references, both reading float8 entries:
+    teacher-forced logits over the reference's greedy sequences are close (the prefill
+    kernels), the first tokens equal, and free-running greedy tokens mostly (decode; the
+    dummy weights' flat logits let a rounding flip a near-tie)."""
     import json
+
+    from kv_probe import prompt_logits
 
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
@@ -315,16 +319,21 @@ def test_fp8_engine_triton_close_to_reference(tmp_path, dtype):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (32, 45, 1, 700)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    tokens = {}
-    for ref in (True, False):
-        llm = LLM(str(tmp_path), load_format="dummy", device="cuda", dtype=dtype,
-                  kv_cache_dtype="fp8", max_num_batched_tokens=256,
-                  extra={"reference_kernels": ref})
-        assert llm.engine.kv_cache.dtype == FP8_DTYPE
-        tokens[ref] = [c.token_ids for c in llm.generate(prompts, params)]
-        del llm
-    # the same float8 bytes on both sides; only the order of float sums differs
+    llms = {ref: LLM(str(tmp_path), load_format="dummy", device="cuda", dtype=dtype,
+                     kv_cache_dtype="fp8", max_num_batched_tokens=256,
+                     extra={"reference_kernels": ref}) for ref in (True, False)}
+    try:
+        assert all(llm.engine.kv_cache.dtype == FP8_DTYPE for llm in llms.values())
+        tokens = {ref: [c.token_ids for c in llm.generate(prompts, params)]
+                  for ref, llm in llms.items()}
+        for p, t in zip(prompts, tokens[True], strict=True):
+            got, want = prompt_logits(llms[False], p + t), prompt_logits(llms[True], p + t)
+            assert rel_err(got, want) < 2e-2, rel_err(got, want)
+            assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
+    finally:
+        for llm in llms.values():
+            llm.close()
+    assert [t[0] for t in tokens[False]] == [t[0] for t in tokens[True]]
     same = sum(a == b for t, r in zip(tokens[False], tokens[True], strict=True)
                for a, b in zip(t, r, strict=True))
-    assert same >= 0.9 * 4 * 24, (tokens[False], tokens[True])
-    assert [t[0] for t in tokens[False]] == [t[0] for t in tokens[True]]
+    assert same >= 0.75 * 4 * 24, (tokens[False], tokens[True])
