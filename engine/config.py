@@ -23,10 +23,7 @@ SUPPORTED_ARCHS = {
 ROLES = ("colocated", "producer", "consumer")
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
-# --kv-cache-dtype: "auto" stores KV in the model's dtype; "fp8" in float8_e4m3fn with one
-# scale per layer for K and one for V (engine/kv_scales.py says where they come from)
-KV_CACHE_DTYPES = ("auto", "fp8")
-FP8_KV_DTYPE = "float8_e4m3fn"
+KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: float8_e4m3fn, per-layer scales (engine/kv_scales)
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -374,7 +371,7 @@ class EngineConfig:
     @property
     def kv_dtype(self) -> str:
         """The KV pool's element dtype (a torch dtype's name)."""
-        return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.dtype
+        return "float8_e4m3fn" if self.kv_cache_dtype == "fp8" else self.dtype
 
     @property
     def defers_output(self) -> bool:
