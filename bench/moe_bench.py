@@ -1,8 +1,12 @@
-"""MoE decode benchmark (issue 25): a Qwen3-30B-A3B-shaped model's decode step, and the
-fused MoE kernel alone, each against the HBM byte floor measured in the same run.
+"""MoE decode benchmark: a MoE model's decode step, and the fused MoE kernel alone (and,
+for an MLA model, the MLA decode kernel alone), each against the HBM byte floor measured
+in the same run.
 
-In one run on one GPU (bf16, dummy weights: 48 layers, hidden 2048, 32/4 heads of 128,
-128 experts top-8, moe_intermediate 768, vocab 151936):
+Shapes (--shape; bf16, dummy weights): ``qwen3`` Qwen3-30B-A3B (48 layers, hidden 2048,
+32/4 heads of 128, 128 experts top-8, moe_intermediate 768, vocab 151936); ``v2lite``
+DeepSeek-V2-Lite (27 layers, hidden 2048, 16 MLA heads, kv_lora 512 + rope 64, a dense
+first layer, 64 routed experts top-6 + 2 shared, moe_intermediate 1408, vocab 102400).
+In one run on one GPU:
   * HBM read rate (a sum over a 4 GiB tensor) and the bf16 matmul rate (8192^3 GEMM);
   * per (batch, context): the engine's decode step (CUDA graphs, deferred output; the
     median of --repeats windows of --steps steps), the distinct experts each layer's
@@ -12,10 +16,13 @@ In one run on one GPU (bf16, dummy weights: 48 layers, hidden 2048, 32/4 heads o
     routing drawn uniformly), its bytes (the distinct experts it reads) over its time
     against the HBM read rate;
   * prefill of one --prefill-tokens prompt: its time and FLOP rate against the matmul rate;
-  * optionally transformers' own decode with a static cache (--hf-batches; eager).
+  * MLA models: the paged MLA decode kernel alone over all layers at each (batch,
+    context), its latent bytes over its time against the HBM read rate;
+  * optionally transformers' own decode with a static cache (--hf-batches).
 
     python bench/moe_bench.py --out $OUT/moe_h200.json
-    python bench/moe_bench.py --tune   # tile candidates per token bucket for moe_configs.json
+    python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
+    python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
 
 Points whose KV does not fit the device are recorded with ``"skipped"``.
 """
@@ -47,12 +54,25 @@ QWEN3_30B_A3B = {
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
 
-# fused-kernel tile candidates for --tune (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each
-# compiles for sm_90 without register spills (ptxas -v, as tests/kernels/test_moe_sm90.py)
-CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
-              (16, 128, 64, 4, 3), (16, 64, 128, 8, 4), (32, 64, 64, 8, 3),
-              (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3)]
-
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 102400,
+    "max_position_embeddings": 163840, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1,
+    "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "moe_intermediate_size": 1408, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+SHAPES = {"qwen3": ("Qwen3-30B-A3B shape, dummy", QWEN3_30B_A3B),
+          "v2lite": ("DeepSeek-V2-Lite shape, dummy", DEEPSEEK_V2_LITE)}
 
 def matmul_tflops() -> float:
     from decode_bench import graph_time_ms
@@ -140,7 +160,7 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
         engine.step()
     blocks = moe_blocks(model)
     eb = expert_bytes(blocks[0])
-    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv = batch * context * cfg.num_layers * kv_values_per_token(cfg) * 2
     floor_bytes = dense_weight_bytes(model) + sum(touched) * eb + kv
     floor_ms = floor_bytes / (hbm * 1e12) * 1e3
     point.update({
@@ -148,6 +168,47 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
         "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 3),
         "ratio_to_floor": round(point["engine_step_ms"] / floor_ms, 3)})
     return point
+
+
+def kv_values_per_token(cfg: Any) -> int:
+    """KV values one layer stores per token: the latent + rope key (MLA), else K and V."""
+    if cfg.is_mla:
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
+                     tiles: dict[str, int] | None = None) -> dict[str, Any]:
+    """The paged MLA decode kernel alone over every layer (one graph): ``batch`` requests
+    of ``context`` tokens each, on one latent cache the size of one layer's."""
+    from decode_bench import graph_time_ms
+
+    from kernels.triton_mla_decode import mla_decode
+
+    cfg = model.cfg
+    c, r, heads = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads
+    bs = 16
+    per_req = -(-context // bs)
+    nblocks = batch * per_req
+    if nblocks * bs * (c + r) * 2 * 2 > torch.cuda.mem_get_info()[0] * 0.5:
+        return {"batch": batch, "context": context, "skipped": "cache does not fit"}
+    kv = torch.randn(nblocks, 1, bs, 1, c + r, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch, heads, c + r, dtype=torch.bfloat16, device="cuda")
+    tables = torch.arange(nblocks, dtype=torch.int32, device="cuda").view(batch, per_req)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    out = q.new_empty(batch, heads, c)
+    scale = (cfg.qk_nope_head_dim + r) ** -0.5
+
+    def run() -> None:
+        for _ in range(cfg.num_layers):
+            mla_decode(q, kv, tables, lens, scale, c, out, max_seq_len=context,
+                       **(tiles or {}))
+
+    ms = graph_time_ms(run)
+    nbytes = cfg.num_layers * batch * context * (c + r) * 2
+    tbps = nbytes / (ms * 1e-3) / 1e12
+    return {"batch": batch, "context": context, "kernel_ms_all_layers": round(ms, 3),
+            "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
 
 
 def kernel_point(model: Any, batch: int, hbm: float,
@@ -183,6 +244,7 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     cfg = engine.model_cfg
+    model = engine.runner.model
     times = []
     for r in range(3):  # the first run compiles the prefill shapes
         # a new first token each run: no block of it is in the prefix cache
@@ -197,40 +259,25 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     ms = sorted(times[1:])[0]
     moe = cfg.moe
     assert moe is not None
-    d = cfg.head_dim
-    attn_params = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * d \
-        + cfg.num_heads * d * cfg.hidden_size
-    active = cfg.num_layers * (attn_params + moe.top_k * 3 * moe.intermediate_size
-                               * cfg.hidden_size + moe.num_experts * cfg.hidden_size)
-    flops = 2 * tokens * active + 2 * cfg.num_layers * cfg.num_heads * d * tokens * tokens \
-        + 2 * cfg.vocab_size * cfg.hidden_size  # causal QK^T and PV; the head for 1 row
+    # a token's weights: every non-expert matrix but the embedding and the head, plus top-k
+    # routed experts per MoE layer (shared experts and dense layers are non-expert)
+    blocks = moe_blocks(model)
+    head = cfg.vocab_size * cfg.hidden_size
+    active = (dense_weight_bytes(model) // 2 - head
+              + len(blocks) * moe.top_k * expert_bytes(blocks[0]) // 2)
+    # causal QK^T and PV: T^2/2 query-key pairs, 2 FLOPs per multiply-add, per dim
+    qk_pv = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim if cfg.is_mla
+             else 2 * cfg.head_dim)
+    flops = 2 * tokens * active + cfg.num_layers * cfg.num_heads * qk_pv * tokens * tokens \
+        + 2 * head  # the head for 1 row
     tflops = flops / (ms * 1e-3) / 1e12
     return {"tokens": tokens, "prefill_ms": round(ms, 2), "tflops": round(tflops, 1),
             "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
 
 
-def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
-    """Times each tile candidate per batch; returns the moe_configs.json entry."""
-    best: dict[str, Any] = {}
-    for b in batches:
-        rows = []
-        for bm, bn, bk, warps, stages in CANDIDATES:
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn,
-                   "BLOCK_K_DOWN": bk, "num_warps": warps, "num_stages": stages}
-            try:
-                p = kernel_point(model, b, hbm, cfg)
-            except Exception as e:  # a config that does not fit: skip it
-                print("tune", b, cfg, repr(e)[:120], flush=True)
-                continue
-            rows.append((p["kernel_ms_all_layers"], cfg))
-            print("tune", b, cfg, p["kernel_ms_all_layers"], flush=True)
-        rows.sort(key=lambda r: r[0])
-        best[str(b)] = rows[0][1]
-    return {torch.cuda.get_device_name(): best}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--steps", type=int, default=20)
@@ -239,9 +286,12 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="", help="e.g. 1,8: transformers' static-cache "
                     "decode at context 512 (loads a second copy of the model)")
     ap.add_argument("--tune", action="store_true", help="time tile candidates only")
+    ap.add_argument("--tune-mla", action="store_true",
+                    help="time MLA decode tile candidates only (an MLA --shape)")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
     from decode_bench import hbm_read_tbps, hf_static_ms
+    from moe_tune import tune, tune_mla
 
     from engine.config import EngineConfig
     from engine.llm import build_engine
@@ -249,10 +299,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     contexts = [int(c) for c in args.contexts.split(",") if c]
     cfg_dir = tempfile.mkdtemp()
+    label, hf_config = SHAPES[args.shape]
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(QWEN3_30B_A3B, f)
+        json.dump(hf_config, f)
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "model": "Qwen3-30B-A3B shape, dummy",
+        "device": torch.cuda.get_device_name(), "model": label,
         "dtype": "bfloat16", "torch": torch.__version__, "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     hbm = hbm_read_tbps()
@@ -273,7 +324,10 @@ def main() -> None:
     model = engine.runner.model
     result["dense_weight_bytes"] = dense_weight_bytes(model)
     result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
-    if args.tune:
+    if args.tune_mla:
+        result["tuned_mla"] = tune_mla(model, hbm, [(b, c) for c in contexts for b in batches])
+        print(json.dumps(result["tuned_mla"], indent=1))
+    elif args.tune:
         result["tuned"] = tune(model, hbm, batches)
         print(json.dumps(result["tuned"], indent=1))
     else:
@@ -286,6 +340,17 @@ def main() -> None:
             print(json.dumps(p), flush=True)
             kernels.append(p)
         result["fused_moe_kernel"] = kernels
+        if model.cfg.is_mla:
+            mla = []
+            for ctx in contexts:
+                for b in batches:
+                    try:
+                        p = mla_kernel_point(model, b, ctx, hbm)
+                    except Exception as e:
+                        p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
+                    print(json.dumps(p), flush=True)
+                    mla.append(p)
+            result["mla_decode_kernel"] = mla
         points = []
         for ctx in contexts:
             for b in batches:

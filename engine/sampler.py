@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammar.apply import apply_bitmask
-from engine.random_draw import race, uniform_noise
+from kernels.bitmask import apply_bitmask
+from kernels.random_draw import race, uniform_noise
 
 
 @dataclass

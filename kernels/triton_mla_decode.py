@@ -13,9 +13,13 @@ kernel merges the splits by their log-sum-exp. Host syncs: none. Without a
 ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at capture) the split count is
 sized for the block table's capacity and each request spreads its own context over those
 splits on the device (at least MIN_SPLIT_TOKENS each), as triton_decode_attention does.
-A request of length 0 (a graph's padding row) gets zeros.
+A request of length 0 (a graph's padding row) gets zeros. A float8 latent cache is upcast
+on load to the query's dtype; its scale folds into the softmax scale and multiplies the
+output (the latent is both key and value).
 
-Tiles are first choices, not tuned on a GPU yet (the issue's bench/moe_bench.py will).
+Tiles and the split count are tuned on an H200 at DeepSeek-V2-Lite's shape (16 heads,
+latent 512 + 64, bf16; ``bench/moe_bench.py --shape v2lite --tune-mla``,
+bench/results/mla_tune_h200.json).
 """
 
 from __future__ import annotations
@@ -31,20 +35,25 @@ from kernels.triton_common import (
     check_device,
     check_float,
     check_int,
+    check_kv,
     check_shape,
-    compute_dtype,
+    kv_compute_dtype,
+    kv_ieee,
 )
 
 LOG2E = 1.4426950408889634
 
 BLOCK_N = 32  # latent rows per inner-loop tile (a [32, 512] bf16 tile is 32 KiB)
 NUM_STAGES = 2
-# 8 warps: at 4, a 16-head block's [16, 512] float32 accumulator and its latent tile spill
-# registers (ptxas, sm_90: 120 bytes); at 8 neither 16 nor 32 heads spill
-# (tests/kernels/test_mla_sm90.py). Not yet timed on a GPU.
-NUM_WARPS = 8
+# Warps per program by heads per program. At 4 warps a 16-head block spills 120 bytes of
+# registers (ptxas, sm_90) and is still the fastest measured on an H200: batch 32 x 4096
+# tokens 1.69 ms for 27 layers against 2.99 ms at 8 warps (with the split count below);
+# 32 heads keep 8 warps, which do not spill (tests/kernels/test_mla_sm90.py).
+NUM_WARPS = {16: 4, 32: 8}
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
-PROGRAMS_PER_SM = 8
+# Two programs per SM: more splits only add merge traffic (H200, 16 heads: batch 32 best
+# at 8 splits, 128 at 4; at 8 programs per SM the heuristic gave 16 and 9).
+PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
 
@@ -63,7 +72,8 @@ def _mla_decode_kernel(
     s_cb, s_cs,  # kv_layer strides of the block and the token [NB, 1, BS, 1, C + R]
     s_btb,  # block_tables row stride
     s_ob, s_oh,  # out strides [B, H, C]
-    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    qk_scale,  # softmax scale * log2(e) (* a float8 cache's scale): log2-domain scores
+    v_scale,  # a float8 cache's scale (1.0 otherwise): multiplies the output
     split_len,  # tokens per split, a multiple of BLOCK_N (DYN: the least per split)
     num_splits, H,
     C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
@@ -123,7 +133,7 @@ def _mla_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), lat)
         m = m_new
 
-    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None]  # no context: zeros
+    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None] * v_scale  # no context: zeros
     if SPLIT:
         part = (b * H + h).to(tl.int64) * num_splits + split  # [BLOCK_H]
         tl.store(part_o_ptr + part[:, None] * CP + c[None, :], o, mask=hmask[:, None])
@@ -200,8 +210,9 @@ def mla_decode(
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
     block_n: int = BLOCK_N,
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,  # None: NUM_WARPS for the head block
     num_stages: int = NUM_STAGES,
+    kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
 ) -> torch.Tensor:
     check(q.dim() == 3, "q: expected [B, H, C + R]")
     bsz, heads, width = q.shape
@@ -213,7 +224,7 @@ def mla_decode(
           "block_tables: expected [B, *]")
     check_shape("seq_lens", seq_lens, (bsz,))
     check_float("q", q)
-    check_float("kv_layer", kv_layer)
+    check_kv("kv_layer", kv_layer)
     check_int("block_tables", block_tables)
     check_int("seq_lens", seq_lens)
     check(q.stride(2) == 1 and kv_layer.stride(4) == 1, "q, kv_layer: last dim must be "
@@ -230,6 +241,8 @@ def mla_decode(
     if block_h is None:
         block_h = 16 if heads <= 16 else 32
     head_blocks = triton.cdiv(heads, block_h)
+    if num_warps is None:
+        num_warps = NUM_WARPS.get(block_h, 8)
     dyn = max_seq_len is None
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
@@ -255,9 +268,9 @@ def mla_decode(
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, split_len, num_splits, heads,
+        scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, heads,
         C=c, R=width - c, CP=cp, RP=rp, BLOCK_H=block_h, BS=bs, BLOCK_N=block_n,
-        SPLIT=split, COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
+        SPLIT=split, COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer),
         DYN=dyn and split, num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -28,7 +28,7 @@ BLOCK = 1024  # entries per inner-loop tile
 
 @triton.jit
 def _hash32(x):
-    """engine.random_draw._hash32 on uint32 (products wrap mod 2**32)."""
+    """kernels.random_draw._hash32 on uint32 (products wrap mod 2**32)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B
     x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x

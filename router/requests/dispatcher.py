@@ -21,9 +21,9 @@ from router.control.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, R
 from router.requests.admission import Admission
 from router.requests.channels import WorkerChannels
 from router.requests.errors import Overloaded, RequestError
-from router.requests.legs import Ev, Event
 from router.requests.request_info import RequestInfo
 from router.requests.request_run import RequestRun
+from router.requests.run_events import Aborted, Dropped, Failed
 from router.requests.validation import PreparedRequest
 
 log = logging.getLogger(__name__)
@@ -80,12 +80,12 @@ class Dispatcher:
         run = self.active.get(request_id)
         if run is None:
             return False
-        run.post(Event(Ev.ABORT))
+        run.post(Aborted())
         return True
 
     async def close(self) -> None:
         for run in list(self.active.values()):
-            run.post(Event(Ev.FAIL, "router shutting down"))
+            run.post(Failed("router shutting down"))
         # Give the handlers a moment to emit their final message and queue their aborts.
         for _ in range(50):
             if not self.active:
@@ -136,7 +136,7 @@ class Dispatcher:
             self.channels.drop(w.worker_id)
         for run in self.active.values():
             if run.slot is not None and any(x is w for x in run.slot.workers):
-                run.post(Event(Ev.DROPPED, (w, reason)))
+                run.post(Dropped(w, reason))
 
     def _unreachable(self, w: WorkerInfo, message: str) -> None:
         if self.registry.get(w.worker_id) is w:

@@ -15,7 +15,7 @@ import collections
 
 from pdserve.v1 import common_pb2, worker_pb2
 
-from router.requests.legs import Ev, Event
+from router.requests.run_events import Event, TokensRead
 
 
 class EventQueue:
@@ -47,18 +47,19 @@ class EventQueue:
 
     def _take(self) -> Event:
         ev = self._items.popleft()
-        if ev.kind is not Ev.TOKENS:
+        if not isinstance(ev, TokensRead):
             return ev
         items = self._items
         merged: worker_pb2.Tokens | None = None
-        while (items and items[0].kind is Ev.TOKENS and _open(merged or ev.payload)
-               and _plain_end(items[0].payload)):
+        while (items and isinstance(nxt := items[0], TokensRead)
+               and _open(merged or ev.tokens) and _plain_end(nxt.tokens)):
             if merged is None:
                 merged = worker_pb2.Tokens()
-                merged.CopyFrom(ev.payload)
-            _append(merged, items.popleft().payload)
+                merged.CopyFrom(ev.tokens)
+            items.popleft()
+            _append(merged, nxt.tokens)
             self.merged += 1
-        return ev if merged is None else Event(Ev.TOKENS, merged)
+        return ev if merged is None else TokensRead(merged)
 
 
 def _open(t: worker_pb2.Tokens) -> bool:

@@ -13,37 +13,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from enum import Enum, auto
 from typing import Any
 
 import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from router.control.registry import WorkerInfo
+from router.requests.run_events import (
+    DecodeEnded,
+    Event,
+    LegFailed,
+    ProducerEnded,
+    Reserved,
+    Token0Read,
+    TokensRead,
+    TransferRead,
+)
 from router.requests.worker_outputs import OutputsBroken, WorkerOutputs
 
 log = logging.getLogger(__name__)
-
-
-class Ev(Enum):
-    TOKEN0 = auto()  # payload: worker_pb2.Token0
-    TRANSFER = auto()  # payload: worker_pb2.TransferResult
-    PRODUCER_EOF = auto()  # the producer ended its stream
-    RESERVED = auto()  # payload: worker_pb2.KVDestination (the consumer's reserved blocks)
-    TOKENS = auto()  # payload: worker_pb2.Tokens (consumer or colocated)
-    DECODE_EOF = auto()  # the consumer/colocated stream ended
-    LEG_ERROR = auto()  # payload: (worker, status code or None, message)
-    ABORT = auto()  # Router.Abort
-    DROPPED = auto()  # payload: (worker, reason): the registry dropped one of its workers
-    FAIL = auto()  # payload: message (e.g. router shutdown)
-    TIMEOUT = auto()  # payload: (worker, message): the run waited too long on that worker
-
-
-@dataclass
-class Event:
-    kind: Ev
-    payload: Any = None
 
 
 Report = Callable[[Event], None]  # where a leg sends what it read
@@ -138,13 +126,13 @@ class ProducerLeg(Leg):
             while True:
                 out = await self.call.read()
                 if out is grpc.aio.EOF:
-                    self._report_event(Event(Ev.PRODUCER_EOF))
+                    self._report_event(ProducerEnded())
                     return
                 kind = out.WhichOneof("kind")
                 if kind == "token0":
-                    self._report_event(Event(Ev.TOKEN0, out.token0))
+                    self._report_event(Token0Read(out.token0))
                 elif kind == "transfer":
-                    self._report_event(Event(Ev.TRANSFER, out.transfer))
+                    self._report_event(TransferRead(out.transfer))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
@@ -188,12 +176,12 @@ class ProducerLeg(Leg):
                 details = await self.call.details()
                 msg = (f"{self.worker.role_name} {self.worker.worker_id} "
                        f"({self.worker.address}) failed: {code.name}: {details}")
-                self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+                self._report_event(LegFailed(self.worker, code, msg))
                 return
             except Exception:  # noqa: BLE001
                 pass
         code, msg = describe_rpc_error(self.worker, e)
-        self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+        self._report_event(LegFailed(self.worker, code, msg))
 
 
 class DecodeLeg(Leg):
@@ -218,13 +206,13 @@ class DecodeLeg(Leg):
 
     # Route: what the worker's Outputs stream calls
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
-        self._report_event(Event(Ev.TOKENS, tokens))
+        self._report_event(TokensRead(tokens))
 
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
         w = self.worker
-        self._report_event(Event(Ev.LEG_ERROR, (
+        self._report_event(LegFailed(
             w, code or grpc.StatusCode.UNAVAILABLE,
-            f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}")))
+            f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}"))
 
     async def _read(self) -> None:
         rid = self._request.request_id
@@ -249,18 +237,18 @@ class DecodeLeg(Leg):
                                                     kv_address=out.reserved.kv_address
                                                     or self.worker.kv_address,
                                                     block_ids=out.reserved.block_ids)
-                    self._report_event(Event(Ev.RESERVED, dest))
+                    self._report_event(Reserved(dest))
                 elif kind == "tokens":
-                    self._report_event(Event(Ev.TOKENS, out.tokens))
+                    self._report_event(TokensRead(out.tokens))
                 elif kind == "done" and outputs is not None:
                     # the last tokens are in that batch: hand them on before the end
                     await outputs.caught_up(out.done.final_seq)
-            self._report_event(Event(Ev.DECODE_EOF))
+            self._report_event(DecodeEnded())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
             code, msg = describe_rpc_error(self.worker, e)
-            self._report_event(Event(Ev.LEG_ERROR, (self.worker, code, msg)))
+            self._report_event(LegFailed(self.worker, code, msg))
         finally:
             if batched and outputs is not None:
                 outputs.unroute(rid)

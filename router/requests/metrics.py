@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.request_state import RequestState
 from router.control.registry import ROLE_NAMES, Registry
 from router.requests.admission import Admission
 from router.requests.dispatcher import Dispatcher
+from router.requests.run_phase import RunPhase
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latencies from a CPU test cluster (~10 ms/token) to a long GPU prefill queue (minutes).
@@ -144,7 +144,7 @@ class _ClusterCollector(Collector):
         by_state = GaugeMetricFamily("pdserve_router_requests_in_state",
                                      "Requests the router holds, by lifecycle state",
                                      labels=["state"])
-        states = {s.name: 0 for s in RequestState if not s.name.startswith("FINISHED")}
+        states = {s.name: 0 for s in RunPhase if not s.finished}
         for info in self.dispatcher.requests():
             states[info.state.name] = states.get(info.state.name, 0) + 1
         for name, n in states.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.request_state import RequestState
+from router.requests.run_phase import RunPhase
 
 
 @dataclass(frozen=True)
@@ -12,7 +12,7 @@ class RequestInfo:
     """One request as listed by ClusterStatus and GET /debug/requests."""
 
     request_id: str
-    state: RequestState
+    state: RunPhase
     age_s: float  # since the router received it
     producer: str  # worker ids of its legs ("" when none yet, or colocated)
     consumer: str

@@ -6,24 +6,9 @@ stream (reservation, then tokens 1..n) and the producer's bidirectional ``Prefil
 its reserved blocks the run forwards them to the producer (the *pairing* step, ``_pair``).
 Colocated, one ``Decode`` stream carries tokens 0..n.
 
-Lifecycle, router side (``engine.request_state.RequestState``)::
-
-    QUEUED ──admitted and placed, legs started──▶ RESERVING ──consumer reserved──▶ PREFILLING
-      │  (colocated: QUEUED ──▶ PREFILLING)          │ token 0 before the reservation   │ token 0
-      │                                              ▼                                  ▼
-      │                                         TRANSFERRING ◀──────────────────────────┘
-      │                                              │ the producer's transfer result: ok
-      │                                              ▼
-      │                                        WAITING_FOR_KV ──first consumer token──▶ DECODING
-      ▼                                                       (colocated: token 0 ──▶ DECODING)
-    any state ──▶ FINISHED_STOPPED / FINISHED_LENGTH   the decoding leg (or token 0) finished it
-              ──▶ FINISHED_ABORTED                     Router.Abort, or the client left
-              ──▶ FINISHED_ERROR                       a leg failed or ended early, a timeout,
-                                                       its worker was dropped, router shutdown
-    RESERVING / PREFILLING ──the producer failed before token 0──▶ RESERVING (or PREFILLING on
-                                  a colocated worker): placed again, avoiding that producer
-    any later state ──a worker failed it (consumer, colocated, or the producer after token
-                      0)──▶ RESERVING / PREFILLING: migrated, avoiding the workers that failed
+Lifecycle, router side: ``RunPhase`` (router/requests/run_phase.py, which draws it and
+holds its edge table); every change goes through ``advance`` (forward, never back) or
+``_place_legs`` (a new placement, the only backward edge), both checked.
 
 Retry and migration (router/requests/run_recovery.py): a producer that fails before token 0 is
 replaced, up to ``prefill_retries`` times, never by one it failed on; the failed attempt's
@@ -37,19 +22,19 @@ min/max_tokens, stop strings and the (seed, position) draws as in the unfailed r
 client's stream just goes on. The KV is recomputed, never salvaged from the failed worker.
 
 Who moves it: the dispatcher creates the run (QUEUED) and places it (``place``); from
-then on the legs' reports move it forward, the moment a leg reads a message
-(``_on_report``), whether or not the client has read what came before; the client loop
-(``stream``) decides how it ends, or to retry. Reports never move it back: a consumer
-token that overtakes token 0 already means DECODING, and the late token 0 leaves it there;
-only a retry or a migration starts the walk again.
+then on the client loop (``stream`` and the loops of run_streams.py) moves it as it hands
+each leg's report on, so the phase is what the client has been given, and the loops'
+questions (has token 0 gone out? has the consumer started?) are read from it. The legs'
+reports reach the loop through one queue (``_on_report``); the consumer's reservation is
+also forwarded to the producer there and then, without waiting for the client.
 
 Timeouts: QUEUED is bounded by the admission queue (``--max-queued-requests``) and the
-client's deadline; RESERVING, PREFILLING and TRANSFERRING by ``token0_timeout_s`` for
-token 0; WAITING_FOR_KV by ``token0_timeout_s`` again for the consumer's first token (it
-covers a queued reservation and the KV transfer); DECODING by ``token_timeout_s`` between
-tokens; past a bound, the silent worker counts as failed (migration). The workers
-guard their side themselves (the producer's lease on blocks held for a consumer, the
-consumer's reservation deadline).
+client's deadline; PLACED and PAIRED by ``token0_timeout_s`` for token 0; TOKEN0 and
+KV_LANDED by ``token0_timeout_s`` again for the consumer's first token (it covers a queued
+reservation and the KV transfer); DECODING by ``token_timeout_s`` between tokens; past a
+bound, the silent worker counts as failed (migration). The workers guard their side
+themselves (the producer's lease on blocks held for a consumer, the consumer's
+reservation deadline).
 
 Teardown (``close``) runs on every exit (finish, error, abort, the client gone, shutdown).
 A leg that did its part (the producer once the transfer result came or token 0 finished
@@ -70,14 +55,23 @@ from typing import Any
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
-from engine.request_state import RequestState
 from router.config import RouterConfig
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
 from router.requests.event_queue import EventQueue
-from router.requests.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
+from router.requests.legs import DecodeLeg, ProducerLeg, abort_on_worker
 from router.requests.request_info import RequestInfo
+from router.requests.run_events import (
+    STOPS,
+    Aborted,
+    Dropped,
+    Event,
+    Failed,
+    Reserved,
+    TimedOut,
+)
 from router.requests.run_output import RunOutput
+from router.requests.run_phase import RunPhase, check_phase
 from router.requests.run_recovery import Recovery
 from router.requests.run_streams import colocated_stream, disaggregated_stream
 from router.requests.validation import PreparedRequest
@@ -85,16 +79,14 @@ from router.requests.worker_outputs import WorkerOutputs
 
 log = logging.getLogger(__name__)
 
-S = RequestState
+P = RunPhase
 # How long a leg that did its part may take to close its stream before the router cancels it.
 LINGER_S = 5.0
-# The forward path; a report never moves a request backwards along it.
-FORWARD = (S.QUEUED, S.RESERVING, S.PREFILLING, S.TRANSFERRING, S.WAITING_FOR_KV, S.DECODING)
 FINISHED = {
-    common_pb2.FINISH_REASON_STOP: S.FINISHED_STOPPED,
-    common_pb2.FINISH_REASON_LENGTH: S.FINISHED_LENGTH,
-    common_pb2.FINISH_REASON_ABORT: S.FINISHED_ABORTED,
-    common_pb2.FINISH_REASON_ERROR: S.FINISHED_ERROR,
+    common_pb2.FINISH_REASON_STOP: P.FINISHED_STOPPED,
+    common_pb2.FINISH_REASON_LENGTH: P.FINISHED_LENGTH,
+    common_pb2.FINISH_REASON_ABORT: P.FINISHED_ABORTED,
+    common_pb2.FINISH_REASON_ERROR: P.FINISHED_ERROR,
 }
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
@@ -108,7 +100,7 @@ class RequestRun:
         self.prep = prep
         self.config = config
         self.out = RunOutput(prep, received_ns)
-        self.state = S.QUEUED
+        self.phase = P.QUEUED
         self.slot: Slot | None = None
         self.stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self.producer: ProducerLeg | None = None
@@ -126,16 +118,29 @@ class RequestRun:
         self._queue = EventQueue()  # legs' reports; waiting token messages coalesce
         self.stopped = asyncio.Event()  # aborted or failed from outside (ends a queued wait)
         self._pairing: asyncio.Task[None] | None = None
-        self.completed = False  # a leg finished the request (not the router, not an error)
-        self._closed = False
+        self._closed = False  # torn down: legs ended, no more pairing
 
     @property
     def request_id(self) -> str:
         return self.prep.request_id
 
+    @property
+    def completed(self) -> bool:
+        """A leg finished the request (not the router, not an error)."""
+        return self.phase in (P.FINISHED_STOPPED, P.FINISHED_LENGTH)
+
+    def advance(self, phase: RunPhase) -> None:
+        """Moves forward to ``phase``; a report that would move it back changes nothing."""
+        if phase > self.phase and not self.phase.finished:
+            self._move(phase)
+
+    def _move(self, phase: RunPhase) -> None:
+        check_phase(self.phase, phase)
+        self.phase = phase
+
     def info(self) -> RequestInfo:
         t = self.out.timing
-        return RequestInfo(self.request_id, self.state, time.monotonic() - self._received,
+        return RequestInfo(self.request_id, self.phase, time.monotonic() - self._received,
                            t.producer, t.consumer, t.colocated, self.out.completion_tokens)
 
     @property
@@ -152,7 +157,7 @@ class RequestRun:
     def post(self, event: Event) -> None:
         """From outside the legs: Router.Abort, a dropped worker, shutdown."""
         self._queue.put_nowait(event)
-        if event.kind in (Ev.ABORT, Ev.FAIL):
+        if isinstance(event, STOPS):
             self.stopped.set()
 
     def place(self, slot: Slot) -> None:
@@ -190,7 +195,7 @@ class RequestRun:
                                     self._decode_request(colocated=True), self._outputs_for(w),
                                     report)
             self.decode.start()
-            self.state = S.PREFILLING
+            self._move(P.PLACED)
             return
         p, c = slot.producer, slot.consumer
         assert p is not None and c is not None
@@ -204,32 +209,21 @@ class RequestRun:
             request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
             sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids),
             hold=(self.decode, self.config.hold_interval_s, lambda: self._closed))
-        self.state = S.RESERVING
+        self._move(P.PLACED)
 
     def _on_report(self, ev: Event) -> None:
-        """Every leg's report lands here first: the state moves now, then the client loop
-        gets the event (and the reservation goes on to the producer)."""
-        if ev.kind is Ev.RESERVED:
-            if self.producer is not None and not self._closed:
-                self._advance(S.PREFILLING)
-                self._pairing = _spawn(self._pair(ev.payload))
-            return
-        if ev.kind is Ev.TOKEN0:
-            self._advance(S.TRANSFERRING)
-        elif ev.kind is Ev.TRANSFER and ev.payload.ok:
-            self._advance(S.WAITING_FOR_KV)
-        elif ev.kind is Ev.TOKENS and ev.payload.token_ids:
-            self._advance(S.DECODING)
+        """Every leg's report lands here first and goes on to the client loop; the
+        consumer's reservation also goes on to the producer at once."""
+        if isinstance(ev, Reserved):
+            if self.producer is None or self._closed:
+                return
+            self._pairing = _spawn(self._pair(ev.dest))
         self._queue.put_nowait(ev)
 
     async def _pair(self, dest: worker_pb2.KVDestination) -> None:
         """Tells the producer where the consumer's blocks are, then half-closes its input."""
         assert self.producer is not None
         await self.producer.send_destination(dest)
-
-    def _advance(self, state: RequestState) -> None:
-        if self.state in FORWARD and FORWARD.index(state) > FORWARD.index(self.state):
-            self.state = state
 
     # -- the client's stream ---------------------------------------------------------------
 
@@ -256,7 +250,7 @@ class RequestRun:
 
     def _finishing(self, resp: router_pb2.GenerateResponse) -> router_pb2.GenerateResponse:
         if resp.finish_reason:  # set before the client can leave at the yield
-            self.state = FINISHED[resp.finish_reason]
+            self._move(FINISHED[resp.finish_reason])
             if resp.error:
                 resp.error = self.recovery.describe(resp.error)
         return resp
@@ -290,7 +284,7 @@ class RequestRun:
         while not self._queue.empty():
             stale.append(self._queue.get_nowait())
         for ev in stale:
-            if ev.kind in (Ev.ABORT, Ev.FAIL):
+            if isinstance(ev, STOPS):
                 self._queue.put_nowait(ev)
         slot = self._replace(rec.failed_on, migrating)
         if slot is None:
@@ -316,8 +310,8 @@ class RequestRun:
 
     def close(self) -> None:
         """Ends both legs (idempotent; never awaits, so it runs in a cancelled handler)."""
-        if self.state in FORWARD:  # no final message went out: the client left
-            self.state = S.FINISHED_ABORTED
+        if not self.phase.finished:  # no final message went out: the client left
+            self._move(P.FINISHED_ABORTED)
         if self._closed:
             return
         self._closed = True
@@ -357,19 +351,23 @@ class RequestRun:
                                         colocated=colocated, prior_output_ids=self.out.token_ids,
                                         source_tp_size=p.tp_size if p else 0)  # TP pairing
 
-    async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo) -> Event:
+    async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo,
+                         bound: float | None = None) -> Event:
+        """The next report, or a TIMEOUT naming ``what`` and the bound it missed (``bound``
+        when the wait is what is left of a longer one)."""
+        if not self._queue.empty():  # a report is waiting: no timer to arm and cancel
+            return self._queue.get_nowait()
         try:
             async with asyncio.timeout(timeout):
                 return await self._queue.get()
         except TimeoutError:
-            return Event(Ev.TIMEOUT, (waiting_on, f"no {what} within {timeout:g} s"))
+            return TimedOut(waiting_on, f"no {what} within {bound or timeout:g} s")
 
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                 ) -> tuple[router_pb2.GenerateResponse, str | None]:
         resp, error = self.out.tokens(tokens, w)
         if error is not None:
             self.ended.add(w.worker_id)
-            self.completed = not error
         return resp, error
 
     def leg_failed(self, w: WorkerInfo, code: grpc.StatusCode | None, msg: str
@@ -384,12 +382,13 @@ class RequestRun:
             self._on_unreachable(w, msg)
 
     def stop(self, ev: Event) -> router_pb2.GenerateResponse:
-        if ev.kind is Ev.ABORT:
-            return self.out.aborted()
-        if ev.kind in (Ev.DROPPED, Ev.TIMEOUT):
-            return self.out.failed(ev.payload[1])
-        assert ev.kind is Ev.FAIL, ev.kind
-        return self.out.failed(str(ev.payload))
+        """The final message for an event that ends the run from outside or by a bound."""
+        match ev:
+            case Aborted():
+                return self.out.aborted()
+            case Dropped(reason=why) | TimedOut(message=why) | Failed(message=why):
+                return self.out.failed(why)
+        raise AssertionError(f"{ev!r} does not stop a run")
 
 
 def _spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -1,7 +1,7 @@
 """A consumer failing mid-decode on a live cluster (issue 13): the router migrates the
 request to another consumer with the tokens already streamed, and the client gets exactly
 the colocated engine's tokens, greedy and seeded (per-request randomness is a pure function
-of (seed, position), engine/random_draw.py). SIGKILL, and SIGSTOP past the heartbeat
+of (seed, position), kernels/random_draw.py). SIGKILL, and SIGSTOP past the heartbeat
 deadline (the stopped worker, once continued, serves nothing of it)."""
 
 from __future__ import annotations

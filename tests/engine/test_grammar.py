@@ -14,10 +14,10 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer, make_tiny_model
 
-from engine.grammar.apply import apply_bitmask
 from engine.grammar.compile import check_compiles
 from engine.grammar.spec import check_spec
 from engine.sampling_params import SamplingParams
+from kernels.bitmask import apply_bitmask
 
 
 def test_spec_errors_name_the_field() -> None:

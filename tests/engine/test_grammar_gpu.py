@@ -11,8 +11,8 @@ import pytest
 import torch
 from tiny_models import byte_tokenizer
 
-from engine.grammar.apply import apply_bitmask
 from engine.sampling_params import SamplingParams
+from kernels.bitmask import apply_bitmask
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -212,7 +212,7 @@ def test_a_structured_output_mask_keeps_the_simple_sampler_and_its_draws() -> No
 def test_a_draw_of_one_never_picks_a_token_of_probability_zero() -> None:
     """u = 1 happens (float32 rounds the largest noise value up), making E = 0: a masked or
     filtered token's score would be 0 / 0 = NaN, and argmax picks NaN."""
-    from engine.random_draw import race
+    from kernels.random_draw import race
 
     probs = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.0, 0.8]])
     expo = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]])

@@ -1,5 +1,7 @@
-"""Writes an allowed-token bitmask into logits: disallowed tokens get -inf. Plain torch, one
-code path on CPU and GPU (a few elementwise kernels over [S, V] after the forward)."""
+"""Writes an allowed-token bitmask (structured output, engine/grammar/masks.py) into logits:
+disallowed tokens get -inf. Plain torch, one code path on CPU and GPU (a few elementwise
+kernels over [S, V]): the full sampler's; the simple sampler applies the mask in its own
+pass (kernels/triton_sample.py)."""
 
 from __future__ import annotations
 
