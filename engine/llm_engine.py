@@ -17,6 +17,7 @@ import torch
 
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
+from engine.grammar.factory import GrammarFactory
 from engine.kv_pool import build_kv_pool
 from engine.kv_scales import apply_kv_scales, kv_scales_for
 from engine.model_runner import InflightStep
@@ -76,6 +77,7 @@ class LLMEngine(PrefixCacheQueries):
         self.eos_token_ids = frozenset(eos)
         self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
                                   self.max_model_len, tokenizer, model_cfg.vocab_size)
+        self.grammars = GrammarFactory(tokenizer, model_cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None
         # launched steps not read yet -> the requests they write, and blocks to free once
@@ -119,7 +121,8 @@ class LLMEngine(PrefixCacheQueries):
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
                       prefill_only=self.config.role == "producer",
-                      cache_root=self.chain_root(cache_salt))
+                      cache_root=self.chain_root(cache_salt),
+                      grammar=self.grammars.for_params(params))  # ValueError: no compile
         if self.tokenizer is not None:
             from engine.detokenizer import IncrementalDetokenizer
 

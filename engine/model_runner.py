@@ -6,11 +6,13 @@ device from that step's sampled-id tensor, which is what lets output be deferred
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.decode_graphs import DecodeGraphs
+from engine.grammar.masks import GrammarMasks
 from engine.input_staging import DecodeStaging
 from engine.kv_scales import kv_scales_of
 from engine.models.llama import LlamaForCausalLM
@@ -38,7 +40,16 @@ def _plain(p: SamplingParams) -> bool:
     """Greedy or temperature alone: what the simple sampler (and the graphs' head) draws."""
     return (p.top_k <= 0 and p.top_p >= 1 and p.min_p <= 0 and p.logprobs is None
             and p.repetition_penalty == 1 and not p.frequency_penalty
-            and not p.presence_penalty)
+            and not p.presence_penalty and p.structured is None)
+
+
+def _prev_reader(prev: InflightStep | None,
+                 prev_rows: dict[int, int]) -> Callable[[Request], int] | None:
+    """Reads a request's token from the previous step's host copy (waiting for that step
+    alone), for grammars that must advance past it before masking this step."""
+    if prev is None:
+        return None
+    return lambda r: int(prev.out.token_ids[prev_rows[id(r)]])
 
 
 class ModelRunner:
@@ -82,6 +93,7 @@ class ModelRunner:
             if self.followers is not None:
                 self.followers.graphs_ready(captured=use)
         self.penalties = PenaltyState(self.vocab, device)
+        self.grammar_masks = GrammarMasks(self.vocab, self.eos, device)
         # the step output whose ids are in graphs.buf.sampled (None: nobody's)
         self._sampled_holds: SamplerOutput | None = None
 
@@ -266,6 +278,8 @@ class ModelRunner:
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
                for p in ps):
             self._penalty_state(b, reqs, prev, prev_rows)
+        # Called after the forward was launched: the matchers run while the device works.
+        b.allowed = self.grammar_masks.bitmask(reqs, _prev_reader(prev, prev_rows))
         return b
 
     def _penalty_state(self, b: SamplingBatch, reqs: list[Request], prev: InflightStep | None,

@@ -11,6 +11,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
+    from engine.grammar.matcher import RequestGrammar
 
 # Stands in an output slot whose token was sampled but not yet read back to the host
 # (deferred output); the runner feeds the device-side value instead.
@@ -53,6 +54,8 @@ class Request:
     # after the tokens its client already has (they count as outputs, not prompt).
     num_prior_outputs: int = 0
     detok: IncrementalDetokenizer | None = None
+    # structured output: the matcher that masks its next token (None: unconstrained)
+    grammar: RequestGrammar | None = None
     full_text: str = ""  # detokenized output so far (cut at a stop string when one hits)
     text_checked: int = 0  # full_text[:text_checked] has been searched for stop strings
     num_text_sent: int = 0  # full_text[:num_text_sent] has been reported

@@ -1,5 +1,6 @@
-"""Turns logits into tokens: penalties, min_tokens masking, temperature, top-k/p, min-p, and
-seeded draws that depend only on (seed, position); plus logprobs with top-N alternatives.
+"""Turns logits into tokens: penalties, min_tokens masking, structured-output masks,
+temperature, top-k/p, min-p, and seeded draws that depend only on (seed, position); plus
+logprobs with top-N alternatives.
 
 Everything stays on the device: the result is a tensor the next deferred step can consume
 before the host has read it.
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.random_draw import uniform_noise
+from kernels.bitmask import apply_bitmask
+from kernels.random_draw import race, uniform_noise
 
 
 @dataclass
@@ -38,6 +40,9 @@ class SamplingBatch:
     banned: torch.Tensor | None = None  # [S, V] bool: EOS/stop ids while under min_tokens
     max_logprobs: int = -1  # -1: no row wants logprobs
     max_top_k: int = 0  # the largest top_k of the batch when known on the host (0: unknown)
+    # Structured output: [S, ceil(V / 32)] int32, bit t set when token t is allowed (None when
+    # no row has a grammar; rows without one are all ones). engine.grammar.masks builds it.
+    allowed: torch.Tensor | None = None
 
 
 class SamplerOutput:
@@ -143,7 +148,8 @@ def _top_k_only(probs: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 def is_simple(b: SamplingBatch) -> bool:
-    """Greedy or temperature alone on every row: no filter, penalty, ban or logprobs."""
+    """Greedy or temperature alone on every row: no filter, penalty, ban or logprobs (a
+    structured-output mask is simple: the simple sampler applies it as it reads)."""
     return not (b.any_top_k or b.any_top_p or b.any_min_p or b.max_logprobs >= 0
                 or b.banned is not None or b.repetition is not None
                 or b.frequency is not None or b.presence is not None)
@@ -154,6 +160,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch,
     """logits: [S, V] float32 -> SamplerOutput (device tensors). ``simple``: a sampler of
     kernels.ref_sample.sample_simple_ref's contract, used when the batch needs no more."""
     if simple is not None and is_simple(b):
+        if b.allowed is not None:
+            return SamplerOutput(simple(logits, b.temperature, b.seeds, b.positions,
+                                        allowed=b.allowed))
         return SamplerOutput(simple(logits, b.temperature, b.seeds, b.positions))
     if b.max_logprobs >= 0:
         # Logprobs describe the model's own distribution, before any sampling transform.
@@ -161,6 +170,8 @@ def sample(logits: torch.Tensor, b: SamplingBatch,
     logits = apply_penalties(logits, b)
     if b.banned is not None:
         logits = logits.masked_fill(b.banned, float("-inf"))
+    if b.allowed is not None:
+        logits = apply_bitmask(logits, b.allowed)
     greedy_ids = logits.argmax(dim=-1)
     if b.all_greedy:
         token_ids = greedy_ids
@@ -170,7 +181,7 @@ def sample(logits: torch.Tensor, b: SamplingBatch,
         probs = _filter(probs, b)
         # Exponential race: argmax(p / E), E ~ Exp(1), picks token i with probability p_i.
         expo = -torch.log(uniform_noise(b.seeds, b.positions, logits.shape[-1]))
-        drawn = (probs / expo).argmax(dim=-1)
+        drawn = race(probs, expo).argmax(dim=-1)
         token_ids = torch.where(b.temperature > 0, drawn, greedy_ids)
     logprobs = top_lp = top_ids = None
     if b.max_logprobs >= 0:

@@ -110,6 +110,9 @@ def wire_values(msg: Any) -> dict[str, Any]:
         elif f.kind in ("strings", "ids"):
             v = list(v)
         out[f.name] = v
+    # structured output is a message, not a table row (engine.grammar.spec)
+    if getattr(msg, "structured", None) is not None and msg.HasField("structured"):
+        out["structured"] = {"kind": msg.structured.kind, "value": msg.structured.value}
     return out
 
 

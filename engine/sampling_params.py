@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import sampling_fields
+from engine.grammar.spec import check_spec
 from engine.sampling_fields import MAX_LOGPROBS
 
 __all__ = ["MAX_LOGPROBS", "SamplingParams"]
@@ -32,6 +33,9 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: sampled token's logprob plus top-N alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured output (engine.grammar.spec): {"kind", "value"}; None: unconstrained. Not
+    # in the sampling_fields table: it is a grammar, not a number with a range.
+    structured: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +49,8 @@ class SamplingParams:
     def validate(self) -> None:
         """ValueError naming the first bad field (the rules are engine.sampling_fields')."""
         sampling_fields.check(self.__dict__)
+        if self.structured is not None:
+            check_spec(self.structured)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain fields, for handing a request's sampling state to another node."""

@@ -250,6 +250,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def to_json(self) -> str:
+        """The backend as tokenizer.json text (what grammar libraries build their view from)."""
+        return str(self._tk.to_str())
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tk.id_to_token(token_id)
 

@@ -34,3 +34,12 @@ def uniform_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> t
     bits = _hash32(keys[:, None] ^ cols[None, :])  # [S, V], 32 random bits each
     # 24 bits are exact in float32, and the +0.5 keeps the value strictly inside (0, 1).
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def race(probs: torch.Tensor, expo: torch.Tensor) -> torch.Tensor:
+    """The exponential race's scores p / E, argmax picking token i with probability p_i.
+    A draw of u = 1 (float32 rounds (2**24 - 0.5) / 2**24 up to 1) makes E = 0: a token of
+    probability 0 (masked, filtered) would score 0 / 0 = NaN, which argmax picks; it scores
+    -1 instead, below every live token."""
+    r = probs / expo
+    return torch.where(torch.isnan(r), -1.0, r)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.random_draw import uniform_noise
+from kernels.bitmask import apply_bitmask
+from kernels.random_draw import race, uniform_noise
 
 
 def sample_simple_ref(
@@ -20,15 +21,18 @@ def sample_simple_ref(
     seeds: torch.Tensor,  # [S] int64
     positions: torch.Tensor,  # [S] int64: position of the token being sampled
     out: torch.Tensor | None = None,  # [S] int64
+    allowed: torch.Tensor | None = None,  # [S, ceil(V / 32)] int32 bitmask (None: all)
 ) -> torch.Tensor:
     logits = logits.float()
+    if allowed is not None:  # structured output: disallowed tokens are never drawn
+        logits = apply_bitmask(logits, allowed)
     greedy = logits.argmax(dim=-1)
     hot = temperature > 0
     if bool(hot.any()):
         temp = torch.where(hot, temperature, 1.0)
         probs = torch.softmax(logits / temp[:, None], dim=-1)
         expo = -torch.log(uniform_noise(seeds.long(), positions.long(), logits.shape[-1]))
-        greedy = torch.where(hot, (probs / expo).argmax(dim=-1), greedy)
+        greedy = torch.where(hot, race(probs, expo).argmax(dim=-1), greedy)
     if out is None:
         return greedy
     out.copy_(greedy)

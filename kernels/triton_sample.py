@@ -8,6 +8,9 @@ which picks the same token as argmax(softmax(x / T) / E) up to float rounding. T
 runs in uint32: multiplying 32-bit values mod 2**32 keeps exactly the bits that the
 reference's int64 product keeps after its 32-bit mask.
 
+A structured-output bitmask (``allowed``) is applied as each tile is read, so a
+constrained row costs one more small load per tile instead of passes over [S, V].
+
 Graph-safe: no host reads of device values; the grid depends only on the shape.
 """
 
@@ -25,7 +28,7 @@ BLOCK = 1024  # entries per inner-loop tile
 
 @triton.jit
 def _hash32(x):
-    """engine.random_draw._hash32 on uint32 (products wrap mod 2**32)."""
+    """kernels.random_draw._hash32 on uint32 (products wrap mod 2**32)."""
     x = ((x >> 16) ^ x) * 0x45D9F3B
     x = ((x >> 16) ^ x) * 0x45D9F3B
     return (x >> 16) ^ x
@@ -33,9 +36,9 @@ def _hash32(x):
 
 @triton.jit
 def _sample_partial_kernel(
-    logits_ptr, temp_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr,
-    s_l, V, num_chunks,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr, temp_ptr, seed_ptr, pos_ptr, best_ptr, idx_ptr, mask_ptr,
+    s_l, s_m, V, num_chunks,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -58,6 +61,11 @@ def _sample_partial_kernel(
             u = ((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             x = x / temp - tl.log(-tl.log(u))
             x = tl.where(mask, x, float("-inf"))
+        if HAS_MASK:  # structured output: bit c of the row's words allows token c
+            # after the noise: a draw of u = 1 makes -log(-log(u)) infinite, and -inf + inf
+            # would be NaN on a disallowed token
+            w = tl.load(mask_ptr + row.to(tl.int64) * s_m + cols // 32, mask=mask, other=0)
+            x = tl.where(((w >> (cols % 32)) & 1) != 0, x, float("-inf"))
         m = tl.max(x, axis=0)
         i = tl.argmax(x, axis=0)  # first index of the maximum
         if m > best:  # strict: an earlier tile wins a tie, as torch.argmax
@@ -84,6 +92,7 @@ def sample_simple(
     seeds: torch.Tensor,  # [S] int64
     positions: torch.Tensor,  # [S] int32/int64
     out: torch.Tensor | None = None,  # [S] int64
+    allowed: torch.Tensor | None = None,  # [S, ceil(V / 32)] int32 bitmask (None: all)
 ) -> torch.Tensor:
     check(logits.dim() == 2, "logits: expected [S, V]")
     s, v = logits.shape
@@ -100,14 +109,21 @@ def sample_simple(
     check_shape("out", out, (s,))
     check(out.dtype == torch.int64, "out: expected int64")
     check_device(logits, temperature, seeds, positions, out)
+    if allowed is not None:
+        check_shape("allowed", allowed, (s, (v + 31) // 32))
+        check(allowed.dtype == torch.int32 and allowed.stride(1) == 1,
+              "allowed: expected int32 with contiguous rows")
+        check_device(logits, allowed)
     if s == 0:
         return out
     chunks = triton.cdiv(v, CHUNK)
     best = torch.empty(s * chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(s * chunks, dtype=torch.int32, device=logits.device)
     _sample_partial_kernel[(s, chunks)](
-        logits, temperature, seeds, positions, best, idx, logits.stride(0), v, chunks,
-        CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+        logits, temperature, seeds, positions, best, idx,
+        allowed if allowed is not None else idx, logits.stride(0),
+        allowed.stride(0) if allowed is not None else 0, v, chunks,
+        CHUNK=CHUNK, BLOCK=BLOCK, HAS_MASK=allowed is not None, num_warps=4)
     _sample_reduce_kernel[(s,)](best, idx, out, chunks,
                                 BLOCK_C=max(2, triton.next_power_of_2(chunks)), num_warps=1)
     return out

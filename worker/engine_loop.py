@@ -137,7 +137,12 @@ def load_report(handler: RoleHandler, steps: StepStats | None = None) -> dict[st
 def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
     from engine.llm import build_engine
 
-    return spec.handler_factory(build_engine(spec.engine), emit, spec)
+    engine = build_engine(spec.engine)
+    # Before ready: llguidance's view of the tokenizer holds the GIL while it is built
+    # (0.3 s for SmolLM2's 49k ids, seconds for 128k), which would stall the serving loop
+    # on the first structured request.
+    engine.grammars.prepare()
+    return spec.handler_factory(engine, emit, spec)
 
 
 def _die_with_parent() -> None:

@@ -73,9 +73,14 @@ def rename_fields(message: str, chat: bool) -> tuple[str, str | None]:
     return path + message[m.end(1):], path
 
 
-def from_request_error(e: RequestError, chat: bool) -> HttpError:
+def from_request_error(e: RequestError, chat: bool, structured_as: str = "") -> HttpError:
+    """structured_as: the request field its grammar came from (``response_format``,
+    ``tools[0].function.parameters``, ...), named instead of ``sampling.structured``."""
     status, type_, code = _STATUS.get(e.code, (500, "server_error", None))
-    message, param = rename_fields(e.message, chat)
+    text = e.message
+    if structured_as and text.startswith("sampling.structured"):
+        text = structured_as + text[len("sampling.structured"):]
+    message, param = rename_fields(text, chat)
     headers = {}
     if isinstance(e, Overloaded):
         # Retry-After is whole seconds (RFC 9110); never 0, which invites a hot retry loop.

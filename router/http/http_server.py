@@ -212,7 +212,7 @@ class HttpFrontDoor:
             try:
                 first = await anext(gen)
             except RequestError as e:
-                raise from_request_error(e, req.chat) from e
+                raise from_request_error(e, req.chat, req.structured_field) from e
             builder = ResponseBuilder(req, self.frontend.model_id, self.texts)
             if req.stream:
                 return await self._stream(request, builder, first, gen)

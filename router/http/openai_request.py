@@ -7,6 +7,7 @@ cannot hold, n=1, unsupported features); everything the gRPC API also checks is 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -16,7 +17,9 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from engine.sampling_fields import MAX_LOGPROBS, MAX_STOP
 from router.config import RouterConfig
+from router.http import structured_request
 from router.http.http_errors import bad_field
+from router.http.structured_request import ToolMode
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -38,6 +41,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with usage
     logprobs: int | None  # alternatives per token (chat: top_logprobs) when requested
+    tools: ToolMode | None = None  # how tool calls are read from the output (None: not)
+    structured_field: str = ""  # the field the request's grammar came from (its errors)
 
 
 class _Body:
@@ -99,20 +104,16 @@ def parse_chat(body: Any, max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT) -> O
     top = b.int("top_logprobs", 0, MAX_LOGPROBS)
     if top is not None and not logprobs:
         raise bad_field("top_logprobs", "requires logprobs: true")
-    for name in ("tools", "functions"):
-        if b.get(name):
-            raise bad_field(name, "tool and function calling are not supported")
-    fmt = b.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad_field("response_format", "only {\"type\": \"text\"} is supported")
-    sampling = _sampling(b, max_tokens_limit)
+    st = structured_request.read(b.d, chat=True)
+    chat.tools_json = st.tools_json
+    sampling = _sampling(b, max_tokens_limit, st.spec)
     max_completion = b.int("max_completion_tokens", 1, max_tokens_limit)
     if max_completion is not None:  # the newer name wins over the deprecated max_tokens
         sampling.max_tokens = max_completion
     if logprobs:
         sampling.logprobs = top or 0
     return _request(b, router_pb2.GenerateRequest(chat=chat, sampling=sampling), True,
-                    (top or 0) if logprobs else None)
+                    (top or 0) if logprobs else None, st)
 
 
 def parse_completion(body: Any,
@@ -127,15 +128,16 @@ def parse_completion(body: Any,
     if b.int("best_of", 1, U32) not in (None, 1):
         raise bad_field("best_of", "only best_of=1 is supported")
     logprobs = b.int("logprobs", 0, COMPLETION_MAX_LOGPROBS)
-    sampling = _sampling(b, max_tokens_limit)
+    st = structured_request.read(b.d, chat=False)
+    sampling = _sampling(b, max_tokens_limit, st.spec)
     if logprobs is not None:
         sampling.logprobs = logprobs
     gen.sampling.CopyFrom(sampling)
-    return _request(b, gen, False, logprobs)
+    return _request(b, gen, False, logprobs, st)
 
 
 def _request(b: _Body, gen: router_pb2.GenerateRequest, chat: bool,
-             logprobs: int | None) -> OpenAIRequest:
+             logprobs: int | None, st: structured_request.Structured) -> OpenAIRequest:
     model = b.get("model")
     if model is not None and not isinstance(model, str):
         raise bad_field("model", "must be a string")
@@ -157,11 +159,16 @@ def _request(b: _Body, gen: router_pb2.GenerateRequest, chat: bool,
     if model:
         gen.model = model
     return OpenAIRequest(chat=chat, generate=gen, model=model or None, stream=stream,
-                         include_usage=include_usage, logprobs=logprobs)
+                         include_usage=include_usage, logprobs=logprobs, tools=st.tools,
+                         structured_field=st.field)
 
 
-def _sampling(b: _Body, max_tokens_limit: int) -> common_pb2.SamplingParams:
+def _sampling(b: _Body, max_tokens_limit: int,
+              spec: dict[str, str] | None = None) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
+    if spec is not None:
+        s.structured.kind = spec["kind"]
+        s.structured.value = spec["value"]
     # The router's own limit (--max-tokens-limit), so a -1 and a 10**7 get the same words
     # as the gRPC door gives (router/requests/validation.py).
     max_tokens = b.int("max_tokens", 1, max_tokens_limit)
@@ -213,6 +220,7 @@ def _message(m: Any, where: str) -> router_pb2.ChatMessage:
         raise bad_field(f"{where}.role", "must be a string")
     if role == "developer":  # OpenAI's newer name for the system role
         role = "system"
+    out = router_pb2.ChatMessage(role=role)
     if role == "tool":
         # A tool's result answers the assistant's call of that id (OpenAI's spec requires
         # it); the chat template renders the message by its role and content.
@@ -220,6 +228,12 @@ def _message(m: Any, where: str) -> router_pb2.ChatMessage:
         if not isinstance(call_id, str) or not call_id:
             raise bad_field(f"{where}.tool_call_id",
                             "a tool message needs the id of the call it answers")
+        out.tool_call_id = call_id
+        if isinstance(m.get("name"), str):
+            out.name = m["name"]
+    calls = m.get("tool_calls")
+    if calls is not None and role == "assistant":
+        out.tool_calls_json = json.dumps(_tool_calls(calls, f"{where}.tool_calls"))
     content = m.get("content")
     if content is None:
         text = ""
@@ -236,7 +250,25 @@ def _message(m: Any, where: str) -> router_pb2.ChatMessage:
         text = "\n".join(parts)
     else:
         raise bad_field(f"{where}.content", "must be a string or a list of text parts")
-    return router_pb2.ChatMessage(role=role, content=text)
+    out.content = text
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls, checked: [{id, type, function: {name, arguments}}]."""
+    if not isinstance(calls, list):
+        raise bad_field(where, "must be a list of tool calls")
+    out = []
+    for i, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_field(f"{where}[{i}].function.name", "must be a string")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, str):
+            raise bad_field(f"{where}[{i}].function.arguments", "must be a JSON string")
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 def _prompt(p: Any, gen: router_pb2.GenerateRequest) -> None:
@@ -261,9 +293,10 @@ def _prompt(p: Any, gen: router_pb2.GenerateRequest) -> None:
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
     "seed", "stop", "n", "logit_bias", "stream", "stream_options", "stop_token_ids", "user",
-    *_EXTRAS})
+    "structured_outputs", *_EXTRAS})
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
-                                "top_logprobs", "tools", "functions", "response_format"}
+                                "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+                                "functions", "response_format"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "logprobs"}
 # Field names already logged as unknown, bounded: the names come from clients.
 _UNKNOWN_SEEN: set[str] = set()

@@ -10,6 +10,8 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from engine.tokenizer import Tokenizer
 from router.http.openai_request import OpenAIRequest
+from router.http.tool_parse import parse_auto
+from router.http.tool_stream import ToolStream
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}
@@ -47,6 +49,8 @@ class ResponseBuilder:
         self.finish: str | None = None
         self.error = ""  # the request failed in a worker (FINISH_REASON_ERROR)
         self.usage: dict[str, Any] | None = None
+        # a chat with tools: calls are read from the text as it streams
+        self.tools = ToolStream(req.tools) if req.chat and req.tools is not None else None
 
     # -- accumulation ------------------------------------------------------------------------
 
@@ -70,9 +74,23 @@ class ResponseBuilder:
                 self.error = resp.error or "the request failed"
                 return None
             self.finish = FINISH.get(resp.finish_reason, "stop")
+        if self.tools is not None:
+            return self._tool_chunk(resp.text, new_lps)
         if not resp.text and not resp.finish_reason and not new_lps:
             return None
         return self._chunk(resp.text, new_lps, self.finish)
+
+    def _tool_chunk(self, text: str, lps: Any) -> dict[str, Any] | None:
+        assert self.tools is not None
+        content, calls = self.tools.feed(text)
+        if self.finish is not None:
+            rest, more = self.tools.finish()
+            content, calls = content + rest, calls + more
+            if self.tools.calls and self.finish == "stop":
+                self.finish = "tool_calls"
+        if not content and not calls and self.finish is None and not lps:
+            return None
+        return self._chunk(content, lps, self.finish, calls)
 
     def _logprobs(self, resp: router_pb2.GenerateResponse) -> Any:
         n = self.req.logprobs or 0
@@ -100,9 +118,13 @@ class ResponseBuilder:
 
     # -- output ------------------------------------------------------------------------------
 
-    def _chunk(self, text: str, lps: Any, finish: str | None) -> dict[str, Any]:
+    def _chunk(self, text: str, lps: Any, finish: str | None,
+               calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.req.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {},
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = calls
+            choice: dict[str, Any] = {"index": 0, "delta": delta,
                                       "logprobs": {"content": lps} if lps else None,
                                       "finish_reason": finish}
             obj = "chat.completion.chunk"
@@ -126,8 +148,13 @@ class ResponseBuilder:
     def final(self) -> dict[str, Any]:
         text = "".join(self.text)
         if self.req.chat:
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None and self.tools.calls:
+                content = parse_auto(text)[0] if self.tools.mode.mode == "auto" else ""
+                message = {"role": "assistant", "content": content.strip() or None,
+                           "tool_calls": [c.as_openai() for c in self.tools.calls]}
             choice: dict[str, Any] = {
-                "index": 0, "message": {"role": "assistant", "content": text},
+                "index": 0, "message": message,
                 "logprobs": {"content": self.chat_logprobs} if self.req.logprobs is not None
                 else None, "finish_reason": self.finish}
             obj = "chat.completion"

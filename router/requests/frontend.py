@@ -8,6 +8,7 @@ status (gRPC code, HTTP status) before anything was sent.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import AsyncGenerator
 
@@ -35,6 +36,9 @@ from router.requests.validation import (
 # Inputs larger than this are tokenized on a thread of a bounded pool: a long prompt's chat
 # template and BPE would otherwise hold the event loop, delaying other requests' token 0.
 OFFLOOP_TOKENIZE_CHARS = 8192
+# A request with structured output is prepared in the pool too (its grammar is compiled
+# there to check it) and refused when that takes longer than this.
+GRAMMAR_CHECK_S = 10.0
 
 
 class Frontend:
@@ -82,13 +86,27 @@ class Frontend:
     async def _prepare(self, request: router_pb2.GenerateRequest,
                        fill_max_tokens: bool) -> PreparedRequest:
         size = input_size(request)
-        if size > OFFLOOP_TOKENIZE_CHARS:
+        structured = request.sampling.HasField("structured")
+        if structured:
+            size += len(request.sampling.structured.value)
+        if size > OFFLOOP_TOKENIZE_CHARS or structured:
             if not self.registry.serving():  # refuse before the expensive part
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    no_workers_message(self.registry))
             check_min_tokens(request, self.tokenizer, self.registry.max_model_len())
-            prep = await self.tokenize_pool.run(size, functools.partial(
+            work = self.tokenize_pool.run(size, functools.partial(
                 prepare_in_pool, request, self.model_names, self.max_tokens_limit))
+            if not structured:
+                prep = await work
+            else:
+                # Compiling a grammar is bounded by llguidance's fuel (about 20 ms); the
+                # wall-clock bound covers a busy pool process too.
+                try:
+                    prep = await asyncio.wait_for(work, GRAMMAR_CHECK_S)
+                except TimeoutError as e:
+                    raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                       f"sampling.structured: not compiled within "
+                                       f"{GRAMMAR_CHECK_S:g} s") from e
         else:
             prep = prepare(request, self.tokenizer, self.model_names,
                            max_tokens_limit=self.max_tokens_limit)

@@ -7,13 +7,17 @@ rule as the engine) before any worker is involved.
 
 from __future__ import annotations
 
+import json
 import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.v1 import common_pb2, router_pb2
 
+from engine.chat_tools import template_inputs
+from engine.grammar.compile import check_compiles
 from engine.request_limits import check_ids, check_lengths, check_request_id
 from engine.sampling_fields import wire_values
 from engine.sampling_params import SamplingParams
@@ -66,6 +70,9 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
         raise invalid(str(e)) from e
     try:
         check_ids(params.stop_token_ids, tokenizer.vocab_size, "sampling.stop_token_ids")
+        if params.structured is not None:
+            # the worker compiles it with the same library and limits (engine.grammar)
+            check_compiles(params.structured, "sampling.structured")
     except ValueError as e:
         raise invalid(str(e)) from e
     ids = _tokenize(req, tokenizer)
@@ -120,7 +127,8 @@ def input_size(req: router_pb2.GenerateRequest) -> int:
     if kind == "prompt":
         return len(req.prompt)
     if kind == "chat":
-        return sum(len(m.content) for m in req.chat.messages)
+        return sum(len(m.content) + len(m.tool_calls_json) for m in req.chat.messages) \
+            + len(req.chat.tools_json)
     if kind == "prompt_token_ids":
         return len(req.prompt_token_ids.ids)
     return 0
@@ -150,6 +158,16 @@ def _tokenize(req: router_pb2.GenerateRequest, tokenizer: Tokenizer) -> list[int
     return ids
 
 
+def _json_list(text: str, field: str) -> list[dict[str, Any]]:
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise invalid(f"{field}: not valid JSON ({e})") from e
+    if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+        raise invalid(f"{field}: must be a JSON list of objects")
+    return v
+
+
 def _encode_chat(chat: router_pb2.ChatMessages, tokenizer: Tokenizer) -> list[int]:
     if not chat.messages:
         raise invalid("chat.messages: must not be empty")
@@ -157,9 +175,21 @@ def _encode_chat(chat: router_pb2.ChatMessages, tokenizer: Tokenizer) -> list[in
         if m.role not in CHAT_ROLES:
             raise invalid(f"chat.messages[{i}].role: must be one of {', '.join(CHAT_ROLES)}, "
                           f"got {m.role!r}")
-    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    messages = []
+    for i, m in enumerate(chat.messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_calls_json:
+            msg["tool_calls"] = _json_list(m.tool_calls_json,
+                                           f"chat.messages[{i}].tool_calls_json")
+        messages.append(msg)
+    tools = _json_list(chat.tools_json, "chat.tools_json") if chat.tools_json else None
+    messages, extra = template_inputs(messages, tools, tokenizer.chat_template)
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, **extra)
     except ValueError as e:
         # The tokenizer names "messages[...]" / "chat_template"; say where it sits here.
         raise invalid(f"chat.{e}") from e

@@ -1,11 +1,12 @@
 """A consumer failing mid-decode on a live cluster (issue 13): the router migrates the
 request to another consumer with the tokens already streamed, and the client gets exactly
 the colocated engine's tokens, greedy and seeded (per-request randomness is a pure function
-of (seed, position), engine/random_draw.py). SIGKILL, and SIGSTOP past the heartbeat
+of (seed, position), kernels/random_draw.py). SIGKILL, and SIGSTOP past the heartbeat
 deadline (the stopped worker, once continued, serves nothing of it)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -23,6 +24,11 @@ GREEDY = dict(max_tokens=48, temperature=0.0, ignore_eos=True)
 # penalties and min_tokens: the streamed tokens must come back as OUTPUT tokens
 SEEDED = dict(max_tokens=48, temperature=0.9, top_p=0.95, seed=1234, frequency_penalty=0.4,
               presence_penalty=0.3, min_tokens=40)
+# structured output: the new consumer's grammar resumes from the streamed tokens (a JSON
+# array that cannot close within max_tokens, so the fault always lands inside it)
+STRUCTURED = dict(max_tokens=48, temperature=0.9, seed=77, structured={
+    "kind": "json_schema", "value": json.dumps({
+        "type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 40})})
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH}
 
 
@@ -88,12 +94,14 @@ def _fault_mid_decode(cluster, stub, colocated_llm, sampling, rid, fault):  # ty
     return victim, r, took
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED, STRUCTURED],
+                         ids=["greedy", "seeded", "structured"])
 def test_consumer_sigkill_mid_decode_migrates(cluster, colocated_llm, sampling):
     ch, stub = stub_for(cluster.router_address)
     try:
-        victim, _, _ = _fault_mid_decode(cluster, stub, colocated_llm, sampling,
-                                         f"kill-{sampling['temperature']}", cluster.kill)
+        rid = f"kill-{len(sampling)}-{sampling['temperature']}"  # one per parameter set
+        victim, _, _ = _fault_mid_decode(cluster, stub, colocated_llm, sampling, rid,
+                                         cluster.kill)
         # the survivors' pools are whole; the producer and the other consumers serve on
         wait_for_full_kv(stub, timeout=60)
         assert victim not in _healthy(stub)

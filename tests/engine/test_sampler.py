@@ -183,3 +183,37 @@ def test_min_tokens_ban_is_made_on_the_device_for_rows_under_it(make_llm, tiny_m
     assert b.banned[0].nonzero().flatten().tolist() == sorted({*runner.eos, 7})
     assert not b.banned[1].any()
     assert runner._sampling_batch([done], None, {}).banned is None
+
+
+def test_a_structured_output_mask_keeps_the_simple_sampler_and_its_draws() -> None:
+    from kernels.ref_sample import sample_simple_ref
+
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, 70, generator=g) * 3
+    b = _batch(4, temperature=torch.tensor([0.0, 1.0, 0.5, 2.0]),
+               positions=torch.tensor([5, 6, 7, 8]))
+    allowed = torch.zeros(4, 70, dtype=torch.bool)
+    allowed[:, 60:66] = True  # words 1 and 2, bits past the first word
+    words = torch.zeros(4, 3, dtype=torch.int64)
+    for t in range(70):
+        words[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    b.allowed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    calls = []
+
+    def hook(*a, **kw):
+        calls.append(1)
+        return sample_simple_ref(*a, **kw)
+
+    fast = sample(logits, b, simple=hook).token_ids
+    assert calls == [1] and ((fast >= 60) & (fast < 66)).all()
+    assert torch.equal(fast, sample(logits, b).token_ids)  # the full sampler's draws
+
+
+def test_a_draw_of_one_never_picks_a_token_of_probability_zero() -> None:
+    """u = 1 happens (float32 rounds the largest noise value up), making E = 0: a masked or
+    filtered token's score would be 0 / 0 = NaN, and argmax picks NaN."""
+    from kernels.random_draw import race
+
+    probs = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.0, 0.8]])
+    expo = torch.tensor([[0.0, 1.0, 2.0], [1.0, 0.0, 1.0]])
+    assert race(probs, expo).argmax(dim=-1).tolist() == [1, 2]

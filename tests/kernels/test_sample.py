@@ -84,3 +84,25 @@ def test_gpu_llama3_vocab(gen, s):
     assert torch.equal(_kernel(logits.bfloat16().float(), temp, seeds, pos),
                        sample_simple_ref(logits.bfloat16().float(), temp, seeds, pos))
     assert torch.equal(_kernel(logits, temp, seeds, pos), ref)
+
+
+def _bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    s, v = allowed.shape
+    words = torch.zeros(s, (v + 31) // 32, dtype=torch.int64)
+    for t in range(v):
+        words[:, t // 32] |= allowed[:, t].long() << (t % 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+@pytest.mark.parametrize("v", [70, 9000])  # a partial last word; several tiles
+def test_the_allowed_bitmask_is_applied_as_the_reference_does(gen, device, v):
+    logits, temp, seeds, pos = _inputs(6, v, gen, device, 4.0)
+    allowed = torch.rand(6, v, generator=gen) < 0.05
+    allowed[:, 3] = True  # never an empty row
+    mask = _bitmask(allowed)
+    ref = sample_simple_ref(logits.cpu(), temp.cpu(), seeds.cpu(), pos.cpu(), allowed=mask)
+    assert allowed[torch.arange(6), ref].all()
+    got = _kernel(logits, temp, seeds, pos, None, mask.to(device))
+    assert torch.equal(got.cpu(), ref)
+    with pytest.raises(ValueError, match="allowed"):
+        _kernel(logits, temp, seeds, pos, None, mask[:, :-1].to(device))

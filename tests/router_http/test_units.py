@@ -41,8 +41,14 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ({**CHAT, "presence_penalty": 1e400}, "presence_penalty"),
     ({**CHAT, "stream": "yes"}, "stream"),
     ({**CHAT, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({**CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({**CHAT, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({**CHAT, "structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({**CHAT, "logit_bias": {"1": 2}}, "logit_bias"),
     ({**CHAT, "model": 7}, "model"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
@@ -199,10 +205,10 @@ def test_the_chat_template_renders_a_tool_message() -> None:
 def test_unknown_fields_are_logged_once_per_field(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level("WARNING", logger="pdserve.router.http")
     for _ in range(3):
-        parse_chat({**CHAT, "frobnicate": 1, "parallel_tool_calls": False, "user": "u1"})
+        parse_chat({**CHAT, "frobnicate": 1, "prediction": False, "user": "u1"})
         parse_completion({"prompt": "x", "frobnicate": 2})
     lines = [r.getMessage() for r in caplog.records]
     assert sum("'frobnicate'" in m for m in lines) == 1
-    assert sum("'parallel_tool_calls'" in m for m in lines) == 1
+    assert sum("'prediction'" in m for m in lines) == 1
     assert not any("'user'" in m for m in lines)  # a supported field (OpenAI's end-user tag)
     assert all("docs/http_api.md" in m for m in lines)

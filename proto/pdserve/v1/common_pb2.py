@@ -24,23 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf7\x03\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x11\n\x04seed\x18\r \x01(\x04H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xce\x01\n\nWorkerLoad\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x1b\n\x13transfers_in_flight\x18\x05 \x01(\r\x12\x1f\n\x17kv_exhausted_by_orphans\x18\x06 \x01(\x08\x12\x12\n\nloop_lag_s\x18\x07 \x01(\x02\x12\x1b\n\x13\x65ngine_report_age_s\x18\x08 \x01(\x02*V\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_PRODUCER\x10\x01\x12\x11\n\rROLE_CONSUMER\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xa9\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\r\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x11\n\x04seed\x18\r \x01(\x04H\x04\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x05\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x06\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x12\x30\n\nstructured\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokens\"/\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xce\x01\n\nWorkerLoad\x12\x0f\n\x07waiting\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x1b\n\x13transfers_in_flight\x18\x05 \x01(\r\x12\x1f\n\x17kv_exhausted_by_orphans\x18\x06 \x01(\x08\x12\x12\n\nloop_lag_s\x18\x07 \x01(\x02\x12\x1b\n\x13\x65ngine_report_age_s\x18\x08 \x01(\x02*V\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_PRODUCER\x10\x01\x12\x11\n\rROLE_CONSUMER\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=891
-  _globals['_ROLE']._serialized_end=977
-  _globals['_FINISHREASON']._serialized_start=980
-  _globals['_FINISHREASON']._serialized_end=1125
+  _globals['_ROLE']._serialized_start=990
+  _globals['_ROLE']._serialized_end=1076
+  _globals['_FINISHREASON']._serialized_start=1079
+  _globals['_FINISHREASON']._serialized_end=1224
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=543
-  _globals['_TOPLOGPROB']._serialized_start=545
-  _globals['_TOPLOGPROB']._serialized_end=592
-  _globals['_TOKENLOGPROB']._serialized_start=594
-  _globals['_TOKENLOGPROB']._serialized_end=680
-  _globals['_WORKERLOAD']._serialized_start=683
-  _globals['_WORKERLOAD']._serialized_end=889
+  _globals['_SAMPLINGPARAMS']._serialized_end=593
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=595
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=642
+  _globals['_TOPLOGPROB']._serialized_start=644
+  _globals['_TOPLOGPROB']._serialized_end=691
+  _globals['_TOKENLOGPROB']._serialized_start=693
+  _globals['_TOKENLOGPROB']._serialized_end=779
+  _globals['_WORKERLOAD']._serialized_start=782
+  _globals['_WORKERLOAD']._serialized_end=988
 # @@protoc_insertion_point(module_scope)
