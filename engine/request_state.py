@@ -29,7 +29,7 @@ consumer handler through ``LLMEngine.kv_landed`` (WAITING_FOR_KV -> DECODING) an
 request lives on at the consumer, so the producer just forgets it).
 
 Cluster-wide, the router's ``RequestRun`` walks the same states forward (it may skip
-some: it only sees what the legs report, router/request_run.py) and adds its own edges:
+some: it only sees what the legs report, router/requests/request_run.py) and adds its own edges:
 QUEUED -> RESERVING (both legs placed), RESERVING -> PREFILLING (consumer reserved),
 RESERVING / PREFILLING -> TRANSFERRING (token 0), TRANSFERRING -> WAITING_FOR_KV (transfer
 ok), and two backward ones: a producer lost before token 0 is retried elsewhere

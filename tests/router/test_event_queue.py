@@ -6,8 +6,8 @@ import asyncio
 
 from pdserve.v1 import common_pb2, worker_pb2
 
-from router.event_queue import EventQueue
-from router.legs import Ev, Event
+from router.requests.event_queue import EventQueue
+from router.requests.legs import Ev, Event
 
 STOP, ERROR = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_ERROR
 

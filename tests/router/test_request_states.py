@@ -1,4 +1,4 @@
-"""The router's request lifecycle (router/request_run.py docstring): every router-side
+"""The router's request lifecycle (router/requests/request_run.py docstring): every router-side
 state is reached on scripted workers, seen live through ClusterStatus(include_requests),
 and every way out ends in the right FINISHED_* state."""
 
@@ -34,7 +34,7 @@ from router_fakes import (
 )
 
 from engine.request_state import RequestState
-from router.request_run import RequestRun
+from router.requests.request_run import RequestRun
 
 S = RequestState
 

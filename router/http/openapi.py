@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import MAX_LOGPROBS
-from router.openai_request import COMPLETION_MAX_LOGPROBS, MAX_STOP, U32
+from router.http.openai_request import COMPLETION_MAX_LOGPROBS, MAX_STOP, U32
 
 _ERROR_CODES = {"400": "A bad field; param names it", "401": "Missing or wrong API key",
                 "404": "Unknown model", "429": "Overloaded; see Retry-After",

@@ -20,7 +20,7 @@ Lifecycle of one change (one at a time per router):
 Steps run one at a time, ordered so that the rest of the cluster keeps serving while a
 worker rebuilds whenever the split allows it. When it cannot (1P1D has one pair; rebuilding
 either half leaves none), ``registry.hold_until`` makes new requests wait for the step
-instead of failing (router/health.py ``wait_until_serving``).
+instead of failing (router/requests/health.py ``wait_until_serving``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from pdserve.v1 import router_pb2
 
-from router.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
+from router.control.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 
-from router.legs import Ev, Event
-from router.registry import WorkerInfo
+from router.control.registry import WorkerInfo
+from router.requests.legs import Ev, Event
 
 if TYPE_CHECKING:
-    from router.request_run import RequestRun
+    from router.requests.request_run import RequestRun
 
 FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
 

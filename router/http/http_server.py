@@ -19,24 +19,23 @@ from typing import Any
 from aiohttp import web
 from pdserve.v1 import router_pb2
 
-from router.admission import Overloaded
 from router.auth import UNAUTHENTICATED_MESSAGE, bearer_ok, http_ssl_context
 from router.config import RouterConfig
-from router.frontend import Frontend
-from router.health import unhealthy_reason, usable_counts
-from router.http_errors import HttpError, from_request_error
-from router.large_body import parse_large_body
-from router.metrics import CONTENT_TYPE, RouterMetrics
-from router.openai_request import OpenAIRequest, parse_chat, parse_completion
-from router.openai_response import ResponseBuilder, TokenTexts
-from router.openapi import openapi_document
-from router.validation import RequestError
+from router.http.http_errors import HttpError, from_request_error
+from router.http.large_body import parse_large_body
+from router.http.openai_request import OpenAIRequest, parse_chat, parse_completion
+from router.http.openai_response import ResponseBuilder, TokenTexts
+from router.http.openapi import openapi_document
+from router.requests.errors import Overloaded, RequestError
+from router.requests.frontend import Frontend
+from router.requests.health import unhealthy_reason, usable_counts
+from router.requests.metrics import CONTENT_TYPE, RouterMetrics
 
 log = logging.getLogger(__name__)
 # Request bodies above this are refused (413) before parsing: a bound on memory per request
 # that still fits a prompt of a few hundred thousand tokens.
 MAX_BODY_BYTES = 16 << 20
-# Bodies past this are parsed in a pool process (router/large_body.py): parsing holds the
+# Bodies past this are parsed in a pool process (router/http/large_body.py): parsing holds the
 # GIL, and so the router's loop (bench/router_stall_probe.py measures how long).
 OFFLOOP_JSON_BYTES = 256 << 10
 # On stop, open streams get this long to end (the dispatcher has already failed their runs).
@@ -83,7 +82,7 @@ class HttpFrontDoor:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                shutdown_timeout=SHUTDOWN_S)
         await runner.setup()
-        # several frontends share the port (router/frontends.py)
+        # several frontends share the port (router/control/frontends.py)
         shared = cfg.frontends > 1 or bool(cfg.primary)
         site = web.TCPSite(runner, cfg.listen_host, cfg.http_port, ssl_context=ssl_ctx,
                            backlog=1024, reuse_port=shared or None)
@@ -185,7 +184,7 @@ class HttpFrontDoor:
         # the router's --max-tokens-limit, so both doors refuse with the same words
         parse = functools.partial(parse, max_tokens_limit=self.frontend.max_tokens_limit)
         try:
-            if len(raw) > OFFLOOP_JSON_BYTES:  # see router/large_body.py
+            if len(raw) > OFFLOOP_JSON_BYTES:  # see router/http/large_body.py
                 return await self.frontend.tokenize_pool.run(len(raw), functools.partial(
                     parse_large_body, raw, parse, self.frontend.registry.max_model_len()))
             try:

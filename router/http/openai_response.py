@@ -9,7 +9,7 @@ from typing import Any
 from pdserve.v1 import common_pb2, router_pb2
 
 from engine.tokenizer import Tokenizer
-from router.openai_request import OpenAIRequest
+from router.http.openai_request import OpenAIRequest
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
           common_pb2.FINISH_REASON_ABORT: "abort"}

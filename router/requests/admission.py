@@ -12,17 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-
-from router.validation import RequestError
-
-
-class Overloaded(RequestError):
-    """The router is at its queue bound; ``retry_after_s`` is the hint sent to the client."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        self.retry_after_s = retry_after_s
+from router.requests.errors import Overloaded
 
 
 class Admission:

@@ -8,9 +8,8 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
-from router.admission import Overloaded
-from router.frontend import Frontend
-from router.validation import RequestError
+from router.requests.errors import Overloaded, RequestError
+from router.requests.frontend import Frontend
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):

@@ -25,7 +25,7 @@ Lifecycle, router side (``engine.request_state.RequestState``)::
     any later state ──a worker failed it (consumer, colocated, or the producer after token
                       0)──▶ RESERVING / PREFILLING: migrated, avoiding the workers that failed
 
-Retry and migration (router/run_recovery.py): a producer that fails before token 0 is
+Retry and migration (router/requests/run_recovery.py): a producer that fails before token 0 is
 replaced, up to ``prefill_retries`` times, never by one it failed on; the failed attempt's
 legs are cancelled and aborted (the consumer's reservation too, see ``_repair``), the new
 legs use a new worker-side id (``leg_id``). Any other worker failure (a consumer dying
@@ -72,16 +72,16 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.request_state import RequestState
 from router.config import RouterConfig
-from router.event_queue import EventQueue
-from router.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
-from router.policy import Slot
-from router.registry import WorkerInfo
-from router.request_info import RequestInfo
-from router.run_output import RunOutput
-from router.run_recovery import Recovery
-from router.run_streams import colocated_stream, disaggregated_stream
-from router.validation import PreparedRequest
-from router.worker_outputs import WorkerOutputs
+from router.control.policy import Slot
+from router.control.registry import WorkerInfo
+from router.requests.event_queue import EventQueue
+from router.requests.legs import DecodeLeg, Ev, Event, ProducerLeg, abort_on_worker
+from router.requests.request_info import RequestInfo
+from router.requests.run_output import RunOutput
+from router.requests.run_recovery import Recovery
+from router.requests.run_streams import colocated_stream, disaggregated_stream
+from router.requests.validation import PreparedRequest
+from router.requests.worker_outputs import WorkerOutputs
 
 log = logging.getLogger(__name__)
 

@@ -4,13 +4,13 @@ Retry: a producer that fails before token 0 has cost the client nothing yet, so 
 places the request again, up to ``prefill_retries`` times, never on a producer it failed
 on. Migration: any other worker failure moves the request, up to ``max_migrations`` times,
 to a slot avoiding every worker that failed it, with the tokens its client already has
-(router/request_run.py). This object keeps the counts and the failed workers; the run
+(router/requests/request_run.py). This object keeps the counts and the failed workers; the run
 tears down and replaces the legs.
 """
 
 from __future__ import annotations
 
-from router.registry import WorkerInfo
+from router.control.registry import WorkerInfo
 
 
 class Recovery:

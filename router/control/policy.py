@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
+from router.control.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
 
 ENTRY_POOL = "entry"
 CONSUMER_POOL = "consumer"

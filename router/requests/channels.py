@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 from pdserve.v1 import worker_pb2_grpc
 
-from router.worker_outputs import WorkerOutputs
+from router.requests.worker_outputs import WorkerOutputs
 
 # Prompts travel as token ids; a 1M-token prompt is ~5 MB on the wire, above gRPC's 4 MB
 # default, so raise the cap well past any max_model_len a worker will accept.

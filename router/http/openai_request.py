@@ -2,7 +2,7 @@
 
 Only the shape and the OpenAI-specific rules are checked here (types, ranges the proto
 cannot hold, n=1, unsupported features); everything the gRPC API also checks is left to
-``router.validation`` so both doors refuse the same things with the same words.
+``router.requests.validation`` so both doors refuse the same things with the same words.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from engine.sampling_fields import MAX_LOGPROBS, MAX_STOP
 from router.config import RouterConfig
-from router.http_errors import bad_field
+from router.http.http_errors import bad_field
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -163,7 +163,7 @@ def _request(b: _Body, gen: router_pb2.GenerateRequest, chat: bool,
 def _sampling(b: _Body, max_tokens_limit: int) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
     # The router's own limit (--max-tokens-limit), so a -1 and a 10**7 get the same words
-    # as the gRPC door gives (router/validation.py).
+    # as the gRPC door gives (router/requests/validation.py).
     max_tokens = b.int("max_tokens", 1, max_tokens_limit)
     if max_tokens is not None:
         s.max_tokens = max_tokens

@@ -23,7 +23,7 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from router.admission import Overloaded
+from router.requests.errors import Overloaded
 
 T = TypeVar("T")
 THREADS = 2

@@ -15,10 +15,10 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from router.http_errors import HttpError
-from router.openai_request import OpenAIRequest
-from router.tokenize_pool import child_tokenizer
-from router.validation import check_min_tokens
+from router.http.http_errors import HttpError
+from router.http.openai_request import OpenAIRequest
+from router.requests.tokenize_pool import child_tokenizer
+from router.requests.validation import check_min_tokens
 
 
 def parse_large_body(raw: bytes, parse: Callable[[Any], OpenAIRequest], max_model_len: int

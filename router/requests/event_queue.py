@@ -15,7 +15,7 @@ import collections
 
 from pdserve.v1 import common_pb2, worker_pb2
 
-from router.legs import Ev, Event
+from router.requests.legs import Ev, Event
 
 
 class EventQueue:

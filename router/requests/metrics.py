@@ -16,9 +16,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.request_state import RequestState
-from router.admission import Admission
-from router.dispatcher import Dispatcher
-from router.registry import ROLE_NAMES, Registry
+from router.control.registry import ROLE_NAMES, Registry
+from router.requests.admission import Admission
+from router.requests.dispatcher import Dispatcher
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Latencies from a CPU test cluster (~10 ms/token) to a long GPU prefill queue (minutes).

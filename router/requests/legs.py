@@ -1,7 +1,7 @@
 """The two legs of a request: readers that turn worker streams into events.
 
 A leg only reads its stream and reports what it saw (``Report``); it decides nothing.
-The request's run (``router.request_run``) receives every report, so ordering questions
+The request's run (``router.requests.request_run``) receives every report, so ordering questions
 (token 0 vs. the consumer's tokens, a transfer failure vs. a dead consumer) and the
 pairing step (forwarding the consumer's reservation to the producer) live in one place.
 """
@@ -20,8 +20,8 @@ from typing import Any
 import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-from router.registry import WorkerInfo
-from router.worker_outputs import OutputsBroken, WorkerOutputs
+from router.control.registry import WorkerInfo
+from router.requests.worker_outputs import OutputsBroken, WorkerOutputs
 
 log = logging.getLogger(__name__)
 

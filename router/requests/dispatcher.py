@@ -15,15 +15,16 @@ from typing import Any
 import grpc
 from pdserve.v1 import router_pb2
 
-from router.admission import Admission, Overloaded
-from router.channels import WorkerChannels
 from router.config import RouterConfig
-from router.legs import Ev, Event
-from router.policy import Policy, Slot, place
-from router.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
-from router.request_info import RequestInfo
-from router.request_run import RequestRun
-from router.validation import PreparedRequest, RequestError
+from router.control.policy import Policy, Slot, place
+from router.control.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
+from router.requests.admission import Admission
+from router.requests.channels import WorkerChannels
+from router.requests.errors import Overloaded, RequestError
+from router.requests.legs import Ev, Event
+from router.requests.request_info import RequestInfo
+from router.requests.request_run import RequestRun
+from router.requests.validation import PreparedRequest
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,7 @@ import re
 
 import grpc
 
-from router.admission import Overloaded
-from router.validation import RequestError
+from router.requests.errors import Overloaded, RequestError
 
 # gRPC code -> (HTTP status, OpenAI error type, error code)
 _STATUS = {
@@ -45,7 +44,7 @@ class HttpError(Exception):
         self.headers = headers or {}
 
     def __reduce__(self) -> tuple[object, ...]:
-        # raised in a pool process that parses a large body (router/large_body.py)
+        # raised in a pool process that parses a large body (router/http/large_body.py)
         return (_rebuild, (self.status, self.message, self.type, self.param, self.code,
                            self.headers))
 

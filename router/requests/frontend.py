@@ -15,20 +15,19 @@ import grpc
 from pdserve.v1 import router_pb2
 
 from engine.tokenizer import Tokenizer
-from router.admission import Admission
-from router.dispatcher import Dispatcher, no_workers_message
-from router.health import wait_until_serving
-from router.metrics import RouterMetrics
-from router.registry import Registry
-from router.tokenize_pool import TokenizePool
-from router.validation import (
+from router.control.registry import Registry
+from router.requests.admission import Admission
+from router.requests.dispatcher import Dispatcher, no_workers_message
+from router.requests.errors import RequestError, invalid
+from router.requests.health import wait_until_serving
+from router.requests.metrics import RouterMetrics
+from router.requests.tokenize_pool import TokenizePool
+from router.requests.validation import (
     PreparedRequest,
-    RequestError,
     check_length,
     check_min_tokens,
     engine_params,
     input_size,
-    invalid,
     prepare,
     prepare_in_pool,
 )

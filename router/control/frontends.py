@@ -30,8 +30,8 @@ from typing import Any
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2_grpc
 
-from router.registry import Registry, WorkerInfo
-from router.registry_servicer import MembershipServicer, authenticate
+from router.control.registry import Registry, WorkerInfo
+from router.control.registry_servicer import MembershipServicer, authenticate
 
 log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 0.2  # a mirror's view is at most this stale (plus the transit)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from router.dispatcher import no_workers_message
-from router.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry
+from router.control.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry
+from router.requests.dispatcher import no_workers_message
 
 
 def unhealthy_reason(registry: Registry) -> str | None:

@@ -11,37 +11,18 @@ import secrets
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-import grpc
 from pdserve.v1 import common_pb2, router_pb2
 
 from engine.request_limits import check_ids, check_lengths, check_request_id
 from engine.sampling_fields import wire_values
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
+from router.requests.errors import invalid
 
 # OpenAI's roles ("developer" is renamed "system" by the HTTP door); a "tool" message is
 # a tool's result, rendered by the chat template like any other turn.
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-class RequestError(Exception):
-    """A request the router refuses, with the gRPC status to refuse it with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # raised in a tokenize pool process and re-raised here (pickled with its code)
-        return (RequestError, (self.code, self.message))
-
-
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
 @dataclass
@@ -74,7 +55,7 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
         raise invalid(f"model: {req.model!r} is not served here (served: "
                       f"{', '.join(sorted(model_names))})")
     # One limit, one message, checked before the engine's own ">= 1" rule: the HTTP door
-    # says the same (router/openai_request.py).
+    # says the same (router/http/openai_request.py).
     if req.sampling.HasField("max_tokens") and not 1 <= req.sampling.max_tokens \
             <= max_tokens_limit:
         raise invalid(f"sampling.max_tokens: must be in [1, {max_tokens_limit}], "
@@ -109,7 +90,7 @@ def check_length(prep: PreparedRequest, max_model_len: int) -> None:
 def prepare_in_pool(req: router_pb2.GenerateRequest, model_names: set[str],
                     max_tokens_limit: int) -> PreparedRequest:
     """``prepare`` in a tokenize pool process, with that process's tokenizer."""
-    from router.tokenize_pool import child_tokenizer
+    from router.requests.tokenize_pool import child_tokenizer
 
     return prepare(req, child_tokenizer(), model_names, max_tokens_limit=max_tokens_limit)
 

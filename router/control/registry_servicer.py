@@ -10,7 +10,7 @@ import logging
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from router.registry import RegistrationError, Registry
+from router.control.registry import RegistrationError, Registry
 
 log = logging.getLogger(__name__)
 

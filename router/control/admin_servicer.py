@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
-from router.registry import Registry
-from router.role_change import (
+from router.control.registry import Registry
+from router.control.role_change import (
     DEFAULT_STEP_TIMEOUT_S,
     RoleChanger,
     SplitError,

@@ -110,7 +110,7 @@ class Registry:
         self.on_change: list[Callable[[], None]] = []
         # While a role change runs, a cluster that cannot serve for a moment (the only pair
         # is being rebuilt) is expected back: new requests wait until this clock time for a
-        # usable worker instead of being refused (router/health.py wait_until_serving).
+        # usable worker instead of being refused (router/requests/health.py wait_until_serving).
         self.hold_until = 0.0
         self.held = 0  # requests waiting on hold_until now
         # The router loop's liveness ticks (``tick``): the last one, its period (0: none yet),

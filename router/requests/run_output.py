@@ -1,6 +1,6 @@
 """What the client of one request receives: its responses, token count and server timing.
 
-Kept apart from the run's lifecycle (``router.request_run``) so that the run decides *when*
+Kept apart from the run's lifecycle (``router.requests.request_run``) so that the run decides *when*
 a request moves or ends, and this decides only *what* each message then carries.
 """
 
@@ -11,8 +11,8 @@ import time
 
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 
-from router.registry import WorkerInfo
-from router.validation import PreparedRequest
+from router.control.registry import WorkerInfo
+from router.requests.validation import PreparedRequest
 
 log = logging.getLogger(__name__)
 
