@@ -68,6 +68,7 @@ class ConsumerHandler(RoleHandler):
         self.transfers_failed = 0
         self.aborts = 0
         self.queue_full = 0
+        self.local_prefills = 0  # requests the router had prefill here (colocated)
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "kv_address": self.receiver.address}
@@ -75,6 +76,9 @@ class ConsumerHandler(RoleHandler):
     def on_command(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
             rid = cmd.rid
+            if cmd.colocated:  # the router's local prefill: the prompt's tail is short
+                self._local(cmd)
+                return
             try:
                 self.engine.add_remote(rid, list(cmd.prompt_ids),
                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
@@ -91,6 +95,22 @@ class ConsumerHandler(RoleHandler):
         elif isinstance(cmd, AbortCmd):
             self.aborts += 1
             self.abort(cmd.rid)
+
+    def _local(self, cmd: DecodeCmd) -> None:
+        """Prefills here, after whatever this engine's prefix cache holds, and decodes: a
+        colocated request (token 0 streams from here too)."""
+        try:
+            self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
+                                    sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                    cmd.cache_salt or None)
+        except ValueError as e:
+            self.emit(error_event(cmd.rid, "error", str(e)))
+            return
+        except QueueFull:
+            self.queue_full += 1
+            self.emit(error_event(cmd.rid, "error", "consumer queue is full"))
+            return
+        self.local_prefills += 1
 
     def abort(self, rid: str) -> None:
         state = self.engine.state_of(rid)
@@ -197,7 +217,7 @@ class ConsumerHandler(RoleHandler):
         d.update(orphan_blocks=orphans, recomputed=self.engine.num_preemptions,
                  kv_bytes_received=self.kv_bytes_received, transfers_ok=self.transfers_ok,
                  transfers_failed=self.transfers_failed, aborts=self.aborts,
-                 reservation_queue_full=self.queue_full)
+                 reservation_queue_full=self.queue_full, local_prefills=self.local_prefills)
         kv = self.receiver.stats()  # its KV port: what strangers and broken peers sent
         d.update(kv_malformed_messages=kv.malformed_messages,
                  kv_rejected_handshakes=kv.rejected_handshakes)

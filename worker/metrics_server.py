@@ -65,6 +65,9 @@ _COUNTERS = {
                           "KV bytes received from producers (completed transfers)"),
     "transfers_ok": ("pdserve_worker_kv_transfers_ok", "KV transfers completed"),
     "transfers_failed": ("pdserve_worker_kv_transfers_failed", "KV transfers failed/cancelled"),
+    "local_prefills": ("pdserve_worker_consumer_local_prefills",
+                       "Requests the router had this consumer prefill itself (short uncached "
+                       "tail, or producers saturated)"),
     "reservation_queue_full": ("pdserve_worker_reservation_queue_full",
                                "Decode requests refused: reservation queue full"),
     "kv_malformed_messages": ("pdserve_worker_kv_malformed_messages",

@@ -17,6 +17,7 @@ from pdserve.v1 import common_pb2, router_pb2
 from engine.sampling_fields import MAX_LOGPROBS, MAX_STOP
 from router.config import RouterConfig
 from router.http.http_errors import bad_field
+from router.requests.validation import MAX_CACHE_SALT
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -156,6 +157,13 @@ def _request(b: _Body, gen: router_pb2.GenerateRequest, chat: bool,
         include_usage = bool(usage)
     if model:
         gen.model = model
+    salt = b.get("cache_salt")
+    if salt is not None:
+        # vLLM's name: only requests of one salt share cached prompt blocks
+        if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT:
+            raise bad_field("cache_salt", f"must be a string of at most {MAX_CACHE_SALT} "
+                                          "characters")
+        gen.cache_salt = salt
     return OpenAIRequest(chat=chat, generate=gen, model=model or None, stream=stream,
                          include_usage=include_usage, logprobs=logprobs)
 
@@ -261,7 +269,8 @@ def _prompt(p: Any, gen: router_pb2.GenerateRequest) -> None:
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
     "seed", "stop", "n", "logit_bias", "stream", "stream_options", "stop_token_ids", "user",
-    *_EXTRAS})
+    "cache_salt", *_EXTRAS})
+
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
                                 "top_logprobs", "tools", "functions", "response_format"}
 COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of", "logprobs"}
