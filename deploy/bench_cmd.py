@@ -128,6 +128,9 @@ def load_points(args: argparse.Namespace) -> list[LoadPoint]:
                                                                args.concurrency)]
     if args.rate:
         points += [LoadPoint(args.max_concurrency, r) for r in _floats("--rate", args.rate)]
+    if not points and args.dataset and args.dataset.startswith("mooncake:"):
+        # a replayed trace brings its own arrivals: every request at its time, uncapped
+        return [LoadPoint(args.max_concurrency, math.inf)]
     return points or [LoadPoint(1, math.inf)]
 
 
