@@ -74,7 +74,7 @@ class WorkerLoop:
         self.running = True
         self._last_stats = 0.0
         self.steps = StepStats()
-        self.kv_events = KVEventForwarder(self.engine, handler.emit)
+        self.kv_events = KVEventForwarder(self.engine, lambda ev: events.send(encode(ev)))
 
     def _drain_commands(self, timeout_ms: int) -> bool:
         """Applies every queued command, waiting up to timeout_ms for the first; False when

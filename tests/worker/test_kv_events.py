@@ -4,6 +4,7 @@ queue), mirrored in the gRPC process, and batched for the router with a resync o
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -81,7 +82,11 @@ def _stored(seq: int, *hs: bytes) -> KVEventsEvent:
 
 
 def test_publisher_batches_resyncs_and_bounds_what_waits(monkeypatch):
-    pub = KVPublisher("127.0.0.1:1", "w0", "tok")
+    asyncio.run(_publisher_batches(monkeypatch))
+
+
+async def _publisher_batches(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    pub = KVPublisher("127.0.0.1:1", "w0", "tok")  # its channel needs a running loop
     h = [bytes([i]) * 32 for i in range(8)]
     pub.add(_stored(1, h[0], h[1]))
     first = pub.batch()
@@ -109,3 +114,4 @@ def test_publisher_batches_resyncs_and_bounds_what_waits(monkeypatch):
     assert pub.pending == [] and pub.need_snapshot and pub.dropped == 1
     last = pub.batch()
     assert last is not None and last.snapshot.seq == 5 and len(last.snapshot.block_hashes) == 8
+    await pub.close()
