@@ -15,7 +15,7 @@ export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERE
 mkdir -p "$out"
 work=$(mktemp -d)
 python3 -m deploy.benchmark.dummy_model "$work/model" --preset "$preset" || exit 1
-timeout ${PREFIX_TIMEOUT:-540} python3 -m deploy.cli bench --launch pd --producers 2 --consumers 2 \
+timeout ${PREFIX_TIMEOUT:-470} python3 -m deploy.cli bench --launch pd --producers 2 --consumers 2 \
   --model "$work/model" --devices "$devices" --policy cache_aware,round_robin \
   --worker-arg=--load-format=dummy --worker-arg=--dtype=bfloat16 \
   --worker-arg=--kv-cache-mib="$kv" --worker-arg=--max-num-batched-tokens=8192 \
