@@ -49,7 +49,9 @@ class ConsumerHandler(RoleHandler):
                 raise
             self.receiver = TPReceiver(local, followers, infos)
         self.source_tp: dict[str, int] = {}  # rid -> the producer's TP size (router's word)
-        self.unannounced: dict[str, list[int]] = {}  # TP: reserved, not every rank expects
+        self.unannounced: dict[str, tuple[list[int], int]] = {}  # TP: reserved, not every
+        # rank expects yet: (blocks, leading cached blocks)
+        self.reused: dict[str, int] = {}  # rid -> leading reserved blocks from the cache
         # Timing for the first decode step's metrics, not state: rid -> when the KV landed,
         # then (landed, first step launched) ns.
         self.kv_ready: dict[str, int] = {}
@@ -66,6 +68,7 @@ class ConsumerHandler(RoleHandler):
         self.transfers_failed = 0
         self.aborts = 0
         self.queue_full = 0
+        self.local_prefills = 0  # requests the router had prefill here (colocated)
 
     def ready_info(self) -> dict[str, Any]:
         return {**super().ready_info(), "kv_address": self.receiver.address}
@@ -73,9 +76,13 @@ class ConsumerHandler(RoleHandler):
     def on_command(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
             rid = cmd.rid
+            if cmd.colocated:  # the router's local prefill: the prompt's tail is short
+                self._local(cmd)
+                return
             try:
                 self.engine.add_remote(rid, list(cmd.prompt_ids),
-                                       sampling_from_wire(cmd.sampling), list(cmd.prior_ids))
+                                       sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                       cmd.cache_salt or None, cmd.reuse_cached)
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
                 return
@@ -88,6 +95,22 @@ class ConsumerHandler(RoleHandler):
         elif isinstance(cmd, AbortCmd):
             self.aborts += 1
             self.abort(cmd.rid)
+
+    def _local(self, cmd: DecodeCmd) -> None:
+        """Prefills here, after whatever this engine's prefix cache holds, and decodes: a
+        colocated request (token 0 streams from here too)."""
+        try:
+            self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
+                                    sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                    cmd.cache_salt or None)
+        except ValueError as e:
+            self.emit(error_event(cmd.rid, "error", str(e)))
+            return
+        except QueueFull:
+            self.queue_full += 1
+            self.emit(error_event(cmd.rid, "error", "consumer queue is full"))
+            return
+        self.local_prefills += 1
 
     def abort(self, rid: str) -> None:
         state = self.engine.state_of(rid)
@@ -102,33 +125,40 @@ class ConsumerHandler(RoleHandler):
             self.first_step.pop(rid, None)
             self.emit(error_event(rid, "abort", "aborted"))
 
-    def _reserved(self, rid: str, blocks: list[int]) -> None:
-        self.receiver.expect(rid, blocks, deadline=time.monotonic() + self.reservation_s,
+    def _reserved(self, rid: str, blocks: list[int], cached: int) -> None:
+        # the cached leading blocks may be shared with running requests: no push may land
+        # in them, so the receiver expects only the rest
+        self.receiver.expect(rid, blocks[cached:],
+                             deadline=time.monotonic() + self.reservation_s,
                              source_tp=self.source_tp.pop(rid, None))
+        if cached:
+            self.reused[rid] = cached
         if isinstance(self.receiver, TPReceiver):  # announced once every rank expects it
-            self.unannounced[rid] = blocks
+            self.unannounced[rid] = (blocks, cached)
         else:
-            self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks)))
+            self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks), cached))
 
     def after_step(self) -> None:
         for u in self.receiver.poll():
             self.receiver.release(u.request_id)
             self.unannounced.pop(u.request_id, None)
+            reused = self.reused.pop(u.request_id, 0)
             if self.engine.state_of(u.request_id) != S.WAITING_FOR_KV:
                 continue
             if u.status == TransferStatus.DONE and u.notice is not None:
                 self.transfers_ok += 1
                 held = next(h.blocks for h in self.engine.held_requests()
                             if h.request_id == u.request_id)
-                self.kv_bytes_received += held * self.engine.layout.block_nbytes
+                self.kv_bytes_received += (held - reused) * self.engine.layout.block_nbytes
                 self._admit(u)
             else:
                 self._transfer_failed(u)
         if isinstance(self.receiver, TPReceiver):
             for rid in self.receiver.take_ready():
-                blocks = self.unannounced.pop(rid, None)
-                if blocks is not None and self.engine.state_of(rid) == S.WAITING_FOR_KV:
-                    self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks)))
+                ann = self.unannounced.pop(rid, None)
+                if ann is not None and self.engine.state_of(rid) == S.WAITING_FOR_KV:
+                    self.emit(ReservedEvent(rid, self.receiver.address, tuple(ann[0]),
+                                            ann[1]))
 
     def _transfer_failed(self, u: TransferUpdate) -> None:
         self.transfers_failed += 1
@@ -163,7 +193,7 @@ class ConsumerHandler(RoleHandler):
     def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
         if isinstance(outs, StepResult):
             for rid, blocks in outs.reserved.items():
-                self._reserved(rid, blocks)
+                self._reserved(rid, blocks, outs.reserved_cached.get(rid, 0))
         items = []
         for out in outs:
             times = self.first_step.pop(out.request_id, (0, 0))
@@ -187,7 +217,7 @@ class ConsumerHandler(RoleHandler):
         d.update(orphan_blocks=orphans, recomputed=self.engine.num_preemptions,
                  kv_bytes_received=self.kv_bytes_received, transfers_ok=self.transfers_ok,
                  transfers_failed=self.transfers_failed, aborts=self.aborts,
-                 reservation_queue_full=self.queue_full)
+                 reservation_queue_full=self.queue_full, local_prefills=self.local_prefills)
         kv = self.receiver.stats()  # its KV port: what strangers and broken peers sent
         d.update(kv_malformed_messages=kv.malformed_messages,
                  kv_rejected_handshakes=kv.rejected_handshakes)

@@ -35,7 +35,8 @@ class ConsumerServicer(WorkerServicer):
         await self._start("decode", rid, DecodeCmd(rid, tuple(request.prompt_token_ids), wire,
                                                    request.colocated,
                                                    tuple(request.prior_output_ids),
-                                                   request.source_tp_size), context)
+                                                   request.source_tp_size, request.cache_salt,
+                                                   request.reuse_cached), context)
         done = False
         outcome = "cancelled"
         try:
@@ -43,7 +44,8 @@ class ConsumerServicer(WorkerServicer):
                 msg = await q.get()
                 if isinstance(msg, ReservedEvent):
                     yield worker_pb2.DecodeOutput(reserved=worker_pb2.Reserved(
-                        kv_address=msg.kv_address, block_ids=msg.block_ids))
+                        kv_address=msg.kv_address, block_ids=msg.block_ids,
+                        cached_blocks=msg.cached_blocks))
                 elif isinstance(msg, TokensEvent):
                     t = tokens_pb(msg)
                     done = t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED

@@ -35,6 +35,11 @@ def add_bench_parser(sub: Any) -> None:
     add_router_client_args(t)
     t.add_argument("--launch", choices=("pd", "colocated"), default=None,
                    help="start a local cluster of this kind instead of using --router")
+    t.add_argument("--policy", default="round_robin",
+                   help="started clusters' router policy; a comma list starts one cluster "
+                        "per policy (e.g. cache_aware,round_robin: compared in one run)")
+    t.add_argument("--compare-prefix-caching", action="store_true",
+                   help="each started cluster also once with --no-enable-prefix-caching")
     t.add_argument("--compare", action="store_true",
                    help="run the workload on a P/D cluster and a colocated cluster with the "
                         "same number of workers (both started here); print the ratios")
@@ -65,6 +70,20 @@ def add_bench_parser(sub: Any) -> None:
     w.add_argument("--output-len", default=None,
                    help="max tokens: N or LOW:HIGH (default 64; with --dataset, the "
                         "completion's length)")
+    w.add_argument("--trace-block-tokens", type=int, default=512,
+                   help="mooncake: tokens per trace block (512 in the trace; smaller scales "
+                        "every prompt down by the same factor, e.g. 32 on a CPU)")
+    w.add_argument("--trace-time-scale", type=float, default=1.0,
+                   help="mooncake: multiplies the trace's arrival times (0.1: ten times faster)")
+    w.add_argument("--max-requests", type=int, default=None,
+                   help="mooncake: replay the first N requests (default: --num-prompts)")
+    w.add_argument("--sp-groups", type=int, default=4, help="shared-prefix: groups")
+    w.add_argument("--sp-prompts-per-group", type=int, default=8,
+                   help="shared-prefix: prompts per group")
+    w.add_argument("--sp-system-len", type=int, default=512,
+                   help="shared-prefix: system prompt tokens (one per group)")
+    w.add_argument("--sp-question-len", type=int, default=32,
+                   help="shared-prefix: question tokens (one per prompt)")
     w.add_argument("--dataset", default=None, help="ShareGPT-format JSON (overrides --input-len; "
                    "--output-len applies only when given explicitly)")
     w.add_argument("--token-range", default="1000:30000",
@@ -109,6 +128,9 @@ def load_points(args: argparse.Namespace) -> list[LoadPoint]:
                                                                args.concurrency)]
     if args.rate:
         points += [LoadPoint(args.max_concurrency, r) for r in _floats("--rate", args.rate)]
+    if not points and args.dataset and args.dataset.startswith("mooncake:"):
+        # a replayed trace brings its own arrivals: every request at its time, uncapped
+        return [LoadPoint(args.max_concurrency, math.inf)]
     return points or [LoadPoint(1, math.inf)]
 
 
@@ -130,7 +152,22 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
         raise ValueError("--num-prompts: must be >= 1 (and --warmup >= 0)")
     tokens = LengthRange.parse("--token-range", args.token_range)
     out_len = LengthRange.parse("--output-len", args.output_len or "64")
-    if args.dataset:
+    if args.dataset == "shared-prefix":
+        from deploy.benchmark.shared_prefix import shared_prefix_workload
+
+        specs = shared_prefix_workload(args.sp_groups, args.sp_prompts_per_group,
+                                       args.sp_system_len, args.sp_question_len, out_len,
+                                       tokens, args.seed)
+        warm = random_workload(args.warmup, LengthRange(16, 16), out_len, tokens, args.seed + 1)
+    elif args.dataset and args.dataset.startswith("mooncake:"):
+        from deploy.benchmark.mooncake import mooncake_workload
+
+        specs = mooncake_workload(args.dataset.removeprefix("mooncake:"),
+                                  args.max_requests or args.num_prompts, args.trace_block_tokens,
+                                  args.trace_time_scale, tokens, args.seed,
+                                  out_len if args.output_len else None)
+        warm = random_workload(args.warmup, LengthRange(16, 16), out_len, tokens, args.seed + 1)
+    elif args.dataset:
         specs = sharegpt_workload(args.dataset, args.num_prompts + args.warmup,
                                   _encoder(args.model), args.seed, args.max_len,
                                   out_len if args.output_len else None)
@@ -150,7 +187,7 @@ def build_plan(args: argparse.Namespace) -> SweepPlan:
 
 
 def build_targets(args: argparse.Namespace) -> list[Target]:
-    from deploy.benchmark.clusters import Target, pd_and_colocated
+    from deploy.benchmark.clusters import Target, pd_and_colocated, variants
     from deploy.cluster import ClusterSpec
 
     devices = tuple(d for d in args.devices.split(",") if d)
@@ -162,7 +199,14 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
         return pd_and_colocated(base, args.producers, args.consumers, devices)
     if args.launch:
         pd, co = pd_and_colocated(base, args.producers, args.consumers, devices)
-        return [pd if args.launch == "pd" else co]
+        from router.config import POLICY_NAMES
+
+        for name in args.policy.split(","):
+            if name not in POLICY_NAMES:
+                raise ValueError(f"--policy: each must be one of {', '.join(POLICY_NAMES)}, "
+                                 f"got {name!r}")
+        return variants(pd if args.launch == "pd" else co, args.policy.split(","),
+                        args.compare_prefix_caching)
     return [Target(args.router, address=args.router, base_url=args.base_url or "")]
 
 

@@ -26,7 +26,7 @@ import yaml
 from deploy.engine_args import add_engine_args
 from transfer.types import BACKENDS
 
-POLICIES = ("round_robin", "least_loaded", "power_of_two")
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
 TOP_KEYS = ("model", "host", "workers", "devices", "ports", "policy", "transfer_backend",
             "threads", "engine", "worker_args", "log_dir")
 

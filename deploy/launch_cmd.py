@@ -15,6 +15,7 @@ from deploy.cluster_config import apply_config, load_cluster_config
 from deploy.engine_args import add_engine_args, engine_flag_args
 from deploy.launch_checks import check_devices, check_host, check_model, check_port
 from deploy.supervisor import RouterExited, Supervisor
+from router.config import POLICY_NAMES
 from transfer.types import BACKENDS
 
 
@@ -33,8 +34,8 @@ def add_launch_parser(sub: Any) -> None:
     p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN", ""),
                    help="shared secret of router and workers (default: $PDSERVE_CLUSTER_TOKEN, "
                         "else a random one for this cluster)")
-    p.add_argument("--policy", default="round_robin",
-                   choices=("round_robin", "least_loaded", "power_of_two"))
+    p.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
+                   help="the router's placement policy (pdserve router --help)")
     p.add_argument("--transfer-backend", default="ucx", choices=BACKENDS,
                    help="ucx: any hosts (TCP, shared memory, cuda_ipc); nixl: RDMA between "
                         "hosts; ipc: one host only, the consumer maps the producer's pool")

@@ -23,7 +23,21 @@ def add_router_parser(sub: Any) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--model", default=None,
                    help="model the workers serve, for the tokenizer (default: embedded smollm2)")
-    p.add_argument("--policy", default="least_loaded", choices=POLICY_NAMES)
+    p.add_argument("--policy", default="cache_aware", choices=POLICY_NAMES,
+                   help="cache_aware: the worker with the fewest prompt tokens to compute (a "
+                        "consumer: to receive) beyond the prefix its cache holds, by the "
+                        "workers' KV events, plus its load priced in tokens")
+    p.add_argument("--cache-load-tokens", type=float, default=512.0,
+                   help="cache_aware: prefill tokens one queued request's worth of load "
+                        "costs (higher: balance load more, follow cached prefixes less)")
+    p.add_argument("--cache-imbalance", type=float, default=8.0,
+                   help="cache_aware: when the cache's pick is this much more loaded (queued "
+                        "requests) than the least loaded worker, the least loaded takes it")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=64,
+                   help="cache_aware: a consumer that holds a cached prefix of the prompt "
+                        "prefills the rest itself (no producer, no transfer) when that rest "
+                        "is at most this many tokens, or when every producer has a queue and "
+                        "the consumer has room; -1: never")
     p.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="seconds between worker heartbeats (told to workers)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,
@@ -77,6 +91,9 @@ def add_router_parser(sub: Any) -> None:
 def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(host=args.host, bind_host=args.bind_host, grpc_port=args.grpc_port,
                         model=args.model, policy=args.policy,
+                        cache_load_tokens=args.cache_load_tokens,
+                        cache_imbalance=args.cache_imbalance,
+                        local_prefill_max_tokens=args.local_prefill_max_tokens,
                         heartbeat_interval_s=args.heartbeat_interval,
                         heartbeat_timeout_s=args.heartbeat_timeout,
                         busy_lag_s=args.busy_lag, busy_engine_s=args.busy_engine_age,

@@ -6,10 +6,12 @@ A mixin of ``LLMEngine`` (its ``blocks``, ``config`` and ``prefix_model_key``), 
 keep calling the engine and never its internals.
 
 Reservation reuse (``add_remote(..., reuse_cached=True)``): the consumer's reservation takes
-the cached blocks holding the prompt's leading full blocks, and the step result's
+the cached blocks holding the prompt's leading full blocks (all but the one holding the last
+token, which always moves), and the step result's
 ``reserved_cached`` says how many. They may be shared with running requests, so the sender
-must write none of them, only the blocks after; a sender that writes every block (today's
-protocol) must not ask for reuse. Landed KV is cached either way, once the transfer is done.
+must write none of them, only the blocks after (KVDestination.cached_blocks); a sender
+that writes every block must not ask for reuse. Landed KV is cached either way, once the
+transfer is done.
 """
 
 from __future__ import annotations

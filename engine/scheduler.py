@@ -108,9 +108,10 @@ class Scheduler:
                 and self._reservation(self.reserving[0]) is not None)
 
     def _reservation(self, req: Request) -> list[int] | None:
-        """The cached blocks a remote request's reservation would take (every full prompt
-        block may be one: nothing is computed here), or None while it does not fit."""
-        hit = self._prefix_hit(req, req.num_tokens) if req.reuse_cached else []
+        """The cached blocks a remote request's reservation would take, or None while it
+        does not fit. Never the block holding the last token: the sender always has that
+        one to send, and its final notice (token 0) travels with a push."""
+        hit = self._prefix_hit(req, req.num_tokens - 1) if req.reuse_cached else []
         fits = self.blocks.fits(hit, self.blocks.blocks_for(req.num_tokens) - len(hit))
         return hit if fits else None
 

@@ -70,6 +70,14 @@ class Outgoing:
     token0_at: float = 0.0  # monotonic: when token 0 went to the gRPC process
     first_push: float = 0.0  # monotonic, for kv_transfer_ms
     num_prior: int = 0  # a migrated request's prior outputs: their KV goes with the prompt's
+    # Leading destination blocks the consumer's prefix cache holds already: never sent
+    # (pushes start after them; the consumer's receiver refuses writes into them).
+    skip: int = 0
+
+    @property
+    def started(self) -> bool:
+        """Some blocks were pushed (and pinned): the sender owns the transfer's end."""
+        return self.pushed > self.skip
 
 
 class ProducerHandler(RoleHandler):
@@ -107,7 +115,8 @@ class ProducerHandler(RoleHandler):
             rid = cmd.rid
             try:
                 self.engine.add_request(rid, list(cmd.prompt_ids),
-                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids))
+                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                        cmd.cache_salt or None)
             except (ValueError, QueueFull) as e:
                 self._transfer_event(rid, False, str(e))
                 return
@@ -117,6 +126,12 @@ class ProducerHandler(RoleHandler):
             o = self.out.get(cmd.rid)
             if o is None or o.dest_blocks is not None or self._ended(o):
                 return
+            if not 0 <= cmd.cached_blocks < len(cmd.block_ids):
+                # at least the block holding the last prompt token always moves (the
+                # consumer's reservation never reuses it), and the final notice rides on it
+                self._fail(o, f"cached_blocks: {cmd.cached_blocks} of {len(cmd.block_ids)} "
+                              "destination blocks; must leave at least one to send")
+                return
             try:
                 self.sender.connect(cmd.kv_address)
             except TransferError as e:
@@ -124,6 +139,7 @@ class ProducerHandler(RoleHandler):
                               f"{e}")
                 return
             o.dest_address, o.dest_blocks = cmd.kv_address, list(cmd.block_ids)
+            o.skip = o.pushed = cmd.cached_blocks
             o.lease_until = max(o.lease_until, time.monotonic() + self.lease_s)
             self._push_ready(o)
         elif isinstance(cmd, HoldCmd):
@@ -158,7 +174,7 @@ class ProducerHandler(RoleHandler):
                                   stop_text(out.stop_reason), out.sampled_ns, o.received_ns,
                                   out.num_cached_tokens))
             if out.finished:  # token 0 ended it: the engine freed all but the pinned blocks
-                if o.pushed:  # close the early chunks' transfer now, not at its deadline;
+                if o.started:  # close the early chunks' transfer now, not at its deadline;
                     self.sender.cancel(o.rid, "token 0 finished the request")  # pins: poll
                 else:
                     self.out.pop(o.rid, None)
@@ -272,7 +288,7 @@ class ProducerHandler(RoleHandler):
         if self._ended(o):
             return
         self.engine.abort(o.rid, state)
-        if o.pushed:
+        if o.started:
             self.sender.cancel(o.rid, error)
             return
         self.engine.release(o.rid)
@@ -287,7 +303,7 @@ class ProducerHandler(RoleHandler):
 
     def load(self) -> dict[str, Any]:
         d = super().load()
-        d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.pushed)
+        d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.started)
         # Held past the lease as after_step judged it (so after_step already failed these;
         # blocks still held means the cancel never completed, so nothing else will free
         # them). Not a request still QUEUED or PREFILLING: no lease runs before token 0.

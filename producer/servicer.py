@@ -41,14 +41,14 @@ class ProducerServicer(WorkerServicer):
         received = time.time_ns()
         await self._start("prefill", rid,
                           PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received,
-                                     tuple(req.prior_output_ids)), context)
+                                     tuple(req.prior_output_ids), req.cache_salt), context)
 
         async def destinations() -> None:
             async for msg in request_iterator:
                 if msg.WhichOneof("kind") == "destination":
                     d = msg.destination
                     self.bridge.send(DestinationCmd(rid, d.consumer_id, d.kv_address,
-                                                    tuple(d.block_ids)))
+                                                    tuple(d.block_ids), d.cached_blocks))
                 elif msg.WhichOneof("kind") == "queued":
                     self.bridge.send(HoldCmd(rid, msg.queued.consumer_id))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two")
+POLICY_NAMES = ("round_robin", "least_loaded", "power_of_two", "cache_aware")
 
 
 @dataclass(frozen=True)
@@ -13,7 +13,16 @@ class RouterConfig:
     bind_host: str | None = None  # address the gRPC server binds; None: same as host
     grpc_port: int = 50051  # 0: pick a free port (tests); start() returns the bound one
     model: str | None = None  # --model as the workers get it; None: the embedded SmolLM2
-    policy: str = "least_loaded"
+    # cache_aware: the worker with the fewest prompt tokens to compute (or, a consumer, to
+    # receive) beyond what its prefix cache holds, plus its load priced in tokens
+    # (router/control/policy.py CacheAware); with no cached prefix anywhere it is least_loaded
+    policy: str = "cache_aware"
+    cache_load_tokens: float = 512.0  # prefill tokens one queued request's worth of load costs
+    cache_imbalance: float = 8.0  # load gap past which cache_aware takes the least loaded
+    # cache_aware only: a consumer holding part of the prompt prefills the rest itself (no
+    # producer, no transfer) when that rest is at most this many tokens; it also does when
+    # every producer has a queue and it has room. -1: never (always P/D).
+    local_prefill_max_tokens: int = 64
     heartbeat_interval_s: float = 1.0  # told to workers in RegisterResponse
     heartbeat_timeout_s: float = 3.0  # a worker silent this long is dropped
     # A worker whose heartbeats report its gRPC process's event loop this far behind is busy:
@@ -77,6 +86,13 @@ class RouterConfig:
             raise bad("--grpc-port", "must be in [0, 65535]", self.grpc_port)
         if self.policy not in POLICY_NAMES:
             raise bad("--policy", f"must be one of {', '.join(POLICY_NAMES)}", self.policy)
+        if not 0 <= self.cache_load_tokens < float("inf"):
+            raise bad("--cache-load-tokens", "must be a number >= 0", self.cache_load_tokens)
+        if not 0 <= self.cache_imbalance < float("inf"):
+            raise bad("--cache-imbalance", "must be a number >= 0", self.cache_imbalance)
+        if self.local_prefill_max_tokens < -1:
+            raise bad("--local-prefill-max-tokens", "must be >= -1 (-1: never)",
+                      self.local_prefill_max_tokens)
         if not self.heartbeat_interval_s > 0:
             raise bad("--heartbeat-interval", "must be > 0", self.heartbeat_interval_s)
         if not self.heartbeat_timeout_s > self.heartbeat_interval_s:

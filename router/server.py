@@ -32,6 +32,7 @@ from router.control.frontends import (
     RegistryMirror,
     RegistryProxy,
 )
+from router.control.kv_index import KVIndex
 from router.control.policy import make_policy
 from router.control.registry import Registry
 from router.control.registry_servicer import RegistryServicer
@@ -101,8 +102,12 @@ class RouterServer:
                                  busy_engine_s=cfg.busy_engine_s)
         self._channels = WorkerChannels(close_delay_s=cfg.abort_timeout_s + 1.0,
                                         cluster_token=cfg.cluster_token)
-        policy = make_policy(cfg.policy)
-        self.dispatcher = Dispatcher(self.registry, policy, self._channels, cfg)
+        policy = make_policy(cfg.policy, cfg.cache_load_tokens, cfg.cache_imbalance)
+        # fed by the workers' KV events (in the primary; a mirror's stays empty)
+        self.kv_index = KVIndex()
+        self.registry.on_drop.append(lambda w, _why: self.kv_index.forget(w))
+        self.dispatcher = Dispatcher(self.registry, policy, self._channels, cfg,
+                                     self.kv_index)
         names = {model_id, path} | ({cfg.model} if cfg.model else set())
 
         self.admission = Admission(cfg.max_running_requests, cfg.max_queued_requests,
@@ -129,7 +134,7 @@ class RouterServer:
         else:
             worker_pb2_grpc.add_RegistryServicer_to_server(
                 RegistryServicer(self.registry, cfg.heartbeat_interval_s, cfg.cluster_token,
-                                 cfg.hold_interval_s),
+                                 cfg.hold_interval_s, self.kv_index),
                 server)
             router_pb2_grpc.add_MembershipServicer_to_server(
                 PrimaryMembership(self.registry, cfg.cluster_token), server)

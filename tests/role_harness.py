@@ -6,6 +6,7 @@ went out), each step visible to the test."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -72,8 +73,10 @@ class Side:
         return [e for e in self.events if isinstance(e, kind) and e.rid == rid]
 
     def whole(self) -> bool:
+        """Every block back (cached ones unowned, so evictable: free) and no request held."""
         acc = self.engine.block_accounting()
-        return acc.free == acc.total and not self.engine.held_requests()
+        refs = all(self.engine.blocks.refcount(b) == 0 for b in range(acc.total))
+        return acc.free == acc.total and refs and not self.engine.held_requests()
 
 
 class PD:
@@ -81,11 +84,12 @@ class PD:
 
     def __init__(self, path: str, producer_kw: dict[str, Any] | None = None,
                  consumer_kw: dict[str, Any] | None = None, lease_s: float = 30.0,
-                 reservation_s: float = 600.0) -> None:
+                 reservation_s: float = 600.0, transfer: dict[str, Any] | None = None) -> None:
         p_eng = engine(path, "producer", **(producer_kw or {}))
         c_eng = engine(path, "consumer", **(consumer_kw or {}))
-        self.p = Side(lambda emit: ProducerHandler(p_eng, emit, FAKE, lease_s))
-        self.c = Side(lambda emit: ConsumerHandler(c_eng, emit, FAKE, reservation_s))
+        xfer = transfer or FAKE  # e.g. {"backend": "ucx", "host": "127.0.0.1"}: real UCX
+        self.p = Side(lambda emit: ProducerHandler(p_eng, emit, xfer, lease_s))
+        self.c = Side(lambda emit: ConsumerHandler(c_eng, emit, xfer, reservation_s))
         self.producer: ProducerHandler = self.p.handler  # type: ignore[assignment]
         self.consumer: ConsumerHandler = self.c.handler  # type: ignore[assignment]
         self.auto_pair = True  # forward reservations to the producer
@@ -94,11 +98,12 @@ class PD:
         self._t0: set[str] = set()
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams,
-               decode: bool = True) -> None:
+               decode: bool = True, reuse_cached: bool = False, cache_salt: str = "") -> None:
         wire = params.to_dict()
         if decode:
-            self.consumer.on_command(DecodeCmd(rid, tuple(prompt), wire, False))
-        self.producer.on_command(PrefillCmd(rid, tuple(prompt), wire, 0))
+            self.consumer.on_command(DecodeCmd(rid, tuple(prompt), wire, False, (), 0,
+                                               cache_salt, reuse_cached))
+        self.producer.on_command(PrefillCmd(rid, tuple(prompt), wire, 0, (), cache_salt))
 
     def turn(self) -> None:
         self.p.turn()
@@ -107,18 +112,26 @@ class PD:
             if self.auto_pair and isinstance(e, ReservedEvent) and e.rid not in self._paired:
                 self._paired.add(e.rid)
                 self.producer.on_command(DestinationCmd(e.rid, "c0", e.kv_address,
-                                                        e.block_ids))
+                                                        e.block_ids, e.cached_blocks))
         for e in self.p.events:
             if (self.auto_token0 and isinstance(e, Token0Event) and e.finish is None
                     and e.rid not in self._t0):
                 self._t0.add(e.rid)
                 self.producer.on_command(Token0SentCmd(e.rid))
 
-    def run(self, until: Callable[[], bool], turns: int = 400) -> None:
-        for _ in range(turns):
+    def run(self, until: Callable[[], bool], turns: int = 400,
+            timeout_s: float | None = None) -> None:
+        """Turns both sides until ``until()``: at most ``turns`` turns, or with a real
+        transfer backend (whose bytes move on their own threads) for ``timeout_s`` seconds."""
+        end = time.monotonic() + timeout_s if timeout_s is not None else None
+        n = 0
+        while end is not None and time.monotonic() < end or end is None and n < turns:
             if until():
                 return
             self.turn()
+            n += 1
+            if end is not None:
+                time.sleep(0.001)
         raise AssertionError("condition not reached")
 
     def finished(self, rid: str) -> bool:
@@ -135,3 +148,8 @@ class PD:
 
     def state(self, side: Side, rid: str) -> RequestState | None:
         return side.engine.state_of(rid)
+
+    def close(self) -> None:
+        """Closes both sides' transfer endpoints (a real backend's threads and ports)."""
+        self.producer.close()
+        self.consumer.close()

@@ -19,6 +19,7 @@ import zmq
 
 from engine.config import EngineConfig
 from worker import ipc
+from worker.kv_forward import KVEventForwarder
 from worker.messages import (
     Event,
     FatalEvent,
@@ -73,6 +74,7 @@ class WorkerLoop:
         self.running = True
         self._last_stats = 0.0
         self.steps = StepStats()
+        self.kv_events = KVEventForwarder(self.engine, lambda ev: events.send(encode(ev)))
 
     def _drain_commands(self, timeout_ms: int) -> bool:
         """Applies every queued command, waiting up to timeout_ms for the first; False when
@@ -114,6 +116,7 @@ class WorkerLoop:
         else:
             self.steps.idle()
         self.handler.after_step()
+        self.kv_events.forward()  # blocks the step (or a landed transfer) cached or evicted
         now = time.monotonic()
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now

@@ -33,6 +33,7 @@ class PrefillCmd:
     sampling: dict[str, Any]  # SamplingParams.from_dict input, built by worker.convert
     received_ns: int  # when the gRPC process received the request
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
+    cache_salt: str = ""  # only requests of one salt share cached prefix blocks
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class DestinationCmd:
     consumer_id: str
     kv_address: str
     block_ids: tuple[int, ...]
+    cached_blocks: int = 0  # block_ids[:cached_blocks] hold the KV already: not sent
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class DecodeCmd:
     colocated: bool
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
     source_tp: int = 0  # consumer: the producer's TP size (0: unknown, taken as ours)
+    cache_salt: str = ""
+    reuse_cached: bool = False  # consumer: the reservation may take cached leading blocks
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class ReservedEvent:
     rid: str
     kv_address: str
     block_ids: tuple[int, ...]
+    cached_blocks: int = 0  # block_ids[:cached_blocks] came from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,34 @@ class StatsEvent:
 
 
 @dataclass(frozen=True)
+class KVBlocksEvent:
+    """One prefix-cache event (engine/prefix_cache.py BlocksStored / BlocksRemoved)."""
+
+    KIND: ClassVar[str] = "kvblocks"
+    seq: int
+    removed: bool  # False: stored
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class KVEventsEvent:
+    """A step's prefix-cache events, in seq order (one message per step that had any)."""
+
+    KIND: ClassVar[str] = "kv"
+    items: tuple[KVBlocksEvent, ...]
+
+
+@dataclass(frozen=True)
+class KVSnapshotEvent:
+    """Every cached block as of event ``seq``: sent instead of events after a gap (the
+    engine's bounded queue dropped some)."""
+
+    KIND: ClassVar[str] = "kvsnap"
+    seq: int
+    hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
 class FatalEvent:
     KIND: ClassVar[str] = "fatal"
     error: str
@@ -163,13 +196,15 @@ class FatalEvent:
 Command = (PrefillCmd | DestinationCmd | DecodeCmd | Token0SentCmd | HoldCmd | AbortCmd
            | StopCmd)
 Event = (ReadyEvent | Token0Event | TransferResultEvent | ReservedEvent | TokensEvent
-         | TokensBatchEvent | StatsEvent | FatalEvent)
+         | TokensBatchEvent | StatsEvent | KVBlocksEvent | KVEventsEvent | KVSnapshotEvent
+         | FatalEvent)
 Message = Command | Event
 
 COMMANDS: tuple[type[Command], ...] = (PrefillCmd, DestinationCmd, DecodeCmd, Token0SentCmd,
                                        HoldCmd, AbortCmd, StopCmd)
 EVENTS: tuple[type[Event], ...] = (ReadyEvent, Token0Event, TransferResultEvent, ReservedEvent,
-                                   TokensEvent, TokensBatchEvent, StatsEvent, FatalEvent)
+                                   TokensEvent, TokensBatchEvent, StatsEvent, KVBlocksEvent,
+                                   KVEventsEvent, KVSnapshotEvent, FatalEvent)
 
 
 # ---- the codec ---------------------------------------------------------------------------
@@ -214,6 +249,12 @@ def _scalar(kind: type, name: str) -> Callable[[Any], Any]:
     return check
 
 
+def _bytes_list(v: Any) -> tuple[bytes, ...]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, bytes) for x in v):
+        raise TypeError("a list of byte strings")
+    return tuple(v)
+
+
 def _str_dict(v: Any) -> dict[str, Any]:
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise TypeError("a map with string keys")
@@ -238,6 +279,7 @@ _CODECS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any], Any]]] = {
     bool: (lambda v: v, _scalar(bool, "a boolean")),
     str | None: (lambda v: v, _optional(_scalar(str, "a string or nil"))),
     tuple[int, ...]: (list, _ints),
+    tuple[bytes, ...]: (list, _bytes_list),
     dict[str, Any]: (lambda v: v, _str_dict),
     LogprobRow | None: (lambda v: None if v is None else _row_out(v), _optional(_row_in)),
     tuple[LogprobRow, ...]: (lambda v: [_row_out(r) for r in v], _rows),
@@ -280,6 +322,7 @@ def _nested(cls: type) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
 
 
 _CODECS[tuple[TokensEvent, ...]] = _nested(TokensEvent)
+_CODECS[tuple[KVBlocksEvent, ...]] = _nested(KVBlocksEvent)
 _BY_KIND: dict[str, _Shape] = {c.KIND: _shape(c) for c in (*COMMANDS, *EVENTS)}
 _BY_CLASS: dict[type, _Shape] = {s.cls: s for s in _BY_KIND.values()}
 

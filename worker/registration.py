@@ -234,6 +234,9 @@ class Registration:
             max_model_len=self.info["max_model_len"], load=self._load_pb(),
             cluster_token=self.token, tp_size=int(self.info.get("tp_size", 1)),
             lease_s=float(self.info.get("lease_s", 0.0)),
+            block_size=int(self.info.get("block_size", 0)),
+            prefix_caching=bool(self.info.get("prefix_caching", False)),
+            accepts_cache_salt=bool(self.info.get("accepts_cache_salt", False)),
             version=pdserve_version()), timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)

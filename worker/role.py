@@ -84,7 +84,12 @@ class RoleHandler(abc.ABC):
                 "model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_blocks_total": self.engine.block_accounting().total,
                 "vocab_size": self.engine.model_cfg.vocab_size,
-                "tp_size": self.engine.config.tensor_parallel_size}
+                "tp_size": self.engine.config.tensor_parallel_size,
+                # prefix caching: what the router needs to compute the engine's block hash
+                # chains (engine/prefix_hash.py; the model key is kv_fingerprint)
+                "block_size": self.engine.config.block_size,
+                "prefix_caching": self.engine.blocks.cache is not None,
+                "accepts_cache_salt": True}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases transfer resources at shutdown."""

@@ -13,6 +13,7 @@ from pdserve.v1 import worker_pb2_grpc
 
 from worker import ipc
 from worker.engine_loop import EngineSpec, engine_process_main
+from worker.kv_publisher import KVPublisher
 from worker.messages import StopCmd
 from worker.metrics_server import MetricsServer, WorkerMetrics
 from worker.registration import Registration
@@ -62,10 +63,15 @@ class WorkerServer:
         self.metrics: WorkerMetrics | None = None
         self.metrics_server: MetricsServer | None = None
         self.registration: Registration | None = None
+        self.kv_publisher: KVPublisher | None = None
 
     async def start(self) -> str:
         cfg = self.config
         self.bridge = EngineBridge(self.paths)
+        # from the engine's first event on: the router's index must see every block
+        pub = self.kv_publisher = KVPublisher(cfg.router, self.worker_id, cfg.cluster_token,
+                                              cfg.router_ca)
+        self.bridge.on_kv = pub.add
         self.tasks.append(asyncio.create_task(self.bridge.pump()))
         self.proc = mp.get_context("spawn").Process(
             target=engine_process_main, args=(cfg.spec, self.paths), daemon=True,
@@ -75,7 +81,8 @@ class WorkerServer:
         bridge = self.bridge
         hub = bridge.hub
         self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: {
-            **bridge.load, "output_batches": hub.batches, "output_messages": hub.tokens})
+            **bridge.load, "output_batches": hub.batches, "output_messages": hub.tokens,
+            **pub.counters()})
         self.server = grpc.aio.server(interceptors=cfg.interceptors)
         worker_pb2_grpc.add_WorkerServicer_to_server(
             cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),
@@ -94,6 +101,7 @@ class WorkerServer:
                            failed=lambda: bridge.fatal)
         self.registration = reg
         self.tasks.append(asyncio.create_task(reg.run()))
+        self.tasks.append(asyncio.create_task(pub.run()))
         self.tasks.append(asyncio.create_task(self._watch_engine()))
         log.info("%s serving on %s (engine ready: %s)", self.worker_id, self.address, info)
         return self.address
@@ -119,6 +127,8 @@ class WorkerServer:
             t.cancel()
         if self.registration is not None:  # its heartbeat thread and channel
             await self.registration.close()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.metrics_server is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -24,6 +24,8 @@ from worker.messages import (
     Command,
     Event,
     FatalEvent,
+    KVEventsEvent,
+    KVSnapshotEvent,
     MessageError,
     ReadyEvent,
     StatsEvent,
@@ -65,6 +67,8 @@ class EngineBridge:
         self.load: dict[str, Any] = {}
         self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
+        # where the engine's prefix-cache events go (worker/kv_publisher.py); None: nowhere
+        self.on_kv: Callable[[KVEventsEvent | KVSnapshotEvent], None] | None = None
 
     def send(self, cmd: Command) -> None:
         """For commands about running requests (abort, destination, ...): never refused, so
@@ -109,6 +113,9 @@ class EngineBridge:
                 self._flush()
             elif isinstance(msg, StatsEvent):
                 self.load = msg.load
+            elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):
+                if self.on_kv is not None:
+                    self.on_kv(msg)
             elif isinstance(msg, ReadyEvent):
                 if not self.ready.done():
                     self.ready.set_result(msg.info)

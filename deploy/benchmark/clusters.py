@@ -58,3 +58,18 @@ def pd_and_colocated(base: ClusterSpec, producers: int, consumers: int,
     co = replace(base, producers=0, consumers=0, colocated=producers + consumers)
     return [Target(f"{producers}P{consumers}D", spec=pd, devices=devices),
             Target(f"{producers + consumers} colocated", spec=co, devices=devices)]
+
+
+def variants(target: Target, policies: list[str], no_caching_too: bool) -> list[Target]:
+    """One started cluster per router policy, each also without the prefix cache when
+    asked: the comparisons run one after the other on the same workload."""
+    assert target.spec is not None
+    out = []
+    for policy in policies:
+        for cached in (True, False) if no_caching_too else (True,):
+            spec = replace(target.spec, policy=policy, worker_args=(
+                *target.spec.worker_args, *(() if cached else ("--no-enable-prefix-caching",))))
+            label = target.label + (f" {policy}" if len(policies) > 1 else "") + (
+                "" if cached else " no-cache")
+            out.append(Target(label, spec=spec, devices=target.devices))
+    return out

@@ -80,6 +80,7 @@ class GrpcBackend(Backend):
                     if msg.HasField("usage"):
                         rec.prompt_len = msg.usage.prompt_tokens or rec.prompt_len
                         counted = msg.usage.completion_tokens or counted
+                        rec.cached_tokens = msg.usage.cached_tokens
                     if msg.HasField("timing"):
                         apply_timing(rec, msg.timing)
         except grpc.aio.AioRpcError as e:

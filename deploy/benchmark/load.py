@@ -49,7 +49,10 @@ async def run_requests(backend: Backend, specs: Sequence[RequestSpec], point: Lo
     """Sends every spec under ``point``; returns one record per spec and the wall time."""
     sem = asyncio.Semaphore(point.concurrency) if point.concurrency else None
     offsets = arrival_offsets(len(specs), point.rate, seed)
-    records = [RequestRecord(i, s.prompt_len, s.output_len) for i, s in enumerate(specs)]
+    if specs and all(s.at_s is not None for s in specs):  # a replayed trace's own arrivals
+        offsets = [s.at_s or 0.0 for s in specs]
+    records = [RequestRecord(i, s.prompt_len, s.output_len, ideal_cached=s.ideal_cached)
+               for i, s in enumerate(specs)]
     t0 = time.perf_counter()
 
     async def one(i: int) -> None:

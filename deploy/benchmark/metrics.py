@@ -106,6 +106,13 @@ def summarize(records: Sequence[RequestRecord], ctx: PointContext,
         m["goodput_slos_ms"] = dict(slos)
         m["good_requests"] = good
         m["request_goodput"] = rate(good)
+    cached, ideal = sum(r.cached_tokens for r in ok), sum(r.ideal_cached for r in ok)
+    # the prefix cache: hits reported by the workers against the workload's ideal (an
+    # infinite cache); of_ideal is the share of the ideal achieved
+    m["prefix_cache"] = {"cached_tokens": cached, "ideal_cached_tokens": ideal,
+                         "hit_rate": cached / in_tokens if in_tokens else 0.0,
+                         "ideal_hit_rate": ideal / in_tokens if in_tokens else 0.0,
+                         "of_ideal": cached / ideal if ideal else None}
     itls = [g for r in ok for g in r.itl]
     series = {"ttft_ms": _ms([r.ttft for r in ok]), "tpot_ms": _ms([r.tpot for r in ok]),
               "itl_ms": _ms(itls), "e2el_ms": _ms([r.e2el for r in ok]),

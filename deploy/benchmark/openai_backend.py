@@ -140,4 +140,6 @@ class OpenAIBackend(Backend):
             if usage:
                 counted = int(usage.get("completion_tokens") or counted)
                 rec.prompt_len = int(usage.get("prompt_tokens") or rec.prompt_len)
+                details = usage.get("prompt_tokens_details") or {}
+                rec.cached_tokens = int(details.get("cached_tokens") or 0)
         return counted

@@ -17,6 +17,8 @@ COLUMNS: list[tuple[str, str, str | None]] = [
     ("E2E p50", "e2el_ms", "p50"),
     ("hold p50", "hold_ms", "p50"), ("hold p99", "hold_ms", "p99"),
     ("KV ms p50", "kv_transfer_ms", "p50"),
+    # prompt tokens the workers' prefix caches held, and that share of the workload's ideal
+    ("hit rate", "prefix_cache", "hit_rate"), ("of ideal", "prefix_cache", "of_ideal"),
 ]
 RATIO_KEYS = ["output_throughput", "output_throughput_per_worker", "request_goodput",
               ("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("itl_ms", "p50"),

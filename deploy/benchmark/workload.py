@@ -18,6 +18,11 @@ from typing import Any
 class RequestSpec:
     prompt_ids: tuple[int, ...]  # sent as prompt_token_ids, so the length is exact
     output_len: int  # max_tokens (exact with --ignore-eos)
+    # A replayed trace's arrival (seconds from the start; None: the load point decides)
+    at_s: float | None = None
+    # Prompt tokens an infinite prefix cache would hold when this request arrives, had every
+    # earlier request of the workload been served (the workload's ideal hit)
+    ideal_cached: int = 0
 
     @property
     def prompt_len(self) -> int:

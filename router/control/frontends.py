@@ -137,6 +137,10 @@ class RegistryProxy(worker_pb2_grpc.RegistryServicer):
     async def Heartbeat(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await _forward(self.stub.Heartbeat, request, context)
 
+    async def PublishKVEvents(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # the index lives in the primary (a mirror places by load alone)
+        return await _forward(self.stub.PublishKVEvents, request, context)
+
 
 class MembershipProxy(router_pb2_grpc.MembershipServicer):
     def __init__(self, primary: grpc.aio.Channel) -> None:

@@ -10,7 +10,14 @@ producer, a second pick over the consumer pool completes the pair. Pairs are not
 any producer can push to any consumer (they share a KV fingerprint, checked at register).
 
 A policy only ever sees one non-empty pool at a time (``choose``), which keeps the base
-class narrow; the pool name lets stateful policies keep per-pool state.
+class narrow; the pool name lets stateful policies keep per-pool state. The request's prompt
+comes along as a ``PrefixLookup`` (router/control/prefix_lookup.py) for the policy that
+places by what workers hold in their prefix caches (``cache_aware``).
+
+Conditional disaggregation (``LocalPrefill``): once a pair is chosen, the consumer prefills
+the prompt itself (it runs as that consumer's colocated request: no producer, no transfer)
+when the part of the prompt it lacks is short, or when every producer has a queue and the
+consumer has room. Each decision is counted by reason.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from router.control.prefix_lookup import PrefixLookup
 from router.control.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
 
 ENTRY_POOL = "entry"
@@ -50,8 +58,10 @@ class Policy(ABC):
     name: str = ""
 
     @abstractmethod
-    def choose(self, pool: str, candidates: Sequence[WorkerInfo]) -> WorkerInfo:
-        """One of ``candidates`` (non-empty, sorted by worker id) for the next request."""
+    def choose(self, pool: str, candidates: Sequence[WorkerInfo],
+               lookup: PrefixLookup | None = None) -> WorkerInfo:
+        """One of ``candidates`` (non-empty, sorted by worker id) for the next request
+        (whose prompt ``lookup`` holds, when the caller has one)."""
 
 
 class RoundRobin(Policy):
@@ -60,7 +70,8 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._counters: dict[str, itertools.count[int]] = {}
 
-    def choose(self, pool: str, candidates: Sequence[WorkerInfo]) -> WorkerInfo:
+    def choose(self, pool: str, candidates: Sequence[WorkerInfo],
+               lookup: PrefixLookup | None = None) -> WorkerInfo:
         n = next(self._counters.setdefault(pool, itertools.count()))
         return candidates[n % len(candidates)]
 
@@ -68,7 +79,8 @@ class RoundRobin(Policy):
 class LeastLoaded(Policy):
     name = "least_loaded"
 
-    def choose(self, pool: str, candidates: Sequence[WorkerInfo]) -> WorkerInfo:
+    def choose(self, pool: str, candidates: Sequence[WorkerInfo],
+               lookup: PrefixLookup | None = None) -> WorkerInfo:
         # Ties (e.g. an idle cluster) go to the worker given the fewest requests so far, so
         # equal workers share the work instead of the first one taking it all.
         return min(candidates, key=lambda w: (load_score(w), w.dispatched, w.worker_id))
@@ -83,20 +95,99 @@ class PowerOfTwo(Policy):
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def choose(self, pool: str, candidates: Sequence[WorkerInfo]) -> WorkerInfo:
+    def choose(self, pool: str, candidates: Sequence[WorkerInfo],
+               lookup: PrefixLookup | None = None) -> WorkerInfo:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(list(candidates), 2)
         return b if load_score(b) < load_score(a) else a
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo)}
+# cache_aware's knobs (router/config.py flags of the same names)
+CACHE_LOAD_TOKENS = 512  # --cache-load-tokens: prefill tokens one unit of load_score is worth
+CACHE_IMBALANCE = 8.0  # --cache-imbalance: load_score gap past which the least loaded wins
 
 
-def make_policy(name: str) -> Policy:
+class CacheAware(Policy):
+    """The worker that minimises ``uncached + load_tokens * load_score``: the prompt tokens
+    it would have to compute (a producer, a colocated worker) or receive (a consumer),
+    beyond the leading blocks its prefix cache holds by the router's index, plus its load
+    priced in tokens. Imbalance guard: when that worker's load_score exceeds the least
+    loaded one's by more than ``imbalance``, the least loaded takes the request, so a hot
+    prefix cannot pile every request onto one worker. Without a prompt (retries), or with
+    an empty index, this is least_loaded."""
+
+    name = "cache_aware"
+
+    def __init__(self, load_tokens: float = CACHE_LOAD_TOKENS,
+                 imbalance: float = CACHE_IMBALANCE) -> None:
+        self.load_tokens = load_tokens
+        self.imbalance = imbalance
+        self.by_cache = 0  # picks that differ from the least loaded worker
+        self.guarded = 0  # picks the imbalance guard sent to the least loaded instead
+
+    def choose(self, pool: str, candidates: Sequence[WorkerInfo],
+               lookup: PrefixLookup | None = None) -> WorkerInfo:
+        least = min(candidates, key=lambda w: (load_score(w), w.dispatched, w.worker_id))
+        if lookup is None or len(candidates) == 1:
+            return least
+        n = lookup.num_tokens
+
+        def cost(w: WorkerInfo) -> tuple[float, float, int, str]:
+            load = load_score(w)
+            return (n - lookup.cached_tokens(w) + self.load_tokens * load, load, w.dispatched,
+                    w.worker_id)
+
+        best = min(candidates, key=cost)
+        if best is least:
+            return best
+        if load_score(best) - load_score(least) > self.imbalance:
+            self.guarded += 1
+            return least
+        self.by_cache += 1
+        return best
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (RoundRobin, LeastLoaded, PowerOfTwo,
+                                                         CacheAware)}
+
+
+def make_policy(name: str, load_tokens: float = CACHE_LOAD_TOKENS,
+                imbalance: float = CACHE_IMBALANCE) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"--policy: must be one of {', '.join(POLICIES)}, got {name!r}")
+    if name == CacheAware.name:
+        return CacheAware(load_tokens, imbalance)
     return POLICIES[name]()
+
+
+@dataclass
+class LocalPrefill:
+    """When a chosen pair's consumer prefills the prompt itself (router/config.py:
+    --local-prefill-max-tokens, -1: never)."""
+
+    max_tokens: int  # the consumer lacks at most this many prompt tokens: it prefills them
+    decisions: dict[str, int] = field(default_factory=lambda: {
+        "short_tail": 0, "producers_saturated": 0, "remote": 0})
+
+    def reason(self, lookup: PrefixLookup, consumer: WorkerInfo,
+               producers: Sequence[WorkerInfo]) -> str:
+        """Why ``consumer`` prefills locally ("" : it does not; the pair runs P/D)."""
+        if self.max_tokens < 0:
+            return ""
+        held = lookup.cached_tokens(consumer)
+        if held and lookup.num_tokens - held <= self.max_tokens:
+            return "short_tail"
+        load = consumer.load
+        room = (load.kv_blocks_total and consumer.block_size
+                and load.kv_blocks_free * consumer.block_size >= lookup.num_tokens
+                and load.waiting == 0)
+        if room and producers and all(p.load.waiting > 0 for p in producers):
+            return "producers_saturated"
+        return ""
+
+    def count(self, reason: str) -> None:
+        self.decisions[reason or "remote"] += 1
 
 
 @dataclass(frozen=True)
@@ -111,9 +202,18 @@ class Slot:
     def workers(self) -> list[WorkerInfo]:
         return [w for w in (self.producer, self.consumer, self.colocated) if w is not None]
 
+    @property
+    def reuses_cache(self) -> bool:
+        """The consumer may reserve its cached leading blocks and the producer skips them
+        (KVDestination.cached_blocks): both report a block size, i.e. speak that protocol."""
+        return bool(self.producer and self.consumer and self.producer.block_size
+                    and self.consumer.block_size)
+
 
 def place(registry: Registry, policy: Policy,
-          exclude: Collection[WorkerInfo] = (), *, busy_ok: bool = False) -> Slot | None:
+          exclude: Collection[WorkerInfo] = (), *, busy_ok: bool = False,
+          lookup: PrefixLookup | None = None,
+          local: LocalPrefill | None = None) -> Slot | None:
     """A slot for the next request, or None when the cluster cannot serve one.
 
     exclude: registrations (any role) a retried or migrated request already failed on; a
@@ -121,12 +221,18 @@ def place(registry: Registry, policy: Policy,
     busy_ok: busy workers (behind, ``Registry.placeable``) may be picked too; new requests
     never go to them, but a running request that lost its worker is better off there than
     failed.
+    lookup: the request's prompt, for cache_aware; local: conditional local prefill (the
+    chosen consumer runs the request alone, as a colocated slot).
     """
     gone = {id(w) for w in exclude}
     pool = registry.usable if busy_ok else registry.placeable
 
+    salted = lookup is not None and bool(lookup.cache_salt)
+
     def usable(role: int) -> list[WorkerInfo]:
-        return [w for w in pool(role) if id(w) not in gone]
+        # a salted request never goes where the salt would be ignored (shared blocks)
+        return [w for w in pool(role) if id(w) not in gone
+                and (w.accepts_cache_salt or not salted)]
 
     consumers = _sorted(usable(CONSUMER))
     entry = usable(COLOCATED)
@@ -134,10 +240,16 @@ def place(registry: Registry, policy: Policy,
         entry += usable(PRODUCER)
     if not entry:
         return None
-    first = policy.choose(ENTRY_POOL, _sorted(entry))
+    first = policy.choose(ENTRY_POOL, _sorted(entry), lookup)
     if first.role == COLOCATED:
         return Slot(colocated=first)
-    return Slot(producer=first, consumer=policy.choose(CONSUMER_POOL, consumers))
+    consumer = policy.choose(CONSUMER_POOL, consumers, lookup)
+    if local is not None and lookup is not None:
+        why = local.reason(lookup, consumer, usable(PRODUCER))
+        local.count(why)
+        if why:
+            return Slot(colocated=consumer)
+    return Slot(producer=first, consumer=consumer)
 
 
 def _sorted(ws: list[WorkerInfo]) -> list[WorkerInfo]:

@@ -60,6 +60,11 @@ class WorkerInfo:
     dispatched: int = 0  # total dispatched to it, for status and tests
     version: str = ""  # pdserve version it runs (from Register)
     tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
+    # Prefix caching (from Register): block size in tokens (0: a worker older than the
+    # KV index; it gets no reuse_cached and no cache-aware placement), cache on, salt kept.
+    block_size: int = 0
+    prefix_caching: bool = False
+    accepts_cache_salt: bool = False
     draining: bool = False  # takes no new requests (deregistered, or changing role)
     drain_reason: str = ""
     target_role: int = 0  # a role change the router ordered (0: none)
@@ -128,7 +133,8 @@ class Registry:
     def register(self, *, worker_id: str, role: int, address: str, kv_address: str = "",
                  model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
                  load: common_pb2.WorkerLoad | None = None, version: str = "",
-                 tp_size: int = 1) -> WorkerInfo:
+                 tp_size: int = 1, block_size: int = 0, prefix_caching: bool = False,
+                 accepts_cache_salt: bool = False) -> WorkerInfo:
         if not worker_id:
             raise RegistrationError("worker_id: must not be empty")
         if role not in ROLE_NAMES:
@@ -141,6 +147,8 @@ class Registry:
             raise RegistrationError(f"tp_size: must be in [1, 256], got {tp_size}")
         if max_model_len < 1:
             raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
+        if not 0 <= block_size <= 1 << 16:
+            raise RegistrationError(f"block_size: must be in [0, 65536], got {block_size}")
         if self.served_model is not None and model != self.served_model:
             raise RegistrationError(
                 f"model: worker {worker_id} serves {model!r} but this router serves "
@@ -160,7 +168,9 @@ class Registry:
         info = WorkerInfo(worker_id=worker_id, role=role, address=address, kv_address=kv_address,
                           model=model, kv_fingerprint=kv_fingerprint,
                           max_model_len=max_model_len, load=_copy_load(load),
-                          last_heartbeat=self._clock(), version=version, tp_size=tp_size)
+                          last_heartbeat=self._clock(), version=version, tp_size=tp_size,
+                          block_size=block_size, prefix_caching=prefix_caching,
+                          accepts_cache_salt=accepts_cache_salt)
         self._workers[worker_id] = info
         if old is not None:
             # A restart under the same id: requests on the old incarnation are gone with it.

@@ -10,6 +10,7 @@ import logging
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+from router.control.kv_index import KVEventError, KVIndex
 from router.control.registry import RegistrationError, Registry
 
 log = logging.getLogger(__name__)
@@ -21,8 +22,10 @@ LEASE_HOLDS = 2
 
 class RegistryServicer(worker_pb2_grpc.RegistryServicer):
     def __init__(self, registry: Registry, heartbeat_interval_s: float,
-                 cluster_token: str, hold_interval_s: float = 0.0) -> None:
+                 cluster_token: str, hold_interval_s: float = 0.0,
+                 kv_index: KVIndex | None = None) -> None:
         self.registry = registry
+        self.kv_index = kv_index  # None: this router keeps no index (events unanswered)
         self.heartbeat_interval_s = heartbeat_interval_s
         self.cluster_token = cluster_token
         self.hold_interval_s = hold_interval_s  # 0: the lease is not checked
@@ -37,7 +40,9 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 kv_address=request.kv_address, model=request.model,
                 kv_fingerprint=request.kv_fingerprint, max_model_len=request.max_model_len,
                 load=request.load if request.HasField("load") else None,
-                version=request.version, tp_size=request.tp_size or 1)
+                version=request.version, tp_size=request.tp_size or 1,
+                block_size=request.block_size, prefix_caching=request.prefix_caching,
+                accepts_cache_salt=request.accepts_cache_salt)
         except RegistrationError as e:
             log.warning("refused worker %r: %s", request.worker_id, e)
             code = (grpc.StatusCode.FAILED_PRECONDITION if e.precondition
@@ -73,6 +78,20 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 log.info("%s %s caught up: it takes new requests again", w.role_name,
                          w.worker_id)
         return worker_pb2.HeartbeatResponse(known=known)
+
+    async def PublishKVEvents(self, request: worker_pb2.KVEventBatch,
+                              context: grpc.aio.ServicerContext) -> worker_pb2.KVEventAck:
+        await self._authenticate(request.cluster_token, request.worker_id, context)
+        if self.kv_index is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router keeps no KV index")
+            raise AssertionError  # unreachable: abort raises
+        try:
+            got = self.kv_index.apply(self.registry.get(request.worker_id), request)
+        except KVEventError as e:
+            log.warning("worker %r sent bad KV events: %s", request.worker_id, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise AssertionError from e  # unreachable: abort raises
+        return worker_pb2.KVEventAck(known=got.known, resync=got.resync)
 
     async def _authenticate(self, token: str, worker_id: str,
                             context: grpc.aio.ServicerContext) -> None:

@@ -20,6 +20,7 @@ from router.config import RouterConfig
 from router.http import structured_request
 from router.http.http_errors import bad_field
 from router.http.structured_request import ToolMode
+from router.requests.validation import MAX_CACHE_SALT
 
 log = logging.getLogger("pdserve.router.http")
 
@@ -158,6 +159,13 @@ def _request(b: _Body, gen: router_pb2.GenerateRequest, chat: bool,
         include_usage = bool(usage)
     if model:
         gen.model = model
+    salt = b.get("cache_salt")
+    if salt is not None:
+        # vLLM's name: only requests of one salt share cached prompt blocks
+        if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT:
+            raise bad_field("cache_salt", f"must be a string of at most {MAX_CACHE_SALT} "
+                                          "characters")
+        gen.cache_salt = salt
     return OpenAIRequest(chat=chat, generate=gen, model=model or None, stream=stream,
                          include_usage=include_usage, logprobs=logprobs, tools=st.tools,
                          structured_field=st.field)
@@ -293,7 +301,7 @@ def _prompt(p: Any, gen: router_pb2.GenerateRequest) -> None:
 _COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
     "seed", "stop", "n", "logit_bias", "stream", "stream_options", "stop_token_ids", "user",
-    "structured_outputs", *_EXTRAS})
+    "structured_outputs", "cache_salt", *_EXTRAS})
 CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs",
                                 "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                                 "functions", "response_format"}

@@ -16,7 +16,9 @@ import grpc
 from pdserve.v1 import router_pb2
 
 from router.config import RouterConfig
-from router.control.policy import Policy, Slot, place
+from router.control.kv_index import KVIndex
+from router.control.policy import LocalPrefill, Policy, Slot, place
+from router.control.prefix_lookup import PrefixLookup
 from router.control.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
 from router.requests.admission import Admission
 from router.requests.channels import WorkerChannels
@@ -31,9 +33,13 @@ log = logging.getLogger(__name__)
 
 class Dispatcher:
     def __init__(self, registry: Registry, policy: Policy, channels: WorkerChannels,
-                 config: RouterConfig) -> None:
+                 config: RouterConfig, kv_index: KVIndex | None = None) -> None:
         self.registry = registry
         self.policy = policy
+        self.kv_index = kv_index if kv_index is not None else KVIndex()
+        # decided from the index, so only under the policy that follows it
+        self.local_prefill = LocalPrefill(config.local_prefill_max_tokens
+                                          if policy.name == "cache_aware" else -1)
         self.channels = channels
         self.config = config
         self.active: dict[str, RequestRun] = {}
@@ -51,16 +57,18 @@ class Dispatcher:
         if prep.request_id in self.active:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {prep.request_id!r} is already in flight")
+        lookup = PrefixLookup(self.kv_index, prep.prompt_token_ids, prep.cache_salt)
         run = RequestRun(prep, received_ns, self.config,
                          stub_for=lambda w: self.channels.stub(w.worker_id, w.address),
                          outputs_for=lambda w: self.channels.outputs(w.worker_id, w.address),
                          on_unreachable=self._unreachable, spawn=self._spawn,
-                         replace=self._replace)
+                         replace=lambda failed, migration: self._replace(failed, migration,
+                                                                         lookup))
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot
         try:
             async with admission.slot(run.stopped) as admitted:
                 if admitted:
-                    slot = self._place([])
+                    slot = self._place([], lookup)
                     if slot is None:
                         raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                            no_workers_message(self.registry))
@@ -99,15 +107,17 @@ class Dispatcher:
 
     # -- internals -------------------------------------------------------------------------
 
-    def _replace(self, failed: list[WorkerInfo], migration: bool) -> Slot | None:
-        slot = self._place(failed)
+    def _replace(self, failed: list[WorkerInfo], migration: bool,
+                 lookup: PrefixLookup | None = None) -> Slot | None:
+        slot = self._place(failed, lookup)
         if slot is not None and migration:
             self.migrations += 1
         elif slot is not None:
             self.prefill_retries += 1
         return slot
 
-    def _place(self, exclude: list[WorkerInfo]) -> Slot | None:
+    def _place(self, exclude: list[WorkerInfo], lookup: PrefixLookup | None = None
+               ) -> Slot | None:
         """A slot for a new request (``exclude`` empty) or for a running one whose worker
         failed (``exclude`` names it). None: no worker can take it (UNAVAILABLE). A new
         request is never placed on a busy worker (behind, ``Registry.placeable``): when
@@ -116,10 +126,14 @@ class Dispatcher:
         running request goes to a busy worker rather than fail its client mid-stream."""
         if not self.registry.serving():
             return None
-        slot = place(self.registry, self.policy, exclude)
+        # conditional local prefill decides for new requests only (a retried or migrated
+        # one goes back to P/D: the consumer it would prefill on is a new choice anyway)
+        local = self.local_prefill if not exclude else None
+        slot = place(self.registry, self.policy, exclude, lookup=lookup, local=local)
         if slot is None and exclude:
-            slot = place(self.registry, self.policy, exclude, busy_ok=True)
-        elif slot is None and place(self.registry, self.policy, busy_ok=True) is not None:
+            slot = place(self.registry, self.policy, exclude, busy_ok=True, lookup=lookup)
+        elif slot is None and place(self.registry, self.policy, busy_ok=True,
+                                    lookup=lookup) is not None:
             raise Overloaded(busy_message(self.registry, self.config.retry_after_s),
                              self.config.retry_after_s)
         return slot

@@ -236,7 +236,8 @@ class DecodeLeg(Leg):
                     dest = worker_pb2.KVDestination(consumer_id=self.worker.worker_id,
                                                     kv_address=out.reserved.kv_address
                                                     or self.worker.kv_address,
-                                                    block_ids=out.reserved.block_ids)
+                                                    block_ids=out.reserved.block_ids,
+                                                    cached_blocks=out.reserved.cached_blocks)
                     self._report_event(Reserved(dest))
                 elif kind == "tokens":
                     self._report_event(TokensRead(out.tokens))

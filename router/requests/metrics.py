@@ -153,6 +153,20 @@ class _ClusterCollector(Collector):
         yield CounterMetricFamily("pdserve_router_prefill_retries",
                                   "Requests placed again after their producer failed before "
                                   "token 0", value=self.dispatcher.prefill_retries)
+        local = CounterMetricFamily("pdserve_router_prefill_placement",
+                                    "New P/D placements by where the prompt was prefilled: "
+                                    "short_tail and producers_saturated on the consumer "
+                                    "itself, remote on a producer", labels=["decision"])
+        for why, n in self.dispatcher.local_prefill.decisions.items():
+            local.add_metric([why], n)
+        yield local
+        index = self.dispatcher.kv_index
+        yield GaugeMetricFamily("pdserve_router_kv_index_blocks",
+                                "Prefix-cache block hashes the router's index holds, over all "
+                                "workers", value=index.total())
+        yield CounterMetricFamily("pdserve_router_kv_index_resyncs",
+                                  "Workers' index views dropped for a gap, a new epoch or a "
+                                  "new registration (a snapshot follows)", value=index.resyncs)
         yield CounterMetricFamily("pdserve_router_migrations",
                                   "Requests moved to another worker after a later failure, "
                                   "with the tokens already streamed",

@@ -207,7 +207,8 @@ class RequestRun:
         self.decode.start()
         self.producer.start(worker_pb2.PrefillRequest(
             request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids),
+            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids,
+            cache_salt=prep.cache_salt),
             hold=(self.decode, self.config.hold_interval_s, lambda: self._closed))
         self._move(P.PLACED)
 
@@ -349,7 +350,10 @@ class RequestRun:
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
                                         colocated=colocated, prior_output_ids=self.out.token_ids,
-                                        source_tp_size=p.tp_size if p else 0)  # TP pairing
+                                        source_tp_size=p.tp_size if p else 0,  # TP pairing
+                                        cache_salt=prep.cache_salt,
+                                        reuse_cached=self.slot is not None
+                                        and self.slot.reuses_cache)
 
     async def next_event(self, timeout: float, what: str, waiting_on: WorkerInfo,
                          bound: float | None = None) -> Event:

@@ -36,6 +36,10 @@ class PreparedRequest:
     sampling: common_pb2.SamplingParams  # forwarded to workers as the client sent it
     params: SamplingParams  # the validated engine view (defaults filled in)
     seed: int  # the request's seed, or one drawn here so both legs share it
+    cache_salt: str = ""  # only requests of one salt share cached prompt blocks
+
+
+MAX_CACHE_SALT = 1024  # the HTTP door's bound too (router/http/openai_request.py)
 
 
 def engine_params(s: common_pb2.SamplingParams) -> SamplingParams:
@@ -75,6 +79,9 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
             check_compiles(params.structured, "sampling.structured")
     except ValueError as e:
         raise invalid(str(e)) from e
+    if len(req.cache_salt) > MAX_CACHE_SALT:
+        raise invalid(f"cache_salt: at most {MAX_CACHE_SALT} characters, got "
+                      f"{len(req.cache_salt)}")
     ids = _tokenize(req, tokenizer)
     if params.seed is not None:
         seed = params.seed
@@ -82,7 +89,7 @@ def prepare(req: router_pb2.GenerateRequest, tokenizer: Tokenizer, model_names: 
         seed = draw_seed() if draw_seed is not None else secrets.randbits(63)
     return PreparedRequest(request_id=req.request_id or uuid.uuid4().hex,
                            prompt_token_ids=ids, sampling=req.sampling, params=params,
-                           seed=seed)
+                           seed=seed, cache_salt=req.cache_salt)
 
 
 def check_length(prep: PreparedRequest, max_model_len: int) -> None:

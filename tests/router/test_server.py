@@ -173,7 +173,7 @@ def test_health_status_list_models_and_heartbeat_drop() -> None:
             models = await cl.router.ListModels(router_pb2.ListModelsRequest())
             assert [(m.id, m.max_model_len) for m in models.models] == [("smollm2", 2048)]
             st = await cl.router.ClusterStatus(router_pb2.ClusterStatusRequest())
-            assert st.policy == "least_loaded"
+            assert st.policy == "cache_aware"  # the default
             assert [(w.worker_id, w.role, w.healthy) for w in st.workers] == [
                 ("c0", C, True), ("p0", P, True)]
             assert st.workers[0].load.kv_blocks_total == 100

@@ -17,7 +17,8 @@ from worker.servicer import EngineBridge
 
 class RecordingRole:
     def __init__(self) -> None:
-        self.engine = SimpleNamespace(has_unfinished=lambda: False, held_requests=lambda: [])
+        self.engine = SimpleNamespace(has_unfinished=lambda: False, held_requests=lambda: [],
+                                      drain_kv_events=lambda: [])
         self.commands: list[Command] = []
 
     def on_command(self, cmd: Command) -> None:
@@ -91,7 +92,8 @@ class WaitingRole(RecordingRole):
         super().__init__()
         self.order: list[str] = []
         self.engine = SimpleNamespace(has_unfinished=lambda: True, held_requests=lambda: [],
-                                      step=lambda: self.order.append("step") or [])
+                                      step=lambda: self.order.append("step") or [],
+                                      drain_kv_events=lambda: [])
 
     def on_command(self, cmd: Command) -> None:
         self.order.append("command")

@@ -7,8 +7,48 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KVBlockEvent(_message.Message):
+    __slots__ = ("seq", "removed", "block_hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    removed: bool
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., removed: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVCacheSnapshot(_message.Message):
+    __slots__ = ("seq", "block_hashes")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, seq: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("worker_id", "cluster_token", "epoch", "snapshot", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    cluster_token: str
+    epoch: int
+    snapshot: KVCacheSnapshot
+    events: _containers.RepeatedCompositeFieldContainer[KVBlockEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., cluster_token: _Optional[str] = ..., epoch: _Optional[int] = ..., snapshot: _Optional[_Union[KVCacheSnapshot, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVBlockEvent, _Mapping]]] = ...) -> None: ...
+
+class KVEventAck(_message.Message):
+    __slots__ = ("known", "resync")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    resync: bool
+    def __init__(self, known: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "lease_s", "version")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +60,9 @@ class RegisterRequest(_message.Message):
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
@@ -32,8 +75,11 @@ class RegisterRequest(_message.Message):
     cluster_token: str
     tp_size: int
     lease_s: float
+    block_size: int
+    prefix_caching: bool
+    accepts_cache_salt: bool
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -88,28 +134,32 @@ class ReservationQueued(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     seed: int
     prior_output_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prior_output_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("consumer_id", "kv_address", "block_ids")
+    __slots__ = ("consumer_id", "kv_address", "block_ids", "cached_blocks")
     CONSUMER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     consumer_id: str
     kv_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, consumer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, consumer_id: _Optional[str] = ..., kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillOutput(_message.Message):
     __slots__ = ("token0", "transfer")
@@ -152,7 +202,7 @@ class TransferResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id", "cache_salt", "reuse_cached")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +211,8 @@ class DecodeRequest(_message.Message):
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    REUSE_CACHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -169,7 +221,9 @@ class DecodeRequest(_message.Message):
     prior_output_ids: _containers.RepeatedScalarFieldContainer[int]
     source_tp_size: int
     subscriber_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    reuse_cached: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., reuse_cached: _Optional[bool] = ...) -> None: ...
 
 class DecodeOutput(_message.Message):
     __slots__ = ("reserved", "tokens", "done")
@@ -188,12 +242,14 @@ class DecodeDone(_message.Message):
     def __init__(self, final_seq: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("kv_address", "block_ids")
+    __slots__ = ("kv_address", "block_ids", "cached_blocks")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "error", "kv_ready_ns", "first_step_ns", "request_id", "cached_tokens")

@@ -45,6 +45,11 @@ class RegistryStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.PublishKVEvents = channel.unary_unary(
+                '/pdserve.v1.Registry/PublishKVEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.KVEventAck.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -64,6 +69,16 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishKVEvents(self, request, context):
+        """The prefix-cache blocks a worker stored and evicted since its last batch, for the
+        router's index (cache-aware placement). Sequence-numbered per engine incarnation
+        (epoch): a router that sees a gap, another epoch or an unknown worker answers
+        resync, and the worker's next batch carries a snapshot of everything it holds.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +91,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'PublishKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KVEventBatch.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.KVEventAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +153,33 @@ class Registry:
             '/pdserve.v1.Registry/Heartbeat',
             pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/PublishKVEvents',
+            pdserve_dot_v1_dot_worker__pb2.KVEventBatch.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.KVEventAck.FromString,
             options,
             channel_credentials,
             insecure,

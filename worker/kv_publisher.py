@@ -1,0 +1,154 @@
+"""Publishing the engine's prefix-cache events to the router (Registry.PublishKVEvents), for
+its cache-aware placement.
+
+Lifecycle: the bridge hands every KV event to ``add`` (on the gRPC process's loop); ``run``
+sends what is pending at most every ``interval_s``, in one batch. The router answers
+``resync`` when its view of this worker is missing or has a gap (it restarted, this worker
+registered again, a batch was lost): the next batch then carries a snapshot of the mirror
+(worker/kv_mirror.py) and the events after it. The pending events are bounded: past
+MAX_PENDING_HASHES they are dropped and a snapshot replaces them. A new engine (a restart, a
+role change) is a new publisher with a new ``epoch``, whose seq starts again at 1.
+
+Everything here is advisory: the router only uses the index to choose where a request runs,
+so a lost batch costs cache hits until the resync, never a wrong token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import cast
+
+import grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+from worker.kv_mirror import KVMirror
+from worker.messages import KVEventsEvent, KVSnapshotEvent
+
+log = logging.getLogger("pdserve.worker")
+# How often a batch may leave: an index this stale costs some hits, and a step's events
+# (one per cached run) then share a call instead of one call each.
+PUBLISH_INTERVAL_S = 0.05
+# Hashes waiting to be published before they are dropped for a snapshot (32 bytes each).
+MAX_PENDING_HASHES = 1 << 16
+# The most hashes one snapshot carries (the newest): within the router's message limit.
+MAX_SNAPSHOT_HASHES = 1 << 19
+# After the router says it does not serve PublishKVEvents (an older router): try again
+# this much later, not every interval.
+UNSUPPORTED_RETRY_S = 30.0
+CALL_TIMEOUT_S = 5.0
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
+
+
+class KVPublisher:
+    def __init__(self, router: str, worker_id: str, cluster_token: str = "",
+                 router_ca: str = "", interval_s: float = PUBLISH_INTERVAL_S) -> None:
+        if router_ca:
+            with open(router_ca, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self.channel = grpc.aio.secure_channel(router, creds, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(router, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.RegistryStub(self.channel)
+        self.worker_id = worker_id
+        self.token = cluster_token
+        self.interval_s = interval_s
+        self.epoch = random.getrandbits(63) + 1
+        self.mirror = KVMirror()
+        self.pending: list[worker_pb2.KVBlockEvent] = []
+        self._pending_hashes = 0
+        self.need_snapshot = True  # the router has seen nothing of this epoch
+        self._wake = asyncio.Event()
+        # counters (worker /metrics via the load dict)
+        self.batches = 0
+        self.snapshots = 0
+        self.dropped = 0  # pending events dropped for a snapshot
+
+    # -- the bridge's side -------------------------------------------------------------
+
+    def add(self, ev: KVEventsEvent | KVSnapshotEvent) -> None:
+        if isinstance(ev, KVSnapshotEvent):
+            self.mirror.replace(ev)
+            self._drop_pending()
+        else:
+            self.mirror.apply(ev)
+            if not self.need_snapshot:  # a snapshot will carry them anyway
+                for item in ev.items:
+                    self.pending.append(worker_pb2.KVBlockEvent(
+                        seq=item.seq, removed=item.removed, block_hashes=item.hashes))
+                    self._pending_hashes += len(item.hashes)
+                if self._pending_hashes > MAX_PENDING_HASHES:
+                    self._drop_pending()
+        self._wake.set()
+
+    def _drop_pending(self) -> None:
+        self.dropped += len(self.pending)
+        self.pending.clear()
+        self._pending_hashes = 0
+        self.need_snapshot = True
+
+    # -- sending -----------------------------------------------------------------------
+
+    def batch(self) -> worker_pb2.KVEventBatch | None:
+        """What to send now (None: nothing). Takes the pending events."""
+        if not self.need_snapshot and not self.pending:
+            return None
+        out = worker_pb2.KVEventBatch(worker_id=self.worker_id, cluster_token=self.token,
+                                      epoch=self.epoch)
+        if self.need_snapshot:
+            out.snapshot.seq = self.mirror.seq
+            out.snapshot.block_hashes.extend(self.mirror.snapshot(MAX_SNAPSHOT_HASHES))
+            self.need_snapshot = False
+            self.snapshots += 1
+        else:
+            out.events.extend(self.pending)
+        self.pending = []
+        self._pending_hashes = 0
+        return out
+
+    def answered(self, ack: worker_pb2.KVEventAck) -> None:
+        if not ack.known or ack.resync:
+            self._drop_pending()
+
+    async def run(self) -> None:
+        """Until cancelled."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch = self.batch()
+            if batch is not None:
+                wait = await self._send(batch)
+                if wait:
+                    await asyncio.sleep(wait)
+                    continue
+            await asyncio.sleep(self.interval_s)
+
+    async def _send(self, batch: worker_pb2.KVEventBatch) -> float:
+        """Sends one batch; the extra wait before the next (0: none)."""
+        try:
+            ack = await self.stub.PublishKVEvents(batch, timeout=CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            self._drop_pending()  # the router may have applied none or all of it
+            self._wake.set()
+            code = cast(grpc.aio.AioRpcError, e).code()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("the router takes no KV events; retrying in %.0f s",
+                         UNSUPPORTED_RETRY_S)
+                return UNSUPPORTED_RETRY_S
+            log.debug("KV events not published (%s)", code.name)
+            return 1.0
+        self.batches += 1
+        self.answered(ack)
+        if not ack.known or ack.resync:
+            self._wake.set()
+            # not registered yet (the first batch can beat the Register call): soon again
+            return 0.0 if ack.known else 0.5
+        return 0.0
+
+    def counters(self) -> dict[str, int]:
+        return {"kv_event_batches": self.batches, "kv_event_snapshots": self.snapshots,
+                "kv_events_dropped_pending": self.dropped}
+
+    async def close(self) -> None:
+        await self.channel.close()
