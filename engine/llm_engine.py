@@ -19,6 +19,7 @@ import torch
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
+from engine.dp_scheduler import DPScheduler
 from engine.kv_layout import KVLayout, kv_shape_of
 from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
@@ -55,7 +56,7 @@ class LLMEngine(PrefixCacheQueries):
             model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
             num_layers=model_cfg.num_layers, **kv_shape_of(model_cfg), num_blocks=1,
             # rank 0's pool: its own heads (model.shard; MLA: the latent, whole on every rank)
-            tp_size=config.tensor_parallel_size, tp_rank=0)
+            tp_size=config.tensor_parallel_size // config.data_parallel_size, tp_rank=0)
         assert model is None or model_cfg.is_mla \
             or self.layout.head_count == model.shard.num_kv_heads, \
             "TP head split differs"  # no model: a simulated engine (config.simulate)
@@ -79,9 +80,18 @@ class LLMEngine(PrefixCacheQueries):
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    PrefixCache() if config.enable_prefix_caching else None)
         self.prefix_model_key = self.layout.fingerprint()
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_waiting,
-                                   self.max_model_len)
+        self.scheduler: Scheduler | DPScheduler = Scheduler(
+            self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
+            config.max_waiting, self.max_model_len)
+        if config.data_parallel_size > 1:
+            # one slot per attention group, each over its own pool of the same size (it
+            # lives on that group's ranks); self.blocks is slot 0's
+            self.scheduler = DPScheduler([self.scheduler] + [
+                Scheduler(BlockManager(num_blocks, config.block_size,
+                                       PrefixCache() if config.enable_prefix_caching else None),
+                          config.max_num_seqs, config.max_num_batched_tokens,
+                          config.max_waiting, self.max_model_len)
+                for _ in range(1, config.data_parallel_size)])
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
@@ -93,7 +103,7 @@ class LLMEngine(PrefixCacheQueries):
         # (and how far each request's KV is written once it has been read: prefix caching
         # registers only blocks whose KV is fully written)
         self._unread: dict[int, dict[str, tuple[Request, int]]] = {}
-        self._free_after: dict[int, list[int]] = {}
+        self._free_after: dict[int, list[tuple[BlockManager, list[int]]]] = {}
         self._step_id = 0
         self._seed_rng = random.Random(config.seed)
         self.num_preemptions = 0  # requests whose KV was dropped to be recomputed
@@ -141,7 +151,7 @@ class LLMEngine(PrefixCacheQueries):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, prior_output_ids: list[int] | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, dp_rank: int | None = None) -> Request:
         """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
         later.
 
@@ -149,16 +159,21 @@ class LLMEngine(PrefixCacheQueries):
 
         prior_output_ids: a migrated request's tokens its client already has; they are
         prefilled with the prompt and generation goes on after them as if it never stopped
-        (same positions, penalties, min/max_tokens and stop state)."""
+        (same positions, penalties, min/max_tokens and stop state).
+
+        dp_rank: under data-parallel attention, the group that serves it (None: the least
+        loaded); ValueError for a group this engine does not have."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED,
                                 prior_output_ids, cache_salt)
+        self._place(req, dp_rank)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
     def add_remote(self, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, prior_output_ids: list[int] | None = None,
-                   cache_salt: str | None = None, reuse_cached: bool = False) -> None:
+                   cache_salt: str | None = None, reuse_cached: bool = False,
+                   dp_rank: int | None = None) -> None:
         """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
         in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
@@ -167,6 +182,7 @@ class LLMEngine(PrefixCacheQueries):
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
                                 prior_output_ids, cache_salt)
         req.reuse_cached = reuse_cached
+        self._place(req, dp_rank)
         self.scheduler.add_remote(req)
         self.requests[request_id] = req
 
@@ -183,6 +199,21 @@ class LLMEngine(PrefixCacheQueries):
         self._land(req, first_token, first_logprob)
         self.scheduler.cache_written(req, req.num_tokens)  # the transfer is done
         self.scheduler.kv_landed(req)
+
+    def _place(self, req: Request, dp_rank: int | None) -> None:
+        if isinstance(self.scheduler, DPScheduler):
+            self.scheduler.place(req, dp_rank)
+        elif dp_rank not in (None, 0):
+            raise ValueError(f"dp_rank: this engine has one attention group, got {dp_rank!r}")
+
+    def dp_loads(self) -> list[dict[str, int]]:
+        """Per attention data-parallel group: waiting, running, free and total KV blocks
+        (one entry without data-parallel attention)."""
+        if isinstance(self.scheduler, DPScheduler):
+            return self.scheduler.loads()
+        acc = self.blocks.accounting()
+        return [{"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
+                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total}]
 
     def _land(self, req: Request, first_token: int, first_logprob: LogprobRow | None) -> None:
         if req.params.logprobs is not None and first_logprob is None:
@@ -247,7 +278,7 @@ class LLMEngine(PrefixCacheQueries):
         if len(ids) != stop - start:
             raise ValueError(f"pin: blocks [{start}, {stop}) of {request_id!r}, which holds "
                              f"{len(req.block_ids)}")
-        self.blocks.share(ids)
+        self.scheduler.pool(req).share(ids)
         req.pinned.extend(ids)
         return ids
 
@@ -279,6 +310,8 @@ class LLMEngine(PrefixCacheQueries):
         return self.scheduler.has_work() or self._inflight is not None
 
     def block_accounting(self) -> BlockAccounting:
+        if isinstance(self.scheduler, DPScheduler):
+            return self.scheduler.accounting()
         return self.blocks.accounting()
 
     def _free(self, req: Request, block_ids: list[int]) -> None:
@@ -286,10 +319,11 @@ class LLMEngine(PrefixCacheQueries):
         (deferred output: a step is launched before the previous one is read, and on a GPU
         a KV transfer into a reused block is not ordered after that step's writes)."""
         last = max((i for i, w in self._unread.items() if req.request_id in w), default=None)
+        pool = self.scheduler.pool(req)
         if last is None:
-            self.blocks.free(block_ids)
+            pool.free(block_ids)
         else:
-            self._free_after.setdefault(last, []).extend(block_ids)
+            self._free_after.setdefault(last, []).append((pool, block_ids))
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -335,7 +369,8 @@ class LLMEngine(PrefixCacheQueries):
         ids = step.out.token_ids.tolist()  # the host sync: the step has completed
         for r, written in self._unread.pop(step.step_id, {}).values():
             self.scheduler.cache_written(r, written)  # ids read: the step has completed
-        self.blocks.free(self._free_after.pop(step.step_id, []))
+        for pool, ids in self._free_after.pop(step.step_id, []):
+            pool.free(ids)
         # When the sampling forward had run: read back now (direct), or at its launch when
         # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
         sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.decode_graphs import DecodeGraphs
+from engine.dp_runner import execute_dp
 from engine.input_staging import DecodeStaging
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.dp_groups import DPLayout
 from engine.parallel.graph_step import GraphStep
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.penalty_state import PenaltyState
@@ -62,7 +64,12 @@ class ModelRunner:
         # Under TP every follower holds the same buffers and graphs (engine.parallel.
         # graph_step): they capture at the same time, so the warm-up's collectives pair up.
         self.graphs: DecodeGraphs | None = None
-        if max_num_seqs and max_model_len:
+        # data-parallel attention: each group runs its own plan (engine/dp_runner.py); its
+        # steps run eagerly
+        ep = model.ep_group
+        self.dp_layout = (DPLayout(ep.size, ep.size // model.shard.size)
+                          if ep is not None else None)
+        if max_num_seqs and max_model_len and self.dp_layout is None:
             max_blocks = -(-max_model_len // block_size)
             use = cuda_graphs and device.type == "cuda" and model.kernels.graph_safe
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device,
@@ -105,6 +112,8 @@ class ModelRunner:
 
     def _execute(self, chunks: list[ScheduledChunk],
                  prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        if self.dp_layout is not None:
+            return execute_dp(self, self.dp_layout, chunks, prev)
         if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
                 and all(c.num_tokens == 1 for c in chunks)
                 and max(len(c.request.block_ids) for c in chunks) <= self.graphs.max_blocks):

@@ -68,6 +68,10 @@ class Scheduler:
         self.tokens_computed = 0  # positions whose forward was launched, ever (cache hits
         # are the positions a request did not need to compute)
 
+    def pool(self, req: Request) -> BlockManager:
+        """The KV pool holding req's blocks (one here; one per slot in DPScheduler)."""
+        return self.blocks
+
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"waiting queue is full ({self.max_waiting} requests)")

@@ -84,8 +84,10 @@ class TPFollowers:
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), list(self.chans))
         try:
             self._expect("hello")
-            self.group = TPGroup(dist.PrefixStore(prefix, self.store), 0, self.size,
-                                 torch.device(devices[0]), self.timeout_s)
+            # kept: data-parallel attention builds its groups' communicators on it
+            self.group_store = dist.PrefixStore(prefix, self.store)
+            self.group = TPGroup(self.group_store, 0, self.size, torch.device(devices[0]),
+                                 self.timeout_s)
         except BaseException:
             self._finalizer()
             raise
@@ -195,13 +197,18 @@ class TPFollowers:
         self._check_alive()
         self._send_all(plan)
 
-    def _send_all(self, obj: Any) -> None:
+    def send_each(self, plans: list[Any]) -> None:
+        """Hands follower rank r its own plan, plans[r - 1] (data-parallel attention)."""
+        self._check_alive()
+        self._send_all(None, plans)
+
+    def _send_all(self, obj: Any, each: list[Any] | None = None) -> None:
         if self.failed is not None:
             raise self.failed
         for i, p in enumerate(self.procs):
             assert p.stdin is not None
             try:
-                write_frame(p.stdin.fileno(), obj, self.timeout_s)
+                write_frame(p.stdin.fileno(), obj if each is None else each[i], self.timeout_s)
             except OSError as e:  # TimeoutError included
                 self._check_alive(wait_s=2.0)
                 raise self._fail(f"rank {i + 1}: cannot send the step plan ({e})") from e

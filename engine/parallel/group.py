@@ -20,6 +20,7 @@ class TPGroup:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device,
                  timeout_s: float) -> None:
         self.rank, self.size, self.device = rank, size, device
+        self.timeout_s = timeout_s
         timeout = timedelta(seconds=timeout_s)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
