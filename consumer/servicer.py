@@ -35,7 +35,10 @@ class ConsumerServicer(WorkerServicer):
         await self._start("decode", rid, DecodeCmd(rid, tuple(request.prompt_token_ids), wire,
                                                    request.colocated,
                                                    tuple(request.prior_output_ids),
-                                                   request.source_tp_size), context)
+                                                   request.source_tp_size,
+                                                   request.dp_rank
+                                                   if request.HasField("dp_rank") else -1),
+                          context)
         done = False
         outcome = "cancelled"
         try:

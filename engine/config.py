@@ -365,6 +365,11 @@ class EngineConfig:
              and self.tensor_parallel_size % self.data_parallel_size == 0,
              f"(--data-parallel-size) must be >= 1 and divide --tensor-parallel-size "
              f"{self.tensor_parallel_size}"),
+            # a producer's and a consumer's KV moves per tensor-parallel rank; pairing a
+            # request's group with the peer's group is not built
+            ("data_parallel_size", self.data_parallel_size == 1 or self.role == "colocated",
+             "(--data-parallel-size) > 1 serves colocated workers only, not the "
+             f"{self.role} role"),
             ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
              "(--enable-prefix-caching) must be True or False"),
         ]

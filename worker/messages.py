@@ -53,6 +53,7 @@ class DecodeCmd:
     colocated: bool
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
     source_tp: int = 0  # consumer: the producer's TP size (0: unknown, taken as ours)
+    dp_rank: int = -1  # attention data-parallel group to serve it (-1: the least loaded)
 
 
 @dataclass(frozen=True)

@@ -77,14 +77,22 @@ class RoleHandler(abc.ABC):
                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
                 "transfers_in_flight": 0, "kv_exhausted_by_orphans": False,
                 "preemptions": self.engine.num_preemptions,
+                **self._dp_loads(),
                 **self.engine.prefix_cache_stats().counters()}
+
+    def _dp_loads(self) -> dict[str, Any]:
+        """Each attention data-parallel group's own queues and pool (none for one group)."""
+        if self.engine.config.data_parallel_size == 1:
+            return {}
+        return {"dp_ranks": self.engine.dp_loads()}
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),
                 "model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
                 "kv_blocks_total": self.engine.block_accounting().total,
                 "vocab_size": self.engine.model_cfg.vocab_size,
-                "tp_size": self.engine.config.tensor_parallel_size}
+                "tp_size": self.engine.config.tensor_parallel_size,
+                "dp_size": self.engine.config.data_parallel_size}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases transfer resources at shutdown."""
