@@ -1,8 +1,12 @@
-"""MoE decode benchmark (issue 25): a Qwen3-30B-A3B-shaped model's decode step, and the
-fused MoE kernel alone, each against the HBM byte floor measured in the same run.
+"""MoE decode benchmark: a MoE model's decode step, and the fused MoE kernel alone (and,
+for an MLA model, the MLA decode kernel alone), each against the HBM byte floor measured
+in the same run.
 
-In one run on one GPU (bf16, dummy weights: 48 layers, hidden 2048, 32/4 heads of 128,
-128 experts top-8, moe_intermediate 768, vocab 151936):
+Shapes (--shape; bf16, dummy weights): ``qwen3`` Qwen3-30B-A3B (48 layers, hidden 2048,
+32/4 heads of 128, 128 experts top-8, moe_intermediate 768, vocab 151936); ``v2lite``
+DeepSeek-V2-Lite (27 layers, hidden 2048, 16 MLA heads, kv_lora 512 + rope 64, a dense
+first layer, 64 routed experts top-6 + 2 shared, moe_intermediate 1408, vocab 102400).
+In one run on one GPU:
   * HBM read rate (a sum over a 4 GiB tensor) and the bf16 matmul rate (8192^3 GEMM);
   * per (batch, context): the engine's decode step (CUDA graphs, deferred output; the
     median of --repeats windows of --steps steps), the distinct experts each layer's
@@ -12,9 +16,12 @@ In one run on one GPU (bf16, dummy weights: 48 layers, hidden 2048, 32/4 heads o
     routing drawn uniformly), its bytes (the distinct experts it reads) over its time
     against the HBM read rate;
   * prefill of one --prefill-tokens prompt: its time and FLOP rate against the matmul rate;
-  * optionally transformers' own decode with a static cache (--hf-batches; eager).
+  * MLA models: the paged MLA decode kernel alone over all layers at each (batch,
+    context), its latent bytes over its time against the HBM read rate;
+  * optionally transformers' own decode with a static cache (--hf-batches).
 
     python bench/moe_bench.py --out $OUT/moe_h200.json
+    python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
     python bench/moe_bench.py --tune   # tile candidates per token bucket for moe_configs.json
 
 Points whose KV does not fit the device are recorded with ``"skipped"``.
@@ -46,6 +53,26 @@ QWEN3_30B_A3B = {
     "tie_word_embeddings": False, "use_sliding_window": False, "hidden_act": "silu",
     "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
 }
+
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 102400,
+    "max_position_embeddings": 163840, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1,
+    "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "moe_intermediate_size": 1408, "hidden_act": "silu",
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "attention_bias": False,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
+    "torch_dtype": "bfloat16",
+}
+SHAPES = {"qwen3": ("Qwen3-30B-A3B shape, dummy", QWEN3_30B_A3B),
+          "v2lite": ("DeepSeek-V2-Lite shape, dummy", DEEPSEEK_V2_LITE)}
 
 # fused-kernel tile candidates for --tune (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each
 # compiles for sm_90 without register spills (ptxas -v, as tests/kernels/test_moe_sm90.py)
@@ -140,7 +167,7 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
         engine.step()
     blocks = moe_blocks(model)
     eb = expert_bytes(blocks[0])
-    kv = batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    kv = batch * context * cfg.num_layers * kv_values_per_token(cfg) * 2
     floor_bytes = dense_weight_bytes(model) + sum(touched) * eb + kv
     floor_ms = floor_bytes / (hbm * 1e12) * 1e3
     point.update({
@@ -148,6 +175,45 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
         "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 3),
         "ratio_to_floor": round(point["engine_step_ms"] / floor_ms, 3)})
     return point
+
+
+def kv_values_per_token(cfg: Any) -> int:
+    """KV values one layer stores per token: the latent + rope key (MLA), else K and V."""
+    if cfg.is_mla:
+        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2 * cfg.num_kv_heads * cfg.head_dim
+
+
+def mla_kernel_point(model: Any, batch: int, context: int, hbm: float) -> dict[str, Any]:
+    """The paged MLA decode kernel alone over every layer (one graph): ``batch`` requests
+    of ``context`` tokens each, on one latent cache the size of one layer's."""
+    from decode_bench import graph_time_ms
+
+    from kernels.triton_mla_decode import mla_decode
+
+    cfg = model.cfg
+    c, r, heads = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.num_heads
+    bs = 16
+    per_req = -(-context // bs)
+    nblocks = batch * per_req
+    if nblocks * bs * (c + r) * 2 * 2 > torch.cuda.mem_get_info()[0] * 0.5:
+        return {"batch": batch, "context": context, "skipped": "cache does not fit"}
+    kv = torch.randn(nblocks, 1, bs, 1, c + r, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(batch, heads, c + r, dtype=torch.bfloat16, device="cuda")
+    tables = torch.arange(nblocks, dtype=torch.int32, device="cuda").view(batch, per_req)
+    lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    out = q.new_empty(batch, heads, c)
+    scale = (cfg.qk_nope_head_dim + r) ** -0.5
+
+    def run() -> None:
+        for _ in range(cfg.num_layers):
+            mla_decode(q, kv, tables, lens, scale, c, out, max_seq_len=context)
+
+    ms = graph_time_ms(run)
+    nbytes = cfg.num_layers * batch * context * (c + r) * 2
+    tbps = nbytes / (ms * 1e-3) / 1e12
+    return {"batch": batch, "context": context, "kernel_ms_all_layers": round(ms, 3),
+            "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
 
 
 def kernel_point(model: Any, batch: int, hbm: float,
@@ -183,6 +249,7 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
     cfg = engine.model_cfg
+    model = engine.runner.model
     times = []
     for r in range(3):  # the first run compiles the prefill shapes
         # a new first token each run: no block of it is in the prefix cache
@@ -197,13 +264,17 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     ms = sorted(times[1:])[0]
     moe = cfg.moe
     assert moe is not None
-    d = cfg.head_dim
-    attn_params = cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * d \
-        + cfg.num_heads * d * cfg.hidden_size
-    active = cfg.num_layers * (attn_params + moe.top_k * 3 * moe.intermediate_size
-                               * cfg.hidden_size + moe.num_experts * cfg.hidden_size)
-    flops = 2 * tokens * active + 2 * cfg.num_layers * cfg.num_heads * d * tokens * tokens \
-        + 2 * cfg.vocab_size * cfg.hidden_size  # causal QK^T and PV; the head for 1 row
+    # a token's weights: every non-expert matrix but the embedding and the head, plus top-k
+    # routed experts per MoE layer (shared experts and dense layers are non-expert)
+    blocks = moe_blocks(model)
+    head = cfg.vocab_size * cfg.hidden_size
+    active = (dense_weight_bytes(model) // 2 - head
+              + len(blocks) * moe.top_k * expert_bytes(blocks[0]) // 2)
+    # causal QK^T and PV: T^2/2 query-key pairs, 2 FLOPs per multiply-add, per dim
+    qk_pv = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim if cfg.is_mla
+             else 2 * cfg.head_dim)
+    flops = 2 * tokens * active + cfg.num_layers * cfg.num_heads * qk_pv * tokens * tokens \
+        + 2 * head  # the head for 1 row
     tflops = flops / (ms * 1e-3) / 1e12
     return {"tokens": tokens, "prefill_ms": round(ms, 2), "tflops": round(tflops, 1),
             "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
@@ -231,6 +302,7 @@ def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--steps", type=int, default=20)
@@ -249,10 +321,11 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     contexts = [int(c) for c in args.contexts.split(",") if c]
     cfg_dir = tempfile.mkdtemp()
+    label, hf_config = SHAPES[args.shape]
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(QWEN3_30B_A3B, f)
+        json.dump(hf_config, f)
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(), "model": "Qwen3-30B-A3B shape, dummy",
+        "device": torch.cuda.get_device_name(), "model": label,
         "dtype": "bfloat16", "torch": torch.__version__, "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     hbm = hbm_read_tbps()
@@ -286,6 +359,17 @@ def main() -> None:
             print(json.dumps(p), flush=True)
             kernels.append(p)
         result["fused_moe_kernel"] = kernels
+        if model.cfg.is_mla:
+            mla = []
+            for ctx in contexts:
+                for b in batches:
+                    try:
+                        p = mla_kernel_point(model, b, ctx, hbm)
+                    except Exception as e:
+                        p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
+                    print(json.dumps(p), flush=True)
+                    mla.append(p)
+            result["mla_decode_kernel"] = mla
         points = []
         for ctx in contexts:
             for b in batches:

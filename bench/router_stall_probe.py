@@ -1,5 +1,5 @@
 """What a large input costs the router's event loop, part by part (issue 23): the numbers
-behind router/tokenize_pool.py and router/large_body.py, on this machine.
+behind router/requests/tokenize_pool.py and router/http/large_body.py, on this machine.
 
     python bench/router_stall_probe.py [--mb 1] [--out FILE.json]
 
@@ -28,7 +28,7 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from engine.model_source import resolve_model  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
-from router.openai_request import parse_chat  # noqa: E402
+from router.http.openai_request import parse_chat  # noqa: E402
 
 
 def _ms(fn: object) -> float:

@@ -130,7 +130,7 @@ async def _serve(cfg: RouterConfig) -> int:
 
 
 def start_mirrors(cfg: RouterConfig, server: Any) -> list[subprocess.Popen[bytes]]:
-    """The other frontends (router/frontends.py): this command again, on the ports this
+    """The other frontends (router/control/frontends.py): this command again, on the ports this
     process bound, told where the primary's registry is. Each dies with this process."""
     argv = [*sys.argv[1:], "--frontends", "1", "--primary", server.internal_address,
             "--grpc-port", str(server.port)]

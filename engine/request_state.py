@@ -1,9 +1,8 @@
-"""The request lifecycle shared by router, producer and consumer (docs/architecture.md).
+"""A request's lifecycle inside a worker: engine, producer and consumer (docs/architecture.md).
 
-One enum for every place a request lives; ``EDGES`` is the state diagram, and
-``check_transition`` refuses any edge it does not list, so the diagram below is what the
-code does (``Request.move`` in the engine and the role handlers go through it). Torch-free:
-the router imports it.
+One enum for every place a request lives inside a worker; ``EDGES`` is the state diagram,
+and ``check_transition`` refuses any edge it does not list, so the diagram below is what
+the code does (``Request.move`` in the engine and the role handlers go through it).
 
 Inside a worker (the engine, the producer's and the consumer's handlers)::
 
@@ -28,16 +27,10 @@ consumer handler through ``LLMEngine.kv_landed`` (WAITING_FOR_KV -> DECODING) an
 ``abort`` and ``release`` (TRANSFERRING ends in release once the consumer acked: the
 request lives on at the consumer, so the producer just forgets it).
 
-Cluster-wide, the router's ``RequestRun`` walks the same states forward (it may skip
-some: it only sees what the legs report, router/request_run.py) and adds its own edges:
-QUEUED -> RESERVING (both legs placed), RESERVING -> PREFILLING (consumer reserved),
-RESERVING / PREFILLING -> TRANSFERRING (token 0), TRANSFERRING -> WAITING_FOR_KV (transfer
-ok), and two backward ones: a producer lost before token 0 is retried elsewhere
-(PREFILLING / TRANSFERRING -> RESERVING, keeping the consumer's reservation; PREFILLING ->
-PREFILLING-again on a colocated worker is no state change), and a consumer lost
-mid-decode migrates the request with its streamed tokens to another consumer or colocated
-worker (DECODING / WAITING_FOR_KV -> RESERVING, or DECODING -> PREFILLING on a colocated
-one).
+The router keeps its own view of a request across all its legs, with its own enum and
+edges (``RunPhase``, router/requests/run_phase.py): a producer lost before token 0 or a
+consumer lost mid-decode makes a new request on other workers there, never a backward
+edge here.
 
 Timeouts guarding each state: QUEUED by the router's admission queue and client deadline
 (and a worker's ``max_waiting``); RESERVING by the router's ``token0_timeout_s`` (the
@@ -103,17 +96,6 @@ EDGES: dict[tuple[RequestState, RequestState], str] = {
     (S.PREFILLING, S.FINISHED_LENGTH): "engine: token 0 hit max_model_len (producer)",
     (S.DECODING, S.FINISHED_STOPPED): "engine: EOS, stop token or stop string",
     (S.DECODING, S.FINISHED_LENGTH): "engine: max_tokens or max_model_len",
-    # the router's own walk (RequestRun), including its two backward edges
-    (S.QUEUED, S.RESERVING): "router: both legs placed and started",
-    (S.RESERVING, S.PREFILLING): "router: the consumer reserved blocks",
-    (S.RESERVING, S.TRANSFERRING): "router: token 0 came before the reservation",
-    (S.TRANSFERRING, S.WAITING_FOR_KV): "router: the producer's transfer result is ok",
-    (S.PREFILLING, S.RESERVING): "router: producer lost before token 0, retried elsewhere",
-    (S.TRANSFERRING, S.RESERVING): "router: producer lost before its transfer ended, retried",
-    (S.WAITING_FOR_KV, S.RESERVING): "router: consumer lost, migrated to another consumer",
-    (S.DECODING, S.RESERVING): "router: consumer lost mid-decode, migrated with its tokens",
-    (S.DECODING, S.PREFILLING): "router: consumer lost mid-decode, migrated to a colocated "
-                                "worker (prompt + streamed tokens prefilled)",
     **{(s, S.FINISHED_ABORTED): "anyone: aborted (router, client gone)" for s in _UNFINISHED},
     **{(s, S.FINISHED_ERROR): "anyone: a transfer failed, a lease or deadline passed"
        for s in _UNFINISHED},

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.random_draw import uniform_noise
+from kernels.random_draw import uniform_noise
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Row s is greedy (argmax of the logits) when temperature[s] <= 0; otherwise it draws from
 softmax(logits / T) by the exponential race argmax(p / E), E = -log(u), with u the
-counter-based noise of (seeds[s], positions[s]) (engine.random_draw). Top-k/p, min-p,
+counter-based noise of (seeds[s], positions[s]) (kernels.random_draw). Top-k/p, min-p,
 penalties and logprobs are the full sampler's (engine.sampler); this is the common case
 that a CUDA graph can hold.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.random_draw import uniform_noise
+from kernels.random_draw import uniform_noise
 
 
 def sample_simple_ref(

@@ -59,7 +59,7 @@ class RouterConfig:
     max_running_requests: int = 512
     max_queued_requests: int = 1024
     retry_after_s: float = 1.0  # the retry hint sent with a refusal
-    # Front-door processes on the same ports (router/frontends.py): this one (the primary)
+    # Front-door processes on the same ports (router/control/frontends.py): this one (the primary)
     # and frontends - 1 mirrors it starts. ``primary``: set only in a mirror, the primary's
     # loopback gRPC address it forwards registry calls to and watches.
     frontends: int = 1

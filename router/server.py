@@ -22,26 +22,26 @@ from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from engine.model_source import model_display_name, resolve_model
 from engine.tokenizer import Tokenizer
-from router.admin_servicer import AdminServicer
-from router.admission import Admission
 from router.auth import ApiKeyInterceptor, grpc_server_credentials
-from router.channels import WorkerChannels
 from router.config import RouterConfig
-from router.dispatcher import Dispatcher
-from router.frontend import Frontend
-from router.frontends import (
+from router.control.admin_servicer import AdminServicer
+from router.control.frontends import (
     AdminProxy,
     MembershipProxy,
     PrimaryMembership,
     RegistryMirror,
     RegistryProxy,
 )
-from router.metrics import RouterMetrics
-from router.policy import make_policy
-from router.registry import Registry
-from router.registry_servicer import RegistryServicer
-from router.role_change import RoleChanger
-from router.router_servicer import RouterServicer
+from router.control.policy import make_policy
+from router.control.registry import Registry
+from router.control.registry_servicer import RegistryServicer
+from router.control.role_change import RoleChanger
+from router.requests.admission import Admission
+from router.requests.channels import WorkerChannels
+from router.requests.dispatcher import Dispatcher
+from router.requests.frontend import Frontend
+from router.requests.metrics import RouterMetrics
+from router.requests.router_servicer import RouterServicer
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class RouterServer:
         self.http_port = 0  # bound HTTP port once started (0: HTTP is off)
         self.metrics: RouterMetrics | None = None
         self.admission: Admission | None = None
-        self._http: Any = None  # router.http_server.HttpFrontDoor, imported only when used
+        self._http: Any = None  # router.http.http_server.HttpFrontDoor, imported only when used
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._channels: WorkerChannels | None = None
@@ -162,7 +162,7 @@ class RouterServer:
         if self.mirror is not None:
             self._spawn(self.mirror.run())
         if cfg.http_port >= 0:
-            from router.http_server import HttpFrontDoor  # aiohttp only when HTTP is on
+            from router.http.http_server import HttpFrontDoor  # aiohttp only when HTTP is on
 
             self._http = HttpFrontDoor(frontend, self.metrics, cfg)
             try:

@@ -38,7 +38,7 @@ from worker.output_hub import OutputHub
 from worker.request_queue import RequestQueue
 
 log = logging.getLogger("pdserve.worker")
-# gRPC metadata key carrying the cluster token on the router's calls (router/channels.py
+# gRPC metadata key carrying the cluster token on the router's calls (router/requests/channels.py
 # sets it; the router must not import this package, so the name is written in both)
 CLUSTER_TOKEN_METADATA = "x-pdserve-cluster-token"
 

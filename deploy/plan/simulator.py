@@ -2,7 +2,7 @@
 
 Time advances from event to event: an arrival, a worker's step ending, a request's KV
 landing on its consumer. The request flow is in docs/architecture.md: the router places each
-request by policy (``router/policy.py``'s entry pool of colocated workers and producers,
+request by policy (``router/control/policy.py``'s entry pool of colocated workers and producers,
 then a consumer); the consumer reserves blocks for the prompt at once or queues the
 reservation until blocks free; the producer runs chunked prefill under the engine's rules
 and pushes each chunk's KV when the reservation is known, over its link at the profile's
@@ -33,7 +33,7 @@ from deploy.plan.sim_worker import (
     SimRequest,
     SimWorker,
 )
-from router.policy import KV_WEIGHT
+from router.control.policy import KV_WEIGHT
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two")
 _ARRIVE, _STEP, _LAND = 0, 1, 2

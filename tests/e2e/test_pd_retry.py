@@ -28,7 +28,8 @@ def test_producer_killed_before_token0_completes_on_the_other_producer(tmp_path_
     ch, stub = stub_for(c.router_address)
     try:
         tok = colocated_llm.tokenizer
-        # many 128-token chunks: the kill lands while producer-0 is still prefilling
+        # many 128-token chunks: the kill lands while producer-0 is still prefilling (PAIRED:
+        # the consumer reserved, token 0 not yet out)
         prompt = tok.encode_chat([{"role": "user", "content": FILLER * 40 + "Summarize."}])
         sampling = dict(max_tokens=12, temperature=0.0)
         with ThreadPoolExecutor(1) as pool:
@@ -37,7 +38,7 @@ def test_producer_killed_before_token0_completes_on_the_other_producer(tmp_path_
             end = time.monotonic() + 60
             while True:  # round robin: the first request goes to producer-0
                 seen = _listed(stub, "retry-me")
-                if seen is not None and seen.state == "PREFILLING":
+                if seen is not None and seen.state == "PAIRED":
                     break
                 assert not fut.done(), fut.result()
                 assert time.monotonic() < end, seen

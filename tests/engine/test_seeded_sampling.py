@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from tiny_models import PROMPTS
 
-from engine.random_draw import uniform_noise
 from engine.sampler import SamplingBatch, sample
 from engine.sampling_params import SamplingParams
+from kernels.random_draw import uniform_noise
 
 
 def _params(seed: int) -> SamplingParams:

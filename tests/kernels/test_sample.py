@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.random_draw import uniform_noise
+from kernels.random_draw import uniform_noise
 from kernels.ref_sample import sample_simple_ref
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

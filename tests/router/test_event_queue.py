@@ -6,14 +6,14 @@ import asyncio
 
 from pdserve.v1 import common_pb2, worker_pb2
 
-from router.event_queue import EventQueue
-from router.legs import Ev, Event
+from router.requests.event_queue import EventQueue
+from router.requests.run_events import DecodeEnded, Event, TokensRead
 
 STOP, ERROR = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_ERROR
 
 
-def toks(ids: list[int], finish: int = 0, error: str = "", **kw: int) -> Event:
-    return Event(Ev.TOKENS, worker_pb2.Tokens(
+def toks(ids: list[int], finish: int = 0, error: str = "", **kw: int) -> TokensRead:
+    return TokensRead(worker_pb2.Tokens(
         token_ids=ids, text="".join(chr(97 + i) for i in ids), finish_reason=finish,  # type: ignore[arg-type]
         error=error, logprobs=[common_pb2.TokenLogprob(token_id=i) for i in ids], **kw))
 
@@ -26,12 +26,14 @@ def test_waiting_token_messages_leave_as_one() -> None:
         q.put_nowait(toks([3], STOP))
         q.put_nowait(toks([9]))  # after a finish: never folded into it
         ev = await q.get()
-        t = ev.payload
+        assert isinstance(ev, TokensRead)
+        t = ev.tokens
         assert list(t.token_ids) == [0, 1, 2, 3] and t.text == "abcd"
         assert [lp.token_id for lp in t.logprobs] == [0, 1, 2, 3]
         assert t.finish_reason == STOP and (t.kv_ready_ns, t.first_step_ns) == (5, 7)
         assert q.merged == 2
-        assert list((await q.get()).payload.token_ids) == [9]
+        last = await q.get()
+        assert isinstance(last, TokensRead) and list(last.tokens.token_ids) == [9]
         assert q.empty()
 
     asyncio.run(main())
@@ -42,12 +44,13 @@ def test_errors_and_other_events_stay_apart() -> None:
         q = EventQueue()
         q.put_nowait(toks([0]))
         q.put_nowait(toks([], ERROR, "kv transfer failed"))  # may migrate: kept alone
-        q.put_nowait(Event(Ev.DECODE_EOF))
+        q.put_nowait(DecodeEnded())
         q.put_nowait(toks([1]))
-        kinds = [(ev.kind, list(ev.payload.token_ids) if ev.payload else None)
-                 for ev in [q.get_nowait() for _ in range(4)]]
-        assert kinds == [(Ev.TOKENS, [0]), (Ev.TOKENS, []), (Ev.DECODE_EOF, None),
-                         (Ev.TOKENS, [1])]
+        got: list[Event] = [q.get_nowait() for _ in range(4)]
+        kinds = [(type(ev).__name__, list(ev.tokens.token_ids)
+                  if isinstance(ev, TokensRead) else None) for ev in got]
+        assert kinds == [("TokensRead", [0]), ("TokensRead", []), ("DecodeEnded", None),
+                         ("TokensRead", [1])]
         assert q.merged == 0
 
     asyncio.run(main())

@@ -1,4 +1,4 @@
-"""A mirror frontend's registry follows the primary's views (router/frontends.py)."""
+"""A mirror frontend's registry follows the primary's views (router/control/frontends.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import asyncio
 import grpc
 from pdserve.v1 import common_pb2, router_pb2
 
-from router.frontends import PrimaryMembership, RegistryMirror
-from router.registry import CONSUMER, PRODUCER, Registry
+from router.control.frontends import PrimaryMembership, RegistryMirror
+from router.control.registry import CONSUMER, PRODUCER, Registry
 
 
 def view(*workers: tuple[str, int, int, bool]) -> router_pb2.RegistryView:

@@ -17,11 +17,11 @@ import pytest
 from pdserve.v1 import common_pb2, router_pb2
 from router_fakes import CO, Cluster, read_all, request, run, tokens, wait_until
 
-from router.admission import Overloaded
-from router.dispatcher import busy_message
-from router.http_errors import from_request_error
-from router.policy import LeastLoaded, RoundRobin, place
-from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
+from router.control.policy import LeastLoaded, RoundRobin, place
+from router.control.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
+from router.http.http_errors import from_request_error
+from router.requests.dispatcher import busy_message
+from router.requests.errors import Overloaded
 
 
 class Clock:

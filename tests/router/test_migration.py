@@ -1,6 +1,6 @@
 """A worker failing a request after its client got tokens: the router migrates it to
 another slot with those tokens as ``prior_output_ids`` and the client's stream goes on
-without a repeat or a gap (router/request_run.py, "Migration"). The fakes play a model
+without a repeat or a gap (router/requests/request_run.py, "Migration"). The fakes play a model
 whose output position i is token 100 + i, so any repeat or gap shows in the ids."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The router's end of the per-worker Outputs stream (router/worker_outputs.py), against
+"""The router's end of the per-worker Outputs stream (router/requests/worker_outputs.py), against
 scripted workers: tokens arrive batched and demultiplexed, a Decode stream's done waits for
 the batch holding its last tokens, a worker without Outputs still works, and a broken
 stream fails over like a broken Decode stream."""
@@ -12,7 +12,7 @@ import grpc
 from pdserve.v1 import worker_pb2
 from router_fakes import CO, LENGTH, TOKEN0, Cluster, request, reserved, run, tokens
 
-from router.worker_outputs import State
+from router.requests.worker_outputs import State
 
 
 def test_tokens_come_batched_and_each_request_gets_its_own() -> None:

@@ -1,6 +1,6 @@
 """A producer failing before token 0: the router places the request again, never on a
 producer it failed on, at most ``prefill_retries`` times, then ends it with a clear error
-(router/request_run.py, "Retry")."""
+(router/requests/request_run.py, "Retry")."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ import pytest
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router_fakes import CO, C, Cluster, P, run
 
-from router.health import wait_until_serving
-from router.policy import RoundRobin, place
-from router.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
-from router.role_change import SplitError, Step, order_steps, plan_split
+from router.control.policy import RoundRobin, place
+from router.control.registry import COLOCATED, CONSUMER, PRODUCER, Registry, WorkerInfo
+from router.control.role_change import SplitError, Step, order_steps, plan_split
+from router.requests.health import wait_until_serving
 
 
 class Clock:
@@ -120,7 +120,7 @@ def test_requests_wait_for_a_role_change_only() -> None:
         await asyncio.sleep(0.05)
         assert not waiter.done()
         assert reg.held == 1
-        with patch("router.health.MAX_HELD", 1):  # bounded: one more is refused at once
+        with patch("router.requests.health.MAX_HELD", 1):  # bounded: one more is refused at once
             assert not await asyncio.wait_for(wait_until_serving(reg), 2)
         add(reg, "c0", CONSUMER)
         assert await asyncio.wait_for(waiter, 2)

@@ -14,8 +14,8 @@ import pytest
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from deploy.cli import main
-from router.registry import Registry
-from router.registry_servicer import RegistryServicer
+from router.control.registry import Registry
+from router.control.registry_servicer import RegistryServicer
 from worker.registration import Registration
 
 HOLD_S = 1.0

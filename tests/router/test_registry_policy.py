@@ -7,7 +7,7 @@ import random
 import pytest
 from pdserve.v1 import common_pb2
 
-from router.policy import (
+from router.control.policy import (
     CONSUMER_POOL,
     ENTRY_POOL,
     LeastLoaded,
@@ -17,7 +17,14 @@ from router.policy import (
     make_policy,
     place,
 )
-from router.registry import COLOCATED, CONSUMER, PRODUCER, RegistrationError, Registry, WorkerInfo
+from router.control.registry import (
+    COLOCATED,
+    CONSUMER,
+    PRODUCER,
+    RegistrationError,
+    Registry,
+    WorkerInfo,
+)
 
 
 class Clock:

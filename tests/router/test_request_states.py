@@ -1,4 +1,4 @@
-"""The router's request lifecycle (router/request_run.py docstring): every router-side
+"""The router's request lifecycle (router/requests/request_run.py docstring): every router-side
 state is reached on scripted workers, seen live through ClusterStatus(include_requests),
 and every way out ends in the right FINISHED_* state."""
 
@@ -33,10 +33,10 @@ from router_fakes import (
     wait_until,
 )
 
-from engine.request_state import RequestState
-from router.request_run import RequestRun
+from router.requests.request_run import RequestRun
+from router.requests.run_phase import RunPhase
 
-S = RequestState
+S = RunPhase
 
 
 class Gates:
@@ -98,7 +98,7 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
             p, c = await cl.pd(prefill=prefill, decode=decode)
             # a first request holds the only running slot, so r1 waits in the queue
             blocker = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r0"))))
-            await until_state(cl, "r0", "RESERVING")
+            await until_state(cl, "r0", "PLACED")
             r1 = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r1"))))
             q = await until_state(cl, "r1", "QUEUED")
             assert (q.producer, q.consumer, q.tokens_streamed) == ("", "", 0)
@@ -115,21 +115,21 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
                 ev.clear()
             call = cl.router.Generate(request(request_id="r2"))
             reader = asyncio.create_task(read_all(call))
-            s = await until_state(cl, "r2", "RESERVING")
+            s = await until_state(cl, "r2", "PLACED")
             assert (s.producer, s.consumer, s.colocated) == ("p0", "c0", "")
             run2 = active_run(cl, "r2")
             g.open("reserve")
-            await until_state(cl, "r2", "PREFILLING")
+            await until_state(cl, "r2", "PAIRED")
             g.open("token0")
-            s = await until_state(cl, "r2", "TRANSFERRING")
+            s = await until_state(cl, "r2", "TOKEN0")
             g.open("transfer")
-            await until_state(cl, "r2", "WAITING_FOR_KV")
+            await until_state(cl, "r2", "KV_LANDED")
             assert cl.server.metrics is not None
             gauges = {s.labels["state"]: s.value for f in text_string_to_metric_families(
                 cl.server.metrics.render().decode()) for s in f.samples
                 if s.name == "pdserve_router_requests_in_state"}
-            assert gauges == {"QUEUED": 0, "RESERVING": 0, "PREFILLING": 0, "TRANSFERRING": 0,
-                              "WAITING_FOR_KV": 1, "DECODING": 0}
+            assert gauges == {"QUEUED": 0, "PLACED": 0, "PAIRED": 0, "TOKEN0": 0,
+                              "KV_LANDED": 1, "DECODING": 0}
             assert s.age_s > 0
             g.open("decode")
             s = await until_state(cl, "r2", "DECODING")
@@ -137,13 +137,13 @@ def test_disaggregated_request_walks_every_forward_state() -> None:
             g.open("finish")
             out = await reader
             assert [list(r.token_ids) for r in out] == [[TOKEN0], [101], [102]]
-            assert run2.state is S.FINISHED_LENGTH and run2.info().tokens_streamed == 3
+            assert run2.phase is S.FINISHED_LENGTH and run2.info().tokens_streamed == 3
             assert p.aborts == c.aborts == []
 
     run(main())
 
 
-def test_token0_before_the_reservation_goes_straight_to_transferring() -> None:
+def test_token0_before_the_reservation_goes_straight_to_token0() -> None:
     g = Gates("reserve")
 
     async def decode(w: FakeWorker, req: Any) -> Any:
@@ -157,17 +157,17 @@ def test_token0_before_the_reservation_goes_straight_to_transferring() -> None:
             call = cl.router.Generate(request(request_id="r1"))
             first = await call.read()
             assert list(first.token_ids) == [TOKEN0]
-            s = await until_state(cl, "r1", "TRANSFERRING")
+            s = await until_state(cl, "r1", "TOKEN0")
             assert s.tokens_streamed == 1
             g.open("reserve")
             run_ = active_run(cl, "r1")
             rest = await read_all(call)
-            assert rest[-1].finish_reason == LENGTH and run_.state is S.FINISHED_LENGTH
+            assert rest[-1].finish_reason == LENGTH and run_.phase is S.FINISHED_LENGTH
 
     run(main())
 
 
-def test_consumer_tokens_before_token0_mean_decoding_and_token0_does_not_go_back() -> None:
+def test_consumer_tokens_before_token0_wait_with_it_then_both_mean_decoding() -> None:
     g = Gates("token0")
 
     async def prefill(w: FakeWorker, req: Any, inputs: Any) -> Any:
@@ -186,8 +186,10 @@ def test_consumer_tokens_before_token0_mean_decoding_and_token0_does_not_go_back
             await cl.pd(prefill=prefill, decode=decode)
             call = cl.router.Generate(request(request_id="r1"))
             reader = asyncio.create_task(read_all(call))
-            s = await until_state(cl, "r1", "DECODING")
-            assert s.tokens_streamed == 0  # held back until token 0
+            s = await until_state(cl, "r1", "PAIRED")
+            await asyncio.sleep(0.2)  # the consumer's token 101 is in; token 0 is not
+            s = (await listed(cl))["r1"]
+            assert s.state == "PAIRED" and s.tokens_streamed == 0  # held back until token 0
             g.open("token0")
             end = time.monotonic() + 30  # the client loop hands token 0 and 101 on
             while (s := (await listed(cl))["r1"]).tokens_streamed < 2 and time.monotonic() < end:
@@ -212,14 +214,14 @@ def test_colocated_request_states() -> None:
         async with Cluster() as cl:
             await cl.add("w0", CO, decode=decode)
             reader = asyncio.create_task(read_all(cl.router.Generate(request(request_id="r1"))))
-            s = await until_state(cl, "r1", "PREFILLING")
+            s = await until_state(cl, "r1", "PLACED")
             assert (s.colocated, s.producer, s.consumer) == ("w0", "", "")
             run_ = active_run(cl, "r1")
             g.open("token0")
             await until_state(cl, "r1", "DECODING")
             g.open("finish")
             assert (await reader)[-1].finish_reason == STOP
-            assert run_.state is S.FINISHED_STOPPED
+            assert run_.phase is S.FINISHED_STOPPED
 
     run(main())
 
@@ -273,7 +275,7 @@ def test_every_way_out_sets_its_finished_state() -> None:
                     return [grpc.StatusCode.CANCELLED]
 
             assert await ending("stop") == [STOP]  # token 0 finished it
-            assert runs.seen["stop"].state is S.FINISHED_STOPPED
+            assert runs.seen["stop"].phase is S.FINISHED_STOPPED
 
             p.prefill_script = prefill_hang_after_token0
 
@@ -281,22 +283,22 @@ def test_every_way_out_sets_its_finished_state() -> None:
                 assert (await cl.router.Abort(router_pb2.AbortRequest(request_id="ab"))).ok
 
             assert (await ending("ab", abort))[-1] == ABORT
-            assert runs.seen["ab"].state is S.FINISHED_ABORTED
+            assert runs.seen["ab"].phase is S.FINISHED_ABORTED
 
             async def hang_up(call: Any) -> None:
                 call.cancel()
 
             assert await ending("gone", hang_up) == [grpc.StatusCode.CANCELLED]
             await wait_until(lambda: "gone" in c.aborts)  # the router saw the hang-up
-            assert runs.seen["gone"].state is S.FINISHED_ABORTED  # the client left
+            assert runs.seen["gone"].phase is S.FINISHED_ABORTED  # the client left
 
             p.prefill_script = failed_transfer
             assert (await ending("xfer"))[-1] == ERROR
-            assert runs.seen["xfer"].state is S.FINISHED_ERROR
+            assert runs.seen["xfer"].phase is S.FINISHED_ERROR
 
             p.prefill_script, c.decode_script = prefill_hang_after_token0, consumer_error
             assert (await ending("cerr"))[-1] == ERROR
-            assert runs.seen["cerr"].state is S.FINISHED_ERROR
+            assert runs.seen["cerr"].phase is S.FINISHED_ERROR
             assert set(runs.seen) == {"stop", "ab", "gone", "xfer", "cerr"} and not runs
 
     run(main())
@@ -319,7 +321,7 @@ def test_abort_while_queued_ends_without_starting_legs() -> None:
             first.cancel()
             assert len(out) == 1 and out[0].finish_reason == ABORT
             assert out[0].usage.completion_tokens == 0
-            assert run1.state is S.FINISHED_ABORTED
+            assert run1.phase is S.FINISHED_ABORTED
             assert [r.request_id for r in p.prefill_requests] == ["r0"]
             assert [r.request_id for r in c.decode_requests] == ["r0"]
             assert "r1" not in p.aborts + c.aborts  # no leg to abort
@@ -329,7 +331,7 @@ def test_abort_while_queued_ends_without_starting_legs() -> None:
 
 def test_a_retry_moves_the_request_back_with_its_new_producer() -> None:
     async def crashes(w: FakeWorker, req: Any, inputs: Any) -> Any:
-        await next_destination(w, inputs)  # reserved: PREFILLING on p0
+        await next_destination(w, inputs)  # reserved: PAIRED on p0
         raise RuntimeError("engine died")
         yield token0()  # pragma: no cover - makes this an async generator
 
@@ -341,7 +343,7 @@ def test_a_retry_moves_the_request_back_with_its_new_producer() -> None:
             call = cl.router.Generate(request(request_id="r1"))
             reader = asyncio.create_task(read_all(call))
             s = await until_state_on(cl, "r1", "p1")  # p0's attempt is replaced
-            assert (s.state, s.producer, s.consumer) == ("PREFILLING", "p1", "c0")
+            assert (s.state, s.producer, s.consumer) == ("PAIRED", "p1", "c0")
             assert active_run(cl, "r1").attempt == 2
             call.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -358,7 +360,7 @@ async def prefill_hang_before_token0(w: FakeWorker, req: Any, inputs: Any) -> An
 async def until_state_on(cl: Cluster, rid: str, producer: str) -> router_pb2.RequestStatus:
     for _ in range(500):
         s = (await listed(cl)).get(rid)
-        if s is not None and s.producer == producer and s.state == "PREFILLING":
+        if s is not None and s.producer == producer and s.state == "PAIRED":
             return s
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{rid} never reached PREFILLING on {producer}")
+    raise AssertionError(f"{rid} never reached PAIRED on {producer}")

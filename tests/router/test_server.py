@@ -261,8 +261,9 @@ def test_cli_starts_fast_without_torch_and_stops_on_signals() -> None:
 
 
 def test_router_modules_import_fast_without_torch() -> None:
-    code = ("import sys, time; t = time.monotonic(); import router.server, router.dispatcher, "
-            "router.policy, router.validation, deploy.router_cmd; "
+    code = ("import sys, time; t = time.monotonic(); import router.server, "
+            "router.requests.dispatcher, router.control.policy, router.requests.validation, "
+            "deploy.router_cmd; "
             "assert 'torch' not in sys.modules; print(time.monotonic() - t)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=60)

@@ -1,5 +1,6 @@
 """Aborts fan out to every leg on every way a request can end before its legs finished
-(router/request_run.py, "Teardown"): both workers get Worker.Abort and their streams end."""
+(router/requests/request_run.py, "Teardown"): both workers get Worker.Abort and their
+streams end."""
 
 from __future__ import annotations
 

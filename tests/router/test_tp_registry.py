@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.registry import CONSUMER, PRODUCER, RegistrationError, Registry
+from router.control.registry import CONSUMER, PRODUCER, RegistrationError, Registry
 
 
 def _register(reg: Registry, wid: str, role: int, tp: int) -> object:

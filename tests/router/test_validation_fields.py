@@ -15,7 +15,7 @@ from pdserve.v1 import common_pb2
 
 from engine.sampling_fields import BY_NAME, FIELDS, MAX_LOGPROBS, f32, wire_values
 from engine.sampling_params import SamplingParams
-from router.validation import engine_params
+from router.requests.validation import engine_params
 from worker.convert import ModelLimits, checked_request, sampling_to_wire
 
 LIMITS = ModelLimits(vocab_size=1000, max_model_len=4096)

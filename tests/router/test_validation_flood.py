@@ -13,9 +13,9 @@ import grpc
 import pytest
 from router_fakes import CO, Cluster, request, run
 
-import router.frontend
-from router import tokenize_pool
-from router.tokenize_pool import TokenizePool
+import router.requests.frontend
+from router.requests import tokenize_pool
+from router.requests.tokenize_pool import TokenizePool
 
 HUGE = "lorem ipsum dolor sit amet " * 12000  # ~324K characters, ~60K tokens
 MAX_PENDING = 3
@@ -32,7 +32,7 @@ def pools(monkeypatch: pytest.MonkeyPatch) -> list[TokenizePool]:
 
     monkeypatch.setattr(tokenize_pool, "MAX_PENDING", MAX_PENDING)
     monkeypatch.setattr(tokenize_pool, "THREADS", 1)
-    monkeypatch.setattr(router.frontend, "TokenizePool", Recorded)
+    monkeypatch.setattr(router.requests.frontend, "TokenizePool", Recorded)
     return made
 
 
@@ -86,7 +86,7 @@ def test_huge_prompt_flood_is_bounded_and_refused_clearly(pools: list[TokenizePo
 def test_a_client_leaving_does_not_free_its_slot_before_its_thread_is_done() -> None:
     import threading
 
-    from router.admission import Overloaded
+    from router.requests.errors import Overloaded
 
     async def main() -> None:
         pool = TokenizePool(threads=1, max_pending=1, max_chars=100)

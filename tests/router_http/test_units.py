@@ -8,10 +8,10 @@ from typing import Any
 import grpc
 import pytest
 
-from router.admission import Admission, Overloaded
-from router.http_errors import HttpError, from_request_error, rename_fields
-from router.openai_request import parse_chat, parse_completion
-from router.validation import RequestError
+from router.http.http_errors import HttpError, from_request_error, rename_fields
+from router.http.openai_request import parse_chat, parse_completion
+from router.requests.admission import Admission
+from router.requests.errors import Overloaded, RequestError
 from worker.orphans import exhausted_by_orphans
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -185,7 +185,7 @@ def test_tool_messages_follow_the_openai_spec() -> None:
 def test_the_chat_template_renders_a_tool_message() -> None:
     from router_fakes import load_tokenizer
 
-    from router.validation import prepare
+    from router.requests.validation import prepare
 
     tok = load_tokenizer()
     r = parse_chat({"messages": [{"role": "user", "content": "weather?"},

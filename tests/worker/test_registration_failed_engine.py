@@ -16,8 +16,8 @@ import grpc
 import pytest
 from pdserve.v1 import router_pb2_grpc, worker_pb2_grpc
 
-from router.registry import Registry
-from router.registry_servicer import MembershipServicer, RegistryServicer
+from router.control.registry import Registry
+from router.control.registry_servicer import MembershipServicer, RegistryServicer
 from worker.registration import Registration
 
 INTERVAL_S = 0.05  # the heartbeat interval the router hands out: ticks in ms, not seconds

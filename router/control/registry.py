@@ -1,0 +1,323 @@
+"""Workers known to the router: fed by Register/Heartbeat, aged out by a sweep.
+
+Pure bookkeeping (no gRPC, no asyncio) so policies and tests can use it directly. The
+router's own count of requests it has in flight on each worker (``inflight``) is kept
+here too: heartbeats report load once a second, which is stale for a burst of requests.
+
+A worker's life here: registered (usable) -> draining (``Deregister``, or a role change
+ordered by the router: listed, heartbeating, its in-flight requests running, never picked
+for new work) -> gone (``Deregister(done)``, a missed heartbeat deadline, or replaced by
+its own re-registration, e.g. in its new role).
+
+Alive is not the same as keeping up (issue 22). A worker whose heartbeats report it behind
+(its gRPC process's event loop more than ``busy_lag_s``, or its engine's last load report
+older than ``busy_engine_s``) is
+*busy*: listed, usable for health, keeping its requests, but not picked for new ones
+(``placeable``); it is dropped only when its heartbeats stop. And heartbeat age is judged
+against the router's own loop: the router's sweep ticks (``tick``) measure how late the
+loop ran them, and a stall credits every worker its length, since heartbeats that arrived
+during it could not be processed. Between ticks, the stall in progress (the next tick
+overdue) is credited the same way (``_expired``), so a heartbeat or a placement handled
+right after a stall, before the tick, does not find its worker expired either.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.v1 import common_pb2
+
+PRODUCER = common_pb2.ROLE_PRODUCER
+CONSUMER = common_pb2.ROLE_CONSUMER
+COLOCATED = common_pb2.ROLE_COLOCATED
+ROLE_NAMES = {PRODUCER: "producer", CONSUMER: "consumer", COLOCATED: "colocated"}
+
+
+class RegistrationError(Exception):
+    """A Register call refused; the message starts with the offending field."""
+
+    def __init__(self, message: str, *, precondition: bool = False) -> None:
+        super().__init__(message)
+        # True: the request is well formed but conflicts with the cluster (fingerprint,
+        # model); False: the request itself is malformed.
+        self.precondition = precondition
+
+
+@dataclass(eq=False)  # identity: a re-registered worker is a new incarnation
+class WorkerInfo:
+    worker_id: str
+    role: int  # common_pb2.Role
+    address: str  # gRPC address the router dials
+    kv_address: str  # consumers: where producers push KV
+    model: str
+    kv_fingerprint: str
+    max_model_len: int
+    load: common_pb2.WorkerLoad
+    last_heartbeat: float  # monotonic seconds
+    inflight: int = 0  # requests the router has dispatched to it and not yet finished
+    dispatched: int = 0  # total dispatched to it, for status and tests
+    version: str = ""  # pdserve version it runs (from Register)
+    tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
+    draining: bool = False  # takes no new requests (deregistered, or changing role)
+    drain_reason: str = ""
+    target_role: int = 0  # a role change the router ordered (0: none)
+    # Deregister(done): the worker drained and is exiting. Forgotten once no request the
+    # router placed on it is still running here (its last messages may trail the call).
+    left: bool = False
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAMES.get(self.role, "unknown")
+
+    @property
+    def unhealthy_reason(self) -> str:
+        if self.load.kv_exhausted_by_orphans:
+            return "KV pool exhausted by orphaned requests"
+        return ""
+
+    @property
+    def healthy(self) -> bool:
+        return not self.unhealthy_reason
+
+    def busy_reason(self, loop_s: float, engine_s: float) -> str:
+        """Why the worker is behind: its event loop by more than ``loop_s``, or its engine's
+        last report older than ``engine_s`` ("" if neither; 0: that check is off)."""
+        load = self.load
+        if loop_s and load.loop_lag_s > loop_s:
+            return f"its event loop is {load.loop_lag_s:.1f} s behind (--busy-lag {loop_s:g} s)"
+        if engine_s and load.engine_report_age_s > engine_s:
+            return (f"its engine's last load report is {load.engine_report_age_s:.1f} s old "
+                    f"(--busy-engine-age {engine_s:g} s)")
+        return ""
+
+
+class Registry:
+    def __init__(self, *, heartbeat_timeout_s: float, served_model: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, busy_lag_s: float = 0.0,
+                 busy_engine_s: float = 0.0) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        # a worker this far behind gets no new requests (router/config.py; 0: off)
+        self.busy_lag_s = busy_lag_s
+        self.busy_engine_s = busy_engine_s
+        self.served_model = served_model  # display name workers must serve; None: any
+        self._clock = clock
+        self._workers: dict[str, WorkerInfo] = {}
+        # Called with (worker, reason) after a worker leaves (dropped or replaced).
+        self.on_drop: list[Callable[[WorkerInfo, str], None]] = []
+        # Called after any change that may flip cluster health.
+        self.on_change: list[Callable[[], None]] = []
+        # While a role change runs, a cluster that cannot serve for a moment (the only pair
+        # is being rebuilt) is expected back: new requests wait until this clock time for a
+        # usable worker instead of being refused (router/requests/health.py wait_until_serving).
+        self.hold_until = 0.0
+        self.held = 0  # requests waiting on hold_until now
+        # The router loop's liveness ticks (``tick``): the last one, its period (0: none yet),
+        # how late the last one ran, and every lateness credited to the workers so far.
+        self._ticked = 0.0
+        self._tick_period = 0.0
+        self.loop_lag_s = 0.0
+        self.stall_credit_s = 0.0
+
+    def clock(self) -> float:
+        return self._clock()
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def register(self, *, worker_id: str, role: int, address: str, kv_address: str = "",
+                 model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
+                 load: common_pb2.WorkerLoad | None = None, version: str = "",
+                 tp_size: int = 1) -> WorkerInfo:
+        if not worker_id:
+            raise RegistrationError("worker_id: must not be empty")
+        if role not in ROLE_NAMES:
+            raise RegistrationError(f"role: must be producer, consumer or colocated, got {role}")
+        if not address:
+            raise RegistrationError("address: must not be empty")
+        if role == CONSUMER and not kv_address:
+            raise RegistrationError("kv_address: a consumer must advertise its KV address")
+        if not 1 <= tp_size <= 256:
+            raise RegistrationError(f"tp_size: must be in [1, 256], got {tp_size}")
+        if max_model_len < 1:
+            raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
+        if self.served_model is not None and model != self.served_model:
+            raise RegistrationError(
+                f"model: worker {worker_id} serves {model!r} but this router serves "
+                f"{self.served_model!r}", precondition=True)
+        if role in (PRODUCER, CONSUMER):
+            # Colocated workers never move KV, so only the P/D pools must agree on layout.
+            for w in self._workers.values():
+                if w.worker_id != worker_id and w.role in (PRODUCER, CONSUMER) \
+                        and w.kv_fingerprint != kv_fingerprint:
+                    raise RegistrationError(
+                        f"kv_fingerprint: {ROLE_NAMES[role]} {worker_id} has "
+                        f"{kv_fingerprint!r} but {w.role_name} {w.worker_id} has "
+                        f"{w.kv_fingerprint!r}; producers and consumers must share the KV "
+                        f"layout (model, dtype, block size)", precondition=True)
+        old = self._workers.get(worker_id)
+        info = WorkerInfo(worker_id=worker_id, role=role, address=address, kv_address=kv_address,
+                          model=model, kv_fingerprint=kv_fingerprint,
+                          max_model_len=max_model_len, load=_copy_load(load),
+                          last_heartbeat=self._clock(), version=version, tp_size=tp_size)
+        self._workers[worker_id] = info
+        if old is not None:
+            # A restart under the same id: requests on the old incarnation are gone with it.
+            info.dispatched = old.dispatched
+            self._notify_drop(old, f"worker {worker_id} re-registered")
+        self._notify_change()
+        return info
+
+    def heartbeat(self, worker_id: str, load: common_pb2.WorkerLoad | None) -> bool:
+        """False when the worker is unknown (dropped): it must register again."""
+        w = self._workers.get(worker_id)
+        if w is None or self._expired(w, self._clock()):
+            return False
+        was_healthy = w.healthy
+        w.load = _copy_load(load)
+        w.last_heartbeat = self._clock()
+        if w.healthy != was_healthy:
+            self._notify_change()
+        return True
+
+    def tick(self, period_s: float) -> float:
+        """The router's loop ran its liveness tick, meant every ``period_s``. Returns how late
+        it ran and credits every worker that much heartbeat age: a loop that stalled for 4 s
+        processed no heartbeat in that time, and silence it caused is no worker's."""
+        now = self._clock()
+        late = max(0.0, now - self._ticked - self._tick_period) if self._tick_period else 0.0
+        self._ticked, self._tick_period = now, period_s
+        self.loop_lag_s = late
+        if late > 0:
+            self.stall_credit_s += late
+            for w in self._workers.values():
+                w.last_heartbeat = min(now, w.last_heartbeat + late)
+        return late
+
+    def sweep(self) -> list[WorkerInfo]:
+        """Drops every worker whose last heartbeat is older than the timeout, and every
+        worker that left (Deregister done) once the router's requests on it ended."""
+        now = self._clock()
+        dropped = [w for w in self._workers.values() if self._expired(w, now)]
+        for w in dropped:
+            del self._workers[w.worker_id]
+            self._notify_drop(w, f"worker {w.worker_id} ({w.role_name} at {w.address}) "
+                                 f"stopped heartbeating ({self.heartbeat_timeout_s:g} s)")
+        for w in [w for w in self._workers.values() if w.left and w.inflight <= 0]:
+            self.remove(w.worker_id, f"worker {w.worker_id} deregistered ({w.drain_reason})")
+        if dropped:
+            self._notify_change()
+        return dropped
+
+    def drain(self, worker_id: str, reason: str) -> bool:
+        """Stops placing new requests on the worker; those it runs go on. False: unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        if not w.draining:
+            w.draining, w.drain_reason = True, reason
+            self._notify_change()
+        return True
+
+    def leave(self, worker_id: str, reason: str) -> bool:
+        """The worker is gone once the router's last request on it ends (at once if none:
+        a drained worker's final stream messages can still be on their way here, and
+        dropping it first would fail those requests). False: unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        self.drain(worker_id, reason)
+        w.left = True
+        if w.inflight <= 0:
+            self.remove(worker_id, reason)
+        return True
+
+    def order_role_change(self, worker_id: str, role: int) -> WorkerInfo:
+        """Drains the worker and records the role it must come back in (``orders``)."""
+        if role not in ROLE_NAMES:
+            raise RegistrationError(f"role: must be producer, consumer or colocated, got {role}")
+        w = self._workers.get(worker_id)
+        if w is None:
+            raise RegistrationError(f"worker_id: {worker_id!r} is not registered")
+        w.target_role = role
+        self.drain(worker_id, f"changing role to {ROLE_NAMES[role]}")
+        return w
+
+    def orders(self, worker_id: str) -> int:
+        """The role the router wants this worker to move to (0: none)."""
+        w = self._workers.get(worker_id)
+        return w.target_role if w is not None else 0
+
+    def remove(self, worker_id: str, reason: str) -> None:
+        w = self._workers.pop(worker_id, None)
+        if w is not None:
+            self._notify_drop(w, reason)
+            self._notify_change()
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def usable(self, role: int) -> list[WorkerInfo]:
+        """Workers of ``role`` that may take a new request: heartbeating, healthy and not
+        draining (the one place placement learns a worker is leaving)."""
+        now = self._clock()
+        return [w for w in self._workers.values()
+                if w.role == role and w.healthy and not w.draining and not self._expired(w, now)]
+
+    def placeable(self, role: int) -> list[WorkerInfo]:
+        """Usable workers that keep up: where new requests go (busy ones keep theirs)."""
+        return [w for w in self.usable(role) if not self.busy_reason(w)]
+
+    def busy(self) -> list[WorkerInfo]:
+        """Usable workers that are behind, by worker id."""
+        return sorted((w for r in ROLE_NAMES for w in self.usable(r)
+                       if self.busy_reason(w)), key=lambda w: w.worker_id)
+
+    def busy_reason(self, w: WorkerInfo) -> str:
+        """Why ``w`` is busy under this router's bounds ("" when it keeps up)."""
+        return w.busy_reason(self.busy_lag_s, self.busy_engine_s)
+
+    def serving(self) -> bool:
+        """A request can be placed: a producer with a consumer, or a colocated worker."""
+        return bool(self.usable(COLOCATED)) or (
+            bool(self.usable(PRODUCER)) and bool(self.usable(CONSUMER)))
+
+    def max_model_len(self) -> int:
+        """The longest sequence every usable worker accepts (0 when none is usable)."""
+        lens = [w.max_model_len for r in ROLE_NAMES for w in self.usable(r)]
+        return min(lens) if lens else 0
+
+    def heartbeat_age(self, w: WorkerInfo) -> float:
+        return max(0.0, self._clock() - w.last_heartbeat)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _expired(self, w: WorkerInfo, now: float) -> bool:
+        return now - w.last_heartbeat - self._stalled(now) > self.heartbeat_timeout_s
+
+    def _stalled(self, now: float) -> float:
+        """How long the loop has been stalled now: the time past an overdue tick (the tick
+        credits it once it runs)."""
+        if not self._tick_period:
+            return 0.0
+        return max(0.0, now - self._ticked - self._tick_period)
+
+    def _notify_drop(self, w: WorkerInfo, reason: str) -> None:
+        for cb in list(self.on_drop):
+            cb(w, reason)
+
+    def _notify_change(self) -> None:
+        for cb in list(self.on_change):
+            cb()
+
+
+def _copy_load(load: common_pb2.WorkerLoad | None) -> common_pb2.WorkerLoad:
+    out = common_pb2.WorkerLoad()
+    if load is not None:
+        out.CopyFrom(load)
+    return out

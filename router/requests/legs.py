@@ -1,0 +1,273 @@
+"""The two legs of a request: readers that turn worker streams into events.
+
+A leg only reads its stream and reports what it saw (``Report``); it decides nothing.
+The request's run (``router.requests.request_run``) receives every report, so ordering questions
+(token 0 vs. the consumer's tokens, a transfer failure vs. a dead consumer) and the
+pairing step (forwarding the consumer's reservation to the producer) live in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+from router.control.registry import WorkerInfo
+from router.requests.run_events import (
+    DecodeEnded,
+    Event,
+    LegFailed,
+    ProducerEnded,
+    Reserved,
+    Token0Read,
+    TokensRead,
+    TransferRead,
+)
+from router.requests.worker_outputs import OutputsBroken, WorkerOutputs
+
+log = logging.getLogger(__name__)
+
+
+Report = Callable[[Event], None]  # where a leg sends what it read
+
+
+def describe_rpc_error(worker: WorkerInfo, e: BaseException) -> tuple[grpc.StatusCode | None, str]:
+    if isinstance(e, grpc.aio.AioRpcError):
+        code = e.code()
+        return code, (f"{worker.role_name} {worker.worker_id} ({worker.address}) failed: "
+                      f"{code.name}: {e.details() or 'no details'}")
+    return None, f"{worker.role_name} {worker.worker_id} ({worker.address}) failed: {e!r}"
+
+
+async def abort_on_worker(stub: worker_pb2_grpc.WorkerStub, w: WorkerInfo, request_id: str,
+                          timeout_s: float) -> None:
+    """Worker.Abort, so the worker frees what it holds for the request; failures are logged
+    (a dead worker frees everything anyway)."""
+    t0 = time.monotonic()
+    try:
+        await stub.Abort(worker_pb2.WorkerAbortRequest(request_id=request_id), timeout=timeout_s)
+    except grpc.aio.AioRpcError as e:
+        log.info("Abort(%s) on %s %s failed after %.2f s: %s", request_id, w.role_name,
+                 w.worker_id, time.monotonic() - t0, e.code().name)
+
+
+class Leg:
+    """What both legs share: the worker, its call, and the task that reads the call."""
+
+    def __init__(self, worker: WorkerInfo, call: Any, report: Report) -> None:
+        self.worker = worker
+        self.call = call
+        self.task: asyncio.Task[None] | None = None
+        self._report_event = report
+
+    @property
+    def reading(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def cancel(self) -> None:
+        """Ends the call now: the worker sees its stream cancelled (never awaits)."""
+        if self.call is not None:  # a DecodeLeg makes its call once its mode is known
+            self.call.cancel()
+        if self.task is not None:
+            self.task.cancel()
+
+    async def linger(self, bound_s: float) -> None:
+        """Lets a leg that did its part close its stream by itself, within a bound.
+
+        Cancelling at once would look like an abort to the worker (a producer still waiting
+        for the consumer's ack, or a consumer about to send its status).
+        """
+        if self.task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), bound_s)
+        except (TimeoutError, asyncio.CancelledError):
+            self.cancel()
+
+    def _start(self, coro: Coroutine[Any, Any, None]) -> None:
+        self.task = asyncio.get_running_loop().create_task(coro)
+
+
+class ProducerLeg(Leg):
+    """The bidi Prefill stream: request first, destination when the consumer reserved."""
+
+    def __init__(self, worker: WorkerInfo, call: Any, report: Report) -> None:
+        super().__init__(worker, call, report)  # call: grpc.aio.StreamStreamCall
+        self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
+        self._closed_writing = False
+        self._holding: asyncio.Task[None] | None = None  # hold_until_reserved, kept alive
+
+    def start(self, request: worker_pb2.PrefillRequest,
+              hold: tuple[DecodeLeg, float, Callable[[], bool]] | None = None) -> None:
+        """``hold``: (the consumer's leg, interval, the run ended?) for hold_until_reserved."""
+        self._start(self._read(request))
+        if hold is not None:  # it ends by itself: paired, the run ended, or a leg gone
+            self._holding = asyncio.get_running_loop().create_task(
+                hold_until_reserved(self, *hold))
+
+    async def linger(self, bound_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + bound_s
+        # bounded too: the half-close waits for the write lock (a destination write may
+        # hold it), and an unbounded wait here skipped the cancel
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.half_close(), bound_s)
+        await super().linger(max(0.0, end - loop.time()))
+
+    async def _read(self, request: worker_pb2.PrefillRequest) -> None:
+        try:
+            await self._write(worker_pb2.PrefillInput(request=request))
+            while True:
+                out = await self.call.read()
+                if out is grpc.aio.EOF:
+                    self._report_event(ProducerEnded())
+                    return
+                kind = out.WhichOneof("kind")
+                if kind == "token0":
+                    self._report_event(Token0Read(out.token0))
+                elif kind == "transfer":
+                    self._report_event(TransferRead(out.transfer))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
+            await self._report(e)
+
+    async def send_destination(self, dest: worker_pb2.KVDestination) -> None:
+        """Forwards the consumer's reservation, then half-closes: nothing else will follow."""
+        try:
+            await self._write(worker_pb2.PrefillInput(destination=dest))
+            await self.half_close()
+        except Exception:  # noqa: BLE001 - the read side reports the call's real status
+            pass
+
+    @property
+    def paired(self) -> bool:
+        """The destination went out (and the input was closed): no more holds."""
+        return self._closed_writing
+
+    async def hold(self, consumer_id: str) -> None:
+        """The consumer is alive and its reservation waits: the producer keeps the blocks."""
+        await self._write(worker_pb2.PrefillInput(
+            queued=worker_pb2.ReservationQueued(consumer_id=consumer_id)))
+
+    async def half_close(self) -> None:
+        async with self._write_lock:
+            if not self._closed_writing and not self.call.done():
+                self._closed_writing = True
+                await self.call.done_writing()
+
+    async def _write(self, msg: worker_pb2.PrefillInput) -> None:
+        async with self._write_lock:
+            if self._closed_writing:
+                return
+            await self.call.write(msg)
+
+    async def _report(self, e: BaseException) -> None:
+        if not isinstance(e, grpc.aio.AioRpcError):
+            # A write on a failed call raises a generic error; the call's status says why.
+            try:
+                code = await asyncio.wait_for(self.call.code(), 1.0)
+                details = await self.call.details()
+                msg = (f"{self.worker.role_name} {self.worker.worker_id} "
+                       f"({self.worker.address}) failed: {code.name}: {details}")
+                self._report_event(LegFailed(self.worker, code, msg))
+                return
+            except Exception:  # noqa: BLE001
+                pass
+        code, msg = describe_rpc_error(self.worker, e)
+        self._report_event(LegFailed(self.worker, code, msg))
+
+
+class DecodeLeg(Leg):
+    """The Decode stream of a consumer (reserved, then tokens) or a colocated worker.
+
+    With the worker's Outputs stream (``outputs``), the tokens come from it, demultiplexed
+    by request id, and the Decode stream carries only the reservation and, last, ``done``
+    with the batch that held the final tokens; without it (an older worker) the Decode
+    stream carries the tokens itself.
+    """
+
+    def __init__(self, worker: WorkerInfo, stub: worker_pb2_grpc.WorkerStub,
+                 request: worker_pb2.DecodeRequest, outputs: WorkerOutputs | None,
+                 report: Report) -> None:
+        super().__init__(worker, None, report)  # call: made once the mode is known
+        self._stub = stub
+        self._request = request
+        self._outputs = outputs
+
+    def start(self) -> None:
+        self._start(self._read())
+
+    # Route: what the worker's Outputs stream calls
+    def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
+        self._report_event(TokensRead(tokens))
+
+    def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
+        w = self.worker
+        self._report_event(LegFailed(
+            w, code or grpc.StatusCode.UNAVAILABLE,
+            f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}"))
+
+    async def _read(self) -> None:
+        rid = self._request.request_id
+        outputs = self._outputs
+        batched = False
+        try:
+            if outputs is not None:
+                try:
+                    batched = await outputs.ready()
+                except OutputsBroken as e:
+                    self.on_outputs_broken(e.code, str(e))
+                    return
+            if batched:
+                assert outputs is not None
+                outputs.route(rid, self)
+                self._request.subscriber_id = outputs.subscriber_id
+            self.call = self._stub.Decode(self._request)
+            async for out in self.call:
+                kind = out.WhichOneof("kind")
+                if kind == "reserved":
+                    dest = worker_pb2.KVDestination(consumer_id=self.worker.worker_id,
+                                                    kv_address=out.reserved.kv_address
+                                                    or self.worker.kv_address,
+                                                    block_ids=out.reserved.block_ids)
+                    self._report_event(Reserved(dest))
+                elif kind == "tokens":
+                    self._report_event(TokensRead(out.tokens))
+                elif kind == "done" and outputs is not None:
+                    # the last tokens are in that batch: hand them on before the end
+                    await outputs.caught_up(out.done.final_seq)
+            self._report_event(DecodeEnded())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
+            code, msg = describe_rpc_error(self.worker, e)
+            self._report_event(LegFailed(self.worker, code, msg))
+        finally:
+            if batched and outputs is not None:
+                outputs.unroute(rid)
+
+
+async def hold_until_reserved(producer: ProducerLeg, decode: DecodeLeg, interval_s: float,
+                              done: Callable[[], bool]) -> None:
+    """Until the destination went to the producer (or ``done()``: the run ended), renews its
+    lease on the prefilled blocks while the consumer's stream is open. A consumer that stops
+    heartbeating is dropped by the registry, which ends the attempt and so the renewals: the
+    producer then frees the blocks within its lease."""
+    try:
+        while True:
+            await asyncio.sleep(interval_s)
+            if (done() or producer.paired or not decode.reading
+                    or not producer.reading):
+                return
+            await producer.hold(decode.worker.worker_id)
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - the leg's reader reports the call's failure
+        return
