@@ -17,10 +17,30 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.block_manager import BlockAccounting, BlockManager
+from engine.config import EngineConfig
+from engine.prefix_cache import PrefixCache
 from engine.request import Request
 from engine.scheduler import Scheduler, SchedulerOutput
 
 FLAG = "dp_rank"
+
+
+def make_scheduler(config: EngineConfig, blocks: BlockManager,
+                   max_model_len: int) -> Scheduler | DPScheduler:
+    """The engine's scheduler over ``blocks``; with data-parallel attention, slot 0 over
+    ``blocks`` and one more slot per other group, each over its own pool of the same size
+    (it lives on that group's ranks)."""
+
+    def slot(pool: BlockManager) -> Scheduler:
+        return Scheduler(pool, config.max_num_seqs, config.max_num_batched_tokens,
+                         config.max_waiting, max_model_len)
+
+    if config.data_parallel_size == 1:
+        return slot(blocks)
+    return DPScheduler([slot(blocks)] + [
+        slot(BlockManager(blocks.num_blocks, blocks.block_size,
+                          PrefixCache() if config.enable_prefix_caching else None))
+        for _ in range(1, config.data_parallel_size)])
 
 
 class DPScheduler:

@@ -19,7 +19,7 @@ import torch
 from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
-from engine.dp_scheduler import DPScheduler
+from engine.dp_scheduler import make_scheduler
 from engine.kv_layout import KVLayout, kv_shape_of
 from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
@@ -30,7 +30,7 @@ from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.sim_runner import make_runner
 from engine.stop_check import check_stop, streamable_len
 
@@ -80,18 +80,7 @@ class LLMEngine(PrefixCacheQueries):
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    PrefixCache() if config.enable_prefix_caching else None)
         self.prefix_model_key = self.layout.fingerprint()
-        self.scheduler: Scheduler | DPScheduler = Scheduler(
-            self.blocks, config.max_num_seqs, config.max_num_batched_tokens,
-            config.max_waiting, self.max_model_len)
-        if config.data_parallel_size > 1:
-            # one slot per attention group, each over its own pool of the same size (it
-            # lives on that group's ranks); self.blocks is slot 0's
-            self.scheduler = DPScheduler([self.scheduler] + [
-                Scheduler(BlockManager(num_blocks, config.block_size,
-                                       PrefixCache() if config.enable_prefix_caching else None),
-                          config.max_num_seqs, config.max_num_batched_tokens,
-                          config.max_waiting, self.max_model_len)
-                for _ in range(1, config.data_parallel_size)])
+        self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
@@ -160,20 +149,17 @@ class LLMEngine(PrefixCacheQueries):
         prior_output_ids: a migrated request's tokens its client already has; they are
         prefilled with the prompt and generation goes on after them as if it never stopped
         (same positions, penalties, min/max_tokens and stop state).
-
-        dp_rank: under data-parallel attention, the group that serves it (None: the least
-        loaded); ValueError for a group this engine does not have."""
+        dp_rank: the attention data-parallel group to serve it (None: the least loaded)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED,
                                 prior_output_ids, cache_salt)
-        self._place(req, dp_rank)
+        self.scheduler.place(req, dp_rank)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
 
     def add_remote(self, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, prior_output_ids: list[int] | None = None,
-                   cache_salt: str | None = None, reuse_cached: bool = False,
-                   dp_rank: int | None = None) -> None:
+                   cache_salt: str | None = None, reuse_cached: bool = False) -> None:
         """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
         in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
@@ -182,7 +168,6 @@ class LLMEngine(PrefixCacheQueries):
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
                                 prior_output_ids, cache_salt)
         req.reuse_cached = reuse_cached
-        self._place(req, dp_rank)
         self.scheduler.add_remote(req)
         self.requests[request_id] = req
 
@@ -199,21 +184,6 @@ class LLMEngine(PrefixCacheQueries):
         self._land(req, first_token, first_logprob)
         self.scheduler.cache_written(req, req.num_tokens)  # the transfer is done
         self.scheduler.kv_landed(req)
-
-    def _place(self, req: Request, dp_rank: int | None) -> None:
-        if isinstance(self.scheduler, DPScheduler):
-            self.scheduler.place(req, dp_rank)
-        elif dp_rank not in (None, 0):
-            raise ValueError(f"dp_rank: this engine has one attention group, got {dp_rank!r}")
-
-    def dp_loads(self) -> list[dict[str, int]]:
-        """Per attention data-parallel group: waiting, running, free and total KV blocks
-        (one entry without data-parallel attention)."""
-        if isinstance(self.scheduler, DPScheduler):
-            return self.scheduler.loads()
-        acc = self.blocks.accounting()
-        return [{"waiting": len(self.scheduler.waiting), "running": len(self.scheduler.running),
-                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total}]
 
     def _land(self, req: Request, first_token: int, first_logprob: LogprobRow | None) -> None:
         if req.params.logprobs is not None and first_logprob is None:
@@ -310,20 +280,17 @@ class LLMEngine(PrefixCacheQueries):
         return self.scheduler.has_work() or self._inflight is not None
 
     def block_accounting(self) -> BlockAccounting:
-        if isinstance(self.scheduler, DPScheduler):
-            return self.scheduler.accounting()
-        return self.blocks.accounting()
+        return self.scheduler.accounting()
 
     def _free(self, req: Request, block_ids: list[int]) -> None:
         """Frees now, or when the newest launched step that may write them has been read
         (deferred output: a step is launched before the previous one is read, and on a GPU
         a KV transfer into a reused block is not ordered after that step's writes)."""
         last = max((i for i, w in self._unread.items() if req.request_id in w), default=None)
-        pool = self.scheduler.pool(req)
         if last is None:
-            pool.free(block_ids)
+            self.scheduler.pool(req).free(block_ids)
         else:
-            self._free_after.setdefault(last, []).append((pool, block_ids))
+            self._free_after.setdefault(last, []).append((self.scheduler.pool(req), block_ids))
 
     # ---- the step --------------------------------------------------------------------------
 

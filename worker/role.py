@@ -84,7 +84,7 @@ class RoleHandler(abc.ABC):
         """Each attention data-parallel group's own queues and pool (none for one group)."""
         if self.engine.config.data_parallel_size == 1:
             return {}
-        return {"dp_ranks": self.engine.dp_loads()}
+        return {"dp_ranks": self.engine.scheduler.loads()}
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),

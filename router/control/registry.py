@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.v1 import common_pb2
 
@@ -60,6 +60,9 @@ class WorkerInfo:
     dispatched: int = 0  # total dispatched to it, for status and tests
     version: str = ""  # pdserve version it runs (from Register)
     tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
+    # requests sent to each attention data-parallel group since the last heartbeat
+    # (router/control/dp_placement.py)
+    dp_sent: list[int] = field(default_factory=list)
     draining: bool = False  # takes no new requests (deregistered, or changing role)
     drain_reason: str = ""
     target_role: int = 0  # a role change the router ordered (0: none)
@@ -175,6 +178,7 @@ class Registry:
             return False
         was_healthy = w.healthy
         w.load = _copy_load(load)
+        w.dp_sent = []  # the new load counts what was sent before it
         w.last_heartbeat = self._clock()
         if w.healthy != was_healthy:
             self._notify_change()

@@ -91,14 +91,14 @@ def test_each_group_is_its_own_slot(models):
     with LLM(path, tensor_parallel_size=2, data_parallel_size=2, num_kv_blocks=24,
              **KW) as llm:
         eng = llm.engine
-        loads = eng.dp_loads()
+        loads = eng.scheduler.loads()
         assert [ld["kv_blocks_total"] for ld in loads] == [24, 24]
         for i, p in enumerate(PROMPTS):
             eng.add_request(f"r{i}", p, GREEDY, dp_rank=1)
-        loads = eng.dp_loads()
+        loads = eng.scheduler.loads()
         assert (loads[0]["waiting"], loads[1]["waiting"]) == (0, len(PROMPTS))
         eng.step()
-        loads = eng.dp_loads()
+        loads = eng.scheduler.loads()
         assert loads[0]["kv_blocks_free"] == 24 and loads[1]["kv_blocks_free"] < 24
         assert loads[1]["running"] >= 1 and loads[0]["running"] == 0
         acc = eng.block_accounting()
@@ -109,7 +109,7 @@ def test_each_group_is_its_own_slot(models):
                 got.setdefault(o.request_id, []).extend(o.new_token_ids)
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == want
         assert eng.num_preemptions > 0  # 4 requests of up to ~40 tokens in 24 blocks of 4
-        assert eng.dp_loads()[1]["kv_blocks_free"] == 24  # every block came back
+        assert eng.scheduler.loads()[1]["kv_blocks_free"] == 24  # every block came back
 
 
 def test_seeded_sampling_is_the_same_on_any_group(models):
