@@ -78,7 +78,9 @@ SHAPES = {"qwen3": ("Qwen3-30B-A3B shape, dummy", QWEN3_30B_A3B),
 # compiles for sm_90 without register spills (ptxas -v, as tests/kernels/test_moe_sm90.py)
 CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
               (16, 128, 64, 4, 3), (16, 64, 128, 8, 4), (32, 64, 64, 8, 3),
-              (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3)]
+              (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3),
+              # wider K or N for batch-1 streaming (not spill-checked: timing decides)
+              (16, 32, 256, 4, 3), (16, 64, 256, 8, 2), (16, 128, 128, 8, 3)]
 
 
 def matmul_tflops() -> float:
@@ -184,7 +186,8 @@ def kv_values_per_token(cfg: Any) -> int:
     return 2 * cfg.num_kv_heads * cfg.head_dim
 
 
-def mla_kernel_point(model: Any, batch: int, context: int, hbm: float) -> dict[str, Any]:
+def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
+                     tiles: dict[str, int] | None = None) -> dict[str, Any]:
     """The paged MLA decode kernel alone over every layer (one graph): ``batch`` requests
     of ``context`` tokens each, on one latent cache the size of one layer's."""
     from decode_bench import graph_time_ms
@@ -207,7 +210,8 @@ def mla_kernel_point(model: Any, batch: int, context: int, hbm: float) -> dict[s
 
     def run() -> None:
         for _ in range(cfg.num_layers):
-            mla_decode(q, kv, tables, lens, scale, c, out, max_seq_len=context)
+            mla_decode(q, kv, tables, lens, scale, c, out, max_seq_len=context,
+                       **(tiles or {}))
 
     ms = graph_time_ms(run)
     nbytes = cfg.num_layers * batch * context * (c + r) * 2
@@ -280,6 +284,34 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
             "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
 
 
+def tune_mla(model: Any, hbm: float, points: list[tuple[int, int]]) -> dict[str, Any]:
+    """Times MLA decode tile candidates (rows per tile, warps, stages, and the split count
+    against the heuristic's) per (batch, context); returns every timing and the best."""
+    from kernels.triton_mla_decode import choose_num_splits
+
+    out: dict[str, Any] = {}
+    for b, ctx in points:
+        base = choose_num_splits(b, 1, ctx, torch.device("cuda"))
+        rows = []
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    for splits in sorted({max(1, base // 2), base, min(64, base * 2)}):
+                        tiles = {"block_n": block_n, "num_warps": warps,
+                                 "num_stages": stages, "num_splits": splits}
+                        try:
+                            p = mla_kernel_point(model, b, ctx, hbm, tiles)
+                        except Exception as e:  # a tile that does not fit: skip it
+                            print("tune-mla", b, ctx, tiles, repr(e)[:100], flush=True)
+                            continue
+                        rows.append({**tiles, "ms": p["kernel_ms_all_layers"],
+                                     "fraction_of_hbm_read": p["fraction_of_hbm_read"]})
+                        print("tune-mla", b, ctx, rows[-1], flush=True)
+        rows.sort(key=lambda r: r["ms"])
+        out[f"{b}x{ctx}"] = {"heuristic_splits": base, "best": rows[:5]}
+    return out
+
+
 def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
     """Times each tile candidate per batch; returns the moe_configs.json entry."""
     best: dict[str, Any] = {}
@@ -311,6 +343,8 @@ def main() -> None:
     ap.add_argument("--hf-batches", default="", help="e.g. 1,8: transformers' static-cache "
                     "decode at context 512 (loads a second copy of the model)")
     ap.add_argument("--tune", action="store_true", help="time tile candidates only")
+    ap.add_argument("--tune-mla", action="store_true",
+                    help="time MLA decode tile candidates only (an MLA --shape)")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
     from decode_bench import hbm_read_tbps, hf_static_ms
@@ -346,7 +380,10 @@ def main() -> None:
     model = engine.runner.model
     result["dense_weight_bytes"] = dense_weight_bytes(model)
     result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
-    if args.tune:
+    if args.tune_mla:
+        result["tuned_mla"] = tune_mla(model, hbm, [(b, c) for c in contexts for b in batches])
+        print(json.dumps(result["tuned_mla"], indent=1))
+    elif args.tune:
         result["tuned"] = tune(model, hbm, batches)
         print(json.dumps(result["tuned"], indent=1))
     else:

@@ -15,7 +15,9 @@ sized for the block table's capacity and each request spreads its own context ov
 splits on the device (at least MIN_SPLIT_TOKENS each), as triton_decode_attention does.
 A request of length 0 (a graph's padding row) gets zeros.
 
-Tiles are first choices, not tuned on a GPU yet (the issue's bench/moe_bench.py will).
+Tiles and the split count are tuned on an H200 at DeepSeek-V2-Lite's shape (16 heads,
+latent 512 + 64, bf16; ``bench/moe_bench.py --shape v2lite --tune-mla``,
+bench/results/mla_tune_h200.json).
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ LOG2E = 1.4426950408889634
 
 BLOCK_N = 32  # latent rows per inner-loop tile (a [32, 512] bf16 tile is 32 KiB)
 NUM_STAGES = 2
-# 8 warps: at 4, a 16-head block's [16, 512] float32 accumulator and its latent tile spill
-# registers (ptxas, sm_90: 120 bytes); at 8 neither 16 nor 32 heads spill
-# (tests/kernels/test_mla_sm90.py). Not yet timed on a GPU.
-NUM_WARPS = 8
+# Warps per program by heads per program. At 4 warps a 16-head block spills 120 bytes of
+# registers (ptxas, sm_90) and is still the fastest measured on an H200: batch 32 x 4096
+# tokens 1.69 ms for 27 layers against 2.99 ms at 8 warps (with the split count below);
+# 32 heads keep 8 warps, which do not spill (tests/kernels/test_mla_sm90.py).
+NUM_WARPS = {16: 4, 32: 8}
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
-PROGRAMS_PER_SM = 8
+# Two programs per SM: more splits only add merge traffic (H200, 16 heads: batch 32 best
+# at 8 splits, 128 at 4; at 8 programs per SM the heuristic gave 16 and 9).
+PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
 
@@ -200,7 +205,7 @@ def mla_decode(
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
     block_n: int = BLOCK_N,
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,  # None: NUM_WARPS for the head block
     num_stages: int = NUM_STAGES,
 ) -> torch.Tensor:
     check(q.dim() == 3, "q: expected [B, H, C + R]")
@@ -230,6 +235,8 @@ def mla_decode(
     if block_h is None:
         block_h = 16 if heads <= 16 else 32
     head_blocks = triton.cdiv(heads, block_h)
+    if num_warps is None:
+        num_warps = NUM_WARPS.get(block_h, 8)
     dyn = max_seq_len is None
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs

@@ -1,8 +1,8 @@
 """The MLA decode, merge and latent-store kernels compile for an H200 (sm_90) without a GPU,
 at DeepSeek's latent (512 + 64, bf16) and the launcher's default tiles, with no register
-spills: ptxas from Triton's wheel, in a child process (the kernel tests' conftest runs
-Triton in its interpreter, which compiles nothing). The interpreter tests check values;
-this catches what only the compiler sees."""
+spills past the measured exception below: ptxas from Triton's wheel, in a child process
+(the kernel tests' conftest runs Triton in its interpreter, which compiles nothing). The
+interpreter tests check values; this catches what only the compiler sees."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ for block_h in (16, 32):  # the launcher's choices: up to 16 heads, and more
         out[f"decode/h{block_h}/split{int(split)}"] = spills(m._mla_decode_kernel, DEC, dict(
             C=512, R=64, CP=512, RP=64, BLOCK_H=block_h, BS=64, BLOCK_N=m.BLOCK_N,
             SPLIT=split, COMPUTE=tl.bfloat16, IEEE=False, DYN=split),
-            num_warps=m.NUM_WARPS, num_stages=m.NUM_STAGES)
+            num_warps=m.NUM_WARPS[block_h], num_stages=m.NUM_STAGES)
 out["merge"] = spills(m._mla_merge_kernel, {
     "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i64",
     "s_ob": "i32", "s_oh": "i32", "split_len": "i32", "num_splits": "i32"},
@@ -33,8 +33,14 @@ out["store_latent"] = spills(s._store_latent_kernel, {
 '''
 
 
+# 16 heads at 4 warps spill this much and are still the fastest tiles measured on an H200
+# (kernels/triton_mla_decode.py NUM_WARPS); anything more is a regression to look at
+ACCEPTED = {"decode/h16/split0": 128, "decode/h16/split1": 128}
+
+
 @pytest.mark.slow
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     found = spill_bytes(BODY)
     assert len(found) == 6
-    assert {k: v for k, v in found.items() if v} == {}, found
+    over = {k: v for k, v in found.items() if v > ACCEPTED.get(k, 0)}
+    assert over == {}, found

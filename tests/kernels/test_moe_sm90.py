@@ -1,7 +1,8 @@
 """The fused MoE kernels compile for an H200 (sm_90) without a GPU, and the tile table's
-default configs need no register spills: ptxas from Triton's wheel, in a child process
-(the kernel tests' conftest runs Triton in its interpreter, which compiles nothing). The
-interpreter tests check values; this catches what only the compiler sees."""
+default configs need no register spills (the H200's tuned ones at most a measured few):
+ptxas from Triton's wheel, in a child process (the kernel tests' conftest runs Triton in
+its interpreter, which compiles nothing). The interpreter tests check values; this
+catches what only the compiler sees."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ GU = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i3
 DN = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "sorted_ptr": "*i32",
       "bexp_ptr": "*i32", "tw_ptr": "*fp32", "N": "i32", "H": "i32", "INTER": "i32",
       "s_a": "i32", "s_we": "i32", "s_wn": "i32", "s_o": "i32"}
-for bucket, c in json.load(open(m.CONFIG_FILE))["configs"]["default"].items():
+table = json.load(open(m.CONFIG_FILE))["configs"]
+for bucket, c in [(f"{dev}/{b}", c) for dev in ("default", "NVIDIA H200")
+                  for b, c in table[dev].items()]:
     opts = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
     base = dict(BLOCK_M=c["BLOCK_M"], DOT_DTYPE=tl.bfloat16, IEEE=False, EVEN_K=True)
     out[f"gate_up/{bucket}"] = spills(m._gate_up_kernel, GU, dict(
@@ -42,8 +45,15 @@ out["sum"] = spills(m._sum_topk_kernel, {
 '''
 
 
+# the H200's decode tiles (BLOCK_N 128 x BLOCK_K 128) spill this little (bytes, per kernel)
+# and are still the fastest measured there (kernels/moe_configs.json); more is a regression
+H200_ACCEPTED = {"gate_up": 128, "down": 32}
+
+
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90_without_spills() -> None:
     spills = spill_bytes(BODY)
-    assert len(spills) == 13
-    assert {k: v for k, v in spills.items() if v} == {}, spills
+    assert len(spills) == 23
+    over = {k: v for k, v in spills.items()
+            if v > (H200_ACCEPTED[k.split("/")[0]] if "NVIDIA H200" in k else 0)}
+    assert over == {}, spills
