@@ -43,14 +43,9 @@ class ExpertExchange:
         n = x.shape[0]
         assert n <= m, f"{n} tokens on a rank, the step's most is {m}"
         part = x if n == m else torch.cat([x, x.new_zeros(m - n, x.shape[1])])
-        out = x.new_empty(self.ep.size * m, x.shape[1])
-        self.ep.pg._allgather_base(out, part.contiguous()).wait()
-        return out
+        return self.ep.all_gather_rows(part)
 
     def combine(self, y: torch.Tensor, n: int) -> torch.Tensor:
         """y [size * m, H], this rank's partial sums for every rank's rows -> [n, H], the
         full sums for this rank's own n rows."""
-        m = self.step.max_tokens
-        out = y.new_empty(m, y.shape[1])
-        self.ep.pg._reduce_scatter_base(out, y.contiguous()).wait()
-        return out[:n]
+        return self.ep.reduce_scatter_rows(y)[:n]

@@ -67,10 +67,11 @@ class AttentionGroup(TPGroup):
         self.layout = layout
         self.ep = ep
         self.rank, self.size, self.device = layout.attn_rank(ep.rank), a, ep.device
+        self.timeout_s, self.host_staged = ep.timeout_s, ep.host_staged
         if a > 1:  # its own communicator: A ranks under the group's own key prefix
             g = layout.dp_rank(ep.rank)
             sub = TPGroup(dist.PrefixStore(f"attn{g}", store), self.rank, a, ep.device,
-                          ep.timeout_s)
+                          ep.timeout_s, ep.host_staged)
             self.pg = sub.pg
         else:
             self.pg = None

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import SparseMoeBlock
@@ -72,12 +71,8 @@ def _gather_logits(logits: torch.Tensor | None, dp: DPPlan, ep: TPGroup, vocab: 
     part = torch.zeros(most, vocab, dtype=torch.float32, device=device)
     if logits is not None:
         part[:logits.shape[0]] = logits
-    opts = dist.GatherOptions()
-    opts.rootRank = 0
-    if ep.rank != 0:
-        ep.pg.gather([], [part], opts).wait()
+    outs = ep.gather_to_0(part)
+    if outs is None:
         return None
-    outs = [torch.empty_like(part) for _ in range(ep.size)]
-    ep.pg.gather([outs], [part], opts).wait()
     rows = [outs[g * dp.attn_size][:n] for g, n in enumerate(dp.sample_counts)]
     return torch.cat(rows)

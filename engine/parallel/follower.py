@@ -27,7 +27,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.parallel.dp_groups import make_attention_group
 from engine.parallel.dp_plan import DPPlan, run_dp_plan
 from engine.parallel.graph_step import GraphStep, apply_graph_step
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, host_staged
 from engine.parallel.rank_side import RankSide, attach
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.parallel.wire import read_frame, write_frame
@@ -47,7 +47,8 @@ def main(argv: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", a["port"], a["size"], False,
                           timeout=_td(cfg["tp_timeout_s"]))
     group_store = dist.PrefixStore(a["prefix"], store)
-    group = TPGroup(group_store, a["rank"], a["size"], device, cfg["tp_timeout_s"])
+    group = TPGroup(group_store, a["rank"], a["size"], device, cfg["tp_timeout_s"],
+                    host_staged(cfg["extra"]))
     model_group: TPGroup = group
     if cfg["data_parallel_size"] > 1:  # the model's attention group, its experts over all
         model_group = make_attention_group(group, group_store, a["size"],

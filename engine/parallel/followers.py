@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, host_staged
 from engine.parallel.wire import read_frame, write_frame
 
 WATCH_INTERVAL_S = 0.2  # how soon a dead follower aborts rank 0's captured collectives
@@ -87,7 +87,7 @@ class TPFollowers:
             # kept: data-parallel attention builds its groups' communicators on it
             self.group_store = dist.PrefixStore(prefix, self.store)
             self.group = TPGroup(self.group_store, 0, self.size, torch.device(devices[0]),
-                                 self.timeout_s)
+                                 self.timeout_s, host_staged(config.extra))
         except BaseException:
             self._finalizer()
             raise

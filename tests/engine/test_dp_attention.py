@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 from tiny_deepseek import MODELS as DS_MODELS
 from tiny_deepseek import make_tiny_deepseek
 from tiny_models import PROMPTS, make_tiny_model
@@ -162,3 +163,39 @@ def test_a_dying_rank_fails_the_engine_without_hanging(models):
     with pytest.raises(TPRankError):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     llm.close()
+
+
+def _gpu_tokens(path: str, **kw: object) -> tuple[list[list[int]], list[list[int]]]:
+    """(spread, all on group 1) greedy tokens of a DPA-TP2 engine on CUDA, float32."""
+    with LLM(path, device="cuda:0", dtype="float32", tensor_parallel_size=2,
+             data_parallel_size=2, **KW, **kw) as llm:  # type: ignore[arg-type]
+        spread = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+        one = [c.token_ids for c in llm.generate(PROMPTS, GREEDY,
+                                                 dp_ranks=[1] * len(PROMPTS))]
+    return spread, one
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["v3", "qwen3_moe"])
+def test_gpu_dpa_tp2_on_one_gpu_equals_one_rank(models, name):
+    """Both ranks on one GPU (host-staged collectives): the Triton kernels, MoE exchange and
+    logits gather on CUDA tensors give the single-rank engine's tokens."""
+    path = models[name]
+    with LLM(path, device="cuda:0", dtype="float32", **KW) as llm:
+        want = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+    spread, one = _gpu_tokens(path, devices=("cuda:0", "cuda:0"),
+                              extra={"tp_host_staged": True})
+    assert spread == want and one == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("name", ["v3", "qwen3_moe"])
+def test_gpu_dpa_tp2_on_two_gpus_equals_one_rank(models, name):
+    """NCCL between two GPUs."""
+    path = models[name]
+    with LLM(path, device="cuda:0", dtype="float32", **KW) as llm:
+        want = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+    spread, one = _gpu_tokens(path)
+    assert spread == want and one == want
