@@ -69,6 +69,9 @@ class ModelRunner:
         ep = model.ep_group
         self.dp_layout = (DPLayout(ep.size, ep.size // model.shard.size)
                           if ep is not None else None)
+        if self.dp_layout is not None and self.followers is not None \
+                and device.type == "cuda":
+            self.followers.watch()  # an idle group's rank may wait on a dead one: end it now
         if max_num_seqs and max_model_len and self.dp_layout is None:
             max_blocks = -(-max_model_len // block_size)
             use = cuda_graphs and device.type == "cuda" and model.kernels.graph_safe

@@ -109,7 +109,13 @@ class TPFollowers:
         """captured: the graphs hold collectives, which no timeout bounds; a watcher thread
         aborts the communicator when a follower exits, so rank 0 never waits on it forever."""
         self._expect("graphs-ready")
-        if captured and self._watcher is None:
+        if captured:
+            self.watch()
+
+    def watch(self) -> None:
+        """Aborts the communicator as soon as a follower exits (once started), so no
+        collective waits the whole timeout for a dead rank."""
+        if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch",
                                              daemon=True)
             self._watcher.start()

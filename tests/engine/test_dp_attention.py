@@ -141,8 +141,12 @@ def test_bad_layouts_and_placements_are_refused_by_name(models):
 def test_a_dying_rank_fails_the_engine_without_hanging(models):
     """Rank 1 (group 1) dies while only group 0 has requests: rank 0's next exchange fails,
     the engine reports the rank, stops every rank and stays failed."""
-    llm = LLM(models["qwen3_moe"], tensor_parallel_size=2, data_parallel_size=2,
-              block_size=4, max_model_len=512)
+    _kill_rank_1_mid_generate(models["qwen3_moe"])
+
+
+def _kill_rank_1_mid_generate(path: str, **kw: object) -> None:
+    llm = LLM(path, tensor_parallel_size=2, data_parallel_size=2, block_size=4,
+              max_model_len=512, **kw)  # type: ignore[arg-type]
     procs = llm.engine.runner.followers.procs
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
     t0 = time.monotonic()
@@ -163,6 +167,13 @@ def test_a_dying_rank_fails_the_engine_without_hanging(models):
     with pytest.raises(TPRankError):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     llm.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_a_dying_rank_fails_the_engine_without_hanging(models):
+    """NCCL: the watcher aborts the communicator, so rank 0 does not wait out the timeout."""
+    _kill_rank_1_mid_generate(models["qwen3_moe"], device="cuda:0", dtype="float32")
 
 
 def _gpu_tokens(path: str, **kw: object) -> tuple[list[list[int]], list[list[int]]]:
