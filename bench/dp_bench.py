@@ -168,12 +168,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per point")
     ap.add_argument("--prefill-budget", type=int, default=8192,
                     help="--max-num-batched-tokens while the batch prefills")
-    ap.add_argument("--layouts", default="dpa_tp2,tp2,tp2_eager")
+    ap.add_argument("--layouts", default=None,
+                    help="default dpa_tp2,tp2,tp2_eager (--share-gpu: dpa_tp2,tp2_eager, "
+                         "since no layout replays graphs there)")
     ap.add_argument("--share-gpu", action="store_true",
                     help="both ranks on one GPU (host-staged collectives, no graphs)")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",")]
-    names = [x for x in args.layouts.split(",") if x]
+    layouts = args.layouts or ("dpa_tp2,tp2_eager" if args.share_gpu
+                               else "dpa_tp2,tp2,tp2_eager")
+    names = [x for x in layouts.split(",") if x]
     bad = [x for x in names if x not in LAYOUTS]
     if bad:
         ap.error(f"--layouts: unknown {bad}; choose from {sorted(LAYOUTS)}")
