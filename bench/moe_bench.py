@@ -22,7 +22,7 @@ In one run on one GPU:
 
     python bench/moe_bench.py --out $OUT/moe_h200.json
     python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
-    python bench/moe_bench.py --tune   # tile candidates per token bucket for moe_configs.json
+    python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
 
 Points whose KV does not fit the device are recorded with ``"skipped"``.
 """
@@ -73,15 +73,6 @@ DEEPSEEK_V2_LITE = {
 }
 SHAPES = {"qwen3": ("Qwen3-30B-A3B shape, dummy", QWEN3_30B_A3B),
           "v2lite": ("DeepSeek-V2-Lite shape, dummy", DEEPSEEK_V2_LITE)}
-
-# fused-kernel tile candidates for --tune (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each
-# compiles for sm_90 without register spills (ptxas -v, as tests/kernels/test_moe_sm90.py)
-CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
-              (16, 128, 64, 4, 3), (16, 64, 128, 8, 4), (32, 64, 64, 8, 3),
-              (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3),
-              # wider K or N for batch-1 streaming (not spill-checked: timing decides)
-              (16, 32, 256, 4, 3), (16, 64, 256, 8, 2), (16, 128, 128, 8, 3)]
-
 
 def matmul_tflops() -> float:
     from decode_bench import graph_time_ms
@@ -284,54 +275,6 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
             "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
 
 
-def tune_mla(model: Any, hbm: float, points: list[tuple[int, int]]) -> dict[str, Any]:
-    """Times MLA decode tile candidates (rows per tile, warps, stages, and the split count
-    against the heuristic's) per (batch, context); returns every timing and the best."""
-    from kernels.triton_mla_decode import choose_num_splits
-
-    out: dict[str, Any] = {}
-    for b, ctx in points:
-        base = choose_num_splits(b, 1, ctx, torch.device("cuda"))
-        rows = []
-        for block_n in (16, 32, 64):
-            for warps in (4, 8):
-                for stages in (1, 2, 3):
-                    for splits in sorted({max(1, base // 2), base, min(64, base * 2)}):
-                        tiles = {"block_n": block_n, "num_warps": warps,
-                                 "num_stages": stages, "num_splits": splits}
-                        try:
-                            p = mla_kernel_point(model, b, ctx, hbm, tiles)
-                        except Exception as e:  # a tile that does not fit: skip it
-                            print("tune-mla", b, ctx, tiles, repr(e)[:100], flush=True)
-                            continue
-                        rows.append({**tiles, "ms": p["kernel_ms_all_layers"],
-                                     "fraction_of_hbm_read": p["fraction_of_hbm_read"]})
-                        print("tune-mla", b, ctx, rows[-1], flush=True)
-        rows.sort(key=lambda r: r["ms"])
-        out[f"{b}x{ctx}"] = {"heuristic_splits": base, "best": rows[:5]}
-    return out
-
-
-def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
-    """Times each tile candidate per batch; returns the moe_configs.json entry."""
-    best: dict[str, Any] = {}
-    for b in batches:
-        rows = []
-        for bm, bn, bk, warps, stages in CANDIDATES:
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn,
-                   "BLOCK_K_DOWN": bk, "num_warps": warps, "num_stages": stages}
-            try:
-                p = kernel_point(model, b, hbm, cfg)
-            except Exception as e:  # a config that does not fit: skip it
-                print("tune", b, cfg, repr(e)[:120], flush=True)
-                continue
-            rows.append((p["kernel_ms_all_layers"], cfg))
-            print("tune", b, cfg, p["kernel_ms_all_layers"], flush=True)
-        rows.sort(key=lambda r: r[0])
-        best[str(b)] = rows[0][1]
-    return {torch.cuda.get_device_name(): best}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3")
@@ -348,6 +291,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
     from decode_bench import hbm_read_tbps, hf_static_ms
+    from moe_tune import tune, tune_mla
 
     from engine.config import EngineConfig
     from engine.llm import build_engine

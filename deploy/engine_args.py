@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from engine.config import DTYPES, LOAD_FORMATS, EngineConfig
+from engine.config import DTYPES, KV_CACHE_DTYPES, LOAD_FORMATS, EngineConfig
 from engine.sim_config import SimConfig
 
 
@@ -25,6 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: from --kv-cache-mib)")
     g.add_argument("--kv-cache-mib", type=int, default=512, help="KV pool size in MiB")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the model's dtype; fp8: float8_e4m3fn with a K and a V scale "
+                        "per layer (the checkpoint's k_scale/v_scale, else 1.0), twice the "
+                        "tokens of bf16 in the same memory; producer and consumer must agree")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of GPU memory for weights, activations, graphs and KV; "
                         "the KV pool gets the rest (overrides --kv-cache-mib)")
@@ -102,7 +106,8 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
     kw: dict = dict(
         model=args.model, dtype=args.dtype, device=args.device, load_format=args.load_format,
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-        kv_cache_bytes=args.kv_cache_mib << 20, max_model_len=args.max_model_len,
+        kv_cache_bytes=args.kv_cache_mib << 20, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
         enable_prefix_caching=args.enable_prefix_caching,

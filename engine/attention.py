@@ -96,6 +96,10 @@ class PagedAttention:
     def __init__(self, kernels: KernelSet, scale: float) -> None:
         self.k = kernels
         self.scale = scale
+        # A float8 cache's scales for this layer (engine/kv_scales.py sets them before any
+        # step; host floats, so a captured graph holds them as constants)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def __call__(
         self,
@@ -109,17 +113,20 @@ class PagedAttention:
         out_dtype: torch.dtype | None = None,  # q, k, v: [S, T, H, D] float32 partial sums
     ) -> torch.Tensor:  # [T, Hq, D]
         """Rotates q and k, stores k and v (one fused kernel), then attends."""
+        ks, vs = self.k_scale, self.v_scale
         if out_dtype is not None:  # a K-split qkv_proj's partials (engine/models/split_k)
             assert self.k.rope_store_kv is not None
             q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping,
-                                     out_dtype=out_dtype)
+                                     out_dtype=out_dtype, k_scale=ks, v_scale=vs)
         elif self.k.rope_store_kv is not None:
-            q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping)
+            q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping,
+                                     k_scale=ks, v_scale=vs)
         else:
             q, k = self.k.rope(q, k, positions, cos_sin)
-            self.k.store_kv(k, v, kv_layer, meta.slot_mapping)
+            self.k.store_kv(k, v, kv_layer, meta.slot_mapping, k_scale=ks, v_scale=vs)
         if meta.decode_only:
             return self.k.decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
-                                           self.scale, max_seq_len=meta.max_seq_len)
+                                           self.scale, max_seq_len=meta.max_seq_len,
+                                           k_scale=ks, v_scale=vs)
         return self.k.prefill_attention(q, kv_layer, meta.block_tables, meta.cu_seqlens_q,
-                                        meta.seq_lens, self.scale)
+                                        meta.seq_lens, self.scale, k_scale=ks, v_scale=vs)

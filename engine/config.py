@@ -23,6 +23,7 @@ SUPPORTED_ARCHS = {
 ROLES = ("colocated", "producer", "consumer")
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
+KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: float8_e4m3fn, per-layer scales (engine/kv_scales)
 SCORING_FUNCS = ("softmax", "sigmoid")
 
 
@@ -301,6 +302,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: derived from kv_cache_bytes
     kv_cache_bytes: int = 512 << 20
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": float8_e4m3fn + scales
     max_model_len: int | None = None  # None: min(model's max positions, 8192)
     max_num_seqs: int = 64  # running requests per step
     max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
@@ -346,6 +348,8 @@ class EngineConfig:
             ("num_kv_blocks", self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              "must be >= 1"),
             ("kv_cache_bytes", self.kv_cache_bytes >= 1, "must be >= 1"),
+            ("kv_cache_dtype", self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"(--kv-cache-dtype) must be one of {KV_CACHE_DTYPES}"),
             ("max_model_len", self.max_model_len is None or self.max_model_len >= 1,
              "must be >= 1"),
             ("max_num_seqs", self.max_num_seqs >= 1, "must be >= 1"),
@@ -376,6 +380,11 @@ class EngineConfig:
         for name, ok, why in checks:
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's element dtype (a torch dtype's name)."""
+        return "float8_e4m3fn" if self.kv_cache_dtype == "fp8" else self.dtype
 
     @property
     def defers_output(self) -> bool:

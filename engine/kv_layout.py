@@ -22,22 +22,30 @@ with H < N (H divides N) each head is replicated on N/H ranks and rank r holds h
 ``r*H // N``. Both cases are ``head_start = r*H // N``, ``head_count = max(1, H // N)``.
 An MLA latent is that second case with H = 1: every rank holds the whole latent (it is
 not split by heads; each rank's query heads read all of it).
+FP8 (``--kv-cache-dtype fp8``): ``dtype`` is the pool's element dtype, ``float8_e4m3fn``,
+and ``kv_scales`` holds each layer's K and V scale (``[k0, v0, k1, v1, ...]``; an MLA
+latent uses the K one): the cache holds ``x / scale`` and readers multiply it back. The
+scales are part of the KV's content, so they are in the fingerprint: peers whose scales
+differ would read each other's bytes as other numbers.
+
 This module imports no torch so transfer and service code can use it freely.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine.config import ModelConfig
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+SCALED_DTYPES = ("float8_e4m3fn",)  # pools that store x / scale, with per-layer scales
 # what must be equal between peers for their KV to be the same numbers (not the TP split)
 MATCHED_FIELDS = ("model", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim",
-                  "planes")
+                  "planes", "kv_scales")
 PLANES = {"kv": 2, "mla": 1}  # kind -> planes: what one token of one layer stores
 MAX_TP = 256  # ranks of one worker; bounds what a peer's handshake can make us compute
 
@@ -79,6 +87,8 @@ class KVLayout:
     tp_size: int = 1  # ranks of the worker (not part of the fingerprint)
     tp_rank: int = 0  # which rank's pool this is
     planes: int = 2  # 2: K and V heads (kind "kv"); 1: one MLA latent (kind "mla")
+    # float8 pools: [k_scale, v_scale] per layer, flattened (2 * num_layers); else empty
+    kv_scales: tuple[float, ...] = ()
 
     @staticmethod
     def kv_shape(kind: str, num_kv_heads: int, head_dim: int) -> dict[str, int]:
@@ -107,6 +117,27 @@ class KVLayout:
             if type(getattr(self, name)) is not int:
                 raise ValueError(f"{name}: expected an int, got {getattr(self, name)!r}")
         head_range(self.num_kv_heads, self.tp_size, self.tp_rank)  # raises naming the field
+        self._check_scales()
+
+    def _check_scales(self) -> None:
+        """Coerces kv_scales to a tuple of floats (a peer sends a list) and checks it."""
+        raw = self.kv_scales
+        if not isinstance(raw, (tuple, list)) or not all(
+                type(x) in (float, int) for x in raw):
+            raise ValueError(f"kv_scales: expected a list of numbers, got {raw!r:.60}")
+        scales = tuple(float(x) for x in raw)
+        object.__setattr__(self, "kv_scales", scales)
+        if self.dtype not in SCALED_DTYPES:
+            if scales:
+                raise ValueError(f"kv_scales: a {self.dtype} pool has no scales, got "
+                                 f"{len(scales)}")
+            return
+        if len(scales) != 2 * self.num_layers:
+            raise ValueError(f"kv_scales: a {self.dtype} pool needs a K and a V scale per "
+                             f"layer ({2 * self.num_layers}), got {len(scales)}")
+        bad = next((x for x in scales if not (math.isfinite(x) and x > 0)), None)
+        if bad is not None:
+            raise ValueError(f"kv_scales: each must be finite and > 0, got {bad!r}")
 
     @property
     def head_start(self) -> int:
@@ -148,6 +179,8 @@ class KVLayout:
                f"{self.num_kv_heads}|{self.head_dim}")
         if self.planes != 2:  # a K/V pool keeps the fingerprint it had before MLA existed
             key += f"|{self.kind}"
+        if self.kv_scales:  # repr: the shortest text that reads back as the same float
+            key += "|scales=" + ",".join(repr(x) for x in self.kv_scales)
         return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def describe_mismatch(self, other: KVLayout) -> str:
@@ -155,6 +188,19 @@ class KVLayout:
         diffs = [
             f"{f}: {getattr(self, f)!r} != {getattr(other, f)!r}"
             for f in MATCHED_FIELDS
-            if getattr(self, f) != getattr(other, f)
+            if f != "kv_scales" and getattr(self, f) != getattr(other, f)
         ]
+        if self.kv_scales != other.kv_scales:
+            diffs.append(_scales_diff(self.kv_scales, other.kv_scales))
         return "; ".join(diffs) if diffs else "layouts match"
+
+
+def _scales_diff(a: tuple[float, ...], b: tuple[float, ...]) -> str:
+    """kv_scales' difference in a line: the first layer whose K or V scale differs (a
+    model has up to ~100 layers: the whole tuples would drown the message)."""
+    if len(a) != len(b) or not a:
+        return f"kv_scales: {len(a)} scales != {len(b)}"
+    i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+    n = sum(x != y for x, y in zip(a, b, strict=True))
+    return (f"kv_scales: layer {i // 2} {'KV'[i % 2]} scale {a[i]!r} != {b[i]!r} "
+            f"({n} of {len(a)} scales differ)")

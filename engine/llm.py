@@ -13,6 +13,7 @@ import torch
 
 from engine.attention import kernels_for
 from engine.config import EngineConfig
+from engine.kv_scales import kv_scales_for
 from engine.llm_engine import LLMEngine
 from engine.model_identity import model_identity
 from engine.model_source import model_display_name, resolve_model
@@ -83,7 +84,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
         identity = model_identity(path, config.load_format, config.seed)
         return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
-                         identity)
+                         identity, kv_scales=kv_scales_for(config, model_cfg, path))
     except BaseException:
         if followers is not None:
             followers.close(grace_s=0.0)

@@ -8,7 +8,6 @@ never waits behind another request's prefill chunk (docs/architecture.md).
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -16,11 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import host_memory
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
 from engine.dp_scheduler import make_scheduler
-from engine.kv_layout import KVLayout, kv_shape_of
+from engine.kv_pool import build_kv_pool
+from engine.kv_scales import apply_kv_scales, kv_scales_for
 from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult, logprob_rows
@@ -43,40 +42,31 @@ TraceHook = Callable[[str, int], None]
 class LLMEngine(PrefixCacheQueries):
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
                  model: LlamaForCausalLM | None, tokenizer: Tokenizer | None, model_name: str,
-                 model_identity: str | None = None) -> None:
+                 model_identity: str | None = None,
+                 kv_scales: tuple[float, ...] | None = None) -> None:
         """model_name: what the model is called (registration, logs); model_identity: what
-        the KV fingerprint compares (engine/model_identity.py; default: the name)."""
+        the KV fingerprint compares (engine/model_identity.py; default: the name);
+        kv_scales: a float8 pool's per-layer K and V scales (engine/kv_scales.py; None:
+        1.0 each), handed to the model's attention here."""
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.device = torch.device(config.device)
         self.max_model_len = resolve_max_model_len(config, model_cfg)
-        self.layout = KVLayout(
-            model=model_identity or model_name, dtype=config.dtype, block_size=config.block_size,
-            num_layers=model_cfg.num_layers, **kv_shape_of(model_cfg), num_blocks=1,
-            # rank 0's pool: its own heads (model.shard; MLA: the latent, whole on every rank)
-            tp_size=config.tensor_parallel_size // config.data_parallel_size, tp_rank=0)
+        if kv_scales is None:
+            kv_scales = kv_scales_for(config, model_cfg, None)
+        if model is not None:
+            apply_kv_scales(model, kv_scales)
+        self.layout, self.kv_cache = build_kv_pool(config, model_cfg,
+                                                   model_identity or model_name, kv_scales,
+                                                   self.max_model_len)
         assert model is None or model_cfg.is_mla \
             or self.layout.head_count == model.shard.num_kv_heads, \
             "TP head split differs"  # no model: a simulated engine (config.simulate)
-        # Never more than every seat filled to max_model_len could use.
-        cap = config.max_num_seqs * -(-self.max_model_len // config.block_size)
-        kv_bytes = config.kv_cache_bytes
-        if config.gpu_memory_utilization is not None:
-            from engine.memory_budget import kv_bytes_for_utilization
-
-            kv_bytes = kv_bytes_for_utilization(config, model_cfg, self.device)
-        num_blocks = config.num_kv_blocks or max(1, min(cap, kv_bytes
-                                                        // self.layout.block_nbytes))
-        self.layout = dataclasses.replace(self.layout, num_blocks=num_blocks)
+        num_blocks = self.layout.num_blocks
         # A sequence can never outgrow the pool: advertise what really fits.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)
-        dtype = getattr(torch, config.dtype)
-        shape = (num_blocks, *self.layout.block_shape)
-        # on CPU, huge pages: a transfer between processes pins every page it moves
-        self.kv_cache = (host_memory.zeros(shape, dtype) if self.device.type == "cpu"
-                         else torch.zeros(shape, dtype=dtype, device=self.device))
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    PrefixCache() if config.enable_prefix_caching else None)
         self.prefix_model_key = self.layout.fingerprint()

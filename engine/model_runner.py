@@ -13,6 +13,7 @@ import torch
 from engine.decode_graphs import DecodeGraphs
 from engine.dp_runner import execute_dp
 from engine.input_staging import DecodeStaging
+from engine.kv_scales import kv_scales_of
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.dp_groups import DPLayout
 from engine.parallel.graph_step import GraphStep
@@ -59,7 +60,9 @@ class ModelRunner:
         # sampled ids after; they run the same forward with their shards.
         self.followers = model.followers
         if self.followers is not None:
-            self.followers.start_kv(tuple(kv_cache.shape), kv_cache.dtype)
+            self.followers.start_kv(tuple(kv_cache.shape), kv_cache.dtype,
+                                    kv_scales_of(model) if kv_cache.dtype == torch.float8_e4m3fn
+                                    else ())
         # Pure-decode steps read persistent buffers, replayed as CUDA graphs where allowed.
         # Under TP every follower holds the same buffers and graphs (engine.parallel.
         # graph_step): they capture at the same time, so the warm-up's collectives pair up.

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import KernelSet
 from engine.config import ModelConfig
+from engine.kv_scales import is_kv_scale
 from engine.models import model_class
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import TPGroup
@@ -44,6 +45,8 @@ def _safetensors(path: str, slicer: Slicer) -> Iterator[tuple[str, torch.Tensor]
     for f in files:
         with safe_open(f, framework="pt") as st:
             for name in st.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if is_kv_scale(name):  # a KV cache scale, read by engine/kv_scales.py
+                    continue
                 cut = slicer(name)
                 if cut is None:
                     yield name, st.get_tensor(name)

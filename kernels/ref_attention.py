@@ -1,7 +1,8 @@
 """Plain-torch references for attention over the paged, block-major KV cache.
 
 Both functions read every key/value from the cache, so ``store_kv`` for the step's new
-tokens runs first. Softmax runs in float32 whatever the cache dtype.
+tokens runs first. Softmax runs in float32 whatever the cache dtype; a float8 cache's
+entries are multiplied by their layer's K or V scale first (kernels/kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -9,16 +10,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_fp8 import from_cache, take
+
 
 def _gather_kv(
     kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
     blocks: torch.Tensor,  # [nb] block ids of one request
     seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = kv_layer[blocks]  # [nb, 2, BS, Hkv, D]
+    k_scale: float,
+    v_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # [S, Hkv, D] float32 each
+    kv = take(kv_layer, (blocks,))  # [nb, 2, BS, Hkv, D]
     k = kv[:, 0].reshape(-1, *kv.shape[-2:])[:seq_len]  # [S, Hkv, D]
     v = kv[:, 1].reshape(-1, *kv.shape[-2:])[:seq_len]
-    return k, v
+    return from_cache(k, k_scale), from_cache(v, v_scale)
 
 
 def prefill_attention_ref(
@@ -29,6 +34,9 @@ def prefill_attention_ref(
     seq_lens: torch.Tensor,  # [B] int32: context length after this chunk (cached + chunk)
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    *,
+    k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Query j of a chunk of length n sits at position seq_len - n + j and attends causally."""
     if out is None:
@@ -42,7 +50,7 @@ def prefill_attention_ref(
         if n == 0:
             continue
         nb = -(-seq_len // block_size)
-        k, v = _gather_kv(kv_layer, block_tables[b, :nb].long(), seq_len)
+        k, v = _gather_kv(kv_layer, block_tables[b, :nb].long(), seq_len, k_scale, v_scale)
         # 4-D with a batch of one: the form torch's fused CPU attention kernel accepts.
         qb = q[start:end].transpose(0, 1).float()[None]  # [1, Hq, n, D]
         kb = k.transpose(0, 1).float()[None]  # [1, Hkv, S, D]
@@ -68,6 +76,8 @@ def decode_attention_ref(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     *,
     max_seq_len: int | None = None,  # the Triton launcher's split-K hint; unused here
+    k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Batched: pads every request's context to the longest and masks the tail."""
     if out is None:
@@ -79,15 +89,15 @@ def decode_attention_ref(
     max_len = int(seq_lens.max())
     nb = -(-max_len // block_size)
     blocks = block_tables[:, :nb].long()  # [B, nb]
-    kv = kv_layer[blocks.reshape(-1)]  # [B*nb, 2, BS, Hkv, D]
+    kv = take(kv_layer, (blocks.reshape(-1),))  # [B*nb, 2, BS, Hkv, D]
     kv = kv.reshape(bsz, nb, 2, block_size, *kv.shape[-2:])
     k = kv[:, :, 0].reshape(bsz, nb * block_size, *kv.shape[-2:])  # [B, S, Hkv, D]
     v = kv[:, :, 1].reshape(bsz, nb * block_size, *kv.shape[-2:])
     valid = torch.arange(nb * block_size, device=q.device)[None, :] < seq_lens[:, None].long()
     o = F.scaled_dot_product_attention(
         q.float().unsqueeze(2),  # [B, Hq, 1, D]
-        k.transpose(1, 2).float(),  # [B, Hkv, S, D]
-        v.transpose(1, 2).float(),
+        from_cache(k.transpose(1, 2), k_scale),  # [B, Hkv, S, D]
+        from_cache(v.transpose(1, 2), v_scale),
         attn_mask=valid[:, None, None, :],
         scale=scale,
         enable_gqa=True,

@@ -6,12 +6,15 @@ normed compressed KV (``c``, kv_lora_rank values) then the roped key shared by e
 (q_nope through W_UK), so attention is multi-query over one "head" of width C + R whose
 value is the latent's first C values; the caller maps the result back through W_UV.
 
-Softmax runs in float32 whatever the cache dtype.
+Softmax runs in float32 whatever the cache dtype; a float8 cache's rows are multiplied by
+their layer's scale first (kernels/kv_fp8.py).
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.kv_fp8 import from_cache, take
 
 
 def mla_decode_ref(
@@ -24,6 +27,7 @@ def mla_decode_ref(
     out: torch.Tensor | None = None,  # [B, H, C]
     *,
     max_seq_len: int | None = None,  # the Triton launcher's split-K hint; unused here
+    kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
 ) -> torch.Tensor:  # [B, H, C]
     """Batched: pads every request's context to the longest and masks the tail; a request
     with no context (a graph's padding row) gets zeros."""
@@ -37,8 +41,8 @@ def mla_decode_ref(
     max_len = max(int(seq_lens.max()), 1)
     nb = -(-max_len // bs)
     blocks = block_tables[:, :nb].long()  # [B, nb]
-    lat = kv_layer[blocks.reshape(-1), 0, :, 0]  # [B*nb, BS, C+R]
-    lat = lat.reshape(bsz, nb * bs, -1).float()  # [B, S, C+R]
+    lat = take(kv_layer, (blocks.reshape(-1), 0, slice(None), 0))  # [B*nb, BS, C+R]
+    lat = from_cache(lat.reshape(bsz, nb * bs, -1), kv_scale)  # [B, S, C+R] float32
     scores = torch.einsum("bhd,bsd->bhs", q.float(), lat) * scale  # [B, H, S]
     valid = torch.arange(nb * bs, device=q.device)[None, :] < seq_lens[:, None].long()
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))

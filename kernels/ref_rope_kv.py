@@ -18,10 +18,13 @@ def rope_store_kv_ref(
     kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T]: slot = block * BS + offset; < 0 skips the token
     out_dtype: torch.dtype | None = None,  # with [S, T, H, D] float32 partial sums
+    *,
+    k_scale: float = 1.0,  # float8 cache: this layer's K and V scales (ref_kv.store_kv_ref)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]: rotated q
     if q.dim() == 4:  # K-split partial sums: the projection's output, rounded
         assert out_dtype is not None, "out_dtype: required with partial sums"
         q, k, v = (x.sum(0).to(out_dtype) for x in (q, k, v))
     q_rot, k_rot = rope_ref(q, k, positions, cos_sin)
-    store_kv_ref(k_rot, v, kv_layer, slot_mapping)
+    store_kv_ref(k_rot, v, kv_layer, slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return q_rot

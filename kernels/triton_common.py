@@ -12,6 +12,8 @@ import torch
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# a KV cache may also be float8 (x / scale per layer, kernels/kv_fp8.py)
+KV_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn)
 
 _TL_DTYPE = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -45,6 +47,16 @@ def check_float(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: dtype {t.dtype} is not one of {FLOAT_DTYPES}")
 
 
+def check_kv(name: str, t: torch.Tensor) -> None:
+    """A KV cache: a float dtype, or float8_e4m3fn."""
+    if t.dtype not in KV_DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} is not one of {KV_DTYPES}")
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float8_e4m3fn
+
+
 def check_int(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{name}: expected int32/int64, got {t.dtype}")
@@ -65,6 +77,18 @@ def compute_dtype(t: torch.Tensor) -> tl.dtype:
     every loaded value is upcast to float32 first.
     """
     return _TL_DTYPE[t.dtype] if t.is_cuda else tl.float32
+
+
+def kv_compute_dtype(q: torch.Tensor, kv: torch.Tensor) -> tl.dtype:
+    """The dtype attention's products run in: the cache's, or for a float8 cache the
+    query's (its entries are upcast on load; the scale is applied outside the product)."""
+    return compute_dtype(q if is_fp8(kv) else kv)
+
+
+def kv_ieee(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """float32 products in IEEE precision (not TF32): a float32 cache, or a float8 cache
+    read by float32 queries."""
+    return (q if is_fp8(kv) else kv).dtype == torch.float32
 
 
 def inner_contiguous(t: torch.Tensor) -> bool:

@@ -9,6 +9,10 @@ programs to finish merges the splits by their log-sum-exp (a counter per pair; a
 second kernel instead when fused_merge is off). See ref_attention.decode_attention_ref for
 the contract.
 
+A float8 cache (kernels/kv_fp8.py) is read at half bf16's bytes and upcast on load to the
+query's dtype; its K scale folds into the softmax scale and its V scale multiplies the
+output, so the inner loop does no extra work per entry beyond the cast.
+
 Host syncs: none. Without a ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at
 capture) the split count is sized for the block table's capacity and each request divides
 its own context among those splits on the device: a short request uses few splits of at
@@ -29,9 +33,11 @@ from kernels.triton_common import (
     check_device,
     check_float,
     check_int,
+    check_kv,
     check_paged_qkv,
     check_shape,
-    compute_dtype,
+    kv_compute_dtype,
+    kv_ieee,
 )
 
 LOG2E = 1.4426950408889634
@@ -81,7 +87,8 @@ def _decode_kernel(
     s_cb, s_ckv, s_cs, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D is contiguous
     s_btb,  # block_tables row stride
     s_ob, s_oh,  # out strides [B, Hq, D]; D is contiguous
-    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    qk_scale,  # softmax scale * log2(e) (* a float8 cache's K scale): log2-domain scores
+    v_scale,  # a float8 cache's V scale (1.0 otherwise): multiplies the output
     split_len,  # tokens per split, a multiple of BLOCK_N (DYN: the least tokens per split)
     num_splits,
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -139,7 +146,7 @@ def _decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), v)
         m = m_new
 
-    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None]
+    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None] * v_scale  # x 1.0 is exact
     if SPLIT:
         part = (b * tl.num_programs(1) * G + hq).to(tl.int64) * num_splits + split  # [BLOCK_G]
         tl.store(part_o_ptr + part[:, None] * D + d[None, :], o, mask=gmask[:, None])
@@ -275,13 +282,15 @@ def decode_attention(
     num_stages: int = NUM_STAGES,
     programs_per_sm: int = PROGRAMS_PER_SM,
     fused_merge: bool | None = None,  # None: when num_splits <= FUSED_MAX_SPLITS
+    k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     hq, hkv, bs = check_paged_qkv(q, kv_layer, "[B, Hq, D]")
     bsz, d = q.shape[0], q.shape[2]
     check(block_tables.dim() == 2 and block_tables.shape[0] == bsz, "block_tables: expected [B, *]")
     check_shape("seq_lens", seq_lens, (bsz,))
     check_float("q", q)
-    check_float("kv_layer", kv_layer)
+    check_kv("kv_layer", kv_layer)
     check_int("block_tables", block_tables)
     check_int("seq_lens", seq_lens)
     check(q.stride(2) == 1 and kv_layer.stride(4) == 1, "q, kv_layer: head_dim must be contiguous")
@@ -333,10 +342,10 @@ def decode_attention(
             kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
             block_tables.stride(0),
             out.stride(0), out.stride(1),
-            scale * LOG2E, split_len, num_splits,
+            scale * LOG2E * k_scale, float(v_scale), split_len, num_splits,
             G=g, BLOCK_G=block_g, D=d, BS=bs,
-            BLOCK_N=t.block_n, SPLIT=split, COMPUTE=compute_dtype(kv_layer),
-            IEEE=kv_layer.dtype == torch.float32, DYN=dyn and split,
+            BLOCK_N=t.block_n, SPLIT=split, COMPUTE=kv_compute_dtype(q, kv_layer),
+            IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
             FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n,
             MERGE_S=min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits))),
             num_warps=t.num_warps, num_stages=t.num_stages,

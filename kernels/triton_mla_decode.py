@@ -13,7 +13,9 @@ kernel merges the splits by their log-sum-exp. Host syncs: none. Without a
 ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at capture) the split count is
 sized for the block table's capacity and each request spreads its own context over those
 splits on the device (at least MIN_SPLIT_TOKENS each), as triton_decode_attention does.
-A request of length 0 (a graph's padding row) gets zeros.
+A request of length 0 (a graph's padding row) gets zeros. A float8 latent cache is upcast
+on load to the query's dtype; its scale folds into the softmax scale and multiplies the
+output (the latent is both key and value).
 
 Tiles and the split count are tuned on an H200 at DeepSeek-V2-Lite's shape (16 heads,
 latent 512 + 64, bf16; ``bench/moe_bench.py --shape v2lite --tune-mla``,
@@ -33,8 +35,10 @@ from kernels.triton_common import (
     check_device,
     check_float,
     check_int,
+    check_kv,
     check_shape,
-    compute_dtype,
+    kv_compute_dtype,
+    kv_ieee,
 )
 
 LOG2E = 1.4426950408889634
@@ -68,7 +72,8 @@ def _mla_decode_kernel(
     s_cb, s_cs,  # kv_layer strides of the block and the token [NB, 1, BS, 1, C + R]
     s_btb,  # block_tables row stride
     s_ob, s_oh,  # out strides [B, H, C]
-    qk_scale,  # softmax scale * log2(e): scores live in the log2 domain
+    qk_scale,  # softmax scale * log2(e) (* a float8 cache's scale): log2-domain scores
+    v_scale,  # a float8 cache's scale (1.0 otherwise): multiplies the output
     split_len,  # tokens per split, a multiple of BLOCK_N (DYN: the least per split)
     num_splits, H,
     C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
@@ -128,7 +133,7 @@ def _mla_decode_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE), lat)
         m = m_new
 
-    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None]  # no context: zeros
+    o = acc / tl.where(lsum > 0.0, lsum, 1.0)[:, None] * v_scale  # no context: zeros
     if SPLIT:
         part = (b * H + h).to(tl.int64) * num_splits + split  # [BLOCK_H]
         tl.store(part_o_ptr + part[:, None] * CP + c[None, :], o, mask=hmask[:, None])
@@ -207,6 +212,7 @@ def mla_decode(
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
     num_warps: int | None = None,  # None: NUM_WARPS for the head block
     num_stages: int = NUM_STAGES,
+    kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
 ) -> torch.Tensor:
     check(q.dim() == 3, "q: expected [B, H, C + R]")
     bsz, heads, width = q.shape
@@ -218,7 +224,7 @@ def mla_decode(
           "block_tables: expected [B, *]")
     check_shape("seq_lens", seq_lens, (bsz,))
     check_float("q", q)
-    check_float("kv_layer", kv_layer)
+    check_kv("kv_layer", kv_layer)
     check_int("block_tables", block_tables)
     check_int("seq_lens", seq_lens)
     check(q.stride(2) == 1 and kv_layer.stride(4) == 1, "q, kv_layer: last dim must be "
@@ -262,9 +268,9 @@ def mla_decode(
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, split_len, num_splits, heads,
+        scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, heads,
         C=c, R=width - c, CP=cp, RP=rp, BLOCK_H=block_h, BS=bs, BLOCK_N=block_n,
-        SPLIT=split, COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
+        SPLIT=split, COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer),
         DYN=dyn and split, num_warps=num_warps, num_stages=num_stages,
     )
     if split:

@@ -11,6 +11,9 @@ Host syncs: none. The grid is sized from shapes alone: request ``b``'s query til
 slots ``cu[b] // BLOCK_M + b ...``, which never overlap and fit in ``T // BLOCK_M + B``
 slots, and each program finds its request by binary search over ``cu_seqlens_q``. A
 request's spare slot (at most one each) exits at once.
+
+A float8 cache is upcast on load to the query's dtype; its K scale folds into the softmax
+scale and its V scale multiplies the output (kernels/kv_fp8.py).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from kernels.triton_common import (
     check_device,
     check_float,
     check_int,
+    check_kv,
     check_paged_qkv,
     check_shape,
-    compute_dtype,
+    kv_compute_dtype,
+    kv_ieee,
 )
 
 LOG2E = 1.4426950408889634
@@ -90,7 +95,8 @@ def _prefill_kernel(
     s_cb, s_ckv, s_cs, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D is contiguous
     s_btb,
     s_ot, s_oh,
-    qk_scale,
+    qk_scale,  # softmax scale * log2(e) (* a float8 cache's K scale)
+    v_scale,  # a float8 cache's V scale (1.0 otherwise): multiplies the output
     num_reqs, search_steps,  # B, and ceil(log2(B + 1)) binary-search steps
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
@@ -134,7 +140,7 @@ def _prefill_kernel(
                                 qpos, 0, diag, seq_len, D, BS, BLOCK_N, False, COMPUTE, IEEE)
     acc, m, lsum = _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale,
                                 qpos, diag, hi, seq_len, D, BS, BLOCK_N, True, COMPUTE, IEEE)
-    o = acc / lsum[:, None]
+    o = acc / lsum[:, None] * v_scale  # x 1.0 (not a float8 cache) is exact
     tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
 
@@ -152,6 +158,8 @@ def prefill_attention(
     block_n: int = BLOCK_N,
     num_warps: int = NUM_WARPS,
     num_stages: int = NUM_STAGES,
+    k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     hq, hkv, bs = check_paged_qkv(q, kv_layer, "[T, Hq, D]")
     num_tokens, d = q.shape[0], q.shape[2]
@@ -160,7 +168,7 @@ def prefill_attention(
     check_shape("cu_seqlens_q", cu_seqlens_q, (bsz + 1,))
     check_shape("seq_lens", seq_lens, (bsz,))
     check_float("q", q)
-    check_float("kv_layer", kv_layer)
+    check_kv("kv_layer", kv_layer)
     for name, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q),
                     ("seq_lens", seq_lens)):
         check_int(name, t)
@@ -185,9 +193,9 @@ def prefill_attention(
             kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
             block_tables.stride(0),
             out.stride(0), out.stride(1),
-            scale * LOG2E, bsz, bsz.bit_length(),
+            scale * LOG2E * k_scale, float(v_scale), bsz, bsz.bit_length(),
             G=hq // hkv, D=d, BS=bs, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            COMPUTE=compute_dtype(kv_layer), IEEE=kv_layer.dtype == torch.float32,
+            COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer),
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 

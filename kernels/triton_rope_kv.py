@@ -4,7 +4,8 @@ writes q out and k, v into their paged cache slot (see ref_rope_kv.rope_store_kv
 Unfused, a decode step launches a rope kernel and a store kernel per layer, each a few
 microseconds of launch and tail for a few KiB of data; here it is one, and the rotated k
 goes straight to the cache without a round trip through a temporary. Rounding is the
-reference's: k is rotated in float32, rounded to k's dtype, then to the cache's.
+reference's: k is rotated in float32, rounded to k's dtype, then to the cache's (a float8
+cache: divided by the layer's scale and saturated first, triton_store_kv._to_cache).
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import check, check_device, check_float, check_int, check_shape
+from kernels.triton_common import (
+    check,
+    check_device,
+    check_float,
+    check_int,
+    check_kv,
+    check_shape,
+    is_fp8,
+)
+from kernels.triton_store_kv import _to_cache
 
 
 @triton.jit
@@ -46,8 +56,9 @@ def _rope_store_kv_kernel(
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_qot, s_qoh, s_cs,
     s_cb, s_ckv, s_cs2, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D contiguous
     s_part,  # PARTS > 0: stride between q/k/v's float32 partial sums
+    k_scale, v_scale,  # FP8: what the cache entries are multiplied by when read
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PARTS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PARTS: tl.constexpr, FP8: tl.constexpr,
 ):
     TY = qo_ptr.dtype.element_ty  # the projection's (the model's) dtype
     t = tl.program_id(0).to(tl.int64)
@@ -67,12 +78,13 @@ def _rope_store_kv_kernel(
     blk = tl.maximum(slot, 0) // BS
     cache = kv_ptr + blk * s_cb + (tl.maximum(slot, 0) - blk * BS) * s_cs2 + hk * s_ch + dk
     ty = kv_ptr.dtype.element_ty
-    tl.store(cache, k1.to(ty), mask=kmask)
-    tl.store(cache + HALF, k2.to(ty), mask=kmask)
+    tl.store(cache, _to_cache(k1, k_scale, ty, FP8), mask=kmask)
+    tl.store(cache + HALF, _to_cache(k2, k_scale, ty, FP8), mask=kmask)
     vsrc = v_ptr + t * s_vt + hk * s_vh + dk
-    tl.store(cache + s_ckv, _load(vsrc, kmask, s_part, PARTS, TY).to(ty), mask=kmask)
-    tl.store(cache + s_ckv + HALF, _load(vsrc + HALF, kmask, s_part, PARTS, TY).to(ty),
-             mask=kmask)
+    v1 = _load(vsrc, kmask, s_part, PARTS, TY).to(TY)  # rounded as the projection's output
+    v2 = _load(vsrc + HALF, kmask, s_part, PARTS, TY).to(TY)
+    tl.store(cache + s_ckv, _to_cache(v1, v_scale, ty, FP8), mask=kmask)
+    tl.store(cache + s_ckv + HALF, _to_cache(v2, v_scale, ty, FP8), mask=kmask)
 
 
 def rope_store_kv(
@@ -84,6 +96,9 @@ def rope_store_kv(
     kv_layer: torch.Tensor,  # [NB, 2, BS, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 skips
     out_dtype: torch.dtype | None = None,  # with partial sums: the projection's dtype
+    *,
+    k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q, k, v may instead be [S, T, H, D] float32 partial sums of a K-split projection
     (views of one tensor): they are summed and rounded to out_dtype first."""
@@ -113,8 +128,9 @@ def rope_store_kv(
     check(d % 2 == 0 and (d & (d - 1)) == 0, f"head_dim {d} must be a power of two")
     check(q.stride(2) == 1 and k.stride(2) == 1 and v.stride(2) == 1
           and kv_layer.stride(4) == 1, "q, k, v, kv_layer: head_dim must be contiguous")
-    for name, t in (("q", q), ("k", k), ("v", v), ("kv_layer", kv_layer)):
+    for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(name, t)
+    check_kv("kv_layer", kv_layer)
     check_int("positions", positions)
     check_int("slot_mapping", slot_mapping)
     check_device(q, k, v, positions, cos_sin, kv_layer, slot_mapping)
@@ -126,9 +142,9 @@ def rope_store_kv(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1), cos_sin.stride(0),
         kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-        s_part,
+        s_part, float(k_scale), float(v_scale),
         HQ=hq, HKV=hkv, HALF=d // 2, BS=kv_layer.shape[2],
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        PARTS=parts, num_warps=4,
+        PARTS=parts, FP8=is_fp8(kv_layer), num_warps=4,
     )
     return q_out

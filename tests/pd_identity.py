@@ -24,13 +24,16 @@ def sampling(i: int, seeded: bool, seed_base: int) -> dict[str, Any]:
     return dict(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def colocated_tokens(path: str, seed_base: int) -> dict[bool, list[list[int]]]:
-    """{seeded: every prompt's tokens} from the in-process colocated engine."""
+def colocated_tokens(path: str, seed_base: int,
+                     **engine_kw: Any) -> dict[bool, list[list[int]]]:
+    """{seeded: every prompt's tokens} from the in-process colocated engine (engine_kw:
+    more EngineConfig fields, e.g. kv_cache_dtype)."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     refs = {}
-    with LLM(path, block_size=4, max_num_batched_tokens=16, dtype="float32") as llm:
+    with LLM(path, block_size=4, max_num_batched_tokens=16, dtype="float32",
+             **engine_kw) as llm:
         for seeded in (False, True):
             params = [SamplingParams(**sampling(i, seeded, seed_base))
                       for i in range(len(PROMPTS))]

@@ -1,9 +1,10 @@
 """What peers exchange before any byte moves, and the check that refuses a mismatch.
 
-Peers must hold the same KV (model, dtype, block size, layers, TOTAL KV heads, head dim:
-the fingerprint); their TP split may differ. Each side's layout carries its TP size and
-rank, plus the head range it derived from them, which the other side re-derives: a peer
-that splits the heads another way is refused, naming the field.
+Peers must hold the same KV (model, dtype, block size, layers, TOTAL KV heads, head dim,
+and a float8 pool's per-layer scales: the fingerprint); their TP split may differ. Each
+side's layout carries its TP size and rank, plus the head range it derived from them,
+which the other side re-derives: a peer that splits the heads another way is refused,
+naming the field.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def remote_layout(remote: dict[str, Any], who: str) -> KVLayout:
         raise HandshakeError(f"{who}: layout: missing")
     d = dict(d)
     for name, v in d.items():  # the peer's bytes: an int field must be an int
-        if name not in ("model", "dtype") and type(v) is not int:
+        if name not in ("model", "dtype", "kv_scales") and type(v) is not int:
             raise HandshakeError(f"{who}: layout: {name}: expected an int, got {v!r:.40}")
     claimed = (d.pop("head_start", None), d.pop("head_count", None))
     try:

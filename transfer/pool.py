@@ -10,7 +10,8 @@ import torch
 from engine.kv_layout import KVLayout
 from transfer.head_cut import HeadCut, Rows
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                 "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class TransferValueError(ValueError):

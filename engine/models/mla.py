@@ -18,6 +18,10 @@ non-rotated part) stacked on W_UV [Dv, C] (the value).
   result goes through W_UV. A step then reads C + R values per token instead of
   H * (Dn + R + Dv).
 
+A float8 cache (--kv-cache-dtype fp8) stores the latent divided by the layer's scale
+(``kv_scale``, set by engine/kv_scales.py): the decode kernel reads it in-kernel, and the
+prefill path multiplies the rows it decompresses back before kv_b_proj.
+
 Tensor parallelism: query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns)
 split by head; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank
 computes and stores the same latent. o_proj is row-parallel: one all-reduce.
@@ -36,6 +40,7 @@ from engine.models.llama import RMSNorm
 from engine.parallel.group import TPGroup
 from engine.parallel.shards import TPShard
 from engine.rope import softmax_mscale
+from kernels.kv_fp8 import from_cache, take
 
 
 class MLAAttention(nn.Module):
@@ -67,6 +72,7 @@ class MLAAttention(nn.Module):
         # the dense prefill kernel's head dim: K [Dn | R] and V zero-padded to one power of
         # two (zeros add nothing to q.k, and V's padding columns are cut off after)
         self.pad_dim = max(16, 1 << (max(qk, self.dv) - 1).bit_length())
+        self.kv_scale = 1.0  # a float8 cache's latent scale for this layer
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -88,7 +94,7 @@ class MLAAttention(nn.Module):
                                  positions, cos_sin)  # [T, H, R], [T, 1, R]
         latent = torch.cat([c, k_pe.view(t, self.r)], dim=-1)  # [T, C + R]
         assert self.k.store_latent is not None
-        self.k.store_latent(latent, kv_layer, meta.slot_mapping)
+        self.k.store_latent(latent, kv_layer, meta.slot_mapping, scale=self.kv_scale)
         if meta.decode_only:
             o = self._decode(q_nope, q_pe, kv_layer, meta.block_tables, meta.seq_lens,
                              meta.max_seq_len)
@@ -114,7 +120,7 @@ class MLAAttention(nn.Module):
         q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, H, C + R]
         assert self.k.mla_decode is not None
         o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
-                                  max_seq_len=max_seq_len)  # [B, H, C]
+                                  max_seq_len=max_seq_len, kv_scale=self.kv_scale)  # [B, H, C]
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
@@ -142,7 +148,8 @@ class MLAAttention(nn.Module):
         [Nb] blocks that `tables` [B, W'] indexes."""
         bt = block_tables
         bs = kv_layer.shape[2]
-        lat = kv_layer[bt.reshape(-1).long(), 0, :, 0]  # [Nb, BS, C + R]
+        lat = take(kv_layer, (bt.reshape(-1).long(), 0, slice(None), 0))  # [Nb, BS, C + R]
+        lat = from_cache(lat, self.kv_scale, q_nope.dtype)  # a float8 cache's rows, scaled
         nb = lat.shape[0]
         kv = self.kv_b_proj(lat[..., :self.c])  # [Nb, BS, H * (Dn + Dv)]
         kv = kv.view(nb, bs, self.h, self.dn + self.dv)

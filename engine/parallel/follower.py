@@ -24,6 +24,7 @@ import torch.distributed as dist
 from engine import host_memory
 from engine.attention import kernels_for
 from engine.decode_graphs import DecodeGraphs
+from engine.kv_scales import apply_kv_scales
 from engine.parallel.dp_groups import make_attention_group
 from engine.parallel.dp_plan import DPPlan, run_dp_plan
 from engine.parallel.graph_step import GraphStep, apply_graph_step
@@ -62,7 +63,8 @@ def main(argv: list[str]) -> int:
     msg = read_frame(stdin)
     if msg is None:
         return 0
-    _, shape, dtype = msg
+    _, shape, dtype, kv_scales = msg
+    apply_kv_scales(model, kv_scales)  # rank 0's, so every rank stores the same numbers
     # on CPU the same huge-page pool as rank 0's (a transfer endpoint may share it)
     kv_cache = (host_memory.zeros(shape, getattr(torch, dtype)) if device.type == "cpu"
                 else torch.zeros(shape, dtype=getattr(torch, dtype), device=device))

@@ -94,10 +94,13 @@ class TPFollowers:
 
     # ---- start-up ------------------------------------------------------------------------
 
-    def start_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Each follower allocates its KV cache (rank 0's shape: its own heads) and reports
-        ready once its weights are loaded."""
-        self._send_all(("kv", tuple(shape), str(dtype).removeprefix("torch.")))
+    def start_kv(self, shape: tuple[int, ...], dtype: torch.dtype,
+                 kv_scales: tuple[float, ...] = ()) -> None:
+        """Each follower allocates its KV cache (rank 0's shape: its own heads), takes rank
+        0's float8 scales (engine/kv_scales.py) and reports ready once its weights are
+        loaded."""
+        self._send_all(("kv", tuple(shape), str(dtype).removeprefix("torch."),
+                        tuple(kv_scales)))
         self._expect("ready")
 
     def start_graphs(self, max_batch: int, max_blocks: int, use_graphs: bool) -> None:

@@ -157,7 +157,8 @@ class Registry:
                         f"kv_fingerprint: {ROLE_NAMES[role]} {worker_id} has "
                         f"{kv_fingerprint!r} but {w.role_name} {w.worker_id} has "
                         f"{w.kv_fingerprint!r}; producers and consumers must share the KV "
-                        f"layout (model, dtype, block size)", precondition=True)
+                        f"layout (model, dtype, block size, --kv-cache-dtype and its "
+                        f"scales)", precondition=True)
         old = self._workers.get(worker_id)
         info = WorkerInfo(worker_id=worker_id, role=role, address=address, kv_address=kv_address,
                           model=model, kv_fingerprint=kv_fingerprint,

@@ -359,6 +359,8 @@ class RequestRun:
                          bound: float | None = None) -> Event:
         """The next report, or a TIMEOUT naming ``what`` and the bound it missed (``bound``
         when the wait is what is left of a longer one)."""
+        if not self._queue.empty():  # a report is waiting: no timer to arm and cancel
+            return self._queue.get_nowait()
         try:
             async with asyncio.timeout(timeout):
                 return await self._queue.get()

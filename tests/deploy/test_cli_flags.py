@@ -67,3 +67,18 @@ def test_a_workers_default_id_names_no_role() -> None:
     assert len(ids) == 3 and all(i.startswith("worker-") for i in ids), ids
     assert worker_id(parser.parse_args(["producer", "--router", "x:1", "--worker-id",
                                         "pod-7"])) == "pod-7"
+
+
+def test_kv_cache_dtype_reaches_every_worker_and_its_engine() -> None:
+    from deploy.engine_args import engine_config
+
+    worker_args = _launch("--kv-cache-dtype", "fp8")
+    assert worker_args == ("--kv-cache-dtype=fp8",)
+    for role in ("producer", "consumer", "colocated"):
+        args = build_parser().parse_args([role, "--router", "x:1", *worker_args])
+        cfg = engine_config(args)
+        assert (cfg.kv_cache_dtype, cfg.kv_dtype) == ("fp8", "float8_e4m3fn")
+    args = build_parser().parse_args(["generate", "--prompt", "hi", "--kv-cache-dtype", "fp8"])
+    assert engine_config(args).kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):  # argparse names the flag and its choices
+        build_parser().parse_args(["consumer", "--router", "x:1", "--kv-cache-dtype", "int8"])

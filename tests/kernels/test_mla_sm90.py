@@ -16,7 +16,8 @@ import kernels.triton_store_kv as s
 DEC = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i64",
        "out_ptr": "*bf16", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "s_qb": "i32",
        "s_qh": "i32", "s_cb": "i64", "s_cs": "i32", "s_btb": "i32", "s_ob": "i32",
-       "s_oh": "i32", "qk_scale": "fp32", "split_len": "i32", "num_splits": "i32", "H": "i32"}
+       "s_oh": "i32", "qk_scale": "fp32", "v_scale": "fp32", "split_len": "i32",
+       "num_splits": "i32", "H": "i32"}
 for block_h in (16, 32):  # the launcher's choices: up to 16 heads, and more
     for split in (False, True):
         out[f"decode/h{block_h}/split{int(split)}"] = spills(m._mla_decode_kernel, DEC, dict(
@@ -29,7 +30,7 @@ out["merge"] = spills(m._mla_merge_kernel, {
     dict(C=512, CP=512, MERGE_S=m.MERGE_CHUNK, BLOCK_N=m.BLOCK_N, DYN=True), num_warps=4)
 out["store_latent"] = spills(s._store_latent_kernel, {
     "src_ptr": "*bf16", "kv_ptr": "*bf16", "slot_ptr": "*i64", "s_t": "i32", "s_cb": "i64",
-    "s_cs": "i32"}, dict(D=576, BS=64, BLOCK_D=1024), num_warps=4)
+    "s_cs": "i32", "scale": "fp32"}, dict(D=576, BS=64, BLOCK_D=1024, FP8=False), num_warps=4)
 '''
 
 

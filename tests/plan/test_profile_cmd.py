@@ -60,3 +60,23 @@ def test_profile_command_refuses_to_pass_off_noise(tmp_path, capsys, monkeypatch
     assert p.problems and all(s > p.tolerance for s in p.prefill_spread)
     assert main(["plan", "--profile", str(out), "--gpus", "2", "--rate", "1",
                  "--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]) == 2
+
+
+def test_profile_command_measures_an_mla_moe_model(tmp_path, capsys):
+    """DeepSeek-V2 (MLA + routed and shared experts): the profile's KV is the latent, one
+    row of kv_lora_rank + qk_rope_head_dim values a token a layer, not K and V per head."""
+    from tiny_deepseek import MODELS, make_tiny_deepseek
+
+    version, kw = MODELS["v2"]
+    model = make_tiny_deepseek(str(tmp_path / "ds"), version, **kw)
+    out = tmp_path / "profile.json"
+    rc = main(["plan", "profile", "--model", model, "--out", str(out), "--kv-cache-mib", "4",
+               "--dtype", "float32", "--prefill-tokens", "8,32", "--decode-batch", "1,4",
+               "--decode-context", "16", "--reps", "1", "--max-num-batched-tokens", "64"])
+    p = Profile.load(str(out))
+    assert rc == (1 if p.problems else 0), capsys.readouterr().err
+    # 2 layers x (latent 32 + rope 16) x 4 bytes (float32)
+    assert p.kv_bytes_per_token == 2 * (32 + 16) * 4
+    assert p.kv_capacity_tokens == 4 * 2**20 // p.kv_bytes_per_token // 16 * 16
+    assert p.prefill.tokens == (8, 32) and all(v > 0 for v in p.prefill.ms)
+    assert p.decode.batch == (1, 4) and all(v > 0 for row in p.decode.ms for v in row)

@@ -1,0 +1,66 @@
+"""Tile tuning for the MoE benchmark's kernels (``bench/moe_bench.py --tune`` and
+``--tune-mla``): each candidate timed on the device, the fastest printed for
+kernels/moe_configs.json and the MLA decode kernel's constants."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from moe_bench import kernel_point, mla_kernel_point
+
+# fused-kernel tile candidates for --tune (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): each
+# compiles for sm_90 without register spills (ptxas -v, as tests/kernels/test_moe_sm90.py)
+CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
+              (16, 128, 64, 4, 3), (16, 64, 128, 8, 4), (32, 64, 64, 8, 3),
+              (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3),
+              # wider K or N for batch-1 streaming (not spill-checked: timing decides)
+              (16, 32, 256, 4, 3), (16, 64, 256, 8, 2), (16, 128, 128, 8, 3)]
+
+
+def tune_mla(model: Any, hbm: float, points: list[tuple[int, int]]) -> dict[str, Any]:
+    """Times MLA decode tile candidates (rows per tile, warps, stages, and the split count
+    against the heuristic's) per (batch, context); returns every timing and the best."""
+    from kernels.triton_mla_decode import choose_num_splits
+
+    out: dict[str, Any] = {}
+    for b, ctx in points:
+        base = choose_num_splits(b, 1, ctx, torch.device("cuda"))
+        rows = []
+        for block_n in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    for splits in sorted({max(1, base // 2), base, min(64, base * 2)}):
+                        tiles = {"block_n": block_n, "num_warps": warps,
+                                 "num_stages": stages, "num_splits": splits}
+                        try:
+                            p = mla_kernel_point(model, b, ctx, hbm, tiles)
+                        except Exception as e:  # a tile that does not fit: skip it
+                            print("tune-mla", b, ctx, tiles, repr(e)[:100], flush=True)
+                            continue
+                        rows.append({**tiles, "ms": p["kernel_ms_all_layers"],
+                                     "fraction_of_hbm_read": p["fraction_of_hbm_read"]})
+                        print("tune-mla", b, ctx, rows[-1], flush=True)
+        rows.sort(key=lambda r: r["ms"])
+        out[f"{b}x{ctx}"] = {"heuristic_splits": base, "best": rows[:5]}
+    return out
+
+
+def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
+    """Times each tile candidate per batch; returns the moe_configs.json entry."""
+    best: dict[str, Any] = {}
+    for b in batches:
+        rows = []
+        for bm, bn, bk, warps, stages in CANDIDATES:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn,
+                   "BLOCK_K_DOWN": bk, "num_warps": warps, "num_stages": stages}
+            try:
+                p = kernel_point(model, b, hbm, cfg)
+            except Exception as e:  # a config that does not fit: skip it
+                print("tune", b, cfg, repr(e)[:120], flush=True)
+                continue
+            rows.append((p["kernel_ms_all_layers"], cfg))
+            print("tune", b, cfg, p["kernel_ms_all_layers"], flush=True)
+        rows.sort(key=lambda r: r[0])
+        best[str(b)] = rows[0][1]
+    return {torch.cuda.get_device_name(): best}
