@@ -321,10 +321,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     devices: tuple[str, ...] | None = None  # one per rank; None: consecutive from `device`
     tp_timeout_s: float = 60.0  # bound on any one collective (a hung rank fails the engine)
-    # Attention data-parallel over D groups of tensor_parallel_size / D ranks: each group
-    # has its own requests and KV pool, the MoE layers are expert-parallel over every rank
-    # (engine/parallel/dp_groups.py).
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1  # attention groups among the ranks (parallel/dp_groups.py)
     # A simulated engine: no model, timed steps, hashed tokens (engine/sim_runner.py)
     simulate: SimConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -365,15 +362,10 @@ class EngineConfig:
                 d == "cpu" or d.startswith("cuda") for d in self.devices)),
              "(--devices) must list 'cpu' or 'cuda[:N]' devices"),
             ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
-            ("data_parallel_size", self.data_parallel_size >= 1
-             and self.tensor_parallel_size % self.data_parallel_size == 0,
-             f"(--data-parallel-size) must be >= 1 and divide --tensor-parallel-size "
-             f"{self.tensor_parallel_size}"),
-            # a producer's and a consumer's KV moves per tensor-parallel rank; pairing a
-            # request's group with the peer's group is not built
+            ("data_parallel_size", self.data_parallel_size >= 1 and self.tensor_parallel_size
+             % self.data_parallel_size == 0, "(--data-parallel-size) must divide the TP size"),
             ("data_parallel_size", self.data_parallel_size == 1 or self.role == "colocated",
-             "(--data-parallel-size) > 1 serves colocated workers only, not the "
-             f"{self.role} role"),
+             f"(--data-parallel-size) > 1 serves colocated workers only, not {self.role}"),
             ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
              "(--enable-prefix-caching) must be True or False"),
         ]
