@@ -36,7 +36,10 @@ class ConsumerServicer(WorkerServicer):
                                                    request.colocated,
                                                    tuple(request.prior_output_ids),
                                                    request.source_tp_size, request.cache_salt,
-                                                   request.reuse_cached), context)
+                                                   request.reuse_cached,
+                                                   request.dp_rank
+                                                   if request.HasField("dp_rank") else -1),
+                          context)
         done = False
         outcome = "cancelled"
         try:

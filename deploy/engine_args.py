@@ -46,6 +46,10 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks of this engine (heads, MLP and vocabulary split over them); "
                         "gloo on CPU, NCCL on CUDA")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="attention data-parallel groups within the tensor-parallel ranks "
+                        "(must divide --tensor-parallel-size): each group has its own "
+                        "requests and KV pool; MoE layers are expert-parallel over all ranks")
     g.add_argument("--devices", default="",
                    help="comma-separated device of each rank, e.g. cuda:2,cuda:3 (default: "
                         "consecutive devices from --device)")
@@ -109,6 +113,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         enable_prefix_caching=args.enable_prefix_caching,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
+        data_parallel_size=args.data_parallel_size,
         devices=tuple(d.strip() for d in args.devices.split(",") if d.strip()) or None)
     kw["simulate"] = simulate_config(args)
     kw.update(overrides)

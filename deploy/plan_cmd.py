@@ -121,7 +121,7 @@ def run_plan(args: argparse.Namespace) -> int:
         result = plan(profile, args.gpus, work, slos, limits, args.policy)
     else:
         result = fewest_gpus(profile, args.max_gpus, work, slos, limits, args.policy)
-    result["launch"] = launch_lines(result["best"], profile.model, args.policy)
+    result["launch"] = launch_lines(result["best"], profile.model, args.policy, profile)
     if "met" not in result:  # --gpus: say whether the best split meets the SLOs at all
         result["met"] = bool(result["best"]["meets_slos"])
     if args.json:

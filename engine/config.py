@@ -321,6 +321,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     devices: tuple[str, ...] | None = None  # one per rank; None: consecutive from `device`
     tp_timeout_s: float = 60.0  # bound on any one collective (a hung rank fails the engine)
+    data_parallel_size: int = 1  # attention groups among the ranks (parallel/dp_groups.py)
     # A simulated engine: no model, timed steps, hashed tokens (engine/sim_runner.py)
     simulate: SimConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -361,6 +362,10 @@ class EngineConfig:
                 d == "cpu" or d.startswith("cuda") for d in self.devices)),
              "(--devices) must list 'cpu' or 'cuda[:N]' devices"),
             ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
+            ("data_parallel_size", self.data_parallel_size >= 1 and self.tensor_parallel_size
+             % self.data_parallel_size == 0, "(--data-parallel-size) must divide the TP size"),
+            ("data_parallel_size", self.data_parallel_size == 1 or self.role == "colocated",
+             f"(--data-parallel-size) > 1 serves colocated workers only, not {self.role}"),
             ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
              "(--enable-prefix-caching) must be True or False"),
         ]

@@ -21,8 +21,10 @@ def build_kv_pool(config: EngineConfig, model_cfg: ModelConfig, identity: str,
     layout = KVLayout(
         model=identity, dtype=config.kv_dtype, block_size=config.block_size,
         num_layers=model_cfg.num_layers, **kv_shape_of(model_cfg), num_blocks=1,
-        # rank 0's pool: its own heads (model.shard; MLA: the latent, whole on every rank)
-        tp_size=config.tensor_parallel_size, tp_rank=0, kv_scales=kv_scales)
+        # rank 0's pool: its own heads (model.shard; MLA: the latent, whole on every rank);
+        # under data-parallel attention its group's split (engine/parallel/dp_groups.py)
+        tp_size=config.tensor_parallel_size // config.data_parallel_size, tp_rank=0,
+        kv_scales=kv_scales)
     # Never more than every seat filled to max_model_len could use.
     cap = config.max_num_seqs * -(-max_model_len // config.block_size)
     kv_bytes = config.kv_cache_bytes

@@ -52,6 +52,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         devices = rank_devices(config)
         if devices[0] != config.device:
             config = dataclasses.replace(config, device=devices[0])
+    if config.data_parallel_size > 1:
+        from engine.parallel.dp_groups import check_dp
+
+        check_dp(tp, config.data_parallel_size, model_cfg.moe is not None)
     device = torch.device(config.device)
     if device.type == "cuda" and device.index is not None:
         # Triton launches on the thread's current device, not the tensors': an engine on
@@ -63,6 +67,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
         followers = TPFollowers(config, path, devices)
         group = followers.group
+        if config.data_parallel_size > 1:
+            from engine.parallel.dp_groups import make_attention_group
+
+            group = make_attention_group(followers.group, followers.group_store, tp,
+                                         config.data_parallel_size)
     try:
         kernels = kernels_for(device,
                               force_reference=bool(config.extra.get("reference_kernels")))
@@ -146,16 +155,21 @@ class LLM:
         return self.tokenizer.encode(prompt)
 
     def stream(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams],
-               chat: bool = False) -> Iterator[RequestOutput]:
-        """Yields every engine output as it is produced, for all prompts together."""
+               chat: bool = False, dp_ranks: Sequence[int | None] | None = None
+               ) -> Iterator[RequestOutput]:
+        """Yields every engine output as it is produced, for all prompts together.
+        dp_ranks: the attention data-parallel group of each prompt (None: least loaded)."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError("params: need one SamplingParams per prompt")
+        ranks = list(dp_ranks) if dp_ranks is not None else [None] * len(prompts)
+        if len(ranks) != len(prompts):
+            raise ValueError("dp_ranks: need one per prompt")
         ids = [f"req-{next(self._ids)}" for _ in prompts]
         added = []
         try:
-            for rid, prompt, p in zip(ids, prompts, plist, strict=True):
-                self.engine.add_request(rid, self.encode(prompt, chat), p)
+            for rid, prompt, p, g in zip(ids, prompts, plist, ranks, strict=True):
+                self.engine.add_request(rid, self.encode(prompt, chat), p, dp_rank=g)
                 added.append(rid)
             while self.engine.has_unfinished():
                 yield from self.engine.step()
@@ -165,11 +179,12 @@ class LLM:
 
     def generate(self, prompts: Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 chat: bool = False) -> list[Completion]:
+                 chat: bool = False, dp_ranks: Sequence[int | None] | None = None
+                 ) -> list[Completion]:
         """Runs every prompt to completion; results in prompt order."""
         params = params if params is not None else SamplingParams()
         done: dict[str, Completion] = {}
-        for out in self.stream(prompts, params, chat):
+        for out in self.stream(prompts, params, chat, dp_ranks):
             c = done.setdefault(out.request_id, Completion(out.request_id, []))
             c.token_ids += out.new_token_ids
             c.text += out.new_text

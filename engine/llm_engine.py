@@ -17,10 +17,11 @@ import torch
 
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.config import EngineConfig, ModelConfig, resolve_max_model_len
+from engine.dp_scheduler import make_scheduler
 from engine.grammar.factory import GrammarFactory
+from engine.inflight_step import InflightStep
 from engine.kv_pool import build_kv_pool
 from engine.kv_scales import apply_kv_scales, kv_scales_for
-from engine.model_runner import InflightStep
 from engine.models.llama import LlamaForCausalLM
 from engine.outputs import HeldRequest, RequestOutput, StepResult, logprob_rows
 from engine.prefix_cache import PrefixCache
@@ -29,7 +30,7 @@ from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import SchedulerOutput
 from engine.sim_runner import make_runner
 from engine.stop_check import check_stop, streamable_len
 
@@ -70,9 +71,7 @@ class LLMEngine(PrefixCacheQueries):
         self.blocks = BlockManager(num_blocks, config.block_size,
                                    PrefixCache() if config.enable_prefix_caching else None)
         self.prefix_model_key = self.layout.fingerprint()
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.max_waiting,
-                                   self.max_model_len)
+        self.scheduler = make_scheduler(config, self.blocks, self.max_model_len)
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
@@ -85,7 +84,7 @@ class LLMEngine(PrefixCacheQueries):
         # (and how far each request's KV is written once it has been read: prefix caching
         # registers only blocks whose KV is fully written)
         self._unread: dict[int, dict[str, tuple[Request, int]]] = {}
-        self._free_after: dict[int, list[int]] = {}
+        self._free_after: dict[int, list[tuple[BlockManager, list[int]]]] = {}
         self._step_id = 0
         self._seed_rng = random.Random(config.seed)
         self.num_preemptions = 0  # requests whose KV was dropped to be recomputed
@@ -134,7 +133,7 @@ class LLMEngine(PrefixCacheQueries):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, prior_output_ids: list[int] | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None, dp_rank: int | None = None) -> Request:
         """Queues a request (QUEUED); ValueError names a bad field, QueueFull means retry
         later.
 
@@ -142,9 +141,11 @@ class LLMEngine(PrefixCacheQueries):
 
         prior_output_ids: a migrated request's tokens its client already has; they are
         prefilled with the prompt and generation goes on after them as if it never stopped
-        (same positions, penalties, min/max_tokens and stop state)."""
+        (same positions, penalties, min/max_tokens and stop state).
+        dp_rank: the attention data-parallel group to serve it (None: the least loaded)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.QUEUED,
                                 prior_output_ids, cache_salt)
+        self.scheduler.place(req, dp_rank)
         self.scheduler.add(req)
         self.requests[request_id] = req
         return req
@@ -240,7 +241,7 @@ class LLMEngine(PrefixCacheQueries):
         if len(ids) != stop - start:
             raise ValueError(f"pin: blocks [{start}, {stop}) of {request_id!r}, which holds "
                              f"{len(req.block_ids)}")
-        self.blocks.share(ids)
+        self.scheduler.pool(req).share(ids)
         req.pinned.extend(ids)
         return ids
 
@@ -272,7 +273,7 @@ class LLMEngine(PrefixCacheQueries):
         return self.scheduler.has_work() or self._inflight is not None
 
     def block_accounting(self) -> BlockAccounting:
-        return self.blocks.accounting()
+        return self.scheduler.accounting()
 
     def _free(self, req: Request, block_ids: list[int]) -> None:
         """Frees now, or when the newest launched step that may write them has been read
@@ -280,9 +281,9 @@ class LLMEngine(PrefixCacheQueries):
         a KV transfer into a reused block is not ordered after that step's writes)."""
         last = max((i for i, w in self._unread.items() if req.request_id in w), default=None)
         if last is None:
-            self.blocks.free(block_ids)
+            self.scheduler.pool(req).free(block_ids)
         else:
-            self._free_after.setdefault(last, []).extend(block_ids)
+            self._free_after.setdefault(last, []).append((self.scheduler.pool(req), block_ids))
 
     # ---- the step --------------------------------------------------------------------------
 
@@ -328,7 +329,8 @@ class LLMEngine(PrefixCacheQueries):
         ids = step.out.token_ids.tolist()  # the host sync: the step has completed
         for r, written in self._unread.pop(step.step_id, {}).values():
             self.scheduler.cache_written(r, written)  # ids read: the step has completed
-        self.blocks.free(self._free_after.pop(step.step_id, []))
+        for pool, ids in self._free_after.pop(step.step_id, []):
+            pool.free(ids)
         # When the sampling forward had run: read back now (direct), or at its launch when
         # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
         sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns

@@ -7,15 +7,17 @@ device from that step's sampled-id tensor, which is what lets output be deferred
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from engine.decode_graphs import DecodeGraphs
+from engine.dp_runner import execute_dp
 from engine.grammar.masks import GrammarMasks
+from engine.inflight_step import InflightStep
 from engine.input_staging import DecodeStaging
 from engine.kv_scales import kv_scales_of
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.dp_groups import DPLayout
 from engine.parallel.graph_step import GraphStep
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.penalty_state import PenaltyState
@@ -23,17 +25,6 @@ from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk
-
-
-@dataclass
-class InflightStep:
-    """A launched step whose sampled ids the host has not read yet."""
-
-    step_id: int
-    requests: list[Request]  # row i of `out` belongs to requests[i]
-    out_index: list[int]  # where in requests[i].output_token_ids row i's token goes
-    out: SamplerOutput
-    launched_ns: int = 0  # wall clock right after the launch (on CPU the forward has run)
 
 
 def _plain(p: SamplingParams) -> bool:
@@ -76,7 +67,15 @@ class ModelRunner:
         # Under TP every follower holds the same buffers and graphs (engine.parallel.
         # graph_step): they capture at the same time, so the warm-up's collectives pair up.
         self.graphs: DecodeGraphs | None = None
-        if max_num_seqs and max_model_len:
+        # data-parallel attention: each group runs its own plan (engine/dp_runner.py); its
+        # steps run eagerly
+        ep = model.ep_group
+        self.dp_layout = (DPLayout(ep.size, ep.size // model.shard.size)
+                          if ep is not None else None)
+        if self.dp_layout is not None and self.followers is not None \
+                and device.type == "cuda":
+            self.followers.watch()  # an idle group's rank may wait on a dead one: end it now
+        if max_num_seqs and max_model_len and self.dp_layout is None:
             max_blocks = -(-max_model_len // block_size)
             use = cuda_graphs and device.type == "cuda" and model.kernels.graph_safe
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, device,
@@ -120,6 +119,8 @@ class ModelRunner:
 
     def _execute(self, chunks: list[ScheduledChunk],
                  prev: InflightStep | None) -> tuple[list[Request], SamplerOutput]:
+        if self.dp_layout is not None:
+            return execute_dp(self, self.dp_layout, chunks, prev)
         if (self.graphs is not None and len(chunks) <= self.graphs.max_batch
                 and all(c.num_tokens == 1 for c in chunks)
                 and max(len(c.request.block_ids) for c in chunks) <= self.graphs.max_blocks):

@@ -67,6 +67,7 @@ class Request:
     num_registered_blocks: int = 0  # block_ids[:n] were hits or offered to the cache
     num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted
     reuse_cached: bool = False  # consumer: its reservation may take cached leading blocks
+    dp_rank: int = 0  # attention data-parallel group whose queues and KV pool hold it
 
     @property
     def num_prompt_tokens(self) -> int:

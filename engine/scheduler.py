@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockAccounting, BlockManager
 from engine.prefix_hash import BlockHash, block_hash
 from engine.request import PLACEHOLDER, Request
 from engine.request_state import RequestState
@@ -67,6 +67,24 @@ class Scheduler:
         self.awaiting_kv: dict[str, Request] = {}  # remote, blocks held, KV not landed
         self.tokens_computed = 0  # positions whose forward was launched, ever (cache hits
         # are the positions a request did not need to compute)
+
+    def pool(self, req: Request) -> BlockManager:
+        """The KV pool holding req's blocks (one here; one per slot in DPScheduler)."""
+        return self.blocks
+
+    def place(self, req: Request, dp_rank: int | None) -> None:
+        """One attention group: only group 0 (or none) may be asked for."""
+        if dp_rank not in (None, 0):
+            raise ValueError(f"dp_rank: this engine has one attention group, got {dp_rank!r}")
+
+    def loads(self) -> list[dict[str, int]]:
+        """The load of each attention group: this one's."""
+        acc = self.blocks.accounting()
+        return [{"waiting": len(self.waiting), "running": len(self.running),
+                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total}]
+
+    def accounting(self) -> BlockAccounting:
+        return self.blocks.accounting()
 
     def add(self, req: Request) -> None:
         if len(self.waiting) >= self.max_waiting:

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import InflightStep, ModelRunner
+from engine.inflight_step import InflightStep
+from engine.model_runner import ModelRunner
 from engine.request import Request
 from engine.sampler import SamplerOutput
 from engine.scheduler import ScheduledChunk

@@ -57,6 +57,7 @@ class DecodeCmd:
     source_tp: int = 0  # consumer: the producer's TP size (0: unknown, taken as ours)
     cache_salt: str = ""
     reuse_cached: bool = False  # consumer: the reservation may take cached leading blocks
+    dp_rank: int = -1  # attention data-parallel group to serve it (-1: the least loaded)
 
 
 @dataclass(frozen=True)

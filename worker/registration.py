@@ -233,6 +233,7 @@ class Registration:
             kv_fingerprint=self.info["kv_fingerprint"],
             max_model_len=self.info["max_model_len"], load=self._load_pb(),
             cluster_token=self.token, tp_size=int(self.info.get("tp_size", 1)),
+            dp_size=int(self.info.get("dp_size", 1)),
             lease_s=float(self.info.get("lease_s", 0.0)),
             block_size=int(self.info.get("block_size", 0)),
             prefix_caching=bool(self.info.get("prefix_caching", False)),

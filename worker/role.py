@@ -77,7 +77,14 @@ class RoleHandler(abc.ABC):
                 "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
                 "transfers_in_flight": 0, "kv_exhausted_by_orphans": False,
                 "preemptions": self.engine.num_preemptions,
+                **self._dp_loads(),
                 **self.engine.prefix_cache_stats().counters()}
+
+    def _dp_loads(self) -> dict[str, Any]:
+        """Each attention data-parallel group's own queues and pool (none for one group)."""
+        if self.engine.config.data_parallel_size == 1:
+            return {}
+        return {"dp_ranks": self.engine.scheduler.loads()}
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),
@@ -89,7 +96,8 @@ class RoleHandler(abc.ABC):
                 # chains (engine/prefix_hash.py; the model key is kv_fingerprint)
                 "block_size": self.engine.config.block_size,
                 "prefix_caching": self.engine.blocks.cache is not None,
-                "accepts_cache_salt": True}
+                "accepts_cache_salt": True,
+                "dp_size": self.engine.config.data_parallel_size}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases transfer resources at shutdown."""

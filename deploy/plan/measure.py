@@ -3,7 +3,8 @@
 Prefill: one step that computes T prompt tokens (a fresh request of T tokens, T within the
 step's token budget). Decode: B requests of context C prefilled first, then decode steps of
 all B. Output is never deferred here, so each ``step()`` call times exactly one forward and
-its sampling.
+its sampling. A worker of attention data-parallel groups runs each point on every group at
+once (T tokens, B requests per group), as its profile counts them.
 
 A busy machine makes single timings worthless (a 128-token prefill once took 7.6 s, 512
 tokens 0.8 s), so each point is sampled until its last ``reps`` timings agree within
@@ -77,12 +78,19 @@ def stable(sample: Callable[[], float], grid: Grid) -> tuple[float, float]:
             return statistics.median(window), spread(window)
 
 
+def _groups(engine: LLMEngine) -> int:
+    """Attention data-parallel groups: each runs a point's whole part at once."""
+    return engine.config.data_parallel_size
+
+
 def _prefill_ms(engine: LLMEngine, tokens: int, grid: Grid,
                 rid: Callable[[], str]) -> tuple[float, float]:
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
 
     def once() -> float:
-        engine.add_request(rid(), [_token(engine)] * tokens, params)
+        for g in range(_groups(engine)):
+            engine.add_request(rid(), [_token(engine)] * tokens, params,
+                               dp_rank=g if _groups(engine) > 1 else None)
         ms = _timed_step(engine)
         while engine.has_unfinished():
             engine.step()
@@ -97,9 +105,11 @@ def _decode_ms(engine: LLMEngine, batch: int, context: int, grid: Grid,
     # Enough tokens that none finishes (and leaves the batch) while the others still prefill.
     params = SamplingParams(max_tokens=engine.max_model_len - context, ignore_eos=True,
                             temperature=0.0)
-    ids = [rid() for _ in range(batch)]
-    for r in ids:
-        engine.add_request(r, [_token(engine)] * context, params)
+    d = _groups(engine)
+    ids = [rid() for _ in range(batch * d)]  # batch on every group
+    for i, r in enumerate(ids):
+        engine.add_request(r, [_token(engine)] * context, params,
+                           dp_rank=i % d if d > 1 else None)
     # prefill every request, then one step more so the batch is decode-only
     while any(engine.requests[r].num_computed_tokens < context for r in ids):
         engine.step()
@@ -139,7 +149,7 @@ def measure_profile(config: EngineConfig, grid: Grid, transfer_backend: str = "u
     steps = max(grid.max_reps, grid.reps) + 4  # decode steps a point may take
     batch = tuple(b for b in grid.decode_batch if b <= config.max_num_seqs)
     ctx = tuple(c for c in grid.decode_context if c + steps < engine.max_model_len)
-    blocks_total = engine.block_accounting().total
+    blocks_total = engine.blocks.num_blocks  # one group's pool
     rows = [[0.0] * len(ctx) for _ in batch]
     dsp = [[0.0] * len(ctx) for _ in batch]
 
@@ -182,7 +192,8 @@ def measure_profile(config: EngineConfig, grid: Grid, transfer_backend: str = "u
                       kv_capacity_tokens=layout.num_blocks * config.block_size,
                       kv_bytes_per_token=layout.block_nbytes // config.block_size,
                       transfer_GBps=gbps, prefill_spread=tuple(psp),
-                      decode_spread=tuple(tuple(r) for r in dsp), tolerance=grid.tolerance)
+                      decode_spread=tuple(tuple(r) for r in dsp), tolerance=grid.tolerance,
+                      tp_size=config.tensor_parallel_size, dp_size=config.data_parallel_size)
     return dataclasses.replace(profile, problems=tuple(problems(profile, grid.tolerance)))
 
 

@@ -95,9 +95,11 @@ def plan(profile: Profile, gpus: int, workload: Workload, slos: Slos,
          limits: EngineLimits | None = None, policy: str = "round_robin") -> dict[str, Any]:
     """``{"best": ..., "candidates": [...], "over_capacity": bool}``, best first."""
     arrivals = workload.arrivals()
+    # a data-parallel attention worker serves colocated only (engine/config.py)
+    ok = [s for s in splits(gpus) if profile.dp_size == 1 or not (s.producers or s.consumers)]
     cands = [candidate(s, simulate(profile, s, arrivals, limits, policy, slos.as_goodput(),
                                    workload.seed), workload.rate, slos)
-             for s in splits(gpus)]
+             for s in ok]
     cands.sort(key=rank_key)
     return {"gpus": gpus, "rate": workload.rate, "best": cands[0], "candidates": cands,
             "over_capacity": not any(c["keeps_up"] for c in cands)}
@@ -122,9 +124,14 @@ def _slurm_model(model: str) -> str:
     return "" if model in ("", "smollm2") else f" PDSERVE_MODEL={model}"
 
 
-def launch_lines(best: dict[str, Any], model: str, policy: str) -> list[str]:
+def launch_lines(best: dict[str, Any], model: str, policy: str,
+                 profile: Profile | None = None) -> list[str]:
+    """profile: the worker layout to repeat when it is not one group of one rank."""
     x, y, z = best["producers"], best["consumers"], best["colocated"]
     m = "" if model in ("", "smollm2") else f" --model {model}"
+    if profile is not None and profile.dp_size > 1:
+        m += (f" --tensor-parallel-size {profile.tp_size} "
+              f"--data-parallel-size {profile.dp_size}")
     return [f"pdserve launch --producers {x} --consumers {y} --colocated {z}{m} "
             f"--policy {policy}",
             # one worker per node, so the job needs a node per worker plus the router's

@@ -7,6 +7,12 @@ File format, version 1 (JSON)::
      "decode": {"batch": [int...], "context": [int...], "ms": [[float per context] per batch]},
      "kv_capacity_tokens": int, "kv_bytes_per_token": int, "transfer_GBps": float}
 
+Attention data parallelism (a worker of ``--tensor-parallel-size T --data-parallel-size D``,
+written only when D > 1): ``tp_size`` and ``dp_size``. Then ``kv_capacity_tokens`` is one
+attention group's pool and ``prefill.tokens`` / ``decode.batch`` count one group's part of
+a step: every group runs that much at once (the groups step together, their MoE layers
+shared), and the step costs what one group's part costs in the profile.
+
 Optional keys (written by `pdserve plan profile`): ``prefill.spread`` and ``decode.spread``
 (same shapes as ``ms``: each point's relative spread, (max - min) / median of the timings
 kept), ``tolerance`` (the spread a point had to get under) and ``problems`` (one line per
@@ -84,6 +90,8 @@ class Profile:
     decode_spread: tuple[tuple[float, ...], ...] = ()  # [batch index][context index]
     tolerance: float = DEFAULT_TOLERANCE  # the spread a point had to get under
     problems: tuple[str, ...] = ()  # what the measurement found wrong, one line each
+    tp_size: int = 1  # ranks of the profiled worker
+    dp_size: int = 1  # its attention data-parallel groups (capacity and batch are per group)
 
     @property
     def sync_steps(self) -> bool:
@@ -122,6 +130,9 @@ class Profile:
         d = asdict(self)
         for key in ("prefill_spread", "decode_spread", "tolerance", "problems"):
             d.pop(key)
+        if self.dp_size == 1:
+            d.pop("tp_size")
+            d.pop("dp_size")
         d["prefill"] = {"tokens": list(self.prefill.tokens), "ms": list(self.prefill.ms)}
         d["decode"] = {"batch": list(self.decode.batch), "context": list(self.decode.context),
                        "ms": [list(r) for r in self.decode.ms]}
@@ -183,6 +194,12 @@ class Profile:
         probs = data.get("problems", [])
         if not isinstance(probs, list) or not all(isinstance(x, str) for x in probs):
             _bad("problems", "a list of strings", probs)
+        tp, dp = data.get("tp_size", 1), data.get("dp_size", 1)
+        for key, v in (("tp_size", tp), ("dp_size", dp)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                _bad(key, "a positive integer", v)
+        if tp % dp:
+            _bad("dp_size", f"a divisor of tp_size {tp}", dp)
         p = Profile(model=_field(data, "model", str), device=_field(data, "device", str),
                     block_size=_field(data, "block_size", int),
                     prefill=PrefillCurve(tokens, pms), decode=DecodeGrid(batch, context, dms),
@@ -190,7 +207,7 @@ class Profile:
                     kv_bytes_per_token=_field(data, "kv_bytes_per_token", int),
                     transfer_GBps=float(_field(data, "transfer_GBps", (int, float))),
                     prefill_spread=psp, decode_spread=dsp, tolerance=float(tol),
-                    problems=tuple(probs))
+                    problems=tuple(probs), tp_size=tp, dp_size=dp)
         for key in ("block_size", "kv_capacity_tokens", "kv_bytes_per_token", "transfer_GBps"):
             if getattr(p, key) <= 0:
                 raise ProfileError(f"profile: {key}: must be > 0, got {getattr(p, key)}")

@@ -5,6 +5,13 @@ arrival order under the token budget, the newest running request preempted (bloc
 KV recomputed later) when blocks run out, then waiting requests admitted while budget,
 seats (``max_num_seqs``) and blocks last, none in a step that preempted. Blocks are counted,
 not named: which block a request holds never changes a step's cost.
+
+A worker of D attention data-parallel groups (``Profile.dp_size``) is D slots stepping
+together, each with the profile's pool, seats and budget; the worker places each request
+on its least loaded group, modelled here as perfectly balanced groups: one pool, seats and
+budget D times a group's, and a step of B decodes (P prompt tokens) costs a group's part,
+ceil(B / D) (ceil(P / D), or its longest chunk, which one group runs whole), in the
+profile.
 """
 
 from __future__ import annotations
@@ -61,10 +68,11 @@ class SimWorker:
         self.role = role
         self.profile = profile
         self.bs = profile.block_size
-        self.total_blocks = profile.kv_capacity_blocks
+        self.dp = profile.dp_size
+        self.total_blocks = profile.kv_capacity_blocks * self.dp
         self.free = self.total_blocks
-        self.max_seqs = limits.max_num_seqs
-        self.budget = limits.max_num_batched_tokens
+        self.max_seqs = limits.max_num_seqs * self.dp
+        self.budget = limits.max_num_batched_tokens * self.dp
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.reservations: deque[SimRequest] = deque()  # consumer: waiting for blocks
@@ -144,6 +152,7 @@ class SimWorker:
         p = self.profile
         decodes = 0
         prefill_tokens = 0
+        longest = 0  # a chunk runs on one group whole
         ctx_sum = 0
         for c in chunks:
             if c.n == 1 and c.start >= c.req.prompt_len:
@@ -151,14 +160,21 @@ class SimWorker:
                 ctx_sum += c.start + 1
             else:
                 prefill_tokens += c.n
+                longest = max(longest, c.n)
+        ctx = ctx_sum / max(decodes, 1)
+        decodes = self._per_group(decodes)
+        prefill_tokens = max(self._per_group(prefill_tokens), longest)
         if decodes == 0:
             return p.prefill_ms(prefill_tokens)
-        ctx = ctx_sum / decodes
         dec = p.decode_ms(decodes, ctx)
         if prefill_tokens == 0:
             return dec
         extra = max(0.0, dec - p.decode_ms(decodes, p.decode.context[0]))
         return p.prefill_ms(prefill_tokens + decodes) + extra
+
+    def _per_group(self, n: int) -> int:
+        """One attention group's share of n balanced rows."""
+        return -(-n // self.dp)
 
     MAX_BUNDLE = 256
 
@@ -192,7 +208,8 @@ class SimWorker:
             if i < len(grid):
                 k = min(k, int(grid[i] - ctx) + 1)
             if k > 1:
-                slope = (self.profile.decode_ms(d, ctx + k - 1) - first * 1e3) / (k - 1) / 1e3
+                slope = (self.profile.decode_ms(self._per_group(d), ctx + k - 1)
+                         - first * 1e3) / (k - 1) / 1e3
                 t, step = ends[0], first
                 for _ in range(1, k):
                     step += slope

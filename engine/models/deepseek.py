@@ -22,6 +22,8 @@ from engine.config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from engine.models.mla import MLAAttention
 from engine.models.moe_model import MoeForCausalLM
+from engine.parallel.dp_exchange import DPForward
+from engine.parallel.dp_groups import ep_of
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import hf_slice, local_from_full, shard_for
@@ -43,6 +45,9 @@ class _DeepseekDense(LlamaForCausalLM):
         self.group = group if group is not None and group.size > 1 else None
         self.shard = shard_for(cfg, group.rank, group.size) if group else shard_for(cfg, 0, 1)
         g, sh = self.group, self.shard
+        # data-parallel attention: the MoE layers' expert group and step state (dp_groups.py)
+        self.ep_group = ep_of(group)
+        self.dp_step = DPForward()
         self.followers = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
         self.layers = nn.ModuleList(

@@ -13,6 +13,8 @@ from engine.attention import AttentionMetadata, KernelSet, PagedAttention
 from engine.config import ModelConfig
 from engine.models import split_k
 from engine.models.split_k import split_k_linear
+from engine.parallel.dp_exchange import DPForward
+from engine.parallel.dp_groups import ep_of
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
@@ -134,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
         self.group = group if group is not None and group.size > 1 else None
         self.shard = shard_for(cfg, group.rank, group.size) if group else shard_for(cfg, 0, 1)
         g, sh = self.group, self.shard
+        # data-parallel attention: the MoE layers' expert group and step state (dp_groups.py)
+        self.ep_group = ep_of(group)
+        self.dp_step = DPForward()
         # Rank 0 of a TP engine: the other ranks, which its runner drives (build_engine).
         self.followers: TPFollowers | None = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)

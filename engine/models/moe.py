@@ -28,6 +28,7 @@ from torch import nn
 
 from engine.attention import KernelSet
 from engine.config import MoEConfig
+from engine.parallel.dp_exchange import ExpertExchange
 from engine.parallel.group import TPGroup
 from kernels.ref_moe import moe_route_ref
 
@@ -209,10 +210,14 @@ class SparseMoeBlock(nn.Module):
     e_score_correction_bias` [E], `experts.w13` / `experts.w2` (stacked), `shared_experts.*`."""
 
     def __init__(self, moe: MoEConfig, hidden: int, kernels: KernelSet,
-                 group: TPGroup | None, rank: int = 0, size: int = 1) -> None:
+                 group: TPGroup | None, rank: int = 0, size: int = 1,
+                 exchange: ExpertExchange | None = None) -> None:
+        """exchange: under data-parallel attention, how every rank's tokens reach these
+        experts and come back (group is then None: the exchange's reduce-scatter sums)."""
         super().__init__()
         self.cfg = moe
         self.group = group
+        self.exchange = exchange
         self.k = kernels
         # DeepSeek routes in float32 whatever the model's dtype; the others in the model's
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False,
@@ -249,10 +254,15 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""
+        n = x.shape[0]
+        if self.exchange is not None:
+            x = self.exchange.dispatch(x)  # [ranks * m, H]: every rank's tokens
         weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        if self.exchange is not None:
+            return self.exchange.combine(out, n)
         if self.group is not None:
             out = self.group.all_reduce(out)
         return out

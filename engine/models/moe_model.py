@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import ExpertName, SparseMoeBlock, full_param_to_local, parse_expert_name
+from engine.parallel.dp_exchange import ExpertExchange
 
 # HF module names of the MoE block, per family, mapped to ours ("mlp")
 _BLOCK_ALIASES = (".block_sparse_moe.",)  # Mixtral
@@ -31,8 +32,18 @@ class MoeForCausalLM(LlamaForCausalLM):
         moe = self.cfg.moe
         if moe is None or layer not in moe.layers:
             return None  # dense (Qwen3-MoE's mlp_only_layers and off-step layers)
+        ep = self.ep_group
+        if ep is not None:  # data-parallel attention: experts over every rank of the engine
+            return SparseMoeBlock(moe, self.cfg.hidden_size, self.kernels, None, ep.rank,
+                                  ep.size, ExpertExchange(ep, self.dp_step))
         return SparseMoeBlock(moe, self.cfg.hidden_size, self.kernels, self.group,
                               self.shard.rank, self.shard.size)
+
+    def _expert_rank(self) -> tuple[int, int]:
+        """(rank, size) the experts are split over: the engine's expert group under
+        data-parallel attention, else the tensor-parallel group."""
+        ep = self.ep_group
+        return (ep.rank, ep.size) if ep is not None else (self.shard.rank, self.shard.size)
 
     def _block(self, path: str, name: str) -> SparseMoeBlock:
         try:
@@ -46,7 +57,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def local_from_full(self, name: str, full: torch.Tensor) -> torch.Tensor:
         if ".experts." in name or ".shared_experts." in name or ".mlp.gate." in name:
-            return full_param_to_local(name, full, self.shard.rank, self.shard.size)
+            return full_param_to_local(name, full, *self._expert_rank())
         return super().local_from_full(name, full)
 
     def wants(self, hf_name: str) -> tuple[int, int, int] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.parallel.group import host_staged
 from engine.parallel.shards import FLAG
 
 
@@ -28,7 +29,7 @@ def rank_devices(config: EngineConfig) -> list[str]:
         if max(idx) >= have:
             raise ValueError(f"{FLAG}: {n} ranks need devices {devices}, this host has "
                              f"{have} CUDA device(s)")
-        if len(set(idx)) != len(idx):
+        if len(set(idx)) != len(idx) and not host_staged(config.extra):
             raise ValueError(f"{FLAG}: ranks must have distinct devices, got {devices}")
     if len({d == "cpu" for d in devices}) > 1:
         raise ValueError(f"--devices: mixes CPU and CUDA ranks: {devices}")

@@ -25,8 +25,10 @@ from engine import host_memory
 from engine.attention import kernels_for
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_scales import apply_kv_scales
+from engine.parallel.dp_groups import make_attention_group
+from engine.parallel.dp_plan import DPPlan, run_dp_plan
 from engine.parallel.graph_step import GraphStep, apply_graph_step
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, host_staged
 from engine.parallel.rank_side import RankSide, attach
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.parallel.wire import read_frame, write_frame
@@ -45,14 +47,19 @@ def main(argv: list[str]) -> int:
     _exit_with_parent()
     store = dist.TCPStore("127.0.0.1", a["port"], a["size"], False,
                           timeout=_td(cfg["tp_timeout_s"]))
-    group = TPGroup(dist.PrefixStore(a["prefix"], store), a["rank"], a["size"], device,
-                    cfg["tp_timeout_s"])
+    group_store = dist.PrefixStore(a["prefix"], store)
+    group = TPGroup(group_store, a["rank"], a["size"], device, cfg["tp_timeout_s"],
+                    host_staged(cfg["extra"]))
+    model_group: TPGroup = group
+    if cfg["data_parallel_size"] > 1:  # the model's attention group, its experts over all
+        model_group = make_attention_group(group, group_store, a["size"],
+                                           cfg["data_parallel_size"])
     model_cfg = read_model_config(a["model_path"])
     kernels = kernels_for(device, force_reference=bool(cfg["extra"].get("reference_kernels")))
     max_len = cfg["max_model_len"] or min(model_cfg.max_position_embeddings, 8192)
     model = build_model(a["model_path"], model_cfg, kernels, device, cfg["dtype"],
                         cfg["load_format"], max_positions=max(max_len, 1), seed=cfg["seed"],
-                        group=group)
+                        group=model_group)
     msg = read_frame(stdin)
     if msg is None:
         return 0
@@ -91,6 +98,12 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
             if isinstance(msg, GraphStep):
                 assert graphs is not None, "a graph step before the graphs were built"
                 prev_ids = apply_graph_step(graphs, msg, prev_ids, group, device)
+            elif isinstance(msg, DPPlan):
+                run_dp_plan(model, kv_cache, msg, prev_ids, group, device)  # type: ignore[arg-type]
+                prev_ids = None
+                if msg.num_sampled:  # rank 0 sampled every group's rows
+                    prev_ids = group.broadcast(
+                        torch.empty(msg.num_sampled, dtype=torch.int64, device=device), 0)
             elif isinstance(msg, StepPlan):
                 run_plan(model, kv_cache, msg, prev_ids, device)  # type: ignore[arg-type]
                 prev_ids = None

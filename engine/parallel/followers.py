@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.parallel.group import TPGroup
+from engine.parallel.group import TPGroup, host_staged
 from engine.parallel.wire import read_frame, write_frame
 
 WATCH_INTERVAL_S = 0.2  # how soon a dead follower aborts rank 0's captured collectives
@@ -84,8 +84,10 @@ class TPFollowers:
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), list(self.chans))
         try:
             self._expect("hello")
-            self.group = TPGroup(dist.PrefixStore(prefix, self.store), 0, self.size,
-                                 torch.device(devices[0]), self.timeout_s)
+            # kept: data-parallel attention builds its groups' communicators on it
+            self.group_store = dist.PrefixStore(prefix, self.store)
+            self.group = TPGroup(self.group_store, 0, self.size, torch.device(devices[0]),
+                                 self.timeout_s, host_staged(config.extra))
         except BaseException:
             self._finalizer()
             raise
@@ -110,7 +112,13 @@ class TPFollowers:
         """captured: the graphs hold collectives, which no timeout bounds; a watcher thread
         aborts the communicator when a follower exits, so rank 0 never waits on it forever."""
         self._expect("graphs-ready")
-        if captured and self._watcher is None:
+        if captured:
+            self.watch()
+
+    def watch(self) -> None:
+        """Aborts the communicator as soon as a follower exits (once started), so no
+        collective waits the whole timeout for a dead rank."""
+        if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch",
                                              daemon=True)
             self._watcher.start()
@@ -198,13 +206,18 @@ class TPFollowers:
         self._check_alive()
         self._send_all(plan)
 
-    def _send_all(self, obj: Any) -> None:
+    def send_each(self, plans: list[Any]) -> None:
+        """Hands follower rank r its own plan, plans[r - 1] (data-parallel attention)."""
+        self._check_alive()
+        self._send_all(None, plans)
+
+    def _send_all(self, obj: Any, each: list[Any] | None = None) -> None:
         if self.failed is not None:
             raise self.failed
         for i, p in enumerate(self.procs):
             assert p.stdin is not None
             try:
-                write_frame(p.stdin.fileno(), obj, self.timeout_s)
+                write_frame(p.stdin.fileno(), obj if each is None else each[i], self.timeout_s)
             except OSError as e:  # TimeoutError included
                 self._check_alive(wait_s=2.0)
                 raise self._fail(f"rank {i + 1}: cannot send the step plan ({e})") from e

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.v1 import common_pb2
 
@@ -65,6 +65,9 @@ class WorkerInfo:
     block_size: int = 0
     prefix_caching: bool = False
     accepts_cache_salt: bool = False
+    # requests sent to each attention data-parallel group since the last heartbeat
+    # (router/control/dp_placement.py)
+    dp_sent: list[int] = field(default_factory=list)
     draining: bool = False  # takes no new requests (deregistered, or changing role)
     drain_reason: str = ""
     target_role: int = 0  # a role change the router ordered (0: none)
@@ -186,6 +189,7 @@ class Registry:
             return False
         was_healthy = w.healthy
         w.load = _copy_load(load)
+        w.dp_sent = []  # the new load counts what was sent before it
         w.last_heartbeat = self._clock()
         if w.healthy != was_healthy:
             self._notify_change()

@@ -56,6 +56,7 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from router.config import RouterConfig
+from router.control.dp_placement import pick_dp_rank
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
 from router.requests.event_queue import EventQueue
@@ -191,8 +192,11 @@ class RequestRun:
         self.producer = None
         if slot.colocated is not None:
             w = slot.colocated
-            self.decode = DecodeLeg(w, self.stubs[w.worker_id],
-                                    self._decode_request(colocated=True), self._outputs_for(w),
+            req = self._decode_request(colocated=True)
+            group = pick_dp_rank(w)
+            if group is not None:
+                req.dp_rank = group
+            self.decode = DecodeLeg(w, self.stubs[w.worker_id], req, self._outputs_for(w),
                                     report)
             self.decode.start()
             self._move(P.PLACED)

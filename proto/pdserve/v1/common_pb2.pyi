@@ -96,7 +96,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("waiting", "running", "kv_blocks_free", "kv_blocks_total", "transfers_in_flight", "kv_exhausted_by_orphans", "loop_lag_s", "engine_report_age_s")
+    __slots__ = ("waiting", "running", "kv_blocks_free", "kv_blocks_total", "transfers_in_flight", "kv_exhausted_by_orphans", "loop_lag_s", "engine_report_age_s", "dp_ranks")
     WAITING_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,7 @@ class WorkerLoad(_message.Message):
     KV_EXHAUSTED_BY_ORPHANS_FIELD_NUMBER: _ClassVar[int]
     LOOP_LAG_S_FIELD_NUMBER: _ClassVar[int]
     ENGINE_REPORT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    DP_RANKS_FIELD_NUMBER: _ClassVar[int]
     waiting: int
     running: int
     kv_blocks_free: int
@@ -113,4 +114,17 @@ class WorkerLoad(_message.Message):
     kv_exhausted_by_orphans: bool
     loop_lag_s: float
     engine_report_age_s: float
-    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., kv_exhausted_by_orphans: _Optional[bool] = ..., loop_lag_s: _Optional[float] = ..., engine_report_age_s: _Optional[float] = ...) -> None: ...
+    dp_ranks: _containers.RepeatedCompositeFieldContainer[DPRankLoad]
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., transfers_in_flight: _Optional[int] = ..., kv_exhausted_by_orphans: _Optional[bool] = ..., loop_lag_s: _Optional[float] = ..., engine_report_age_s: _Optional[float] = ..., dp_ranks: _Optional[_Iterable[_Union[DPRankLoad, _Mapping]]] = ...) -> None: ...
+
+class DPRankLoad(_message.Message):
+    __slots__ = ("waiting", "running", "kv_blocks_free", "kv_blocks_total")
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    waiting: int
+    running: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    def __init__(self, waiting: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ...) -> None: ...

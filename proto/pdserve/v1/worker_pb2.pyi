@@ -48,7 +48,7 @@ class KVEventAck(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "dp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class RegisterRequest(_message.Message):
     LOAD_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
@@ -74,12 +75,13 @@ class RegisterRequest(_message.Message):
     load: _common_pb2.WorkerLoad
     cluster_token: str
     tp_size: int
+    dp_size: int
     lease_s: float
     block_size: int
     prefix_caching: bool
     accepts_cache_salt: bool
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -202,7 +204,7 @@ class TransferResult(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id", "cache_salt", "reuse_cached")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id", "cache_salt", "reuse_cached", "dp_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class DecodeRequest(_message.Message):
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     REUSE_CACHED_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -223,7 +226,8 @@ class DecodeRequest(_message.Message):
     subscriber_id: str
     cache_salt: str
     reuse_cached: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., reuse_cached: _Optional[bool] = ...) -> None: ...
+    dp_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., reuse_cached: _Optional[bool] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class DecodeOutput(_message.Message):
     __slots__ = ("reserved", "tokens", "done")
