@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cuda_probe import has_cuda
+from engine.quant.scheme import QUANTIZATION_FLAGS, Fp8Scheme, scheme_from_hf
 from engine.sim_config import SimConfig
 
 SUPPORTED_ARCHS = {
@@ -106,6 +107,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the key's are shared by heads
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE pairs are (x0, x1), (x2, x3)...: DeepSeek's layout
+    # FP8 weights of the checkpoint (its quantization_config); None: float weights
+    quant: Fp8Scheme | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -160,6 +163,11 @@ class ModelConfig:
         )
         if arch.startswith("deepseek"):  # MLA fields, and what they override
             base.update(_deepseek_fields(arch, cfg, scaling))
+        base["quant"] = scheme_from_hf(cfg)
+        if base["quant"] is not None and base["moe"] is not None:
+            raise ValueError("quantization_config: FP8 checkpoints are implemented for dense "
+                             f"models; {arch}'s experts are not (use a bf16 checkpoint with "
+                             "--quantization fp8, which quantizes its attention)")
         return ModelConfig(**base)
 
     @staticmethod
@@ -321,6 +329,9 @@ class EngineConfig:
     tp_timeout_s: float = 60.0  # bound on any one collective (a hung rank fails the engine)
     # A simulated engine: no model, timed steps, hashed tokens (engine/sim_runner.py)
     simulate: SimConfig | None = None
+    # "fp8": a float checkpoint's dense projections quantized at load (per-channel weight
+    # scales, activations per token); None: as the checkpoint is
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -357,6 +368,9 @@ class EngineConfig:
                 d == "cpu" or d.startswith("cuda") for d in self.devices)),
              "(--devices) must list 'cpu' or 'cuda[:N]' devices"),
             ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
+            ("quantization", self.quantization is None
+             or self.quantization in QUANTIZATION_FLAGS,
+             f"(--quantization) must be one of {QUANTIZATION_FLAGS} or None"),
             ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
              "(--enable-prefix-caching) must be True or False"),
         ]

@@ -68,11 +68,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         max_len = config.max_model_len or min(model_cfg.max_position_embeddings, 8192)
         model = build_model(path, model_cfg, kernels, device, config.dtype,
                             config.load_format, max_positions=max(max_len, 1),
-                            seed=config.seed, group=group)
+                            seed=config.seed, group=group, quantization=config.quantization)
         model.followers = followers
         tokenizer = _tokenizer(path)
         # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
-        identity = model_identity(path, config.load_format, config.seed)
+        identity = model_identity(path, config.load_format, config.seed,
+                                  config.quantization)
         return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
                          identity)
     except BaseException:
