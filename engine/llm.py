@@ -46,8 +46,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if tp > 1 or config.devices is not None:
         from engine.parallel.devices import rank_devices
         from engine.parallel.shards import check_tp
+        from engine.quant.checkpoint import check_tp_cut
 
         check_tp(model_cfg, tp)  # before any process starts
+        check_tp_cut(model_cfg, tp)
         devices = rank_devices(config)
         if devices[0] != config.device:
             config = dataclasses.replace(config, device=devices[0])

@@ -3,10 +3,15 @@ them, and their copy into Fp8Linear's per-row form."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from engine.quant.fp8_linear import rows_scale
 from engine.quant.scheme import Fp8Scheme
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
 
@@ -53,3 +58,18 @@ def copy_scale(p: torch.Tensor, rows: tuple[int, int] | None, name: str, w: torc
             dst.copy_(rows_scale(w, dst.shape, scheme))
         except ValueError as e:
             raise ValueError(f"model: {name}: {e}") from None
+
+
+def check_tp_cut(cfg: ModelConfig, size: int) -> None:
+    """ValueError naming weight_block_size when some rank's cut of a projection would start
+    inside a weight block (checked before any rank process starts)."""
+    from engine.parallel.shards import hf_slice, shard_for
+
+    scheme = cfg.quant
+    if scheme is None or scheme.weight != "block" or size == 1:
+        return
+    for rank in range(size):
+        shard = shard_for(cfg, rank, size)
+        for proj in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"):
+            name = f"model.layers.*.{proj}.weight_scale_inv"
+            scale_cut(scheme, name, hf_slice(shard, name, cfg.head_dim), size)
