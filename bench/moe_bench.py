@@ -12,7 +12,8 @@ In one run on one GPU (bf16, dummy weights: 48 layers, hidden 2048, 32/4 heads o
     routing drawn uniformly), its bytes (the distinct experts it reads) over its time
     against the HBM read rate;
   * prefill of one --prefill-tokens prompt: its time and FLOP rate against the matmul rate;
-  * optionally transformers' own decode with a static cache (--hf-batches; eager).
+  * optionally transformers' own generate with cache_implementation="static" (compiled;
+    --hf-batches), per token from N vs 2N new tokens.
 
     python bench/moe_bench.py --out $OUT/moe_h200.json
     python bench/moe_bench.py --tune   # tile candidates per token bucket for moe_configs.json
@@ -241,7 +242,7 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time tile candidates only")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
-    from decode_bench import hbm_read_tbps, hf_static_ms
+    from decode_bench import hbm_read_tbps, hf_generate_ms
 
     from engine.config import EngineConfig
     from engine.llm import build_engine
@@ -306,13 +307,13 @@ def main() -> None:
     torch.cuda.empty_cache()
     for b in [int(x) for x in args.hf_batches.split(",") if x]:
         try:
-            ms = hf_static_ms(cfg_dir, b, 512, args.steps)
+            ms = hf_generate_ms(cfg_dir, b, 512, args.steps)
         except Exception as e:
             result.setdefault("hf_errors", []).append(repr(e)[:300])
             continue
         for p in result.get("decode", []):
             if p.get("batch") == b and p.get("context") == 512:
-                p["hf_static_step_ms"] = round(ms, 3)
+                p["hf_generate_static_step_ms"] = round(ms, 3)
                 if "engine_step_ms" in p:
                     p["speedup_vs_hf"] = round(ms / p["engine_step_ms"], 2)
         print("hf", b, round(ms, 3), flush=True)
