@@ -8,6 +8,8 @@ perplexity on the embedded SmolLM2-135M-Instruct (or --model).
     quantized per token on a GPU, simulated on CPU), FP8 relative to bf16.
 
     python bench/fp8_accuracy.py --device cpu --out bench/results/fp8_accuracy_cpu.json
+    python bench/fp8_accuracy.py --device cpu --act-group 64 \
+        --out bench/results/fp8_accuracy_cpu_group64.json
 """
 
 from __future__ import annotations
@@ -116,9 +118,22 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--act-group", type=int, default=None,
+                    help="engine/quant/fp8_linear.ACT_GROUP for this run (0: a scale per row)")
+    ap.add_argument("--weight-only-max-rows", type=int, default=None,
+                    help="engine/quant/fp8_linear.WEIGHT_ONLY_MAX_ROWS for this run (a large "
+                         "value: activations never quantized)")
     ap.add_argument("--out", default="bench/results/fp8_accuracy_cpu.json")
     args = ap.parse_args()
+    import engine.quant.fp8_linear as fl
+
+    if args.act_group is not None:
+        fl.ACT_GROUP = args.act_group
+    if args.weight_only_max_rows is not None:
+        fl.WEIGHT_ONLY_MAX_ROWS = args.weight_only_max_rows
     result = run(args.model, args.device, args.dtype)
+    result["act_group"] = fl.ACT_GROUP
+    result["weight_only_max_rows"] = fl.WEIGHT_ONLY_MAX_ROWS
     result["torch"] = torch.__version__
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -146,13 +146,24 @@ def _prefill_ms(engine, n: int) -> float:
 
 
 def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    """FP8 both ways: one activation scale per row (cuBLAS) and per row and 128 columns
+    (the Triton block-scaled kernel; engine/quant/fp8_linear.ACT_GROUP)."""
+    import engine.quant.fp8_linear as fl
+
     n = args.prefill_tokens
-    out: dict[str, Any] = {"tokens": n}
+    out: dict[str, Any] = {"tokens": n, "act_group": fl.ACT_GROUP}
     for name, quant in (("bf16", None), ("fp8", "fp8")):
         eng = build(ctx, quant, args)
         ms = _prefill_ms(eng, n)
         out[f"{name}_ms"] = round(ms, 2)
         out[f"{name}_tok_s"] = round(n / ms * 1e3, 1)
+        if quant is not None:
+            default = fl.ACT_GROUP
+            for group in (0, 128):
+                fl.ACT_GROUP = group
+                gms = _prefill_ms(eng, n)
+                out[f"fp8_act_group{group}_tok_s"] = round(n / gms * 1e3, 1)
+            fl.ACT_GROUP = default
         free(eng)
     out["fp8_speedup"] = round(out["fp8_tok_s"] / out["bf16_tok_s"], 3)
     print(json.dumps(out), flush=True)

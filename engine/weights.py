@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -97,9 +98,12 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         torch.set_default_dtype(prev)
     if load_format == "dummy":
         _fill_dummy(model, seed)
-        # dummy weights of an FP8 config: random floats quantized by its scheme
+        # dummy weights of an FP8 config: random floats quantized by its scheme (with
+        # dynamic activation scales: random weights come with no calibrated input_scale)
         scheme = cfg.quant or (AT_LOAD if quantization else None)
         if scheme is not None:
+            if scheme.act == "tensor":
+                scheme = dataclasses.replace(scheme, act="token")
             quantize_loaded(model, scheme)
     else:
         if cfg.quant is not None:

@@ -22,7 +22,8 @@ MIN_SCALE = 1e-12
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, s_am, s_asm, s_bn, s_bsn, s_cm,
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, s_am, s_asm, s_bn, s_bsn, s_bsg,
+                 s_cm,
                  GROUP_K: tl.constexpr, FP8_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
@@ -49,7 +50,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, s_am, s_asm, s_bn
                     mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         g = kk // GROUP_K
         sa = tl.load(as_ptr + rm * s_asm + g, mask=m_ok, other=0.0)
-        sb = tl.load(bs_ptr + rn * s_bsn + g, mask=n_ok, other=0.0)
+        sb = tl.load(bs_ptr + rn * s_bsn + g * s_bsg, mask=n_ok, other=0.0)
         if FP8_DOT:
             d = tl.dot(a, tl.trans(b))
         else:  # the interpreter has no FP8 product
@@ -61,7 +62,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, s_am, s_asm, s_bn
 
 def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
                    w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The Triton kernel for any G (see the module docstring)."""
+    """The Triton kernel for any G (see the module docstring). w_scale may be a per-channel
+    [N, 1] scale expanded to [N, G] (stride 0): x then keeps group scales."""
     m, k = xq.shape
     n = w.shape[0]
     g = w_scale.shape[1]
@@ -69,7 +71,8 @@ def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     check(w.shape[1] == k and k % g == 0, "xq [M, K], w [N, K]: K must match and G divide it")
     check(tuple(x_scale.shape) == (m, g) and w_scale.shape[0] == n,
           f"x_scale [M, G] = {(m, g)} and w_scale [N, G]: shapes disagree")
-    check(xq.stride(1) == 1 and w.stride(1) == 1, "xq, w: rows must be contiguous")
+    check(xq.stride(1) == 1 and w.stride(1) == 1 and x_scale.stride(1) == 1,
+          "xq, w, x_scale: rows must be contiguous")
     gk = k // g
     block_k = 128 if g == 1 else min(128, gk)
     check(g == 1 or gk % block_k == 0, f"scale groups of {gk} columns: not a multiple of "
@@ -80,7 +83,8 @@ def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     grid = (triton.cdiv(m, 128) * triton.cdiv(n, 128),)
     fp8_dot = xq.is_cuda
     _gemm_kernel[grid](xq, x_scale, w, w_scale, out, m, n, k, xq.stride(0), x_scale.stride(0),
-                       w.stride(0), w_scale.stride(0), out.stride(0), GROUP_K=gk,
+                       w.stride(0), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+                       GROUP_K=gk,
                        FP8_DOT=fp8_dot, BLOCK_M=128, BLOCK_N=128, BLOCK_K=block_k, GROUP_M=8,
                        num_warps=8, num_stages=3)
     return out
@@ -88,9 +92,10 @@ def fp8_block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor:
-    """[M, N] out_dtype; per-row x per-channel scales in bf16/fp16 go to cuBLAS."""
+    """[M, N] out_dtype; per-row x per-channel scales in bf16/fp16 go to cuBLAS (which
+    needs K and N multiples of 16)."""
     if (w_scale.shape[1] == 1 and xq.is_cuda and out_dtype in (torch.bfloat16, torch.float16)
-            and xq.shape[0] > 0):
+            and xq.shape[0] > 0 and xq.shape[1] % 16 == 0 and w.shape[0] % 16 == 0):
         return torch._scaled_mm(xq, w.t(), scale_a=x_scale.float().contiguous(),
                                 scale_b=w_scale.float().reshape(1, -1),
                                 out_dtype=out_dtype)

@@ -25,6 +25,12 @@ from kernels import ref_fp8
 # Rows up to which the weight-only kernel runs (and FP8 x FP8 above). The crossover is
 # measured by bench/fp8_bench.py (its per-batch weight-only and FP8 x FP8 step times).
 WEIGHT_ONLY_MAX_ROWS = 16
+# Dynamic activation scales of per-channel/per-tensor weights: 0 = one per row (cuBLAS's
+# row-wise scaled mm); g = one per row and g columns (the Triton block-scaled kernel,
+# where g divides K; else one per row). On SmolLM2-135M at load (bf16, CPU) perplexity
+# rose 4.2% with one scale per row and 2.0% with 64-column groups (bench/RESULTS.md);
+# bench/fp8_bench.py times prefill both ways.
+ACT_GROUP = 0
 
 
 class Fp8Linear(nn.Module):
@@ -93,22 +99,32 @@ class Fp8Linear(nn.Module):
         y = fp8_weight_only(x, self.weight, self.weight_scale, splits=s)
         return y if s == 1 else y.sum(0).to(x.dtype)
 
-    def _quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def act_groups(self) -> int:
+        """Scale groups per row of the quantized input (the weight's, for block weights)."""
+        if self.groups > 1 or not ACT_GROUP or self.in_features % ACT_GROUP:
+            return self.groups
+        return self.in_features // ACT_GROUP
+
+    def _quantize_input(self, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.input_scale is not None:
             return ref_fp8.quant_static(x, self.input_scale)
         if not x.is_cuda:
-            return ref_fp8.quant_rows(x, self.groups)
+            return ref_fp8.quant_rows(x, groups)
         from kernels.triton_fp8_gemm import quant_rows
 
-        return quant_rows(x, self.groups)
+        return quant_rows(x, groups)
 
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        xq, xs = self._quantize_input(x)
+        groups = 1 if self.input_scale is not None else self.act_groups()
+        xq, xs = self._quantize_input(x, groups)
+        w_scale: torch.Tensor = self.weight_scale
+        if groups != self.groups:  # per-channel weight scales, grouped activation scales
+            w_scale = w_scale.expand(self.out_features, groups)
         if not x.is_cuda:
-            return ref_fp8.fp8_gemm_ref(xq, xs, self.weight, self.weight_scale, x.dtype)
+            return ref_fp8.fp8_gemm_ref(xq, xs, self.weight, w_scale, x.dtype)
         from kernels.triton_fp8_gemm import fp8_gemm
 
-        return fp8_gemm(xq, xs, self.weight, self.weight_scale, x.dtype)
+        return fp8_gemm(xq, xs, self.weight, w_scale, x.dtype)
 
     @staticmethod
     def from_float(layer: nn.Linear, scheme: Fp8Scheme) -> Fp8Linear:

@@ -17,18 +17,17 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",)
                "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
-def _targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, nn.Linear]]:
-    """(parent, attribute, full name, layer) of each dense decoder projection: attention's
-    qkv/o and the dense MLP's gate_up/down (not embeddings, lm_head, MoE experts or MLA)."""
+def _targets(model: nn.Module) -> Iterator[tuple[nn.Module, str, str]]:
+    """(parent, attribute, full name) of each dense decoder projection: attention's qkv/o
+    and the dense MLP's gate_up/down (not embeddings, lm_head, MoE experts or MLA)."""
     from engine.models.llama import MLP, Attention
 
     for name, mod in model.named_modules():
         if not isinstance(mod, Attention | MLP):
             continue
         for attr in FUSED_PARTS:
-            layer = getattr(mod, attr, None)
-            if isinstance(layer, nn.Linear):
-                yield mod, attr, f"{name}.{attr}", layer
+            if isinstance(getattr(mod, attr, None), nn.Linear):
+                yield mod, attr, f"{name}.{attr}"
 
 
 def _quantized(scheme: Fp8Scheme, full_name: str) -> bool:
@@ -46,9 +45,10 @@ def install_empty(model: nn.Module, scheme: Fp8Scheme) -> int:
     """Replaces each quantized projection by an empty Fp8Linear for the loader to fill;
     returns how many."""
     count = 0
-    for parent, attr, full, layer in list(_targets(model)):
+    for parent, attr, full in list(_targets(model)):
         if not _quantized(scheme, full):
             continue
+        layer = getattr(parent, attr)
         w = layer.weight
         setattr(parent, attr, Fp8Linear(layer.in_features, layer.out_features,
                                         layer.bias is not None, scheme, device=w.device,
@@ -61,12 +61,13 @@ def quantize_loaded(model: nn.Module, scheme: Fp8Scheme) -> int:
     """Replaces each projection by its FP8 quantization (per-channel or block scales),
     freeing the float weight as it goes; returns how many."""
     count = 0
-    for parent, attr, full, layer in list(_targets(model)):
+    for parent, attr, full in list(_targets(model)):
         if not _quantized(scheme, full):
             continue
-        setattr(parent, attr, Fp8Linear.from_float(layer, scheme))
-        del layer
+        # only the parent holds the float layer: replacing it frees its weight, so the
+        # peak is the float model plus one layer's FP8 copy
+        setattr(parent, attr, Fp8Linear.from_float(getattr(parent, attr), scheme))
         count += 1
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the float weights' blocks back to the device budget
     return count

@@ -179,3 +179,34 @@ def test_ignored_modules_stay_float(src, tmp_path):
     assert isinstance(model.layers[0].mlp.down_proj, Fp8Linear)
     assert not isinstance(model.layers[1].mlp.down_proj, Fp8Linear)
     assert isinstance(model.layers[1].self_attn.qkv_proj, Fp8Linear)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel", "ct_tensor_static"])
+def test_fp8_checkpoint_on_gpu_with_cuda_graphs(src, tmp_path, make_llm, fmt):
+    """bf16 on CUDA with decode graphs (weight-only kernels at decode, FP8 x FP8 prefill):
+    greedy tokens mostly those of the dequantized weights, and graphs equal eager."""
+    fp8, deq = write_fp8(src["llama"], str(tmp_path / "fp8"), str(tmp_path / "deq"), fmt)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    kw: dict = dict(device="cuda", dtype="bfloat16", block_size=4, max_num_seqs=8)
+    graphs = make_llm(fp8, **kw).generate(PROMPTS, params)
+    eager = make_llm(fp8, enforce_eager=True, **kw).generate(PROMPTS, params)
+    ref = make_llm(deq, **kw).generate(PROMPTS, params)
+    assert [g.token_ids for g in graphs] == [e.token_ids for e in eager]
+    same = sum(a == b for g, r in zip(graphs, ref, strict=True)
+               for a, b in zip(g.token_ids, r.token_ids, strict=True))
+    assert same >= 0.75 * 16 * len(PROMPTS), same
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "ct_tensor_static"])
+def test_dummy_weights_of_an_fp8_config(src, tmp_path, make_llm, fmt):
+    from engine.quant.fp8_linear import Fp8Linear
+
+    fp8, _ = write_fp8(src["llama"], str(tmp_path / "fp8"), str(tmp_path / "deq"), fmt)
+    llm = make_llm(fp8, load_format="dummy", block_size=4)
+    down = llm.engine.runner.model.layers[0].mlp.down_proj
+    assert isinstance(down, Fp8Linear) and down.groups == (2 if fmt == "fp8_block" else 1)
+    assert down.input_scale is None  # random weights: dynamic activation scales
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 4 and all(0 <= t < 256 for t in o.token_ids) for o in out)

@@ -67,6 +67,24 @@ def test_block_gemm_matches_reference(m, groups, gen, device):
     assert _rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
+def test_block_gemm_per_channel_weight_with_grouped_activations(gen, device):
+    """A per-channel scale expanded to [N, G] (stride 0) against x's group scales."""
+    from kernels.triton_fp8_gemm import fp8_block_gemm
+
+    w, s = _weight(96, 256, 1, gen, device)
+    x = torch.randn(20, 256, generator=gen).to(device)
+    x[:, 7] *= 50  # an outlier column: per-row scales would flatten the rest of the row
+    xq, xs = ref_fp8.quant_rows(x, 4)
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float32
+    out = fp8_block_gemm(xq, xs, w, s.expand(96, 4), dtype)
+    exact = x.float() @ ref_fp8.dequant(w, s).t()
+    assert _rel(out, ref_fp8.fp8_gemm_ref(xq, xs, w, s.expand(96, 4), dtype)) < (
+        1e-2 if HAS_CUDA else 1e-5)
+    xq1, xs1 = ref_fp8.quant_rows(x, 1)
+    per_row = ref_fp8.fp8_gemm_ref(xq1, xs1, w, s, torch.float32)
+    assert _rel(out, exact) < _rel(per_row, exact)  # the groups are what makes it closer
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 def test_quant_rows_matches_reference(groups, gen, device):
     from kernels.triton_fp8_gemm import quant_rows
@@ -101,8 +119,8 @@ def test_quantize_weight_scale_shapes(gen):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("m", [16, 128, 4096])
-@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("m", [16, 37, 128, 4096])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (200, 4096)])
 def test_scaled_mm_per_token_per_channel(m, n, k, gen):
     from kernels.triton_fp8_gemm import fp8_gemm, quant_rows
 
