@@ -210,3 +210,31 @@ def test_dummy_weights_of_an_fp8_config(src, tmp_path, make_llm, fmt):
     assert down.input_scale is None  # random weights: dynamic activation scales
     out = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert all(len(o.token_ids) == 4 and all(0 <= t < 256 for t in o.token_ids) for o in out)
+
+
+def test_quantization_flag_parses_and_refuses_other_values():
+    import argparse
+
+    from deploy.engine_args import add_engine_args, engine_config
+    from engine.config import EngineConfig
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--quantization", "fp8"])).quantization == "fp8"
+    assert engine_config(p.parse_args([])).quantization is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "int4"])
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(quantization="int4")
+
+
+def test_quantization_flag_is_refused_for_mla(tmp_path):
+    from tiny_deepseek import make_tiny_deepseek
+
+    from engine.attention import kernels_for
+    from engine.weights import build_model, read_model_config
+
+    path = make_tiny_deepseek(str(tmp_path / "ds"), "v3")
+    with pytest.raises(ValueError, match="--quantization fp8: not implemented for MLA"):
+        build_model(path, read_model_config(path), kernels_for(torch.device("cpu")),
+                    torch.device("cpu"), "float32", "auto", 64, quantization="fp8")
