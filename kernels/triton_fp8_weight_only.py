@@ -64,23 +64,28 @@ def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
-def auto_splits(x: torch.Tensor, n: int, groups: int) -> int:
-    """K ranges for [x.shape[0], K] x [n, K]: doubled while the grid is under
-    PROGRAMS_PER_SM per SM and each range keeps >= 4 K tiles (and whole scale groups)."""
-    if not x.is_cuda:
-        return 1
-    m, k = x.shape
+def choose_splits(m: int, n: int, k: int, groups: int, sms: int) -> int:
+    """K ranges for [m, k] x [n, k] on `sms` SMs: doubled while the grid is under
+    PROGRAMS_PER_SM per SM and each range keeps >= 4 K tiles (and, for block scales,
+    whole scale groups)."""
     progs = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, _block_m(m))
-    target = PROGRAMS_PER_SM * _sm_count(x.device.index or 0)
     gk = k // groups
 
     def fits(s: int) -> bool:
-        return k % s == 0 and k // s >= 4 * BLOCK_K and (k // s) % gk == 0
+        c = k // s
+        return k % s == 0 and c >= 4 * BLOCK_K and (groups == 1 or c % gk == 0)
 
     s = 1
-    while progs * s < target and fits(2 * s):
+    while progs * s < PROGRAMS_PER_SM * sms and fits(2 * s):
         s *= 2
     return s
+
+
+def auto_splits(x: torch.Tensor, n: int, groups: int) -> int:
+    """choose_splits for x on its device (1 off CUDA)."""
+    if not x.is_cuda:
+        return 1
+    return choose_splits(x.shape[0], n, x.shape[1], groups, _sm_count(x.device.index or 0))
 
 
 def _block_m(m: int) -> int:

@@ -44,6 +44,18 @@ def test_weight_only_matches_reference(m, splits, groups, gen, device):
         assert _rel(out.sum(0), ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
 
 
+def test_split_choice_for_8b_shapes_on_132_sms():
+    from kernels.triton_fp8_weight_only import choose_splits
+
+    # Llama-3-8B at batch 1: qkv, o_proj, down_proj (per channel, and 128-column blocks)
+    assert choose_splits(1, 6144, 4096, 1, 132) == 4
+    assert choose_splits(1, 4096, 4096, 1, 132) == 8  # 8 ranges of 512 columns
+    assert choose_splits(1, 4096, 14336, 1, 132) == 8
+    assert choose_splits(1, 4096, 14336, 112, 132) == 8  # 14 whole blocks per range
+    assert choose_splits(1, 28672, 4096, 1, 132) == 1  # gate_up fills the SMs unsplit
+    assert choose_splits(1, 4096, 384, 1, 132) == 1  # too short to split
+
+
 def test_weight_only_refuses_a_split_inside_a_scale_group(gen, device):
     from kernels.triton_fp8_weight_only import fp8_weight_only
 
