@@ -163,11 +163,7 @@ class ModelConfig:
         )
         if arch.startswith("deepseek"):  # MLA fields, and what they override
             base.update(_deepseek_fields(arch, cfg, scaling))
-        base["quant"] = scheme_from_hf(cfg)
-        if base["quant"] is not None and base["moe"] is not None:
-            raise ValueError("quantization_config: FP8 checkpoints are implemented for dense "
-                             f"models; {arch}'s experts are not (use a bf16 checkpoint with "
-                             "--quantization fp8, which quantizes its attention)")
+        base["quant"] = scheme_from_hf(cfg, arch, moe=base["moe"] is not None)
         return ModelConfig(**base)
 
     @staticmethod
