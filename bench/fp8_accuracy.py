@@ -113,6 +113,22 @@ def run(model: str | None, device: str, dtype: str, max_tokens: int = 32) -> dic
     return out
 
 
+def dtype_baseline(model: str | None, device: str, max_tokens: int = 32) -> dict:
+    """No FP8: float32 against bf16 greedy tokens, the agreement rounding alone leaves."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    tokens = {}
+    for dtype in ("float32", "bfloat16"):
+        with LLM(model, device=device, dtype=dtype, max_num_batched_tokens=1024) as llm:
+            tokens[dtype] = [r.token_ids for r in llm.generate(PROMPTS, params, chat=True)]
+    same = sum(a == b for x, y in zip(tokens["float32"], tokens["bfloat16"], strict=True)
+               for a, b in zip(x, y, strict=True))
+    return {"model": model or "smollm2", "device": device,
+            "bf16_vs_float32_greedy_match": round(same / (len(PROMPTS) * max_tokens), 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -123,6 +139,8 @@ def main() -> None:
     ap.add_argument("--weight-only-max-rows", type=int, default=None,
                     help="engine/quant/fp8_linear.WEIGHT_ONLY_MAX_ROWS for this run (a large "
                          "value: activations never quantized)")
+    ap.add_argument("--dtype-baseline", action="store_true",
+                    help="no FP8: greedy agreement of float32 and bf16 only")
     ap.add_argument("--out", default="bench/results/fp8_accuracy_cpu.json")
     args = ap.parse_args()
     import engine.quant.fp8_linear as fl
@@ -131,7 +149,10 @@ def main() -> None:
         fl.ACT_GROUP = args.act_group
     if args.weight_only_max_rows is not None:
         fl.WEIGHT_ONLY_MAX_ROWS = args.weight_only_max_rows
-    result = run(args.model, args.device, args.dtype)
+    if args.dtype_baseline:
+        result = dtype_baseline(args.model, args.device)
+    else:
+        result = run(args.model, args.device, args.dtype)
     result["act_group"] = fl.ACT_GROUP
     result["weight_only_max_rows"] = fl.WEIGHT_ONLY_MAX_ROWS
     result["torch"] = torch.__version__
