@@ -18,7 +18,8 @@ In one run on one GPU:
   * prefill of one --prefill-tokens prompt: its time and FLOP rate against the matmul rate;
   * MLA models: the paged MLA decode kernel alone over all layers at each (batch,
     context), its latent bytes over its time against the HBM read rate;
-  * optionally transformers' own decode with a static cache (--hf-batches).
+  * optionally transformers' own generate with cache_implementation="static" (compiled;
+    --hf-batches), per token from N vs 2N new tokens.
 
     python bench/moe_bench.py --out $OUT/moe_h200.json
     python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
@@ -290,7 +291,7 @@ def main() -> None:
                     help="time MLA decode tile candidates only (an MLA --shape)")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
-    from decode_bench import hbm_read_tbps, hf_static_ms
+    from decode_bench import hbm_read_tbps, hf_generate_ms
     from moe_tune import tune, tune_mla
 
     from engine.config import EngineConfig
@@ -371,13 +372,13 @@ def main() -> None:
     torch.cuda.empty_cache()
     for b in [int(x) for x in args.hf_batches.split(",") if x]:
         try:
-            ms = hf_static_ms(cfg_dir, b, 512, args.steps)
+            ms = hf_generate_ms(cfg_dir, b, 512, args.steps)
         except Exception as e:
             result.setdefault("hf_errors", []).append(repr(e)[:300])
             continue
         for p in result.get("decode", []):
             if p.get("batch") == b and p.get("context") == 512:
-                p["hf_static_step_ms"] = round(ms, 3)
+                p["hf_generate_static_step_ms"] = round(ms, 3)
                 if "engine_step_ms" in p:
                     p["speedup_vs_hf"] = round(ms / p["engine_step_ms"], 2)
         print("hf", b, round(ms, 3), flush=True)

@@ -56,6 +56,9 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds any one collective between the ranks may take before the "
                         "engine fails (a hung rank)")
+    g.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="fp8: quantize a float checkpoint's linear layers at load (per-channel "
+                        "FP8 weights, activations per token); FP8 checkpoints need no flag")
     g.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
                    help="a simulated engine (serving-plane load tests): no model; every step "
                         "takes MS ms and samples hashed token ids of the served tokenizer "
@@ -110,7 +113,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,
         data_parallel_size=args.data_parallel_size,

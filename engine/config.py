@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cuda_probe import has_cuda
+from engine.quant.scheme import QUANTIZATION_FLAGS, Fp8Scheme, scheme_from_hf
 from engine.sim_config import SimConfig
 
 SUPPORTED_ARCHS = {
@@ -107,6 +108,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0  # per-head query dims with RoPE; the key's are shared by heads
     v_head_dim: int = 0
     rope_interleave: bool = False  # RoPE pairs are (x0, x1), (x2, x3)...: DeepSeek's layout
+    # FP8 weights of the checkpoint (its quantization_config); None: float weights
+    quant: Fp8Scheme | None = None
 
     @property
     def is_mla(self) -> bool:
@@ -161,6 +164,7 @@ class ModelConfig:
         )
         if arch.startswith("deepseek"):  # MLA fields, and what they override
             base.update(_deepseek_fields(arch, cfg, scaling))
+        base["quant"] = scheme_from_hf(cfg, arch, moe=base["moe"] is not None)
         return ModelConfig(**base)
 
     @staticmethod
@@ -324,6 +328,9 @@ class EngineConfig:
     data_parallel_size: int = 1  # attention groups among the ranks (parallel/dp_groups.py)
     # A simulated engine: no model, timed steps, hashed tokens (engine/sim_runner.py)
     simulate: SimConfig | None = None
+    # "fp8": a float checkpoint's dense projections quantized at load (per-channel weight
+    # scales, activations per token); None: as the checkpoint is
+    quantization: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -366,6 +373,9 @@ class EngineConfig:
              % self.data_parallel_size == 0, "(--data-parallel-size) must divide the TP size"),
             ("data_parallel_size", self.data_parallel_size == 1 or self.role == "colocated",
              f"(--data-parallel-size) > 1 serves colocated workers only, not {self.role}"),
+            ("quantization", self.quantization is None
+             or self.quantization in QUANTIZATION_FLAGS,
+             f"(--quantization) must be one of {QUANTIZATION_FLAGS} or None"),
             ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
              "(--enable-prefix-caching) must be True or False"),
         ]

@@ -47,8 +47,10 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if tp > 1 or config.devices is not None:
         from engine.parallel.devices import rank_devices
         from engine.parallel.shards import check_tp
+        from engine.quant.checkpoint import check_tp_cut
 
         check_tp(model_cfg, tp)  # before any process starts
+        check_tp_cut(model_cfg, tp)
         devices = rank_devices(config)
         if devices[0] != config.device:
             config = dataclasses.replace(config, device=devices[0])
@@ -78,11 +80,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         max_len = config.max_model_len or min(model_cfg.max_position_embeddings, 8192)
         model = build_model(path, model_cfg, kernels, device, config.dtype,
                             config.load_format, max_positions=max(max_len, 1),
-                            seed=config.seed, group=group)
+                            seed=config.seed, group=group, quantization=config.quantization)
         model.followers = followers
         tokenizer = _tokenizer(path)
         # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
-        identity = model_identity(path, config.load_format, config.seed)
+        identity = model_identity(path, config.load_format, config.seed,
+                                  config.quantization)
         return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
                          identity, kv_scales=kv_scales_for(config, model_cfg, path))
     except BaseException:

@@ -54,7 +54,8 @@ def _config_file(path: str) -> str | None:
     return cfg if os.path.isfile(cfg) else None
 
 
-def model_identity(path: str, load_format: str = "auto", seed: int = 0) -> str:
+def model_identity(path: str, load_format: str = "auto", seed: int = 0,
+                   quantization: str | None = None) -> str:
     """``<display name>@<12 hex digits>``: equal for the same config and weights (wherever
     the files live), different for other weights, and never equal between dummy and real."""
     h = hashlib.sha256()
@@ -62,6 +63,8 @@ def model_identity(path: str, load_format: str = "auto", seed: int = 0) -> str:
     if cfg is not None:
         with open(cfg, "rb") as f:
             h.update(b"config|" + f.read())
+    if quantization is not None:  # weights quantized at load are other weights
+        h.update(f"quantization={quantization}|".encode())
     if load_format == "dummy":
         h.update(f"dummy|seed={seed}".encode())
     else:

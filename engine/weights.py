@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -81,8 +82,16 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
 
 def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.device,
                 dtype: str, load_format: str, max_positions: int,
-                seed: int = 0, group: TPGroup | None = None) -> LlamaForCausalLM:
-    """group: this rank's TP group; the model then holds (and reads) only its shard."""
+                seed: int = 0, group: TPGroup | None = None,
+                quantization: str | None = None) -> LlamaForCausalLM:
+    """group: this rank's TP group; the model then holds (and reads) only its shard.
+    quantization: "fp8" quantizes a float checkpoint's projections at load (an FP8
+    checkpoint, cfg.quant, needs none)."""
+    from engine.quant.install import install_empty, quantize_loaded
+    from engine.quant.scheme import AT_LOAD
+
+    if quantization is not None and cfg.is_mla:
+        raise ValueError(f"--quantization {quantization}: not implemented for MLA models")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(TORCH_DTYPES[dtype])
     try:
@@ -92,7 +101,17 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         torch.set_default_dtype(prev)
     if load_format == "dummy":
         _fill_dummy(model, seed)
+        # dummy weights of an FP8 config: random floats quantized by its scheme (with
+        # dynamic activation scales: random weights come with no calibrated input_scale)
+        scheme = cfg.quant or (AT_LOAD if quantization else None)
+        if scheme is not None:
+            if scheme.act == "tensor":
+                scheme = dataclasses.replace(scheme, act="token")
+            quantize_loaded(model, scheme)
     else:
+        if cfg.quant is not None:
+            model.quant = cfg.quant
+            install_empty(model, cfg.quant)
         if path.endswith(".gguf"):
             from engine.gguf_reader import iter_gguf_tensors
 
@@ -106,6 +125,8 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"model: checkpoint lacks weights {missing[:4]}")
+        if cfg.quant is None and quantization is not None:
+            quantize_loaded(model, AT_LOAD)
     model.eval()
     return model
 

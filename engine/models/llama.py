@@ -18,6 +18,8 @@ from engine.parallel.dp_groups import ep_of
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
+from engine.quant.checkpoint import copy_scale, is_scale, param_name, scale_cut
+from engine.quant.scheme import Fp8Scheme
 from engine.rope import cos_sin_table
 
 if TYPE_CHECKING:
@@ -141,6 +143,8 @@ class LlamaForCausalLM(nn.Module):
         self.dp_step = DPForward()
         # Rank 0 of a TP engine: the other ranks, which its runner drives (build_engine).
         self.followers: TPFollowers | None = None
+        # The checkpoint's FP8 scheme while its weights load (engine/quant); None: float
+        self.quant: Fp8Scheme | None = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernels, sh, g, self.make_mlp(i))
                                     for i in range(cfg.num_layers))
@@ -188,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
         mlp_rows = {"gate_proj": (0, inter), "up_proj": (inter, inter)}
         used: set[str] = set()
         for name, w in weights:
-            name = name.removeprefix("model.")
+            name = param_name(name.removeprefix("model."))
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
@@ -202,6 +206,10 @@ class LlamaForCausalLM(nn.Module):
                     target, rows = name.replace(sub, "gate_up_proj"), span
             if target not in params:
                 raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
+            if self.quant is not None and is_scale(name):
+                copy_scale(params[target], rows, name, w, self.quant)
+                used.add(name)
+                continue
             self._copy_in(params[target], target, rows, name, self._rank_part(name, w))
             used.add(name)
         return used
@@ -225,6 +233,9 @@ class LlamaForCausalLM(nn.Module):
             if dst.shape != w.shape:
                 raise ValueError(f"model: weight {name!r} has shape {tuple(w.shape)}, "
                                  f"expected {tuple(dst.shape)}")
+            if (p.dtype == torch.float8_e4m3fn) != (w.dtype == torch.float8_e4m3fn):
+                raise ValueError(f"model: weight {name!r} is {w.dtype}, where the checkpoint's "
+                                 f"quantization_config makes the layer {p.dtype}")
             dst.copy_(w.to(p.dtype))
 
     def _full_dim(self, name: str, dim: int) -> int:
@@ -232,7 +243,10 @@ class LlamaForCausalLM(nn.Module):
 
     def wants(self, hf_name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of an HF tensor this rank needs; None: all of it."""
-        return hf_slice(self.shard, hf_name, self.cfg.head_dim)
+        cut = hf_slice(self.shard, hf_name, self.cfg.head_dim)
+        if self.quant is not None and is_scale(hf_name):
+            return scale_cut(self.quant, hf_name, cut, self.shard.size)
+        return cut
 
 
 def _full_dim(cfg: ModelConfig, name: str, dim: int) -> int:

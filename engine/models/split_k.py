@@ -35,6 +35,12 @@ def splits_for(k: int) -> int:
 def split_k_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | None:
     """[S, T, N] float32 partials of layer(x) for x [T, K], or None where the fused form
     does not apply (the caller then runs the layer)."""
+    partials = getattr(layer, "partials", None)  # an FP8 layer makes its own (engine/quant)
+    if partials is not None:
+        if not x.is_cuda or x.shape[0] == 0 or x.shape[0] > MAX_ROWS:
+            return None
+        out: torch.Tensor | None = partials(x)
+        return out
     t, k = x.shape
     s = splits_for(k)
     if (not x.is_cuda or t == 0 or t > MAX_ROWS or s == 1 or layer.bias is not None

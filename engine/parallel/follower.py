@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     max_len = cfg["max_model_len"] or min(model_cfg.max_position_embeddings, 8192)
     model = build_model(a["model_path"], model_cfg, kernels, device, cfg["dtype"],
                         cfg["load_format"], max_positions=max(max_len, 1), seed=cfg["seed"],
-                        group=model_group)
+                        group=model_group, quantization=cfg.get("quantization"))
     msg = read_frame(stdin)
     if msg is None:
         return 0

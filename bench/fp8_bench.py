@@ -1,0 +1,219 @@
+"""GPU benchmark of FP8 weights: decode steps and a 4k-token prefill, bf16 against FP8, in
+one run on one GPU, for a Llama-3-8B-shaped model (dummy weights; FP8 by
+``--quantization fp8``: per-channel weight scales, activations quantized per token).
+
+Sections (``--sections``, in order; each writes one key of the JSON):
+  * ``decode``: per (batch, context) point the engine's decode step (CUDA graphs, as
+    bench/decode_bench.py times it) in bf16 and FP8, and FP8's floor: the bytes of the
+    weights a step reads in full (FP8 projections with their scales, the bf16 lm_head and
+    norms) over the HBM read rate measured in this run. FP8 is also timed with every
+    projection weight-only and with every projection FP8 x FP8 (the two forms
+    engine/quant/fp8_linear.py picks between by rows): the crossover sets
+    WEIGHT_ONLY_MAX_ROWS.
+  * ``prefill``: one 4096-token prefill through the model (eager, as the engine runs
+    prefill), tokens/s in bf16 and FP8.
+Further sections register in SECTIONS (name -> fn(args, ctx) -> JSON value); ctx carries
+the model config directory, the HBM rate and each dtype's engine builder.
+
+    python bench/fp8_bench.py --out bench/results/fp8_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from decode_bench import LLAMA3_8B, engine_point, hbm_read_tbps, recapture  # noqa: E402
+
+Section = Callable[[argparse.Namespace, dict[str, Any]], Any]
+
+
+def build(ctx: dict[str, Any], quantization: str | None, args: argparse.Namespace):
+    from engine.config import EngineConfig
+    from engine.llm import build_engine
+
+    return build_engine(EngineConfig(
+        model=ctx["cfg_dir"], dtype="bfloat16", device="cuda", load_format="dummy",
+        max_num_seqs=max(args.batch_list), quantization=quantization,
+        max_model_len=max(max(args.context_list), args.prefill_tokens) + args.steps
+        * args.repeats + 64, max_num_batched_tokens=2048,
+        gpu_memory_utilization=0.85))
+
+
+def free(engine) -> None:
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def full_read_bytes(model) -> dict[str, int]:
+    """Bytes of the parameters a decode step reads whole: every parameter but the input
+    embedding (a step gathers only its rows), split into FP8 weights, scales and float."""
+    out = {"fp8_weights": 0, "scales": 0, "float": 0}
+    tied = model.cfg.tie_word_embeddings
+    for name, p in model.named_parameters():
+        if name.startswith("embed_tokens.") and not tied:
+            continue
+        key = ("fp8_weights" if p.dtype == torch.float8_e4m3fn else
+               "scales" if name.endswith(("weight_scale", "input_scale")) else "float")
+        out[key] += p.numel() * p.element_size()
+    return out
+
+
+def _points(engine, args: argparse.Namespace) -> dict[tuple[int, int], float]:
+    out = {}
+    for ctx in args.context_list:
+        for b in args.batch_list:
+            p = engine_point(engine, b, ctx, args.steps, args.repeats)
+            out[(b, ctx)] = p.get("engine_step_ms", float("nan"))
+            print(json.dumps(p), flush=True)
+    return out
+
+
+def decode_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    import engine.quant.fp8_linear as fl
+
+    eng = build(ctx, None, args)
+    bf16 = _points(eng, args)
+    free(eng)
+    eng = build(ctx, "fp8", args)
+    nbytes = full_read_bytes(eng.runner.model)
+    ctx["fp8_read_bytes"] = nbytes
+    default = fl.WEIGHT_ONLY_MAX_ROWS
+    fp8 = _points(eng, args)
+    variants = {}
+    for name, rows in (("weight_only", 1 << 30), ("fp8xfp8", 0)):
+        fl.WEIGHT_ONLY_MAX_ROWS = rows
+        recapture(eng)
+        variants[name] = _points(eng, args)
+    fl.WEIGHT_ONLY_MAX_ROWS = default
+    free(eng)
+    floor_ms = sum(nbytes.values()) / (ctx["hbm_tb_s"] * 1e12) * 1e3
+    points = []
+    for (b, c), ms in fp8.items():
+        p = {"batch": b, "context": c, "bf16_step_ms": round(bf16[(b, c)], 3),
+             "fp8_step_ms": round(ms, 3), "fp8_floor_ms": round(floor_ms, 3),
+             "fp8_over_bf16": round(ms / bf16[(b, c)], 3),
+             "fp8_over_floor": round(ms / floor_ms, 3),
+             "fp8_tok_s": round(b / ms * 1e3, 1),
+             "fp8_weight_only_step_ms": round(variants["weight_only"][(b, c)], 3),
+             "fp8_fp8xfp8_step_ms": round(variants["fp8xfp8"][(b, c)], 3),
+             "weight_only_max_rows": default}
+        points.append(p)
+        print(json.dumps(p), flush=True)
+    return points
+
+
+def _prefill_ms(engine, n: int) -> float:
+    from engine.attention import AttentionMetadata
+
+    model, kv = engine.runner.model, engine.kv_cache
+    bs = engine.config.block_size
+    nb = -(-n // bs)
+    dev = torch.device("cuda")
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, device=dev),
+        block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None],
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), decode_only=False,
+        max_seq_len=n, cu_seqlens_q_host=[0, n], seq_lens_host=[n])
+    ids = torch.randint(0, 1000, (n,), device=dev)
+    pos = torch.arange(n, device=dev)
+    times = []
+    with torch.inference_mode():
+        for i in range(7):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            h = model(ids, pos, kv, meta)
+            model.compute_logits(h[-1:])
+            b.record()
+            b.synchronize()
+            if i >= 2:  # the first runs compile and allocate
+                times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    """FP8 both ways: one activation scale per row (cuBLAS) and per row and 128 columns
+    (the Triton block-scaled kernel; engine/quant/fp8_linear.ACT_GROUP)."""
+    import engine.quant.fp8_linear as fl
+
+    n = args.prefill_tokens
+    out: dict[str, Any] = {"tokens": n, "act_group": fl.ACT_GROUP}
+    for name, quant in (("bf16", None), ("fp8", "fp8")):
+        eng = build(ctx, quant, args)
+        ms = _prefill_ms(eng, n)
+        out[f"{name}_ms"] = round(ms, 2)
+        out[f"{name}_tok_s"] = round(n / ms * 1e3, 1)
+        if quant is not None:
+            default = fl.ACT_GROUP
+            for group in (0, 128):
+                fl.ACT_GROUP = group
+                gms = _prefill_ms(eng, n)
+                out[f"fp8_act_group{group}_tok_s"] = round(n / gms * 1e3, 1)
+            fl.ACT_GROUP = default
+        free(eng)
+    out["fp8_speedup"] = round(out["fp8_tok_s"] / out["bf16_tok_s"], 3)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sections", default="decode,prefill",
+                    help=f"comma-separated, of {sorted(SECTIONS)}")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--contexts", default="512")
+    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/fp8_h200.json")
+    args = ap.parse_args()
+    args.batch_list = [int(b) for b in args.batches.split(",") if b]
+    args.context_list = [int(c) for c in args.contexts.split(",") if c]
+    unknown = [s for s in args.sections.split(",") if s not in SECTIONS]
+    if unknown:
+        ap.error(f"--sections: unknown {unknown} (known: {sorted(SECTIONS)})")
+    cfg_dir = tempfile.mkdtemp()
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "model": "Llama-3-8B shape, dummy",
+        "fp8": "--quantization fp8 (per-channel weights, per-token activations)",
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    ctx: dict[str, Any] = {"cfg_dir": cfg_dir, "hbm_tb_s": hbm_read_tbps()}
+    result["hbm_read_tb_s"] = round(ctx["hbm_tb_s"], 3)
+    print("HBM read TB/s", result["hbm_read_tb_s"], flush=True)
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        try:
+            result[name] = SECTIONS[name](args, ctx)
+        except Exception as e:  # keep the other sections; the error is the result
+            result[name] = {"error": repr(e)[:500]}
+            print(name, "error", repr(e)[:500], flush=True)
+        result[f"{name}_s"] = round(time.perf_counter() - t0, 1)
+    if "fp8_read_bytes" in ctx:
+        result["fp8_step_read_bytes"] = ctx["fp8_read_bytes"]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""A linear layer with float8_e4m3fn weights, and how it computes at each batch size.
+
+Weights [N, K] with float32 scales [N, G] that multiply them (G = 1: per channel, a
+per-tensor scale repeated per row; G > 1: block-wise, each row holding its block's scale
+for each of G column groups, so fusing q/k/v or gate/up rows and a TP rank's row cut keep
+every scale with its rows).
+
+* Up to WEIGHT_ONLY_MAX_ROWS rows (decode), and for weight-only schemes: x stays in the
+  model's dtype and the FP8 weight is widened in registers (kernels/triton_fp8_weight_only),
+  the cost being the weight's bytes.
+* More rows (prefill, large decode batches): x is quantized per row (per row and group for
+  block weights; by the checkpoint's input_scale for static schemes) and the product runs
+  in FP8 (kernels/triton_fp8_gemm: cuBLAS row-wise scaled mm, or the block-scaled kernel).
+* On CPU the torch references run the same arithmetic (kernels/ref_fp8).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.quant.scheme import Fp8Scheme
+from kernels import ref_fp8
+
+# Rows up to which the weight-only kernel runs (and FP8 x FP8 above). The crossover is
+# measured by bench/fp8_bench.py (its per-batch weight-only and FP8 x FP8 step times).
+WEIGHT_ONLY_MAX_ROWS = 16
+# Dynamic activation scales of per-channel/per-tensor weights: 0 = one per row (cuBLAS's
+# row-wise scaled mm); g = one per row and g columns (the Triton block-scaled kernel,
+# where g divides K; else one per row). On SmolLM2-135M at load (bf16, CPU) perplexity
+# rose 4.2% with one scale per row and 2.0% with 64-column groups (bench/RESULTS.md);
+# bench/fp8_bench.py times prefill both ways.
+ACT_GROUP = 0
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.scheme = scheme
+        groups = 1
+        if scheme.weight == "block" and scheme.block is not None:
+            bk = scheme.block[1]
+            groups = -(-in_features // bk)
+            if in_features % bk and groups > 1:
+                raise ValueError(f"quantization_config.weight_block_size: {bk} does not divide "
+                                 f"the input width {in_features}")
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=ref_fp8.FP8,
+                                               device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, groups, dtype=torch.float32,
+                                                    device=device), requires_grad=False)
+        # static per-tensor activation scale; the loader keeps the largest of fused parts'
+        self.input_scale = (nn.Parameter(torch.zeros(1, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+                            if scheme.act == "tensor" else None)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, weight={self.scheme.weight}, "
+                f"act={self.scheme.act}, groups={self.groups}")
+
+    def weight_only(self, rows: int) -> bool:
+        return self.scheme.act == "none" or rows <= WEIGHT_ONLY_MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.weight_only(x2.shape[0]):
+            y = self._weight_only(x2)
+        else:
+            y = self._fp8_gemm(x2)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def partials(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[S, T, N] float32 K-split partial sums of the product, for a reader that adds
+        them (engine/models/split_k.py); None where this layer does not make them."""
+        if not x.is_cuda or self.bias is not None or not self.weight_only(x.shape[0]):
+            return None
+        from kernels.triton_fp8_weight_only import auto_splits, fp8_weight_only
+
+        s = auto_splits(x, self.out_features, self.groups)
+        if s == 1:
+            return None
+        return fp8_weight_only(x, self.weight, self.weight_scale, splits=s)
+
+    def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cuda:
+            return ref_fp8.fp8_weight_only_ref(x, self.weight, self.weight_scale)
+        from kernels.triton_fp8_weight_only import auto_splits, fp8_weight_only
+
+        s = auto_splits(x, self.out_features, self.groups)
+        y = fp8_weight_only(x, self.weight, self.weight_scale, splits=s)
+        return y if s == 1 else y.sum(0).to(x.dtype)
+
+    def act_groups(self) -> int:
+        """Scale groups per row of the quantized input (the weight's, for block weights)."""
+        if self.groups > 1 or not ACT_GROUP or self.in_features % ACT_GROUP:
+            return self.groups
+        return self.in_features // ACT_GROUP
+
+    def _quantize_input(self, x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.input_scale is not None:
+            return ref_fp8.quant_static(x, self.input_scale)
+        if not x.is_cuda:
+            return ref_fp8.quant_rows(x, groups)
+        from kernels.triton_fp8_gemm import quant_rows
+
+        return quant_rows(x, groups)
+
+    def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        groups = 1 if self.input_scale is not None else self.act_groups()
+        xq, xs = self._quantize_input(x, groups)
+        w_scale: torch.Tensor = self.weight_scale
+        if groups != self.groups:  # per-channel weight scales, grouped activation scales
+            w_scale = w_scale.expand(self.out_features, groups)
+        if not x.is_cuda:
+            return ref_fp8.fp8_gemm_ref(xq, xs, self.weight, w_scale, x.dtype)
+        from kernels.triton_fp8_gemm import fp8_gemm
+
+        return fp8_gemm(xq, xs, self.weight, w_scale, x.dtype)
+
+    @staticmethod
+    def from_float(layer: nn.Linear, scheme: Fp8Scheme) -> Fp8Linear:
+        """`layer`'s weight quantized by `scheme` (per-channel or block scales)."""
+        w = layer.weight.detach()
+        out = Fp8Linear(layer.in_features, layer.out_features, layer.bias is not None, scheme,
+                        device=w.device, dtype=w.dtype)
+        strategy = "channel" if scheme.weight == "tensor" else scheme.weight
+        q, scale = ref_fp8.quantize_weight(w, strategy, scheme.block)
+        with torch.no_grad():
+            out.weight.copy_(q)
+            out.weight_scale.copy_(rows_scale(scale, out.weight_scale.shape, scheme))
+            if layer.bias is not None and out.bias is not None:
+                out.bias.copy_(layer.bias)
+        return out
+
+
+def rows_scale(scale: torch.Tensor, shape: torch.Size | tuple[int, ...],
+               scheme: Fp8Scheme) -> torch.Tensor:
+    """A checkpoint's scale tensor ([], [1], [N, 1], [N], or block [ceil(N/bn), G]) as the
+    [N, G] per-row form Fp8Linear holds, for `shape` = (N, G)."""
+    n, g = shape
+    s = scale.float()
+    if s.numel() == 1:
+        return s.reshape(1, 1).expand(n, g)
+    if scheme.weight == "block" and scheme.block is not None:
+        if s.dim() != 2 or s.shape[1] != g:
+            raise ValueError(f"weight_scale_inv: expected [{-(-n // scheme.block[0])}, {g}], "
+                             f"got {tuple(s.shape)}")
+        full = s.repeat_interleave(scheme.block[0], dim=0)
+        if full.shape[0] < n:
+            raise ValueError(f"weight_scale_inv: {s.shape[0]} block rows cover "
+                             f"{full.shape[0]} of {n} weight rows")
+        return full[:n]
+    s = s.reshape(-1, 1)
+    if s.shape[0] != n:
+        raise ValueError(f"weight_scale: expected {n} rows (one per output channel), got "
+                         f"{s.shape[0]}")
+    return s.expand(n, g)
