@@ -4,9 +4,10 @@ Where THP is in "madvise" mode (a common default), torch's CPU allocator gets 4 
 A transfer that copies between processes (UCX's cma: process_vm_readv) pins every page
 of the run, so 4 KiB pages cost about a third of its bandwidth here: bare ucxx moved 64 MiB
 messages at 5.6 GB/s from torch-allocated memory and 8.8 GB/s from this allocator's
-(``bench/ucx_raw_probe.py --late --alloc``; bench/RESULTS.md). So the pool is an anonymous private
-mapping, aligned to 2 MiB and advised as huge; it is zero-filled and touched up front, as
-``torch.zeros`` would be, so no page fault lands inside a forward or a transfer.
+(``bench/probes/ucx_raw_probe.py --late --alloc``; bench/RESULTS.md). So the pool is an
+anonymous private mapping, aligned to 2 MiB and advised as huge; it is zero-filled and
+touched up front, as ``torch.zeros`` would be, so no page fault lands inside a forward or a
+transfer.
 """
 
 from __future__ import annotations

@@ -52,13 +52,13 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 # whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
 # of 64 tokens spread it over 64: on an H200, Llama-3-8B shape, batch 1, the step's 32
 # attention layers took 0.21 ms instead of 0.36 (decode step 4.72 ms instead of 4.85); at
-# batch 8 (64 pairs) 256 stayed faster (bench/attn_split_probe.py, 2026-12-01).
+# batch 8 (64 pairs) 256 stayed faster (bench/probes/attn_split_probe.py, 2026-12-01).
 FEW_PAIRS = 16
 FEW_PAIRS_MIN_SPLIT_TOKENS = 64
 # ... and with few pairs, at most this many splits (0: no cap), so that their merge fuses
 # (FUSED_MAX_SPLITS) even when a graph's grid is sized for a long capacity. On an H200 at
 # batch 1 (Llama-3-8B shape) the step went from 4.526 to 4.484 ms at context 512 and
-# stayed within 0.03 ms at 2048 and 4096 (bench/fusion_probe.py, 2026-12-01).
+# stayed within 0.03 ms at 2048 and 4096 (bench/probes/fusion_probe.py, 2026-12-01).
 FEW_PAIRS_MAX_SPLITS = 32
 # Split until (B * Hkv * splits) reaches this many programs per SM: many short programs
 # keep the last wave's tail small (about 2 run at once per SM at the default tiles).
@@ -68,7 +68,7 @@ PROGRAMS_PER_SM = 16
 # that one program's serial passes cost more than a merge kernel spread over every query
 # head: on an H200, Llama-3-8B shape, the fused merge took batch 32 / context 512 from
 # 5.80 to 5.54 ms a step, but batch 1 / 4096 (64 splits) from 4.83 to 4.99 ms
-# (bench/fusion_probe.py, 2026-12-01).
+# (bench/probes/fusion_probe.py, 2026-12-01).
 FUSED_MAX_SPLITS = 32
 MERGE_CHUNK = 16
 

@@ -9,7 +9,7 @@ kernel adds them (kernels/triton_norm.rms_norm with [S, T, H] input,
 kernels/triton_rope_kv.rope_store_kv with [S, T, H, D] q/k/v). Only on CUDA and one rank:
 a TP rank's row-parallel output is all-reduced first. On an H200, Llama-3-8B shape,
 batch 1, a step took 4.636 -> 4.515 ms with o_proj + down_proj (one run), 4.526 -> 4.499 ms
-adding qkv_proj (another run; bench/fusion_probe.py, bench/RESULTS.md).
+adding qkv_proj (another run; bench/probes/fusion_probe.py, bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 
 # Up to this many rows the fused-reduce form is used (0 turns it off). Measured faster at
-# 1, 2 and 4 rows (bench/fusion_probe.py); more rows were not tried, and as the GEMM grows
+# 1, 2 and 4 rows (bench/probes/fusion_probe.py); more rows were not tried, and as the GEMM grows
 # compute-shaped cuBLAS's own split choice should win.
 MAX_ROWS = 4
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).
 QKV = True
 # Partial sums per projection. Two measured best for Llama-3-8B's o_proj and down_proj
-# alone (bench/fusion_probe.py: more partials made cuBLAS pick slower batched kernels).
+# alone (bench/probes/fusion_probe.py: more partials made cuBLAS pick slower batched kernels).
 SPLITS = 2
 
 

@@ -2,7 +2,7 @@
 (progress thread in epoll mode, delayed submission, error handling off) and none of
 pdserve's control plane: the ceiling for the ucx backend on this host.
 
-    python bench/ucx_raw_probe.py [--mib 64] [--msgs 8] [--late] [--poll]
+    python bench/probes/ucx_raw_probe.py [--mib 64] [--msgs 8] [--late] [--poll]
                                   [--alloc numpy|torch|pdserve]
 
 ``--late``: the receiver posts each receive only after the sender announced that message
@@ -35,7 +35,7 @@ def _alloc(kind: str, n: int) -> Any:
 
     if kind == "torch":
         return torch.ones(n, dtype=torch.uint8).numpy()
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
     from engine.host_memory import zeros
 
     return zeros((n,), torch.uint8).fill_(1).numpy()

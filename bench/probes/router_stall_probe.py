@@ -1,7 +1,7 @@
 """What a large input costs the router's event loop, part by part (issue 23): the numbers
 behind router/requests/tokenize_pool.py and router/http/large_body.py, on this machine.
 
-    python bench/router_stall_probe.py [--mb 1] [--out FILE.json]
+    python bench/probes/router_stall_probe.py [--mb 1] [--out FILE.json]
 
 - tokenize on a thread: the longest a 1 ms sleeper thread waited for the GIL while another
   thread ran ``Tokenizer.encode`` on MB of text (tokenizers holds the GIL in encode, so a
@@ -22,9 +22,9 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "proto"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(1, os.path.join(ROOT, "proto"))
 
 from engine.model_source import resolve_model  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402

@@ -3,7 +3,7 @@
 and through torch's symmetric-memory one-shot all-reduce (NVLink peer loads, no NCCL), to
 see whether the latter is worth adopting. One process per GPU.
 
-    python bench/allreduce_probe.py --out OUT.json
+    python bench/probes/allreduce_probe.py --out OUT.json
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 from bench.decode_bench import capture  # noqa: E402
 
 CALLS = 65  # the embedding's all-reduce + 2 per layer of a 32-layer model

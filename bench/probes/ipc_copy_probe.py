@@ -1,6 +1,6 @@
 """Why does a copy through a CUDA IPC mapping run below torch's peer copy? (2 GPUs)
 
-    python bench/ipc_copy_probe.py
+    python bench/probes/ipc_copy_probe.py
 
 An owner process allocates a buffer and exports its IPC handle; a copier process on the
 other GPU opens it (cuIpcOpenMemHandle, lazy peer access) and times cuMemcpyDtoDAsync
@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 MIB = 1 << 20
 SIZES = (64 * MIB, 256 * MIB)

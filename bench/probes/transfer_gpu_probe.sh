@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Which UCX transport moves GPU0 -> GPU1 KV, and how fast, under a few UCX settings.
-#   bash bench/transfer_gpu_probe.sh OUT_DIR
+#   bash bench/probes/transfer_gpu_probe.sh OUT_DIR
 # Each variant runs bench/transfer_bench.py --device cuda once with UCX_PROTO_INFO=y, so the
 # log names the protocol and transports UCX picked for each message size.
 set -uo pipefail
 out=${1:?OUT_DIR}
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
 run() {

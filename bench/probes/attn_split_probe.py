@@ -2,7 +2,7 @@
 engine (Llama-3-8B shape, bf16, dummy weights, CUDA graphs) re-captured for each
 MIN_SPLIT_TOKENS, the decode step and the attention kernel alone timed at small batches.
 
-    python bench/attn_split_probe.py --out OUT.json
+    python bench/probes/attn_split_probe.py --out OUT.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 from bench.decode_bench import LLAMA3_8B, engine_point, recapture  # noqa: E402
 
 

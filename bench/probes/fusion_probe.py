@@ -10,7 +10,7 @@ Part 1 times the projections alone (32 layers in one CUDA graph, Llama-3-8B shap
 K chunk. Part 2 re-captures one engine's decode graphs per setting and times its decode step
 as bench/decode_bench.py does.
 
-    python bench/fusion_probe.py --out OUT.json
+    python bench/probes/fusion_probe.py --out OUT.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 from bench.decode_bench import LLAMA3_8B, engine_point, graph_time_ms, recapture  # noqa: E402
 
 SHAPES = {"o_proj": (4096, 4096), "down_proj": (14336, 4096)}  # (K, N)
