@@ -48,7 +48,8 @@ class LLMEngine(PrefixCacheQueries):
         """model_name: what the model is called (registration, logs); model_identity: what
         the KV fingerprint compares (engine/model_identity.py; default: the name);
         kv_scales: a float8 pool's per-layer K and V scales (engine/kv_scales.py; None:
-        1.0 each), handed to the model's attention here."""
+        1.0 each), handed to the model's attention here. model is None only for a
+        simulated engine (config.simulate)."""
         self.config = config
         self.model_cfg = model_cfg
         self.tokenizer = tokenizer
@@ -64,7 +65,7 @@ class LLMEngine(PrefixCacheQueries):
                                                    self.max_model_len)
         assert model is None or model_cfg.is_mla \
             or self.layout.head_count == model.shard.num_kv_heads, \
-            "TP head split differs"  # no model: a simulated engine (config.simulate)
+            "TP head split differs"
         num_blocks = self.layout.num_blocks
         # A sequence can never outgrow the pool: advertise what really fits.
         self.max_model_len = min(self.max_model_len, num_blocks * config.block_size)

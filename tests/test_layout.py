@@ -70,13 +70,17 @@ def test_router_runs_without_torch() -> None:
     assert r.stdout.startswith("ok")
 
 
-MAX_LINES = 400
+# The rule is "a file holds one idea" (docs/architecture.md, "One idea per file"): a reviewer
+# judges it, a line count cannot. This bound only catches a file that has plainly grown a
+# second idea unnoticed: twice the size of the largest modules that hold one (the engine,
+# its config, the transfer receiver: each under 400 lines).
+SANITY_LINES = 800
 SOURCE_DIRS = ("engine", "kernels", "transfer", "worker", "producer", "consumer", "router",
                "deploy", "bench", "tests")
 
 
-def test_no_source_file_is_over_400_lines() -> None:
-    """One noun per file: a module past 400 lines holds two (generated gRPC code aside)."""
+def test_no_source_file_has_plainly_outgrown_one_idea() -> None:
+    """Generated gRPC code aside."""
     long = {str(p.relative_to(ROOT)): n for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py")
-            if "_pb2" not in p.name and (n := len(p.read_text().splitlines())) > MAX_LINES}
+            if "_pb2" not in p.name and (n := len(p.read_text().splitlines())) > SANITY_LINES}
     assert long == {}
