@@ -1,4 +1,4 @@
-"""Chaos soak (issue 13): the chaos test's driver for longer, with a JSON record.
+"""Chaos soak: the chaos test's driver for longer, with a JSON record.
 
     python bench/chaos_soak.py [--duration 600] [--seed N] [--clients 4] [--net netns|host]
                                [--out FILE.json]

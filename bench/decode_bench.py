@@ -1,4 +1,4 @@
-"""GPU decode benchmark (issue 12): the engine's decode step against what its parts need.
+"""GPU decode benchmark: the engine's decode step against what its parts need.
 
 In one run on one GPU, for a Llama-3-8B-shaped model (bf16, dummy weights):
   * HBM read rate (a sum over a 4 GiB tensor);

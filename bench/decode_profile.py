@@ -1,4 +1,4 @@
-"""Where a graphed decode step's GPU time goes (issue 12): kernel time by name, one H200.
+"""Where a graphed decode step's GPU time goes: kernel time by name, one H200.
 
 Builds the decode bench's Llama-3-8B-shaped engine, runs timed steps at each batch under
 the torch profiler, and prints per-kernel totals per step plus the host time of the

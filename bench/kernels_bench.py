@@ -1,5 +1,5 @@
 """Benchmark the Triton paged-attention kernels on one GPU against ceilings measured in the
-same run (issue 3).
+same run.
 
 * ceilings: device-to-device copy bandwidth (bytes read + written) of a 4 GiB buffer, and
   the bf16 matrix rate of an 8192^3 product on random data;

@@ -4,7 +4,7 @@ consumer through transfer/, counted by the sender (TransferStats.payload_bytes).
     python bench/mla_wire_bench.py [--backend ipc] [--out bench/results/mla_wire_cpu.json]
 
 Shape: DeepSeek-V2-Lite (27 layers, kv_lora_rank 512 + qk_rope_head_dim 64, 16 heads of
-qk 128 + 64 and v 128), bf16, block size 16. Issue 25 asks that a request's bytes be
+qk 128 + 64 and v 128), bf16, block size 16. The target: a request's bytes be
 prompt tokens x layers x (kv_lora_rank + qk_rope_head_dim) x dtype bytes, within one block
 (the last block moves whole). For comparison in the same run: what the same prompt would
 move if the cache held decompressed per-head K and V (what a K/V layout of this model

@@ -1,4 +1,4 @@
-"""First-token hold in 1P1D: direct producer output against forced deferral (issue 5).
+"""First-token hold in 1P1D: direct producer output against forced deferral.
 
     python bench/pd_hold_bench.py [--model M] [--worker-arg=--flag=v ...] [--out FILE.json]
 

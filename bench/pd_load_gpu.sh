@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seeds' own load on a 2-GPU host (issue 12): 1P1D (producer cuda:0, consumer cuda:1),
+# The seeds' own load on a 2-GPU host: 1P1D (producer cuda:0, consumer cuda:1),
 # dummy Llama-3-8B, bf16, 256 requests at concurrency 256, 1024 in / 32 out; then, on cuda:0
 # in the same call, the engine's own decode step at the batch sizes the consumer ran
 # (bench/decode_bench.py at context 1040), the reference its TPOT is compared against.

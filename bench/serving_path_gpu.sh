@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 22 on one H200: the serving path at the seeds' concurrency, P and D sharing the GPU.
+# On one H200: the serving path at the seeds' concurrency, P and D sharing the GPU.
 # Dummy Llama-3-8B, bf16. One P/D cluster (router + producer + consumer, each its own
 # process, as a multi-node recipe starts them; the producer gets a small KV pool, the
 # consumer a large one) serves, in turn:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The serving plane at GPU token rates without GPUs (issue 22, "simulated engines"): 1,000
+# The serving plane at GPU token rates without GPUs (simulated engines): 1,000
 # concurrent streaming clients against simulated workers, one router frontend, then N.
 # Meant for a 16-core host (the GPU machine, GPUs unused); each run prints one summary line
 # and writes its JSON.
 #   bash bench/serving_plane_sim.sh OUT_DIR [FRONTENDS_LIST] [extra serving_cpu_bench flags]
 #   e.g. bash bench/serving_plane_sim.sh /tmp/sim "1 4"
 # FRONTENDS_LIST "1" runs the router as it is; N > 1 passes --frontends=N to the router
-# (the flag of issue 22's scaled-out front door; older routers refuse it).
+# (the scaled-out front door's flag; older routers refuse it).
 # Offered load: 4 consumers x 250 streams, 10 ms steps -> up to 100k tokens/s; the
 # acceptance is >= 50k tokens/s through one frontend, and 4 frontends >= 3.5x one.
 set -uo pipefail

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the GPU (issue 16): a Llama-3-8B-shaped model (bf16, dummy weights)
+"""Tensor parallelism on the GPU: a Llama-3-8B-shaped model (bf16, dummy weights)
 on TP1 and TP2 in one run: the decode step at a few batch sizes and a 4k-token prefill, and
 the all-reduce's share of each TP2 step.
 
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.tp_collectives import step_collectives, time_collectives  # noqa: E402
 from deploy.benchmark.dummy_model import write_dummy_model  # noqa: E402
 
-GOALS = {"decode_b1_ms": 0.65, "prefill_ms": 0.6}  # TP2 / TP1 at most (issue 16)
+GOALS = {"decode_b1_ms": 0.65, "prefill_ms": 0.6}  # TP2 / TP1 at most: the targets
 
 
 def sync(device: str) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's tensor-parallel benchmarks on a 2-GPU host, in one device call (kind
+# The tensor-parallel benchmarks on a 2-GPU host, in one device call (kind
 # nvidia-h200-x2, about 5 minutes): TP1 vs TP2 decode steps (batch 1, 32, 128) and 4k
 # prefill with the collectives' share (bench/tp_bench.py), then a 2k-token request from a
 # TP2 producer (cuda:0+1) to a TP1 consumer (cuda:1) through a live cluster, over the ipc

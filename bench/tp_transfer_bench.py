@@ -1,4 +1,4 @@
-"""Heterogeneous KV transfer (issue 16): a 2k-token request from a TP2 producer to a TP1
+"""Heterogeneous KV transfer: a 2k-token request from a TP2 producer to a TP1
 consumer of a real cluster, against that request's prefill time.
 
     python bench/tp_transfer_bench.py --backend ipc --out OUT_DIR         (2 GPUs)
@@ -59,7 +59,7 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc  # noqa: E402
 from deploy.benchmark.dummy_model import write_dummy_model  # noqa: E402
 from deploy.cluster import ClusterSpec, LocalCluster  # noqa: E402
 
-GOAL_RATIO = 0.10  # issue 16: the transfer lands within 10% of the prefill time
+GOAL_RATIO = 0.10  # the target: the transfer lands within 10% of the prefill time
 
 
 def request_times(t: router_pb2.ServerTiming) -> dict[str, Any]:

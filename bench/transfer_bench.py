@@ -178,7 +178,7 @@ def main() -> None:
     cfg = TransferConfig(backend=a.backend, ucx_progress=a.progress)
     # references first, before any pool, peer or mapping exists in these processes: taken
     # after the ipc backend had exported and mapped its pools, torch's peer copies here
-    # ran at 1-200 GB/s against 2-371 GB/s in the ucx run of the same session (2x H200,
+    # ran at 1-200 GB/s against 2-371 GB/s in the ucx run of the same invocation (2x H200,
     # cause not found); a slow reference would flatter the ratio. Re-measured at the end.
     copy_refs = {n: _copy_ref(n, tx_dev) for n in [*SIZES, 128 * LLAMA.block_nbytes]}
     ctx = mp.get_context("spawn")

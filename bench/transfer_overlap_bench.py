@@ -3,7 +3,7 @@
     python bench/transfer_overlap_bench.py [--backend ucx] [--device cpu|cuda] [--tokens 2048]
         [--chunk 512] [--reps 5] [--tiny] [--threads 1] [--out results.json]
 
-Goal (issue 4): the last chunk of a 2k-token Llama-3-8B prompt lands within 10% of that
+Goal: the last chunk of a 2k-token Llama-3-8B prompt lands within 10% of that
 prompt's prefill time. Producer: this process runs a real engine (dummy weights, producer
 role, chunked prefill) driven by the real ``producer.handler.ProducerHandler``, so pushes
 follow the production pattern (each chunk's full blocks after its step; the rest and the

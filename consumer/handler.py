@@ -174,7 +174,7 @@ class ConsumerHandler(RoleHandler):
     def _admit(self, u: TransferUpdate) -> None:
         assert u.notice is not None
         first_lp = None
-        if u.notice.logprobs:  # the notice's shape (transfer's, this round): (token, lp), *top
+        if u.notice.logprobs:  # TransferNotice's shape: (token, lp), *top
             (tok, lp), *top = u.notice.logprobs
             first_lp = LogprobRow(tok, lp, tuple(top))
         try:

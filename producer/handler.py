@@ -179,8 +179,8 @@ class ProducerHandler(RoleHandler):
                 else:
                     self.out.pop(o.rid, None)
                 continue
-            # The notice keeps transfer's own logprobs shape this round (transfer/ is not
-            # ours): ((token, logprob), *top); the consumer converts it back to a LogprobRow.
+            # TransferNotice carries logprobs in its own wire shape, ((token, logprob), *top);
+            # the consumer converts it back to a LogprobRow.
             o.notice = TransferNotice(
                 request_id=o.rid, first_token=tok, finished=False,
                 num_prompt_tokens=out.num_prompt_tokens + o.num_prior, seed=out.seed,

@@ -6,7 +6,7 @@ failed leaves at once (Deregister(done)) and never registers again: it serves no
 it restarts, and between the failure and its exit (the engine stops its TP ranks and
 transfer endpoints first) the router would otherwise place new requests on it.
 
-Liveness travels apart from the data plane (issue 22): the heartbeats leave from their own
+Liveness travels apart from the data plane: the heartbeats leave from their own
 thread over their own (sync) gRPC channel, so an event loop saturated by token streams
 cannot delay them past the router's timeout; the router would take a busy worker for a dead
 one and fail all its requests. The thread reports how far behind the loop is instead

@@ -1,4 +1,4 @@
-"""Small all-reduces on two GPUs (issue 16): what one TP2 decode step's 65 all-reduces of
+"""Small all-reduces on two GPUs: what one TP2 decode step's 65 all-reduces of
 [rows, 4096] bf16 cost in one CUDA graph, through NCCL (what engine/parallel/group.py uses)
 and through torch's symmetric-memory one-shot all-reduce (NVLink peer loads, no NCCL), to
 see whether the latter is worth adopting. One process per GPU.

@@ -1,4 +1,4 @@
-"""Decode attention's least split size against the engine's decode step (issue 12): one
+"""Decode attention's least split size against the engine's decode step: one
 engine (Llama-3-8B shape, bf16, dummy weights, CUDA graphs) re-captured for each
 MIN_SPLIT_TOKENS, the decode step and the attention kernel alone timed at small batches.
 

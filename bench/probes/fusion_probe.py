@@ -1,4 +1,4 @@
-"""Two fusions for the small-batch decode step (issue 12), measured on one GPU:
+"""Two fusions for the small-batch decode step, measured on one GPU:
 
 * decode attention's split merge done by the last split program (FUSED_MERGE) instead of a
   second kernel;

@@ -1,4 +1,4 @@
-"""What a large input costs the router's event loop, part by part (issue 23): the numbers
+"""What a large input costs the router's event loop, part by part: the numbers
 behind router/requests/tokenize_pool.py and router/http/large_body.py, on this machine.
 
     python bench/probes/router_stall_probe.py [--mb 1] [--out FILE.json]

@@ -1,4 +1,4 @@
-"""Chaos (issue 13): steady load against a live 2P2D cluster while a driver SIGKILLs and
+"""Chaos: steady load against a live 2P2D cluster while a driver SIGKILLs and
 SIGSTOPs workers and throws junk at KV ports (tests/chaos/chaos_driver.py). At the end:
 every request ended with its tokens or a clear error within its deadline, none was lost
 silently, every completed one (migrated and retried ones included) has the colocated

@@ -1,4 +1,4 @@
-"""Link faults (issue 13): a 2P2D cluster whose workers each live in their own network
+"""Link faults: a 2P2D cluster whose workers each live in their own network
 namespace on a bridge (the router and this test's clients in the root namespace), KV over
 UCX on TCP, steady load while the driver cuts a worker's veth, partitions a worker from a
 peer or from the router (nftables, or ``ip route prohibit`` without nft) and rate-limits a

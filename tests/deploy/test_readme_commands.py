@@ -1,6 +1,6 @@
 """Every `pdserve` command in the README's and the deployment guide's shell blocks parses
 with the CLI as it is (a renamed or missing flag fails here, not in a user's terminal).
-The commands that run on one machine were also run as written (issue 23); the multi-node
+The commands that run on one machine were also run as written; the multi-node
 ones name hosts that exist only in the example."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Client churn storm (issue 13 acceptance): against a live 1P1D + colocated cluster, rounds
+"""Client churn storm: against a live 1P1D + colocated cluster, rounds
 of clients (HTTP and gRPC, streamed and not, greedy and sampled, short and long prompts)
 hang up at random moments, so cancellations land on requests in every state (queued at the
 router, prefilling, transferring KV, decoding). Afterwards, within the producer's lease

@@ -1,4 +1,4 @@
-"""Issue 22: `pdserve router --frontends N` runs N router processes on the same ports over
+"""`pdserve router --frontends N` runs N router processes on the same ports over
 one view of the workers (router/control/frontends.py). Clients on many connections land on every
 frontend; every request is served; workers registered through whichever frontend serve
 the requests of all (the mirror's view: tests/router/test_frontend_mirror.py)."""

@@ -1,4 +1,4 @@
-"""Issue 7 acceptance on a live 1P1D cluster (SmolLM2, UCX): the official openai client,
+"""The OpenAI HTTP API on a live 1P1D cluster (SmolLM2, UCX): the official openai client,
 schemathesis against /openapi.json, API key / cluster token, 200 concurrent streams,
 429 past the queue bound, /metrics. One cluster for the module keeps this to ~2 minutes."""
 

@@ -1,4 +1,4 @@
-"""Overload never passes for death (issue 22, "Overload test"), on a live 1P1D cluster.
+"""Overload never passes for death, on a live 1P1D cluster.
 
 A tiny model (its engine steps take milliseconds, so the consumer's service process carries
 thousands of tokens a second, as a GPU worker's does) streams 128 requests through the

@@ -1,4 +1,4 @@
-"""Backpressure slows the cluster, it does not fail requests (issue 13): a 1P1D cluster
+"""Backpressure slows the cluster, it does not fail requests: a 1P1D cluster
 whose consumer's KV pool holds one long request at a time, offered many at once, with the
 producer's lease cut to 2 s. Every reservation but the first waits for blocks far longer
 than the lease; the router's holds keep the producer's prefilled blocks, so every request

@@ -1,4 +1,4 @@
-"""A consumer whose KV port cannot be reached, on a live cluster (issue 13): a real router,
+"""A consumer whose KV port cannot be reached, on a live cluster: a real router,
 producer and consumer, plus one more consumer that registers and reserves like a real one
 but advertises a KV port nobody listens on. A request paired with it does not hang or take
 others down: the producer's handshake fails, the router pairs the request again with the

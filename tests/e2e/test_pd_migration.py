@@ -1,4 +1,4 @@
-"""A consumer failing mid-decode on a live cluster (issue 13): the router migrates the
+"""A consumer failing mid-decode on a live cluster: the router migrates the
 request to another consumer with the tokens already streamed, and the client gets exactly
 the colocated engine's tokens, greedy and seeded (per-request randomness is a pure function
 of (seed, position), kernels/random_draw.py). SIGKILL, and SIGSTOP past the heartbeat

@@ -1,5 +1,5 @@
 """A producer SIGKILLed before token 0: the router places the request again on the other
-producer, and the client gets the colocated engine's tokens, not an error (issue 13)."""
+producer, and the client gets the colocated engine's tokens, not an error."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def _counter(port: int, name: str) -> float:
 
 
 def test_consumer_tokens_travel_in_one_batch_per_step(cluster_1p1d, colocated_llm):
-    """Issue 22: one message per engine step carries every request's tokens to the router
+    """One message per engine step carries every request's tokens to the router
     (the Outputs stream), not one gRPC message per token per request; the tokens are the
     colocated engine's all the same."""
     port = cluster_1p1d.metrics_ports["consumer-0"]

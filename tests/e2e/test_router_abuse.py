@@ -1,4 +1,4 @@
-"""Issue 23: no client can stall the router. While one client streams, another sends a
+"""No client can stall the router. While one client streams, another sends a
 12 MB chat body and 20 x 1 MB bodies: the stream completes with the tokens it would have
 had, /health keeps answering within 100 ms, and no worker is dropped (a stalled loop used
 to miss the workers' heartbeats and drop both)."""

@@ -1,4 +1,4 @@
-"""A migrated request resumes after the tokens its client already has (issue 13): given as
+"""A migrated request resumes after the tokens its client already has: given as
 output tokens (not prompt), they leave penalties, min_tokens, max_tokens, stop strings,
 logprobs and the (seed, position) randomness exactly as in the run that never stopped."""
 

@@ -1,5 +1,5 @@
 """On the GPU: the engine's greedy tokens with the Triton kernels equal the torch-reference
-kernels' tokens on a dummy-weight Llama (issue 3's end-to-end acceptance check)."""
+kernels' tokens on a dummy-weight Llama (the end-to-end check)."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ def test_a_point_is_sampled_until_its_timings_agree():
 
 def test_out_of_order_and_noisy_points_are_problems():
     d = profile_json()
-    d["prefill"] = {"tokens": [16, 128, 512], "ms": [50.0, 7616.0, 804.0]}  # issue 23
+    d["prefill"] = {"tokens": [16, 128, 512], "ms": [50.0, 7616.0, 804.0]}  # not monotonic
     p = Profile.from_json(d)
     (why,) = p.trust_problems()
     assert why == "prefill 512 tokens takes 804.00 ms, less than 128 tokens (7616.00 ms)"

@@ -1,4 +1,4 @@
-"""A consumer's KV receiver with a cluster token refuses producers that lack it (issue 7)."""
+"""A consumer's KV receiver with a cluster token refuses producers that lack it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Connecting never blocks the caller (issue 13): pushes wait on a handshake in flight, and a
+"""Connecting never blocks the caller: pushes wait on a handshake in flight, and a
 consumer that never answers fails only its own requests, through poll(), in bounded time."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """With a cluster token the KV control channel speaks ZMQ CURVE: a peer with another token
-cannot finish a handshake, and the token never crosses the network in clear (issue 13)."""
+cannot finish a handshake, and the token never crosses the network in clear."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Hostile frames at a live receiver's KV port (and a live sender's connection): the I/O
 thread survives, bad frames are counted, books stay whole, and a real transfer from a
-legitimate peer still lands exactly (issue 13)."""
+legitimate peer still lands exactly."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A worker whose gRPC event loop is blocked keeps heartbeating (issue 22).
+"""A worker whose gRPC event loop is blocked keeps heartbeating.
 
 The worker's heartbeats leave from their own thread (worker/registration.py), so a loop
 saturated by token streams, here blocked outright for 4 s (4x the router's heartbeat

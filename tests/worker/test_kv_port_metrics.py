@@ -100,7 +100,7 @@ def test_a_live_consumer_counts_its_decode_steps_on_metrics(cluster: LocalCluste
 
 def test_a_repeated_prompt_hits_the_producers_prefix_cache_on_metrics(
         cluster: LocalCluster) -> None:
-    """Issue 26, reported: the same 80-token prompt twice; the second prefill finds its full
+    """A reported case: the same 80-token prompt twice; the second prefill finds its full
     blocks cached, the producer's /metrics counts the looked-up and hit tokens, and the
     second response's usage says how many were cached."""
     from cluster_client import generate, stub_for
