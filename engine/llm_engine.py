@@ -330,8 +330,8 @@ class LLMEngine(PrefixCacheQueries):
         ids = step.out.token_ids.tolist()  # the host sync: the step has completed
         for r, written in self._unread.pop(step.step_id, {}).values():
             self.scheduler.cache_written(r, written)  # ids read: the step has completed
-        for pool, ids in self._free_after.pop(step.step_id, []):
-            pool.free(ids)
+        for pool, freed in self._free_after.pop(step.step_id, []):
+            pool.free(freed)
         # When the sampling forward had run: read back now (direct), or at its launch when
         # a later step reads it (deferred; exact on CPU, the launch time on a GPU).
         sampled_ns = time.time_ns() if step is not self._inflight else step.launched_ns

@@ -26,6 +26,32 @@ def test_deferred_and_direct_give_identical_tokens(tiny_models, make_llm, params
     assert all(len(t) == 20 for t in runs[True])
 
 
+def test_a_request_ended_under_a_launched_step_leaves_the_others_tokens_alone(tiny_models,
+                                                                             make_llm):
+    """An abort while the next (deferred) step is already launched frees the request's
+    blocks only once that step is read; the other rows of that step keep their tokens."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(abort: bool) -> dict[str, list[int]]:
+        eng = make_llm(tiny_models["qwen2"], block_size=4, max_num_batched_tokens=16).engine
+        tokens: dict[str, list[int]] = {}
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"r{i}", list(p), params)
+        for n in range(40):
+            if abort and n == 6:
+                assert eng.abort("r1")
+                assert eng._free_after  # the path under test: freed when that step is read
+            for out in eng.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if not eng.has_unfinished():
+                break
+        tokens.pop("r1", None)
+        return tokens
+
+    kept = run(abort=True)
+    assert kept == run(abort=False) and all(len(t) == 12 for t in kept.values())
+
+
 def test_role_decides_deferral(tiny_models, make_llm):
     path = tiny_models["llama"]
     assert make_llm(path, role="colocated").engine.defers_output
