@@ -48,12 +48,15 @@ def _config_table() -> dict[str, dict[str, dict[str, int]]]:
     return table
 
 
-def tile_config(num_tokens: int, device: torch.device) -> dict[str, int]:
+def tile_config(num_tokens: int, device: torch.device, elem_size: int = 2
+                ) -> dict[str, int]:
     """The tile config for a call with `num_tokens` rows: the device's table (by its CUDA
     name; "cpu" for the interpreter), else "default"; within it the smallest bucket at or
-    above num_tokens, else the largest."""
+    above num_tokens, else the largest. A device's entries are tuned for 16-bit weights:
+    wider ones (float32) take the defaults, whose tiles fit an H200's shared memory at
+    float32 (the tuned BLOCK_N 128 x BLOCK_K 128 asks 278,528 of its 232,448 bytes)."""
     table = _config_table()
-    buckets = table.get(_device_name(device)) or table["default"]
+    buckets = (table.get(_device_name(device)) if elem_size <= 2 else None) or table["default"]
     sizes = sorted(int(b) for b in buckets)
     pick = next((b for b in sizes if b >= num_tokens), sizes[-1])
     return buckets[str(pick)]
@@ -212,7 +215,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
-    cfg = config or tile_config(t, x.device)
+    cfg = config or tile_config(t, x.device, w13.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 2)}
     n = t * k
