@@ -70,7 +70,7 @@ for block_h in (16, 32):
     out[f"mla/h{block_h}"] = spills(mla._mla_decode_kernel, MLA, dict(
         C=512, R=64, CP=512, RP=64, BLOCK_H=block_h, BS=64, BLOCK_N=mla.BLOCK_N, SPLIT=True,
         COMPUTE=tl.bfloat16, IEEE=False, DYN=True),
-        num_warps=mla.NUM_WARPS, num_stages=mla.NUM_STAGES)
+        num_warps=mla.NUM_WARPS[block_h], num_stages=mla.NUM_STAGES)
 '''
 
 
@@ -79,7 +79,10 @@ def test_fp8_kv_kernels_compile_for_sm90_without_spills() -> None:
     found = spill_bytes(BODY)
     assert len(found) == 12, sorted(found)
     paired = {k: found.pop(k) for k in list(found) if k.startswith(("decode/", "prefill/"))}
-    assert {k: v for k, v in found.items() if v} == {}, found
+    # the MLA decode's 16-head block at 4 warps spills a little in bf16 too and is still the
+    # fastest measured on an H200 (kernels/triton_mla_decode.py NUM_WARPS)
+    accepted = {"mla/h16": 128}
+    assert {k: v for k, v in found.items() if v > accepted.get(k, 0)} == {}, found
     for kind in ("decode/{}/split0", "decode/{}/split1", "prefill/{}"):
         bf16, fp8 = paired[kind.format("*bf16")], paired[kind.format("*fp8e4nv")]
         assert fp8 <= bf16 + 64, paired
