@@ -35,10 +35,13 @@ def slow_step_cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     # consumer: 24 blocks of 16 tokens, one ~200-token request at a time; producer: room
     # to hold them all, and prefill steps of 1024 tokens
     c = start_cluster(tmp_path_factory, "lls",
-                      worker_args=("--num-kv-blocks", "24", "--max-num-batched-tokens", "128"),
+                      worker_args=("--num-kv-blocks", "24", "--max-num-batched-tokens", "128",
+                                   # the pool pressure is the point: no cached prefix relieves it
+                                   "--no-enable-prefix-caching"),
                       producer_args=("--num-kv-blocks", "400", "--max-num-batched-tokens",
                                      "1024", "--lease", str(LEASE_S)),
-                      router_args=("--hold-interval", "0.25", "--token0-timeout", "300",
+                      router_args=("--local-prefill-max-tokens", "-1",  # the P/D path only
+                                   "--hold-interval", "0.25", "--token0-timeout", "300",
                                    "--heartbeat-timeout", "5", "--max-migrations", "0"))
     yield c
     c.stop()
@@ -92,7 +95,8 @@ def test_a_lease_too_short_for_the_routers_holds_stops_the_producer_at_start(
     (before, it served and failed requests waiting for a consumer with "lease expired")."""
     with pytest.raises(ClusterStartError) as e:
         start_cluster(tmp_path_factory, "short-lease", producers=1, consumers=1,
-                      producer_args=("--lease", "1.5"), router_args=("--hold-interval", "1"))
+                      producer_args=("--lease", "1.5"),
+                      router_args=("--local-prefill-max-tokens", "-1", "--hold-interval", "1"))
     msg = str(e.value)
     assert "producer-0" in msg, msg
     assert "lease_s: worker producer-0's --lease (1.5 s) is under 2x this router's " \

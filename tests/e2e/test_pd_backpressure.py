@@ -27,9 +27,14 @@ def _consumer_waiting(stub) -> int:  # type: ignore[no-untyped-def]
 def small_cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     # 40 blocks of 16 tokens: one ~400-token request decoding leaves no room for a second.
     # A 1 s transfer timeout: waiting for a turn must not count against it.
+    # The requests share a long prefix: a consumer holding it would prefill the short rest
+    # itself (conditional disaggregation), which is not the path under test here.
     c = start_cluster(tmp_path_factory, "cbp",
                       worker_args=("--num-kv-blocks", "40", "--max-num-batched-tokens", "32",
-                                   "--transfer-timeout", "1"))
+                                   # the pool pressure is the point: no cached prefix relieves it
+                                   "--no-enable-prefix-caching",
+                                   "--transfer-timeout", "1"),
+                      router_args=("--local-prefill-max-tokens", "-1"))
     yield c
     c.stop()
 

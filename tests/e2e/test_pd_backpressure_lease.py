@@ -33,9 +33,12 @@ def tight_cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
     # the consumer: 40 blocks of 16 tokens, one ~400-token request at a time; the producer:
     # room to prefill them all and hold them while they wait
     c = start_cluster(tmp_path_factory, "cbpl",
-                      worker_args=("--num-kv-blocks", "40", "--max-num-batched-tokens", "128"),
+                      worker_args=("--num-kv-blocks", "40", "--max-num-batched-tokens", "128",
+                                   # the pool pressure is the point: no cached prefix relieves it
+                                   "--no-enable-prefix-caching"),
                       producer_args=("--num-kv-blocks", "400", "--lease", str(LEASE_S)),
-                      router_args=("--hold-interval", "0.5", "--token0-timeout", "300",
+                      router_args=("--local-prefill-max-tokens", "-1",  # the P/D path only
+                                   "--hold-interval", "0.5", "--token0-timeout", "300",
                                    "--heartbeat-timeout", str(HEARTBEAT_S),
                                    "--max-migrations", "0"))
     yield c

@@ -37,7 +37,9 @@ def test_1p1d_across_namespaces(two_hosts, tmp_path, colocated_llm):
     router = f"{ADDR[0]}:{PORT}"
     logs = {n: open(tmp_path / f"{n}.log", "wb") for n in ("router", "producer", "consumer")}
     procs = [
-        _start(NS[0], logs["router"], "router", "--host", ADDR[0], "--grpc-port", str(PORT)),
+        # the P/D path only: no consumer prefills a short uncached tail itself
+        _start(NS[0], logs["router"], "router", "--host", ADDR[0], "--grpc-port", str(PORT),
+               "--local-prefill-max-tokens", "-1"),
         _start(NS[0], logs["producer"], "producer", "--router", router, "--host", ADDR[0],
                "--threads", "1", "--max-num-batched-tokens", "64"),
         _start(NS[1], logs["consumer"], "consumer", "--router", router, "--host", ADDR[1],
