@@ -56,7 +56,10 @@ def tile_config(num_tokens: int, device: torch.device, elem_size: int = 2
     wider ones (float32) take the defaults, whose tiles fit an H200's shared memory at
     float32 (the tuned BLOCK_N 128 x BLOCK_K 128 asks 278,528 of its 232,448 bytes)."""
     table = _config_table()
-    buckets = (table.get(_device_name(device)) if elem_size <= 2 else None) or table["default"]
+    name = _device_name(device)
+    tuned_for_16_bit = name != "cpu"  # the interpreter's entry serves every dtype
+    buckets = (table.get(name) if elem_size <= 2 or not tuned_for_16_bit else None
+               ) or table["default"]
     sizes = sorted(int(b) for b in buckets)
     pick = next((b for b in sizes if b >= num_tokens), sizes[-1])
     return buckets[str(pick)]
