@@ -84,7 +84,7 @@ def test_steps_longer_than_the_lease_fail_no_held_request(slow_step_cluster, col
         mean_step_s = _counter(port, "pdserve_worker_engine_step_seconds") / steps
         assert mean_step_s > LEASE_S, f"steps of {mean_step_s:.2f} s prove nothing"
         # past the lease is what counts; how far past depends on how fast this machine's
-        # consumer decodes the queue (idle 2-core runs measured 1.6 s at most)
+        # consumer decodes the queue (idle 2-core runs measured 1.6 and 2.8 s at most)
         assert max(waits) > LEASE_S, waits
         wait_for_full_kv(stub, timeout=30)
     finally:
