@@ -37,28 +37,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_bench import DEEPSEEK_V2_LITE  # noqa: E402
+
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import build_engine  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
-V2_LITE: dict[str, Any] = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
-    "hidden_size": 2048, "intermediate_size": 10944, "num_hidden_layers": 27,
-    "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 102400,
-    "max_position_embeddings": 163840, "kv_lora_rank": 512, "q_lora_rank": None,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 64,
-    "n_shared_experts": 2, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1,
-    "topk_method": "greedy", "scoring_func": "softmax", "norm_topk_prob": False,
-    "routed_scaling_factor": 1.0, "moe_intermediate_size": 1408, "hidden_act": "silu",
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "attention_bias": False,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
-                     "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
-                     "type": "yarn"},
-    "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
-    "torch_dtype": "bfloat16",
-}
+V2_LITE: dict[str, Any] = DEEPSEEK_V2_LITE  # the shape moe_bench measures
 # the same family at CPU size: a dry run of every code path in seconds
 TINY = {**V2_LITE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 512,
