@@ -15,17 +15,16 @@ import logging
 import time
 from typing import Any
 
-from consumer.tp_receiver import TPReceiver
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepResult
 from engine.request import LogprobRow
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import KVReceiver, TransferConfig, TransferStatus, TransferUpdate, make_receiver
+from transfer.tp_receiver import tp_receiver
 from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent, TokensBatchEvent
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
-from worker.tp_endpoints import attach_ranks, followers_of
 
 log = logging.getLogger("pdserve.consumer")
 S = RequestState
@@ -36,21 +35,13 @@ class ConsumerHandler(RoleHandler):
                  reservation_s: float = 600.0) -> None:
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
-        local = make_receiver(engine.kv_cache, engine.layout, self.cfg)
-        self.receiver: KVReceiver = local
         # TP: every rank receives its own heads into its own pool shard
-        followers = followers_of(engine)
-        if followers is not None:
-            try:
-                infos = attach_ranks(followers, "consumer", engine.layout, self.cfg,
-                                     "consumer")
-            except BaseException:
-                local.close()
-                raise
-            self.receiver = TPReceiver(local, followers, infos)
+        self.receiver: KVReceiver = tp_receiver(
+            make_receiver(engine.kv_cache, engine.layout, self.cfg), engine.layout, self.cfg,
+            engine.runner.followers)
         self.source_tp: dict[str, int] = {}  # rid -> the producer's TP size (router's word)
-        self.unannounced: dict[str, tuple[list[int], int]] = {}  # TP: reserved, not every
-        # rank expects yet: (blocks, leading cached blocks)
+        # reserved, not yet ready (take_ready): rid -> (blocks, leading cached blocks)
+        self.unannounced: dict[str, tuple[list[int], int]] = {}
         self.reused: dict[str, int] = {}  # rid -> leading reserved blocks from the cache
         # Timing for the first decode step's metrics, not state: rid -> when the KV landed,
         # then (landed, first step launched) ns.
@@ -133,10 +124,15 @@ class ConsumerHandler(RoleHandler):
                              source_tp=self.source_tp.pop(rid, None))
         if cached:
             self.reused[rid] = cached
-        if isinstance(self.receiver, TPReceiver):  # announced once every rank expects it
-            self.unannounced[rid] = (blocks, cached)
-        else:
-            self.emit(ReservedEvent(rid, self.receiver.address, tuple(blocks), cached))
+        self.unannounced[rid] = (blocks, cached)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tells the producer where to write, once the receiver is ready for the pushes."""
+        for rid in self.receiver.take_ready():
+            ann = self.unannounced.pop(rid, None)
+            if ann is not None and self.engine.state_of(rid) == S.WAITING_FOR_KV:
+                self.emit(ReservedEvent(rid, self.receiver.address, tuple(ann[0]), ann[1]))
 
     def after_step(self) -> None:
         for u in self.receiver.poll():
@@ -153,12 +149,7 @@ class ConsumerHandler(RoleHandler):
                 self._admit(u)
             else:
                 self._transfer_failed(u)
-        if isinstance(self.receiver, TPReceiver):
-            for rid in self.receiver.take_ready():
-                ann = self.unannounced.pop(rid, None)
-                if ann is not None and self.engine.state_of(rid) == S.WAITING_FOR_KV:
-                    self.emit(ReservedEvent(rid, self.receiver.address, tuple(ann[0]),
-                                            ann[1]))
+        self._announce()
 
     def _transfer_failed(self, u: TransferUpdate) -> None:
         self.transfers_failed += 1

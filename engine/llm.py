@@ -81,13 +81,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         model = build_model(path, model_cfg, kernels, device, config.dtype,
                             config.load_format, max_positions=max(max_len, 1),
                             seed=config.seed, group=group, quantization=config.quantization)
-        model.followers = followers
         tokenizer = _tokenizer(path)
         # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
         identity = model_identity(path, config.load_format, config.seed,
                                   config.quantization)
         return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
-                         identity, kv_scales=kv_scales_for(config, model_cfg, path))
+                         identity, kv_scales=kv_scales_for(config, model_cfg, path),
+                         followers=followers)
     except BaseException:
         if followers is not None:
             followers.close(grace_s=0.0)

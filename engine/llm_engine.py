@@ -35,6 +35,7 @@ from engine.sim_runner import make_runner
 from engine.stop_check import check_stop, streamable_len
 
 if TYPE_CHECKING:
+    from engine.parallel.followers import TPFollowers
     from engine.tokenizer import Tokenizer
 
 TraceHook = Callable[[str, int], None]
@@ -44,11 +45,13 @@ class LLMEngine(PrefixCacheQueries):
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig,
                  model: LlamaForCausalLM | None, tokenizer: Tokenizer | None, model_name: str,
                  model_identity: str | None = None,
-                 kv_scales: tuple[float, ...] | None = None) -> None:
+                 kv_scales: tuple[float, ...] | None = None,
+                 followers: TPFollowers | None = None) -> None:
         """model_name: what the model is called (registration, logs); model_identity: what
         the KV fingerprint compares (engine/model_identity.py; default: the name);
         kv_scales: a float8 pool's per-layer K and V scales (engine/kv_scales.py; None:
-        1.0 each), handed to the model's attention here. model is None only for a
+        1.0 each), handed to the model's attention here; followers: a TP engine's other
+        ranks, which its runner drives (engine.llm.build_engine). model is None only for a
         simulated engine (config.simulate)."""
         self.config = config
         self.model_cfg = model_cfg
@@ -76,7 +79,8 @@ class LLMEngine(PrefixCacheQueries):
         eos = set(model_cfg.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.runner = make_runner(config, model, self.kv_cache, self.eos_token_ids, self.device,
-                                  self.max_model_len, tokenizer, model_cfg.vocab_size)
+                                  self.max_model_len, tokenizer, model_cfg.vocab_size,
+                                  followers)
         self.grammars = GrammarFactory(tokenizer, model_cfg.vocab_size, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._inflight: InflightStep | None = None

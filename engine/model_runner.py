@@ -18,6 +18,7 @@ from engine.input_staging import DecodeStaging
 from engine.kv_scales import kv_scales_of
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.dp_groups import DPLayout
+from engine.parallel.followers import TPFollowers
 from engine.parallel.graph_step import GraphStep
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.penalty_state import PenaltyState
@@ -47,7 +48,7 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  eos_token_ids: frozenset[int], device: torch.device, *,
                  max_num_seqs: int = 0, max_model_len: int = 0,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, followers: TPFollowers | None = None) -> None:
         """cuda_graphs: capture pure-decode steps up to max_num_seqs requests of at most
         max_model_len tokens (CUDA only); other steps, and every step without, run eagerly."""
         self.model = model
@@ -58,7 +59,7 @@ class ModelRunner:
         self.vocab = model.cfg.vocab_size
         # Tensor parallel (rank 0): every step's plan goes to the followers first, and the
         # sampled ids after; they run the same forward with their shards.
-        self.followers = model.followers
+        self.followers = followers
         if self.followers is not None:
             self.followers.start_kv(tuple(kv_cache.shape), kv_cache.dtype,
                                     kv_scales_of(model) if kv_cache.dtype == torch.float8_e4m3fn

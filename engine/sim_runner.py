@@ -37,6 +37,7 @@ from engine.sim_config import SimConfig
 
 if TYPE_CHECKING:
     from engine.models.llama import LlamaForCausalLM
+    from engine.parallel.followers import TPFollowers
     from engine.tokenizer import Tokenizer
 
 _M64 = (1 << 64) - 1
@@ -147,11 +148,12 @@ class SimRunner:
 
 def make_runner(config: EngineConfig, model: LlamaForCausalLM | None, kv_cache: torch.Tensor,
                 eos_token_ids: frozenset[int], device: torch.device, max_model_len: int,
-                tokenizer: Tokenizer | None, vocab_size: int) -> ModelRunner | SimRunner:
+                tokenizer: Tokenizer | None, vocab_size: int,
+                followers: TPFollowers | None = None) -> ModelRunner | SimRunner:
     """The engine's runner: the model's, or a SimRunner for a simulated engine."""
     if config.simulate is not None:
         return SimRunner(config.simulate, vocab_size, eos_token_ids, tokenizer)
     assert model is not None
     return ModelRunner(model, kv_cache, config.block_size, eos_token_ids, device,
                        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                       cuda_graphs=not config.enforce_eager)
+                       cuda_graphs=not config.enforce_eager, followers=followers)

@@ -34,8 +34,8 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput, StepResult
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
-from producer.tp_sender import TPSender
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
+from transfer.tp_sender import tp_sender
 from worker.messages import (
     AbortCmd,
     Command,
@@ -48,7 +48,6 @@ from worker.messages import (
 )
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, sampling_from_wire, stop_text
-from worker.tp_endpoints import attach_ranks, followers_of
 
 log = logging.getLogger("pdserve.producer")
 # How long the engine loop holds the next step for a Token0SentCmd (see command_wait_ms):
@@ -85,16 +84,9 @@ class ProducerHandler(RoleHandler):
                  lease_s: float) -> None:
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
-        local = make_sender(engine.kv_cache, engine.layout, self.cfg)
         # every rank pushes its own heads (a TP engine's followers get their own senders)
-        followers = followers_of(engine)
-        try:
-            if followers is not None:
-                attach_ranks(followers, "producer", engine.layout, self.cfg, "producer")
-        except BaseException:
-            local.close()
-            raise
-        self.sender = TPSender(local, engine.layout, followers)
+        self.sender = tp_sender(make_sender(engine.kv_cache, engine.layout, self.cfg),
+                                engine.layout, self.cfg, engine.runner.followers)
         self.lease_s = lease_s
         self.out: dict[str, Outgoing] = {}
         # monotonic: when the loop last applied the queued commands before a step (0: no

@@ -130,3 +130,15 @@ class KVReceiver(_Side):
         ``source_tp``: the producer's TP size (default: ours). This rank then takes its
         heads from the producer ranks ``transfer.tp_plan`` names, and is DONE once every
         one of them finished and all their runs landed; it ends as a whole."""
+
+    def take_ready(self) -> list[str]:
+        """Requests ``expect``ed since the last call that producers may now push to, in the
+        order they became ready: a consumer tells the producer where to write only then.
+        A receiver of one pool is ready when ``expect`` returns; one spread over TP ranks
+        (``transfer.tp_receiver``) once every rank holds the record."""
+        out: list[str] = getattr(self, "_ready", [])
+        self._ready: list[str] = []
+        return out
+
+    def _now_ready(self, request_id: str) -> None:
+        self._ready = [*getattr(self, "_ready", []), request_id]

@@ -157,6 +157,7 @@ class FakeReceiver(_FakeSide, KVReceiver):
             self.recs[request_id] = _Rec(request_id, dl, dst=frozenset(dst_block_ids),
                                          source_tp=src_tp,
                                          sources=frozenset(p.src_rank for p in parts))
+        self._now_ready(request_id)
 
     def refusal(self, rrec: _Rec, sender: KVLayout) -> str | None:
         """Why the producer rank of ``sender`` may not push into ``rrec``, if so."""

@@ -78,6 +78,7 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
         rec = RecvRecord(request_id, dl, dst=frozenset(dst_block_ids), source_tp=src_tp,
                          sources={p.src_rank: p for p in parts})
         self.call(lambda: self.recs.__setitem__(request_id, rec))
+        self._now_ready(request_id)
 
     def accounting(self) -> Accounting:
         def count() -> Accounting:

@@ -4,7 +4,6 @@ SmolLM2. Tokens of every request in a step are packed into one flat [T, hidden] 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,9 +20,6 @@ from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
 from engine.quant.checkpoint import copy_scale, is_scale, param_name, scale_cut
 from engine.quant.scheme import Fp8Scheme
 from engine.rope import cos_sin_table
-
-if TYPE_CHECKING:
-    from engine.parallel.followers import TPFollowers
 
 
 class RMSNorm(nn.Module):
@@ -141,8 +137,6 @@ class LlamaForCausalLM(nn.Module):
         # data-parallel attention: the MoE layers' expert group and step state (dp_groups.py)
         self.ep_group = ep_of(group)
         self.dp_step = DPForward()
-        # Rank 0 of a TP engine: the other ranks, which its runner drives (build_engine).
-        self.followers: TPFollowers | None = None
         # The checkpoint's FP8 scheme while its weights load (engine/quant); None: float
         self.quant: Fp8Scheme | None = None
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)

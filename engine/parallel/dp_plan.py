@@ -12,6 +12,7 @@ of its own, the gather with no rows, and the broadcast, so no collective waits o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -25,6 +26,7 @@ from engine.parallel.step_plan import StepPlan, run_plan
 class DPPlan:
     """What one rank runs for a step; rank 0 builds one per attention group."""
 
+    KIND: ClassVar[str] = "dp-plan"  # on the rank channel (engine.parallel.messages)
     plan: StepPlan | None  # its group's forward; None: the group has no tokens this step
     max_tokens: int  # the most tokens any group runs (each MoE exchange pads to it)
     sample_counts: list[int]  # rows each group samples, in group order

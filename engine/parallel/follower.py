@@ -29,6 +29,20 @@ from engine.parallel.dp_groups import make_attention_group
 from engine.parallel.dp_plan import DPPlan, run_dp_plan
 from engine.parallel.graph_step import GraphStep, apply_graph_step
 from engine.parallel.group import TPGroup, host_staged
+from engine.parallel.messages import (
+    TO_FOLLOWER,
+    Attach,
+    Attached,
+    AttachFailed,
+    GraphsReady,
+    GraphsStart,
+    Hello,
+    KvReady,
+    KvStart,
+    SideMessage,
+    SideReport,
+    Stop,
+)
 from engine.parallel.rank_side import RankSide, attach
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.parallel.wire import read_frame, write_frame
@@ -43,7 +57,7 @@ def main(argv: list[str]) -> int:
     device = torch.device(a["device"])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    write_frame(chan, "hello")
+    write_frame(chan, Hello())
     _exit_with_parent()
     store = dist.TCPStore("127.0.0.1", a["port"], a["size"], False,
                           timeout=_td(cfg["tp_timeout_s"]))
@@ -60,15 +74,18 @@ def main(argv: list[str]) -> int:
     model = build_model(a["model_path"], model_cfg, kernels, device, cfg["dtype"],
                         cfg["load_format"], max_positions=max(max_len, 1), seed=cfg["seed"],
                         group=model_group, quantization=cfg.get("quantization"))
-    msg = read_frame(stdin)
-    if msg is None:
+    msg = read_frame(stdin, TO_FOLLOWER)
+    if isinstance(msg, Stop):
         return 0
-    _, shape, dtype, kv_scales = msg
-    apply_kv_scales(model, kv_scales)  # rank 0's, so every rank stores the same numbers
+    if not isinstance(msg, KvStart):
+        raise ValueError(f"follower rank {a['rank']}: expected {KvStart.KIND!r}, got "
+                         f"{msg.KIND!r}")
+    shape, dtype = msg.shape, msg.dtype
+    apply_kv_scales(model, msg.kv_scales)  # rank 0's, so every rank stores the same numbers
     # on CPU the same huge-page pool as rank 0's (a transfer endpoint may share it)
     kv_cache = (host_memory.zeros(shape, getattr(torch, dtype)) if device.type == "cpu"
                 else torch.zeros(shape, dtype=getattr(torch, dtype), device=device))
-    write_frame(chan, "ready")
+    write_frame(chan, KvReady())
     follow(model, kv_cache, group, stdin, device, chan)
     return 0
 
@@ -86,14 +103,14 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
         while True:
             if side is not None:
                 for report in side.poll():
-                    write_frame(chan, ("side", report))
+                    write_frame(chan, SideReport(report))
                 if not select.select([fd], [], [], SIDE_POLL_S)[0]:
                     continue
             try:
-                msg = read_frame(fd)
+                msg = read_frame(fd, TO_FOLLOWER)
             except EOFError:
                 return  # rank 0 is gone
-            if msg is None:
+            if isinstance(msg, Stop):
                 return
             if isinstance(msg, GraphStep):
                 assert graphs is not None, "a graph step before the graphs were built"
@@ -110,25 +127,24 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
                 if msg.sample_at:  # rank 0 sampled: keep its ids for the next step's inputs
                     prev_ids = group.broadcast(
                         torch.empty(len(msg.sample_at), dtype=torch.int64, device=device), 0)
-            elif msg[0] == "graphs":
-                _, max_batch, max_blocks, use = msg
-                graphs = DecodeGraphs(model, kv_cache, max_batch, max_blocks,  # type: ignore[arg-type]
-                                      device, use_graphs=use)
+            elif isinstance(msg, GraphsStart):
+                graphs = DecodeGraphs(model, kv_cache, msg.max_batch,  # type: ignore[arg-type]
+                                      msg.max_blocks, device, use_graphs=msg.use_graphs)
                 graphs.capture()
-                write_frame(chan, "graphs-ready")
-            elif msg[0] == "side" and side is not None:
-                side.on_message(msg[1])
-            elif msg[0] == "attach":
+                write_frame(chan, GraphsReady())
+            elif isinstance(msg, SideMessage) and side is not None:
+                side.on_message(msg.body)
+            elif isinstance(msg, Attach):
                 try:
                     # its views of the pool are written by transfer threads, which run
                     # outside inference mode: they must not be inference tensors
                     with torch.inference_mode(False):
-                        side = attach(msg[1], kv_cache, group.rank, group.size, msg[2])
-                    write_frame(chan, ("attached", side.info()))
+                        side = attach(msg.factory, kv_cache, group.rank, group.size, msg.args)
+                    write_frame(chan, Attached(side.info()))
                 except Exception as e:  # noqa: BLE001 - rank 0 raises it, naming this rank
-                    write_frame(chan, ("attach-failed", f"{type(e).__name__}: {e}"))
+                    write_frame(chan, AttachFailed(f"{type(e).__name__}: {e}"))
             else:
-                raise ValueError(f"follower rank {group.rank}: unexpected message {msg!r:.80}")
+                raise ValueError(f"follower rank {group.rank}: unexpected {msg.KIND!r} message")
     finally:
         if side is not None:
             side.close()

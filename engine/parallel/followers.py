@@ -3,12 +3,14 @@
 Lifecycle of one follower (each a process rank 0 spawns, `python -m
 engine.parallel.follower`):
 
-  SPAWNED --"hello"--> JOINING (its half of the process group) --(rank 0 joins)-->
-  LOADING (its weight shard) --("kv", shape) / "ready"--> CAPTURING (("graphs", sizes):
-  the decode buffers and graphs, with rank 0) --"graphs-ready"--> FOLLOWING (one StepPlan
-  or, for a pure-decode step, one GraphStep per step; with a rank side attached, side
-  messages in between and reports back on its channel) --(None, or rank 0's channel
-  closes, or rank 0's process is gone)--> EXITED
+  SPAWNED --Hello--> JOINING (its half of the process group) --(rank 0 joins)-->
+  LOADING (its weight shard) --KvStart / KvReady--> CAPTURING (GraphsStart: the decode
+  buffers and graphs, with rank 0) --GraphsReady--> FOLLOWING (one StepPlan or, for a
+  pure-decode step, one GraphStep per step; with a rank side attached, SideMessages in
+  between and SideReports back on its channel) --(Stop, or rank 0's channel closes, or
+  rank 0's process is gone)--> EXITED
+
+The messages are engine.parallel.messages, one type per direction and kind.
 
 Timeouts: start-up waits at most `start_timeout_s` for each message and fails at once
 when a follower exits; every collective is bounded by the group's timeout; a follower
@@ -31,13 +33,28 @@ import time
 import uuid
 import weakref
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.parallel.group import TPGroup, host_staged
+from engine.parallel.messages import (
+    FROM_FOLLOWER,
+    Attach,
+    Attached,
+    AttachFailed,
+    FromFollower,
+    GraphsReady,
+    GraphsStart,
+    Hello,
+    KvReady,
+    KvStart,
+    SideMessage,
+    SideReport,
+    Stop,
+    ToFollower,
+)
 from engine.parallel.wire import read_frame, write_frame
 
 WATCH_INTERVAL_S = 0.2  # how soon a dead follower aborts rank 0's captured collectives
@@ -83,7 +100,7 @@ class TPFollowers:
             self.chans.append(rfd)
         self._finalizer = weakref.finalize(self, _kill_all, list(self.procs), list(self.chans))
         try:
-            self._expect("hello")
+            self._expect(Hello)
             # kept: data-parallel attention builds its groups' communicators on it
             self.group_store = dist.PrefixStore(prefix, self.store)
             self.group = TPGroup(self.group_store, 0, self.size, torch.device(devices[0]),
@@ -99,19 +116,19 @@ class TPFollowers:
         """Each follower allocates its KV cache (rank 0's shape: its own heads), takes rank
         0's float8 scales (engine/kv_scales.py) and reports ready once its weights are
         loaded."""
-        self._send_all(("kv", tuple(shape), str(dtype).removeprefix("torch."),
-                        tuple(kv_scales)))
-        self._expect("ready")
+        self._send_all(KvStart(tuple(shape), str(dtype).removeprefix("torch."),
+                               tuple(kv_scales)))
+        self._expect(KvReady)
 
     def start_graphs(self, max_batch: int, max_blocks: int, use_graphs: bool) -> None:
         """Each follower builds its decode buffers and captures the same graphs as rank 0,
         which captures meanwhile (their warm-up runs the collectives for real)."""
-        self._send_all(("graphs", max_batch, max_blocks, use_graphs))
+        self._send_all(GraphsStart(max_batch, max_blocks, use_graphs))
 
     def graphs_ready(self, captured: bool) -> None:
         """captured: the graphs hold collectives, which no timeout bounds; a watcher thread
         aborts the communicator when a follower exits, so rank 0 never waits on it forever."""
-        self._expect("graphs-ready")
+        self._expect(GraphsReady)
         if captured:
             self.watch()
 
@@ -131,15 +148,15 @@ class TPFollowers:
                 return
             time.sleep(WATCH_INTERVAL_S)
 
-    def attach(self, factory: str, args: Any, timeout_s: float = 60.0) -> list[Any]:
+    def attach(self, factory: str, args: bytes, timeout_s: float = 60.0) -> list[bytes]:
         """Starts a rank side (engine.parallel.rank_side) on every follower; returns each
         one's info in rank order (ranks 1..N-1). A follower that cannot start it fails the
         engine, naming the rank and its error."""
-        self._send_all(("attach", factory, args))
-        got = self._expect("attached", timeout_s)
-        return [g[1] for g in got]
+        self._send_all(Attach(factory, args))
+        got = self._expect(Attached, timeout_s)
+        return [g.info for g in got if isinstance(g, Attached)]
 
-    def side(self, rank: int, msg: Any) -> None:
+    def side(self, rank: int, msg: bytes) -> None:
         """One side message to follower ``rank`` (1..N-1), after the plans sent so far."""
         self._check_alive()
         if self.failed is not None:
@@ -147,71 +164,79 @@ class TPFollowers:
         p = self.procs[rank - 1]
         assert p.stdin is not None
         try:
-            write_frame(p.stdin.fileno(), ("side", msg), self.timeout_s)
+            write_frame(p.stdin.fileno(), SideMessage(msg), self.timeout_s)
         except OSError as e:
             self._check_alive(wait_s=2.0)
             raise self._fail(f"rank {rank}: cannot send a side message ({e})") from e
 
-    def reports(self) -> list[tuple[int, Any]]:
+    def reports(self) -> list[tuple[int, bytes]]:
         """(rank, report) the rank sides sent since the last call; never waits. Raises
-        TPRankError when a follower is gone."""
+        TPRankError when a follower is gone or sent something else."""
         self._check_alive()
-        out: list[tuple[int, Any]] = []
+        out: list[tuple[int, bytes]] = []
         for i, fd in enumerate(self.chans):
             while select.select([fd], [], [], 0)[0]:
-                try:
-                    frame = read_frame(fd)
-                except EOFError:
-                    self._check_alive(wait_s=2.0)
-                    raise self._fail(f"rank {i + 1} closed its channel") from None
-                out.append((i + 1, frame[1]))
+                frame = self._read(i, fd)
+                if not isinstance(frame, SideReport):
+                    raise self._fail(f"rank {i + 1} sent {frame.KIND!r}, expected a report")
+                out.append((i + 1, frame.body))
         return out
+
+    def _read(self, i: int, fd: int) -> FromFollower:
+        try:
+            frame: FromFollower = read_frame(fd, FROM_FOLLOWER)
+        except EOFError:
+            self._check_alive(wait_s=2.0)
+            raise self._fail(f"rank {i + 1} closed its channel") from None
+        except ValueError as e:  # MessageError: a follower never sends one; a broken rank
+            raise self._fail(f"rank {i + 1}: {e}") from None
+        return frame
 
     def check(self) -> None:
         """TPRankError if a follower exited (cheap: call it every loop turn)."""
         self._check_alive()
 
-    def _expect(self, what: str, timeout_s: float | None = None) -> list[Any]:
-        """Waits for ``what`` (a string, or a tuple frame whose first item is it) from every
-        follower, in rank order; returns the frames."""
+    def _expect(self, what: type[FromFollower],
+                timeout_s: float | None = None) -> list[FromFollower]:
+        """Waits for a ``what`` message from every follower, in rank order; returns them.
+        AttachFailed in its place fails the engine with the follower's error."""
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
-        frames: list[Any] = []
+        frames: list[FromFollower] = []
         for i, fd in enumerate(self.chans):
             while True:
                 self._check_alive()
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._fail(f"rank {i + 1} sent no {what!r} within "
+                    raise self._fail(f"rank {i + 1} sent no {what.KIND!r} within "
                                      f"{timeout_s or self.start_timeout_s:.0f}s")
                 ready, _, _ = select.select([fd], [], [], min(left, 0.2))
                 if ready:
-                    try:
-                        got = read_frame(fd)
-                    except EOFError:
-                        self._check_alive(wait_s=2.0)
-                        raise self._fail(f"rank {i + 1} closed its channel") from None
-                    kind = got[0] if isinstance(got, tuple) else got
-                    if kind == "side":  # a report that raced ahead of an attach reply
+                    got = self._read(i, fd)
+                    if isinstance(got, SideReport):  # raced ahead of an attach reply
                         continue
-                    if kind != what:
-                        raise self._fail(f"rank {i + 1} sent {got!r:.300}, expected {what!r}")
+                    if isinstance(got, AttachFailed):
+                        raise self._fail(f"rank {i + 1} sent {got.KIND!r} ({got.error}), "
+                                         f"expected {what.KIND!r}")
+                    if not isinstance(got, what):
+                        raise self._fail(f"rank {i + 1} sent {got.KIND!r}, expected "
+                                         f"{what.KIND!r}")
                     frames.append(got)
                     break
         return frames
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def send(self, plan: Any) -> None:
+    def send(self, plan: ToFollower) -> None:
         """Hands every follower this step's plan (before rank 0 runs the same forward)."""
         self._check_alive()
         self._send_all(plan)
 
-    def send_each(self, plans: list[Any]) -> None:
+    def send_each(self, plans: list[ToFollower]) -> None:
         """Hands follower rank r its own plan, plans[r - 1] (data-parallel attention)."""
         self._check_alive()
         self._send_all(None, plans)
 
-    def _send_all(self, obj: Any, each: list[Any] | None = None) -> None:
+    def _send_all(self, obj: ToFollower | None, each: list[ToFollower] | None = None) -> None:
         if self.failed is not None:
             raise self.failed
         for i, p in enumerate(self.procs):
@@ -255,12 +280,12 @@ class TPFollowers:
         return self.failed
 
     def close(self, grace_s: float = 2.0) -> None:
-        """Stops every follower: a polite None, then a kill after grace_s."""
+        """Stops every follower: a polite Stop, then a kill after grace_s."""
         self._closing = True
         for p in self.procs:
             if p.poll() is None and p.stdin is not None and grace_s > 0:
                 try:
-                    write_frame(p.stdin.fileno(), None, grace_s)
+                    write_frame(p.stdin.fileno(), Stop(), grace_s)
                 except OSError:
                     pass
         deadline = time.monotonic() + grace_s

@@ -15,6 +15,7 @@ the same rows and rank 0 broadcasts what it sampled, as in an eager step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from engine.parallel.group import TPGroup
 
 @dataclass
 class GraphStep:
+    KIND: ClassVar[str] = "graph"  # on the rank channel (engine.parallel.messages)
     padded: int  # the captured size replayed
     ints: np.ndarray  # [INT_ROWS, padded] int64: the staged rows (engine.decode_graphs)
     temps: np.ndarray  # [padded] float32

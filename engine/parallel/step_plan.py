@@ -4,6 +4,7 @@ chunks and what every tensor-parallel rank turns into the same tensors and runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -13,6 +14,7 @@ from engine.models.llama import LlamaForCausalLM
 
 @dataclass
 class StepPlan:
+    KIND: ClassVar[str] = "plan"  # on the rank channel (engine.parallel.messages)
     input_ids: list[int]  # [T]; 0 where the input is the previous step's sample
     positions: list[int]  # [T]
     slots: list[int]  # [T] cache slot of each token

@@ -1,22 +1,29 @@
-"""Length-prefixed pickled frames over a pipe between rank 0 and a follower it spawned
-(a private channel between two processes of one engine, never a network socket)."""
+"""Length-prefixed frames over a pipe between rank 0 and a follower it spawned (a private
+channel between two processes of one engine, never a network socket); each frame is one
+message of ``engine.parallel.messages``, checked on the way in."""
 
 from __future__ import annotations
 
 import os
-import pickle
 import select
 import struct
 import time
 from typing import Any
 
+from engine.codec import Codec
+from engine.parallel.messages import FROM_FOLLOWER, TO_FOLLOWER
+
 _LEN = struct.Struct("<Q")
 
 
-def write_frame(fd: int, obj: Any, timeout_s: float | None = None) -> None:
+_CODECS: dict[type, Codec] = {**{c: TO_FOLLOWER for c in TO_FOLLOWER.by_class},
+                              **{c: FROM_FOLLOWER for c in FROM_FOLLOWER.by_class}}
+
+
+def write_frame(fd: int, msg: Any, timeout_s: float | None = None) -> None:
     """timeout_s: on a non-blocking fd, TimeoutError when the reader takes no bytes for
     that long (a hung reader must not hang the writer when the pipe is full)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    data = _CODECS[type(msg)].encode(msg)
     buf = memoryview(_LEN.pack(len(data)) + data)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while buf:
@@ -31,10 +38,11 @@ def write_frame(fd: int, obj: Any, timeout_s: float | None = None) -> None:
         buf = buf[n:]
 
 
-def read_frame(fd: int) -> Any:
-    """The next object; EOFError when the writer is gone."""
+def read_frame(fd: int, codec: Codec) -> Any:
+    """The next message of ``codec``'s direction (TO_FOLLOWER on a follower, FROM_FOLLOWER
+    on rank 0); EOFError when the writer is gone, MessageError for a malformed one."""
     (n,) = _LEN.unpack(_read_exact(fd, _LEN.size))
-    return pickle.loads(_read_exact(fd, n))
+    return codec.decode(_read_exact(fd, n))
 
 
 def _read_exact(fd: int, n: int) -> bytes:

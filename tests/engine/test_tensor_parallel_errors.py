@@ -196,16 +196,17 @@ def test_launch_passes_tp_to_every_worker_role(model_dir, capsys):
 
 
 def test_a_plan_write_to_a_reader_that_reads_nothing_times_out():
+    from engine.parallel.messages import TO_FOLLOWER, SideMessage
     from engine.parallel.wire import read_frame, write_frame
 
     r, w = os.pipe()
     os.set_blocking(w, False)
     try:
-        write_frame(w, list(range(10)), timeout_s=1.0)  # fits the pipe: no wait
-        assert read_frame(r) == list(range(10))
+        write_frame(w, SideMessage(bytes(range(10))), timeout_s=1.0)  # fits the pipe
+        assert read_frame(r, TO_FOLLOWER) == SideMessage(bytes(range(10)))
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
-            write_frame(w, bytes(4 << 20), timeout_s=0.5)  # 4 MiB, nobody reads
+            write_frame(w, SideMessage(bytes(4 << 20)), timeout_s=0.5)  # 4 MiB, nobody reads
         assert 0.4 < time.monotonic() - t0 < 10
     finally:
         os.close(r)

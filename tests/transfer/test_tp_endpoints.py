@@ -1,28 +1,29 @@
-"""Rank 0's TP sender and receiver (producer/tp_sender.py, consumer/tp_receiver.py) over the
-follower ranks' endpoints (worker/tp_rank_side.py), in one process on the fake backend.
+"""Rank 0's TP sender and receiver (transfer/tp_sender.py, transfer/tp_receiver.py) over
+the follower ranks' endpoints (transfer/tp_rank_side.py), in one process on the fake backend.
 
-The followers' side channel is replaced by a direct call through pickle (what the pipe
-does); everything else is the real code: each rank's endpoint over its own pool shard,
-the plan of who sends which heads, combining the ranks' outcomes. The live clusters in
-tests/e2e/test_pd_tp.py run the same code across processes over ucx and ipc.
+The followers' rank channel is replaced by direct calls carrying the same encoded bytes
+the pipe carries; everything else is the real code: each rank's endpoint started by its
+factory over its own pool shard, the plan of who sends which heads, combining the ranks'
+outcomes. The live clusters in tests/e2e/test_pd_tp.py run the same code across processes
+over ucx and ipc.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import pickle
 import time
 from typing import Any
 
 import pytest
 import torch
 
-from consumer.tp_receiver import TPReceiver
 from engine.kv_layout import KVLayout
-from producer.tp_sender import TPSender
+from engine.parallel.rank_side import attach
 from transfer import TransferConfig, TransferNotice, TransferStatus, make_receiver, make_sender
-from worker.tp_endpoints import split_addresses
-from worker.tp_rank_side import TransferRankSide
+from transfer.tp_endpoints import split_addresses
+from transfer.tp_messages import TO_RANK, PushCmd
+from transfer.tp_rank_side import TransferRankSide
+from transfer.tp_receiver import TPReceiver, tp_receiver
+from transfer.tp_sender import TPSender, tp_sender
 
 NB, BS, LAYERS, DIM = 16, 4, 2, 8
 CFG = TransferConfig(backend="fake")
@@ -30,28 +31,30 @@ S = TransferStatus
 
 
 class PipeFollowers:
-    """Stands in for TPFollowers: side messages and reports cross a pickle, as in the pipe."""
+    """Stands in for TPFollowers (the RankChannel): the same bytes as the pipe, each follower
+    rank's side started by the factory rank 0 names, over that rank's pool shard."""
 
-    def __init__(self, sides: dict[int, TransferRankSide]) -> None:
-        self.sides = sides
-        self.sent: list[tuple[int, Any]] = []
+    def __init__(self, pools: list[torch.Tensor]) -> None:
+        self.pools = pools
+        self.sides: dict[int, TransferRankSide] = {}
 
-    def side(self, rank: int, msg: Any) -> None:
-        self.sent.append((rank, msg))
-        self.sides[rank].on_message(pickle.loads(pickle.dumps(msg)))
+    def attach(self, factory: str, args: bytes, timeout_s: float = 60.0) -> list[bytes]:
+        for r in range(1, len(self.pools)):
+            side = attach(factory, self.pools[r], r, len(self.pools), args)
+            assert isinstance(side, TransferRankSide)
+            self.sides[r] = side
+        return [self.sides[r].info() for r in sorted(self.sides)]
 
-    def reports(self) -> list[tuple[int, Any]]:
-        return [(r, pickle.loads(pickle.dumps(rep)))
-                for r, s in self.sides.items() for rep in s.poll()]
+    def side(self, rank: int, msg: bytes) -> None:
+        assert isinstance(msg, bytes)
+        self.sides[rank].on_message(msg)
+
+    def reports(self) -> list[tuple[int, bytes]]:
+        return [(r, rep) for r, s in self.sides.items() for rep in s.poll()]
 
 
 def _layout(heads: int, tp: int, rank: int) -> KVLayout:
     return KVLayout("tiny-tp", "float32", BS, LAYERS, heads, DIM, NB, tp_size=tp, tp_rank=rank)
-
-
-def _args(kind: str, lay: KVLayout) -> dict[str, Any]:
-    d = {k: v for k, v in dataclasses.asdict(lay).items() if k != "tp_rank"}
-    return {"kind": kind, "layout": d, "transfer": dataclasses.asdict(CFG), "name": kind}
 
 
 class Workers:
@@ -64,16 +67,13 @@ class Workers:
         self.src = [self.ref[..., lay.head_start:lay.head_start + lay.head_count, :]
                     .contiguous() for lay in src_lay]
         self.dst = [torch.full((NB, *lay.block_shape), -1.0) for lay in dst_lay]
-        self.psides = {p: TransferRankSide(self.src[p], p, _args("producer", src_lay[0]))
-                       for p in range(1, a)}
-        self.csides = {c: TransferRankSide(self.dst[c], c, _args("consumer", dst_lay[0]))
-                       for c in range(1, b)}
-        self.pf, self.cf = PipeFollowers(self.psides), PipeFollowers(self.csides)
-        self.tx = TPSender(make_sender(self.src[0], src_lay[0], CFG), src_lay[0],
-                           self.pf if a > 1 else None)  # type: ignore[arg-type]
-        local_rx = make_receiver(self.dst[0], dst_lay[0], CFG)
-        self.rx = local_rx if b == 1 else TPReceiver(
-            local_rx, self.cf, [s.info() for _, s in sorted(self.csides.items())])  # type: ignore[arg-type]
+        self.pf, self.cf = PipeFollowers(self.src), PipeFollowers(self.dst)
+        self.tx: Any = tp_sender(make_sender(self.src[0], src_lay[0], CFG), src_lay[0], CFG,
+                                 self.pf if a > 1 else None)
+        assert isinstance(self.tx, TPSender)
+        self.rx: Any = tp_receiver(make_receiver(self.dst[0], dst_lay[0], CFG), dst_lay[0],
+                                   CFG, self.cf if b > 1 else None)
+        self.psides, self.csides = self.pf.sides, self.cf.sides
         self.dst_lay = dst_lay
 
     def close(self) -> None:
@@ -100,8 +100,12 @@ def test_every_consumer_rank_gets_its_heads_and_both_sides_end_as_one(a, b, head
         src, dst = list(range(3, 12)), list(range(5, 14))
         w.rx.expect("r1", dst, source_tp=a)
         if isinstance(w.rx, TPReceiver):
+            assert w.rx.take_ready() == []  # rank 0 holds the record, the followers' word
             assert w.rx.poll() == [] and w.rx.take_ready() == ["r1"]  # every rank expects it
             assert len(split_addresses(w.rx.address)) == b
+        else:
+            assert w.rx.take_ready() == ["r1"]  # one pool: ready once expect returns
+        assert w.rx.take_ready() == []
         w.tx.connect(w.rx.address)
         for i in range(0, len(src), 4):  # chunk by chunk, as chunked prefill pushes
             w.tx.push("r1", w.rx.address, src[i:i + 4], dst[i:i + 4])
@@ -160,7 +164,7 @@ def test_a_follower_that_cannot_reach_the_consumer_fails_the_request_not_the_ran
         w.tx.connect(w.rx.address)  # rank 0 can; rank 1 is sent a bad address below
         w.rx.expect("r3", [4, 5], source_tp=2)
         w.tx._begin("r3", {0, 1})  # as push() does, with rank 1 given a dead address
-        w.pf.side(1, ("push", "r3", ["fake://nobody"], [0, 1], [4, 5], None))
+        w.pf.side(1, TO_RANK.encode(PushCmd("r3", ("fake://nobody",), (0, 1), (4, 5), None)))
         w.tx.sender.push("r3", w.rx.address, [0, 1], [4, 5])
         up = _until(w.tx, "r3")
         assert up.status == S.FAILED and "rank 1: " in up.error

@@ -2,9 +2,9 @@
 
 Rank 0 decides every push; each producer rank moves only its own heads, to the consumer
 ranks ``transfer.tp_plan.parts_from`` names: rank 0 through its local sender, followers
-through their rank sides (worker.tp_rank_side), the messages queued behind the step plan
+through their rank sides (transfer.tp_rank_side), the messages queued behind the step plan
 that filled the blocks. A one-rank producer uses the same path with no followers, which is
-also what splits a TP consumer's comma-joined address (worker.tp_endpoints).
+also what splits a TP consumer's comma-joined address (transfer.tp_endpoints).
 """
 
 from __future__ import annotations
@@ -12,16 +12,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.kv_layout import KVLayout
-from engine.parallel.followers import TPFollowers
-from transfer import TransferNotice
 from transfer.base import KVSender
+from transfer.tp_endpoints import RankChannel, TPEndpoints, attach_ranks, split_addresses
+from transfer.tp_messages import FinishCmd, PushCmd
 from transfer.tp_plan import parts_from
-from worker.tp_endpoints import TPEndpoints, split_addresses
+from transfer.types import TransferConfig, TransferNotice
+
+
+def tp_sender(local: KVSender, layout: KVLayout, cfg: TransferConfig,
+              followers: RankChannel | None, name: str = "producer") -> KVSender:
+    """The worker's sender: ``local`` (rank 0's, on its pool shard) plus an endpoint on
+    every follower rank (started here), acting as one. Closes ``local`` if that fails."""
+    try:
+        if followers is not None:
+            attach_ranks(followers, "producer", layout, cfg, name)
+    except BaseException:
+        local.close()
+        raise
+    return TPSender(local, layout, followers)
 
 
 class TPSender(TPEndpoints, KVSender):
     def __init__(self, local: KVSender, layout: KVLayout,
-                 followers: TPFollowers | None) -> None:
+                 followers: RankChannel | None) -> None:
         super().__init__(local, followers)
         self.sender = local
         self.tp = layout.tp_size
@@ -55,8 +68,8 @@ class TPSender(TPEndpoints, KVSender):
                 del self.recs[request_id]
             raise
         for r in sorted(rec.ranks - {0}):
-            self._side(r, ("push", request_id, self._targets(r, addresses),
-                           list(src_block_ids), list(dst_block_ids), deadline))
+            self._side(r, PushCmd(request_id, tuple(self._targets(r, addresses)),
+                                  tuple(src_block_ids), tuple(dst_block_ids), deadline))
 
     def finish(self, request_id: str, notice: TransferNotice) -> None:
         rec = self.recs[request_id]
@@ -64,4 +77,4 @@ class TPSender(TPEndpoints, KVSender):
             if r == 0:
                 self.sender.finish(request_id, notice)
             else:
-                self._side(r, ("finish", request_id, notice))
+                self._side(r, FinishCmd(request_id, notice))

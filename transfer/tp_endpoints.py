@@ -10,6 +10,8 @@ Lifecycle of one request's record (rank 0 owns it):
 So blocks stay pinned (producer) or reserved (consumer) until no rank reads or writes them.
 A follower that dies never reports: ``TPFollowers.reports`` raises TPRankError instead, and
 the engine process fails as a whole (the worker's requests end with its error).
+Messages to and from the followers' endpoints (``transfer.tp_rank_side``) are
+``transfer.tp_messages``, carried by the engine's rank channel (``RankChannel``).
 
 A consumer with several ranks advertises every rank's address, comma-joined in rank order
 (``join_addresses``): the producer splits it and each producer rank pushes to the consumer
@@ -20,14 +22,30 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from engine.kv_layout import KVLayout
-from engine.llm_engine import LLMEngine
-from engine.parallel.followers import TPFollowers
-from transfer import Accounting, TransferConfig, TransferStats, TransferStatus, TransferUpdate
 from transfer.base import KVReceiver, KVSender
-from worker.tp_rank_side import FACTORY
+from transfer.tp_messages import (
+    FROM_RANK,
+    TO_RANK,
+    CancelCmd,
+    FromRank,
+    RankSideArgs,
+    RankSideInfo,
+    ReleaseCmd,
+    StatsReport,
+    ToRank,
+    UpdateReport,
+)
+from transfer.tp_rank_side import FACTORY
+from transfer.types import (
+    Accounting,
+    TransferConfig,
+    TransferStats,
+    TransferStatus,
+    TransferUpdate,
+)
 
 SEP = ","
 
@@ -44,23 +62,29 @@ def join_addresses(addresses: list[str]) -> str:
     return SEP.join(addresses)
 
 
-def followers_of(engine: LLMEngine) -> TPFollowers | None:
-    return engine.runner.followers
+class RankChannel(Protocol):
+    """What the TP composites need of the engine's follower ranks (``TPFollowers``): start a
+    rank side on each, send one a message behind the step plans, read their reports."""
+
+    def attach(self, factory: str, args: bytes, timeout_s: float = 60.0) -> list[bytes]: ...
+
+    def side(self, rank: int, msg: bytes) -> None: ...
+
+    def reports(self) -> list[tuple[int, bytes]]: ...
 
 
-def attach_ranks(followers: TPFollowers, kind: str, layout: KVLayout, cfg: TransferConfig,
-                 name: str) -> list[dict[str, Any]]:
+def attach_ranks(followers: RankChannel, kind: str, layout: KVLayout, cfg: TransferConfig,
+                 name: str) -> list[RankSideInfo]:
     """Starts the endpoint of every follower rank; returns their infos (ranks 1..N-1).
     A fixed KV port (multi-node firewalls) gives rank r port + r."""
-    transfer = dataclasses.asdict(cfg)
-    layout_d = {k: v for k, v in dataclasses.asdict(layout).items() if k != "tp_rank"}
-    for_all: dict[str, Any] = {"kind": kind, "layout": layout_d, "transfer": transfer,
-                               "name": name}
-    if cfg.port:
-        # one message for all ranks: each picks port + rank in its own TransferConfig
-        for_all["transfer"] = {**transfer, "port": 0}
-        for_all["base_port"] = cfg.port
-    infos: list[dict[str, Any]] = followers.attach(FACTORY, for_all)
+    # one message for all ranks: each picks port + rank in its own TransferConfig
+    args = RankSideArgs(kind, name, layout, dataclasses.replace(cfg, port=0), cfg.port)
+    infos = []
+    for rank, body in enumerate(followers.attach(FACTORY, TO_RANK.encode(args)), 1):
+        info = FROM_RANK.decode(body)
+        if not isinstance(info, RankSideInfo):
+            raise ValueError(f"rank {rank}: expected {RankSideInfo.KIND!r}, got {info.KIND!r}")
+        infos.append(info)
     return infos
 
 
@@ -75,7 +99,7 @@ class _Rec:
 class TPEndpoints:
     """What the TP sender and receiver share: records, combining, cancel and release."""
 
-    def __init__(self, local: KVSender | KVReceiver, followers: TPFollowers | None) -> None:
+    def __init__(self, local: KVSender | KVReceiver, followers: RankChannel | None) -> None:
         self.local = local
         self.followers = followers
         self.recs: dict[str, _Rec] = {}
@@ -85,23 +109,25 @@ class TPEndpoints:
         rec = self.recs[rid] = _Rec(frozenset(ranks))
         return rec
 
-    def _side(self, rank: int, msg: Any) -> None:
+    def _side(self, rank: int, msg: ToRank) -> None:
         assert self.followers is not None
-        self.followers.side(rank, msg)
+        self.followers.side(rank, TO_RANK.encode(msg))
 
-    def _on_report(self, rank: int, report: Any) -> None:
+    def _on_report(self, rank: int, report: FromRank) -> None:
         """A follower's report other than a terminal update."""
-        if report[0] == "stats":
-            self.rank_stats[rank] = TransferStats(*report[1:4])
+        if isinstance(report, StatsReport):
+            self.rank_stats[rank] = TransferStats(report.malformed, report.rejected,
+                                                  report.payload_bytes)
 
     def poll(self) -> list[TransferUpdate]:
         ends: list[TransferUpdate] = []
         feed = [(0, u) for u in self.local.poll()]
         if self.followers is not None:
-            for rank, rep in self.followers.reports():
-                if rep[0] == "update":
-                    _, rid, st, notice, error = rep
-                    feed.append((rank, TransferUpdate(rid, TransferStatus(st), notice, error)))
+            for rank, body in self.followers.reports():
+                rep: FromRank = FROM_RANK.decode(body)
+                if isinstance(rep, UpdateReport):
+                    feed.append((rank, TransferUpdate(rep.rid, rep.status, rep.notice,
+                                                      rep.error)))
                 else:
                     self._on_report(rank, rep)
         for rank, u in feed:
@@ -136,7 +162,7 @@ class TPEndpoints:
             if r == 0:
                 self.local.cancel(rid, reason)
             else:
-                self._side(r, ("cancel", rid, reason))
+                self._side(r, CancelCmd(rid, reason))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> None:
         rec = self.recs.get(request_id)
@@ -158,7 +184,7 @@ class TPEndpoints:
             if r == 0:
                 self.local.release(request_id)
             else:
-                self._side(r, ("release", request_id))
+                self._side(r, ReleaseCmd(request_id))
 
     def status(self, request_id: str) -> TransferStatus:
         rec = self.recs.get(request_id)
