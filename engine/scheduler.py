@@ -3,6 +3,8 @@
 A step's batch mixes decodes and prefill chunks. Running requests go first, in arrival
 order; when blocks run out the newest running request is preempted (its blocks freed and
 its KV recomputed later). Waiting requests are admitted while budget, seats and blocks last.
+That policy is ``engine/batch_policy.py`` (the planner's simulated worker runs it too);
+this module keeps the requests, their blocks and states, and the remote reservations.
 
 Remote requests (a consumer's: their KV is computed elsewhere) queue in ``reserving`` and
 are admitted by the same policy, FIFO: a seat and the blocks for the prompt, no token
@@ -24,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.batch_policy import form_batch
 from engine.block_manager import BlockAccounting, BlockManager
 from engine.prefix_hash import BlockHash, block_hash
 from engine.request import PLACEHOLDER, Request
@@ -67,6 +70,7 @@ class Scheduler:
         self.awaiting_kv: dict[str, Request] = {}  # remote, blocks held, KV not landed
         self.tokens_computed = 0  # positions whose forward was launched, ever (cache hits
         # are the positions a request did not need to compute)
+        self._pool = _Pool(self)
 
     def pool(self, req: Request) -> BlockManager:
         """The KV pool holding req's blocks (one here; one per slot in DPScheduler)."""
@@ -185,61 +189,11 @@ class Scheduler:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        # Pinned blocks (a transfer may be reading them) keep their extra reference. Cached
-        # ones stay cached: its recompute (or anyone) may find them again.
-        self.blocks.free(req.block_ids)
-        req.block_ids = []
-        req.num_registered_blocks = 0
-        req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        req.move(RequestState.QUEUED)
-        self.waiting.appendleft(req)
-        out.preempted.append(req)
-
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
-        start = req.num_computed_tokens
-        return ScheduledChunk(req, start, n, samples=start + n == req.num_tokens)
-
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.budget
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            if req.needs_no_more_tokens(self.max_model_len):  # finishes when its step is read
-                i += 1
-                continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            assert n > 0, f"{req.request_id} is running with nothing to compute"
-            while not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.chunks.append(self._chunk(req, n))
-                budget -= n
-                i += 1
-        # A request preempted this step is not re-admitted in the same step: its blocks
-        # just went to someone who needed them.
-        while self.waiting and budget > 0 and not out.preempted and self._seats() > 0:
-            req = self.waiting[0]
-            # Not the last token: its forward must run to sample the next one.
-            hit = self._prefix_hit(req, req.num_tokens - 1)
-            start = len(hit) * self.blocks.block_size
-            n = min(req.num_tokens - start, budget)
-            if not self.blocks.fits(hit, self.blocks.blocks_for(start + n) - len(hit)):
-                break
-            self.waiting.popleft()
-            self._take_prefix(req, hit, looked_up=True)
-            req.num_computed_tokens = start
-            grown = self.blocks.grow(req.block_ids, start + n)
-            assert grown, "fits() said the blocks were there"
-            req.move(RequestState.PREFILLING)
-            self.running.append(req)
-            out.chunks.append(self._chunk(req, n))
-            budget -= n
+        batch = form_batch(self.running, self.waiting, self.budget, self._pool)
+        out = SchedulerOutput(
+            [ScheduledChunk(r, start, n, samples=start + n == r.num_tokens)
+             for r, start, n in batch.chunks], batch.preempted)
         # Not after a preemption either: the freed blocks may still be written by the step
         # in flight, and a transfer landing in them would not be ordered after it.
         while not out.preempted and self.reserving and self._seats() > 0:
@@ -265,6 +219,59 @@ class Scheduler:
             r = c.request
             if c.samples and r.state == RequestState.PREFILLING and not r.prefill_only:
                 r.move(RequestState.DECODING)  # a producer's waits for token 0's read
+
+
+class _Pool:
+    """The batch policy's view of this scheduler (engine.batch_policy.BatchPool)."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.s = s
+        self.hits: dict[str, list[int]] = {}  # admission's prefix hit, taken by admit
+
+    def finished(self, req: Request) -> bool:
+        return req.needs_no_more_tokens(self.s.max_model_len)  # ends when its step is read
+
+    def computed(self, req: Request) -> int:
+        return req.num_computed_tokens
+
+    def remaining(self, req: Request) -> int:
+        n = req.num_tokens - req.num_computed_tokens
+        assert n > 0, f"{req.request_id} is running with nothing to compute"
+        return n
+
+    def grow(self, req: Request, upto: int) -> bool:
+        return self.s.blocks.grow(req.block_ids, upto)
+
+    def preempt(self, req: Request) -> None:
+        # Pinned blocks (a transfer may be reading them) keep their extra reference. Cached
+        # ones stay cached: its recompute (or anyone) may find them again.
+        self.s.blocks.free(req.block_ids)
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.move(RequestState.QUEUED)
+
+    def seats(self) -> int:
+        return self.s._seats()
+
+    def admission(self, req: Request, budget: int) -> tuple[int, int] | None:
+        # Not the last token: its forward must run to sample the next one.
+        s = self.s
+        hit = s._prefix_hit(req, req.num_tokens - 1)
+        start = len(hit) * s.blocks.block_size
+        n = min(req.num_tokens - start, budget)
+        if not s.blocks.fits(hit, s.blocks.blocks_for(start + n) - len(hit)):
+            return None
+        self.hits[req.request_id] = hit
+        return start, n
+
+    def admit(self, req: Request, start: int, n: int) -> None:
+        self.s._take_prefix(req, self.hits.pop(req.request_id), looked_up=True)
+        req.num_computed_tokens = start
+        grown = self.s.blocks.grow(req.block_ids, start + n)
+        assert grown, "fits() said the blocks were there"
+        req.move(RequestState.PREFILLING)
 
 
 def _tokens(req: Request, a: int, b: int) -> list[int]:

@@ -1,10 +1,12 @@
-"""One simulated worker: the engine's scheduling rules on counters instead of tensors.
+"""One simulated worker: the engine's scheduling policy on counters instead of tensors.
 
-``schedule`` follows ``engine/scheduler.py`` step for step: running requests first in
-arrival order under the token budget, the newest running request preempted (blocks freed,
-KV recomputed later) when blocks run out, then waiting requests admitted while budget,
-seats (``max_num_seqs``) and blocks last, none in a step that preempted. Blocks are counted,
-not named: which block a request holds never changes a step's cost.
+``schedule`` runs the engine's own batch-forming policy (``engine/batch_policy.py``, which
+the engine's ``Scheduler`` runs too): running requests first in arrival order under the
+token budget, the newest running request preempted (blocks freed, KV recomputed later) when
+blocks run out, then waiting requests admitted while budget, seats (``max_num_seqs``) and
+blocks last, none in a step that preempted. Blocks are counted, not named: which block a
+request holds never changes a step's cost; the simulator has no prefix cache. A consumer's
+reservations are granted outside the step (``Simulator._grant``).
 
 A worker of D attention data-parallel groups (``Profile.dp_size``) is D slots stepping
 together, each with the profile's pool, seats and budget; the worker places each request
@@ -22,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deploy.plan.profile import Profile
+from engine.batch_policy import form_batch
 
 COLOCATED, PRODUCER, CONSUMER = "colocated", "producer", "consumer"
 
@@ -89,6 +92,7 @@ class SimWorker:
         # the token time to move to that step's end).
         self.defers = role != PRODUCER and profile.sync_steps
         self.deferred: list[tuple[SimRequest, int]] = []
+        self._pool = _Pool(self)
 
     def load_score(self, kv_weight: float) -> float:
         return self.inflight + kv_weight * (1.0 - self.free / self.total_blocks)
@@ -99,51 +103,9 @@ class SimWorker:
     def _need(self, req: SimRequest, upto: int) -> int:
         return max(0, -(-upto // self.bs) - req.blocks)
 
-    def _preempt(self, victim: SimRequest) -> None:
-        self.free += victim.blocks
-        victim.blocks = 0
-        victim.computed = 0
-        self.waiting.appendleft(victim)
-        self.preemptions += 1
-
     def schedule(self) -> list[Chunk]:
-        chunks: list[Chunk] = []
-        budget = self.budget
-        preempted = False
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            n = min(req.num_tokens - req.computed, budget)
-            need = self._need(req, req.computed + n)
-            if need > self.free:
-                while need > self.free:
-                    victim = running.pop()
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
-                    need = self._need(req, req.computed + n)
-                if victim is req:
-                    continue
-            self.free -= need
-            req.blocks += need
-            chunks.append(Chunk(req, req.computed, n))
-            budget -= n
-            i += 1
-        while self.waiting and budget > 0 and not preempted and len(running) < self.max_seqs:
-            req = self.waiting[0]
-            n = min(req.num_tokens - req.computed, budget)
-            need = self._need(req, req.computed + n)
-            if need > self.free:
-                break
-            self.waiting.popleft()
-            self.free -= need
-            req.blocks += need
-            running.append(req)
-            chunks.append(Chunk(req, req.computed, n))
-            budget -= n
-        return chunks
+        batch = form_batch(self.running, self.waiting, self.budget, self._pool)
+        return [Chunk(req, start, n) for req, start, n in batch.chunks]
 
     def step_ms(self, chunks: list[Chunk]) -> float:
         """A step's cost: the prefill curve over all its tokens, plus the decode grid's extra
@@ -248,3 +210,45 @@ class SimWorker:
     def release(self, req: SimRequest) -> None:
         self.free += req.blocks
         req.blocks = 0
+
+
+class _Pool:
+    """The batch policy's view of a simulated worker (engine.batch_policy.BatchPool):
+    positions and blocks as counters."""
+
+    def __init__(self, w: SimWorker) -> None:
+        self.w = w
+
+    def finished(self, req: SimRequest) -> bool:
+        return False  # a simulated request leaves ``running`` when its last token is read
+
+    def computed(self, req: SimRequest) -> int:
+        return req.computed
+
+    def remaining(self, req: SimRequest) -> int:
+        return req.num_tokens - req.computed
+
+    def grow(self, req: SimRequest, upto: int) -> bool:
+        need = self.w._need(req, upto)
+        if need > self.w.free:
+            return False
+        self.w.free -= need
+        req.blocks += need
+        return True
+
+    def preempt(self, req: SimRequest) -> None:
+        self.w.free += req.blocks
+        req.blocks = 0
+        req.computed = 0
+        self.w.preemptions += 1
+
+    def seats(self) -> int:
+        return self.w.max_seqs - len(self.w.running)
+
+    def admission(self, req: SimRequest, budget: int) -> tuple[int, int] | None:
+        n = min(req.num_tokens - req.computed, budget)
+        return None if self.w._need(req, req.computed + n) > self.w.free else (req.computed, n)
+
+    def admit(self, req: SimRequest, start: int, n: int) -> None:
+        taken = self.grow(req, start + n)
+        assert taken, "admission() said the blocks were there"
