@@ -123,7 +123,7 @@ def _prefill_alone(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
     engine.add_request(rid, prompt, PARAMS)
     _sync(engine)
     t0 = time.monotonic_ns()
-    while not engine.step():  # direct output: the step that samples token 0 returns it
+    while not engine.step().outputs:  # direct output: the step that samples token 0 returns it
         pass
     t1 = time.monotonic_ns()  # the step read token 0 back: the forward has finished
     engine.release(rid)  # a producer request waits in TRANSFERRING holding its blocks
@@ -145,13 +145,14 @@ def _prefill_pushing(h: ProducerHandler, conn: Any, addr: str, rid: str, prompt:
     t0 = time.monotonic_ns()
     steps, t1, src = 0, 0, []
     while engine.has_unfinished():  # WorkerLoop.turn, minus the command socket
-        outs = engine.step()
+        step = engine.step()
+        outs = step.outputs
         steps += 1
         if outs:
             t1 = time.monotonic_ns()
             src = list(engine.requests[rid].block_ids)
         # every step, as WorkerLoop.turn: a step with no token still reports final blocks
-        h.on_outputs(outs, time.time_ns())
+        h.on_outputs(step, time.time_ns())
         if outs:
             h.on_command(Token0SentCmd(rid))  # the router got token 0
         h.after_step()

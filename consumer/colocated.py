@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.outputs import RequestOutput
+from engine.outputs import StepResult
 from engine.scheduler import QueueFull
 from worker.messages import AbortCmd, Command, DecodeCmd, TokensBatchEvent
 from worker.role import RoleHandler, error_event, sampling_from_wire, tokens_event
@@ -22,6 +22,6 @@ class ColocatedHandler(RoleHandler):
             if self.engine.abort(cmd.rid):
                 self.emit(error_event(cmd.rid, "abort", "aborted"))
 
-    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
-        if outs:  # one message for the whole step
-            self.emit(TokensBatchEvent(tuple(tokens_event(out) for out in outs)))
+    def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
+        if step.outputs:  # one message for the whole step
+            self.emit(TokensBatchEvent(tuple(tokens_event(out) for out in step.outputs)))

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, StepResult
+from engine.outputs import StepResult
 from engine.request import LogprobRow
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
@@ -181,12 +181,11 @@ class ConsumerHandler(RoleHandler):
             self.first_step[rid] = (ready, now_ns)
         self.kv_ready.clear()
 
-    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
-        if isinstance(outs, StepResult):
-            for rid, blocks in outs.reserved.items():
-                self._reserved(rid, blocks, outs.reserved_cached.get(rid, 0))
+    def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
+        for rid, blocks in step.reserved.items():
+            self._reserved(rid, blocks, step.reserved_cached.get(rid, 0))
         items = []
-        for out in outs:
+        for out in step.outputs:
             times = self.first_step.pop(out.request_id, (0, 0))
             items.append(tokens_event(out, kv_ready_ns=times[0], first_step_ns=times[1]))
         if items:  # one message for the whole step

@@ -22,6 +22,14 @@ SUPPORTED_ARCHS = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 ROLES = ("colocated", "producer", "consumer")
+# What each role means to the engine, as the flags it reads (it never tests a role's name):
+# prefill_only, a request stops after token 0 and keeps its blocks for the transfer;
+# defer_output, overlap scheduling (docs/architecture.md: a producer never defers).
+ROLE_FLAGS: dict[str, dict[str, bool]] = {
+    "colocated": {"prefill_only": False, "defer_output": True},
+    "producer": {"prefill_only": True, "defer_output": False},
+    "consumer": {"prefill_only": False, "defer_output": True},
+}
 DTYPES = ("float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 KV_CACHE_DTYPES = ("auto", "fp8")  # fp8: float8_e4m3fn, per-layer scales (engine/kv_scales)
@@ -313,6 +321,7 @@ class EngineConfig:
     max_waiting: int = 1024  # bounded waiting queue; past it add_request raises QueueFull
     seed: int = 0  # draws the seed of requests that give none
     defer_output: bool | None = None  # None: by role; set only to compare modes in benchmarks
+    prefill_only: bool | None = None  # None: by role (ROLE_FLAGS)
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps
     # Keep full prompt blocks' KV after their requests end, keyed by a hash chain, and skip
     # computing a prefix found there (engine/prefix_cache.py); tokens are the same either way.
@@ -393,7 +402,14 @@ class EngineConfig:
         """Producer never defers (docs/architecture.md); consumer and colocated do."""
         if self.defer_output is not None:
             return self.defer_output
-        return self.role != "producer"
+        return ROLE_FLAGS[self.role]["defer_output"]
+
+    @property
+    def prefills_only(self) -> bool:
+        """Requests stop after token 0 and hold their blocks for the transfer (producer)."""
+        if self.prefill_only is not None:
+            return self.prefill_only
+        return ROLE_FLAGS[self.role]["prefill_only"]
 
 
 def resolve_max_model_len(config: EngineConfig, m: ModelConfig) -> int:

@@ -175,7 +175,7 @@ class LLM:
                 self.engine.add_request(rid, self.encode(prompt, chat), p, dp_rank=g)
                 added.append(rid)
             while self.engine.has_unfinished():
-                yield from self.engine.step()
+                yield from self.engine.step().outputs
         finally:
             for rid in added:
                 self.engine.abort(rid)

@@ -124,7 +124,7 @@ class LLMEngine(PrefixCacheQueries):
             self.validate_prior(prompt_token_ids, params, prior)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, state=state,
-                      prefill_only=self.config.role == "producer",
+                      prefill_only=self.config.prefills_only,
                       cache_root=self.chain_root(cache_salt),
                       grammar=self.grammars.for_params(params))  # ValueError: no compile
         if self.tokenizer is not None:

@@ -36,21 +36,21 @@ class RequestOutput:
         return self.state.finished
 
 
-class StepResult(list[RequestOutput]):
-    """One step's outputs (still a plain list for callers that only want tokens), plus what
-    the roles need from it, so producer/ and consumer/ never read engine internals."""
+@dataclass
+class StepResult:
+    """One step's outputs, plus what the roles need from it, so producer/ and consumer/
+    never read engine internals."""
 
-    def __init__(self, outputs: list[RequestOutput]) -> None:
-        super().__init__(outputs)
-        # consumer: remote requests the scheduler gave blocks this step (id -> block ids)
-        self.reserved: dict[str, list[int]] = {}
-        # ... of which the leading N already hold the prompt's KV (add_remote with
-        # reuse_cached): the sender must skip them. Absent: 0
-        self.reserved_cached: dict[str, int] = {}
-        # producer: leading prompt blocks whose KV is final after this step (0 after a
-        # preemption); all of them once token 0 is out
-        self.final_blocks: dict[str, int] = {}
-        self.finished: list[str] = []  # requests whose last output this step reported
+    outputs: list[RequestOutput] = field(default_factory=list)
+    # consumer: remote requests the scheduler gave blocks this step (id -> block ids)
+    reserved: dict[str, list[int]] = field(default_factory=dict)
+    # ... of which the leading N already hold the prompt's KV (add_remote with
+    # reuse_cached): the sender must skip them. Absent: 0
+    reserved_cached: dict[str, int] = field(default_factory=dict)
+    # producer: leading prompt blocks whose KV is final after this step (0 after a
+    # preemption); all of them once token 0 is out
+    final_blocks: dict[str, int] = field(default_factory=dict)
+    finished: list[str] = field(default_factory=list)  # requests whose last output was here
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput, StepResult
+from engine.outputs import StepResult
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
@@ -151,12 +151,11 @@ class ProducerHandler(RoleHandler):
 
     # ---- engine outputs -----------------------------------------------------------------
 
-    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
-        final = outs.final_blocks if isinstance(outs, StepResult) else {}
-        for rid, n in final.items():
+    def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
+        for rid, n in step.final_blocks.items():
             if (o := self.out.get(rid)) is not None:
                 o.final = n
-        for out in outs:
+        for out in step.outputs:
             o = self.out.get(out.request_id)
             if o is None or not out.new_token_ids:
                 continue

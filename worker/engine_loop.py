@@ -109,10 +109,10 @@ class WorkerLoop:
         if self.engine.has_unfinished():
             self.handler.before_step(time.time_ns())
             self.steps.start()
-            outs = self.engine.step()
-            self.steps.end(outs)
+            step = self.engine.step()
+            self.steps.end(step.outputs)
             # always: a step with no tokens may still report reservations or final blocks
-            self.handler.on_outputs(outs, time.time_ns())
+            self.handler.on_outputs(step, time.time_ns())
         else:
             self.steps.idle()
         self.handler.after_step()

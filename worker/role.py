@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from engine.outputs import RequestOutput
+from engine.outputs import RequestOutput, StepResult
 from engine.sampling_params import SamplingParams
 from worker.messages import Command, Event, TokensEvent
 
@@ -52,7 +52,7 @@ class RoleHandler(abc.ABC):
         """Applies one command from the gRPC process."""
 
     @abc.abstractmethod
-    def on_outputs(self, outs: list[RequestOutput], step_end_ns: int) -> None:
+    def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
         """Handles what one engine step reported (step_end_ns: when its forward ended)."""
 
     def before_step(self, now_ns: int) -> None:  # noqa: B027 - optional hook

@@ -106,7 +106,7 @@ def test_each_group_is_its_own_slot(models):
         assert acc.total == 48 and acc.free == 24 + loads[1]["kv_blocks_free"]
         got: dict[str, list[int]] = {}
         while eng.has_unfinished():
-            for o in eng.step():
+            for o in eng.step().outputs:
                 got.setdefault(o.request_id, []).extend(o.new_token_ids)
         assert [got[f"r{i}"] for i in range(len(PROMPTS))] == want
         assert eng.num_preemptions > 0  # 4 requests of up to ~40 tokens in 24 blocks of 4

@@ -151,7 +151,7 @@ def test_resumed_request_continues_the_grammar(tiny) -> None:
     eng.add_request("resumed", prompt, p, prior_output_ids=prior)
     got: list[int] = []
     while eng.has_unfinished():
-        for out in eng.step():
+        for out in eng.step().outputs:
             got += out.new_token_ids
     assert prior + got == whole.token_ids
 

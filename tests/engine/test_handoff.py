@@ -24,7 +24,7 @@ def test_producer_to_consumer_handoff_equals_colocated(tiny_models, make_llm, pa
     prod.add_request("r", prompt, params)
     outs = []
     while not outs:
-        outs = prod.step()
+        outs = prod.step().outputs
     (t0,) = outs
     src = prod.requests["r"].block_ids
     dst = cons.reserve(len(prompt))
@@ -34,7 +34,7 @@ def test_producer_to_consumer_handoff_equals_colocated(tiny_models, make_llm, pa
     cons.add_prefilled("r", prompt, params, dst, t0.new_token_ids[0], t0.new_logprobs[0])
     tokens, lps = list(t0.new_token_ids), list(t0.new_logprobs)
     while cons.has_unfinished():
-        for o in cons.step():
+        for o in cons.step().outputs:
             tokens += o.new_token_ids
             lps += o.new_logprobs
     assert tokens == ref.token_ids

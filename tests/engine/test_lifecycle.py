@@ -49,7 +49,7 @@ def test_request_move_refuses_an_undocumented_edge():
 def _run(engine, rid=None):  # type: ignore[no-untyped-def]
     outs = []
     while engine.has_unfinished():
-        outs += [o for o in engine.step() if rid is None or o.request_id == rid]
+        outs += [o for o in engine.step().outputs if rid is None or o.request_id == rid]
     return outs
 
 
@@ -114,7 +114,7 @@ def test_a_finished_request_keeps_its_blocks_until_the_step_writing_them_is_read
                                                     ignore_eos=True, stop_token_ids=[ref[i]]))
     done = []
     while not done:
-        done = [o for o in eng.step() if o.finished]
+        done = [o for o in eng.step().outputs if o.finished]
         assert eng.has_unfinished()
     assert done[0].finish_reason == "stop"
     held = eng.block_accounting().used
@@ -133,7 +133,7 @@ def test_an_abort_between_steps_waits_for_the_launched_step(tiny_models, make_ll
     used = eng.block_accounting().used
     assert eng.abort("r")
     assert eng.block_accounting().used == used  # step 2 may still write r's blocks
-    assert eng.step() == []  # reads step 2; r's token is dropped
+    assert eng.step().outputs == []  # reads step 2; r's token is dropped
     assert eng.block_accounting().used == 0
 
 

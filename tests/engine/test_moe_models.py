@@ -151,7 +151,7 @@ def test_producer_to_consumer_handoff_equals_colocated(moe_models, make_llm, par
     prod.add_request("r", prompt, params)
     outs = []
     while not outs:
-        outs = prod.step()
+        outs = prod.step().outputs
     (t0,) = outs
     src = prod.requests["r"].block_ids
     dst = cons.reserve(len(prompt))
@@ -161,7 +161,7 @@ def test_producer_to_consumer_handoff_equals_colocated(moe_models, make_llm, par
     cons.add_prefilled("r", prompt, params, dst, t0.new_token_ids[0], t0.new_logprobs[0])
     tokens = list(t0.new_token_ids)
     while cons.has_unfinished():
-        for o in cons.step():
+        for o in cons.step().outputs:
             tokens += o.new_token_ids
     assert tokens == ref.token_ids
 

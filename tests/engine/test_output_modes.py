@@ -41,7 +41,7 @@ def test_a_request_ended_under_a_launched_step_leaves_the_others_tokens_alone(ti
             if abort and n == 6:
                 assert eng.abort("r1")
                 assert eng._free_after  # the path under test: freed when that step is read
-            for out in eng.step():
+            for out in eng.step().outputs:
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if not eng.has_unfinished():
                 break
@@ -96,7 +96,7 @@ def _first_token_delays(llm) -> tuple[dict[str, int], list[list[tuple[str, bool]
     eng.scheduler.schedule = recording_schedule
     delay: dict[str, int] = {}
     while eng.has_unfinished():
-        for o in eng.step():
+        for o in eng.step().outputs:
             delay.setdefault(o.request_id, o.emitted_step - o.sampled_step)
             eng.release(o.request_id)
     return delay, batches
@@ -125,7 +125,7 @@ def test_producer_holds_blocks_until_release(tiny_models, make_llm):
     llm = make_llm(tiny_models["llama"], block_size=4, role="producer")
     eng = llm.engine
     eng.add_request("r", PROMPTS[2], SamplingParams(max_tokens=16, temperature=0))
-    outs = eng.step()  # 50 tokens fit one step: the step that samples token 0 reports it
+    outs = eng.step().outputs  # 50 tokens fit one step: the step that samples token 0 reports it
     assert [o.request_id for o in outs] == ["r"] and len(outs[0].new_token_ids) == 1
     assert outs[0].state == RequestState.TRANSFERRING
     assert outs[0].sampled_step == outs[0].emitted_step == 1

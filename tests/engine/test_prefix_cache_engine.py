@@ -31,7 +31,7 @@ def _run(eng: LLMEngine, reqs: dict[str, tuple[list[int], SamplingParams]],
         eng.add_request(rid, prompt, params, cache_salt=salt)
     got: dict[str, tuple[list[int], int]] = {rid: ([], -1) for rid in reqs}
     while eng.has_unfinished():
-        for o in eng.step():
+        for o in eng.step().outputs:
             toks, _ = got[o.request_id]
             got[o.request_id] = (toks + o.new_token_ids, o.num_cached_tokens)
     return got
@@ -169,7 +169,8 @@ def test_a_stop_under_deferred_output_frees_after_the_launched_step(tiny_models,
         res = eng.step()
         if "s" in res.finished:
             break
-    assert res[-1].new_token_ids[-1] == ref[2] and res[-1].num_output_tokens == j + 1
+    assert res.outputs[-1].new_token_ids[-1] == ref[2]
+    assert res.outputs[-1].num_output_tokens == j + 1
     assert eng._inflight is not None and all(eng.blocks.refcount(b) == 1 for b in held)
     eng.step()  # reads the launched step: now the blocks go
     _pool_whole(eng)
@@ -260,7 +261,7 @@ def test_consumer_reservation_reuses_cached_leading_blocks(tiny_models, make_llm
     tokens = [ref[0]]
     outs: list[RequestOutput] = []
     while eng.has_unfinished():
-        outs += eng.step()
+        outs += eng.step().outputs
     tokens += [t for o in outs for t in o.new_token_ids]
     assert tokens == ref and outs[-1].num_cached_tokens == 12
     stats = eng.prefix_cache_stats()

@@ -23,7 +23,7 @@ def _run(engine, rid, prompt, params, prior=None):  # type: ignore[no-untyped-de
     engine.add_request(rid, prompt, params, prior_output_ids=prior)
     tokens, lps, text, finish = [], [], "", None
     while engine.has_unfinished():
-        for o in engine.step():
+        for o in engine.step().outputs:
             tokens += o.new_token_ids
             lps += o.new_logprobs
             text += o.new_text
@@ -59,7 +59,7 @@ def test_pd_resume_producer_then_consumer(tiny_models, make_llm, params):
     prod.add_request("r", prompt, params, prior_output_ids=ref[:k])
     outs = []
     while not outs:
-        outs = prod.step()
+        outs = prod.step().outputs
     (t0,) = outs
     assert t0.new_token_ids == [ref[k]]
     assert not prod.has_unfinished()  # stopped after one token, holding its blocks
@@ -72,7 +72,7 @@ def test_pd_resume_producer_then_consumer(tiny_models, make_llm, params):
                        prior_output_ids=ref[:k])
     tokens = list(t0.new_token_ids)
     while cons.has_unfinished():
-        for o in cons.step():
+        for o in cons.step().outputs:
             tokens += o.new_token_ids
     assert tokens == ref[k:]
 

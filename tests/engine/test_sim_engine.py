@@ -68,7 +68,7 @@ def test_prefill_time_per_token(model_dir):
     t0 = time.monotonic()
     outs = []
     while not outs:
-        outs = eng.step()
+        outs = eng.step().outputs
     assert time.monotonic() - t0 >= 0.2  # 50 x 4 ms, on top of the 1 ms step
     assert len(outs[0].new_token_ids) == 1
     eng.release("r")
@@ -98,7 +98,7 @@ def test_producer_to_consumer_handoff_equals_colocated(model_dir, logprobs):
     prod.add_request("r", prompt, params)
     outs = []
     while not outs:
-        outs = prod.step()
+        outs = prod.step().outputs
     (t0,) = outs
     dst = cons.reserve(len(prompt))
     assert dst is not None
@@ -107,7 +107,7 @@ def test_producer_to_consumer_handoff_equals_colocated(model_dir, logprobs):
                        t0.new_logprobs[0] if logprobs else None)
     tokens, lps = list(t0.new_token_ids), list(t0.new_logprobs)
     while cons.has_unfinished():
-        for o in cons.step():
+        for o in cons.step().outputs:
             tokens += o.new_token_ids
             lps += o.new_logprobs
     assert tokens == ref.token_ids and len(tokens) == 12

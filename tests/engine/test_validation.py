@@ -39,7 +39,7 @@ def test_bad_requests_rejected_while_others_run(tiny_models, make_llm):
     eng.add_request("good", PROMPTS[0], SamplingParams(max_tokens=20, temperature=0,
                                                        ignore_eos=True))
     tokens: list[int] = []
-    for o in eng.step() + eng.step():
+    for o in eng.step().outputs + eng.step().outputs:
         tokens += o.new_token_ids
     cases = [
         ([], SamplingParams(), "prompt"),  # empty prompt
@@ -53,7 +53,7 @@ def test_bad_requests_rejected_while_others_run(tiny_models, make_llm):
     with pytest.raises(ValueError, match="^request_id:"):
         eng.add_request("good", PROMPTS[1], SamplingParams())
     while eng.has_unfinished():
-        for o in eng.step():
+        for o in eng.step().outputs:
             tokens += o.new_token_ids
     assert tokens == hf_greedy(path, PROMPTS[0], 20)
 
@@ -94,7 +94,7 @@ def test_abort_in_every_state_frees_blocks(tiny_models, make_llm, after_steps):
     assert "x" not in eng.requests
     outs = []
     while eng.has_unfinished():
-        outs += eng.step()
+        outs += eng.step().outputs
     assert all(o.request_id == "y" for o in outs)
     assert sum(len(o.new_token_ids) for o in outs if o.request_id == "y") <= 4
     assert not eng.abort("x")

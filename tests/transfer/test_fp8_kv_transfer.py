@@ -44,7 +44,7 @@ def _pd_tokens(p: LLM, c: LLM, backend: str, prompt: list[int],
         prod.add_request(rid, prompt, params)
         outs: list = []
         while not outs:
-            outs = list(prod.step())
+            outs = list(prod.step().outputs)
         (t0,) = outs
         src = prod.requests[rid].block_ids
         dst = cons.reserve(len(prompt))
@@ -62,7 +62,7 @@ def _pd_tokens(p: LLM, c: LLM, backend: str, prompt: list[int],
     cons.add_prefilled(rid, prompt, params, dst, t0.new_token_ids[0])
     tokens = list(t0.new_token_ids)
     while cons.has_unfinished():
-        for o in cons.step():
+        for o in cons.step().outputs:
             tokens += o.new_token_ids
     return tokens, moved
 

@@ -43,7 +43,7 @@ def test_latent_blocks_move_and_decode_equals_colocated(v2_path, backend):
                 prod.add_request(rid, prompt, params)
                 outs = []
                 while not outs:
-                    outs = list(prod.step())
+                    outs = prod.step().outputs
                 (t0,) = outs
                 src = prod.requests[rid].block_ids
                 dst = cons.reserve(len(prompt))
@@ -60,7 +60,7 @@ def test_latent_blocks_move_and_decode_equals_colocated(v2_path, backend):
                 cons.add_prefilled(rid, prompt, params, dst, t0.new_token_ids[0])
                 tokens = list(t0.new_token_ids)
                 while cons.has_unfinished():
-                    for o in cons.step():
+                    for o in cons.step().outputs:
                         tokens += o.new_token_ids
                 assert tokens == want, params
             # 13 blocks x 2 layers x 4 tokens x (32 + 16) latent values x 4 bytes, twice

@@ -9,6 +9,7 @@ from typing import Any
 
 import zmq
 
+from engine.outputs import StepResult
 from worker import ipc
 from worker.engine_loop import WorkerLoop
 from worker.messages import AbortCmd, Command, StatsEvent, StopCmd, TokensEvent, encode
@@ -92,7 +93,7 @@ class WaitingRole(RecordingRole):
         super().__init__()
         self.order: list[str] = []
         self.engine = SimpleNamespace(has_unfinished=lambda: True, held_requests=lambda: [],
-                                      step=lambda: self.order.append("step") or [],
+                                      step=lambda: self.order.append("step") or StepResult(),
                                       drain_kv_events=lambda: [])
 
     def on_command(self, cmd: Command) -> None:
