@@ -54,6 +54,9 @@ def add_bench_parser(sub: Any) -> None:
                         "hashed tokens (a serving-plane load test without GPUs)")
     t.add_argument("--simulate-prefill-us-per-token", type=float, default=0.0, metavar="US",
                    help="with --simulate-step-ms: what each prompt token adds to its step")
+    t.add_argument("--router-arg", action="append", default=[],
+                   help="extra flag for started routers, e.g. "
+                        "--router-arg=--local-prefill-max-tokens=-1")
     t.add_argument("--producer-arg", action="append", default=[],
                    help="extra flag for started producers, e.g. --producer-arg=--defer-output")
     t.add_argument("--devices", default="",
@@ -193,6 +196,7 @@ def build_targets(args: argparse.Namespace) -> list[Target]:
     devices = tuple(d for d in args.devices.split(",") if d)
     base = ClusterSpec(model=args.model, worker_args=(*args.worker_arg, *sim_worker_args(args)),
                        producer_args=tuple(args.producer_arg),
+                       router_args=tuple(args.router_arg),
                        http_port=0 if args.backend == "openai" else -1,
                        api_key=args.api_key)  # a started cluster's router takes the same key
     if args.compare:
