@@ -130,7 +130,12 @@ def run_layout(name: str, path: str, args: argparse.Namespace) -> dict[str, Any]
         graphs = engine.runner.graphs is not None and engine.runner.graphs.use_graphs
         points = []
         for b in args.batches:
-            p = decode_point(engine, b, args.context, args.steps)
+            try:
+                p = decode_point(engine, b, args.context, args.steps)
+            except Exception as e:  # keep the other points; the error is the result
+                print(f"{name:>9} B/rank {b:>4}: {e!r}", flush=True)
+                points.append({"per_rank": b, "error": repr(e)[:300]})
+                break  # the engine may still hold this point's requests
             print(f"{name:>9} B/rank {b:>4}: {p['step_ms']:8.2f} ms/step  "
                   f"{p['tokens_per_s_per_gpu']:10.1f} tok/s/GPU", flush=True)
             points.append(p)
@@ -179,13 +184,15 @@ def main() -> None:
                    else "cpu"),
         "share_gpu": args.share_gpu, "context": args.context, "steps": args.steps,
         "runs": runs}
-    by = {r["layout"]: {p["per_rank"]: p for p in r["points"]} for r in runs}
+    by = {r["layout"]: {p["per_rank"]: p for p in r["points"] if "error" not in p}
+          for r in runs}
     if "dpa_tp2" in by:
         for ref in ("tp2", "tp2_eager"):
             if ref in by:
                 result[f"dpa_over_{ref}"] = {
                     str(b): by["dpa_tp2"][b]["tokens_per_s_per_gpu"]
-                    / by[ref][b]["tokens_per_s_per_gpu"] for b in args.batches}
+                    / by[ref][b]["tokens_per_s_per_gpu"] for b in args.batches
+                    if b in by["dpa_tp2"] and b in by[ref]}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
