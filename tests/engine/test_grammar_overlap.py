@@ -197,3 +197,37 @@ def test_ahead_rows_equal_in_step_rows(tiny) -> None:
     assert got[0].ne(0).any() and got[0].ne(-1).any()  # a real grammar row: some, not all
     ahead.close()
     step.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
+def test_on_the_gpu_ahead_masks_give_the_in_step_tokens(make_llm, tiny_models, tmp_path,
+                                                       monkeypatch, seeded: bool) -> None:
+    """CUDA graphs, deferred output: the ahead job (on by default on CUDA) covers the decode
+    rows, the engine thread meets it only after each step's forward was launched, and the
+    tokens equal the in-step path's."""
+    import shutil
+
+    path = str(tmp_path / "llama")
+    shutil.copytree(tiny_models["llama"], path)
+    byte_tokenizer(path)
+    params = [SamplingParams(max_tokens=60, structured=SPEC,
+                             **(dict(temperature=1.0, seed=i) if seeded
+                                else dict(temperature=0.0)))
+              for i in range(9)]
+    prompts = [[5 + i, 17, 33, 90, 12][: 2 + i % 4] for i in range(9)]
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256)
+    llm = make_llm(path, **kw)
+    masks = llm.engine.runner.grammar_masks
+    assert masks.ahead_enabled and llm.engine.runner.graphs is not None
+    masks.ahead_enabled = False
+    want = [r.token_ids for r in llm.generate(prompts, params)]
+    masks.ahead_enabled = True
+    seam = _Seam(monkeypatch, llm.engine.runner)
+    ahead0, in_step0 = masks.rows_ahead, masks.rows_in_step
+    got = [r.token_ids for r in llm.generate(prompts, params)]
+    assert got == want
+    # token 0's rows are made in the step, every later one by the job
+    assert masks.rows_ahead - ahead0 > 3 * (masks.rows_in_step - in_step0)
+    assert len([s for s in seam.steps() if "join" in s]) > 10
