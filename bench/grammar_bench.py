@@ -16,9 +16,12 @@ size. ``--tokenizer DIR`` uses a real tokenizer.json instead.
 
     python bench/grammar_bench.py --out $OUT/grammar_bench.json
 
-Each structured point also reports the host's mask time per step by phase (read: waiting
-for the previous step's ids; advance; mask: llguidance; copy), from
-``GrammarMasks.times``.
+Each structured point also reports the mask's host time per step: mask_host_ms_per_step
+is the engine thread's (waiting for the mask thread's job included), and
+mask_phase_ms_per_step splits it by phase with the job's own phases (``GrammarMasks.times``:
+engine thread read / advance / mask / copy / join, mask thread ahead_read / ahead_advance /
+ahead_mask), with how many rows each path made. ``--no-ahead`` builds every mask in the step
+instead (the path before the mask thread), for comparison.
 
 ``--masks-only`` runs no model: on the CPU it drives the engine's ``GrammarMasks`` over the
 same requests, each step appending a token drawn uniformly from the row's allowed set (what
@@ -119,6 +122,7 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
     windows = []
     host0 = masks.host_s
     phases0 = dict(masks.times)
+    ahead0, in_step0 = masks.rows_ahead, masks.rows_in_step
     for _ in range(repeats):
         _sync()
         t0 = time.perf_counter()
@@ -143,6 +147,8 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
            "step_ms_windows": [round(w, 3) for w in windows]}
     if structured:
         out.update(mask_host_ms_per_step=round(host_ms, 3), mask_phase_ms_per_step=phases,
+                   mask_rows_ahead=masks.rows_ahead - ahead0,
+                   mask_rows_in_step=masks.rows_in_step - in_step0,
                    grammars_failed=len(errors),
                    first_error=errors[0][:300] if errors else "", output_head=sample)
     return out
@@ -177,8 +183,8 @@ def masks_only(tokenizer_json: str, vocab: int, eos: int, batch: int, steps: int
     drawn = {id(r): first for r in reqs}
     slowest: list[float] = []
     if row_times:
-        def one_by_one(live: list[tuple[Any, int]], host: torch.Tensor) -> None:
-            ptr, row_bytes, worst = host.data_ptr(), masks.words * 4, 0.0
+        def one_by_one(live: list[tuple[Any, int]], ptr: int, batch: int) -> None:
+            row_bytes, worst = masks.words * 4, 0.0
             for m, i in live:
                 t0 = time.perf_counter()
                 m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
@@ -278,6 +284,8 @@ def main() -> None:
     ap.add_argument("--mask-threads", default="",
                     help="--masks-only: llguidance thread counts to compare, e.g. '1,' "
                          "(empty: its default)")
+    ap.add_argument("--no-ahead", action="store_true",
+                    help="build every mask in the step, none on the mask thread")
     ap.add_argument("--row-times", action="store_true",
                     help="--masks-only: one more run per batch timing each row alone")
     a = ap.parse_args()
@@ -312,6 +320,9 @@ def main() -> None:
         model=cfg_dir, load_format="dummy", max_num_seqs=max(batches),
         max_model_len=a.context + a.steps * a.repeats + 64, max_num_batched_tokens=2048,
         **(dict(dtype="float32", device="cpu") if a.smoke else gpu)))
+    runner: Any = engine.runner
+    if a.no_ahead:
+        runner.grammar_masks.ahead_enabled = False
     spec = {"kind": "json_schema", "value": json.dumps(SCHEMA)}
     t0 = time.perf_counter()
     engine.grammars.for_params(SamplingParams(structured=spec))
@@ -322,6 +333,7 @@ def main() -> None:
         "tokenizer": a.tokenizer or "synthetic byte-level BPE, 128256 ids",
         "context": a.context, "tokenizer_build_s": round(tok_s, 2),
         "first_matcher_s": round(first_matcher_s, 3), "cpus": os.cpu_count(),
+        "masks_ahead": runner.grammar_masks.ahead_enabled,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "points": []}
     for b in batches:
         plain = point(engine, b, a.context, a.steps, a.repeats, None)

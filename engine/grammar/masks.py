@@ -118,7 +118,7 @@ class GrammarMasks:
         """Queues next step's masks for reqs, this step's sampling rows in order; sampled:
         their ids on the device (this step's sampler output, just launched)."""
         self._join()  # one job at a time: its grammars are the next one's
-        if not self.ahead_enabled:
+        if not self.ahead_enabled or sampled.shape[0] != len(reqs):  # nothing sampled
             return
         rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None
                 and r.grammar.num_accepted == len(r.output_token_ids)]
