@@ -164,7 +164,7 @@ def masks_only(tokenizer_json: str, vocab: int, eos: int, batch: int, steps: int
     import numpy as np
 
     from engine.grammar.compile import make_tokenizer, new_matcher
-    from engine.grammar.masks import GrammarMasks
+    from engine.grammar.masks import GrammarMasks, default_threads
     from engine.grammar.matcher import RequestGrammar
     from engine.request import PLACEHOLDER, Request
     from engine.sampling_params import SamplingParams
@@ -217,7 +217,7 @@ def masks_only(tokenizer_json: str, vocab: int, eos: int, batch: int, steps: int
             "mean": round(float(w.mean()), 3), "p50": round(float(np.percentile(w, 50)), 3),
             "p90": round(float(np.percentile(w, 90)), 3), "max": round(float(w.max()), 3)}
     return {"batch": batch, "threads": "rows one by one" if row_times
-            else threads or "llguidance default",
+            else threads or f"default ({default_threads()})",
             "steps": steps, "warmup": warmup,
             "host_ms_per_step": {"mean": round(float(t.mean()), 3),
                                  "p50": round(float(np.percentile(t, 50)), 3),
@@ -282,8 +282,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=VOCAB,
                     help="--masks-only: the synthetic vocabulary's size")
     ap.add_argument("--mask-threads", default="",
-                    help="--masks-only: llguidance thread counts to compare, e.g. '1,' "
-                         "(empty: its default)")
+                    help="--masks-only: llguidance thread counts to compare, e.g. '4,8,' "
+                         "(empty: GrammarMasks' default)")
     ap.add_argument("--no-ahead", action="store_true",
                     help="build every mask in the step, none on the mask thread")
     ap.add_argument("--row-times", action="store_true",

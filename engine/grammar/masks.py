@@ -29,6 +29,7 @@ layout llguidance and xgrammar write); rows of requests without a grammar are al
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,7 +66,7 @@ class _Ahead:
 class GrammarMasks:
     def __init__(self, vocab_size: int, eos_ids: list[int], device: torch.device,
                  threads: int | None = None, ahead: bool | None = None) -> None:
-        """threads: llguidance's worker threads (None: its default, 80% of the CPUs).
+        """threads: llguidance's worker threads (None: default_threads()).
         ahead: build next step's masks on a mask thread (None: on CUDA only; a CPU forward
         has no idle host cores to give it)."""
         self.vocab = vocab_size
@@ -103,7 +104,7 @@ class GrammarMasks:
         if self._executor is None:
             import llguidance
 
-            self._executor = llguidance.LLExecutor(self._threads)
+            self._executor = llguidance.LLExecutor(self._threads or default_threads())
         return self._executor
 
     def close(self) -> None:
@@ -266,6 +267,15 @@ class GrammarMasks:
         busy = [i for m, i in live if not m.is_accepting()]
         if busy:
             view[np.ix_(np.array(busy, dtype=np.int64), self._eos_words)] &= self._eos_keep
+
+
+def default_threads() -> int:
+    """Half this process's CPUs, at most 8, where llguidance would take 80% (12 of 16): a
+    step's mask is bound by its slowest row (one row near a bounded string's end walks the
+    whole vocabulary, bench/RESULTS.md), which no thread count splits, while the engine
+    thread, the mask thread, the CUDA driver's threads and torch's CPU pool need cores of
+    their own next to it."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
 
 
 def _bit(b: int) -> int:
