@@ -122,7 +122,7 @@ class GrammarMasks:
         if not self.ahead_enabled or sampled.shape[0] != len(reqs):  # nothing sampled
             return
         rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None
-                and r.grammar.num_accepted == len(r.output_token_ids)]
+                and r.grammar.num_accepted == len(r.output_token_ids) and _continues(r)]
         if not rows:
             return
         if sampled.is_cuda:
@@ -267,6 +267,12 @@ class GrammarMasks:
         busy = [i for m, i in live if not m.is_accepting()]
         if busy:
             view[np.ix_(np.array(busy, dtype=np.int64), self._eos_words)] &= self._eos_keep
+
+
+def _continues(r: Request) -> bool:
+    """Whether r may sample again after this step's token (which is not counted yet): not a
+    producer's request (it leaves after token 0), not one at its max_tokens."""
+    return not r.prefill_only and len(r.output_token_ids) + 1 < r.params.max_tokens
 
 
 def default_threads() -> int:
