@@ -55,10 +55,11 @@ def words_for(vocab_size: int) -> int:
 
 @dataclass
 class _Ahead:
-    """An ahead job's result: row j of `rows` is the mask of the grammar whose id maps to j,
-    valid while that grammar has taken `taken[j]` tokens."""
+    """An ahead job's result: row j of `rows` is the mask of grammars[j] (held, so no other
+    grammar can take its id) after it has taken `taken[j]` tokens."""
 
-    index: dict[int, int]
+    index: dict[int, int]  # id(grammar) -> j
+    grammars: list[RequestGrammar]
     taken: list[int]
     rows: np.ndarray
 
@@ -125,13 +126,11 @@ class GrammarMasks:
                 and r.grammar.num_accepted == len(r.output_token_ids) and _continues(r)]
         if not rows:
             return
+        host, ready = sampled, None
         if sampled.is_cuda:
             host = sampled.to("cpu", non_blocking=True)
-            ready: torch.cuda.Event | None = torch.cuda.Event()
-            assert ready is not None
+            ready = torch.cuda.Event()
             ready.record()
-        else:
-            host, ready = sampled, None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
         self._job = self._pool.submit(self._ahead_job, rows, host, ready)
@@ -159,7 +158,7 @@ class GrammarMasks:
             self._fill(live, buf.ctypes.data, buf.shape[0])
             self._keep_eos_out(buf, live)
         self._lap("ahead_mask", t2)
-        return _Ahead({id(g): j for j, (_, g) in enumerate(rows)},
+        return _Ahead({id(g): j for j, (_, g) in enumerate(rows)}, [g for _, g in rows],
                       [g.num_accepted for _, g in rows], buf)
 
     def _join(self) -> _Ahead | None:
@@ -203,7 +202,8 @@ class GrammarMasks:
         todo: list[tuple[int, RequestGrammar]] = []
         for i, g in rows:
             j = pre.index.get(id(g), -1) if pre is not None else -1
-            if pre is not None and j >= 0 and pre.taken[j] == len(reqs[i].output_token_ids):
+            if pre is not None and j >= 0 and pre.grammars[j] is g \
+                    and pre.taken[j] == g.num_accepted == len(reqs[i].output_token_ids):
                 src.append(j)
                 dst.append(i)
             else:
