@@ -15,6 +15,19 @@ leading space, then 256 special tokens (EOS 128001), so a mask row walks a trie 
 size. ``--tokenizer DIR`` uses a real tokenizer.json instead.
 
     python bench/grammar_bench.py --out $OUT/grammar_bench.json
+
+Each structured point also reports the mask's host time per step: mask_host_ms_per_step
+is the engine thread's (waiting for the mask thread's job included), and
+mask_phase_ms_per_step splits it by phase with the job's own phases (``GrammarMasks.times``:
+engine thread read / advance / mask / copy / join, mask thread ahead_read / ahead_advance /
+ahead_mask), with how many rows each path made. ``--no-ahead`` builds every mask in the step
+instead (the path before the mask thread), for comparison.
+
+``--masks-only`` runs no model: on the CPU it drives the engine's ``GrammarMasks`` over the
+same requests, each step appending a token drawn uniformly from the row's allowed set (what
+a dummy-weight model at temperature 1 does), and times the host path alone by phase.
+``--vocab N`` shrinks the synthetic vocabulary; ``--tokenizer smollm2`` uses the embedded
+SmolLM2 BPE vocabulary (49152 ids) instead.
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import random
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -40,6 +53,8 @@ from bench.grammar_lib_bench import SCHEMA as ORDER  # noqa: E402
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {
     "orders": {"type": "array", "items": ORDER, "minItems": 100}},
     "required": ["orders"], "additionalProperties": False}
+VOCAB = cast(int, LLAMA3_8B["vocab_size"])
+EOS = cast(int, LLAMA3_8B["eos_token_id"])
 _LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
 _WEIGHTS = [12.7, 9.1, 8.2, 7.5, 7.0, 6.7, 6.3, 6.1, 6.0, 4.3, 4.0, 2.8, 2.8, 2.4, 2.4, 2.2,
             2.0, 2.0, 1.9, 1.5, 1.0, 0.8, 0.2, 0.2, 0.1, 0.1]
@@ -106,6 +121,8 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
         engine.step()
     windows = []
     host0 = masks.host_s
+    phases0 = dict(masks.times)
+    ahead0, in_step0 = masks.rows_ahead, masks.rows_in_step
     for _ in range(repeats):
         _sync()
         t0 = time.perf_counter()
@@ -114,6 +131,8 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
         _sync()
         windows.append((time.perf_counter() - t0) / steps * 1e3)
     host_ms = (masks.host_s - host0) / (steps * repeats) * 1e3
+    phases = {k: round((v - phases0[k]) / (steps * repeats) * 1e3, 3)
+              for k, v in masks.times.items()}
     errors = [engine.requests[r].grammar.error() for r in ids
               if engine.requests[r].grammar is not None and engine.requests[r].grammar.failed]
     sample = None
@@ -127,9 +146,125 @@ def point(engine: Any, batch: int, context: int, steps: int, repeats: int,
     out = {"batch": batch, "step_ms": round(sorted(windows)[len(windows) // 2], 3),
            "step_ms_windows": [round(w, 3) for w in windows]}
     if structured:
-        out.update(mask_host_ms_per_step=round(host_ms, 3), grammars_failed=len(errors),
+        out.update(mask_host_ms_per_step=round(host_ms, 3), mask_phase_ms_per_step=phases,
+                   mask_rows_ahead=masks.rows_ahead - ahead0,
+                   mask_rows_in_step=masks.rows_in_step - in_step0,
+                   grammars_failed=len(errors),
                    first_error=errors[0][:300] if errors else "", output_head=sample)
     return out
+
+
+def masks_only(tokenizer_json: str, vocab: int, eos: int, batch: int, steps: int,
+               warmup: int, threads: int | None, seed: int = 0,
+               row_times: bool = False) -> dict[str, Any]:
+    """The host path of ``GrammarMasks.bitmask`` for `batch` requests under SCHEMA, no
+    model: per-step times (ms) by phase, after `warmup` untimed steps. row_times: compute
+    the rows one by one on this thread instead, timing each, to report the slowest row per
+    step (the least a step can take however many threads share its rows)."""
+    import numpy as np
+
+    from engine.grammar.compile import make_tokenizer, new_matcher
+    from engine.grammar.masks import GrammarMasks, default_threads
+    from engine.grammar.matcher import RequestGrammar
+    from engine.request import PLACEHOLDER, Request
+    from engine.sampling_params import SamplingParams
+
+    spec = {"kind": "json_schema", "value": json.dumps(SCHEMA)}
+    ll = make_tokenizer(tokenizer_json, vocab, [eos])
+    masks = GrammarMasks(vocab, [eos], torch.device("cpu"), threads=threads)
+    first = ll.tokenize_str("{")[0]
+    params = SamplingParams(temperature=1.0, structured=spec)
+    reqs = []
+    for i in range(batch):
+        r = Request(f"r{i}", [1, 2, 3], params, seed=i, output_token_ids=[first])
+        r.grammar = RequestGrammar(new_matcher(ll, spec))
+        reqs.append(r)
+    rng = np.random.default_rng(seed)
+    drawn = {id(r): first for r in reqs}
+    slowest: list[float] = []
+    if row_times:
+        def one_by_one(live: list[tuple[Any, int]], ptr: int, batch: int) -> None:
+            row_bytes, worst = masks.words * 4, 0.0
+            for m, i in live:
+                t0 = time.perf_counter()
+                m.unsafe_compute_mask_ptr(ptr + i * row_bytes, row_bytes)
+                worst = max(worst, time.perf_counter() - t0)
+            slowest.append(worst * 1e3)
+        masks._fill = one_by_one  # type: ignore[method-assign]
+    totals, by_phase = [], {k: 0.0 for k in masks.times}
+    for step in range(warmup + steps):
+        h0, p0 = masks.host_s, dict(masks.times)
+        bits = masks.bitmask(reqs, lambda r: drawn[id(r)])
+        if step >= warmup:
+            totals.append((masks.host_s - h0) * 1e3)
+            for k in by_phase:
+                by_phase[k] += masks.times[k] - p0[k]
+        assert bits is not None
+        allowed = np.unpackbits(bits.numpy().view(np.uint8), axis=1, bitorder="little")
+        for i, r in enumerate(reqs):
+            ok = np.flatnonzero(allowed[i, :vocab])
+            if len(ok) > 1:
+                ok = ok[ok != eos]
+            r.output_token_ids[-1] = drawn[id(r)]  # the previous step's, now read
+            drawn[id(r)] = int(rng.choice(ok))
+            r.output_token_ids.append(PLACEHOLDER)
+    failed = [r.grammar.error() for r in reqs if r.grammar is not None and r.grammar.failed]
+    t = np.array(totals)
+    extra: dict[str, Any] = {}
+    if row_times:
+        w = np.array(slowest[warmup:])
+        extra["slowest_row_ms_per_step"] = {
+            "mean": round(float(w.mean()), 3), "p50": round(float(np.percentile(w, 50)), 3),
+            "p90": round(float(np.percentile(w, 90)), 3), "max": round(float(w.max()), 3)}
+    return {"batch": batch, "threads": "rows one by one" if row_times
+            else threads or f"default ({default_threads()})",
+            "steps": steps, "warmup": warmup,
+            "host_ms_per_step": {"mean": round(float(t.mean()), 3),
+                                 "p50": round(float(np.percentile(t, 50)), 3),
+                                 "p90": round(float(np.percentile(t, 90)), 3),
+                                 "max": round(float(t.max()), 3)},
+            "phase_ms_per_step": {k: round(v / steps * 1e3, 3) for k, v in by_phase.items()},
+            **extra, "grammars_failed": len(failed),
+            "output_head": ll.decode_str([t for t in reqs[0].output_token_ids
+                                          if t != PLACEHOLDER])[:200]}
+
+
+def main_masks_only(a: argparse.Namespace) -> None:
+    t0 = time.perf_counter()
+    if a.tokenizer == "smollm2":
+        from bench.grammar_lib_bench import _tokenizer
+
+        tk = _tokenizer()
+        tokenizer_json, vocab, eos = tk._tk.to_str(), tk.vocab_size, min(tk.eos_token_ids)
+        name = "SmolLM2 BPE, 49152 ids"
+    else:
+        d = tempfile.mkdtemp()
+        if a.tokenizer:
+            with open(os.path.join(a.tokenizer, "tokenizer.json")) as f:
+                tokenizer_json = f.read()
+            vocab, eos, name = a.vocab, EOS, a.tokenizer
+        else:
+            vocab, eos = a.vocab, a.vocab - 255
+            synthetic_tokenizer(d, vocab, eos)
+            with open(os.path.join(d, "tokenizer.json")) as f:
+                tokenizer_json = f.read()
+            name = f"synthetic byte-level BPE, {vocab} ids"
+    tok_s = time.perf_counter() - t0
+    result: dict[str, Any] = {
+        "mode": "masks only (host path of GrammarMasks.bitmask, no model)",
+        "tokenizer": name, "tokenizer_build_s": round(tok_s, 2), "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "points": []}
+    threads = [int(t) if t else None for t in a.mask_threads.split(",")]
+    for b in [int(b) for b in a.batches.split(",") if b]:
+        runs = [(n, False) for n in threads] + ([(None, True)] if a.row_times else [])
+        for n, rows in runs:
+            p = masks_only(tokenizer_json, vocab, eos, b, a.steps * a.repeats, 3, n,
+                           row_times=rows)
+            print(json.dumps(p), flush=True)
+            result["points"].append(p)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def main() -> None:
@@ -142,7 +277,21 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/grammar_h200.json")
     ap.add_argument("--smoke", action="store_true",
                     help="a 2-layer model of the same vocabulary on the CPU: checks the bench runs")
+    ap.add_argument("--masks-only", action="store_true",
+                    help="no model: time GrammarMasks' host path on the CPU (see the doc)")
+    ap.add_argument("--vocab", type=int, default=VOCAB,
+                    help="--masks-only: the synthetic vocabulary's size")
+    ap.add_argument("--mask-threads", default="",
+                    help="--masks-only: llguidance thread counts to compare, e.g. '4,8,' "
+                         "(empty: GrammarMasks' default)")
+    ap.add_argument("--no-ahead", action="store_true",
+                    help="build every mask in the step, none on the mask thread")
+    ap.add_argument("--row-times", action="store_true",
+                    help="--masks-only: one more run per batch timing each row alone")
     a = ap.parse_args()
+    if a.masks_only:
+        main_masks_only(a)
+        return
     from engine.config import EngineConfig
     from engine.llm import build_engine
     from engine.sampling_params import SamplingParams
@@ -164,13 +313,16 @@ def main() -> None:
                 with open(src, "rb") as s, open(os.path.join(cfg_dir, name), "wb") as d:
                     d.write(s.read())
     else:
-        synthetic_tokenizer(cfg_dir, LLAMA3_8B["vocab_size"], LLAMA3_8B["eos_token_id"])
+        synthetic_tokenizer(cfg_dir, VOCAB, EOS)
     tok_s = time.perf_counter() - t0
     gpu = dict(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.85)
     engine = build_engine(EngineConfig(
         model=cfg_dir, load_format="dummy", max_num_seqs=max(batches),
         max_model_len=a.context + a.steps * a.repeats + 64, max_num_batched_tokens=2048,
         **(dict(dtype="float32", device="cpu") if a.smoke else gpu)))
+    runner: Any = engine.runner
+    if a.no_ahead:
+        runner.grammar_masks.ahead_enabled = False
     spec = {"kind": "json_schema", "value": json.dumps(SCHEMA)}
     t0 = time.perf_counter()
     engine.grammars.for_params(SamplingParams(structured=spec))
@@ -181,6 +333,7 @@ def main() -> None:
         "tokenizer": a.tokenizer or "synthetic byte-level BPE, 128256 ids",
         "context": a.context, "tokenizer_build_s": round(tok_s, 2),
         "first_matcher_s": round(first_matcher_s, 3), "cpus": os.cpu_count(),
+        "masks_ahead": runner.grammar_masks.ahead_enabled,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "points": []}
     for b in batches:
         plain = point(engine, b, a.context, a.steps, a.repeats, None)

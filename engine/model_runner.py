@@ -38,10 +38,17 @@ def _plain(p: SamplingParams) -> bool:
 def _prev_reader(prev: InflightStep | None,
                  prev_rows: dict[int, int]) -> Callable[[Request], int] | None:
     """Reads a request's token from the previous step's host copy (waiting for that step
-    alone), for grammars that must advance past it before masking this step."""
+    alone, once: the whole row becomes one list), for grammars that must advance past it
+    before masking this step."""
     if prev is None:
         return None
-    return lambda r: int(prev.out.token_ids[prev_rows[id(r)]])
+    ids: list[int] = []
+
+    def read(r: Request) -> int:
+        if not ids:
+            ids.extend(prev.out.token_ids.tolist())
+        return ids[prev_rows[id(r)]]
+    return read
 
 
 class ModelRunner:
@@ -111,10 +118,13 @@ class ModelRunner:
             except (RuntimeError, OSError) as e:
                 raise self.followers.failure(e) from e
         out.start_host_copy()  # reading it later waits for this step only
+        if samplers:  # grammars: next step's masks start once these ids exist
+            self.grammar_masks.ahead(samplers, out.device_token_ids)
         return samplers, out
 
     def close(self) -> None:
-        """Stops the follower ranks (tensor parallel); nothing to do otherwise."""
+        """Stops the follower ranks (tensor parallel) and the grammar mask thread."""
+        self.grammar_masks.close()
         if self.followers is not None:
             self.followers.close()
 
@@ -280,7 +290,8 @@ class ModelRunner:
         if any(p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty
                for p in ps):
             self._penalty_state(b, reqs, prev, prev_rows)
-        # Called after the forward was launched: the matchers run while the device works.
+        # Called after the forward was launched: rows the ahead job did not cover (all of them
+        # on a CPU) advance and fill while the device works.
         b.allowed = self.grammar_masks.bitmask(reqs, _prev_reader(prev, prev_rows))
         return b
 
