@@ -9,7 +9,7 @@ ordered by the router: listed, heartbeating, its in-flight requests running, nev
 for new work) -> gone (``Deregister(done)``, a missed heartbeat deadline, or replaced by
 its own re-registration, e.g. in its new role).
 
-Alive is not the same as keeping up (issue 22). A worker whose heartbeats report it behind
+Alive is not the same as keeping up. A worker whose heartbeats report it behind
 (its gRPC process's event loop more than ``busy_lag_s``, or its engine's last load report
 older than ``busy_engine_s``) is
 *busy*: listed, usable for health, keeping its requests, but not picked for new ones
