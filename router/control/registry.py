@@ -178,7 +178,9 @@ class Registry:
         if old is not None:
             # A restart under the same id: requests on the old incarnation are gone with it.
             info.dispatched = old.dispatched
-            self._notify_drop(old, f"worker {worker_id} re-registered")
+            why = (f"worker {worker_id} rebuilt as {ROLE_NAMES[role]} (a planned role change)"
+                   if old.target_role else f"worker {worker_id} re-registered")
+            self._notify_drop(old, why)
         self._notify_change()
         return info
 
