@@ -106,5 +106,5 @@ def test_a_worker_dying_during_start_up_is_one_line() -> None:
     errors = [ln for ln in out.splitlines() if "error" in ln]
     # both workers reject the flag; whichever the launcher saw die first is named
     assert len(errors) == 1 and re.fullmatch(
-        r"pdserve: error: during start-up, (producer|consumer)-0 exited \(exit 2\): "
+        r"pdserve: error: during start-up, worker-[01] exited \(exit 2\): "
         r"unrecognized arguments: --bogus", errors[0]), out
