@@ -83,6 +83,10 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
         assert logs.count("the router ordered a role change") == 4
         assert re.search(r"waiting for [1-9]", logs), \
             "no role change had a request in flight to drain"
+        # four planned rebuilds under load, and not one logged as a lost worker
+        router = log_text(c, "router")
+        assert router.count("as planned") >= 1 and router.count("registered again, now") == 4
+        assert not re.search(r"dropp|no heartbeat|stopped heartbeating", router), router
     finally:
         c.stop()
 
