@@ -24,7 +24,7 @@ def test_request_times_measures_landing_from_token0_against_prefill() -> None:
                                 router_token0_sent_ns=1_081 * MS,
                                 consumer_kv_ready_ns=1_086 * MS,
                                 consumer_first_step_ns=1_087 * MS, kv_transfer_ms=70.5,
-                                producer="producer-0", consumer="consumer-0")
+                                producer="worker-0", consumer="worker-1")
     r = request_times(t)
     assert r["prefill_ms"] == 80.0 and r["land_ms"] == 6.0 and r["land_ratio"] == 0.075
     assert r["kv_transfer_ms"] == 70.5 and r["kv_transfer_ratio"] == 0.8812
