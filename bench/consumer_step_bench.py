@@ -130,7 +130,7 @@ def run_kind(kind: str, args: argparse.Namespace, model: str, log_dir: str) -> d
     cluster = LocalCluster(spec, log_dir=os.path.join(log_dir, kind))
     cluster.start()
     try:
-        name = "consumer-0" if pd else "colocated-0"
+        name = cluster.names("consumer" if pd else "colocated")[0]
         eng = engine_process(cluster.procs[name].pid)
         ch = grpc.insecure_channel(cluster.router_address)
         stub = router_pb2_grpc.RouterStub(ch)

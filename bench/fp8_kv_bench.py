@@ -14,7 +14,7 @@ float8_e4m3fn KV (--kv-cache-dtype fp8), measured in the same run.
 
     python bench/fp8_kv_bench.py --out $OUT/fp8_kv_h200.json
 
-Targets (issue): fp8 attention <= 0.6x bf16 at batch >= 32, context >= 4k; capacity 2x.
+Targets: fp8 attention <= 0.6x bf16 at batch >= 32, context >= 4k; capacity 2x.
 """
 
 from __future__ import annotations

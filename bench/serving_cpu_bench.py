@@ -267,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "backend": args.backend, "worker_args": list(cluster.spec.worker_args),
                    "router_args": list(cluster.spec.router_args),
                    "transfer_backend": args.transfer_backend},
+        "roles": dict(cluster.started_as),  # worker name -> its role (the cpu parts' names)
         "cluster_start_s": round(started_s, 2),
         "duration_s": round(duration, 3), "window_s": round(wall, 3),
         "requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),

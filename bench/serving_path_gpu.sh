@@ -63,9 +63,9 @@ stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; s
 # ---- P/D, sharing the GPU ----
 start_router pd
 python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib 8000 \
-  --metrics-port 9101 --worker-id producer-0 > "$out/producer.log" 2>&1 &
+  --metrics-port 9101 --worker-id worker-0 > "$out/producer.log" 2>&1 &
 python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
-  --metrics-port 9102 --worker-id consumer-0 > "$out/consumer.log" 2>&1 &
+  --metrics-port 9102 --worker-id worker-1 > "$out/consumer.log" 2>&1 &
 if wait_workers 2; then
   bench pd_prefill1 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts "$(n 4)"
   bench pd_hold --input-len 128 --output-len 16 --concurrency 16,256 --num-prompts "$(n 256)"
@@ -79,7 +79,7 @@ stop_all
 # ---- one colocated worker ----
 start_router co
 python3 -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
-  --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id colocated-0 > "$out/colocated.log" 2>&1 &
+  --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id worker-0 > "$out/colocated.log" 2>&1 &
 if wait_workers 1; then
   bench co_long --input-len 128 --output-len "$LONG" --concurrency 256 --num-prompts "$(n 256)"
 fi

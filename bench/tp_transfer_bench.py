@@ -153,8 +153,10 @@ def run_backend(args: argparse.Namespace, model_dir: str, backend: str,
         cluster.start(timeout=args.start_timeout)
         doc["start_s"] = round(time.perf_counter() - t0, 1)
         workers = {w.worker_id: w for w in cluster.status().workers}
-        placement = {"producer-0": devices[0], "consumer-0": devices[1 % len(devices)]}
-        doc["workers"] = {n: {"tp": workers[n].tp_size, "device": d,
+        placement = {cluster.names("producer")[0]: devices[0],
+                     cluster.names("consumer")[0]: devices[1 % len(devices)]}
+        doc["workers"] = {n: {"role": cluster.started_as[n], "tp": workers[n].tp_size,
+                              "device": d,
                               "kv_addresses": len([a for a in workers[n].kv_address.split(",")
                                                    if a])}
                           for n, d in placement.items()}

@@ -15,7 +15,7 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from deploy.cpu_threads import engine_threads
-from deploy.launch_checks import assign_devices
+from deploy.launch_checks import assign_devices, worker_names
 from deploy.ports import free_port
 from deploy.proc_output import ProcOutput, error_line
 from deploy.procs import processes
@@ -47,7 +47,7 @@ class ClusterSpec:
     cluster_token: str = field(default="", repr=False)  # router's and workers' --cluster-token
     worker_metrics: bool = True  # give each worker a /metrics port (LocalCluster.metrics_ports)
     devices: tuple[str, ...] = ()  # cycled over producers, consumers, colocated; (): no --device
-    # Workers on other hosts of this machine: name ("producer-0") -> (network namespace, its
+    # Workers on other hosts of this machine: name ("worker-0") -> (network namespace, its
     # address there); such a worker runs under `ip netns exec`, binds and advertises that
     # address, and reaches the router at ``host`` (which must be reachable from there).
     netns: dict[str, tuple[str, str]] = field(default_factory=dict)
@@ -81,6 +81,9 @@ class LocalCluster:
         self.router_address = f"{spec.host}:{self.grpc_port}"
         self.log_dir = log_dir
         self.metrics_ports: dict[str, int] = {}  # worker name -> its /metrics port
+        # worker name -> the role it started in (the router's ClusterStatus has the current
+        # one: a role change keeps the name)
+        self.started_as: dict[str, str] = {}
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "deploy.cli", *args]
@@ -154,24 +157,27 @@ class LocalCluster:
         common = [*model, "--router", self.router_address, "--threads", str(self.worker_threads()),
                   *s.worker_args]
         devices = assign_devices(s.devices, s.producers, s.consumers, s.colocated)
-        for role, count in (("producer", s.producers), ("consumer", s.consumers),
-                            ("colocated", s.colocated)):
-            for i in range(count):
-                extra = ["--transfer-backend", s.transfer_backend] if role != "colocated" else []
-                if f"{role}-{i}" in devices:
-                    extra += ["--device", devices[f"{role}-{i}"]]
-                if role == "producer":
-                    extra += list(s.producer_args)
-                name = f"{role}-{i}"
-                ns, host = s.netns.get(name, ("", s.host))
-                if s.worker_metrics:
-                    # in a fresh namespace any port is free; the number just has to be known
-                    self.metrics_ports[name] = port = free_port(s.host if not ns else "127.0.0.1")
-                    extra += ["--metrics-port", str(port)]
-                cmd = self._cmd(role, *common, "--host", host, *extra, "--worker-id", name)
-                self._spawn(name, ["ip", "netns", "exec", ns, *cmd] if ns else cmd)
+        for name, role in worker_names(s.producers, s.consumers, s.colocated):
+            self.started_as[name] = role
+            extra = ["--transfer-backend", s.transfer_backend] if role != "colocated" else []
+            if name in devices:
+                extra += ["--device", devices[name]]
+            if role == "producer":
+                extra += list(s.producer_args)
+            ns, host = s.netns.get(name, ("", s.host))
+            if s.worker_metrics:
+                # in a fresh namespace any port is free; the number just has to be known
+                self.metrics_ports[name] = port = free_port(s.host if not ns else "127.0.0.1")
+                extra += ["--metrics-port", str(port)]
+            cmd = self._cmd(role, *common, "--host", host, *extra, "--worker-id", name)
+            self._spawn(name, ["ip", "netns", "exec", ns, *cmd] if ns else cmd)
         self.wait_ready(n, timeout)
         self.echo.set()
+
+    def names(self, role: str) -> list[str]:
+        """The workers started in ``role``, in order (worker-0 is the first producer of a
+        cluster that has one)."""
+        return [n for n, r in self.started_as.items() if r == role]
 
     def worker_threads(self) -> int:
         """Torch threads of each worker: --threads, else this host's usable cores split

@@ -42,11 +42,19 @@ def check_model(model: str | None) -> None:
     resolve_model(model)  # raises ValueError("model: ...") naming what it tried
 
 
+def worker_names(producers: int, consumers: int, colocated: int) -> list[tuple[str, str]]:
+    """(name, starting role) of each worker of a local cluster: producers, then consumers,
+    then colocated, numbered in that order. The name is the worker's id at the router and
+    its process's name here (log file, restarts); it names no role, since the router may
+    change the role (``pdserve plan apply``) and the id stays."""
+    roles = ["producer"] * producers + ["consumer"] * consumers + ["colocated"] * colocated
+    return [(f"worker-{k}", role) for k, role in enumerate(roles)]
+
+
 def assign_devices(devices: tuple[str, ...], producers: int, consumers: int,
                    colocated: int) -> dict[str, str]:
     """Worker name -> device, cycling over producers, then consumers, then colocated."""
     if not devices:
         return {}
-    names = [f"{role}-{i}" for role, n in (("producer", producers), ("consumer", consumers),
-                                           ("colocated", colocated)) for i in range(n)]
-    return {name: devices[k % len(devices)] for k, name in enumerate(names)}
+    names = worker_names(producers, consumers, colocated)
+    return {name: devices[k % len(devices)] for k, (name, _) in enumerate(names)}

@@ -106,7 +106,8 @@ def plan(env: dict[str, str], nodes: list[str], addrs: dict[str, str],
         [("colocated", n) for n in nodes[1 + pn + cn:1 + pn + cn + zn]]
     for role, node in roles:
         for k in range(per_node):
-            wid = f"{role}-{node}-{k}"
+            # the node and its slot, not the role: the router may change the role, the id stays
+            wid = f"worker-{node}-{k}"
             device = ["--device", devices[k % len(devices)]] if devices else []
             out.append(Placement(wid, node, (
                 *base, role, "--model", model, "--router", f"{host}:{grpc}", "--host",

@@ -56,7 +56,7 @@ class RouterConfig:
     max_migrations: int = 2
     max_tokens_limit: int = 1 << 20  # "huge" max_tokens, refused before any length check
     seed_random: bool = True  # draw a seed when the request has none (False: tests only)
-    # Front door (issue 7). The HTTP port is off by default so gRPC-only users and tests
+    # Front door. The HTTP port is off by default so gRPC-only users and tests
     # pay nothing for aiohttp; `pdserve launch` turns it on.
     http_port: int = -1  # OpenAI-compatible HTTP; -1: off, 0: a free port
     api_key: str = ""  # clients must send "Authorization: Bearer <key>"; "" disables the check

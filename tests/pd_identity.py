@@ -49,7 +49,7 @@ def assert_cluster_matches(c: LocalCluster, refs: dict[bool, list[list[int]]],
         for i, r in enumerate(results):
             assert r.code is None and not r.error, (i, r.code, r.details, r.error,
                                                     dump_logs(c))
-            assert (r.timing.producer, r.timing.consumer) == ("producer-0", "consumer-0")
+            assert (r.timing.producer, r.timing.consumer) == ("worker-0", "worker-1")
             assert r.token_ids == refs[seeded][i], (seeded, i)
     ch, stub = stub_for(c.router_address)
     with ch:

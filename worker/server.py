@@ -53,7 +53,8 @@ class WorkerConfig:
 class WorkerServer:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.worker_id = config.worker_id or f"{config.spec.role}-{uuid.uuid4().hex[:6]}"
+        # no role in a default id: it outlives a role change
+        self.worker_id = config.worker_id or f"worker-{uuid.uuid4().hex[:6]}"
         self.paths = ipc.IpcPaths.fresh()
         self.proc: mp.process.BaseProcess | None = None
         self.server: grpc.aio.Server | None = None

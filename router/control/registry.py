@@ -9,7 +9,7 @@ ordered by the router: listed, heartbeating, its in-flight requests running, nev
 for new work) -> gone (``Deregister(done)``, a missed heartbeat deadline, or replaced by
 its own re-registration, e.g. in its new role).
 
-Alive is not the same as keeping up (issue 22). A worker whose heartbeats report it behind
+Alive is not the same as keeping up. A worker whose heartbeats report it behind
 (its gRPC process's event loop more than ``busy_lag_s``, or its engine's last load report
 older than ``busy_engine_s``) is
 *busy*: listed, usable for health, keeping its requests, but not picked for new ones
@@ -178,7 +178,9 @@ class Registry:
         if old is not None:
             # A restart under the same id: requests on the old incarnation are gone with it.
             info.dispatched = old.dispatched
-            self._notify_drop(old, f"worker {worker_id} re-registered")
+            why = (f"worker {worker_id} rebuilt as {ROLE_NAMES[role]} (a planned role change)"
+                   if old.target_role else f"worker {worker_id} re-registered")
+            self._notify_drop(old, why)
         self._notify_change()
         return info
 

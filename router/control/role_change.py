@@ -58,6 +58,11 @@ class Step:
                 f"{ROLE_NAMES[self.to_role]}")
 
 
+def as_role(role: int) -> str:
+    """"a consumer", "a colocated worker": a role in a sentence."""
+    return "a colocated worker" if role == COLOCATED else f"a {ROLE_NAMES[role]}"
+
+
 def serves(roles: Iterable[int]) -> bool:
     rs = list(roles)
     return COLOCATED in rs or (PRODUCER in rs and CONSUMER in rs)
@@ -165,7 +170,9 @@ class RoleChanger:
             return f"{step.worker_id} is no longer registered as {ROLE_NAMES[step.from_role]}"
         reg.hold_until = reg.clock() + timeout_s
         reg.order_role_change(step.worker_id, step.to_role)
-        log.info("role change: %s (draining)", step.describe())
+        log.info("role change: %s (%s) leaves for a planned change to %s: draining (no new "
+                 "requests; those in flight finish)", step.worker_id,
+                 ROLE_NAMES[step.from_role], ROLE_NAMES[step.to_role])
         progress(progress_msg(step, "draining", f"{step.describe()}: draining"))
         end = reg.clock() + timeout_s
         silent_since = 0.0
@@ -177,8 +184,8 @@ class RoleChanger:
                 if w.role != step.to_role:
                     return (f"{step.worker_id} came back as {w.role_name}, not "
                             f"{ROLE_NAMES[step.to_role]}")
-                log.info("role change: %s (registered: %s is now a %s worker)", step.describe(),
-                         step.worker_id, ROLE_NAMES[step.to_role])
+                log.info("role change: %s registered again, now %s (planned: %s)",
+                         step.worker_id, as_role(step.to_role), step.describe())
                 progress(progress_msg(step, "registered", f"{step.describe()}: registered"))
                 return ""
             if reg.clock() > end:
@@ -196,8 +203,9 @@ class RoleChanger:
                 1.0, self.registry.heartbeat_timeout_s / 2):
             return 0.0
         if not silent_since:
-            log.info("role change: %s (rebuilding as %s; no heartbeats until it registers "
-                     "again, as planned)", step.describe(), ROLE_NAMES[step.to_role])
+            # worded for an operator who greps the log for lost workers: nothing here is one
+            log.info("role change: %s is rebuilding as %s: silent until it registers again, "
+                     "as planned", step.worker_id, as_role(step.to_role))
             silent_since = now
         old.last_heartbeat = now  # what a heartbeat would do: the sweep leaves it be
         return silent_since

@@ -32,15 +32,16 @@ def test_sim_run_counts_every_token_and_its_cpu(tmp_path, backend):
     assert doc["messages"] >= PROMPTS and doc["tokens_per_s"] > 0
     assert doc["config"]["client_procs"] == 2
     cpu = doc["cpu"]
-    for part in ("router", "producer-0/service", "producer-0/engine", "consumer-0/service",
-                 "consumer-0/engine", "clients"):
+    assert doc["roles"] == {"worker-0": "producer", "worker-1": "consumer"}
+    for part in ("router", "worker-0/service", "worker-0/engine", "worker-1/service",
+                 "worker-1/engine", "clients"):
         assert cpu[part]["cpu_s"] > 0 and cpu[part]["us_per_token"] > 0, (part, cpu)
     # per-token CPU is the part's CPU over the tokens streamed
     r = cpu["router"]
     assert doc["tokens_basis"] == ("tokens_streamed" if backend == "grpc" else "tokens_counted")
     assert r["us_per_token"] == pytest.approx(r["cpu_s"] / doc[doc["tokens_basis"]] * 1e6,
                                               rel=0.01, abs=0.1)
-    assert cpu["consumer-0/service"]["procs"][0]["cmd"].find("consumer") >= 0
+    assert cpu["worker-1/service"]["procs"][0]["cmd"].find("consumer") >= 0
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         d = doc[key]
         assert d["count"] > 0 and 0 < d["p50"] <= d["p90"] <= d["p99"], (key, d)

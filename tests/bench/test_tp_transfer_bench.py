@@ -24,7 +24,7 @@ def test_request_times_measures_landing_from_token0_against_prefill() -> None:
                                 router_token0_sent_ns=1_081 * MS,
                                 consumer_kv_ready_ns=1_086 * MS,
                                 consumer_first_step_ns=1_087 * MS, kv_transfer_ms=70.5,
-                                producer="producer-0", consumer="consumer-0")
+                                producer="worker-0", consumer="worker-1")
     r = request_times(t)
     assert r["prefill_ms"] == 80.0 and r["land_ms"] == 6.0 and r["land_ratio"] == 0.075
     assert r["kv_transfer_ms"] == 70.5 and r["kv_transfer_ratio"] == 0.8812
@@ -59,13 +59,15 @@ def test_tp_transfer_bench_on_cpu(tmp_path) -> None:  # type: ignore[no-untyped-
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "tp_transfer_ucx.json").read_text())
-    assert doc["workers"]["producer-0"]["tp"] == 2 and doc["workers"]["consumer-0"]["tp"] == 1
+    ws = doc["workers"]
+    assert (ws["worker-0"]["role"], ws["worker-1"]["role"]) == ("producer", "consumer")
+    assert ws["worker-0"]["tp"] == 2 and ws["worker-1"]["tp"] == 1
     assert doc["summary"]["ok"] == 2 and len(doc["records"]) == 2
     for r in doc["records"]:
-        assert r["producer"] == "producer-0" and r["consumer"] == "consumer-0"
+        assert r["producer"] == "worker-0" and r["consumer"] == "worker-1"
         assert r["prompt_tokens"] == 128 and r["output_tokens"] == 4
         # the KV lands after token 0 (the last push follows it), within the request
         assert 0 < r["prefill_ms"] < r["ttft_ms"] < r["e2e_ms"]
         assert 0 <= r["land_ms"] < r["e2e_ms"]
         assert r["land_ratio"] == pytest.approx(r["land_ms"] / r["prefill_ms"], rel=1e-3)
-    assert (out / "logs_ucx" / "producer-0.log").exists()
+    assert (out / "logs_ucx" / "worker-0.log").exists()

@@ -169,8 +169,9 @@ class ChaosRun:
             return []
         busy = {w for f in self._down.values() for w in f.workers}
         up = [n for n in self.workers if n in healthy and n not in busy]
-        down_roles = {_role(n) for n in self.workers if n not in up} if whole else set()
-        return [n for n in up if _role(n) in roles and _role(n) not in down_roles]
+        role = self.cluster.started_as  # the driver changes no role
+        down_roles = {role[n] for n in self.workers if n not in up} if whole else set()
+        return [n for n in up if role[n] in roles and role[n] not in down_roles]
 
     def _inject(self, kind: str) -> Fault | None:
         now = time.monotonic()
@@ -352,10 +353,6 @@ class ChaosRun:
         """From the fault until every request in flight at that moment had ended."""
         ends = [o.ended for o in self.outcomes if o.started < f.at and o.ended >= f.at]
         return max(ends, default=f.at) - f.at
-
-
-def _role(worker: str) -> str:
-    return worker.rsplit("-", 1)[0]
 
 
 def router_log(cluster: LocalCluster) -> str:

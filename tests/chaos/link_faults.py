@@ -19,9 +19,10 @@ from collections.abc import Callable
 from netns_hosts import NetHub
 
 from deploy.cluster import ClusterSpec
+from deploy.launch_checks import worker_names
 
 LINK_KINDS = ("rate_limit", "partition", "link_down")
-WORKERS_2P2D = ["producer-0", "producer-1", "consumer-0", "consumer-1"]
+WORKERS_2P2D = [name for name, _ in worker_names(2, 2, 0)]
 Undo = Callable[[], None]
 # (kind, the workers it touches, what was done, how to undo it)
 Injected = tuple[str, tuple[str, ...], str, Undo]
@@ -68,8 +69,7 @@ def netns_spec(hub: NetHub, worker_args: tuple[str, ...], router_args: tuple[str
                producers: int = 2, consumers: int = 2) -> ClusterSpec:
     """A cluster whose workers each run on their own host of ``hub`` (the router on the
     bridge), KV over UCX on TCP: shared memory would pass under every link fault."""
-    names = [f"producer-{i}" for i in range(producers)] + \
-            [f"consumer-{i}" for i in range(consumers)]
+    names = [name for name, _ in worker_names(producers, consumers, 0)]
     return ClusterSpec(producers=producers, consumers=consumers, host=hub.hub_addr,
                        worker_args=worker_args, router_args=router_args, worker_metrics=False,
                        env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"},

@@ -87,21 +87,21 @@ def test_a_running_cluster_passes() -> None:
         assert all(k.status == PASS for k in checks), render(checks)
         assert by["kv fingerprints"].detail.endswith("on 2 worker(s)")
         assert by["versions"].status == PASS
-        assert by["consumer consumer-0 KV port"].status == PASS  # the UCX handshake port
+        assert by["consumer worker-1 KV port"].status == PASS  # the UCX handshake port
         clock = clock_checks(f"http://127.0.0.1:{c.http_port}")
         assert [k.status for k in clock] == [PASS], render(clock)
         assert by["roles"].detail == "consumer, producer"
-        assert by["producer producer-0 gRPC port"].status == PASS
-        assert by["consumer consumer-0 gRPC port"].status == PASS
-        c.kill("consumer-0")
+        assert by["producer worker-0 gRPC port"].status == PASS
+        assert by["consumer worker-1 gRPC port"].status == PASS
+        c.kill("worker-1")
         # while the router still lists it, its gRPC port is closed; once dropped, the
         # cluster has no consumer: either way doctor fails and names it
         after = cluster_checks(c.router_address)
         failed = [k for k in after if k.status == FAIL]
         assert exit_code(after) == 1, render(after)
-        assert {k.name for k in failed} <= {"roles", "consumer consumer-0",
-                                             "consumer consumer-0 gRPC port",
-                                             "consumer consumer-0 KV port"}, render(after)
+        assert {k.name for k in failed} <= {"roles", "consumer worker-1",
+                                             "consumer worker-1 gRPC port",
+                                             "consumer worker-1 KV port"}, render(after)
 
 
 def test_fingerprints_match_and_a_mismatch_fails() -> None:

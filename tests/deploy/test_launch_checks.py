@@ -9,7 +9,7 @@ import time
 import pytest
 
 from deploy.cli import main
-from deploy.launch_checks import assign_devices
+from deploy.launch_checks import assign_devices, worker_names
 from deploy.proc_output import error_line
 from deploy.procs import cmdline, processes
 
@@ -70,9 +70,16 @@ def test_bad_worker_counts(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_devices_cycle_producers_then_consumers_then_colocated() -> None:
     got = assign_devices(("cuda:0", "cuda:1", "cuda:2"), 2, 3, 1)
-    assert got == {"producer-0": "cuda:0", "producer-1": "cuda:1", "consumer-0": "cuda:2",
-                   "consumer-1": "cuda:0", "consumer-2": "cuda:1", "colocated-0": "cuda:2"}
+    assert got == {"worker-0": "cuda:0", "worker-1": "cuda:1", "worker-2": "cuda:2",
+                   "worker-3": "cuda:0", "worker-4": "cuda:1", "worker-5": "cuda:2"}
     assert assign_devices((), 1, 1, 0) == {}
+
+
+def test_worker_names_are_role_neutral_and_numbered_in_start_order() -> None:
+    """The name is the id at the router, which a role change keeps: no role in it."""
+    assert worker_names(2, 1, 1) == [("worker-0", "producer"), ("worker-1", "producer"),
+                                     ("worker-2", "consumer"), ("worker-3", "colocated")]
+    assert worker_names(0, 0, 2) == [("worker-0", "colocated"), ("worker-1", "colocated")]
 
 
 def test_error_line_prefers_the_error_over_the_traceback() -> None:

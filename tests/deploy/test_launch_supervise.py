@@ -62,24 +62,24 @@ def test_launch_restarts_a_killed_worker_and_serves_again() -> None:
     try:
         _read_until(proc, lines, "ready", 300)
         kids = _children(proc.pid)
-        assert set(kids) == {"router", "producer-0", "consumer-0"}, kids
+        assert set(kids) == {"router", "worker-0", "worker-1"}, kids
         # its own random token, in every process's environment (never on a command line)
         tokens = {n: _environ(pid).get("PDSERVE_CLUSTER_TOKEN", "") for n, pid in kids.items()}
         assert len(set(tokens.values())) == 1 and len(tokens["router"]) >= 32, tokens
         assert all(tokens["router"] not in cmdline(pid) for pid in kids.values())
-        for name in ("producer-0", "consumer-0"):
+        for name in ("worker-0", "worker-1"):
             argv = cmdline(kids[name]).split()
             assert argv[argv.index("--device") + 1] == "cpu", argv
             assert _environ(kids[name])["UCX_WARN_UNUSED_ENV_VARS"] == "n"
 
-        os.kill(kids["consumer-0"], signal.SIGKILL)
-        _read_until(proc, lines, "consumer-0 restarted", 60)
+        os.kill(kids["worker-1"], signal.SIGKILL)
+        _read_until(proc, lines, "worker-1 restarted", 60)
         text = "".join(lines)
-        assert "consumer-0 exited (killed by signal 9)" in text, text
+        assert "worker-1 exited (killed by signal 9)" in text, text
         assert proc.poll() is None, text
 
         new = _children(proc.pid)
-        assert new["consumer-0"] != kids["consumer-0"] and new["producer-0"] == kids["producer-0"]
+        assert new["worker-1"] != kids["worker-1"] and new["worker-0"] == kids["worker-0"]
         ch, stub = stub_for(f"127.0.0.1:{port}")
         end = time.monotonic() + 240
         with ch:
@@ -106,5 +106,5 @@ def test_a_worker_dying_during_start_up_is_one_line() -> None:
     errors = [ln for ln in out.splitlines() if "error" in ln]
     # both workers reject the flag; whichever the launcher saw die first is named
     assert len(errors) == 1 and re.fullmatch(
-        r"pdserve: error: during start-up, (producer|consumer)-0 exited \(exit 2\): "
+        r"pdserve: error: during start-up, worker-[01] exited \(exit 2\): "
         r"unrecognized arguments: --bogus", errors[0]), out

@@ -40,7 +40,7 @@ def test_the_docs_have_commands() -> None:
 
 @pytest.mark.parametrize("doc, cmd", CASES, ids=[f"{d}:{c[:40]}" for d, c in CASES])
 def test_every_documented_command_parses(doc: str, cmd: str) -> None:
-    argv = [a.replace("<pid of producer-0>", "1") for a in shlex.split(cmd)]
+    argv = [a.replace("<pid of worker-0>", "1") for a in shlex.split(cmd)]
     try:
         build_parser().parse_args(argv)
     except SystemExit as e:

@@ -97,7 +97,7 @@ def test_sbatch_1p1d_serves_and_scancel_leaves_nothing(slurm, tmp_path: Path) ->
         assert r.error == "" and r.token_ids == ref.token_ids, (r.error, context())
         # every worker ran through srun on its node
         steps = slurm.cmd("squeue", "-h", "-s", "-j", job, "-o", "%j")
-        assert "pdserve-producer-n2-0" in steps and "pdserve-consumer-n3-0" in steps, steps
+        assert "pdserve-worker-n2-0" in steps and "pdserve-worker-n3-0" in steps, steps
     finally:
         slurm.cmd("scancel", job, check=False)
     end = time.monotonic() + 90

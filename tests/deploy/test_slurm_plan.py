@@ -23,9 +23,11 @@ def test_router_first_then_producers_then_consumers_one_worker_per_gpu() -> None
     places, ep = plan(env, NODES, ADDRS, "py")
     assert ep == {"grpc": "10.0.0.1:7000", "http": "http://10.0.0.1:7001"}
     assert [(p.name, p.node) for p in places] == [
-        ("router", "a1"), ("producer-a2-0", "a2"), ("producer-a2-1", "a2"),
-        ("consumer-a3-0", "a3"), ("consumer-a3-1", "a3"), ("consumer-a4-0", "a4"),
-        ("consumer-a4-1", "a4")]
+        ("router", "a1"), ("worker-a2-0", "a2"), ("worker-a2-1", "a2"),
+        ("worker-a3-0", "a3"), ("worker-a3-1", "a3"), ("worker-a4-0", "a4"),
+        ("worker-a4-1", "a4")]
+    # the ids name the node and slot, the command the role each starts in
+    assert [p.cmd[3] for p in places[1:]] == ["producer"] * 2 + ["consumer"] * 4
     w = places[4]
     assert w.cmd[:4] == ("py", "-m", "deploy.cli", "consumer")
     assert _argv(w, "--device") == "cuda:1" and _argv(w, "--host") == "10.0.0.3"
@@ -60,8 +62,8 @@ def test_bad_model_and_port_are_refused_before_any_step() -> None:
 def test_colocated_nodes_follow_the_consumers_and_an_all_colocated_job_is_allowed() -> None:
     places, _ = plan({"PDSERVE_COLOCATED_NODES": "1"}, NODES, ADDRS, "py")
     assert [(p.name, p.node) for p in places] == [
-        ("router", "a1"), ("producer-a2-0", "a2"), ("consumer-a3-0", "a3"),
-        ("colocated-a4-0", "a4")]
+        ("router", "a1"), ("worker-a2-0", "a2"), ("worker-a3-0", "a3"),
+        ("worker-a4-0", "a4")]
     assert places[3].cmd[3] == "colocated"
     env = {"PDSERVE_PRODUCER_NODES": "0", "PDSERVE_CONSUMER_NODES": "0",
            "PDSERVE_COLOCATED_NODES": "2"}

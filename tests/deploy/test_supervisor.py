@@ -22,7 +22,7 @@ class Clock:
 def _cluster(worker_code: str) -> LocalCluster:
     c = LocalCluster(ClusterSpec(producers=0, consumers=0, colocated=1))
     c._spawn("router", [sys.executable, "-c", "import time; time.sleep(60)"])
-    c._spawn("colocated-0", [sys.executable, "-c", worker_code])
+    c._spawn("worker-0", [sys.executable, "-c", worker_code])
     return c
 
 
@@ -37,16 +37,16 @@ def test_backoff_doubles_to_its_cap_and_each_restart_runs_the_same_command() -> 
     try:
         delays = []
         for _ in range(7):
-            _wait_exit(c, "colocated-0")
+            _wait_exit(c, "worker-0")
             sup.poll()  # notices the exit, schedules the restart
             delays.append(float(said[-1].rsplit("restarting in ", 1)[1].split()[0]))
             sup.poll()
-            assert said[-1].startswith("colocated-0 exited")  # not yet due
+            assert said[-1].startswith("worker-0 exited")  # not yet due
             clock.t += delays[-1]
             sup.poll()
-            assert said[-1] == "colocated-0 restarted"
+            assert said[-1] == "worker-0 restarted"
         assert delays == [1, 2, 4, 8, 16, 30, 30] and BACKOFF_MAX_S == 30
-        assert said[0] == "colocated-0 exited (exit 3): engine process exited; restarting in 1 s"
+        assert said[0] == "worker-0 exited (exit 3): engine process exited; restarting in 1 s"
         assert sup.restarts == 7
     finally:
         c.stop()
@@ -58,23 +58,23 @@ def test_backoff_resets_after_a_stable_run() -> None:
     sup = Supervisor(c, say=said.append, clock=clock)
     try:
         for _ in range(3):
-            _wait_exit(c, "colocated-0")
+            _wait_exit(c, "worker-0")
             sup.poll()
             clock.t += 60
             sup.poll()
         assert "restarting in 4 s" in said[-2]
         # a long-running incarnation: up STABLE_S, then it dies; back to the first delay
-        c.cmds["colocated-0"] = [sys.executable, "-c", "import time; time.sleep(60)"]
-        _wait_exit(c, "colocated-0")
+        c.cmds["worker-0"] = [sys.executable, "-c", "import time; time.sleep(60)"]
+        _wait_exit(c, "worker-0")
         sup.poll()
         clock.t += 60
         sup.poll()
         clock.t += STABLE_S
         sup.poll()
-        c.procs["colocated-0"].kill()
-        _wait_exit(c, "colocated-0")
+        c.procs["worker-0"].kill()
+        _wait_exit(c, "worker-0")
         sup.poll()
-        assert said[-1] == "colocated-0 exited (killed by signal 9); restarting in 1 s"
+        assert said[-1] == "worker-0 exited (killed by signal 9); restarting in 1 s"
     finally:
         c.stop()
 

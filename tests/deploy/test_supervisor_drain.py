@@ -12,7 +12,7 @@ from deploy.supervisor import BACKOFF_FIRST_S, Supervisor
 def _cluster(worker_code: str) -> LocalCluster:
     c = LocalCluster(ClusterSpec(producers=0, consumers=0, colocated=1))
     c._spawn("router", [sys.executable, "-c", "import time; time.sleep(60)"])
-    c._spawn("colocated-0", [sys.executable, "-c", worker_code])
+    c._spawn("worker-0", [sys.executable, "-c", worker_code])
     return c
 
 
@@ -22,19 +22,19 @@ def test_drained_exit_restarts_at_once_without_backoff() -> None:
     clock = [1000.0]
     sup = Supervisor(c, say=said.append, clock=lambda: clock[0])
     try:
-        first = c.procs["colocated-0"]
+        first = c.procs["worker-0"]
         for i in range(3):
-            c.procs["colocated-0"].wait(30)
+            c.procs["worker-0"].wait(30)
             sup.poll()  # the same poll restarts it: no waiting on the clock
-            assert said[-1] == "colocated-0 drained and exited 0; restarted"
+            assert said[-1] == "worker-0 drained and exited 0; restarted"
             assert sup.restarts == i + 1
-        assert c.procs["colocated-0"] is not first
+        assert c.procs["worker-0"] is not first
         assert sup.crashes == 0
         # now it fails: the first crash waits the first backoff, not a grown one
-        c.cmds["colocated-0"] = [sys.executable, "-c", "import sys; sys.exit(2)"]
-        c.procs["colocated-0"].wait(30)
+        c.cmds["worker-0"] = [sys.executable, "-c", "import sys; sys.exit(2)"]
+        c.procs["worker-0"].wait(30)
         sup.poll()  # the drained incarnation (exit 0) restarts in the failing command
-        c.procs["colocated-0"].wait(30)
+        c.procs["worker-0"].wait(30)
         sup.poll()
         assert said[-1].endswith(f"restarting in {BACKOFF_FIRST_S:.0f} s"), said
         assert sup.crashes == 1

@@ -75,9 +75,9 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
         load = SteadyLoad(c.router_address, clients=3, max_tokens=(64, 300, 800))
         with load.running():
             load.wait_for(8)
-            for i, name in enumerate(("producer-0", "consumer-0", "producer-1", "consumer-1")):
+            for i, name in enumerate(("worker-0", "worker-2", "worker-1", "worker-3")):
                 old = c.procs[name]
-                if name.startswith("consumer"):
+                if c.started_as[name] == "consumer":
                     wait_decoding(c, name, DRAIN_LEFT)
                 sigterm(c, name, group=i >= 2)
                 # the router stops picking it at once, while it is still listed
@@ -92,10 +92,10 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
         assert load.count() >= 24
         check_against_colocated(load.sent, tiny_llm)
         # the drains were real: requests were in flight on the draining workers
-        logs = "".join(log_text(c, n) for n in ("producer-0", "consumer-0", "producer-1",
-                                                 "consumer-1"))
+        logs = "".join(log_text(c, n) for n in ("worker-0", "worker-2", "worker-1",
+                                                 "worker-3"))
         assert logs.count("drained (SIGTERM)") == 4
-        for name in ("consumer-0", "consumer-1"):
+        for name in ("worker-2", "worker-3"):
             assert re.search(r"waiting for [1-9]", log_text(c, name)), \
                 f"{name}'s drain had no request in flight to wait for"
     finally:
@@ -111,7 +111,7 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
                       router_args=("--heartbeat-timeout", "3"))
     ch, stub = stub_for(c.router_address)
     try:
-        address = workers(c)["colocated-0"].address
+        address = workers(c)["worker-0"].address
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(1) as pool:
@@ -119,10 +119,10 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
             long = pool.submit(generate, stub, dict(max_tokens=LONG_TOKENS, temperature=0.0,
                                                     ignore_eos=True),
                                prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[1]))
-            wait_until(lambda: workers(c)["colocated-0"].load.running == 1, 30, "decoding")
+            wait_until(lambda: workers(c)["worker-0"].load.running == 1, 30, "decoding")
             t0 = time.monotonic()
-            sigterm(c, "colocated-0")
-            wait_until(lambda: workers(c)["colocated-0"].draining, 10, "draining")
+            sigterm(c, "worker-0")
+            wait_until(lambda: workers(c)["worker-0"].draining, 10, "draining")
             # the router will not place a request: its only worker is draining
             r = generate(stub, dict(max_tokens=2), prompt_token_ids=router_pb2.TokenIds(
                 ids=PROMPTS[0]))
@@ -135,14 +135,14 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
                         request_id="late", prompt_token_ids=PROMPTS[0], colocated=True,
                         sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "colocated-0 is draining (SIGTERM)" in e.value.details()
+            assert "worker-0 is draining (SIGTERM)" in e.value.details()
             res = long.result(120)
         assert res.finish_reason == common_pb2.FINISH_REASON_ERROR, (res.code, res.details)
         assert "drain timeout (4 s, --drain-timeout)" in res.error, res.error
         assert 0 < len(res.token_ids) < LONG_TOKENS
-        assert c.procs["colocated-0"].wait(30) == 0
+        assert c.procs["worker-0"].wait(30) == 0
         assert time.monotonic() - t0 < 30
-        wait_until(lambda: "colocated-0" not in workers(c), 10, "deregistered")
+        wait_until(lambda: "worker-0" not in workers(c), 10, "deregistered")
     finally:
         ch.close()
         c.stop()

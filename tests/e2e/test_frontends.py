@@ -70,7 +70,7 @@ def test_every_frontend_serves_and_all_see_the_workers(cluster: LocalCluster) ->
                 st = router_pb2_grpc.RouterStub(ch).ClusterStatus(
                     router_pb2.ClusterStatusRequest(), timeout=10)
             views.append(sorted(w.worker_id for w in st.workers))
-        if all(v == ["consumer-0", "producer-0"] for v in views):
+        if all(v == ["worker-0", "worker-1"] for v in views):
             break
         assert time.monotonic() < deadline, views
         time.sleep(0.5)

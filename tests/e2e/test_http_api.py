@@ -20,7 +20,7 @@ import openai
 import pytest
 from cluster_client import chat, generate, wait_for_full_kv
 from live_cluster import WORKER_ARGS, dump_logs, start_cluster
-from pdserve.v1 import router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.cluster import LocalCluster
@@ -146,7 +146,8 @@ def test_api_key_and_cluster_token_are_enforced(cluster: LocalCluster) -> None:
     # its own gRPC wants the cluster token the router sends.
     from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
-    consumer = next(w for w in cluster.status().workers if w.worker_id.startswith("consumer"))
+    consumer = next(w for w in cluster.status().workers
+                    if w.role == common_pb2.ROLE_CONSUMER)
     for md in ((), (("x-pdserve-cluster-token", "wrong"),)):
         with grpc.insecure_channel(consumer.address) as ch:
             w = worker_pb2_grpc.WorkerStub(ch)
@@ -275,14 +276,14 @@ def test_metrics_parse_and_move(cluster: LocalCluster) -> None:
     router_url = base(cluster) + "/metrics"
     ports = cluster.metrics_ports
     before = _scrape(router_url)
-    p_before = _scrape(f"http://127.0.0.1:{ports['producer-0']}/metrics")
-    c_before = _scrape(f"http://127.0.0.1:{ports['consumer-0']}/metrics")
+    p_before = _scrape(f"http://127.0.0.1:{ports['worker-0']}/metrics")
+    c_before = _scrape(f"http://127.0.0.1:{ports['worker-1']}/metrics")
     client(cluster).chat.completions.create(model="smollm2", max_tokens=6, temperature=0,
                                             messages=[{"role": "user", "content": "Hi"}])
     time.sleep(0.6)  # worker counters ride the engine's 0.25 s load reports
     after = _scrape(router_url)
-    p_after = _scrape(f"http://127.0.0.1:{ports['producer-0']}/metrics")
-    c_after = _scrape(f"http://127.0.0.1:{ports['consumer-0']}/metrics")
+    p_after = _scrape(f"http://127.0.0.1:{ports['worker-0']}/metrics")
+    c_after = _scrape(f"http://127.0.0.1:{ports['worker-1']}/metrics")
     for name, suffix in (("pdserve_router_requests", "_total"),
                          ("pdserve_router_time_to_first_token_seconds", "_count"),
                          ("pdserve_router_time_to_second_token_seconds", "_count"),

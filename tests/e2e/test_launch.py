@@ -83,7 +83,7 @@ def test_launch_serves_and_stops_everything_on_ctrl_c():
             assert time.monotonic() < end, "".join(lines)
         text = "".join(lines)
         assert f"router gRPC:  127.0.0.1:{port}" in text
-        assert re.search(r"producer\s+producer-0", text) and re.search(r"consumer\s+consumer-0",
+        assert re.search(r"producer\s+worker-0", text) and re.search(r"consumer\s+worker-1",
                                                                        text)
         ch, stub = stub_for(f"127.0.0.1:{port}")
         with ch:
@@ -101,8 +101,8 @@ def test_launch_serves_and_stops_everything_on_ctrl_c():
         assert proc.returncode == 0, out
         # workers drain and deregister while the router still runs, then the router stops
         assert not ALARMING.search(out), out
-        assert out.index("producer-0 left") < out.index("router: shutting down"), out
-        assert out.index("consumer-0 left") < out.index("router: shutting down"), out
+        assert out.index("worker-0 left") < out.index("router: shutting down"), out
+        assert out.index("worker-1 left") < out.index("router: shutting down"), out
         time.sleep(0.5)
         alive = [k for k in kids if os.path.exists(f"/proc/{k}")
                  and "zombie" not in open(f"/proc/{k}/status").read().lower()]

@@ -64,7 +64,7 @@ def test_steps_longer_than_the_lease_fail_no_held_request(slow_step_cluster, col
         with ThreadPoolExecutor(N) as pool:
             futs = [pool.submit(generate, stub, params, 300, **chat(p)) for p in prompts]
             results = [f.result() for f in futs]
-        with open(c.log_paths["producer-0"], errors="replace") as f:
+        with open(c.log_paths["worker-0"], errors="replace") as f:
             plog = f.read()
         for r in results:
             assert r.error == "" and not r.code, (r.error, r.code, r.details, dump_logs(c))
@@ -79,7 +79,7 @@ def test_steps_longer_than_the_lease_fail_no_held_request(slow_step_cluster, col
         assert [results[i].token_ids for i in picked] == [ref.token_ids for ref in refs]
         # what makes this test mean something: the producer's steps outlasted the lease
         # while requests waited past it for the consumer
-        port = c.metrics_ports["producer-0"]
+        port = c.metrics_ports["worker-0"]
         steps = _counter(port, "pdserve_worker_engine_steps")
         mean_step_s = _counter(port, "pdserve_worker_engine_step_seconds") / steps
         assert mean_step_s > LEASE_S, f"steps of {mean_step_s:.2f} s prove nothing"
@@ -100,6 +100,6 @@ def test_a_lease_too_short_for_the_routers_holds_stops_the_producer_at_start(
                       producer_args=("--lease", "1.5"),
                       router_args=("--local-prefill-max-tokens", "-1", "--hold-interval", "1"))
     msg = str(e.value)
-    assert "producer-0" in msg, msg
-    assert "lease_s: worker producer-0's --lease (1.5 s) is under 2x this router's " \
+    assert "worker-0" in msg, msg
+    assert "lease_s: worker worker-0's --lease (1.5 s) is under 2x this router's " \
            "--hold-interval (1 s)" in msg, msg

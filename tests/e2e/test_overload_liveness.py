@@ -103,7 +103,7 @@ class Starved:
 
 
 class Watch:
-    """Polls ClusterStatus from a thread: was consumer-0 ever missing, how busy it looked."""
+    """Polls ClusterStatus from a thread: was worker-1 ever missing, how busy it looked."""
 
     def __init__(self, stub) -> None:  # type: ignore[no-untyped-def]
         self.stub = stub
@@ -115,7 +115,7 @@ class Watch:
     def _run(self) -> None:
         while not self._stop.wait(0.2):
             st = self.stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10)
-            c = next((w for w in st.workers if w.worker_id == "consumer-0"), None)
+            c = next((w for w in st.workers if w.worker_id == "worker-1"), None)
             if c is None:
                 self.missing.append(time.monotonic())
             else:
@@ -168,7 +168,7 @@ def test_a_cpu_starved_consumer_is_busy_never_dropped(tmp_path_factory):  # type
                        for i in range(STREAMS)]
             _wait_decoding(stub, STREAMS // 2)
             fresh = []
-            with Starved(c.procs["consumer-0"].pid, cpu, STARVE_S):
+            with Starved(c.procs["worker-1"].pid, cpu, STARVE_S):
                 end = time.monotonic() + STARVE_S
                 while time.monotonic() < end:  # new requests all along the starvation
                     fresh.append(pool.submit(generate, stub, small, 240,
@@ -182,10 +182,10 @@ def test_a_cpu_starved_consumer_is_busy_never_dropped(tmp_path_factory):  # type
         # never dropped, not even for a moment
         assert watch.missing == [], logs
         assert "stopped heartbeating" not in router_log, logs
-        assert router_log.count("registered consumer consumer-0") == 1, logs
+        assert router_log.count("registered consumer worker-1") == 1, logs
         # what makes this test mean something: its loop fell behind, and the router knew
         assert watch.max_lag > BUSY_LAG_S, (watch.max_lag, logs)
-        assert "consumer consumer-0 is busy: its event loop is" in router_log, logs
+        assert "consumer worker-1 is busy: its event loop is" in router_log, logs
         # the requests streaming through it finished, every token
         for r in done:
             assert r.code is None and r.error == "", (r.code, r.details, r.error, logs)
@@ -199,7 +199,7 @@ def test_a_cpu_starved_consumer_is_busy_never_dropped(tmp_path_factory):  # type
                 assert r.error == "" and len(r.token_ids) == 8, (r.error, logs)
             else:
                 assert r.code == grpc.StatusCode.RESOURCE_EXHAUSTED, (r.code, r.details)
-                assert r.details.startswith("all 1 consumer is busy: consumer-0: its event "
+                assert r.details.startswith("all 1 consumer is busy: worker-1: its event "
                                             "loop is"), r.details
                 assert r.messages == 0  # refused before the first message
         # and once it caught up, it takes new requests again
@@ -207,7 +207,7 @@ def test_a_cpu_starved_consumer_is_busy_never_dropped(tmp_path_factory):  # type
         while (r := generate(stub, small, **_prompt(1))).code is not None:
             assert time.monotonic() < deadline, (r.code, r.details)
             time.sleep(0.5)
-        assert r.error == "" and r.timing.consumer == "consumer-0"
+        assert r.error == "" and r.timing.consumer == "worker-1"
     finally:
         ch.close()
         c.stop()

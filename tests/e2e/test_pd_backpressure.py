@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cluster_client import chat, generate, stub_for, wait_for_full_kv
 from live_cluster import start_cluster
-from pdserve.v1 import router_pb2
+from pdserve.v1 import common_pb2, router_pb2
 
 from engine.sampling_params import SamplingParams
 
@@ -20,7 +20,7 @@ BIG = "Reservations wait for blocks when the consumer's pool is full. " * 32  # 
 
 def _consumer_waiting(stub) -> int:  # type: ignore[no-untyped-def]
     ws = stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers
-    return sum(w.load.waiting for w in ws if w.worker_id.startswith("consumer"))
+    return sum(w.load.waiting for w in ws if w.role == common_pb2.ROLE_CONSUMER)
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def test_queued_reservations_outlive_the_lease(tight_cluster, colocated_llm):
         waits = sorted((r.timing.consumer_kv_ready_ns - r.timing.producer_token0_sampled_ns)
                        / 1e9 - r.timing.kv_transfer_ms / 1e3 for r in results)
         assert waits[-1] > 1.5 * LEASE_S, waits  # past the lease: held on the router's word
-        plog = _log(c, "producer-0")
+        plog = _log(c, "worker-0")
         assert "lease expired" not in plog, plog[-3000:]
         assert "lease expired" not in _log(c, "router")
         wait_for_full_kv(stub, timeout=30)
@@ -92,13 +92,13 @@ def test_a_silent_consumer_still_frees_the_producer_blocks(tight_cluster):
                     for p in prompts]
             end = time.monotonic() + 60
             while True:  # reservations queued on the consumer, prefilled blocks on the producer
-                cl, pl = _load(stub, "consumer-0"), _load(stub, "producer-0")
+                cl, pl = _load(stub, "worker-1"), _load(stub, "worker-0")
                 if cl is not None and pl is not None and cl.waiting >= 1 \
                         and pl.kv_blocks_free < pl.kv_blocks_total:
                     break
                 assert time.monotonic() < end, (cl, pl)
                 time.sleep(0.1)
-            os.killpg(c.procs["consumer-0"].pid, signal.SIGSTOP)
+            os.killpg(c.procs["worker-1"].pid, signal.SIGSTOP)
             stopped = time.monotonic()
             try:
                 results = [f.result() for f in futs]
@@ -106,14 +106,14 @@ def test_a_silent_consumer_still_frees_the_producer_blocks(tight_cluster):
                 assert all(r.error or r.code for r in results), results
                 # and the producer holds nothing while the consumer is still silent
                 while True:
-                    pl = _load(stub, "producer-0")
+                    pl = _load(stub, "worker-0")
                     if pl is not None and pl.kv_blocks_free == pl.kv_blocks_total \
                             and pl.transfers_in_flight == 0:
                         break
                     assert time.monotonic() - stopped < HEARTBEAT_S + LEASE_S + 20, pl
                     time.sleep(0.2)
             finally:
-                os.killpg(c.procs["consumer-0"].pid, signal.SIGCONT)
+                os.killpg(c.procs["worker-1"].pid, signal.SIGCONT)
         wait_for_full_kv(stub, timeout=60)
     finally:
         ch.close()

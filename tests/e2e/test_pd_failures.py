@@ -60,22 +60,22 @@ def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, ba
             _wait_decoding(stub, rids)  # round robin: one per consumer
             t_kill = time.monotonic()
             # its gRPC process alone, as the OOM killer would: the engine must follow
-            assert len(c.group_alive("consumer-0")) >= 2
-            c.kill("consumer-0", group=False)
+            assert len(c.group_alive("worker-2")) >= 2
+            c.kill("worker-2", group=False)
             results = [f.result() for f in futs]
-        while c.group_alive("consumer-0"):
+        while c.group_alive("worker-2"):
             assert time.monotonic() - t_kill < 10, "the engine outlived its worker"
             time.sleep(0.1)
         failed = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_ERROR]
         ok = [r for r in results if r.finish_reason == common_pb2.FINISH_REASON_LENGTH]
         assert len(failed) == 1 and len(ok) == 1, [(r.finish_reason, r.error) for r in results]
-        assert "consumer-0" in failed[0].error
+        assert "worker-2" in failed[0].error
         assert len(ok[0].token_ids) == decode["max_tokens"]
         assert time.monotonic() - t_kill < 60  # ended, no hang (the survivor ran to the end)
-        _wait_dropped(stub, "consumer-0")
+        _wait_dropped(stub, "worker-2")
         after = [generate(stub, dict(max_tokens=3, temperature=0), **chat("Hi!"))
                  for _ in range(4)]
-        assert all(r.error == "" and r.timing.consumer == "consumer-1" for r in after)
+        assert all(r.error == "" and r.timing.consumer == "worker-3" for r in after)
 
         # --- a producer dies mid-prefill ------------------------------------------------
         prefill = dict(max_tokens=4, temperature=0)
@@ -83,13 +83,13 @@ def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, ba
             futs = [pool.submit(generate, stub, prefill, timeout=120, **chat(LONG + str(i)))
                     for i in range(4)]
             time.sleep(0.8)
-            c.kill("producer-0")
+            c.kill("worker-0")
             results = [f.result() for f in futs]
         errors = [r.error for r in results if r.finish_reason == common_pb2.FINISH_REASON_ERROR]
-        assert errors and all("producer-0" in e for e in errors), errors
-        _wait_dropped(stub, "producer-0")
+        assert errors and all("worker-0" in e for e in errors), errors
+        _wait_dropped(stub, "worker-0")
         r = generate(stub, prefill, **chat(LONG))
-        assert r.error == "" and r.timing.producer == "producer-1"
+        assert r.error == "" and r.timing.producer == "worker-1"
         wait_for_full_kv(stub)  # the survivors' pools are whole
     finally:
         ch.close()

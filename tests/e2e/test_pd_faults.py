@@ -113,12 +113,12 @@ def cluster(cluster_1p1d):  # type: ignore[no-untyped-def]
     consumer leaves it, and this checks that it did."""
     yield cluster_1p1d
     workers = {w.worker_id for w in cluster_1p1d.status().workers}
-    assert workers == {"producer-0", "consumer-0"}, workers
+    assert workers == {"worker-0", "worker-1"}, workers
 
 
 def test_unreachable_consumer_kv_port_is_repaired_within_the_deadline(cluster,
                                                                       colocated_llm):
-    fake = DeadKVConsumer(_ready_info(cluster, "consumer-0"), cluster.router_address)
+    fake = DeadKVConsumer(_ready_info(cluster, "worker-1"), cluster.router_address)
     fake.start()
     ch, stub = stub_for(cluster.router_address)
     try:
@@ -127,7 +127,7 @@ def test_unreachable_consumer_kv_port_is_repaired_within_the_deadline(cluster,
                    for i in range(4)]
         refs = colocated_llm.generate(prompts, SamplingParams(**SAMPLING))
         t0 = time.monotonic()
-        # round robin over consumer-0 and consumer-9: half of these meet the dead port,
+        # round robin over worker-1 and consumer-9: half of these meet the dead port,
         # while the others run next to them
         with ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(generate, stub, SAMPLING, timeout=120, request_id=f"dk{i}",
@@ -139,7 +139,7 @@ def test_unreachable_consumer_kv_port_is_repaired_within_the_deadline(cluster,
         for r, ref in zip(results, refs, strict=True):
             assert r.code is None and r.error == "", (r.code, r.error, dump_logs(cluster))
             assert r.token_ids == ref.token_ids and r.text == ref.text
-            assert r.timing.consumer == "consumer-0"
+            assert r.timing.consumer == "worker-1"
         assert took < 100, took  # the handshake failure is bounded, nothing waits it out
         # each reservation on the dead-port consumer was given back (Abort / stream end)
         end = time.monotonic() + 10

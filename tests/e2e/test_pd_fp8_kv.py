@@ -26,7 +26,7 @@ def test_fp8_kv_pd_tokens_equal_colocated_fp8(tmp_path_factory, consumer_tp):
                       producer_args=("--tensor-parallel-size", "1"))
     try:
         status = {w.worker_id: w for w in c.status(30).workers}
-        assert status["consumer-0"].tp_size == consumer_tp
+        assert status["worker-1"].tp_size == consumer_tp
         assert_cluster_matches(c, refs, SEED)
     finally:
         c.stop()

@@ -19,7 +19,7 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from engine.sampling_params import SamplingParams
 
-CONSUMERS = ("consumer-0", "consumer-1", "consumer-2")
+CONSUMERS = ("worker-1", "worker-2", "worker-3")
 GREEDY = dict(max_tokens=48, temperature=0.0, ignore_eos=True)
 # penalties and min_tokens: the streamed tokens must come back as OUTPUT tokens
 SEEDED = dict(max_tokens=48, temperature=0.9, top_p=0.95, seed=1234, frequency_penalty=0.4,
@@ -86,7 +86,7 @@ def _fault_mid_decode(cluster, stub, colocated_llm, sampling, rid, fault):  # ty
         r = fut.result()
         took = time.monotonic() - t_fault
     assert r.code is None and r.error == "", (r.code, r.details, r.error, dump_logs(cluster))
-    assert r.timing.consumer not in ("", victim) and r.timing.producer == "producer-0"
+    assert r.timing.consumer not in ("", victim) and r.timing.producer == "worker-0"
     assert r.token_ids == ref.token_ids  # no repeat, no gap, same tokens as unfailed
     assert r.text == ref.text
     assert r.finish_reason == FINISH[ref.finish_reason]

@@ -29,7 +29,7 @@ def test_mla_pd_tokens_equal_colocated(tmp_path_factory, producer_tp, consumer_t
                       producer_args=("--tensor-parallel-size", str(producer_tp)))
     try:
         status = {w.worker_id: w for w in c.status(30).workers}
-        assert (status["producer-0"].tp_size, status["consumer-0"].tp_size) == \
+        assert (status["worker-0"].tp_size, status["worker-1"].tp_size) == \
             (producer_tp, consumer_tp)
         assert_cluster_matches(c, refs, SEED)
     finally:

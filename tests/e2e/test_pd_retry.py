@@ -28,7 +28,7 @@ def test_producer_killed_before_token0_completes_on_the_other_producer(tmp_path_
     ch, stub = stub_for(c.router_address)
     try:
         tok = colocated_llm.tokenizer
-        # many 128-token chunks: the kill lands while producer-0 is still prefilling (PAIRED:
+        # many 128-token chunks: the kill lands while worker-0 is still prefilling (PAIRED:
         # the consumer reserved, token 0 not yet out)
         prompt = tok.encode_chat([{"role": "user", "content": FILLER * 40 + "Summarize."}])
         sampling = dict(max_tokens=12, temperature=0.0)
@@ -36,18 +36,18 @@ def test_producer_killed_before_token0_completes_on_the_other_producer(tmp_path_
             fut = pool.submit(generate, stub, sampling, timeout=300, request_id="retry-me",
                               prompt_token_ids=router_pb2.TokenIds(ids=prompt))
             end = time.monotonic() + 60
-            while True:  # round robin: the first request goes to producer-0
+            while True:  # round robin: the first request goes to worker-0
                 seen = _listed(stub, "retry-me")
                 if seen is not None and seen.state == "PAIRED":
                     break
                 assert not fut.done(), fut.result()
                 assert time.monotonic() < end, seen
                 time.sleep(0.01)
-            assert seen.producer == "producer-0" and seen.tokens_streamed == 0, seen
-            c.kill("producer-0")
+            assert seen.producer == "worker-0" and seen.tokens_streamed == 0, seen
+            c.kill("worker-0")
             r = fut.result()
         assert r.code is None and r.error == "", (r.code, r.details, r.error)
-        assert r.timing.producer == "producer-1" and r.timing.consumer == "consumer-0"
+        assert r.timing.producer == "worker-1" and r.timing.consumer == "worker-2"
         ref = colocated_llm.generate([prompt], [SamplingParams(**sampling)])[0]
         assert r.token_ids == ref.token_ids and r.text == ref.text
         assert r.finish_reason == {"stop": common_pb2.FINISH_REASON_STOP,
@@ -55,7 +55,7 @@ def test_producer_killed_before_token0_completes_on_the_other_producer(tmp_path_
         assert r.usage.completion_tokens == len(ref.token_ids)
         # the aborted first reservation and the retry's blocks all came back
         workers = wait_for_full_kv(stub, timeout=30)
-        assert {w.worker_id for w in workers} == {"producer-1", "consumer-0"}
+        assert {w.worker_id for w in workers} == {"worker-1", "worker-2"}
     finally:
         ch.close()
         c.stop()

@@ -101,11 +101,11 @@ def test_2p2d_plus_colocated_worker_matches_colocated(tmp_path_factory, colocate
         prompts = _prompts(colocated_llm.tokenizer)
         results = _run_concurrently(c.router_address, prompts, seeded=True)
         _check_against_colocated(results, prompts, colocated_llm, seeded=True)
-        assert any(r.timing.colocated == "colocated-0" for r in results)
+        assert any(r.timing.colocated == "worker-4" for r in results)
         used = {(r.timing.producer, r.timing.consumer) for r in results
                 if len(r.token_ids) > 1 and not r.timing.colocated}
-        assert {p for p, _ in used} == {"producer-0", "producer-1"}
-        assert {c_ for _, c_ in used} == {"consumer-0", "consumer-1"}
+        assert {p for p, _ in used} == {"worker-0", "worker-1"}
+        assert {c_ for _, c_ in used} == {"worker-2", "worker-3"}
         ch, stub = stub_for(c.router_address)
         with ch:
             wait_for_full_kv(stub)
@@ -121,7 +121,7 @@ def test_1p1d_over_the_same_host_ipc_backend_matches_colocated(tmp_path_factory,
         prompts = _prompts(colocated_llm.tokenizer)
         results = _run_concurrently(c.router_address, prompts, seeded=False)
         _check_against_colocated(results, prompts, colocated_llm, seeded=False)
-        assert all(r.timing.consumer == "consumer-0" for r in results if len(r.token_ids) > 1)
+        assert all(r.timing.consumer == "worker-1" for r in results if len(r.token_ids) > 1)
         ch, stub = stub_for(c.router_address)
         with ch:
             wait_for_full_kv(stub)
@@ -142,7 +142,7 @@ def test_consumer_tokens_travel_in_one_batch_per_step(cluster_1p1d, colocated_ll
     """One message per engine step carries every request's tokens to the router
     (the Outputs stream), not one gRPC message per token per request; the tokens are the
     colocated engine's all the same."""
-    port = cluster_1p1d.metrics_ports["consumer-0"]
+    port = cluster_1p1d.metrics_ports["worker-1"]
     batches0 = _counter(port, "pdserve_worker_output_batches_total")
     messages0 = _counter(port, "pdserve_worker_output_messages_total")
     prompts = _prompts(colocated_llm.tokenizer)

@@ -117,16 +117,16 @@ def test_tp_pair_tokens_equal_colocated_tp1(tmp_path_factory, models, tp1_tokens
     c = _cluster(tmp_path_factory, f"tp-{backend}-{ptp}{ctp}", path, backend, ptp, ctp)
     try:
         status = {w.worker_id: w for w in c.status(STATUS_TIMEOUT_S).workers}
-        assert status["producer-0"].tp_size == ptp and status["consumer-0"].tp_size == ctp
+        assert status["worker-0"].tp_size == ptp and status["worker-1"].tp_size == ctp
         # a TP consumer advertises one KV address per rank
-        assert len(status["consumer-0"].kv_address.split(",")) == ctp
+        assert len(status["worker-1"].kv_address.split(",")) == ctp
         for seeded in (False, True):
             results = _run(c.router_address, prompts, seeded)
             for i, r in enumerate(results):
                 assert r.code is None and not r.error, (i, r.code, r.details, r.error,
                                                         dump_logs(c))
-                assert r.timing.producer == "producer-0"
-                assert r.timing.consumer == "consumer-0"
+                assert r.timing.producer == "worker-0"
+                assert r.timing.consumer == "worker-1"
                 assert r.token_ids == refs[seeded][i], (seeded, i)
         ch, stub = stub_for(c.router_address)
         with ch:
@@ -141,7 +141,7 @@ def _follower_ranks(c, name: str) -> list[int]:
 
 
 KILL_TOKENS = 440  # the longest prompt (50) + this stays within max_model_len 512
-# The kill lands once the router has streamed this many of a consumer-0 request's tokens:
+# The kill lands once the router has streamed this many of a worker-1 request's tokens:
 # a state the test observes, so the request is mid-decode whatever the machine's speed,
 # with KILL_TOKENS - KILL_AT tokens still to go.
 KILL_AT = 8
@@ -166,8 +166,8 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
     path = models[2]
     c = _cluster(tmp_path_factory, "tp-kill", path, "ucx", 1, 2, consumers=2)
     try:
-        victim = _follower_ranks(c, "consumer-0")
-        assert len(victim) == 1, victim  # consumer-0's rank 1
+        victim = _follower_ranks(c, "worker-1")
+        assert len(victim) == 1, victim  # worker-1's rank 1
         ch, stub = stub_for(c.router_address)
         long = dict(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
         ids = [f"tp-kill-{i}" for i in range(len(PROMPTS))]
@@ -175,18 +175,18 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
             futs = [pool.submit(generate, stub, long, timeout=120, request_id=rid,
                                 prompt_token_ids=router_pb2.TokenIds(ids=p))
                     for rid, p in zip(ids, PROMPTS, strict=True)]
-            # round_robin puts two of the four on each consumer: kill consumer-0's rank 1
+            # round_robin puts two of the four on each consumer: kill worker-1's rank 1
             # once one of them has streamed KILL_AT tokens (a poll, then a kill: a few ms)
             deadline = time.monotonic() + 60
-            while not (hit := _on(stub, "consumer-0", KILL_AT)):
+            while not (hit := _on(stub, "worker-1", KILL_AT)):
                 if time.monotonic() > deadline or all(f.done() for f in futs):
-                    pytest.fail("consumer-0 never decoded a request\n" + dump_logs(c))
+                    pytest.fail("worker-1 never decoded a request\n" + dump_logs(c))
                 time.sleep(0.02)
             os.kill(victim[0], signal.SIGKILL)
             t0 = time.monotonic()
-            # the death is noticed and acted on: no request is left on consumer-0 (each
+            # the death is noticed and acted on: no request is left on worker-1 (each
             # ended with an error, or was placed again), well before a collective's timeout
-            while (left := _on(stub, "consumer-0")) and time.monotonic() - t0 < HIT_DEADLINE_S:
+            while (left := _on(stub, "worker-1")) and time.monotonic() - t0 < HIT_DEADLINE_S:
                 time.sleep(0.05)
             off = time.monotonic() - t0
             assert not left, (off, left, dump_logs(c))
@@ -198,15 +198,15 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
         ref = _reference(path, PROMPTS, False, max_tokens=KILL_TOKENS)
         with open(c.log_paths["router"], errors="replace") as f:
             migrated = {ln.split("request ", 1)[1].split(":", 1)[0] for ln in f
-                        if "migrating after" in ln and "consumer-0" in ln and "rank 1" in ln}
+                        if "migrating after" in ln and "worker-1" in ln and "rank 1" in ln}
         failed = set()
         for rid, r, want in zip(ids, results, ref, strict=True):
             if r.error or r.code is not None:  # an error naming the worker whose rank died
                 failed.add(rid)
-                assert "consumer-0" in f"{r.error} {r.details}", (rid, r.error, r.details)
+                assert "worker-1" in f"{r.error} {r.details}", (rid, r.error, r.details)
             else:  # complete, with the same tokens, wherever it ended up
                 assert r.token_ids == want, (rid, r.timing)
-        # every request consumer-0 was decoding at the kill was hit: failed, or migrated
+        # every request worker-1 was decoding at the kill was hit: failed, or migrated
         # with its streamed tokens (the router's log names the worker and the rank)
         for r in hit:
             assert r.request_id in failed | migrated, (r.request_id, failed, migrated,
@@ -214,25 +214,25 @@ def test_killing_a_consumer_rank_ends_its_requests_and_the_cluster_keeps_serving
         assert took < 100, took  # generate's own timeout is 120 s
         # the worker as a whole went down (all its ranks), and the cluster serves on
         deadline = time.monotonic() + 30
-        while c.procs["consumer-0"].poll() is None and time.monotonic() < deadline:
+        while c.procs["worker-1"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert c.procs["consumer-0"].poll() is not None, dump_logs(c)
-        assert not c.group_alive("consumer-0")  # its engine and follower ranks too
+        assert c.procs["worker-1"].poll() is not None, dump_logs(c)
+        assert not c.group_alive("worker-1")  # its engine and follower ranks too
         ch, stub = stub_for(c.router_address)
         with ch:
             r = generate(stub, dict(max_tokens=10, temperature=0.0, ignore_eos=True),
                          prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[0]))
             assert r.code is None and not r.error, (r.details, r.error, dump_logs(c))
-            assert r.timing.consumer == "consumer-1"
+            assert r.timing.consumer == "worker-2"
             assert r.token_ids == ref[0][:10]
-            # once the router has dropped consumer-0, the survivors hold no block of any
+            # once the router has dropped worker-1, the survivors hold no block of any
             # request that was on it (the producer's pushes to it included)
             deadline = time.monotonic() + 30
-            while "consumer-0" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
+            while "worker-1" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
                     and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert {w.worker_id for w in wait_for_full_kv(stub, timeout=30)} \
-                == {"producer-0", "consumer-1"}
+                == {"worker-0", "worker-2"}
     finally:
         c.stop()
 
@@ -245,23 +245,23 @@ def test_a_producer_rank_dying_while_idle_fails_its_worker_and_the_other_serves(
     c = start_cluster(tmp_path_factory, "tp-pkill", model=path, producers=2, consumers=1,
                       worker_args=ENGINE, producer_args=("--tensor-parallel-size", "2"))
     try:
-        victim = _follower_ranks(c, "producer-0")
+        victim = _follower_ranks(c, "worker-0")
         assert len(victim) == 1, victim
         os.kill(victim[0], signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while c.procs["producer-0"].poll() is None and time.monotonic() < deadline:
+        while c.procs["worker-0"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert c.procs["producer-0"].poll() is not None, dump_logs(c)
-        with open(c.log_paths["producer-0"], errors="replace") as f:
+        assert c.procs["worker-0"].poll() is not None, dump_logs(c)
+        with open(c.log_paths["worker-0"], errors="replace") as f:
             assert f"rank 1 (pid {victim[0]}) exited" in f.read()
         deadline = time.monotonic() + 30
-        while "producer-0" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
+        while "worker-0" in {w.worker_id for w in c.status(STATUS_TIMEOUT_S).workers} \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         ref = tp1_tokens(2, False)  # [*PROMPTS, LONG]: the first len(PROMPTS) are these
         results = _run(c.router_address, PROMPTS, False)
         for i, r in enumerate(results):
             assert r.code is None and not r.error, (i, r.details, r.error, dump_logs(c))
-            assert r.timing.producer == "producer-1" and r.token_ids == ref[i], i
+            assert r.timing.producer == "worker-1" and r.token_ids == ref[i], i
     finally:
         c.stop()

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from cluster_client import generate, stub_for, wait_for_full_kv
 from live_cluster import dump_logs, start_cluster
-from pdserve.v1 import router_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.prefix_hash import block_hashes, chain_root
 from engine.sampling_params import SamplingParams
@@ -66,7 +66,7 @@ def _shared_blocks(a: list[int], b: list[int]) -> int:
 
 
 def _wid(cluster, worker_id: str) -> str:  # type: ignore[no-untyped-def]
-    """The cluster's process name (consumer-0) of a registered worker id."""
+    """The cluster's process name (worker-2) of a registered worker id."""
     for name in cluster.metrics_ports:
         if worker_id.startswith(name) or name in worker_id:
             return name
@@ -130,7 +130,7 @@ def test_a_lying_index_moves_a_request_but_never_changes_a_token(cluster, coloca
     ch, stub = stub_for(cluster.router_address)
     with ch:
         workers = stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers
-        producers = sorted(w.worker_id for w in workers if w.worker_id.startswith("producer"))
+        producers = sorted(w.worker_id for w in workers if w.role == common_pb2.ROLE_PRODUCER)
         liar = producers[-1]
         fp = next(w.kv_fingerprint for w in workers if w.worker_id == liar)
         claim = block_hashes(prompt, BS, chain_root(fp))

@@ -99,7 +99,7 @@ BAD_DECODES = [
 ]
 
 
-@pytest.mark.parametrize("wid,colocated", [("colocated-0", True), ("consumer-0", False)])
+@pytest.mark.parametrize("wid,colocated", [("worker-2", True), ("worker-1", False)])
 def test_malformed_decode_is_invalid_argument_counted_and_worker_keeps_serving(
         cluster_pdc: Any, stubs: dict[str, Any], wid: str, colocated: bool) -> None:
     stub = stubs[wid]
@@ -133,13 +133,13 @@ def test_malformed_decode_is_invalid_argument_counted_and_worker_keeps_serving(
 
 def test_malformed_prefill_is_invalid_argument_counted_and_worker_keeps_serving(
         cluster_pdc: Any, stubs: dict[str, Any]) -> None:
-    stub = stubs["producer-0"]
-    before = invalid_count(cluster_pdc, "producer-0")
+    stub = stubs["worker-0"]
+    before = invalid_count(cluster_pdc, "worker-0")
     for i, (ids, s, field) in enumerate(BAD_DECODES):
         code, details = prefill(stub, f"bad-p-{i}", ids, s)
         assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, code, details)
         assert details.startswith(field), (field, details)
-    assert invalid_count(cluster_pdc, "producer-0") - before == len(BAD_DECODES)
+    assert invalid_count(cluster_pdc, "worker-0") - before == len(BAD_DECODES)
     assert prefill(stub, "good-p", [HI, 5, 6], sp(max_tokens=3, temperature=0)) == (
         grpc.StatusCode.OK, "")
     wait_whole(cluster_pdc)
@@ -181,12 +181,12 @@ _ids = itertools.count()
 def test_fuzzed_worker_calls_never_hurt_a_worker(cluster_pdc: Any, stubs: dict[str, Any],
                                                  ids: list[int], s: Any, seed: int) -> None:
     rid = f"fuzz-{next(_ids)}"
-    code, details, _, _ = decode(stubs["colocated-0"], rid, ids, s, True, seed)
+    code, details, _, _ = decode(stubs["worker-2"], rid, ids, s, True, seed)
     assert code in ALLOWED, (code, details)
-    code, details, _, _ = decode(stubs["consumer-0"], rid, ids, s, False, seed,
+    code, details, _, _ = decode(stubs["worker-1"], rid, ids, s, False, seed,
                                  cancel_after_first=True)
     assert code in ALLOWED, (code, details)
-    code, details = prefill(stubs["producer-0"], rid, ids, s, seed)
+    code, details = prefill(stubs["worker-0"], rid, ids, s, seed)
     assert code in ALLOWED, (code, details)
 
 

@@ -1,4 +1,4 @@
-"""Liveness that load cannot fake (issue 22), on the router's side.
+"""Liveness that load cannot fake, on the router's side.
 
 A router whose own loop stalled keeps every worker (the heartbeats it could not process are
 no worker's fault); a worker that reports itself behind (its event loop or its engine) is

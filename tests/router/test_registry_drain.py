@@ -244,8 +244,11 @@ def test_a_planned_rebuild_is_not_logged_as_a_lost_worker(
     run(body(), timeout=30)
     text = caplog.text
     assert "dropped" not in text and "stopped heartbeating" not in text, text
-    assert "no heartbeats until it registers again, as planned" in text
-    assert "p0 is now a colocated worker" in text
+    assert "role change: p0 is rebuilding as a colocated worker: silent until it registers " \
+        "again, as planned" in text
+    assert "role change: p0 registered again, now a colocated worker (planned: p0: producer " \
+        "-> colocated)" in text
+    assert "no heartbeat" not in text
 
 
 def test_change_split_fails_when_a_worker_does_not_come_back() -> None:

@@ -51,7 +51,7 @@ BAD_REQUESTS = [
     (router_pb2.GenerateRequest(), "input:"),
     (router_pb2.GenerateRequest(prompt="hi " * 300), "prompt: "),  # > max_model_len 256
     (router_pb2.GenerateRequest(prompt="hi", sampling=sp(max_tokens=256)), "sampling.max_tokens:"),
-    # one limit, one message, whichever side of it (issue 23, item 10)
+    # one limit, one message, whichever side of it
     (router_pb2.GenerateRequest(prompt="hi", sampling=sp(max_tokens=0)),
      "sampling.max_tokens: must be in [1, 1048576], got 0"),
     (router_pb2.GenerateRequest(prompt="hi", sampling=sp(max_tokens=2**31)),

@@ -116,8 +116,8 @@ def test_the_slurm_job_stops_workers_before_the_router() -> None:
             self.done = True
             return 0
 
-    stop_steps({"router": Step("router"), "producer-a2-0": Step("producer-a2-0"),
-                "consumer-a3-0": Step("consumer-a3-0")})
+    stop_steps({"router": Step("router"), "worker-a2-0": Step("worker-a2-0"),
+                "worker-a3-0": Step("worker-a3-0")})
     assert order[-2:] == ["TERM router", "exited router"]
-    assert set(order[:4]) == {"TERM producer-a2-0", "TERM consumer-a3-0",
-                              "exited producer-a2-0", "exited consumer-a3-0"}
+    assert set(order[:4]) == {"TERM worker-a2-0", "TERM worker-a3-0",
+                              "exited worker-a2-0", "exited worker-a3-0"}

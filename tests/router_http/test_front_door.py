@@ -255,7 +255,7 @@ def test_debug_requests_lists_a_live_request_behind_the_api_key() -> None:
 
 
 def test_cached_prompt_tokens_reach_both_doors_usage() -> None:
-    """Issue 26, reported: the producer's prefix-cache hits (Token0.cached_tokens) are
+    """The producer's prefix-cache hits (Token0.cached_tokens) are
     usage.cached_tokens on gRPC and usage.prompt_tokens_details.cached_tokens on HTTP,
     streamed (include_usage) or not."""
     async def cached_prefill(w: Any, req: Any, inputs: Any) -> Any:

@@ -59,7 +59,7 @@ def test_replicated_heads_spread_over_their_replicas(a: int, b: int, h: int) -> 
         assert len(used) == min(reps, len(takers)), (head, used)
 
 
-def test_examples_from_the_issue() -> None:
+def test_worked_examples() -> None:
     # TP2 producer -> TP1 consumer: the consumer pulls from both ranks
     assert [(p.src_rank, p.head, p.num_heads) for p in parts_to(0, 2, 1, 4)] == \
         [(0, 0, 2), (1, 2, 2)]

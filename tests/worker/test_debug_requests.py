@@ -45,8 +45,8 @@ def _wait(port: int, pred: Any, timeout: float = 60.0) -> dict[str, Any]:
 
 def test_debug_requests_lists_what_holds_blocks(cluster: LocalCluster) -> None:
     ch, stub = stub_for(cluster.router_address)
-    consumer = cluster.metrics_ports["consumer-0"]
-    producer = cluster.metrics_ports["producer-0"]
+    consumer = cluster.metrics_ports["worker-1"]
+    producer = cluster.metrics_ports["worker-0"]
     assert _held(consumer)["requests"] == [] and _held(producer)["requests"] == []
     req = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(
         max_tokens=1000, temperature=0, ignore_eos=True), **chat(LONG))

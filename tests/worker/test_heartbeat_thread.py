@@ -97,18 +97,18 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
                     await asyncio.sleep(0.25)
 
             reports = asyncio.create_task(engine_reports())
-            reg = Registration(router.server.address, "consumer-0", "consumer", "127.0.0.1:1",
+            reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
                                INFO, lambda: report[0])
             task = asyncio.create_task(reg.run())
             try:
-                await _until(lambda: router.call(registry.get, "consumer-0") is not None)
-                first = router.call(registry.get, "consumer-0")
+                await _until(lambda: router.call(registry.get, "worker-1") is not None)
+                first = router.call(registry.get, "worker-1")
                 await asyncio.sleep(3 * INTERVAL_S)
                 n = len(router.beats)
                 time.sleep(4.0)  # the loop is blocked: 4x the router's heartbeat timeout
                 during = router.beats[n:]
                 assert router.dropped == []  # before: dropped after 1 s, requests failed
-                assert router.call(registry.get, "consumer-0") is first
+                assert router.call(registry.get, "worker-1") is first
                 assert len(during) >= 10, len(during)  # the thread went on every 0.2 s
                 # ... saying how far behind the loop was: the router saw it busy
                 lags = [b.loop_lag_s for b in during]
@@ -127,10 +127,10 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
                 assert first.busy_reason(1.0, 1.0).startswith("its engine's last load report is")
                 assert router.beats[-1].loop_lag_s < 1.0
                 # orders from the router still reach the loop (from the thread)
-                router.call(registry.order_role_change, "consumer-0", common_pb2.ROLE_PRODUCER)
+                router.call(registry.order_role_change, "worker-1", common_pb2.ROLE_PRODUCER)
                 await asyncio.wait_for(reg.ordered.wait(), 5)
                 assert reg.change_role == common_pb2.ROLE_PRODUCER
-                assert router.dropped == [] and router.call(registry.get, "consumer-0") is first
+                assert router.dropped == [] and router.call(registry.get, "worker-1") is first
             finally:
                 reports.cancel()
                 task.cancel()
@@ -144,7 +144,7 @@ def test_a_refused_worker_raises_from_run() -> None:
     """The thread's verdict reaches the loop: run() raises the router's refusal."""
     with RouterThread() as router:
         async def main() -> None:
-            reg = Registration(router.server.address, "consumer-0", "consumer", "127.0.0.1:1",
+            reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
                                {**INFO, "model": "another-model"}, dict)
             try:
                 with pytest.raises(RuntimeError, match="the router refused this worker: model:"):

@@ -29,7 +29,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def _kv_address(cluster: LocalCluster) -> str:
     """The consumer's KV port, from the ready line it logs (the router's status omits it)."""
     assert cluster.log_dir
-    with open(os.path.join(cluster.log_dir, "consumer-0.log")) as f:
+    with open(os.path.join(cluster.log_dir, "worker-1.log")) as f:
         m = re.search(r"'kv_address': '([^']+)'", f.read())
     assert m is not None, dump_logs(cluster)
     return m.group(1)
@@ -55,11 +55,11 @@ def _wait_metric(port: int, name: str, want: float, timeout: float = 20.0) -> fl
 def test_a_junk_frame_on_the_consumer_kv_port_is_counted_on_metrics(
         cluster: LocalCluster) -> None:
     kv_address = _kv_address(cluster)
-    port = cluster.metrics_ports["consumer-0"]
+    port = cluster.metrics_ports["worker-1"]
     assert _metric(port, MALFORMED) == 0
     assert _metric(port, REJECTED) == 0
     # the producer's metrics carry its sender's counters too
-    assert _metric(cluster.metrics_ports["producer-0"], MALFORMED) == 0
+    assert _metric(cluster.metrics_ports["worker-0"], MALFORMED) == 0
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -82,7 +82,7 @@ def test_a_live_consumer_counts_its_decode_steps_on_metrics(cluster: LocalCluste
     from cluster_client import generate, stub_for
     from pdserve.v1 import router_pb2
 
-    port = cluster.metrics_ports["consumer-0"]
+    port = cluster.metrics_ports["worker-1"]
     names = {k: f"pdserve_worker_engine_{k}_total" for k in
              ("steps", "step_rows", "step_tokens", "step_seconds", "step_gap_seconds")}
     before = {k: _metric(port, n) for k, n in names.items()}
@@ -106,7 +106,7 @@ def test_a_repeated_prompt_hits_the_producers_prefix_cache_on_metrics(
     from cluster_client import generate, stub_for
     from pdserve.v1 import router_pb2
 
-    port = cluster.metrics_ports["producer-0"]
+    port = cluster.metrics_ports["worker-0"]
     q, h = ("pdserve_worker_prefix_cache_queried_tokens_total",
             "pdserve_worker_prefix_cache_hit_tokens_total")
     ids = list(range(300, 380))

@@ -152,9 +152,9 @@ def test_live_grpc_processes_map_no_torch(cluster: LocalCluster) -> None:
                        {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True},
                        prompt="The capital of France is")
     assert res.code is None and len(res.token_ids) == 4, (res, dump_logs(cluster))
-    for name in ("router", "producer-0", "consumer-0"):
+    for name in ("router", "worker-0", "worker-1"):
         assert _mapped_heavy(cluster.procs[name].pid) == set(), name
-    for name in ("producer-0", "consumer-0"):
+    for name in ("worker-0", "worker-1"):
         # the same check finds torch in the worker's engine process, the one that runs it
         engines = [c for c in _children(cluster.procs[name].pid) if _mapped_heavy(c)]
         assert len(engines) == 1, (name, _children(cluster.procs[name].pid))

@@ -48,22 +48,22 @@ def test_a_worker_whose_engine_failed_leaves_and_stays_away(router_dropped_it: b
         registry = Registry(heartbeat_timeout_s=30.0)  # far longer than the test: no expiry
         server, address = await _router(registry)
         fatal: list[str] = []
-        reg = Registration(address, "consumer-0", "consumer", "127.0.0.1:1", INFO, dict,
+        reg = Registration(address, "worker-1", "consumer", "127.0.0.1:1", INFO, dict,
                            failed=lambda: fatal[0] if fatal else None)
         task = asyncio.create_task(reg.run())
         try:
-            await _until(lambda: registry.get("consumer-0") is not None)
-            first = registry.get("consumer-0")
+            await _until(lambda: registry.get("worker-1") is not None)
+            first = registry.get("worker-1")
             await asyncio.sleep(5 * INTERVAL_S)  # heartbeats keep it, as the same registration
-            assert registry.get("consumer-0") is first
+            assert registry.get("worker-1") is first
             fatal.append("engine process failed: TPRankError: rank 1 exited")
             if router_dropped_it:  # as the router does when a request fails there
-                registry.remove("consumer-0", "its request failed")
+                registry.remove("worker-1", "its request failed")
             # gone at once when the router still had it (not after the 30 s expiry) ...
-            await _until(lambda: registry.get("consumer-0") is None, timeout_s=2.0)
+            await _until(lambda: registry.get("worker-1") is None, timeout_s=2.0)
             # ... and it stays away: 20 intervals, each of which used to register it again
             await asyncio.sleep(20 * INTERVAL_S)
-            assert registry.get("consumer-0") is None
+            assert registry.get("worker-1") is None
             assert registry.all() == []
             assert not task.done()  # it idles until the worker exits; it does not fail it
         finally:
