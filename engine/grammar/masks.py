@@ -95,6 +95,7 @@ class GrammarMasks:
         # the ahead job: one at a time, its rows written into one buffer it reuses
         self._pool: ThreadPoolExecutor | None = None
         self._job: Future[_Ahead] | None = None
+        self._done_job: _Ahead | None = None  # a job wait() finished, for the next bitmask
         self._ahead_rows = np.zeros((0, self.words), dtype=np.int32)
         self.host_s = 0.0  # engine-thread time spent in bitmask, in all (benchmarks read it)
         self.times = dict.fromkeys(PHASES, 0.0)  # host time by phase, in all
@@ -161,9 +162,21 @@ class GrammarMasks:
         return _Ahead({id(g): j for j, (_, g) in enumerate(rows)}, [g for _, g in rows],
                       [g.num_accepted for _, g in rows], buf)
 
+    def wait(self) -> None:
+        """Lets the ahead job finish. Anything outside a step that reads or changes a
+        request's grammar (its error, a benchmark's check) calls this first: the job
+        advances and reads the matchers on the mask thread, and llguidance refuses a
+        matcher used from two threads at once ("Already mutably borrowed")."""
+        done = self._join()
+        if done is not None:
+            self._done_job = done
+
     def _join(self) -> _Ahead | None:
         job, self._job = self._job, None
-        return job.result() if job is not None else None
+        if job is None:
+            done, self._done_job = self._done_job, None
+            return done
+        return job.result()
 
     # -- the step's mask ------------------------------------------------------------------
 

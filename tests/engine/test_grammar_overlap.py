@@ -231,3 +231,40 @@ def test_on_the_gpu_ahead_masks_give_the_in_step_tokens(make_llm, tiny_models, t
     # token 0's rows are made in the step, every later one by the job
     assert masks.rows_ahead - ahead0 > 3 * (masks.rows_in_step - in_step0)
     assert len([s for s in seam.steps() if "join" in s]) > 10
+
+
+def test_wait_lets_the_ahead_job_finish_and_keeps_its_rows(tiny, monkeypatch) -> None:
+    """Code outside a step that reads a grammar (a benchmark's error check) calls wait()
+    first: it returns only once the mask thread is done with the matchers (llguidance
+    refuses a matcher used from two threads), and the next step still uses the job's rows."""
+    eos = sorted(tiny.engine.eos_token_ids)
+    opening = tiny.tokenizer.encode('{"name":"', add_special_tokens=False)
+    reqs = [Request(f"w{i}", [1, 2], SamplingParams(), seed=i, output_token_ids=list(opening))
+            for i in range(2)]
+    for r in reqs:
+        r.grammar = _grammar(tiny)
+    masks = GrammarMasks(tiny.engine.runner.vocab, eos, torch.device("cpu"), ahead=True)
+    assert masks.bitmask(reqs, None) is not None
+    go, accept = threading.Event(), RequestGrammar.accept
+
+    def held(g: RequestGrammar, t: int) -> bool:
+        assert go.wait(10)
+        return accept(g, t)
+
+    monkeypatch.setattr(RequestGrammar, "accept", held)
+    a = tiny.tokenizer.encode("a", add_special_tokens=False)[0]
+    masks.ahead(reqs, torch.tensor([a, a]))
+    for r in reqs:
+        r.output_token_ids.append(a)
+    waiter = threading.Thread(target=masks.wait)
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive()  # the job still holds the matchers
+    go.set()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert all(r.grammar is not None and r.grammar.num_accepted == len(opening) + 1
+               and not r.grammar.failed for r in reqs)
+    assert masks.bitmask(reqs, None) is not None
+    assert masks.rows_ahead == 2 and masks.rows_in_step == 2  # the first call's, then the job's
+    masks.close()
