@@ -80,6 +80,28 @@ def token_logprob(row: LogprobRow) -> common_pb2.TokenLogprob:
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in row.top])
 
 
+def add_tokens(into: Any, ev: TokensEvent) -> worker_pb2.Tokens:
+    """``tokens_pb(ev)`` with its request id, built in place as a new entry of ``into`` (a
+    repeated Tokens field): once per token per step on the Outputs stream, so only the
+    fields that are set are passed."""
+    t: worker_pb2.Tokens = into.add(request_id=ev.rid, token_ids=ev.ids, text=ev.text)
+    if ev.logprobs:
+        t.logprobs.extend([token_logprob(r) for r in ev.logprobs])
+    if ev.finish:
+        t.finish_reason = _FINISH[ev.finish]
+    if ev.stop_reason:
+        t.stop_reason = ev.stop_reason
+    if ev.error:
+        t.error = ev.error
+    if ev.kv_ready_ns:
+        t.kv_ready_ns = ev.kv_ready_ns
+    if ev.first_step_ns:
+        t.first_step_ns = ev.first_step_ns
+    if ev.cached_tokens:
+        t.cached_tokens = ev.cached_tokens
+    return t
+
+
 def tokens_pb(ev: TokensEvent) -> worker_pb2.Tokens:
     return worker_pb2.Tokens(
         token_ids=ev.ids, text=ev.text, logprobs=[token_logprob(r) for r in ev.logprobs],

@@ -26,9 +26,9 @@ import asyncio
 import collections
 from dataclasses import dataclass
 
-from pdserve.v1 import common_pb2, worker_pb2
+from pdserve.v1 import worker_pb2
 
-from worker.convert import tokens_pb
+from worker.convert import add_tokens
 from worker.messages import TokensEvent
 
 MAX_SUBSCRIBER_ID = 256  # bytes; a router's id is a uuid and a counter
@@ -48,16 +48,21 @@ class OutputsDone:
 
 
 class Subscriber:
-    """One router's Outputs stream: batches waiting to be written, in seq order."""
+    """One router's Outputs stream: batches waiting to be written, in seq order.
+
+    A step's tokens are written straight into the batch message that will carry them
+    (``pending``), so each token is built once; only batches that queued up behind a slow
+    reader are copied, when they merge into one message.
+    """
 
     def __init__(self, subscriber_id: str) -> None:
         self.subscriber_id = subscriber_id
         self.seq = 0  # the last batch queued (0: none yet; the stream opens with seq 0)
-        self.pending: list[worker_pb2.Tokens] = []  # the current step's, not yet a batch
+        self.pending = worker_pb2.OutputBatch()  # the current step's, not yet queued
+        self.npending = 0  # Tokens entries in it
         self.rids: set[str] = set()  # requests attached to it
         self.closed = False
-        self._queue: collections.deque[tuple[int, list[worker_pb2.Tokens]]] = \
-            collections.deque()
+        self._queue: collections.deque[worker_pb2.OutputBatch] = collections.deque()
         self._ready = asyncio.Event()
 
     async def next_batch(self) -> worker_pb2.OutputBatch:
@@ -65,19 +70,26 @@ class Subscriber:
         while not self._queue:
             self._ready.clear()
             await self._ready.wait()
-        tokens: list[worker_pb2.Tokens] = []
-        seq = 0
-        while self._queue:
-            seq, items = self._queue.popleft()
-            tokens.extend(items)
-        return worker_pb2.OutputBatch(tokens=tokens, seq=seq)
+        batch = self._queue.popleft()
+        while self._queue:  # the reader fell behind: one message for all of it, in order
+            later = self._queue.popleft()
+            batch.tokens.extend(later.tokens)
+            batch.seq = later.seq
+        return batch
 
     def _queue_pending(self) -> int:
         self.seq += 1
-        self._queue.append((self.seq, self.pending))
-        self.pending = []
+        batch = self.pending
+        batch.seq = self.seq
+        self._queue.append(batch)
+        self.pending = worker_pb2.OutputBatch()
+        self.npending = 0
         self._ready.set()
         return self.seq
+
+    def _drop_pending(self) -> None:
+        self.pending = worker_pb2.OutputBatch()
+        self.npending = 0
 
 
 class OutputHub:
@@ -153,12 +165,11 @@ class OutputHub:
         sub = self._owner.get(ev.rid)
         if sub is None:
             return False
-        t = tokens_pb(ev)
-        t.request_id = ev.rid
-        if not sub.pending:
+        if not sub.npending:
             self._dirty.append(sub)
-        sub.pending.append(t)
-        if t.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        add_tokens(sub.pending.tokens, ev)
+        sub.npending += 1
+        if ev.finish:
             # its last message: no more tokens may follow on any stream
             self._owner.pop(ev.rid, None)
             sub.rids.discard(ev.rid)
@@ -171,11 +182,11 @@ class OutputHub:
         seqs: dict[int, int] = {}
         for sub in self._dirty:
             if not sub.closed:
-                self.tokens += len(sub.pending)
+                self.tokens += sub.npending
                 self.batches += 1
                 seqs[id(sub)] = sub._queue_pending()
             else:
-                sub.pending = []
+                sub._drop_pending()
         self._dirty.clear()
         done = [OutputsDone(rid, seqs[id(sub)], finish) for rid, finish, sub in self._finishing
                 if id(sub) in seqs]

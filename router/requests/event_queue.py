@@ -6,12 +6,19 @@ per-token cost of framing (gRPC message, SSE chunk, JSON) is paid once per read,
 router under load does less work per token rather than more. Only plain token messages
 merge (never a finishing one into a later one, never across other kinds of events), so the
 client sees the same tokens, text and logprobs in the same order.
+
+The wait for the next event is bounded (``get(timeout)``) without a timer per wait: the
+queue keeps one timer, armed at the earliest deadline a waiter had, and a timer that fires
+before the current deadline (a later wait moved it on) re-arms itself instead of ending the
+wait. Waiting for the next token then costs a float store, not a timer scheduled and
+cancelled per token; the timer fires about once per bound, when it is not a timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 
 from pdserve.v1 import common_pb2, worker_pb2
 
@@ -21,12 +28,18 @@ from router.requests.run_events import Event, TokensRead
 class EventQueue:
     def __init__(self) -> None:
         self._items: collections.deque[Event] = collections.deque()
-        self._ready = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first wait
+        self._waiter: asyncio.Future[bool] | None = None  # result: True = an event came
+        self._deadline = 0.0  # loop time the current wait ends at
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self.merged = 0  # token messages folded into an earlier one (metrics, tests)
 
     def put_nowait(self, ev: Event) -> None:
         self._items.append(ev)
-        self._ready.set()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(True)
 
     def get_nowait(self) -> Event:
         if not self._items:
@@ -39,11 +52,51 @@ class EventQueue:
     def empty(self) -> bool:
         return not self._items
 
-    async def get(self) -> Event:
+    async def get(self, timeout: float | None = None) -> Event | None:
+        """The next event; None once ``timeout`` seconds passed without one."""
+        if self._items:
+            return self._take()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        if timeout is None:
+            self._deadline = math.inf
+        else:
+            self._deadline = loop.time() + timeout
+            if self._timer is None or self._timer_at > self._deadline:
+                self._arm(self._deadline)
         while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
+            w = self._waiter = loop.create_future()
+            try:
+                if not await w:
+                    return None
+            finally:
+                self._waiter = None
         return self._take()
+
+    def _arm(self, at: float) -> None:
+        assert self._loop is not None
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self._loop.call_at(at, self._expire)
+
+    def _expire(self) -> None:
+        assert self._loop is not None
+        self._timer = None
+        w = self._waiter
+        if w is None or w.done() or self._deadline == math.inf:
+            return  # nobody waits on a bound: the next bounded wait arms it again
+        if self._loop.time() >= self._deadline:
+            w.set_result(False)
+        else:  # the wait it was armed for ended; the current one ends later
+            self._arm(self._deadline)
+
+    def close(self) -> None:
+        """Cancels the timer (the run is over)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def _take(self) -> Event:
         ev = self._items.popleft()

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from router.control.registry import ROLE_NAMES, Registry
 from router.requests.admission import Admission
 from router.requests.dispatcher import Dispatcher
+from router.requests.loop_metrics import LoopCounter, LoopHistogram
 from router.requests.run_phase import RunPhase
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -42,16 +43,17 @@ class RouterMetrics:
                                 ["api", "outcome"], registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens",
                                      "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("pdserve_router_generation_tokens",
-                                         "Tokens streamed to clients", registry=r)
+        # per message: the loop's own (lock-free) kinds
+        self.generation_tokens = LoopCounter("pdserve_router_generation_tokens",
+                                             "Tokens streamed to clients", r)
         self.aborts = Counter("pdserve_router_aborts", "Requests ended early, by who ended them",
                               ["reason"], registry=r)
         self.ttft = hist("pdserve_router_time_to_first_token_seconds",
                          "Request received -> token 0 sent to the client")
         self.tt2t = hist("pdserve_router_time_to_second_token_seconds",
                          "Token 0 sent -> token 1 sent (the consumer's KV wait shows here)")
-        self.itl = hist("pdserve_router_inter_token_latency_seconds",
-                        "Gap between later tokens, per token")
+        self.itl = LoopHistogram("pdserve_router_inter_token_latency_seconds",
+                                 "Gap between later tokens, per token", LATENCY_BUCKETS, r)
         self.e2e = hist("pdserve_router_e2e_request_latency_seconds",
                         "Request received -> last message sent")
         self.hold = hist("pdserve_router_first_token_hold_seconds",
@@ -85,20 +87,22 @@ class RequestObserver:
         n = len(resp.token_ids)
         now = time.monotonic()
         if n:
+            m = self.m
             gap = now - self.last
-            itl = n  # tokens of this message that count as inter-token gaps
-            if self.tokens == 0:
-                self.m.ttft.observe(now - self.start)
+            if self.tokens > 1:  # the steady state: every token of it has a gap
+                itl = n
+            elif self.tokens == 0:
+                m.ttft.observe(now - self.start)
                 itl = 0  # tokens batched with token 0 (colocated) carry no gap of their own
-            elif self.tokens == 1:
-                self.m.tt2t.observe(gap)
+            else:
+                m.tt2t.observe(gap)
                 itl = n - 1
             # A message carrying k tokens spreads its gap evenly over them.
             for _ in range(itl):
-                self.m.itl.observe(gap / n)
+                m.itl.observe(gap / n)
             self.tokens += n
             self.last = now
-            self.m.generation_tokens.inc(n)
+            m.generation_tokens.inc(n)
         if resp.finish_reason:
             self._finish(resp, now)
 

@@ -320,6 +320,7 @@ class RequestRun:
         if self._closed:
             return
         self._closed = True
+        self._queue.close()
         if self.decode is not None and self.slot is not None:  # legs of a placement started
             self._end_legs(self.legs_to_abort())
         self._unplace()
@@ -363,13 +364,10 @@ class RequestRun:
                          bound: float | None = None) -> Event:
         """The next report, or a TIMEOUT naming ``what`` and the bound it missed (``bound``
         when the wait is what is left of a longer one)."""
-        if not self._queue.empty():  # a report is waiting: no timer to arm and cancel
-            return self._queue.get_nowait()
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._queue.get()
-        except TimeoutError:
+        ev = await self._queue.get(timeout)
+        if ev is None:
             return TimedOut(waiting_on, f"no {what} within {bound or timeout:g} s")
+        return ev
 
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                 ) -> tuple[router_pb2.GenerateResponse, str | None]:

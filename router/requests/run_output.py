@@ -28,6 +28,7 @@ class RunOutput:
         # ... and their ids: a migrated request resumes after them (prior_output_ids)
         self.token_ids: list[int] = []
         self.cached_tokens = 0  # prompt tokens the prefill found in a prefix cache
+        self._stamps_open = True  # the consumer's timing stamps may still come
 
     @property
     def request_id(self) -> str:
@@ -53,17 +54,21 @@ class RunOutput:
                ) -> tuple[router_pb2.GenerateResponse, str | None]:
         """A decoding leg's tokens; the error is None while the request goes on, "" when
         it finished well, else what failed."""
-        resp = router_pb2.GenerateResponse(request_id=self.request_id,
-                                           token_ids=tokens.token_ids, text=tokens.text,
-                                           logprobs=tokens.logprobs)
-        if tokens.cached_tokens and not self.completion_tokens:  # colocated: its prefill
+        ids = tokens.token_ids
+        # Per token on the hot path: an empty repeated field is not passed (copying even an
+        # empty container costs more than the message's other fields).
+        if tokens.logprobs:
+            resp = router_pb2.GenerateResponse(request_id=self.prep.request_id, token_ids=ids,
+                                               text=tokens.text, logprobs=tokens.logprobs)
+        else:
+            resp = router_pb2.GenerateResponse(request_id=self.prep.request_id, token_ids=ids,
+                                               text=tokens.text)
+        if not self.completion_tokens and tokens.cached_tokens:  # colocated: its prefill
             self.cached_tokens = tokens.cached_tokens
-        self.completion_tokens += len(tokens.token_ids)
-        self.token_ids += tokens.token_ids
-        if tokens.kv_ready_ns and not self.timing.consumer_kv_ready_ns:
-            self.timing.consumer_kv_ready_ns = tokens.kv_ready_ns
-        if tokens.first_step_ns and not self.timing.consumer_first_step_ns:
-            self.timing.consumer_first_step_ns = tokens.first_step_ns
+        self.completion_tokens += len(ids)
+        self.token_ids += ids
+        if self._stamps_open:  # the consumer's timing stamps ride on its first messages
+            self._stamp(tokens)
         if not tokens.finish_reason:
             return resp, None
         error = ""
@@ -71,6 +76,15 @@ class RunOutput:
             error = f"{w.role_name} {w.worker_id}: {tokens.error or 'no details'}"
             log.warning("request %s failed: %s", self.request_id, error)
         return self.final(resp, tokens.finish_reason, tokens.stop_reason, error), error
+
+    def _stamp(self, tokens: worker_pb2.Tokens) -> None:
+        t = self.timing
+        if tokens.kv_ready_ns and not t.consumer_kv_ready_ns:
+            t.consumer_kv_ready_ns = tokens.kv_ready_ns
+        if tokens.first_step_ns and not t.consumer_first_step_ns:
+            t.consumer_first_step_ns = tokens.first_step_ns
+        # the consumer sends both with its first step's tokens; once set, they stay
+        self._stamps_open = not t.consumer_first_step_ns
 
     def aborted(self) -> router_pb2.GenerateResponse:
         return self.final(router_pb2.GenerateResponse(request_id=self.request_id),

@@ -75,6 +75,7 @@ class StreamedRun(Protocol):
 
 
 FINISH_ERROR = common_pb2.FINISH_REASON_ERROR
+DECODING = RunPhase.DECODING
 
 
 async def disaggregated_stream(run: StreamedRun
@@ -99,18 +100,22 @@ async def disaggregated_stream(run: StreamedRun
             return run.retry_after(p, why, held)
         return run.migrate_after(w, why, code)
 
+    next_token = f"next token from consumer {c.worker_id}"
     while True:
-        if not token0_sent():
+        if run.phase is DECODING:
+            ev = await run.next_event(cfg.token_timeout_s, next_token, c)
+            if type(ev) is TokensRead and not ev.tokens.finish_reason:
+                # the steady state, once per message: more tokens of a decoding request
+                yield run.tokens(ev.tokens, c)[0]
+                continue
+        elif not token0_sent():
             ev = await run.next_event(max(0.0, token0_by - time.monotonic()),
                                       f"token 0 from producer {p.worker_id}", p,
                                       cfg.token0_timeout_s)
-        elif run.phase is not RunPhase.DECODING:
+        else:
             # Includes a queued reservation and the KV transfer, hence the long bound.
             ev = await run.next_event(cfg.token0_timeout_s,
                                       f"first token from consumer {c.worker_id}", c)
-        else:
-            ev = await run.next_event(cfg.token_timeout_s,
-                                      f"next token from consumer {c.worker_id}", c)
         match ev:
             case Reserved():
                 run.advance(RunPhase.PAIRED)  # the run sent the blocks on to the producer
@@ -199,13 +204,16 @@ async def colocated_stream(run: StreamedRun) -> AsyncIterator[router_pb2.Generat
     assert run.slot is not None
     w = run.slot.colocated
     assert w is not None
+    next_token = f"next token from colocated worker {w.worker_id}"
     while True:
-        if run.phase is not RunPhase.DECODING:
+        if run.phase is DECODING:
+            ev = await run.next_event(run.config.token_timeout_s, next_token, w)
+            if type(ev) is TokensRead and not ev.tokens.finish_reason:
+                yield run.tokens(ev.tokens, w)[0]  # the steady state (see above)
+                continue
+        else:
             ev = await run.next_event(run.config.token0_timeout_s,
                                       f"token 0 from colocated worker {w.worker_id}", w)
-        else:
-            ev = await run.next_event(run.config.token_timeout_s,
-                                      f"next token from colocated worker {w.worker_id}", w)
         match ev:
             case TokensRead(tokens=tokens):
                 if run.phase is not RunPhase.DECODING and tokens.token_ids:

@@ -54,3 +54,29 @@ def test_errors_and_other_events_stay_apart() -> None:
         assert q.merged == 0
 
     asyncio.run(main())
+
+
+def test_a_bounded_wait_ends_at_its_own_deadline() -> None:
+    """One timer serves every wait: a wait that ends early (an event came) leaves it armed,
+    and it must neither end a later wait before that wait's bound nor an unbounded wait."""
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        q = EventQueue()
+        t0 = loop.time()
+        assert await q.get(0.05) is None  # nothing came: the bound ends it
+        assert 0.045 <= loop.time() - t0 < 0.5
+
+        loop.call_later(0.02, q.put_nowait, DecodeEnded())
+        assert isinstance(await q.get(0.3), DecodeEnded)  # timer left armed at +0.3 s
+        t1 = loop.time()
+        assert await q.get(0.6) is None  # that timer fires first: it re-arms, no timeout
+        assert loop.time() - t1 >= 0.55
+
+        loop.call_later(0.02, q.put_nowait, DecodeEnded())
+        assert isinstance(await q.get(0.05), DecodeEnded)
+        loop.call_later(0.2, q.put_nowait, toks([5]))
+        got = await q.get()  # unbounded: the +0.05 s timer must not end it
+        assert isinstance(got, TokensRead) and list(got.tokens.token_ids) == [5]
+        q.close()
+
+    asyncio.run(main())

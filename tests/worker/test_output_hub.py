@@ -91,3 +91,34 @@ def test_bad_subscriber_ids_are_refused_by_name(bad: str) -> None:
             OutputHub().subscribe(bad)
 
     asyncio.run(main())
+
+
+def test_a_batch_entry_carries_every_field_of_its_tokens_event() -> None:
+    """Entries are built in place, setting only the fields an event has: each must equal
+    the Decode stream's own message for the same event (worker.convert.tokens_pb)."""
+    from engine.request import LogprobRow
+    from worker.convert import tokens_pb
+
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        events = [
+            TokensEvent("r1", (5, 6), "xy", (LogprobRow(5, -0.5, ((5, -0.5), (7, -1.5))),
+                                              LogprobRow(6, -0.25, ())), None,
+                        kv_ready_ns=11, first_step_ns=12, cached_tokens=16),
+            TokensEvent("r2", (), "", (), "error", error="kv transfer failed"),
+            TokensEvent("r3", (9,), "z", (), "stop", stop_reason="z"),
+            TokensEvent("r4", (1,), "a", (), None),
+        ]
+        for ev in events:
+            hub.attach(ev.rid, a)
+            assert hub.add(ev)
+        hub.flush()
+        batch = await a.next_batch()
+        assert len(batch.tokens) == len(events)
+        for got, ev in zip(batch.tokens, events, strict=True):
+            want = tokens_pb(ev)
+            want.request_id = ev.rid
+            assert got == want, (got, want)
+
+    asyncio.run(main())

@@ -1,0 +1,167 @@
+"""The floor under the router's per-token CPU: bare grpc.aio server streaming, one message
+per stream per tick, nothing else in the process.
+
+A server process serves ``pdserve.v1.Router/Generate`` with a handler that only waits for
+a shared tick (like a run waiting for its worker's next step) and sends one small
+``GenerateResponse`` (one token id, a short text) per tick per stream; a client process
+holds N streams open over one channel (as a client process of bench/serving_cpu_bench.py
+does). The server's CPU (utime + stime from /proc) over the run, divided by the messages
+sent, is what grpc.aio itself costs per streamed message on this machine: the router pays
+it per client message on top of its own work, so it bounds how low the router's CPU per
+token can go while each message carries one token.
+
+    python bench/grpc_stream_floor.py --streams 64 --tick-ms 10 --messages 300 \
+        --repeat 3 --out OUT.json
+
+``--mode write`` sends with ``context.write`` from a coroutine handler instead of yielding
+from an async generator (the router's way); ``--server-option NAME=VALUE`` passes a grpc
+server channel argument (ints where they parse), to measure options against the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+    sys.path.insert(1, os.path.join(ROOT, "proto"))
+
+import grpc  # noqa: E402
+from pdserve.v1 import router_pb2, router_pb2_grpc  # noqa: E402
+
+from deploy.benchmark.proc_cpu import proc_cpu_s  # noqa: E402
+
+
+class TickServicer(router_pb2_grpc.RouterServicer):
+    """Yields its responses (an async generator handler, as the router's Generate)."""
+
+    def __init__(self, messages: int) -> None:
+        self.messages = messages
+        self.tick = asyncio.Event()
+
+    def step(self) -> None:
+        tick, self.tick = self.tick, asyncio.Event()
+        tick.set()
+
+    async def responses(self, rid: str) -> AsyncIterator[router_pb2.GenerateResponse]:
+        for i in range(self.messages):
+            await self.tick.wait()
+            yield router_pb2.GenerateResponse(request_id=rid, token_ids=[1000 + i],
+                                              text=" tok")
+
+    async def Generate(self, request: router_pb2.GenerateRequest,  # type: ignore[override]
+                       context: Any) -> AsyncIterator[router_pb2.GenerateResponse]:
+        async for resp in self.responses(request.request_id):
+            yield resp
+
+
+class WritingTickServicer(TickServicer):
+    """Writes its responses with ``context.write`` (a coroutine handler)."""
+
+    async def Generate(self, request: router_pb2.GenerateRequest,  # type: ignore[override]
+                       context: Any) -> None:
+        async for resp in self.responses(request.request_id):
+            await context.write(resp)
+
+
+async def _serve(port_q: Any, messages: int, tick_s: float, mode: str,
+                 options: list[tuple[str, Any]]) -> None:
+    server = grpc.aio.server(options=options)
+    servicer = (TickServicer if mode == "yield" else WritingTickServicer)(messages)
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    port_q.put(port)
+    while True:
+        await asyncio.sleep(tick_s)
+        servicer.step()
+
+
+def server_main(port_q: Any, messages: int, tick_s: float, mode: str,
+                options: list[tuple[str, Any]]) -> None:
+    asyncio.run(_serve(port_q, messages, tick_s, mode, options))
+
+
+async def _clients(port: int, streams: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+
+        async def one(i: int) -> int:
+            n = 0
+            async for _ in stub.Generate(router_pb2.GenerateRequest(request_id=str(i))):
+                n += 1
+            return n
+
+        return sum(await asyncio.gather(*(one(i) for i in range(streams))))
+
+
+def one_run(args: argparse.Namespace, options: list[tuple[str, Any]]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    server = ctx.Process(target=server_main, args=(port_q, args.messages, args.tick_ms / 1e3,
+                                                   args.mode, options))
+    server.start()
+    try:
+        port = port_q.get(timeout=30)
+        time.sleep(0.5)  # the server settled: its start-up is not measured
+        assert server.pid is not None
+        cpu0, t0 = proc_cpu_s(server.pid) or 0.0, time.monotonic()
+        sent = asyncio.run(_clients(port, args.streams))
+        cpu1, t1 = proc_cpu_s(server.pid) or 0.0, time.monotonic()
+    finally:
+        server.kill()
+        server.join()
+    cpu_s = cpu1 - cpu0
+    return {"messages": sent, "wall_s": round(t1 - t0, 3), "server_cpu_s": round(cpu_s, 3),
+            "server_us_per_message": round(cpu_s / sent * 1e6, 1),
+            "messages_per_s": round(sent / (t1 - t0), 1)}
+
+
+def _option(text: str) -> tuple[str, Any]:
+    name, _, value = text.partition("=")
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--tick-ms", type=float, default=10.0)
+    ap.add_argument("--messages", type=int, default=300, help="per stream")
+    ap.add_argument("--mode", choices=("yield", "write"), default="yield")
+    ap.add_argument("--server-option", action="append", default=[], type=_option)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--out", help="JSON results here")
+    args = ap.parse_args()
+    runs = [one_run(args, args.server_option) for _ in range(args.repeat)]
+    per_msg = sorted(r["server_us_per_message"] for r in runs)
+    result = {
+        "tool": "bench/grpc_stream_floor.py", "command": sys.argv,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                    "load_avg": os.getloadavg()},
+        "grpc": grpc.__version__, "config": {k: v for k, v in vars(args).items()
+                                             if k != "out"},
+        "runs": runs, "server_us_per_message_median": per_msg[len(per_msg) // 2]}
+    print(f"grpc.aio {args.mode}, {args.streams} streams, {args.tick_ms:g} ms ticks: server "
+          f"µs/message {per_msg} (median {result['server_us_per_message_median']})")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
