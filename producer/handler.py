@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.llm_engine import LLMEngine
@@ -36,6 +36,7 @@ from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
 from transfer.tp_sender import tp_sender
+from worker.load_report import LoadReport, ProducerLoad, TransferLoad
 from worker.messages import (
     AbortCmd,
     Command,
@@ -292,9 +293,8 @@ class ProducerHandler(RoleHandler):
     def has_background_work(self) -> bool:
         return bool(self.out)
 
-    def load(self) -> dict[str, Any]:
-        d = super().load()
-        d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.started)
+    def load(self) -> LoadReport:
+        base = super().load()
         # Held past the lease as after_step judged it (so after_step already failed these;
         # blocks still held means the cancel never completed, so nothing else will free
         # them). Not a request still QUEUED or PREFILLING: no lease runs before token 0.
@@ -302,15 +302,17 @@ class ProducerHandler(RoleHandler):
         orphans = sum(h.blocks for h in self.engine.held_requests()
                       if h.state not in (RequestState.QUEUED, RequestState.PREFILLING)
                       and (o := self.out.get(h.request_id)) is not None and at > o.lease_until)
-        d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
-                                                            d["kv_blocks_total"], orphans)
-        d.update(orphan_blocks=orphans, lease_expiries=self.lease_expiries,
-                 kv_bytes_sent=self.kv_bytes_sent, transfers_ok=self.transfers_ok,
-                 transfers_failed=self.transfers_failed, aborts=self.aborts)
         kv = self.sender.stats()
-        d.update(kv_malformed_messages=kv.malformed_messages,
-                 kv_rejected_handshakes=kv.rejected_handshakes)
-        return d
+        return replace(
+            base, transfers_in_flight=sum(1 for o in self.out.values() if o.started),
+            kv_exhausted_by_orphans=exhausted_by_orphans(base.kv_blocks_free,
+                                                         base.kv_blocks_total, orphans),
+            transfer=TransferLoad(orphan_blocks=orphans, transfers_ok=self.transfers_ok,
+                                  transfers_failed=self.transfers_failed, aborts=self.aborts,
+                                  kv_malformed_messages=kv.malformed_messages,
+                                  kv_rejected_handshakes=kv.rejected_handshakes),
+            producer=ProducerLoad(lease_expiries=self.lease_expiries,
+                                  kv_bytes_sent=self.kv_bytes_sent))
 
     def close(self) -> None:
         self.sender.close()

@@ -146,9 +146,5 @@ class KVPublisher:
             return 0.0 if ack.known else 0.5
         return 0.0
 
-    def counters(self) -> dict[str, int]:
-        return {"kv_event_batches": self.batches, "kv_event_snapshots": self.snapshots,
-                "kv_events_dropped_pending": self.dropped}
-
     async def close(self) -> None:
         await self.channel.close()
