@@ -10,13 +10,18 @@ import json
 import re
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 from pdserve.v1 import common_pb2
+from tiny_models import PROMPTS, make_tiny_model
 
+from consumer.colocated import ColocatedHandler
+from engine.llm import LLM
 from engine.model_source import resolve_model
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import RouterServer
@@ -263,3 +268,26 @@ def test_before_the_first_report_metrics_show_only_the_serving_counters() -> Non
     assert set(got) == {k for k in COMMON if k.startswith(serving)}
     assert WorkerMetrics("w", "consumer", lambda: None).held_requests() == {
         "requests": [], "total": 0, "kv_blocks_total": 0, "kv_blocks_free": 0}
+
+
+def test_a_data_parallel_engine_reports_each_group(tmp_path: Path) -> None:
+    """A real DP engine (two attention groups over gloo, CPU): the handler's report carries
+    each group's queues and pool, summing to its totals, and the heartbeat carries them."""
+    path = make_tiny_model(str(tmp_path / "qwen3_moe"), "qwen3_moe", seed=4)
+    with LLM(path, tensor_parallel_size=2, data_parallel_size=2, num_kv_blocks=24,
+             block_size=4, max_num_batched_tokens=16) as llm:
+        eng = llm.engine
+        for i, p in enumerate(PROMPTS[:2]):
+            eng.add_request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0), dp_rank=1)
+        eng.step()
+        report = ColocatedHandler(eng, lambda ev: None).load()
+        assert report.dp_ranks == tuple(
+            DPRankLoad(d["waiting"], d["running"], d["kv_blocks_free"], d["kv_blocks_total"])
+            for d in eng.scheduler.loads())
+        (g0, g1) = report.dp_ranks
+        assert g0 == DPRankLoad(0, 0, 24, 24) and g1.running >= 1 and g1.kv_blocks_free < 24
+        assert (report.kv_blocks_free, report.kv_blocks_total) == (24 + g1.kv_blocks_free, 48)
+        assert _pb_dict(load_pb(report))["dp_ranks"] == [
+            (d.waiting, d.running, d.kv_blocks_free, d.kv_blocks_total) for d in (g0, g1)]
+        while eng.has_unfinished():
+            eng.step()
