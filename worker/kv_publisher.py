@@ -60,7 +60,7 @@ class KVPublisher:
         self._pending_hashes = 0
         self.need_snapshot = True  # the router has seen nothing of this epoch
         self._wake = asyncio.Event()
-        # counters (worker /metrics via the load dict)
+        # counters (worker /metrics, through ServingCounters)
         self.batches = 0
         self.snapshots = 0
         self.dropped = 0  # pending events dropped for a snapshot
