@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from engine.llm_engine import LLMEngine
@@ -22,6 +23,7 @@ from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from transfer import KVReceiver, TransferConfig, TransferStatus, TransferUpdate, make_receiver
 from transfer.tp_receiver import tp_receiver
+from worker.load_report import ConsumerLoad, LoadReport, TransferLoad
 from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent, TokensBatchEvent
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
@@ -194,24 +196,26 @@ class ConsumerHandler(RoleHandler):
     def has_background_work(self) -> bool:
         return self.engine.num_in(S.RESERVING, S.WAITING_FOR_KV) > 0
 
-    def load(self) -> dict[str, Any]:
-        d = super().load()
-        d["waiting"] += self.engine.num_in(S.RESERVING)
-        d["transfers_in_flight"] = self.engine.num_in(S.WAITING_FOR_KV)
+    def load(self) -> LoadReport:
+        base = super().load()
         orphans = sum(h.blocks for h in self.engine.held_requests()
                       if h.state == S.WAITING_FOR_KV and h.state_age_s > self.lease_s)
-        d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
-                                                            d["kv_blocks_total"], orphans)
-        # Preempting an admitted request drops the KV it received: the engine recomputes
-        # the whole prompt locally, the silent degradation the transfer exists to avoid.
-        d.update(orphan_blocks=orphans, recomputed=self.engine.num_preemptions,
-                 kv_bytes_received=self.kv_bytes_received, transfers_ok=self.transfers_ok,
-                 transfers_failed=self.transfers_failed, aborts=self.aborts,
-                 reservation_queue_full=self.queue_full, local_prefills=self.local_prefills)
         kv = self.receiver.stats()  # its KV port: what strangers and broken peers sent
-        d.update(kv_malformed_messages=kv.malformed_messages,
-                 kv_rejected_handshakes=kv.rejected_handshakes)
-        return d
+        return replace(
+            base, waiting=base.waiting + self.engine.num_in(S.RESERVING),
+            transfers_in_flight=self.engine.num_in(S.WAITING_FOR_KV),
+            kv_exhausted_by_orphans=exhausted_by_orphans(base.kv_blocks_free,
+                                                         base.kv_blocks_total, orphans),
+            transfer=TransferLoad(orphan_blocks=orphans, transfers_ok=self.transfers_ok,
+                                  transfers_failed=self.transfers_failed, aborts=self.aborts,
+                                  kv_malformed_messages=kv.malformed_messages,
+                                  kv_rejected_handshakes=kv.rejected_handshakes),
+            # Preempting an admitted request drops the KV it received: the engine recomputes
+            # the whole prompt locally, the silent degradation the transfer exists to avoid.
+            consumer=ConsumerLoad(recomputed=self.engine.num_preemptions,
+                                  kv_bytes_received=self.kv_bytes_received,
+                                  reservation_queue_full=self.queue_full,
+                                  local_prefills=self.local_prefills))
 
     def close(self) -> None:
         self.receiver.close()

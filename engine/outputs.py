@@ -63,11 +63,6 @@ class HeldRequest:
     state_age_s: float  # since its last state change
     blocks: int  # KV blocks it holds (its own plus those pinned for a transfer)
 
-    def row(self) -> dict[str, object]:
-        return {"request_id": self.request_id, "state": self.state.name,
-                "age_s": round(self.age_s, 3), "state_age_s": round(self.state_age_s, 3),
-                "blocks": self.blocks}
-
 
 def logprob_rows(out: SamplerOutput) -> list[LogprobRow] | None:
     """A step's sampled rows as LogprobRows (None: no request asked for logprobs)."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any
 
 from engine.prefix_hash import BlockHash
 
@@ -74,16 +73,6 @@ class PrefixCacheStats:
     evictable_blocks: int  # gauge: cached blocks no request owns (counted as free)
     evicted_blocks: int  # cached blocks reused for other KV
     kv_events_dropped: int = 0  # events the bounded queue dropped unread (readers resync)
-
-    def counters(self) -> dict[str, Any]:
-        """For a load report, named as the worker's other engine counters are."""
-        return {"prefix_cache_enabled": self.enabled,
-                "prefix_cache_queried_tokens": self.queried_tokens,
-                "prefix_cache_hit_tokens": self.hit_tokens,
-                "prefix_cache_blocks": self.cached_blocks,
-                "prefix_cache_evictable_blocks": self.evictable_blocks,
-                "prefix_cache_evicted_blocks": self.evicted_blocks,
-                "prefix_cache_kv_events_dropped": self.kv_events_dropped}
 
 
 class KVEventQueue:

@@ -7,7 +7,10 @@ push first pins the blocks it sends (``LLMEngine.pin``), so neither a preemption
 returns them to the pool while the sender may still read them; release() here, once the
 transfer is terminal (DONE, failed, cancelled), frees them. A request never pushed is
 simply aborted. The request's state is the engine's (``state_of``): QUEUED, PREFILLING,
-TRANSFERRING once token 0 is out, FINISHED_* when token 0 ended it or it was failed.
+TRANSFERRING once token 0 is out, FINISHED_* when token 0 ended it or it was failed. The
+transfer's own progress (destination, pushes, the final notice, the ack) is
+``Outgoing.phase``, a checked ``TransferPhase`` (producer/transfer_phase.py opens with its
+lifecycle).
 
 Leases: until the destination comes, the lease is renewed by the router's ``HoldCmd``,
 sent while the consumer is alive and its reservation waits for blocks (backpressure slows
@@ -27,15 +30,17 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import StepResult
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
+from producer.transfer_phase import TransferPhase, check_transfer
 from transfer import TransferConfig, TransferError, TransferNotice, TransferStatus, make_sender
 from transfer.tp_sender import tp_sender
+from worker.load_report import LoadReport, ProducerLoad, TransferLoad
 from worker.messages import (
     AbortCmd,
     Command,
@@ -60,12 +65,12 @@ class Outgoing:
     rid: str
     received_ns: int
     lease_until: float  # monotonic: the destination (and later the ack) must come by then
+    phase: TransferPhase = TransferPhase.AWAITING_DEST  # moved only by move()
     dest_address: str = ""
-    dest_blocks: list[int] | None = None
+    dest_blocks: list[int] = field(default_factory=list)  # set with the destination
     final: int = 0  # leading blocks whose KV is final (the engine's last step report)
     pushed: int = 0  # leading blocks pushed (and pinned) so far
-    notice: TransferNotice | None = None  # set once token 0 is out; sent with the last push
-    token0_sent: bool = False  # the gRPC process has handed token 0 to the router stream
+    notice: TransferNotice | None = None  # built with token 0; sent in RELEASED
     token0_at: float = 0.0  # monotonic: when token 0 went to the gRPC process
     first_push: float = 0.0  # monotonic, for kv_transfer_ms
     num_prior: int = 0  # a migrated request's prior outputs: their KV goes with the prompt's
@@ -77,6 +82,10 @@ class Outgoing:
     def started(self) -> bool:
         """Some blocks were pushed (and pinned): the sender owns the transfer's end."""
         return self.pushed > self.skip
+
+    def move(self, new: TransferPhase) -> None:
+        check_transfer(self.phase, new)
+        self.phase = new
 
 
 class ProducerHandler(RoleHandler):
@@ -116,7 +125,7 @@ class ProducerHandler(RoleHandler):
                                      num_prior=len(cmd.prior_ids))
         elif isinstance(cmd, DestinationCmd):
             o = self.out.get(cmd.rid)
-            if o is None or o.dest_blocks is not None or self._ended(o):
+            if o is None or not o.phase.awaits_dest or self._ended(o):
                 return
             if not 0 <= cmd.cached_blocks < len(cmd.block_ids):
                 # at least the block holding the last prompt token always moves (the
@@ -132,16 +141,17 @@ class ProducerHandler(RoleHandler):
                 return
             o.dest_address, o.dest_blocks = cmd.kv_address, list(cmd.block_ids)
             o.skip = o.pushed = cmd.cached_blocks
+            o.move(o.phase.with_dest())
             o.lease_until = max(o.lease_until, time.monotonic() + self.lease_s)
             self._push_ready(o)
         elif isinstance(cmd, HoldCmd):
             o = self.out.get(cmd.rid)
-            if o is not None and o.dest_blocks is None:
+            if o is not None and o.phase.awaits_dest:
                 o.lease_until = max(o.lease_until, time.monotonic() + self.lease_s)
         elif isinstance(cmd, Token0SentCmd):
             o = self.out.get(cmd.rid)
-            if o is not None:
-                o.token0_sent = True
+            if o is not None and (new := o.phase.with_token0_sent()) is not None:
+                o.move(new)
                 self._push_ready(o)
         elif isinstance(cmd, AbortCmd):
             o = self.out.get(cmd.rid)
@@ -166,9 +176,10 @@ class ProducerHandler(RoleHandler):
                                   out.num_cached_tokens))
             if out.finished:  # token 0 ended it: the engine freed all but the pinned blocks
                 if o.started:  # close the early chunks' transfer now, not at its deadline;
-                    self.sender.cancel(o.rid, "token 0 finished the request")  # pins: poll
+                    o.move(TransferPhase.CANCELLING)  # the pins go with the sender's report
+                    self.sender.cancel(o.rid, "token 0 finished the request")
                 else:
-                    self.out.pop(o.rid, None)
+                    self._drop(o)
                 continue
             # TransferNotice carries logprobs in its own wire shape, ((token, logprob), *top);
             # the consumer converts it back to a LogprobRow.
@@ -176,6 +187,7 @@ class ProducerHandler(RoleHandler):
                 request_id=o.rid, first_token=tok, finished=False,
                 num_prompt_tokens=out.num_prompt_tokens + o.num_prior, seed=out.seed,
                 logprobs=((tok, row.logprob), *row.top) if row is not None else None)
+            o.move(o.phase.with_token0())
             o.lease_until = time.monotonic() + self.lease_s
             o.token0_at = time.monotonic()
             self._push_ready(o)
@@ -188,7 +200,7 @@ class ProducerHandler(RoleHandler):
         whenever other prompts are queued behind this one."""
         now, wait = time.monotonic(), 0.0
         for o in self.out.values():
-            if (o.notice is not None and not o.token0_sent and o.dest_blocks is not None
+            if (o.phase is TransferPhase.TOKEN0_HELD
                     and o.pushed >= min(o.final, len(o.dest_blocks))):
                 wait = max(wait, o.token0_at + TOKEN0_SENT_WAIT_S - now)
         return math.ceil(wait * 1e3) if wait > 0 else 0
@@ -198,10 +210,9 @@ class ProducerHandler(RoleHandler):
         return state is None or state.finished
 
     def _push_ready(self, o: Outgoing) -> None:
-        """Pushes the blocks filled since the last push; with token 0 out, all and the end."""
-        if o.dest_blocks is None or self._ended(o):
+        """Pushes the blocks filled since the last push; once RELEASED, all and the end."""
+        if not o.phase.has_dest or self._ended(o):
             return
-        done = o.notice is not None
         upto = min(o.final, len(o.dest_blocks))
         try:
             if upto > o.pushed:
@@ -215,9 +226,10 @@ class ProducerHandler(RoleHandler):
                                  + self.cfg.transfer_timeout_s)
                 self.kv_bytes_sent += (upto - o.pushed) * self.engine.layout.block_nbytes
                 o.pushed = upto
-            if done and o.notice is not None and o.token0_sent:
+            if o.phase is TransferPhase.RELEASED:
+                assert o.notice is not None  # built with token 0
                 self.sender.finish(o.rid, o.notice)
-                o.notice = None  # sent; DONE comes with the consumer's ack
+                o.move(TransferPhase.NOTIFIED)  # DONE comes with the consumer's ack
                 o.lease_until = time.monotonic() + self.cfg.transfer_timeout_s
         except TransferError as e:
             self._fail(o, str(e))
@@ -234,9 +246,10 @@ class ProducerHandler(RoleHandler):
             self._push_ready(o)  # pushes only what the last step filled; cheap otherwise
         for u in self.sender.poll():
             self.sender.release(u.request_id)
-            rec = self.out.pop(u.request_id, None)
+            rec = self.out.get(u.request_id)
             if rec is None:
                 continue
+            self._drop(rec)
             state = self.engine.state_of(rec.rid)
             self.engine.release(rec.rid)  # the sender reads none of its blocks any more
             if state in (RequestState.FINISHED_STOPPED, RequestState.FINISHED_LENGTH):
@@ -263,7 +276,7 @@ class ProducerHandler(RoleHandler):
                     and self.engine.state_of(o.rid) == RequestState.TRANSFERRING):
                 self._expire(o, "no destination and no hold from the router: the consumer's "
                                 "reservation never reached this producer"
-                             if o.dest_blocks is None else
+                             if o.phase.awaits_dest else
                              "no acknowledgement from the consumer")
 
     def _expire(self, o: Outgoing, why: str) -> None:
@@ -280,11 +293,16 @@ class ProducerHandler(RoleHandler):
             return
         self.engine.abort(o.rid, state)
         if o.started:
+            o.move(TransferPhase.CANCELLING)
             self.sender.cancel(o.rid, error)
             return
         self.engine.release(o.rid)
-        self.out.pop(o.rid, None)
+        self._drop(o)
         self._transfer_event(o.rid, False, error)
+
+    def _drop(self, o: Outgoing) -> None:
+        o.move(TransferPhase.ENDED)
+        del self.out[o.rid]
 
     def _transfer_event(self, rid: str, ok: bool, error: str, ms: float = 0.0) -> None:
         self.emit(TransferResultEvent(rid, ok, error, ms))
@@ -292,9 +310,8 @@ class ProducerHandler(RoleHandler):
     def has_background_work(self) -> bool:
         return bool(self.out)
 
-    def load(self) -> dict[str, Any]:
-        d = super().load()
-        d["transfers_in_flight"] = sum(1 for o in self.out.values() if o.started)
+    def load(self) -> LoadReport:
+        base = super().load()
         # Held past the lease as after_step judged it (so after_step already failed these;
         # blocks still held means the cancel never completed, so nothing else will free
         # them). Not a request still QUEUED or PREFILLING: no lease runs before token 0.
@@ -302,15 +319,17 @@ class ProducerHandler(RoleHandler):
         orphans = sum(h.blocks for h in self.engine.held_requests()
                       if h.state not in (RequestState.QUEUED, RequestState.PREFILLING)
                       and (o := self.out.get(h.request_id)) is not None and at > o.lease_until)
-        d["kv_exhausted_by_orphans"] = exhausted_by_orphans(d["kv_blocks_free"],
-                                                            d["kv_blocks_total"], orphans)
-        d.update(orphan_blocks=orphans, lease_expiries=self.lease_expiries,
-                 kv_bytes_sent=self.kv_bytes_sent, transfers_ok=self.transfers_ok,
-                 transfers_failed=self.transfers_failed, aborts=self.aborts)
         kv = self.sender.stats()
-        d.update(kv_malformed_messages=kv.malformed_messages,
-                 kv_rejected_handshakes=kv.rejected_handshakes)
-        return d
+        return replace(
+            base, transfers_in_flight=sum(1 for o in self.out.values() if o.started),
+            kv_exhausted_by_orphans=exhausted_by_orphans(base.kv_blocks_free,
+                                                         base.kv_blocks_total, orphans),
+            transfer=TransferLoad(orphan_blocks=orphans, transfers_ok=self.transfers_ok,
+                                  transfers_failed=self.transfers_failed, aborts=self.aborts,
+                                  kv_malformed_messages=kv.malformed_messages,
+                                  kv_rejected_handshakes=kv.rejected_handshakes),
+            producer=ProducerLoad(lease_expiries=self.lease_expiries,
+                                  kv_bytes_sent=self.kv_bytes_sent))
 
     def close(self) -> None:
         self.sender.close()

@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -20,6 +20,7 @@ import zmq
 from engine.config import EngineConfig
 from worker import ipc
 from worker.kv_forward import KVEventForwarder
+from worker.load_report import HeldRow, LoadReport
 from worker.messages import (
     Event,
     FatalEvent,
@@ -129,12 +130,13 @@ class WorkerLoop:
             self.turn()
 
 
-def load_report(handler: RoleHandler, steps: StepStats | None = None) -> dict[str, Any]:
+def load_report(handler: RoleHandler, steps: StepStats | None = None) -> LoadReport:
     """The role's load plus every request the engine holds (state, ages, blocks) and the
     engine's step counters."""
     held = sorted(handler.engine.held_requests(), key=lambda h: -h.age_s)
-    return {**handler.load(), "requests": [h.row() for h in held[:MAX_LISTED_REQUESTS]],
-            "requests_held": len(held), **(steps or StepStats()).counters()}
+    return replace(handler.load(),
+                   requests=tuple(HeldRow.of(h) for h in held[:MAX_LISTED_REQUESTS]),
+                   requests_held=len(held), steps=(steps or StepStats()).counters())
 
 
 def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:

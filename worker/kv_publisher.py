@@ -60,7 +60,7 @@ class KVPublisher:
         self._pending_hashes = 0
         self.need_snapshot = True  # the router has seen nothing of this epoch
         self._wake = asyncio.Event()
-        # counters (worker /metrics via the load dict)
+        # counters (worker /metrics, through ServingCounters)
         self.batches = 0
         self.snapshots = 0
         self.dropped = 0  # pending events dropped for a snapshot
@@ -145,10 +145,6 @@ class KVPublisher:
             # not registered yet (the first batch can beat the Register call): soon again
             return 0.0 if ack.known else 0.5
         return 0.0
-
-    def counters(self) -> dict[str, int]:
-        return {"kv_event_batches": self.batches, "kv_event_snapshots": self.snapshots,
-                "kv_events_dropped_pending": self.dropped}
 
     async def close(self) -> None:
         await self.channel.close()

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 from engine.codec import Codec
 from engine.codec import MessageError as MessageError  # raised by decode
 from engine.request import LogprobRow
+from worker.load_report import LoadReport
 
 # ---- commands (gRPC process -> engine process) -------------------------------------------
 
@@ -149,7 +150,7 @@ class TokensBatchEvent:
 @dataclass(frozen=True)
 class StatsEvent:
     KIND: ClassVar[str] = "stats"
-    load: dict[str, Any]
+    load: LoadReport
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,8 @@ from typing import Any, cast
 import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
+from worker.load_report import LoadReport
+
 log = logging.getLogger("pdserve.worker")
 ROLES = {"producer": common_pb2.ROLE_PRODUCER, "consumer": common_pb2.ROLE_CONSUMER,
          "colocated": common_pb2.ROLE_COLOCATED}
@@ -53,9 +55,18 @@ def pdserve_version() -> str:
         return "unknown"
 
 
-def load_pb(load: dict[str, Any]) -> common_pb2.WorkerLoad:
-    fields = common_pb2.WorkerLoad.DESCRIPTOR.fields_by_name
-    return common_pb2.WorkerLoad(**{k: v for k, v in load.items() if k in fields})
+def load_pb(r: LoadReport | None) -> common_pb2.WorkerLoad:
+    """The heartbeat's view of the engine's latest report (None before the first: empty)."""
+    if r is None:
+        return common_pb2.WorkerLoad()
+    return common_pb2.WorkerLoad(
+        waiting=r.waiting, running=r.running, kv_blocks_free=r.kv_blocks_free,
+        kv_blocks_total=r.kv_blocks_total, transfers_in_flight=r.transfers_in_flight,
+        kv_exhausted_by_orphans=r.kv_exhausted_by_orphans,
+        dp_ranks=[common_pb2.DPRankLoad(waiting=d.waiting, running=d.running,
+                                        kv_blocks_free=d.kv_blocks_free,
+                                        kv_blocks_total=d.kv_blocks_total)
+                  for d in r.dp_ranks])
 
 
 class LoopWatch:
@@ -64,8 +75,9 @@ class LoopWatch:
     ``tick`` runs on the loop every ``tick_s``; ``read`` (the heartbeat thread) sees a loop
     that is stuck now (its tick overdue) as well as one that was stuck since the last read
     and caught up (the worst lateness a tick saw). The engine process's reports arrive on the
-    same loop (``EngineBridge.pump`` replaces its load dict with each), so their age is taken
-    in loop time, at each tick: a stalled loop shows as loop lag, not as a stale engine.
+    same loop (``EngineBridge.pump`` keeps the latest, a new object each time), so their age
+    is taken in loop time, at each tick: a stalled loop shows as loop lag, not as a stale
+    engine.
     """
 
     def __init__(self, load: Callable[[], object], tick_s: float = TICK_S,
@@ -108,7 +120,7 @@ class LoopWatch:
 
 class Registration:
     def __init__(self, router: str, worker_id: str, role: str, address: str,
-                 info: dict[str, Any], load: Callable[[], dict[str, Any]],
+                 info: dict[str, Any], load: Callable[[], LoadReport | None],
                  cluster_token: str = "", router_ca: str = "",
                  failed: Callable[[], str | None] = lambda: None) -> None:
         if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.outputs import RequestOutput, StepResult
 from engine.sampling_params import SamplingParams
+from worker.load_report import DPRankLoad, LoadReport, PrefixCacheLoad
 from worker.messages import Command, Event, TokensEvent
 
 if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
@@ -70,21 +71,23 @@ class RoleHandler(abc.ABC):
         """True while transfers or reservations need polling even with the engine idle."""
         return False
 
-    def load(self) -> dict[str, Any]:
+    def load(self) -> LoadReport:
+        """The engine's queues, pool and counters; a role that moves KV adds its own with
+        ``dataclasses.replace``."""
         acc = self.engine.block_accounting()
-        return {"waiting": len(self.engine.scheduler.waiting),
-                "running": len(self.engine.scheduler.running),
-                "kv_blocks_free": acc.free, "kv_blocks_total": acc.total,
-                "transfers_in_flight": 0, "kv_exhausted_by_orphans": False,
-                "preemptions": self.engine.num_preemptions,
-                **self._dp_loads(),
-                **self.engine.prefix_cache_stats().counters()}
+        return LoadReport(waiting=len(self.engine.scheduler.waiting),
+                          running=len(self.engine.scheduler.running),
+                          kv_blocks_free=acc.free, kv_blocks_total=acc.total,
+                          preemptions=self.engine.num_preemptions,
+                          dp_ranks=self._dp_loads(),
+                          prefix_cache=PrefixCacheLoad.of(self.engine.prefix_cache_stats()))
 
-    def _dp_loads(self) -> dict[str, Any]:
+    def _dp_loads(self) -> tuple[DPRankLoad, ...]:
         """Each attention data-parallel group's own queues and pool (none for one group)."""
         if self.engine.config.data_parallel_size == 1:
-            return {}
-        return {"dp_ranks": self.engine.scheduler.loads()}
+            return ()
+        return tuple(DPRankLoad(d["waiting"], d["running"], d["kv_blocks_free"],
+                                d["kv_blocks_total"]) for d in self.engine.scheduler.loads())
 
     def ready_info(self) -> dict[str, Any]:
         return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),

@@ -15,7 +15,7 @@ from worker import ipc
 from worker.engine_loop import EngineSpec, engine_process_main
 from worker.kv_publisher import KVPublisher
 from worker.messages import StopCmd
-from worker.metrics_server import MetricsServer, WorkerMetrics
+from worker.metrics_server import MetricsServer, ServingCounters, WorkerMetrics
 from worker.registration import Registration
 from worker.servicer import EngineBridge, WorkerServicer
 
@@ -81,9 +81,11 @@ class WorkerServer:
         info = await asyncio.wait_for(self.bridge.ready, cfg.ready_timeout_s)
         bridge = self.bridge
         hub = bridge.hub
-        self.metrics = WorkerMetrics(self.worker_id, cfg.spec.role, lambda: {
-            **bridge.load, "output_batches": hub.batches, "output_messages": hub.tokens,
-            **pub.counters()})
+        self.metrics = WorkerMetrics(
+            self.worker_id, cfg.spec.role, lambda: bridge.load, lambda: ServingCounters(
+                output_batches=hub.batches, output_messages=hub.tokens,
+                kv_event_batches=pub.batches, kv_event_snapshots=pub.snapshots,
+                kv_events_dropped_pending=pub.dropped))
         self.server = grpc.aio.server(interceptors=cfg.interceptors)
         worker_pb2_grpc.add_WorkerServicer_to_server(
             cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),

@@ -19,6 +19,7 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from engine.request_limits import check_request_id
 from worker import ipc
 from worker.convert import ModelLimits, checked_request
+from worker.load_report import LoadReport
 from worker.messages import (
     AbortCmd,
     Command,
@@ -64,7 +65,7 @@ class EngineBridge:
         self.commands.connect(paths.commands)
         self.queues: dict[str, RequestQueue] = {}
         self.hub = OutputHub()  # tokens of requests whose router reads an Outputs stream
-        self.load: dict[str, Any] = {}
+        self.load: LoadReport | None = None  # the engine process's latest report
         self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
         # where the engine's prefix-cache events go (worker/kv_publisher.py); None: nowhere

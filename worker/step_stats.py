@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from engine.outputs import RequestOutput
+from worker.load_report import StepCounters
 
 LOG_EVERY_S = 10.0
 
@@ -59,11 +59,10 @@ class StepStats:
         """A turn that did not step: the next step's wait is not counted as a gap."""
         self._ended = None
 
-    def counters(self) -> dict[str, Any]:
+    def counters(self) -> StepCounters:
         """For the load report (worker/metrics_server.py turns them into counters)."""
-        return {"engine_steps": self.steps, "engine_step_rows": self.rows,
-                "engine_step_tokens": self.tokens, "engine_step_seconds": self.step_s,
-                "engine_step_gap_seconds": self.gap_s, "engine_step_gaps": self.gaps}
+        return StepCounters(self.steps, self.rows, self.tokens, self.step_s, self.gap_s,
+                            self.gaps)
 
     def window_line(self, now: float | None = None, every_s: float = LOG_EVERY_S) -> str | None:
         """A summary of the steps since the last line, once ``every_s`` has passed and the

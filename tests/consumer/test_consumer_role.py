@@ -43,7 +43,7 @@ def test_reservation_waits_behind_a_full_pool_and_is_admitted_when_blocks_free(t
         pd.turn()
     assert pd.state(pd.c, "b") == S.RESERVING
     assert pd.c.of("b", ReservedEvent) == []
-    assert pd.consumer.load()["waiting"] == 1
+    assert pd.consumer.load().waiting == 1
     pd.run(lambda: pd.finished("a"))
     pd.run(lambda: pd.finished("b"))
     assert pd.c.of("b", ReservedEvent), "b was never given blocks"

@@ -130,7 +130,7 @@ def test_api_key_and_cluster_token_are_enforced(cluster: LocalCluster) -> None:
     async def register(token: str) -> str:
         reg = Registration(cluster.router_address, "stray-1", "consumer", "127.0.0.1:1",
                            {"model": "smollm2", "kv_fingerprint": "x", "max_model_len": 256,
-                            "kv_address": "tcp://127.0.0.1:1"}, dict, token)
+                            "kv_address": "tcp://127.0.0.1:1"}, lambda: None, token)
         try:
             await reg.run()
         except RuntimeError as err:

@@ -169,7 +169,7 @@ def test_event_queue_is_bounded_and_the_gap_shows():
     cache = PrefixCache(max_event_hashes=1)
     cache.events.stored([b"a" * 32], None)
     cache.events.stored([b"b" * 32], None)
-    assert cache.stats().counters()["prefix_cache_kv_events_dropped"] == 1
+    assert cache.stats().kv_events_dropped == 1
     q.removed([b"x" * 32] * 9)  # one event over the bound alone is kept whole
     assert len(q) == 1 and q.last_seq == 6
     with pytest.raises(ValueError, match="max_hashes"):

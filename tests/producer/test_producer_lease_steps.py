@@ -134,7 +134,7 @@ def test_holds_that_arrive_during_a_step_longer_than_the_lease_keep_the_blocks(p
     assert steps >= 3  # every one of them outlasted the lease
     assert p.handler.lease_expiries == 0 and not p.of("held", TransferResultEvent)
     assert p.engine.state_of("held") == S.TRANSFERRING
-    assert p.handler.load()["orphan_blocks"] == 0
+    assert (t := p.handler.load().transfer) is not None and t.orphan_blocks == 0
     # the router goes quiet (its consumer was dropped): the lease still frees the blocks
     p.stretch_steps(lambda: [])
     quiet = time.monotonic()
@@ -187,5 +187,5 @@ def test_a_long_prefill_is_no_orphan(producer):
         p.turn()
         assert p.engine.state_of("busy") == S.PREFILLING
     load = p.handler.load()
-    assert load["kv_blocks_free"] < load["kv_blocks_total"]  # it does hold blocks
-    assert load["orphan_blocks"] == 0
+    assert load.kv_blocks_free < load.kv_blocks_total  # it does hold blocks
+    assert load.transfer is not None and load.transfer.orphan_blocks == 0

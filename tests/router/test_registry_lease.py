@@ -74,7 +74,7 @@ def test_a_worker_with_a_short_lease_stops_naming_both_flags(role: str) -> None:
         registry = Registry(heartbeat_timeout_s=30.0)
         server, address = await _router(registry)
         info = {**INFO, "lease_s": 1.0, "kv_address": "tcp://127.0.0.1:1"}
-        reg = Registration(address, f"{role}-0", role, "127.0.0.1:1", info, dict)
+        reg = Registration(address, f"{role}-0", role, "127.0.0.1:1", info, lambda: None)
         try:
             with pytest.raises(RuntimeError) as e:
                 await asyncio.wait_for(reg.run(), 10)

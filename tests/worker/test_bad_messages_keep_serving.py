@@ -12,6 +12,7 @@ import zmq
 from engine.outputs import StepResult
 from worker import ipc
 from worker.engine_loop import WorkerLoop
+from worker.load_report import LoadReport
 from worker.messages import AbortCmd, Command, StatsEvent, StopCmd, TokensEvent, encode
 from worker.servicer import EngineBridge
 
@@ -31,8 +32,8 @@ class RecordingRole:
     def after_step(self) -> None:
         pass
 
-    def load(self) -> dict[str, Any]:
-        return {}
+    def load(self) -> LoadReport:
+        return LoadReport(0, 0, 0, 0)
 
 
 def test_engine_loop_drops_bad_commands_and_keeps_running() -> None:
@@ -45,8 +46,9 @@ def test_engine_loop_drops_bad_commands_and_keeps_running() -> None:
         events = ipc.connect_push(ctx, paths.events)
         role = RecordingRole()
         loop = WorkerLoop(role, pull, events)  # type: ignore[arg-type]
-        for data in (b"\xc1", encode(AbortCmd("a")), b"\x92\xa5abort", encode(StatsEvent({})),
-                     encode(AbortCmd("b")), encode(StopCmd())):
+        for data in (b"\xc1", encode(AbortCmd("a")), b"\x92\xa5abort",
+                     encode(StatsEvent(LoadReport(0, 0, 0, 0))), encode(AbortCmd("b")),
+                     encode(StopCmd())):
             push.send(data)
         for _ in range(100):
             if not loop.running:
@@ -70,12 +72,12 @@ def test_bridge_pump_drops_bad_events_and_keeps_routing() -> None:
         try:
             q = bridge.open("r1")
             for data in (b"not msgpack \xc1", encode(AbortCmd("r1")),
-                         b"\x93\xa6tokens\xa2r1\x01", encode(StatsEvent({"waiting": 4})),
+                         b"\x93\xa6tokens\xa2r1\x01", encode(StatsEvent(LoadReport(4, 0, 0, 0))),
                          encode(TokensEvent("r1", (5,), "x", (), "stop"))):
                 await push.send(data)
             got = await asyncio.wait_for(q.get(), 5)
             assert got == TokensEvent("r1", (5,), "x", (), "stop")
-            assert bridge.load == {"waiting": 4}
+            assert bridge.load == LoadReport(4, 0, 0, 0)
             assert not pump.done()
         finally:
             pump.cancel()

@@ -24,6 +24,7 @@ from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import RouterServer
+from worker.load_report import LoadReport
 from worker.registration import Registration
 
 INFO = {"model": "smollm2", "kv_fingerprint": "fp", "max_model_len": 256,
@@ -89,11 +90,11 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
         assert registry is not None
 
         async def main() -> None:
-            report: list[dict[str, Any]] = [{}]
+            report: list[LoadReport | None] = [None]
 
-            async def engine_reports() -> None:  # as EngineBridge.pump: a new dict each time
+            async def engine_reports() -> None:  # as EngineBridge.pump: a new report each time
                 while True:
-                    report[0] = {"kv_blocks_free": 10, "kv_blocks_total": 10}
+                    report[0] = LoadReport(0, 0, kv_blocks_free=10, kv_blocks_total=10)
                     await asyncio.sleep(0.25)
 
             reports = asyncio.create_task(engine_reports())
@@ -145,7 +146,7 @@ def test_a_refused_worker_raises_from_run() -> None:
     with RouterThread() as router:
         async def main() -> None:
             reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
-                               {**INFO, "model": "another-model"}, dict)
+                               {**INFO, "model": "another-model"}, lambda: None)
             try:
                 with pytest.raises(RuntimeError, match="the router refused this worker: model:"):
                     await asyncio.wait_for(reg.run(), 10)

@@ -9,6 +9,7 @@ import pytest
 
 from engine.request import LogprobRow
 from worker import messages as m
+from worker.load_report import LoadReport
 
 ROW = LogprobRow(7, -0.25, ((7, -0.25), (3, -1.5)))
 SAMPLES: list[m.Message] = [
@@ -37,7 +38,7 @@ SAMPLES: list[m.Message] = [
     m.TokensBatchEvent((m.TokensEvent("r1", (7,), "a", (ROW,), None),
                         m.TokensEvent("r2", (), "", (), "abort", error="gone"))),
     m.TokensBatchEvent(()),
-    m.StatsEvent({"waiting": 1, "kv_blocks_free": 3}),
+    m.StatsEvent(LoadReport(1, 0, 3, 8)),
     m.FatalEvent("boom"),
 ]
 

@@ -48,7 +48,7 @@ def test_a_worker_whose_engine_failed_leaves_and_stays_away(router_dropped_it: b
         registry = Registry(heartbeat_timeout_s=30.0)  # far longer than the test: no expiry
         server, address = await _router(registry)
         fatal: list[str] = []
-        reg = Registration(address, "worker-1", "consumer", "127.0.0.1:1", INFO, dict,
+        reg = Registration(address, "worker-1", "consumer", "127.0.0.1:1", INFO, lambda: None,
                            failed=lambda: fatal[0] if fatal else None)
         task = asyncio.create_task(reg.run())
         try:

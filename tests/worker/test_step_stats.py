@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
 
 import pytest
 import zmq
@@ -19,6 +18,7 @@ from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from worker import ipc
 from worker.engine_loop import WorkerLoop, load_report
+from worker.load_report import LoadReport
 from worker.messages import DecodeCmd, Event, StatsEvent, TokensBatchEvent, decode, encode
 from worker.metrics_server import WorkerMetrics
 from worker.step_stats import StepStats
@@ -53,10 +53,10 @@ def test_step_and_gap_times_count_only_consecutive_steps() -> None:
     clock.t = 105.003
     s.end([])
     c = s.counters()
-    assert (c["engine_steps"], c["engine_step_rows"], c["engine_step_tokens"]) == (3, 3, 4)
-    assert c["engine_step_seconds"] == pytest.approx(0.009)
-    assert c["engine_step_gaps"] == 1
-    assert c["engine_step_gap_seconds"] == pytest.approx(0.001)
+    assert (c.steps, c.rows, c.tokens) == (3, 3, 4)
+    assert c.seconds == pytest.approx(0.009)
+    assert c.gaps == 1
+    assert c.gap_seconds == pytest.approx(0.001)
 
 
 def test_window_line_reports_the_window_means_and_stays_quiet_when_idle() -> None:
@@ -88,7 +88,7 @@ def test_metrics_export_the_step_counters() -> None:
     s.start()
     s.clock.t += 0.25  # type: ignore[attr-defined]
     s.end([_out(1), _out(1), _out(1)])
-    load = {"waiting": 0, **s.counters()}
+    load = LoadReport(0, 0, 0, 0, steps=s.counters())
     text = WorkerMetrics("w1", "consumer", lambda: load).render().decode()
     assert _metric(text, "pdserve_worker_engine_steps_total") == 1
     assert _metric(text, "pdserve_worker_engine_step_rows_total") == 3
@@ -127,23 +127,23 @@ def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> N
             loop.turn()
             turns += 1
             assert turns < 200
-        c = load_report(loop.handler, loop.steps)
+        c = load_report(loop.handler, loop.steps).steps
         tokens = sum(len(e.ids) for e in emitted)  # type: ignore[attr-defined]
         assert tokens == 20
         # every turn stepped (the command came before the first), and every step after
         # the first followed a step
-        assert c["engine_steps"] == turns
-        assert c["engine_step_gaps"] == turns - 1
-        assert c["engine_step_tokens"] == 20
-        assert c["engine_step_rows"] == 20  # one request, one token a step
-        assert 0 < c["engine_step_seconds"] and 0 < c["engine_step_gap_seconds"]
+        assert c.steps == turns
+        assert c.gaps == turns - 1
+        assert c.tokens == 20
+        assert c.rows == 20  # one request, one token a step
+        assert 0 < c.seconds and 0 < c.gap_seconds
         # what the loop sent: its load reports carry the same counters, as of then
-        reports: list[dict[str, Any]] = []
+        reports: list[LoadReport] = []
         while ev_pull.poll(0):
             msg = decode(ev_pull.recv())
             if isinstance(msg, StatsEvent):
                 reports.append(msg.load)
-        assert reports and reports[0]["engine_steps"] <= c["engine_steps"]
+        assert reports and reports[0].steps.steps <= c.steps
     finally:
         ctx.destroy(linger=0)
         paths.cleanup()
