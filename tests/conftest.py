@@ -63,6 +63,14 @@ def _stop_resource_tracker() -> None:
     resource_tracker._resource_tracker._stop()  # closes its pipe and waits for it
 
 
+def _end_plane_probes() -> None:
+    """The ucx plane probe child (transfer/plane_probe.py) lives as long as the process
+    whose sender started it, by design: any test with an in-process UCX sender (transfer,
+    producer, consumer tests) starts it. It is ended here, before the leftover check."""
+    if "transfer.plane_probe" in sys.modules:
+        sys.modules["transfer.plane_probe"].close_all()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
@@ -73,6 +81,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if sys.platform != "linux":
         return
     _stop_resource_tracker()
+    _end_plane_probes()
     end = time.monotonic() + GRACE_S
     while (left := _descendants(os.getpid())) and time.monotonic() < end:
         _reap()

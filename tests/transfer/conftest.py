@@ -13,15 +13,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from xfer_helpers import BACKENDS, Pair  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _end_plane_probes() -> Iterator[None]:
-    """The ucx plane probe child lives as long as this process: end it with the session."""
-    yield
-    from transfer import plane_probe
-
-    plane_probe.close_all()
-
-
 @pytest.fixture(params=BACKENDS)
 def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
     p = Pair(request.param)
