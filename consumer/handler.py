@@ -95,7 +95,8 @@ class ConsumerHandler(RoleHandler):
         try:
             self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
                                     sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
-                                    cmd.cache_salt or None)
+                                    cmd.cache_salt or None,
+                                    dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
         except ValueError as e:
             self.emit(error_event(cmd.rid, "error", str(e)))
             return
