@@ -41,7 +41,7 @@ S = TransferStatus
 # (producer ranks, its groups, consumer ranks, its groups, KV heads); 1 head is MLA's
 # latent, whole on every rank of a group
 CASES = [(2, 2, 2, 2, 1), (2, 1, 2, 2, 1), (2, 2, 2, 1, 1), (4, 2, 4, 2, 2), (4, 2, 2, 1, 2),
-         (2, 1, 4, 2, 2)]
+         (2, 1, 4, 2, 2), (2, 2, 1, 1, 1), (1, 1, 2, 2, 1)]
 
 
 def _layout(heads: int, group_size: int, rank: int) -> KVLayout:
@@ -76,11 +76,14 @@ class DPWorkers:
         self.rx: Any = tp_receiver(make_receiver(self.dst[0], self.dst_lay[0], CFG),
                                    self.dst_lay[0], CFG, self.cf if ct > 1 else None,
                                    group_of=lambda rid: self.groups[rid][1])
-        assert isinstance(self.tx, TPSender) and isinstance(self.rx, TPReceiver)
+        assert isinstance(self.tx, TPSender)
+        assert isinstance(self.rx, TPReceiver) == (ct > 1)  # one rank: its own receiver
 
     def side(self, producer: bool, rank: int) -> KVSender | KVReceiver:
         if rank == 0:
-            return self.tx.local if producer else self.rx.local
+            if producer:
+                return self.tx.local
+            return self.rx.local if isinstance(self.rx, TPReceiver) else self.rx
         return (self.pf if producer else self.cf).sides[rank].side
 
     def payload(self, producer: bool) -> list[int]:
