@@ -192,7 +192,7 @@ class TPEndpoints:
             return self.local.status(request_id)
         if rec.combined is not None:
             return rec.combined.status
-        if rec.got or 0 not in rec.ranks:  # rank 0 has no record of another group's
+        if rec.got or 0 not in rec.ranks:  # rank 0 holds no record of another group
             return TransferStatus.IN_FLIGHT
         return self.local.status(request_id)
 
