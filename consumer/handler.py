@@ -37,10 +37,11 @@ class ConsumerHandler(RoleHandler):
                  reservation_s: float = 600.0) -> None:
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
-        # TP: every rank receives its own heads into its own pool shard
+        # TP: every rank receives its own heads into its own pool shard; under
+        # data-parallel attention only the ranks of the group holding the reservation do
         self.receiver: KVReceiver = tp_receiver(
             make_receiver(engine.kv_cache, engine.layout, self.cfg), engine.layout, self.cfg,
-            engine.runner.followers)
+            engine.runner.followers, group_of=lambda rid: engine.requests[rid].dp_rank)
         self.source_tp: dict[str, int] = {}  # rid -> the producer's TP size (router's word)
         # reserved, not yet ready (take_ready): rid -> (blocks, leading cached blocks)
         self.unannounced: dict[str, tuple[list[int], int]] = {}
@@ -75,7 +76,8 @@ class ConsumerHandler(RoleHandler):
             try:
                 self.engine.add_remote(rid, list(cmd.prompt_ids),
                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
-                                       cmd.cache_salt or None, cmd.reuse_cached)
+                                       cmd.cache_salt or None, cmd.reuse_cached,
+                                       dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
             except ValueError as e:
                 self.emit(error_event(rid, "error", str(e)))
                 return
@@ -95,7 +97,8 @@ class ConsumerHandler(RoleHandler):
         try:
             self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
                                     sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
-                                    cmd.cache_salt or None)
+                                    cmd.cache_salt or None,
+                                    dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
         except ValueError as e:
             self.emit(error_event(cmd.rid, "error", str(e)))
             return
@@ -134,7 +137,8 @@ class ConsumerHandler(RoleHandler):
         for rid in self.receiver.take_ready():
             ann = self.unannounced.pop(rid, None)
             if ann is not None and self.engine.state_of(rid) == S.WAITING_FOR_KV:
-                self.emit(ReservedEvent(rid, self.receiver.address, tuple(ann[0]), ann[1]))
+                self.emit(ReservedEvent(rid, self.receiver.address_for(rid), tuple(ann[0]),
+                                        ann[1]))
 
     def after_step(self) -> None:
         for u in self.receiver.poll():

@@ -380,8 +380,6 @@ class EngineConfig:
             ("tp_timeout_s", self.tp_timeout_s > 0, "must be > 0"),
             ("data_parallel_size", self.data_parallel_size >= 1 and self.tensor_parallel_size
              % self.data_parallel_size == 0, "(--data-parallel-size) must divide the TP size"),
-            ("data_parallel_size", self.data_parallel_size == 1 or self.role == "colocated",
-             f"(--data-parallel-size) > 1 serves colocated workers only, not {self.role}"),
             ("quantization", self.quantization is None
              or self.quantization in QUANTIZATION_FLAGS,
              f"(--quantization) must be one of {QUANTIZATION_FLAGS} or None"),

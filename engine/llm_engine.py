@@ -157,15 +157,19 @@ class LLMEngine(PrefixCacheQueries):
 
     def add_remote(self, request_id: str, prompt_token_ids: list[int],
                    params: SamplingParams, prior_output_ids: list[int] | None = None,
-                   cache_salt: str | None = None, reuse_cached: bool = False) -> None:
+                   cache_salt: str | None = None, reuse_cached: bool = False,
+                   dp_rank: int | None = None) -> None:
         """Consumer: a request whose prompt KV and token 0 come from a producer (RESERVING).
         The scheduler gives it blocks when the pool and a seat allow; step() reports them
         in ``reserved`` (WAITING_FOR_KV), then kv_landed() lets it decode. A migrated
         request's prior_output_ids come with the KV too (blocks for prompt + prior).
-        reuse_cached: may reserve cached blocks the sender must skip (prefix_queries.py)."""
+        reuse_cached: may reserve cached blocks the sender must skip (prefix_queries.py).
+        dp_rank: the attention data-parallel group whose pool takes the KV (None: the
+        least loaded)."""
         req = self._new_request(request_id, prompt_token_ids, params, RequestState.RESERVING,
                                 prior_output_ids, cache_salt)
         req.reuse_cached = reuse_cached
+        self.scheduler.place(req, dp_rank)
         self.scheduler.add_remote(req)
         self.requests[request_id] = req
 

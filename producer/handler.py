@@ -93,9 +93,11 @@ class ProducerHandler(RoleHandler):
                  lease_s: float) -> None:
         super().__init__(engine, emit)
         self.cfg = TransferConfig(**transfer)
-        # every rank pushes its own heads (a TP engine's followers get their own senders)
+        # every rank pushes its own heads (a TP engine's followers get their own senders);
+        # under data-parallel attention only the ranks of the request's group do
         self.sender = tp_sender(make_sender(engine.kv_cache, engine.layout, self.cfg),
-                                engine.layout, self.cfg, engine.runner.followers)
+                                engine.layout, self.cfg, engine.runner.followers,
+                                group_of=lambda rid: engine.requests[rid].dp_rank)
         self.lease_s = lease_s
         self.out: dict[str, Outgoing] = {}
         # monotonic: when the loop last applied the queued commands before a step (0: no
@@ -117,7 +119,8 @@ class ProducerHandler(RoleHandler):
             try:
                 self.engine.add_request(rid, list(cmd.prompt_ids),
                                         sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
-                                        cmd.cache_salt or None)
+                                        cmd.cache_salt or None,
+                                        dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
             except (ValueError, QueueFull) as e:
                 self._transfer_event(rid, False, str(e))
                 return

@@ -41,7 +41,8 @@ class ProducerServicer(WorkerServicer):
         received = time.time_ns()
         await self._start("prefill", rid,
                           PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received,
-                                     tuple(req.prior_output_ids), req.cache_salt), context)
+                                     tuple(req.prior_output_ids), req.cache_salt,
+                                     req.dp_rank if req.HasField("dp_rank") else -1), context)
 
         async def destinations() -> None:
             async for msg in request_iterator:

@@ -122,6 +122,12 @@ class KVReceiver(_Side):
     def address(self) -> str:
         """What producers pass to ``connect`` (e.g. ``tcp://10.0.0.2:41234``)."""
 
+    def address_for(self, request_id: str) -> str:
+        """Where producers push ``request_id``'s KV, once it is expected: ``address``,
+        except on a worker of attention data-parallel groups, whose address for a request
+        names only the ranks of the group holding its blocks (``transfer.tp_receiver``)."""
+        return self.address
+
     @abc.abstractmethod
     def expect(self, request_id: str, dst_block_ids: Sequence[int],
                deadline: float | None = None, source_tp: int | None = None) -> None:

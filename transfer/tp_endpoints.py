@@ -192,7 +192,9 @@ class TPEndpoints:
             return self.local.status(request_id)
         if rec.combined is not None:
             return rec.combined.status
-        return TransferStatus.IN_FLIGHT if rec.got else self.local.status(request_id)
+        if rec.got or 0 not in rec.ranks:  # rank 0 holds no record of another group
+            return TransferStatus.IN_FLIGHT
+        return self.local.status(request_id)
 
     def accounting(self) -> Accounting:
         acc = self.local.accounting()

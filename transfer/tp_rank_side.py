@@ -42,7 +42,10 @@ FACTORY = "transfer.tp_rank_side:make_rank_side"
 
 class TransferRankSide:
     def __init__(self, kv_cache: torch.Tensor, rank: int, args: RankSideArgs) -> None:
-        layout: KVLayout = dataclasses.replace(args.layout, tp_rank=rank)
+        # under data-parallel attention the layout's ranks are one attention group's
+        # (tp_size = T / D): engine rank r is rank r % tp_size of its group
+        layout: KVLayout = dataclasses.replace(args.layout,
+                                               tp_rank=rank % args.layout.tp_size)
         cfg = args.transfer
         if args.base_port:  # a fixed KV port: rank r listens on port + r
             cfg = dataclasses.replace(cfg, port=args.base_port + rank)

@@ -27,6 +27,7 @@ class PrefillCmd:
     received_ns: int  # when the gRPC process received the request
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
     cache_salt: str = ""  # only requests of one salt share cached prefix blocks
+    dp_rank: int = -1  # attention data-parallel group to prefill it (-1: the least loaded)
 
 
 @dataclass(frozen=True)

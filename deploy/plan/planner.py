@@ -95,11 +95,11 @@ def plan(profile: Profile, gpus: int, workload: Workload, slos: Slos,
          limits: EngineLimits | None = None, policy: str = "round_robin") -> dict[str, Any]:
     """``{"best": ..., "candidates": [...], "over_capacity": bool}``, best first."""
     arrivals = workload.arrivals()
-    # a data-parallel attention worker serves colocated only (engine/config.py)
-    ok = [s for s in splits(gpus) if profile.dp_size == 1 or not (s.producers or s.consumers)]
+    # every split, whatever the worker's attention data-parallel layout: a producer's and
+    # a consumer's groups pair rank to rank as colocated workers' groups serve
     cands = [candidate(s, simulate(profile, s, arrivals, limits, policy, slos.as_goodput(),
                                    workload.seed), workload.rate, slos)
-             for s in ok]
+             for s in splits(gpus)]
     cands.sort(key=rank_key)
     return {"gpus": gpus, "rate": workload.rate, "best": cands[0], "candidates": cands,
             "over_capacity": not any(c["keeps_up"] for c in cands)}

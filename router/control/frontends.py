@@ -61,7 +61,8 @@ class PrimaryMembership(MembershipServicer):
                 worker_id=w.worker_id, role=w.role, address=w.address,  # type: ignore[arg-type]
                 kv_address=w.kv_address, model=w.model, kv_fingerprint=w.kv_fingerprint,
                 max_model_len=w.max_model_len, load=w.load, version=w.version,
-                tp_size=w.tp_size, draining=w.draining, drain_reason=w.drain_reason,
+                tp_size=w.tp_size, dp_size=w.dp_size, draining=w.draining,
+                drain_reason=w.drain_reason,
                 target_role=w.target_role,  # type: ignore[arg-type]
                 incarnation=self._incarnations[w])
         return out
@@ -111,7 +112,8 @@ class RegistryMirror:
                 reg.register(worker_id=v.worker_id, role=v.role, address=v.address,
                              kv_address=v.kv_address, model=v.model,
                              kv_fingerprint=v.kv_fingerprint, max_model_len=v.max_model_len,
-                             load=v.load, version=v.version, tp_size=v.tp_size or 1)
+                             load=v.load, version=v.version, tp_size=v.tp_size or 1,
+                             dp_size=v.dp_size or 1)
             else:
                 reg.heartbeat(v.worker_id, v.load)
             w = reg.get(v.worker_id)

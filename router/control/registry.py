@@ -60,6 +60,7 @@ class WorkerInfo:
     dispatched: int = 0  # total dispatched to it, for status and tests
     version: str = ""  # pdserve version it runs (from Register)
     tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
+    dp_size: int = 1  # attention data-parallel groups among those ranks (divides tp_size)
     # Prefix caching (from Register): block size in tokens (0: a worker older than the
     # KV index; it gets no reuse_cached and no cache-aware placement), cache on, salt kept.
     block_size: int = 0
@@ -137,7 +138,7 @@ class Registry:
                  model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
                  load: common_pb2.WorkerLoad | None = None, version: str = "",
                  tp_size: int = 1, block_size: int = 0, prefix_caching: bool = False,
-                 accepts_cache_salt: bool = False) -> WorkerInfo:
+                 accepts_cache_salt: bool = False, dp_size: int = 1) -> WorkerInfo:
         if not worker_id:
             raise RegistrationError("worker_id: must not be empty")
         if role not in ROLE_NAMES:
@@ -148,6 +149,8 @@ class Registry:
             raise RegistrationError("kv_address: a consumer must advertise its KV address")
         if not 1 <= tp_size <= 256:
             raise RegistrationError(f"tp_size: must be in [1, 256], got {tp_size}")
+        if dp_size < 1 or tp_size % dp_size:
+            raise RegistrationError(f"dp_size: must divide tp_size {tp_size}, got {dp_size}")
         if max_model_len < 1:
             raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
         if not 0 <= block_size <= 1 << 16:
@@ -172,6 +175,7 @@ class Registry:
                           model=model, kv_fingerprint=kv_fingerprint,
                           max_model_len=max_model_len, load=_copy_load(load),
                           last_heartbeat=self._clock(), version=version, tp_size=tp_size,
+                          dp_size=dp_size,
                           block_size=block_size, prefix_caching=prefix_caching,
                           accepts_cache_salt=accepts_cache_salt)
         self._workers[worker_id] = info

@@ -56,7 +56,7 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from router.config import RouterConfig
-from router.control.dp_placement import pick_dp_rank
+from router.control.dp_placement import attention_tp, pick_dp_rank
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
 from router.requests.event_queue import EventQueue
@@ -204,16 +204,22 @@ class RequestRun:
         p, c = slot.producer, slot.consumer
         assert p is not None and c is not None
         self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report)
-        self.decode = DecodeLeg(c, self.stubs[c.worker_id],
-                                self._decode_request(colocated=False), self._outputs_for(c),
+        # (producer, group) pairs with (consumer, group): the KV moves between those two
+        # attention data-parallel groups' ranks only
+        dreq = self._decode_request(colocated=False)
+        preq = worker_pb2.PrefillRequest(
+            request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
+            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids,
+            cache_salt=prep.cache_salt)
+        for leg_req, w in ((dreq, c), (preq, p)):
+            if (group := pick_dp_rank(w)) is not None:
+                leg_req.dp_rank = group
+        self.decode = DecodeLeg(c, self.stubs[c.worker_id], dreq, self._outputs_for(c),
                                 report)
         # Decode first: the reservation is the slower path, so it should not start late.
         self.decode.start()
-        self.producer.start(worker_pb2.PrefillRequest(
-            request_id=self.leg_id, prompt_token_ids=prep.prompt_token_ids,
-            sampling=prep.sampling, seed=prep.seed, prior_output_ids=self.out.token_ids,
-            cache_salt=prep.cache_salt),
-            hold=(self.decode, self.config.hold_interval_s, lambda: self._closed))
+        self.producer.start(preq,
+                            hold=(self.decode, self.config.hold_interval_s, lambda: self._closed))
         self._move(P.PLACED)
 
     def _on_report(self, ev: Event) -> None:
@@ -355,7 +361,8 @@ class RequestRun:
                                         prompt_token_ids=prep.prompt_token_ids,
                                         sampling=prep.sampling, seed=prep.seed,
                                         colocated=colocated, prior_output_ids=self.out.token_ids,
-                                        source_tp_size=p.tp_size if p else 0,  # TP pairing
+                                        # TP pairing: the ranks of one attention group
+                                        source_tp_size=attention_tp(p) if p else 0,
                                         cache_salt=prep.cache_salt,
                                         reuse_cached=self.slot is not None
                                         and self.slot.reuses_cache)

@@ -49,14 +49,15 @@ def test_a_worker_of_two_groups_holds_twice_the_kv_and_steps_a_groups_share():
     assert all(len(r.token_times) == 30 for r in reqs) and w2.free == 80
 
 
-def test_planner_keeps_dp_workers_colocated_and_launches_their_layout():
+def test_planner_weighs_dp_workers_in_every_split_and_launches_their_layout():
     p = _dp(make_profile())
     result = plan(p, 3, Workload(2.0, tuple((200, 20) for _ in range(40)), 0),
                   Slos(ttft_ms=1000, tpot_ms=100))
-    assert result["candidates"] and all(c["producers"] == c["consumers"] == 0
-                                        for c in result["candidates"])
-    line = launch_lines(result["best"], "m", "round_robin", p)[0]
-    assert "--tensor-parallel-size 2 --data-parallel-size 2" in line
+    splits = {(c["producers"], c["consumers"], c["colocated"]) for c in result["candidates"]}
+    assert (0, 0, 3) in splits and (1, 2, 0) in splits and (2, 1, 0) in splits, splits
+    for c in result["candidates"]:
+        line = launch_lines(c, "m", "round_robin", p)[0]
+        assert "--tensor-parallel-size 2 --data-parallel-size 2" in line
 
 
 def test_plan_profile_measures_a_dpa_tp2_worker(tmp_path, capsys):

@@ -15,42 +15,18 @@ from typing import Any
 
 import pytest
 import torch
+from pipe_followers import PipeFollowers
 
 from engine.kv_layout import KVLayout
-from engine.parallel.rank_side import attach
 from transfer import TransferConfig, TransferNotice, TransferStatus, make_receiver, make_sender
 from transfer.tp_endpoints import split_addresses
 from transfer.tp_messages import TO_RANK, PushCmd
-from transfer.tp_rank_side import TransferRankSide
 from transfer.tp_receiver import TPReceiver, tp_receiver
 from transfer.tp_sender import TPSender, tp_sender
 
 NB, BS, LAYERS, DIM = 16, 4, 2, 8
 CFG = TransferConfig(backend="fake")
 S = TransferStatus
-
-
-class PipeFollowers:
-    """Stands in for TPFollowers (the RankChannel): the same bytes as the pipe, each follower
-    rank's side started by the factory rank 0 names, over that rank's pool shard."""
-
-    def __init__(self, pools: list[torch.Tensor]) -> None:
-        self.pools = pools
-        self.sides: dict[int, TransferRankSide] = {}
-
-    def attach(self, factory: str, args: bytes, timeout_s: float = 60.0) -> list[bytes]:
-        for r in range(1, len(self.pools)):
-            side = attach(factory, self.pools[r], r, len(self.pools), args)
-            assert isinstance(side, TransferRankSide)
-            self.sides[r] = side
-        return [self.sides[r].info() for r in sorted(self.sides)]
-
-    def side(self, rank: int, msg: bytes) -> None:
-        assert isinstance(msg, bytes)
-        self.sides[rank].on_message(msg)
-
-    def reports(self) -> list[tuple[int, bytes]]:
-        return [(r, rep) for r, s in self.sides.items() for rep in s.poll()]
 
 
 def _layout(heads: int, tp: int, rank: int) -> KVLayout:

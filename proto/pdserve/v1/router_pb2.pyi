@@ -20,7 +20,7 @@ class RegistryView(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ...) -> None: ...
 
 class WorkerView(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "version", "tp_size", "draining", "drain_reason", "target_role", "incarnation")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "version", "tp_size", "draining", "drain_reason", "target_role", "incarnation", "dp_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class WorkerView(_message.Message):
     DRAIN_REASON_FIELD_NUMBER: _ClassVar[int]
     TARGET_ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -49,7 +50,8 @@ class WorkerView(_message.Message):
     drain_reason: str
     target_role: _common_pb2.Role
     incarnation: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., version: _Optional[str] = ..., tp_size: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_reason: _Optional[str] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., incarnation: _Optional[int] = ...) -> None: ...
+    dp_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., version: _Optional[str] = ..., tp_size: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_reason: _Optional[str] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., incarnation: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_call_id", "tool_calls_json", "name")

@@ -136,20 +136,22 @@ class ReservationQueued(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids", "cache_salt", "dp_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     seed: int
     prior_output_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    dp_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("consumer_id", "kv_address", "block_ids", "cached_blocks")
