@@ -57,9 +57,9 @@ def _direct(c, pairs: list[tuple[int, int]], pd: int, cd: int, tag: str) -> list
     """Every prompt at once, prompt i on producer group pairs[i][0] and consumer group
     pairs[i][1] (None for a worker of one group)."""
     status = {w.worker_id: w for w in c.status(30).workers}
-    p, cons = status["producer-0"], status["consumer-0"]
+    p, cons = status["worker-0"], status["worker-1"]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        futs = [pool.submit(pd_request, p.address, cons.address, "consumer-0", f"{tag}-{i}",
+        futs = [pool.submit(pd_request, p.address, cons.address, "worker-1", f"{tag}-{i}",
                             prompt, GREEDY, 2 // pd,
                             pairs[i][0] if pd > 1 else None,
                             pairs[i][1] if cd > 1 else None)
@@ -79,7 +79,7 @@ def test_dp_layouts_pair_and_tokens_equal_the_single_rank_engine(tmp_path_factor
                       producer_args=("--data-parallel-size", str(pd)))
     try:
         status = {w.worker_id: w for w in c.status(30).workers}
-        consumer_ranks = split_addresses(status["consumer-0"].kv_address)
+        consumer_ranks = split_addresses(status["worker-1"].kv_address)
         assert len(consumer_ranks) == 2
         # through the router: concurrent requests, placed on the least loaded groups
         assert_cluster_matches(c, refs, SEED)
@@ -101,12 +101,12 @@ def test_dp_layouts_pair_and_tokens_equal_the_single_rank_engine(tmp_path_factor
 
 def _bad_groups_are_refused_and_the_workers_serve_on(c, refs: dict) -> None:
     status = {w.worker_id: w for w in c.status(30).workers}
-    p, cons = status["producer-0"].address, status["consumer-0"].address
-    r = pd_request(p, cons, "consumer-0", "bad-c", PROMPTS[0], GREEDY, 1, 0, 2)
+    p, cons = status["worker-0"].address, status["worker-1"].address
+    r = pd_request(p, cons, "worker-1", "bad-c", PROMPTS[0], GREEDY, 1, 0, 2)
     assert "dp_rank" in r.error and not r.token_ids, r
-    r = pd_request(p, cons, "consumer-0", "bad-p", PROMPTS[0], GREEDY, 1, 2, 0)
+    r = pd_request(p, cons, "worker-1", "bad-p", PROMPTS[0], GREEDY, 1, 2, 0)
     assert "dp_rank" in r.error and not r.token_ids, r
-    r = pd_request(p, cons, "consumer-0", "after", PROMPTS[1], GREEDY, 1, 1, 0)
+    r = pd_request(p, cons, "worker-1", "after", PROMPTS[1], GREEDY, 1, 1, 0)
     assert not r.error and r.token_ids == refs[False][1], r
     ch, stub = stub_for(c.router_address)
     with ch:  # the refused requests hold nothing on either worker
@@ -114,7 +114,7 @@ def _bad_groups_are_refused_and_the_workers_serve_on(c, refs: dict) -> None:
 
 
 KILL_TOKENS = 200  # the longest prompt (50) + this stays within max_model_len 512
-KILL_AT = 8  # tokens a consumer-0 request has streamed when its rank 1 is killed
+KILL_AT = 8  # tokens a worker-1 (consumer) request has streamed when its rank 1 is killed
 HIT_DEADLINE_S = 30.0  # the death is acted on well before a collective's timeout (60 s)
 
 
@@ -133,9 +133,9 @@ def test_killing_one_groups_rank_takes_the_consumer_down_and_nothing_hangs(
                       worker_args=(*ENGINE, "--tensor-parallel-size", "2",
                                    "--data-parallel-size", "2"))
     try:
-        victim = [pid for pid in c.group_alive("consumer-0")
+        victim = [pid for pid in c.group_alive("worker-1")
                   if "engine.parallel.follower" in cmdline(pid)]
-        assert len(victim) == 1, victim  # consumer-0's rank 1: its group 1
+        assert len(victim) == 1, victim  # worker-1's rank 1: its group 1
         long = dict(max_tokens=KILL_TOKENS, temperature=0.0, ignore_eos=True)
         ids = [f"dpa-kill-{i}" for i in range(len(PROMPTS))]
         ch, stub = stub_for(c.router_address)
@@ -144,15 +144,15 @@ def test_killing_one_groups_rank_takes_the_consumer_down_and_nothing_hangs(
                                 prompt_token_ids=router_pb2.TokenIds(ids=p))
                     for rid, p in zip(ids, PROMPTS, strict=True)]
             deadline = time.monotonic() + 60
-            while not _on(stub, "consumer-0", KILL_AT):
+            while not _on(stub, "worker-1", KILL_AT):
                 if time.monotonic() > deadline or all(f.done() for f in futs):
-                    pytest.fail("consumer-0 never decoded a request\n" + dump_logs(c))
+                    pytest.fail("worker-1 never decoded a request\n" + dump_logs(c))
                 time.sleep(0.02)
             os.kill(victim[0], signal.SIGKILL)
             t0 = time.monotonic()
-            while _on(stub, "consumer-0") and time.monotonic() - t0 < HIT_DEADLINE_S:
+            while _on(stub, "worker-1") and time.monotonic() - t0 < HIT_DEADLINE_S:
                 time.sleep(0.05)
-            assert not _on(stub, "consumer-0"), dump_logs(c)
+            assert not _on(stub, "worker-1"), dump_logs(c)
             results = [f.result(timeout=120) for f in futs]
         from engine.llm import LLM
         from engine.sampling_params import SamplingParams
@@ -161,18 +161,18 @@ def test_killing_one_groups_rank_takes_the_consumer_down_and_nothing_hangs(
             ref = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(**long))]
         for rid, r, want in zip(ids, results, ref, strict=True):
             if r.error or r.code is not None:  # an error naming the worker whose rank died
-                assert "consumer-0" in f"{r.error} {r.details}", (rid, r.error, r.details)
+                assert "worker-1" in f"{r.error} {r.details}", (rid, r.error, r.details)
             else:  # complete, with the same tokens, wherever it ended up
                 assert r.token_ids == want, (rid, r.timing)
         deadline = time.monotonic() + 30
-        while c.procs["consumer-0"].poll() is None and time.monotonic() < deadline:
+        while c.procs["worker-1"].poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert c.procs["consumer-0"].poll() is not None, dump_logs(c)
-        assert not c.group_alive("consumer-0")  # its engine and both ranks too
+        assert c.procs["worker-1"].poll() is not None, dump_logs(c)
+        assert not c.group_alive("worker-1")  # its engine and both ranks too
         ch, stub = stub_for(c.router_address)
         with ch:
             r = generate(stub, GREEDY, prompt_token_ids=router_pb2.TokenIds(ids=PROMPTS[0]))
             assert r.code is None and not r.error, (r.details, r.error, dump_logs(c))
-            assert r.timing.consumer == "consumer-1" and r.token_ids == ref[0][:10]
+            assert r.timing.consumer == "worker-2" and r.token_ids == ref[0][:10]
     finally:
         c.stop()

@@ -63,9 +63,9 @@ def test_gpu_dp_layouts_pair_and_tokens_equal_the_single_rank_engine(tmp_path_fa
             assert r.code is None and not r.error, (i, r.details, r.error, dump_logs(c))
             assert r.token_ids == ref[i], i
         status = {w.worker_id: w for w in c.status(30).workers}
-        p, cons = status["producer-0"].address, status["consumer-0"].address
+        p, cons = status["worker-0"].address, status["worker-1"].address
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            futs = [pool.submit(pd_request, p, cons, "consumer-0", f"one-{i}", prompt, GREEDY,
+            futs = [pool.submit(pd_request, p, cons, "worker-1", f"one-{i}", prompt, GREEDY,
                                 2 // pd, 1 if pd > 1 else None, 1 if cd > 1 else None)
                     for i, prompt in enumerate(PROMPTS)]
             direct = [f.result() for f in futs]
