@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.outputs import StepResult
 from engine.scheduler import QueueFull
 from worker.messages import AbortCmd, Command, DecodeCmd, TokensBatchEvent
-from worker.role import RoleHandler, error_event, sampling_from_wire, tokens_event
+from worker.role import RoleHandler, error_event, tokens_event
 
 
 class ColocatedHandler(RoleHandler):
@@ -13,7 +13,7 @@ class ColocatedHandler(RoleHandler):
         if isinstance(cmd, DecodeCmd):
             try:
                 self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
-                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                        cmd.sampling, list(cmd.prior_ids),
                                         cmd.cache_salt or None,
                                         dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
             except (ValueError, QueueFull) as e:

@@ -11,6 +11,7 @@ of the transfer will land in them any more).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import replace
@@ -24,9 +25,16 @@ from engine.scheduler import QueueFull
 from transfer import KVReceiver, TransferConfig, TransferStatus, TransferUpdate, make_receiver
 from transfer.tp_receiver import tp_receiver
 from worker.load_report import ConsumerLoad, LoadReport, TransferLoad
-from worker.messages import AbortCmd, Command, DecodeCmd, ReservedEvent, TokensBatchEvent
+from worker.messages import (
+    AbortCmd,
+    Command,
+    DecodeCmd,
+    ReadyInfo,
+    ReservedEvent,
+    TokensBatchEvent,
+)
 from worker.orphans import exhausted_by_orphans
-from worker.role import Emit, RoleHandler, error_event, now_ns, sampling_from_wire, tokens_event
+from worker.role import Emit, RoleHandler, error_event, now_ns, tokens_event
 
 log = logging.getLogger("pdserve.consumer")
 S = RequestState
@@ -64,8 +72,8 @@ class ConsumerHandler(RoleHandler):
         self.queue_full = 0
         self.local_prefills = 0  # requests the router had prefill here (colocated)
 
-    def ready_info(self) -> dict[str, Any]:
-        return {**super().ready_info(), "kv_address": self.receiver.address}
+    def ready_info(self) -> ReadyInfo:
+        return dataclasses.replace(super().ready_info(), kv_address=self.receiver.address)
 
     def on_command(self, cmd: Command) -> None:
         if isinstance(cmd, DecodeCmd):
@@ -75,7 +83,7 @@ class ConsumerHandler(RoleHandler):
                 return
             try:
                 self.engine.add_remote(rid, list(cmd.prompt_ids),
-                                       sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                       cmd.sampling, list(cmd.prior_ids),
                                        cmd.cache_salt or None, cmd.reuse_cached,
                                        dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
             except ValueError as e:
@@ -96,7 +104,7 @@ class ConsumerHandler(RoleHandler):
         colocated request (token 0 streams from here too)."""
         try:
             self.engine.add_request(cmd.rid, list(cmd.prompt_ids),
-                                    sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                    cmd.sampling, list(cmd.prior_ids),
                                     cmd.cache_salt or None,
                                     dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
         except ValueError as e:

@@ -74,6 +74,19 @@ def _ints_in(v: Any) -> tuple[int, ...]:
     return tuple(v)
 
 
+def _strs_in(v: Any) -> list[str]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise TypeError("a list of strings")
+    return list(v)
+
+
+def _str_str_dict_in(v: Any) -> dict[str, str]:
+    if not isinstance(v, dict) or not all(isinstance(k, str) and isinstance(x, str)
+                                          for k, x in v.items()):
+        raise TypeError("a map of strings to strings")
+    return dict(v)
+
+
 def _str_dict_in(v: Any) -> dict[str, Any]:
     if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
         raise TypeError("a map with string keys")
@@ -133,6 +146,8 @@ BASE: dict[Any, Conv] = {
     bytes: _scalar(lambda v: isinstance(v, bytes), "bytes"),
     tuple[int, ...]: (list, _ints_in),
     dict[str, Any]: (_same, _str_dict_in),
+    dict[str, str]: (_same, _str_str_dict_in),
+    list[str]: (list, _strs_in),
     list[int]: (_packed_out, _packed_in),
     np.ndarray: (_array_out, _array_in),
     LogprobRow: (_row_out, _row_in),
@@ -169,7 +184,10 @@ class _Shape:
                     from None
             except MessageError as e:  # a nested record's own field
                 raise MessageError(f"{kind}.{name}{e}") from None
-        return self.cls(**args)
+        try:
+            return self.cls(**args)
+        except ValueError as e:  # the record's own check of its values: "field: why"
+            raise MessageError(f"{kind}.{e}") from None
 
 
 def _conv(ann: Any, table: dict[Any, Conv]) -> Conv:

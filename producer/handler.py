@@ -52,7 +52,7 @@ from worker.messages import (
     TransferResultEvent,
 )
 from worker.orphans import exhausted_by_orphans
-from worker.role import Emit, RoleHandler, sampling_from_wire, stop_text
+from worker.role import Emit, RoleHandler, stop_text
 
 log = logging.getLogger("pdserve.producer")
 # How long the engine loop holds the next step for a Token0SentCmd (see command_wait_ms):
@@ -118,7 +118,7 @@ class ProducerHandler(RoleHandler):
             rid = cmd.rid
             try:
                 self.engine.add_request(rid, list(cmd.prompt_ids),
-                                        sampling_from_wire(cmd.sampling), list(cmd.prior_ids),
+                                        cmd.sampling, list(cmd.prior_ids),
                                         cmd.cache_salt or None,
                                         dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
             except (ValueError, QueueFull) as e:

@@ -99,7 +99,7 @@ class PD:
 
     def submit(self, rid: str, prompt: list[int], params: SamplingParams,
                decode: bool = True, reuse_cached: bool = False, cache_salt: str = "") -> None:
-        wire = params.to_dict()
+        wire = params
         if decode:
             self.consumer.on_command(DecodeCmd(rid, tuple(prompt), wire, False, (), 0,
                                                cache_salt, reuse_cached))

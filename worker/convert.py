@@ -42,9 +42,9 @@ def sampling_to_wire(p: common_pb2.SamplingParams, seed: int) -> dict[str, Any]:
 
 def checked_request(rid: str, prompt_ids: Sequence[int], p: common_pb2.SamplingParams,
                     seed: int, limits: ModelLimits,
-                    prior_ids: Sequence[int] = ()) -> dict[str, Any]:
-    """The engine's sampling dict for a Prefill/Decode request, after every check the engine
-    relies on; ValueError("<field>: ...") names the wire field at fault. The same checks as
+                    prior_ids: Sequence[int] = ()) -> SamplingParams:
+    """The engine's sampling parameters for a Prefill/Decode request, after every check the
+    engine relies on; ValueError("<field>: ...") names the wire field at fault. The same checks as
     the router's (engine.sampling_fields, engine.request_limits): the worker's gRPC takes
     calls from anyone holding the cluster token, not only the router."""
     if not rid:
@@ -71,7 +71,7 @@ def checked_request(rid: str, prompt_ids: Sequence[int], p: common_pb2.SamplingP
     if len(prior_ids) >= params.max_tokens:
         raise ValueError(f"prior_output_ids: {len(prior_ids)} tokens leave nothing of "
                          f"sampling.max_tokens ({params.max_tokens}) to generate")
-    return d
+    return params
 
 
 def token_logprob(row: LogprobRow) -> common_pb2.TokenLogprob:

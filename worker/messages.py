@@ -9,11 +9,12 @@ field, never an IndexError or KeyError deep in a handler.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from engine.codec import Codec
 from engine.codec import MessageError as MessageError  # raised by decode
 from engine.request import LogprobRow
+from engine.sampling_params import SamplingParams
 from worker.load_report import LoadReport
 
 # ---- commands (gRPC process -> engine process) -------------------------------------------
@@ -23,7 +24,7 @@ class PrefillCmd:
     KIND: ClassVar[str] = "prefill"
     rid: str
     prompt_ids: tuple[int, ...]
-    sampling: dict[str, Any]  # SamplingParams.from_dict input, built by worker.convert
+    sampling: SamplingParams  # checked by worker.convert at the gRPC door, and by the codec
     received_ns: int  # when the gRPC process received the request
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
     cache_salt: str = ""  # only requests of one salt share cached prefix blocks
@@ -45,7 +46,7 @@ class DecodeCmd:
     KIND: ClassVar[str] = "decode"
     rid: str
     prompt_ids: tuple[int, ...]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     colocated: bool
     prior_ids: tuple[int, ...] = ()  # a migrated request's tokens already streamed
     source_tp: int = 0  # consumer: the producer's TP size (0: unknown, taken as ours)
@@ -86,9 +87,30 @@ class StopCmd:
 # ---- events (engine process -> gRPC process) ---------------------------------------------
 
 @dataclass(frozen=True)
+class ReadyInfo:
+    """What an engine that is ready tells its gRPC process, which registers it with the
+    router (RegisterRequest) and checks requests against it."""
+
+    model: str
+    kv_fingerprint: str  # the KV layout's identity (engine/kv_layout.py)
+    max_model_len: int
+    vocab_size: int = 0
+    kv_blocks_total: int = 0
+    kv_address: str = ""  # a consumer's KV receiver; "" for other roles
+    tp_size: int = 1
+    dp_size: int = 1  # attention data-parallel groups
+    # prefix caching: what the router needs to compute the engine's block hash chains
+    # (engine/prefix_hash.py; the model key is kv_fingerprint)
+    block_size: int = 0
+    prefix_caching: bool = False
+    accepts_cache_salt: bool = False
+    lease_s: float = 0.0  # a producer's KV lease, added by the gRPC process from its spec
+
+
+@dataclass(frozen=True)
 class ReadyEvent:
     KIND: ClassVar[str] = "ready"
-    info: dict[str, Any]  # kv_address, kv_fingerprint, model, max_model_len, kv_blocks_total
+    info: ReadyInfo
 
 
 @dataclass(frozen=True)

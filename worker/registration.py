@@ -33,6 +33,7 @@ import grpc
 from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from worker.load_report import LoadReport
+from worker.messages import ReadyInfo
 
 log = logging.getLogger("pdserve.worker")
 ROLES = {"producer": common_pb2.ROLE_PRODUCER, "consumer": common_pb2.ROLE_CONSUMER,
@@ -120,7 +121,7 @@ class LoopWatch:
 
 class Registration:
     def __init__(self, router: str, worker_id: str, role: str, address: str,
-                 info: dict[str, Any], load: Callable[[], LoadReport | None],
+                 info: ReadyInfo, load: Callable[[], LoadReport | None],
                  cluster_token: str = "", router_ca: str = "",
                  failed: Callable[[], str | None] = lambda: None) -> None:
         if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA
@@ -241,15 +242,13 @@ class Registration:
     def _register(self) -> None:
         resp = self.stub.Register(worker_pb2.RegisterRequest(
             worker_id=self.worker_id, role=ROLES[self.role], address=self.address,
-            kv_address=self.info.get("kv_address", ""), model=self.info["model"],
-            kv_fingerprint=self.info["kv_fingerprint"],
-            max_model_len=self.info["max_model_len"], load=self._load_pb(),
-            cluster_token=self.token, tp_size=int(self.info.get("tp_size", 1)),
-            dp_size=int(self.info.get("dp_size", 1)),
-            lease_s=float(self.info.get("lease_s", 0.0)),
-            block_size=int(self.info.get("block_size", 0)),
-            prefix_caching=bool(self.info.get("prefix_caching", False)),
-            accepts_cache_salt=bool(self.info.get("accepts_cache_salt", False)),
+            kv_address=self.info.kv_address, model=self.info.model,
+            kv_fingerprint=self.info.kv_fingerprint,
+            max_model_len=self.info.max_model_len, load=self._load_pb(),
+            cluster_token=self.token, tp_size=self.info.tp_size, dp_size=self.info.dp_size,
+            lease_s=self.info.lease_s, block_size=self.info.block_size,
+            prefix_caching=self.info.prefix_caching,
+            accepts_cache_salt=self.info.accepts_cache_salt,
             version=pdserve_version()), timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)

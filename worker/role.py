@@ -5,12 +5,11 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput, StepResult
-from engine.sampling_params import SamplingParams
 from worker.load_report import DPRankLoad, LoadReport, PrefixCacheLoad
-from worker.messages import Command, Event, TokensEvent
+from worker.messages import Command, Event, ReadyInfo, TokensEvent
 
 if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
     from engine.llm_engine import LLMEngine
@@ -36,11 +35,6 @@ def error_event(rid: str, finish: str, error: str) -> TokensEvent:
 
 def stop_text(reason: int | str | None) -> str:
     return "" if reason is None else str(reason)
-
-
-def sampling_from_wire(d: dict[str, Any]) -> SamplingParams:
-    """ValueError names the bad field (the router validates first; this guards the engine)."""
-    return SamplingParams.from_dict(d)
 
 
 class RoleHandler(abc.ABC):
@@ -89,18 +83,16 @@ class RoleHandler(abc.ABC):
         return tuple(DPRankLoad(d["waiting"], d["running"], d["kv_blocks_free"],
                                 d["kv_blocks_total"]) for d in self.engine.scheduler.loads())
 
-    def ready_info(self) -> dict[str, Any]:
-        return {"kv_address": "", "kv_fingerprint": self.engine.layout.fingerprint(),
-                "model": self.engine.model_name, "max_model_len": self.engine.max_model_len,
-                "kv_blocks_total": self.engine.block_accounting().total,
-                "vocab_size": self.engine.model_cfg.vocab_size,
-                "tp_size": self.engine.config.tensor_parallel_size,
-                # prefix caching: what the router needs to compute the engine's block hash
-                # chains (engine/prefix_hash.py; the model key is kv_fingerprint)
-                "block_size": self.engine.config.block_size,
-                "prefix_caching": self.engine.blocks.cache is not None,
-                "accepts_cache_salt": True,
-                "dp_size": self.engine.config.data_parallel_size}
+    def ready_info(self) -> ReadyInfo:
+        cfg = self.engine.config
+        return ReadyInfo(
+            model=self.engine.model_name, kv_fingerprint=self.engine.layout.fingerprint(),
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_cfg.vocab_size,
+            kv_blocks_total=self.engine.block_accounting().total,
+            tp_size=cfg.tensor_parallel_size, dp_size=cfg.data_parallel_size,
+            block_size=cfg.block_size, prefix_caching=self.engine.blocks.cache is not None,
+            accepts_cache_salt=True)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases transfer resources at shutdown."""

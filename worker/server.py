@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing as mp
 import uuid
@@ -99,14 +100,15 @@ class WorkerServer:
             log.info("%s metrics on http://%s:%d/metrics", self.worker_id,
                      cfg.advertise_host or cfg.bind_host, mport)
         reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address,
-                           {**info, "lease_s": cfg.spec.lease_s},
+                           dataclasses.replace(info, lease_s=cfg.spec.lease_s),
                            lambda: bridge.load, cfg.cluster_token, cfg.router_ca,
                            failed=lambda: bridge.fatal)
         self.registration = reg
         self.tasks.append(asyncio.create_task(reg.run()))
         self.tasks.append(asyncio.create_task(pub.run()))
         self.tasks.append(asyncio.create_task(self._watch_engine()))
-        log.info("%s serving on %s (engine ready: %s)", self.worker_id, self.address, info)
+        log.info("%s serving on %s (engine ready: %s)", self.worker_id, self.address,
+                 dataclasses.asdict(info))
         return self.address
 
     async def _watch_engine(self) -> None:

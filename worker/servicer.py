@@ -9,7 +9,6 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
 
 import grpc
 import zmq
@@ -17,6 +16,7 @@ import zmq.asyncio
 from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.request_limits import check_request_id
+from engine.sampling_params import SamplingParams
 from worker import ipc
 from worker.convert import ModelLimits, checked_request
 from worker.load_report import LoadReport
@@ -29,6 +29,7 @@ from worker.messages import (
     KVSnapshotEvent,
     MessageError,
     ReadyEvent,
+    ReadyInfo,
     StatsEvent,
     TokensBatchEvent,
     TokensEvent,
@@ -66,7 +67,7 @@ class EngineBridge:
         self.queues: dict[str, RequestQueue] = {}
         self.hub = OutputHub()  # tokens of requests whose router reads an Outputs stream
         self.load: LoadReport | None = None  # the engine process's latest report
-        self.ready: asyncio.Future[dict[str, Any]] = asyncio.get_event_loop().create_future()
+        self.ready: asyncio.Future[ReadyInfo] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
         # where the engine's prefix-cache events go (worker/kv_publisher.py); None: nowhere
         self.on_kv: Callable[[KVEventsEvent | KVSnapshotEvent], None] | None = None
@@ -85,7 +86,7 @@ class EngineBridge:
     @property
     def limits(self) -> ModelLimits:
         info = self.ready.result()
-        return ModelLimits(int(info["vocab_size"]), int(info["max_model_len"]))
+        return ModelLimits(info.vocab_size, info.max_model_len)
 
     def open(self, rid: str) -> RequestQueue:
         if rid in self.queues:
@@ -178,9 +179,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _admit(self, rpc: str, rid: str, prompt_ids: Sequence[int],
                      sampling: common_pb2.SamplingParams, seed: int,
                      context: grpc.aio.ServicerContext,
-                     prior_ids: Sequence[int] = ()) -> dict[str, Any]:
-        """The engine's sampling dict, or INVALID_ARGUMENT naming the field (counted as the
-        rpc's "invalid" outcome): nothing the engine relies on reaches it unchecked."""
+                     prior_ids: Sequence[int] = ()) -> SamplingParams:
+        """The engine's sampling parameters, or INVALID_ARGUMENT naming the field (counted as
+        the rpc's "invalid" outcome): nothing the engine relies on reaches it unchecked."""
         try:
             return checked_request(rid, prompt_ids, sampling, seed, self.bridge.limits,
                                    prior_ids)

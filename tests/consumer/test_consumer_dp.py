@@ -61,7 +61,7 @@ def test_kv_moves_only_between_the_named_groups_ranks(moe):
     try:
         tx, rx = pd.producer.sender, pd.consumer.receiver
         assert isinstance(tx, TPSender) and isinstance(rx, TPReceiver)
-        wire = GREEDY.to_dict()
+        wire = GREEDY
         rids = [f"g1-{i}" for i in range(len(PROMPTS))]
         for rid, prompt in zip(rids, PROMPTS, strict=True):
             pd.consumer.on_command(DecodeCmd(rid, tuple(prompt), wire, False, source_tp=1,
@@ -95,7 +95,7 @@ def test_a_local_prefill_is_served_on_the_group_the_router_named(moe):
     eng = LLM(path, role="consumer", **DP).engine
     side = Side(lambda emit: ConsumerHandler(eng, emit, UCX))
     try:
-        side.handler.on_command(DecodeCmd("loc", tuple(PROMPTS[0]), GREEDY.to_dict(), True,
+        side.handler.on_command(DecodeCmd("loc", tuple(PROMPTS[0]), GREEDY, True,
                                           dp_rank=1))
         assert eng.requests["loc"].dp_rank == 1
         for _ in range(400):

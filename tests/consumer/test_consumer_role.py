@@ -73,7 +73,7 @@ def _consumer_only(tiny_llama: str, **kw: object) -> PD:
 
 def test_abort_while_reserving(tiny_llama):
     pd = _consumer_only(tiny_llama, consumer_kw={"num_kv_blocks": 14})
-    wire = SamplingParams(max_tokens=4).to_dict()  # 50 + 4 tokens fit 14 blocks
+    wire = SamplingParams(max_tokens=4)  # 50 + 4 tokens fit 14 blocks
     pd.consumer.on_command(DecodeCmd("a", tuple(PROMPTS[2]), wire, False))
     pd.consumer.on_command(DecodeCmd("b", tuple(PROMPTS[0]), wire, False))
     pd.c.turn()
@@ -88,7 +88,7 @@ def test_abort_while_reserving(tiny_llama):
 
 def test_abort_while_waiting_for_kv_frees_blocks_once_the_receiver_is_terminal(tiny_llama):
     pd = _consumer_only(tiny_llama)
-    pd.consumer.on_command(DecodeCmd("a", tuple(PROMPTS[0]), GREEDY.to_dict(), False))
+    pd.consumer.on_command(DecodeCmd("a", tuple(PROMPTS[0]), GREEDY, False))
     pd.c.turn()
     assert pd.state(pd.c, "a") == S.WAITING_FOR_KV
     used = pd.c.engine.block_accounting().used
@@ -115,7 +115,7 @@ def test_abort_while_decoding(tiny_llama):
 
 def test_reservation_deadline_frees_blocks_and_says_which_request(tiny_llama, caplog):
     pd = _consumer_only(tiny_llama, reservation_s=0.2)
-    pd.consumer.on_command(DecodeCmd("late", tuple(PROMPTS[0]), GREEDY.to_dict(), False))
+    pd.consumer.on_command(DecodeCmd("late", tuple(PROMPTS[0]), GREEDY, False))
     pd.c.turn()
     assert pd.state(pd.c, "late") == S.WAITING_FOR_KV
     assert pd.c.engine.block_accounting().used == 3

@@ -125,12 +125,13 @@ def test_api_key_and_cluster_token_are_enforced(cluster: LocalCluster) -> None:
             list(router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(prompt="x")))
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
     # A worker's own registration code, without (or with a wrong) cluster token.
+    from worker.messages import ReadyInfo
     from worker.registration import Registration
 
     async def register(token: str) -> str:
         reg = Registration(cluster.router_address, "stray-1", "consumer", "127.0.0.1:1",
-                           {"model": "smollm2", "kv_fingerprint": "x", "max_model_len": 256,
-                            "kv_address": "tcp://127.0.0.1:1"}, lambda: None, token)
+                           ReadyInfo("smollm2", "x", 256, kv_address="tcp://127.0.0.1:1"),
+                           lambda: None, token)
         try:
             await reg.run()
         except RuntimeError as err:

@@ -39,7 +39,7 @@ def test_holds_keep_the_blocks_past_the_lease_then_the_request_completes(tiny_ll
     assert pd.producer.lease_expiries == 0 and not pd.p.of("queued", TransferResultEvent)
     assert pd.state(pd.p, "queued") == S.TRANSFERRING  # still holding its blocks
     # blocks free up on the consumer: the reservation is made and goes to the producer
-    pd.consumer.on_command(DecodeCmd("queued", tuple(PROMPTS[0]), GREEDY.to_dict(), False))
+    pd.consumer.on_command(DecodeCmd("queued", tuple(PROMPTS[0]), GREEDY, False))
     pd.run(lambda: pd.finished("queued"))
     result = pd.transfer("queued")
     assert result is not None and result.ok, result

@@ -115,7 +115,7 @@ def _until(cond: Callable[[], bool], *turns: Callable[[], None], limit_s: float 
 
 
 def _transferring(p: LoopProducer, rid: str) -> None:
-    p.send(PrefillCmd(rid, tuple(PROMPTS[0]), GREEDY.to_dict(), 0))
+    p.send(PrefillCmd(rid, tuple(PROMPTS[0]), GREEDY, 0))
     _until(lambda: p.engine.state_of(rid) == S.TRANSFERRING, p.turn)
 
 
@@ -125,7 +125,7 @@ def test_holds_that_arrive_during_a_step_longer_than_the_lease_keep_the_blocks(p
     _transferring(p, "held")  # its consumer is full: no reservation yet
     # "busy" keeps the engine stepping; once its token 0 is out it waits for a consumer too
     p.stretch_steps(lambda: [HoldCmd("held", "c0"), HoldCmd("busy", "c0")])
-    p.send(PrefillCmd("busy", tuple(BUSY), GREEDY.to_dict(), 0))
+    p.send(PrefillCmd("busy", tuple(BUSY), GREEDY, 0))
     steps = 0
     while not p.of("busy", Token0Event):
         t0 = time.monotonic()
@@ -153,7 +153,7 @@ def test_a_destination_that_arrives_during_a_long_step_is_used(producer, tiny_ll
     c_eng = engine(tiny_llama, "consumer")
     c = Side(lambda emit: ConsumerHandler(c_eng, emit, FAKE))
     _transferring(p, "held")
-    c.handler.on_command(DecodeCmd("held", tuple(PROMPTS[0]), GREEDY.to_dict(), False))
+    c.handler.on_command(DecodeCmd("held", tuple(PROMPTS[0]), GREEDY, False))
     _until(lambda: bool(c.of("held", ReservedEvent)), c.turn)
     (r,) = c.of("held", ReservedEvent)
     # the router holds until it forwards the reservation, during the first long step, and
@@ -163,7 +163,7 @@ def test_a_destination_that_arrives_during_a_long_step_is_used(producer, tiny_ll
     p.stretch_steps(lambda: sends.pop(0) if sends else [])
     p.send(HoldCmd("held", "c0"))
     # one token: token 0 ends "busy", so it never waits for a consumer of its own
-    p.send(PrefillCmd("busy", tuple(BUSY), SamplingParams(max_tokens=1).to_dict(), 0))
+    p.send(PrefillCmd("busy", tuple(BUSY), SamplingParams(max_tokens=1), 0))
     _until(lambda: any(e.finish for e in c.of("held", TokensEvent))
            or any(not e.ok for e in p.of("held", TransferResultEvent)), p.turn, c.turn)
     assert p.handler.lease_expiries == 0
@@ -180,7 +180,7 @@ def test_a_long_prefill_is_no_orphan(producer):
     orphaned blocks (they would make a busy producer report its pool exhausted)."""
     p = producer
     p.stretch_steps(lambda: [])
-    p.send(PrefillCmd("busy", tuple(BUSY), GREEDY.to_dict(), 0))
+    p.send(PrefillCmd("busy", tuple(BUSY), GREEDY, 0))
     _until(lambda: p.engine.state_of("busy") == S.PREFILLING, p.turn)
     start = time.monotonic()
     while time.monotonic() - start < 2 * LEASE_S:

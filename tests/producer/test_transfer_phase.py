@@ -107,7 +107,7 @@ def test_token0_before_the_destination(tiny_llama: str, moves: list[tuple[T, T]]
     assert pd.producer.out["b"].phase is T.TOKEN0_AWAITING_DEST
     pd.producer.on_command(Token0SentCmd("b"))
     assert pd.producer.out["b"].phase is T.RELEASED_AWAITING_DEST
-    pd.consumer.on_command(DecodeCmd("b", tuple(PROMPTS[0]), GREEDY.to_dict(), False))
+    pd.consumer.on_command(DecodeCmd("b", tuple(PROMPTS[0]), GREEDY, False))
     pd.run(lambda: pd.finished("b") and "b" not in pd.producer.out)
     assert _walk(moves) == [T.AWAITING_DEST, T.TOKEN0_AWAITING_DEST,
                             T.RELEASED_AWAITING_DEST, T.RELEASED, T.NOTIFIED, T.ENDED]

@@ -8,6 +8,7 @@ over gRPC, and the worker's Registration client."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -16,10 +17,11 @@ from pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from deploy.cli import main
 from router.control.registry import Registry
 from router.control.registry_servicer import RegistryServicer
+from worker.messages import ReadyInfo
 from worker.registration import Registration
 
 HOLD_S = 1.0
-INFO = {"model": "m", "kv_fingerprint": "fp", "max_model_len": 64}
+INFO = ReadyInfo("m", "fp", 64)
 
 
 async def _router(registry: Registry) -> tuple[grpc.aio.Server, str]:
@@ -73,7 +75,7 @@ def test_a_worker_with_a_short_lease_stops_naming_both_flags(role: str) -> None:
     async def run() -> None:
         registry = Registry(heartbeat_timeout_s=30.0)
         server, address = await _router(registry)
-        info = {**INFO, "lease_s": 1.0, "kv_address": "tcp://127.0.0.1:1"}
+        info = dataclasses.replace(INFO, lease_s=1.0, kv_address="tcp://127.0.0.1:1")
         reg = Registration(address, f"{role}-0", role, "127.0.0.1:1", info, lambda: None)
         try:
             with pytest.raises(RuntimeError) as e:

@@ -13,6 +13,7 @@ and a real ``RouterServer`` (registry, sweep) on its own loop in another thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -25,10 +26,10 @@ from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import RouterServer
 from worker.load_report import LoadReport
+from worker.messages import ReadyInfo
 from worker.registration import Registration
 
-INFO = {"model": "smollm2", "kv_fingerprint": "fp", "max_model_len": 256,
-        "kv_address": "tcp://127.0.0.1:1"}
+INFO = ReadyInfo("smollm2", "fp", 256, kv_address="tcp://127.0.0.1:1")
 INTERVAL_S, TIMEOUT_S = 0.2, 1.0
 
 
@@ -146,7 +147,7 @@ def test_a_refused_worker_raises_from_run() -> None:
     with RouterThread() as router:
         async def main() -> None:
             reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
-                               {**INFO, "model": "another-model"}, lambda: None)
+                               dataclasses.replace(INFO, model="another-model"), lambda: None)
             try:
                 with pytest.raises(RuntimeError, match="the router refused this worker: model:"):
                     await asyncio.wait_for(reg.run(), 10)

@@ -36,6 +36,7 @@ from worker.load_report import (
     StepCounters,
     TransferLoad,
 )
+from worker.messages import ReadyInfo
 from worker.metrics_server import MetricsServer, ServingCounters, WorkerMetrics
 from worker.registration import Registration, load_pb
 
@@ -119,8 +120,7 @@ def test_a_malformed_report_is_refused_naming_its_field(edit: Any, names: str) -
 
 # ---- what the heartbeat and /metrics carry ------------------------------------------------
 
-INFO = {"model": "smollm2", "kv_fingerprint": "fp", "max_model_len": 256,
-        "kv_address": "tcp://127.0.0.1:1", "dp_size": 2}
+INFO = ReadyInfo("smollm2", "fp", 256, kv_address="tcp://127.0.0.1:1", tp_size=2, dp_size=2)
 
 
 def _pb_dict(load: common_pb2.WorkerLoad) -> dict[str, object]:

@@ -8,22 +8,27 @@ import msgpack
 import pytest
 
 from engine.request import LogprobRow
+from engine.sampling_params import SamplingParams
 from worker import messages as m
 from worker.load_report import LoadReport
 
 ROW = LogprobRow(7, -0.25, ((7, -0.25), (3, -1.5)))
 SAMPLES: list[m.Message] = [
-    m.PrefillCmd("r1", (1, 2, 3), {"temperature": 0.5, "stop": ["x"]}, 123),
-    m.PrefillCmd("r1", (1, 2, 3), {}, 123, (), "tenant-a"),
+    m.PrefillCmd("r1", (1, 2, 3), SamplingParams(temperature=0.5, stop=["x"],
+                                                 stop_token_ids=[4, 2**40], seed=9,
+                                                 structured={"kind": "regex", "value": "a+"}),
+                 123),
+    m.PrefillCmd("r1", (1, 2, 3), SamplingParams(), 123, (), "tenant-a"),
     m.DestinationCmd("r1", "consumer-0", "ucx://10.0.0.3:1", (4, 5)),
     m.DestinationCmd("r1", "consumer-0", "ucx://10.0.0.3:1", (4, 5, 6), 2),
-    m.DecodeCmd("r1", (1, 2), {"max_tokens": 3}, True),
-    m.DecodeCmd("r1", (1, 2), {}, False, (), 2, "tenant-a", True),
+    m.DecodeCmd("r1", (1, 2), SamplingParams(max_tokens=3, logprobs=2), True),
+    m.DecodeCmd("r1", (1, 2), SamplingParams(), False, (), 2, "tenant-a", True),
     m.Token0SentCmd("r1"),
     m.HoldCmd("r1", "consumer-0"),
     m.AbortCmd("r1"),
     m.StopCmd(),
-    m.ReadyEvent({"kv_address": "a", "kv_blocks_total": 9}),
+    m.ReadyEvent(m.ReadyInfo("m", "fp", 64, 100, 9, "a", 2, 2, 16, True, True, 1.5)),
+    m.ReadyEvent(m.ReadyInfo("m", "fp", 64)),
     m.Token0Event("r1", 7, "hi", ROW, None, "", 10, 11),
     m.Token0Event("r2", 7, "hi", None, "stop", "</s>", 10, 11),
     m.TransferResultEvent("r1", True, "", 1.5),
@@ -58,17 +63,34 @@ def _raw(*items: object) -> bytes:
     return out
 
 
+# SamplingParams() as the wire carries it (a field list), and one field of it changed
+SP = msgpack.unpackb(m.encode(m.PrefillCmd("r", (1,), SamplingParams(), 0)))[3]
+_FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+
+
+def _sp(field: str, value: object) -> list[object]:
+    out = list(SP)
+    out[_FIELDS.index(field)] = value
+    return out
+
+
 @pytest.mark.parametrize(("data", "names"), [
     (_raw("nope", "r1"), "kind"),
     (_raw("abort"), "abort.rid"),
     (_raw("prefill", "r1", [1, 2]), "prefill.sampling"),
-    (_raw("prefill", "r1", [1, "x"], {}, 1), "prefill.prompt_ids"),
-    (_raw("prefill", "r1", [1], {}, "late"), "prefill.received_ns"),
+    (_raw("prefill", "r1", [1, "x"], SP, 1), "prefill.prompt_ids"),
+    (_raw("prefill", "r1", [1], SP, "late"), "prefill.received_ns"),
+    (_raw("prefill", "r1", [1], {}, 1), "prefill.sampling"),
+    (_raw("prefill", "r1", [1], _sp("stop", ["a", 3]), 1), "prefill.sampling.stop"),
+    (_raw("prefill", "r1", [1], _sp("temperature", "hot"), 1), "prefill.sampling.temperature"),
+    (_raw("prefill", "r1", [1], _sp("temperature", -1.0), 1), "prefill.sampling.temperature"),
+    (_raw("prefill", "r1", [1], _sp("structured", {"kind": 1}), 1),
+     "prefill.sampling.structured"),
     (_raw("dest", "r1", "c", "addr", [1, True]), "dest.block_ids"),
     (_raw("dest", "r1", "c", "addr", [1], "2"), "dest.cached_blocks"),
     (_raw("kvsnap", 1, ["ab"]), "kvsnap.hashes"),
     (_raw("kv", [[1, False, [b"x"]], [2, "no", []]]), "kv.items[1].removed"),
-    (_raw("decode", "r1", [1], {}, 1), "decode.colocated"),
+    (_raw("decode", "r1", [1], SP, 1), "decode.colocated"),
     (_raw("token0", "r1", 1, "t", [1, -0.1], None, "", 0, 0), "token0.logprob"),
     (_raw("tokens", "r1", [1], "t", [[1, -0.1, [[2]]]], None), "tokens.logprobs"),
     (_raw("stats", [1, 2]), "stats.load"),

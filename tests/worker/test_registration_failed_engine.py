@@ -18,11 +18,11 @@ from pdserve.v1 import router_pb2_grpc, worker_pb2_grpc
 
 from router.control.registry import Registry
 from router.control.registry_servicer import MembershipServicer, RegistryServicer
+from worker.messages import ReadyInfo
 from worker.registration import Registration
 
 INTERVAL_S = 0.05  # the heartbeat interval the router hands out: ticks in ms, not seconds
-INFO = {"model": "m", "kv_fingerprint": "fp", "max_model_len": 64,
-        "kv_address": "tcp://127.0.0.1:1"}
+INFO = ReadyInfo("m", "fp", 64, kv_address="tcp://127.0.0.1:1")
 
 
 async def _router(registry: Registry) -> tuple[grpc.aio.Server, str]:

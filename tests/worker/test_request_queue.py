@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from engine.sampling_params import SamplingParams
 from worker import ipc
 from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent, TokensEvent
 from worker.request_queue import RequestQueue
@@ -78,7 +79,7 @@ def test_new_requests_are_refused_once_the_engine_is_a_high_water_mark_behind(
             sent = 0
             with pytest.raises(EngineBusy, match="commands behind"):
                 for sent in range(1, 1000):
-                    bridge.send_new(DecodeCmd(f"r{sent}", (1,), {}, False))
+                    bridge.send_new(DecodeCmd(f"r{sent}", (1,), SamplingParams(), False))
             assert 5 <= sent <= 20  # the bound held, near the mark
             bridge.send(AbortCmd("r1"))  # aborts are never refused
         finally:

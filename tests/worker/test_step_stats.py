@@ -120,7 +120,7 @@ def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> N
             emitted.extend(ev.items if isinstance(ev, TokensBatchEvent) else (ev,))
 
         loop = WorkerLoop(ColocatedHandler(eng, emit), pull, events)
-        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True).to_dict()
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
         push.send(encode(DecodeCmd("a", (5, 17, 33, 90, 12), params, False)))
         turns = 0
         while not any(getattr(e, "finish", None) for e in emitted):
