@@ -138,7 +138,7 @@ def _prefill_pushing(h: ProducerHandler, conn: Any, addr: str, rid: str, prompt:
     conn.send((rid, dst))
     conn.recv()  # "ready": the consumer expects rid into dst
     # What the worker's gRPC process sends: the request, then the consumer's reservation.
-    h.on_command(PrefillCmd(rid, tuple(prompt), PARAMS.to_dict(), time.time_ns()))
+    h.on_command(PrefillCmd(rid, tuple(prompt), PARAMS, time.time_ns()))
     h.on_command(DestinationCmd(rid, "bench-consumer", addr, tuple(dst)))
     del log[:]
     _sync(engine)
