@@ -51,6 +51,6 @@ def test_link_faults_2p2d(tmp_path, colocated_llm):
             for f in record["faults"]:
                 if f["kind"] == "link_down" or f["detail"].endswith("router cut"):
                     w = f["workers"][0]
-                    assert f"dropped {w.rsplit('-', 1)[0]} {w} " in log, (f, log[-3000:])
+                    assert f"dropped {c.started_as[w]} {w} " in log, (f, log[-3000:])
         finally:
             c.stop()
