@@ -120,7 +120,7 @@ def test_wheel_installs_and_serves_tp2(tmp_path: Path) -> None:
         with ch:
             status = stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=30)
             assert sorted((w.worker_id, w.tp_size) for w in status.workers) == [
-                ("worker-1", 2), ("worker-0", 2)], status
+                ("worker-0", 2), ("worker-1", 2)], status
             r = generate(stub, dict(max_tokens=6, temperature=0, ignore_eos=True),
                          prompt_token_ids=router_pb2.TokenIds(
                              ids=[5, 17, 33, 90, 12, 7, 8, 3, 100, 200, 44]))
