@@ -84,3 +84,27 @@ def quantize_weight(w: torch.Tensor, strategy: str,
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)  # [Nb, Kb]
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(pn, pk)[:n, :k].contiguous(), scale
+
+
+def quantize_stack(w: torch.Tensor, block: tuple[int, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] as (fp8 [E, N, K], scale float32 [E, N, G]) in the
+    per-row form the fused MoE kernel reads: block None, one scale per output channel
+    (G = 1); block (bn, bk), one per bn x bk tile, each row holding its tile's scale for
+    each of G = ceil(K / bk) column groups."""
+    e, n, k = w.shape
+    if block is None:
+        wf = w.float()
+        scale = (wf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+        return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    qs, ss = [], []
+    for j in range(e):  # one expert at a time: the float32 copy is one expert's
+        q, s = quantize_weight(w[j], "block", block)
+        qs.append(q)
+        ss.append(s.repeat_interleave(block[0], dim=0)[:n])
+    return torch.stack(qs), torch.stack(ss).contiguous()
+
+
+def dequant_stack(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 [E, N, K] with scales [E, N, G] -> float32 [E, N, K]."""
+    return torch.stack([dequant(w[j], scale[j]) for j in range(w.shape[0])])
