@@ -93,16 +93,16 @@ def quantize_stack(w: torch.Tensor, block: tuple[int, int] | None = None
     (G = 1); block (bn, bk), one per bn x bk tile, each row holding its tile's scale for
     each of G = ceil(K / bk) column groups."""
     e, n, k = w.shape
-    if block is None:
-        wf = w.float()
-        scale = (wf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-        return (wf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-    qs, ss = [], []
+    g = 1 if block is None else -(-k // block[1])
+    q = torch.empty(e, n, k, dtype=FP8, device=w.device)
+    scale = torch.empty(e, n, g, dtype=torch.float32, device=w.device)
     for j in range(e):  # one expert at a time: the float32 copy is one expert's
-        q, s = quantize_weight(w[j], "block", block)
-        qs.append(q)
-        ss.append(s.repeat_interleave(block[0], dim=0)[:n])
-    return torch.stack(qs), torch.stack(ss).contiguous()
+        if block is None:
+            q[j], scale[j] = quantize_weight(w[j], "channel")
+        else:
+            q[j], s = quantize_weight(w[j], "block", block)
+            scale[j] = s.repeat_interleave(block[0], dim=0)[:n]
+    return q, scale
 
 
 def dequant_stack(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

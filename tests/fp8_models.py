@@ -129,3 +129,28 @@ def engine_logits(path: str, prompt: list[int], dtype: str = "float32",
             out.append(model.compute_logits(model(torch.tensor(prompt[start:end]), pos, kv,
                                                   meta)).float())
     return out[0], out[1]
+
+
+def write_rows_dequantized(src: str, dst: str, quantized) -> str:  # type: ignore[no-untyped-def]
+    """Writes `src`'s model into dst with each weight `quantized(name)` selects replaced by
+    its per-row FP8 round trip (amax / 448 per output row, the rule of ``--quantization
+    fp8``), in float32: the float model of what the engine holds after quantizing at load."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    out = {}
+    for name, t in tensors.items():
+        w = t.float()
+        if quantized(name):
+            scale = _scales(w, "ct_channel").clamp_min(1e-12)
+            w = (w / scale).clamp(-448, 448).to(FP8).float() * scale
+        out[name] = w.contiguous()
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    for extra in ("config.json", "generation_config.json", "tokenizer.json"):
+        if os.path.exists(os.path.join(src, extra)):
+            shutil.copy(os.path.join(src, extra), dst)
+    return dst
