@@ -45,6 +45,8 @@ from kernels.triton_common import check, check_device, check_float, check_int, c
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_triton
 
 FP8 = torch.float8_e4m3fn
+# Most BLOCK_M x BLOCK_N outputs of a gate/up tile with block-scaled FP8 weights.
+BLOCK_SCALED_GATE_UP_TILE = 64 * 64
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
 
@@ -177,7 +179,8 @@ def _down_kernel(
     a_off = safe[:, None] * s_a + ks[None, :]  # [BM, BK] int32
     w_off = (cols % H)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
     w_base = w_ptr + e * s_we
-    s_base = sc_ptr + e * s_se + (cols % H) * s_sn  # [BN]: FP8 weights' row scales
+    s_row = sc_ptr + e * s_se  # FP8 weights' row scales: a scalar base, int32 offsets
+    s_off = (cols % H) * s_sn  # [BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         if EVEN_K:
@@ -190,7 +193,7 @@ def _down_kernel(
         a = a.to(DOT_DTYPE)
         w = w.to(DOT_DTYPE)
         if SCALED and not ONE_GROUP:
-            sw = tl.load(s_base + k0 // GROUP_K)
+            sw = tl.load(s_row + s_off + k0 // GROUP_K)
             if IEEE:
                 acc += tl.dot(a, w, input_precision="ieee") * sw[None, :]
             else:
@@ -199,8 +202,8 @@ def _down_kernel(
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
-    if SCALED and ONE_GROUP:
-        acc = acc * tl.load(s_base)[None, :]
+    if SCALED and ONE_GROUP:  # offsets made here, not kept through the K loop
+        acc = acc * tl.load(sc_ptr + e * s_se + (cols % H) * s_sn)[None, :]
     pair64 = safe.to(tl.int64)
     # the router weight applied to the expert's rounded output, as HF does
     wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
@@ -286,6 +289,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     gk13, gk2 = h // g13, inter // g2
     if g13 > 1:  # a K tile inside one scale group
         bk = min(bk, gk13)
+        # block scales hold each K tile's product apart from the two accumulators; past
+        # this many outputs per tile ptxas spills it (sm_90, tests/kernels/test_moe_sm90.py)
+        bn = min(bn, max(16, BLOCK_SCALED_GATE_UP_TILE // bm))
     s13 = w13_scale if w13_scale is not None else x  # an unread pointer without scales
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](

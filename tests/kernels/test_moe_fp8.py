@@ -79,9 +79,13 @@ def test_fp8_expert_shard_skips_other_ranks(start, gen, device):
     _case(9, 32, 32, 8, 3, torch.float32, None, gen, device, e_local=4, start=start)
 
 
-def test_fp8_experts_wide_tiles(gen, device):
-    cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_N_DOWN": 32,
-           "BLOCK_K_DOWN": 16, "num_warps": 4, "num_stages": 1}
+@pytest.mark.parametrize("cfg", [
+    {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_N_DOWN": 32, "BLOCK_K_DOWN": 16},
+    # a 64 x 128 gate/up tile: narrowed to 64 columns for block scales
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "BLOCK_N_DOWN": 32, "BLOCK_K_DOWN": 32},
+])
+def test_fp8_experts_wide_tiles(cfg, gen, device):
+    cfg = {**cfg, "num_warps": 4, "num_stages": 1}
     _case(10, 64, 32, 4, 2, torch.float32, (32, 32), gen, device, config=cfg)
 
 
