@@ -32,6 +32,7 @@ FP8 and as the same weights dequantized to bf16 (the same routings, in one run).
     python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
     python bench/moe_bench.py --quantization fp8 --out $OUT/moe_fp8_h200.json
     python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
+    python bench/moe_bench.py --tune --quantization fp8   # FP8 experts' ("<device> fp8")
 
 Points whose KV does not fit the device are recorded with ``"skipped"``.
 """
@@ -236,9 +237,10 @@ def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
             "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
 
 
-def kernel_point(model: Any, batch: int, hbm: float,
-                 config: dict[str, int] | None = None) -> dict[str, Any]:
-    """The fused MoE kernel alone over every layer's experts (one graph), uniform routing."""
+def kernel_point(model: Any, batch: int, hbm: float, config: dict[str, int] | None = None,
+                 compare: bool = False) -> dict[str, Any]:
+    """The fused MoE kernel alone over every layer's experts (one graph), uniform routing;
+    compare: FP8 experts also timed against one layer dequantized to bf16."""
     from decode_bench import graph_time_ms
 
     from kernels.triton_moe import fused_moe
@@ -264,7 +266,7 @@ def kernel_point(model: Any, batch: int, hbm: float,
     point = {"batch": batch, "kernel_ms_all_layers": round(ms, 3),
              "experts_touched_mean": round(touched / len(blocks), 1),
              "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
-    if blocks[0].experts.w13_scale is not None:
+    if compare and blocks[0].experts.w13_scale is not None:
         point.update(fp8_vs_bf16_one_layer(blocks[0], x, w, ids, config))
     return point
 
@@ -357,9 +359,8 @@ def main() -> None:
                     "quantization_config")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
-    if args.quantization and (args.tune or args.tune_mla):
-        ap.error("--tune, --tune-mla: the candidates are timed on bf16 experts; leave out "
-                 "--quantization")
+    if args.quantization and args.tune_mla:
+        ap.error("--tune-mla: MLA reads bf16 weights; leave out --quantization")
     from decode_bench import hbm_read_tbps, hf_generate_ms
     from moe_tune import tune, tune_mla
 
@@ -410,7 +411,7 @@ def main() -> None:
         kernels = []
         for b in batches:
             try:
-                p = kernel_point(model, b, hbm)
+                p = kernel_point(model, b, hbm, compare=True)
             except Exception as e:  # keep the other points; the error is the result
                 p = {"batch": b, "error": repr(e)[:300]}
             print(json.dumps(p), flush=True)

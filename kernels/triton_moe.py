@@ -63,12 +63,15 @@ def tile_config(num_tokens: int, device: torch.device, elem_size: int = 2
     name; "cpu" for the interpreter), else "default"; within it the smallest bucket at or
     above num_tokens, else the largest. A device's entries are tuned for 16-bit weights:
     wider ones (float32) take the defaults, whose tiles fit an H200's shared memory at
-    float32 (the tuned BLOCK_N 128 x BLOCK_K 128 asks 278,528 of its 232,448 bytes)."""
+    float32 (the tuned BLOCK_N 128 x BLOCK_K 128 asks 278,528 of its 232,448 bytes).
+    elem_size 1 (FP8 experts) looks for "<device name> fp8" first."""
     table = _config_table()
     name = _device_name(device)
     tuned_for_16_bit = name != "cpu"  # the interpreter's entry serves every dtype
-    buckets = (table.get(name) if elem_size <= 2 or not tuned_for_16_bit else None
-               ) or table["default"]
+    # FP8 experts: the device's "<name> fp8" entry where one was tuned, else its 16-bit one
+    buckets = table.get(f"{name} fp8") if elem_size == 1 else None
+    buckets = buckets or (table.get(name) if elem_size <= 2 or not tuned_for_16_bit
+                          else None) or table["default"]
     sizes = sorted(int(b) for b in buckets)
     pick = next((b for b in sizes if b >= num_tokens), sizes[-1])
     return buckets[str(pick)]
@@ -286,7 +289,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)
     ieee = x.dtype == torch.float32
-    gk13, gk2 = h // g13, inter // g2
+    gk13, gk2 = h // g13, inter // g2  # a constexpr only where there are groups
     if g13 > 1:  # a K tile inside one scale group
         bk = min(bk, gk13)
         # block scales hold each K tile's product apart from the two accumulators; past
@@ -299,7 +302,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
-        SCALED=fp8, GROUP_K=gk13, ONE_GROUP=g13 == 1, **launch)
+        SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     if g2 > 1:
@@ -310,7 +313,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
-        EVEN_K=inter % bk2 == 0, SCALED=fp8, GROUP_K=gk2, ONE_GROUP=g2 == 1, **launch)
+        EVEN_K=inter % bk2 == 0, SCALED=fp8, GROUP_K=gk2 if g2 > 1 else 1, ONE_GROUP=g2 == 1,
+        **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),

@@ -111,6 +111,50 @@ def test_fp8_checkpoint_with_expert_scales(tmp_path, fmt):
     _same_run(_run(fp8), _run(deq))
 
 
+def test_dummy_weights_of_an_fp8_moe_config(tmp_path, make_llm):
+    from fp8_models import quant_config
+
+    src = make_tiny_model(str(tmp_path / "src"), "qwen3_moe", seed=8, **WIDE)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    (tmp_path / "cfg").mkdir()
+    with open(tmp_path / "cfg" / "config.json", "w") as f:
+        json.dump({**cfg, "quantization_config": quant_config("fp8_block")}, f)
+    llm = make_llm(str(tmp_path / "cfg"), load_format="dummy", block_size=4)
+    experts = llm.engine.runner.model.layers[1].mlp.experts
+    assert experts.w13.dtype == FP8 and tuple(experts.w13_scale.shape) == (8, 512, 2)
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 4 and all(0 <= t < 256 for t in o.token_ids) for o in out)
+
+
+def test_ignored_experts_stay_float(tmp_path):
+    from safetensors.torch import load_file
+
+    from engine.attention import kernels_for
+    from engine.weights import build_model, read_model_config
+
+    src = make_tiny_model(str(tmp_path / "src"), "qwen3_moe", seed=8)
+    fp8, _ = write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "deq"), "ct_channel")
+    orig = load_file(os.path.join(src, "model.safetensors"))
+
+    def restore(t: dict) -> None:  # layer 2's experts back to float, their scales gone
+        for name in [n for n in t if ".layers.2.mlp.experts." in n]:
+            del t[name]
+        t.update({n: w for n, w in orig.items() if ".layers.2.mlp.experts." in n})
+    _edit(fp8, restore)
+    with open(os.path.join(fp8, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:.*layers\\.2\\.mlp\\.experts.*"]
+    with open(os.path.join(fp8, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    cpu = torch.device("cpu")
+    model = build_model(fp8, read_model_config(fp8), kernels_for(cpu), cpu, "float32",
+                        "auto", 64)
+    assert model.layers[1].mlp.experts.w13.dtype == FP8
+    assert model.layers[2].mlp.experts.w13.dtype == torch.float32
+    assert model.layers[2].mlp.experts.w13_scale is None
+
+
 def _edit(path: str, change) -> None:  # type: ignore[no-untyped-def]
     from safetensors.torch import load_file, save_file
 

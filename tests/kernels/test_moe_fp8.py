@@ -148,3 +148,17 @@ def test_fp8_experts_gpu_expert_shard_and_graph(gen):
     ref = fused_moe_ref(x.float(), q13, q2, weights, ids, 32, **kw)
     g.replay()
     assert _rel(out, ref) < BF16_TOL
+
+
+def test_fp8_experts_read_the_devices_fp8_tiles(monkeypatch):
+    import kernels.triton_moe as m
+
+    tiles = {n: {"8": {"BLOCK_M": n}} for n in (1, 2, 3)}
+    table = {"default": tiles[1], "meta": tiles[2], "meta fp8": tiles[3]}
+    monkeypatch.setattr(m, "_config_table", lambda: table)
+    meta = torch.device("meta")
+    assert m.tile_config(4, meta, 1)["BLOCK_M"] == 3  # FP8: the fp8 entry
+    assert m.tile_config(4, meta, 2)["BLOCK_M"] == 2  # bf16: the device's
+    assert m.tile_config(4, meta, 4)["BLOCK_M"] == 1  # float32: the defaults
+    del table["meta fp8"]
+    assert m.tile_config(4, meta, 1)["BLOCK_M"] == 2  # no fp8 entry: the device's
