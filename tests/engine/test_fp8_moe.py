@@ -251,3 +251,19 @@ def test_fp8_experts_on_gpu_with_cuda_graphs(tmp_path, make_llm, fmt):
     same = sum(a == b for g, r in zip(graphs, ref, strict=True)
                for a, b in zip(g.token_ids, r.token_ids, strict=True))
     assert same >= 0.75 * STEPS * len(PROMPTS), same
+
+
+def test_fp8_experts_expert_parallel_under_dp_attention(tmp_path):
+    """DeepSeek-V3 quantized at load with data-parallel attention (two groups of one rank,
+    experts split over both ranks): each rank quantizes its own experts, and the greedy
+    tokens are the single rank's."""
+    version, kw = DS_MODELS["v3"]
+    src = make_tiny_deepseek(str(tmp_path / "ds"), version, seed=4, **kw)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    common: dict = dict(block_size=4, max_num_batched_tokens=16, quantization="fp8")
+    with LLM(src, **common) as llm:
+        want = [c.token_ids for c in llm.generate(PROMPTS, params)]
+    with LLM(src, tensor_parallel_size=2, data_parallel_size=2, **common) as llm:
+        experts = llm.engine.runner.model.layers[1].mlp.experts
+        assert experts.w13.dtype == FP8 and experts.w13_scale.shape[0] == 4  # 8 over 2
+        assert [c.token_ids for c in llm.generate(PROMPTS, params)] == want
