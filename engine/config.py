@@ -269,10 +269,6 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
     for name in ("attention_bias", "mlp_bias"):
         if cfg.get(name):
             raise refuse(name, "biases on DeepSeek projections are not implemented")
-    if cfg.get("quantization_config"):  # DeepSeek-V3/R1 ship block-quantized fp8 weights
-        raise refuse("quantization_config", "quantized weights are not implemented (use a "
-                     "bf16 conversion; --quantization fp8 quantizes its MLPs and routed "
-                     "experts at load)")
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
         raise ValueError(f"rope_scaling: DeepSeek supports 'yarn' only, got {scaling!r}")
     q_lora = cfg.get("q_lora_rank")

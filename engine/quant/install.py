@@ -50,6 +50,9 @@ def install_empty(model: nn.Module, scheme: Fp8Scheme) -> int:
     from engine.quant.fp8_moe import install_empty_experts
 
     count = install_empty_experts(model, scheme)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.is_mla:
+        return count  # the other FP8 tensors load dequantized (engine/quant/dequantize.py)
     for parent, attr, full in list(_targets(model)):
         if not _quantized(scheme, full):
             continue

@@ -1,7 +1,8 @@
 """FP8 routed experts on CPU (float32): MoE models quantized at load (``--quantization fp8``:
 Qwen3-MoE, and DeepSeek-V3 with MLA attention kept float) and FP8 checkpoints with expert
-scales (block-wise, per-channel, per-tensor) written by the tests, against float models of
-the same dequantized weights; malformed expert scales refused by name; TP2 equal to TP1.
+scales (block-wise, per-channel, per-tensor; Qwen3-MoE, and DeepSeek-V3 whose other FP8
+tensors load dequantized) written by the tests, against float models of the same
+dequantized weights; malformed expert scales refused by name; TP2 equal to TP1.
 
 Every step here runs at most 16 rows (a 16-token budget), so the dense projections run
 weight-only too and the FP8 model computes exactly what the dequantized float model does,
@@ -15,7 +16,7 @@ import re
 
 import pytest
 import torch
-from fp8_models import PROJ, engine_logits, write_fp8, write_rows_dequantized
+from fp8_models import MLA_PROJ, PROJ, engine_logits, write_fp8, write_rows_dequantized
 from tiny_deepseek import MODELS as DS_MODELS
 from tiny_deepseek import make_tiny_deepseek
 from tiny_models import PROMPTS, make_tiny_model
@@ -190,18 +191,43 @@ def test_expert_scale_without_quantization_config_is_refused(tmp_path):
         LLM(src, block_size=4)
 
 
-def test_fp8_mla_checkpoint_is_refused(tmp_path):
-    from engine.weights import read_model_config
+@pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel"])
+def test_fp8_deepseek_checkpoint(tmp_path, fmt):
+    """DeepSeek-V3 with every projection FP8 (MLA's, the dense and shared MLPs', the
+    routed experts'): the routed experts load FP8, the rest dequantized; the dequantized
+    float model's tokens, and TP2's equal TP1's (tensors read whole, cut dequantized)."""
+    version, kw = DS_MODELS["v3"]
+    src = make_tiny_deepseek(str(tmp_path / "ds"), version, seed=4, **kw)
+    fp8, deq = write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "deq"), fmt,
+                         proj=PROJ + MLA_PROJ)
+    got = _run(fp8)
+    assert got[0] == FP8
+    _same_run(got, _run(deq))
+    with LLM(fp8, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2) as llm:
+        tp2 = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+    assert tp2 == [c.token_ids for c in got[1]]
 
-    src = make_tiny_deepseek(str(tmp_path / "ds"), "v3", **DS_MODELS["v3"][1])
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    with open(os.path.join(src, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    with pytest.raises(ValueError, match="quantization_config: quantized weights are not "
-                                         "implemented"):
-        read_model_config(src)
+
+@pytest.mark.parametrize("change,match", [
+    (lambda t: t.pop("model.layers.0.self_attn.kv_b_proj.weight_scale_inv"),
+     "layers.0.self_attn.kv_b_proj.weight is float8 and the checkpoint has no "
+     "weight_scale_inv"),
+    (lambda t: t.__setitem__("model.layers.0.self_attn.o_proj.weight",
+                             t["model.layers.0.self_attn.o_proj.weight"].float()),
+     "layers.0.self_attn.o_proj.weight_scale_inv scales a weight the checkpoint does not "
+     "hold in float8"),
+    (lambda t: t.__setitem__("model.layers.1.mlp.shared_experts.down_proj.weight_scale_inv",
+                             torch.ones(2, 2)),
+     r"shared_experts.down_proj: weight_scale_inv: expected \[1, 1\], got \(2, 2\)"),
+])
+def test_malformed_fp8_deepseek_checkpoint_is_refused_by_name(tmp_path, change, match):
+    version, kw = DS_MODELS["v3"]
+    src = make_tiny_deepseek(str(tmp_path / "ds"), version, seed=4, **kw)
+    fp8, _ = write_fp8(src, str(tmp_path / "fp8"), str(tmp_path / "deq"), "fp8_block",
+                       proj=PROJ + MLA_PROJ)
+    _edit(fp8, change)
+    with pytest.raises(ValueError, match=match):
+        LLM(fp8, block_size=4)
 
 
 # fp8_block: 128-wide heads and a 512-wide dense MLP, so a TP2 rank's dense rows and
