@@ -67,7 +67,7 @@ def _refuse(field: str, why: str, value: Any) -> ValueError:
 def scheme_from_hf(cfg: dict[str, Any]) -> Fp8Scheme | None:
     """The scheme of an HF config.json's ``quantization_config``; None when there is none.
     It covers the dense projections and the routed experts (the fused MoE kernel reads
-    FP8 experts). MLA models' checkpoints are refused before this (engine/config.py)."""
+    FP8 experts); an MLA model's other FP8 tensors load dequantized."""
     q = cfg.get("quantization_config")
     if not q:
         return None
