@@ -21,9 +21,18 @@ In one run on one GPU:
   * optionally transformers' own generate with cache_implementation="static" (compiled;
     --hf-batches), per token from N vs 2N new tokens.
 
+``--quantization fp8`` quantizes the dummy weights at load (per-channel scales: dense
+projections and routed experts; MLA attention, shared experts and the head stay bf16);
+``fp8-block`` gives the dummy config a block-wise 128 x 128 ``quantization_config``
+(DeepSeek-V3's format) instead. The fused kernel then reads FP8 experts, its bytes are the
+FP8 bytes (scales included), and each kernel point also times one layer's experts both as
+FP8 and as the same weights dequantized to bf16 (the same routings, in one run).
+
     python bench/moe_bench.py --out $OUT/moe_h200.json
     python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
+    python bench/moe_bench.py --quantization fp8 --out $OUT/moe_fp8_h200.json
     python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
+    python bench/moe_bench.py --tune --quantization fp8   # FP8 experts' ("<device> fp8")
 
 Points whose KV does not fit the device are recorded with ``"skipped"``.
 """
@@ -91,10 +100,19 @@ def moe_blocks(model: Any) -> list[Any]:
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
 
+EXPERT_PARAMS = ("experts.w13", "experts.w2", "experts.w13_scale", "experts.w2_scale")
+
+
 def expert_bytes(block: Any) -> int:
-    """One expert's weight bytes (gate, up and down)."""
-    w13, w2 = block.experts.w13, block.experts.w2
-    return (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    """One expert's weight bytes (gate, up and down; FP8 experts: with their scales)."""
+    e = block.experts
+    return sum(t[0].numel() * t.element_size()
+               for t in (e.w13, e.w2, e.w13_scale, e.w2_scale) if t is not None)
+
+
+def expert_params(block: Any) -> int:
+    """One expert's weights (gate, up and down), counted in values."""
+    return int(block.experts.w13[0].numel() + block.experts.w2[0].numel())
 
 
 def dense_weight_bytes(model: Any) -> int:
@@ -102,10 +120,17 @@ def dense_weight_bytes(model: Any) -> int:
     and the embedding table (a step reads only its rows)."""
     total = 0
     for name, p in model.named_parameters():
-        if name.endswith(("experts.w13", "experts.w2")) or "embed_tokens" in name:
+        if name.endswith(EXPERT_PARAMS) or "embed_tokens" in name:
             continue
         total += p.numel() * p.element_size()
     return total
+
+
+def dense_weight_params(model: Any) -> int:
+    """dense_weight_bytes' weights counted in values (scales left out)."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if not name.endswith(EXPERT_PARAMS) and "embed_tokens" not in name
+               and not name.endswith(("weight_scale", "input_scale")))
 
 
 def touched_experts(engine: Any) -> list[int]:
@@ -212,9 +237,10 @@ def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
             "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
 
 
-def kernel_point(model: Any, batch: int, hbm: float,
-                 config: dict[str, int] | None = None) -> dict[str, Any]:
-    """The fused MoE kernel alone over every layer's experts (one graph), uniform routing."""
+def kernel_point(model: Any, batch: int, hbm: float, config: dict[str, int] | None = None,
+                 compare: bool = False) -> dict[str, Any]:
+    """The fused MoE kernel alone over every layer's experts (one graph), uniform routing;
+    compare: FP8 experts also timed against one layer dequantized to bf16."""
     from decode_bench import graph_time_ms
 
     from kernels.triton_moe import fused_moe
@@ -231,14 +257,53 @@ def kernel_point(model: Any, batch: int, hbm: float,
 
     def run() -> None:
         for blk, i in zip(blocks, ids, strict=True):
-            fused_moe(x, blk.experts.w13, blk.experts.w2, w, i, 0, config=config)
+            fused_moe(x, blk.experts.w13, blk.experts.w2, w, i, 0, config=config,
+                      **scales(blk))
 
     ms = graph_time_ms(run)
     nbytes = touched * expert_bytes(blocks[0]) + len(blocks) * batch * h * 2 * 2
     tbps = nbytes / (ms * 1e-3) / 1e12
-    return {"batch": batch, "kernel_ms_all_layers": round(ms, 3),
-            "experts_touched_mean": round(touched / len(blocks), 1),
-            "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
+    point = {"batch": batch, "kernel_ms_all_layers": round(ms, 3),
+             "experts_touched_mean": round(touched / len(blocks), 1),
+             "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
+    if compare and blocks[0].experts.w13_scale is not None:
+        point.update(fp8_vs_bf16_one_layer(blocks[0], x, w, ids, config))
+    return point
+
+
+def scales(block: Any) -> dict[str, Any]:
+    """fused_moe's scale arguments for a block's experts (none for bf16 experts)."""
+    e = block.experts
+    if e.w13_scale is None:
+        return {}
+    return {"w13_scale": e.w13_scale, "w2_scale": e.w2_scale}
+
+
+def fp8_vs_bf16_one_layer(block: Any, x: torch.Tensor, w: torch.Tensor,
+                          ids: list[torch.Tensor], config: dict[str, int] | None
+                          ) -> dict[str, Any]:
+    """One layer's FP8 experts against the same weights dequantized to bf16: each run
+    goes through every layer's routing (the same list both ways) on this one layer."""
+    from decode_bench import graph_time_ms
+
+    from kernels.ref_fp8 import dequant_stack
+    from kernels.triton_moe import fused_moe
+
+    e = block.experts
+    w13 = dequant_stack(e.w13, e.w13_scale).to(torch.bfloat16)
+    w2 = dequant_stack(e.w2, e.w2_scale).to(torch.bfloat16)
+
+    def fp8() -> None:
+        for i in ids:
+            fused_moe(x, e.w13, e.w2, w, i, 0, config=config, **scales(block))
+
+    def bf16() -> None:
+        for i in ids:
+            fused_moe(x, w13, w2, w, i, 0, config=config)
+
+    fp8_ms, bf16_ms = graph_time_ms(fp8), graph_time_ms(bf16)
+    return {"one_layer_fp8_ms": round(fp8_ms, 3), "one_layer_bf16_ms": round(bf16_ms, 3),
+            "one_layer_fp8_over_bf16": round(fp8_ms / bf16_ms, 3)}
 
 
 def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
@@ -264,8 +329,8 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     # routed experts per MoE layer (shared experts and dense layers are non-expert)
     blocks = moe_blocks(model)
     head = cfg.vocab_size * cfg.hidden_size
-    active = (dense_weight_bytes(model) // 2 - head
-              + len(blocks) * moe.top_k * expert_bytes(blocks[0]) // 2)
+    active = (dense_weight_params(model) - head
+              + len(blocks) * moe.top_k * expert_params(blocks[0]))
     # causal QK^T and PV: T^2/2 query-key pairs, 2 FLOPs per multiply-add, per dim
     qk_pv = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim if cfg.is_mla
              else 2 * cfg.head_dim)
@@ -289,8 +354,13 @@ def main() -> None:
     ap.add_argument("--tune", action="store_true", help="time tile candidates only")
     ap.add_argument("--tune-mla", action="store_true",
                     help="time MLA decode tile candidates only (an MLA --shape)")
+    ap.add_argument("--quantization", choices=("fp8", "fp8-block"), default=None,
+                    help="FP8 weights: per-channel at load, or a block-wise 128 x 128 "
+                    "quantization_config")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
+    if args.quantization and args.tune_mla:
+        ap.error("--tune-mla: MLA reads bf16 weights; leave out --quantization")
     from decode_bench import hbm_read_tbps, hf_generate_ms
     from moe_tune import tune, tune_mla
 
@@ -301,11 +371,16 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",") if c]
     cfg_dir = tempfile.mkdtemp()
     label, hf_config = SHAPES[args.shape]
+    if args.quantization == "fp8-block":
+        hf_config = {**hf_config, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}}
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
         json.dump(hf_config, f)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "model": label,
-        "dtype": "bfloat16", "torch": torch.__version__, "command": " ".join(sys.argv),
+        "dtype": "bfloat16", "quantization": args.quantization,
+        "torch": torch.__version__, "command": " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     hbm = hbm_read_tbps()
     result["hbm_read_tb_s"] = round(hbm, 3)
@@ -319,7 +394,8 @@ def main() -> None:
         max_num_seqs=max(batches), max_model_len=max(max(contexts) + args.steps
                                                      * args.repeats + 64,
                                                      args.prefill_tokens + 8),
-        max_num_batched_tokens=max(2048, args.prefill_tokens), gpu_memory_utilization=0.9))
+        max_num_batched_tokens=max(2048, args.prefill_tokens), gpu_memory_utilization=0.9,
+        quantization="fp8" if args.quantization == "fp8" else None))
     result["engine_build_s"] = round(time.perf_counter() - t0, 1)
     result["kv_blocks"] = engine.layout.num_blocks
     model = engine.runner.model
@@ -335,7 +411,7 @@ def main() -> None:
         kernels = []
         for b in batches:
             try:
-                p = kernel_point(model, b, hbm)
+                p = kernel_point(model, b, hbm, compare=True)
             except Exception as e:  # keep the other points; the error is the result
                 p = {"batch": b, "error": repr(e)[:300]}
             print(json.dumps(p), flush=True)

@@ -172,7 +172,7 @@ class ModelConfig:
         )
         if arch.startswith("deepseek"):  # MLA fields, and what they override
             base.update(_deepseek_fields(arch, cfg, scaling))
-        base["quant"] = scheme_from_hf(cfg, arch, moe=base["moe"] is not None)
+        base["quant"] = scheme_from_hf(cfg)
         return ModelConfig(**base)
 
     @staticmethod
@@ -269,9 +269,6 @@ def _deepseek_fields(arch: str, cfg: dict[str, Any],
     for name in ("attention_bias", "mlp_bias"):
         if cfg.get(name):
             raise refuse(name, "biases on DeepSeek projections are not implemented")
-    if cfg.get("quantization_config"):  # DeepSeek-V3/R1 ship block-quantized fp8 weights
-        raise refuse("quantization_config", "quantized weights are not implemented (use a "
-                     "bf16 conversion)")
     if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "yarn":
         raise ValueError(f"rope_scaling: DeepSeek supports 'yarn' only, got {scaling!r}")
     q_lora = cfg.get("q_lora_rank")

@@ -90,8 +90,6 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
     from engine.quant.install import install_empty, quantize_loaded
     from engine.quant.scheme import AT_LOAD
 
-    if quantization is not None and cfg.is_mla:
-        raise ValueError(f"--quantization {quantization}: not implemented for MLA models")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(TORCH_DTYPES[dtype])
     try:

@@ -84,3 +84,27 @@ def quantize_weight(w: torch.Tensor, strategy: str,
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(MIN_SCALE)  # [Nb, Kb]
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(pn, pk)[:n, :k].contiguous(), scale
+
+
+def quantize_stack(w: torch.Tensor, block: tuple[int, int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, N, K] as (fp8 [E, N, K], scale float32 [E, N, G]) in the
+    per-row form the fused MoE kernel reads: block None, one scale per output channel
+    (G = 1); block (bn, bk), one per bn x bk tile, each row holding its tile's scale for
+    each of G = ceil(K / bk) column groups."""
+    e, n, k = w.shape
+    g = 1 if block is None else -(-k // block[1])
+    q = torch.empty(e, n, k, dtype=FP8, device=w.device)
+    scale = torch.empty(e, n, g, dtype=torch.float32, device=w.device)
+    for j in range(e):  # one expert at a time: the float32 copy is one expert's
+        if block is None:
+            q[j], scale[j] = quantize_weight(w[j], "channel")
+        else:
+            q[j], s = quantize_weight(w[j], "block", block)
+            scale[j] = s.repeat_interleave(block[0], dim=0)[:n]
+    return q, scale
+
+
+def dequant_stack(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8 [E, N, K] with scales [E, N, G] -> float32 [E, N, K]."""
+    return torch.stack([dequant(w[j], scale[j]) for j in range(w.shape[0])])

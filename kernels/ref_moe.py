@@ -13,17 +13,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kernels.ref_fp8 import fp8_weight_only_ref
+
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  expert_start: int = 0, config: dict[str, Any] | None = None) -> torch.Tensor:
+                  expert_start: int = 0, config: dict[str, Any] | None = None,
+                  w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E_local, 2I, H] = [gate | up] rows; w2: [E_local, H, I];
     topk_weights: [T, k] float32; topk_ids: [T, k] int (global expert ids).
     config: the Triton kernel's tile sizes, unused here. Returns [T, H] in x's dtype.
     The projections run in x's dtype as HF's experts do; the weighted sum over the top-k
-    is kept in float32 and rounded once."""
+    is kept in float32 and rounded once.
+    FP8 experts (w13, w2 float8_e4m3fn with float32 scales [E_local, N, G], the per-row
+    form of kernels/ref_fp8): each projection is ref_fp8's weight-only product, the
+    float32 product of x and the dequantized weight rounded to x's dtype."""
     t, h = x.shape
     e_local, two_i, _ = w13.shape
+    fp8 = w13_scale is not None and w2_scale is not None
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale, w2_scale: FP8 experts need both")
     out = torch.zeros(t, h, dtype=torch.float32, device=x.device)  # [T, H]
     local = topk_ids.long() - expert_start  # [T, k]; outside [0, E_local): another rank's
     for e in range(e_local):
@@ -31,8 +41,14 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tok, slot = torch.nonzero(local == e, as_tuple=True)  # [n], [n]
         if tok.numel() == 0:
             continue
-        gate, up = F.linear(x[tok], w13[e]).split(two_i // 2, dim=-1)  # [n, I] each
-        y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
+        if fp8:
+            assert w13_scale is not None and w2_scale is not None
+            gate, up = fp8_weight_only_ref(x[tok], w13[e], w13_scale[e]).split(two_i // 2,
+                                                                               dim=-1)
+            y = fp8_weight_only_ref(F.silu(gate) * up, w2[e], w2_scale[e])
+        else:
+            gate, up = F.linear(x[tok], w13[e]).split(two_i // 2, dim=-1)  # [n, I] each
+            y = F.linear(F.silu(gate) * up, w2[e])  # [n, H]
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot].float().unsqueeze(-1))
     return out.to(x.dtype)
 

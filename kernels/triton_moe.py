@@ -19,6 +19,12 @@ them can be captured in a CUDA graph (every size below comes from shapes alone):
    result is deterministic, unlike atomics), and pairs routed to another rank's experts
    skipped.
 
+FP8 experts (float8_e4m3fn w13/w2 with float32 per-row scales, per output channel or per
+row and K group of a block-scaled checkpoint): both GEMMs widen the weight tile to the
+activation dtype after its load and multiply the accumulator's columns by the scales (per
+channel once after the K loop; per group each K tile), so activations stay in the model's
+dtype and the weight stream, decode's cost, is one byte per weight.
+
 Decode reads each touched expert's weights once: a tile's weights are one expert's, and at
 few tokens per expert there is one row tile per expert. Tile sizes come from
 kernels/moe_configs.json, keyed by device name and token-count bucket.
@@ -38,6 +44,9 @@ import triton.language as tl
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_triton
 
+FP8 = torch.float8_e4m3fn
+# Most BLOCK_M x BLOCK_N outputs of a gate/up tile with block-scaled FP8 weights.
+BLOCK_SCALED_GATE_UP_TILE = 64 * 64
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
 
@@ -54,12 +63,15 @@ def tile_config(num_tokens: int, device: torch.device, elem_size: int = 2
     name; "cpu" for the interpreter), else "default"; within it the smallest bucket at or
     above num_tokens, else the largest. A device's entries are tuned for 16-bit weights:
     wider ones (float32) take the defaults, whose tiles fit an H200's shared memory at
-    float32 (the tuned BLOCK_N 128 x BLOCK_K 128 asks 278,528 of its 232,448 bytes)."""
+    float32 (the tuned BLOCK_N 128 x BLOCK_K 128 asks 278,528 of its 232,448 bytes).
+    elem_size 1 (FP8 experts) looks for "<device name> fp8" first."""
     table = _config_table()
     name = _device_name(device)
     tuned_for_16_bit = name != "cpu"  # the interpreter's entry serves every dtype
-    buckets = (table.get(name) if elem_size <= 2 or not tuned_for_16_bit else None
-               ) or table["default"]
+    # FP8 experts: the device's "<name> fp8" entry where one was tuned, else its 16-bit one
+    buckets = table.get(f"{name} fp8") if elem_size == 1 else None
+    buckets = buckets or (table.get(name) if elem_size <= 2 or not tuned_for_16_bit
+                          else None) or table["default"]
     sizes = sorted(int(b) for b in buckets)
     pick = next((b for b in sizes if b >= num_tokens), sizes[-1])
     return buckets[str(pick)]
@@ -73,11 +85,13 @@ def _device_name(device: torch.device) -> str:
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, sc_ptr,
     N, H, INTER, TOP_K,
     s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
+    s_se, s_sn,  # w13_scale expert, row (FP8 weights only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -98,6 +112,10 @@ def _gate_up_kernel(
     w_off = (cols % INTER)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
     w_gate = w_ptr + e * s_we
     w_up = w_gate + INTER * s_wn
+    # FP8 weights: each row's scales (one, or one per GROUP_K columns), gate rows then up
+    s_off = (cols % INTER) * s_sn  # [BN] int32
+    s_gate = sc_ptr + e * s_se
+    s_up = s_gate + INTER * s_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -111,14 +129,27 @@ def _gate_up_kernel(
             g = tl.load(w_gate + k0 + w_off, mask=k_ok[:, None], other=0.0)
             u = tl.load(w_up + k0 + w_off, mask=k_ok[:, None], other=0.0)
         a = a.to(DOT_DTYPE)
-        g = g.to(DOT_DTYPE)
+        g = g.to(DOT_DTYPE)  # an FP8 weight widens exactly to 16 or 32 bits
         u = u.to(DOT_DTYPE)
-        if IEEE:  # float32 models: no TF32 (the attention kernels do the same)
+        if SCALED and not ONE_GROUP:  # block scales: this K range's, per column
+            grp = k0 // GROUP_K
+            sg = tl.load(s_gate + s_off + grp)
+            su = tl.load(s_up + s_off + grp)
+            if IEEE:
+                acc_g += tl.dot(a, g, input_precision="ieee") * sg[None, :]
+                acc_u += tl.dot(a, u, input_precision="ieee") * su[None, :]
+            else:
+                acc_g += tl.dot(a, g) * sg[None, :]
+                acc_u += tl.dot(a, u) * su[None, :]
+        elif IEEE:  # float32 models: no TF32 (the attention kernels do the same)
             acc_g = tl.dot(a, g, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, u, acc_u, input_precision="ieee")
         else:
             acc_g = tl.dot(a, g, acc_g)
             acc_u = tl.dot(a, u, acc_u)
+    if SCALED and ONE_GROUP:  # per-channel scales: once, on the accumulator's columns
+        acc_g = acc_g * tl.load(s_gate + s_off)[None, :]
+        acc_u = acc_u * tl.load(s_up + s_off)[None, :]
     # rounded to the storage dtype as HF's unfused linear outputs are, then the activation
     g_r = acc_g.to(out_ptr.dtype.element_ty).to(tl.float32)
     u_r = acc_u.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -129,11 +160,13 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr, sc_ptr,
     N, H, INTER,
     s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
+    s_se, s_sn,  # w2_scale expert, row (FP8 weights only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
+    SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -149,6 +182,8 @@ def _down_kernel(
     a_off = safe[:, None] * s_a + ks[None, :]  # [BM, BK] int32
     w_off = (cols % H)[None, :] * s_wn + ks[:, None]  # [BK, BN] int32
     w_base = w_ptr + e * s_we
+    s_row = sc_ptr + e * s_se  # FP8 weights' row scales: a scalar base, int32 offsets
+    s_off = (cols % H) * s_sn  # [BN]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         if EVEN_K:
@@ -160,10 +195,18 @@ def _down_kernel(
             w = tl.load(w_base + k0 + w_off, mask=k_ok[:, None], other=0.0)
         a = a.to(DOT_DTYPE)
         w = w.to(DOT_DTYPE)
-        if IEEE:
+        if SCALED and not ONE_GROUP:
+            sw = tl.load(s_row + s_off + k0 // GROUP_K)
+            if IEEE:
+                acc += tl.dot(a, w, input_precision="ieee") * sw[None, :]
+            else:
+                acc += tl.dot(a, w) * sw[None, :]
+        elif IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
+    if SCALED and ONE_GROUP:  # offsets made here, not kept through the K loop
+        acc = acc * tl.load(sc_ptr + e * s_se + (cols % H) * s_sn)[None, :]
     pair64 = safe.to(tl.int64)
     # the router weight applied to the expert's rounded output, as HF does
     wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
@@ -188,10 +231,17 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K, expert_start, num_local,
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              expert_start: int = 0, config: dict[str, Any] | None = None) -> torch.Tensor:
+              expert_start: int = 0, config: dict[str, Any] | None = None,
+              w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, H]; w13: [E_local, 2I, H]; w2: [E_local, H, I]; topk_weights: [T, k]
     float32; topk_ids: [T, k] int32/int64 global ids; config: tile sizes (default: the
-    table's). Returns [T, H] in x's dtype."""
+    table's). Returns [T, H] in x's dtype.
+    FP8 experts: w13, w2 float8_e4m3fn with float32 scales w13_scale [E_local, 2I, G13]
+    and w2_scale [E_local, H, G2] that multiply them (G = 1: per output channel; G > 1:
+    each row's scale per K / G columns, the rows of a block-scaled checkpoint's block
+    repeating its scale). The weight tile is widened to x's dtype after its load and the
+    scales multiply the accumulator (weight-only: x is never quantized)."""
     check(x.dim() == 2, "x: expected [T, H]")
     check(w13.dim() == 3 and w2.dim() == 3, "w13, w2: expected [E, 2I, H], [E, H, I]")
     t, h = x.shape
@@ -206,11 +256,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
           "topk_weights: expected the shape of topk_ids")
     check(topk_weights.dtype == torch.float32, "topk_weights: expected float32")
     check_float("x", x)
-    check(w13.dtype == x.dtype and w2.dtype == x.dtype, "w13, w2: expected x's dtype")
+    fp8 = w13_scale is not None or w2_scale is not None
+    if fp8:
+        check(w13_scale is not None and w2_scale is not None,
+              "w13_scale, w2_scale: FP8 experts need both")
+        assert w13_scale is not None and w2_scale is not None
+        check(w13.dtype == FP8 and w2.dtype == FP8,
+              f"w13, w2: scales given, expected float8_e4m3fn, got {w13.dtype}, {w2.dtype}")
+    else:
+        check(w13.dtype == x.dtype and w2.dtype == x.dtype, "w13, w2: expected x's dtype")
     check_int("topk_ids", topk_ids)
     check_device(x, w13, w2, topk_weights, topk_ids)
     for name, ten in (("x", x), ("w13", w13), ("w2", w2)):
         check(ten.stride(-1) == 1, f"{name}: rows must be contiguous")
+    g13 = _check_scale("w13_scale", w13_scale, w13) if w13_scale is not None else 1
+    g2 = _check_scale("w2_scale", w2_scale, w2) if w2_scale is not None else 1
     k = topk_ids.shape[1]
     # the GEMMs' int32 offsets: token rows of x, pair rows of the activation, one expert
     check(t * x.stride(0) < 2**31 and t * k * inter < 2**31 and w13.stride(0) < 2**31
@@ -229,24 +289,53 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)
     ieee = x.dtype == torch.float32
+    gk13, gk2 = h // g13, inter // g2  # a constexpr only where there are groups
+    if g13 > 1:  # a K tile inside one scale group
+        bk = min(bk, gk13)
+        # block scales hold each K tile's product apart from the two accumulators; past
+        # this many outputs per tile ptxas spills it (sm_90, tests/kernels/test_moe_sm90.py)
+        bn = min(bn, max(16, BLOCK_SCALED_GATE_UP_TILE // bm))
+    s13 = w13_scale if w13_scale is not None else x  # an unread pointer without scales
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
-        x, w13, act, sorted_ids, block_expert, n, h, inter, k,
+        x, w13, act, sorted_ids, block_expert, s13, n, h, inter, k,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
-        **launch)
+        SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
+    if g2 > 1:
+        bk2 = min(bk2, gk2)
+    s2 = w2_scale if w2_scale is not None else x
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
-        act, w2, y, sorted_ids, block_expert, weights, n, h, inter,
+        act, w2, y, sorted_ids, block_expert, weights, s2, n, h, inter,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
-        EVEN_K=inter % bk2 == 0, **launch)
+        EVEN_K=inter % bk2 == 0, SCALED=fp8, GROUP_K=gk2 if g2 > 1 else 1, ONE_GROUP=g2 == 1,
+        **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
         BLOCK_H=block_h, num_warps=4)
     return out
+
+
+def _check_scale(name: str, scale: torch.Tensor, w: torch.Tensor) -> int:
+    """An FP8 stack's scales [E, N, G] (float32, rows of G contiguous); returns G."""
+    e, n, kk = w.shape
+    check(scale.dim() == 3 and tuple(scale.shape[:2]) == (e, n),
+          f"{name}: expected [{e}, {n}, G], got {tuple(scale.shape)}")
+    check(scale.dtype == torch.float32, f"{name}: expected float32, got {scale.dtype}")
+    check(scale.stride(2) == 1, f"{name}: rows must be contiguous")
+    check_device(w, scale)
+    g = scale.shape[2]
+    gk = kk // g if g else 0
+    # grouped scales: a K tile (a power of two >= 16) must lie inside one group
+    check(g >= 1 and kk % g == 0 and (g == 1 or (gk >= 16 and gk & (gk - 1) == 0)),
+          f"{name}: {g} scale groups do not cut K={kk} into power-of-two groups >= 16")
+    return int(g)
 
 
 @triton.jit

@@ -14,6 +14,8 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# DeepSeek's MLA projections, FP8 in its checkpoints too
+MLA_PROJ = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 FORMATS = ("fp8_block", "ct_channel", "ct_tensor_static", "ct_weight_only")
 
 
@@ -58,9 +60,10 @@ def quant_config(fmt: str) -> dict:
 
 
 def write_fp8(src: str, fp8_dir: str, deq_dir: str, fmt: str,
-              input_scale: float = 0.05) -> tuple[str, str]:
+              input_scale: float = 0.05, proj: tuple[str, ...] = PROJ) -> tuple[str, str]:
     """Writes `src`'s model as an FP8 checkpoint of `fmt` into fp8_dir, and the same
-    (dequantized) weights as a float32 checkpoint into deq_dir; returns both paths."""
+    (dequantized) weights as a float32 checkpoint into deq_dir; returns both paths.
+    proj: the projections quantized (by module name; MLA_PROJ adds DeepSeek's)."""
     from safetensors.torch import load_file, save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -70,8 +73,7 @@ def write_fp8(src: str, fp8_dir: str, deq_dir: str, fmt: str,
     fp8: dict[str, torch.Tensor] = {}
     deq: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
-        proj = name.endswith(".weight") and name.split(".")[-2] in PROJ
-        if not proj:
+        if not (name.endswith(".weight") and name.split(".")[-2] in proj):
             fp8[name] = deq[name] = t.float().contiguous()
             continue
         w = t.float()
@@ -129,3 +131,28 @@ def engine_logits(path: str, prompt: list[int], dtype: str = "float32",
             out.append(model.compute_logits(model(torch.tensor(prompt[start:end]), pos, kv,
                                                   meta)).float())
     return out[0], out[1]
+
+
+def write_rows_dequantized(src: str, dst: str, quantized) -> str:  # type: ignore[no-untyped-def]
+    """Writes `src`'s model into dst with each weight `quantized(name)` selects replaced by
+    its per-row FP8 round trip (amax / 448 per output row, the rule of ``--quantization
+    fp8``), in float32: the float model of what the engine holds after quantizing at load."""
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    out = {}
+    for name, t in tensors.items():
+        w = t.float()
+        if quantized(name):
+            scale = _scales(w, "ct_channel").clamp_min(1e-12)
+            w = (w / scale).clamp(-448, 448).to(FP8).float() * scale
+        out[name] = w.contiguous()
+    os.makedirs(dst, exist_ok=True)
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    for extra in ("config.json", "generation_config.json", "tokenizer.json"):
+        if os.path.exists(os.path.join(src, extra)):
+            shutil.copy(os.path.join(src, extra), dst)
+    return dst

@@ -21,12 +21,14 @@ from engine.attention import KernelSet
 from engine.config import ModelConfig
 from engine.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from engine.models.mla import MLAAttention
+from engine.models.moe import parse_expert_name
 from engine.models.moe_model import MoeForCausalLM
 from engine.parallel.dp_exchange import DPForward
 from engine.parallel.dp_groups import ep_of
 from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import hf_slice, local_from_full, shard_for
+from engine.quant.dequantize import dequantized
 from engine.rope import cos_sin_table
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
@@ -49,6 +51,7 @@ class _DeepseekDense(LlamaForCausalLM):
         self.ep_group = ep_of(group)
         self.dp_step = DPForward()
         self.followers = None
+        self.quant = None  # an FP8 checkpoint's scheme while it loads (as LlamaForCausalLM)
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, kernels, sh, g, self.make_mlp(i),
@@ -77,7 +80,12 @@ class _DeepseekDense(LlamaForCausalLM):
         return None
 
     def wants(self, hf_name: str) -> tuple[int, int, int] | None:
-        """(dim, start, stop) of an HF tensor this rank needs; None: all of it."""
+        """(dim, start, stop) of an HF tensor this rank needs; None: all of it. An FP8
+        checkpoint's tensors are read whole (engine/quant/dequantize.py makes them float
+        with their scales, whose cut would be in block units), then cut (`cut_of`)."""
+        return None if self.quant is not None else self.cut_of(hf_name)
+
+    def cut_of(self, hf_name: str) -> tuple[int, int, int] | None:
         sh = self.shard
         if sh.size == 1:
             return None
@@ -156,7 +164,11 @@ class _DeepseekDense(LlamaForCausalLM):
 class DeepseekForCausalLM(MoeForCausalLM, _DeepseekDense):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Returns the names of the parameters it filled (the MoE loader reports the shared
-        experts' by HF name: gate_proj and up_proj fill our fused gate_up_proj)."""
+        experts' by HF name: gate_proj and up_proj fill our fused gate_up_proj). An FP8
+        checkpoint's routed experts load FP8; its other FP8 tensors load dequantized."""
+        if self.quant is not None:
+            weights = dequantized(weights, self.quant,
+                                  keep=lambda n: parse_expert_name(n) is not None)
         used = super().load_weights(weights)
         return {_SHARED_GATE_UP.sub(r"\1.gate_up_proj.", n) for n in used}
 

@@ -210,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _rank_part(self, name: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's part of HF tensor ``name`` (it may come whole or already sliced)."""
-        cut = self.wants(name)
+        cut = self.cut_of(name)
         if cut is not None and w.shape[cut[0]] == self._full_dim(name, cut[0]) \
                 and cut[2] - cut[1] != w.shape[cut[0]]:
             w = w.narrow(cut[0], cut[1], cut[2] - cut[1])
@@ -234,6 +234,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _full_dim(self, name: str, dim: int) -> int:
         return _full_dim(self.cfg, name, dim)
+
+    def cut_of(self, hf_name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's part of an HF tensor that came whole: the part
+        `wants` reads, unless a model reads more than it keeps."""
+        return self.wants(hf_name)
 
     def wants(self, hf_name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of an HF tensor this rank needs; None: all of it."""

@@ -20,6 +20,7 @@ memory, stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,43 +112,72 @@ class MoE(nn.Module):
         self.num_experts, self.inter = num_experts, inter
         self.w13 = nn.Parameter(torch.empty(self.shard.count, 2 * inter, hidden))  # [El, 2I, H]
         self.w2 = nn.Parameter(torch.empty(self.shard.count, hidden, inter))  # [El, H, I]
+        # FP8 experts (engine/quant/fp8_moe.py): float8_e4m3fn w13/w2 and their float32
+        # per-row scales [El, 2I, G13] / [El, H, G2]; None while the experts are float
+        self.w13_scale: nn.Parameter | None
+        self.w2_scale: nn.Parameter | None
+        self.register_parameter("w13_scale", None)
+        self.register_parameter("w2_scale", None)
         self.k = kernels
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], topk_weights [T, k] float32, topk_ids [T, k] global ids -> [T, H]."""
         assert self.k.fused_moe is not None, "kernels_for sets fused_moe on every device"
+        if self.w13_scale is not None:
+            fp8: torch.Tensor = self.k.fused_moe(
+                x, self.w13, self.w2, topk_weights, topk_ids, self.shard.start,
+                w13_scale=self.w13_scale, w2_scale=self.w2_scale)
+            return fp8
         out: torch.Tensor = self.k.fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
                                              self.shard.start)
         return out
 
-    def load_expert(self, expert: int, proj: str, w: torch.Tensor) -> bool:
+    def load_expert(self, expert: int, proj: str, w: torch.Tensor,
+                    scale_of: Callable[[torch.Tensor, tuple[int, int]], torch.Tensor]
+                    | None = None) -> bool:
         """Copies one HF expert tensor into the stack. expert: global id, or -1 for a
-        stacked [E, ...] tensor; proj: "gate" | "up" | "down" | "gate_up". Returns False
-        for an expert another rank holds (the caller drops it)."""
+        stacked [E, ...] tensor; proj: "gate" | "up" | "down" | "gate_up". scale_of: the
+        tensor is an FP8 weight's scale, and this maps it to the per-row form [N, G] of
+        the part it scales (engine/quant/fp8_moe.py). Returns False for an expert another
+        rank holds (the caller drops it)."""
+        scaled = scale_of is not None
+        w13, w2 = (self.w13_scale, self.w2_scale) if scaled else (self.w13, self.w2)
+        if w13 is None or w2 is None:
+            raise ValueError(f"model: expert {expert} {proj} has an FP8 scale, and the "
+                             "checkpoint's quantization_config leaves the experts float")
         if expert < 0:  # stacked over all experts: keep this rank's
+            if scaled:
+                raise ValueError(f"model: stacked expert {proj} scales are not implemented "
+                                 "(per-expert tensors are)")
             if w.shape[0] != self.num_experts:
                 raise ValueError(f"model: stacked expert weight has {w.shape[0]} experts, "
                                  f"expected {self.num_experts}")
             w = w.narrow(0, self.shard.start, self.shard.count)
-            dst = self.w2.data if proj == "down" else self.w13.data
+            dst = w2.data if proj == "down" else w13.data
         else:
             local = expert - self.shard.start
             if not 0 <= local < self.shard.count:
                 return False
             i = self.inter
-            dst = {"gate": self.w13.data[local, :i], "up": self.w13.data[local, i:],
-                   "gate_up": self.w13.data[local], "down": self.w2.data[local]}[proj]
+            dst = {"gate": w13.data[local, :i], "up": w13.data[local, i:],
+                   "gate_up": w13.data[local], "down": w2.data[local]}[proj]
+        if scale_of is not None:
+            w = scale_of(w, (dst.shape[0], dst.shape[1]))
         if dst.shape != w.shape:
             raise ValueError(f"model: expert {expert} {proj} weight has shape "
                              f"{tuple(w.shape)}, expected {tuple(dst.shape)}")
+        if not scaled and (dst.dtype == torch.float8_e4m3fn) != (w.dtype == torch.float8_e4m3fn):
+            raise ValueError(f"model: expert {expert} {proj} weight is {w.dtype}, where the "
+                             f"checkpoint's quantization_config makes the experts {dst.dtype}")
         with torch.no_grad():
             dst.copy_(w.to(dst.dtype))
         return True
 
 
 # `<prefix>.experts.<j>.<proj>.weight` (per expert) or `<prefix>.experts.<proj>` (stacked)
-_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PER_EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+                         r"\.(weight|weight_scale|weight_scale_inv|input_scale)$")
 _STACKED = re.compile(r"^(.*)\.experts\.(gate_up_proj|down_proj)$")
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
          "w2": "down", "gate_up_proj": "gate_up"}
@@ -158,13 +188,15 @@ class ExpertName:
     block: str  # the MoE block's module path, e.g. "layers.3.mlp"
     expert: int  # global expert id; -1: the tensor stacks every expert
     proj: str  # "gate" | "up" | "down" | "gate_up"
+    # "weight", or an FP8 checkpoint's "weight_scale" | "weight_scale_inv" | "input_scale"
+    tensor: str = "weight"
 
 
 def parse_expert_name(name: str) -> ExpertName | None:
     """The expert an HF tensor name belongs to; None for any other tensor."""
     m = _PER_EXPERT.match(name)
     if m:
-        return ExpertName(m.group(1), int(m.group(2)), _PROJ[m.group(3)])
+        return ExpertName(m.group(1), int(m.group(2)), _PROJ[m.group(3)], m.group(4))
     m = _STACKED.match(name)
     if m:
         return ExpertName(m.group(1), -1, _PROJ[m.group(2)])

@@ -14,6 +14,7 @@ from torch import nn
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import ExpertName, SparseMoeBlock, full_param_to_local, parse_expert_name
 from engine.parallel.dp_exchange import ExpertExchange
+from engine.quant.fp8_moe import scale_reader
 
 # HF module names of the MoE block, per family, mapped to ours ("mlp")
 _BLOCK_ALIASES = (".block_sparse_moe.",)  # Mixtral
@@ -111,11 +112,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         for path, pieces in got.items():
             sh = self._block(path, path).experts.shard
             mine = range(sh.start, sh.start + sh.count)
-            if (-1, "gate_up") in pieces or all(
-                    (j, "gate_up") in pieces or {(j, "gate"), (j, "up")} <= pieces for j in mine):
-                used.add(f"{path}.experts.w13")
-            if (-1, "down") in pieces or all((j, "down") in pieces for j in mine):
-                used.add(f"{path}.experts.w2")
+            for tail in ("", "_scale"):  # the weights, and an FP8 checkpoint's scales
+                gu, g, u, d = (p + tail for p in ("gate_up", "gate", "up", "down"))
+                if (-1, gu) in pieces or all(
+                        (j, gu) in pieces or {(j, g), (j, u)} <= pieces for j in mine):
+                    used.add(f"{path}.experts.w13{tail}")
+                if (-1, d) in pieces or all((j, d) in pieces for j in mine):
+                    used.add(f"{path}.experts.w2{tail}")
         return used
 
     def _load_expert(self, e: ExpertName, name: str, w: torch.Tensor,
@@ -124,5 +127,14 @@ class MoeForCausalLM(LlamaForCausalLM):
         if e.expert >= block.experts.num_experts:
             raise ValueError(f"model: weight {name!r} names expert {e.expert} of "
                              f"{block.experts.num_experts}")
-        if block.experts.load_expert(e.expert, e.proj, w):
-            got.setdefault(e.block, set()).add((e.expert, e.proj))
+        if e.tensor == "input_scale" and self.quant is not None:
+            return  # the experts are weight-only: their activations are never quantized
+        scale_of = None
+        if e.tensor != "weight":
+            if self.quant is None:
+                raise ValueError(f"model: unexpected weight {name!r} in checkpoint (no "
+                                 "quantization_config)")
+            scale_of = scale_reader(self.quant, name)
+        if block.experts.load_expert(e.expert, e.proj, w, scale_of):
+            piece = e.proj if scale_of is None else f"{e.proj}_scale"
+            got.setdefault(e.block, set()).add((e.expert, piece))

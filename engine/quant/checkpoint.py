@@ -66,8 +66,8 @@ def check_tp_cut(cfg: ModelConfig, size: int) -> None:
     from engine.parallel.shards import hf_slice, shard_for
 
     scheme = cfg.quant
-    if scheme is None or scheme.weight != "block" or size == 1:
-        return
+    if scheme is None or scheme.weight != "block" or size == 1 or cfg.is_mla:
+        return  # MLA models read FP8 tensors whole and cut them dequantized
     for rank in range(size):
         shard = shard_for(cfg, rank, size)
         for proj in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"):

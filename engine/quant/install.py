@@ -1,5 +1,7 @@
-"""Puts Fp8Linear layers into a built model: empty ones before an FP8 checkpoint loads, or
-quantized copies of the loaded float layers (``--quantization fp8``, dummy weights)."""
+"""Puts Fp8Linear layers (and FP8 expert stacks) into a built model: empty ones before an
+FP8 checkpoint loads, or quantized copies of the loaded float layers (``--quantization
+fp8``, dummy weights). MLA attention, shared experts, routers, embeddings and the head stay
+float."""
 
 from __future__ import annotations
 
@@ -42,9 +44,15 @@ def _quantized(scheme: Fp8Scheme, full_name: str) -> bool:
 
 
 def install_empty(model: nn.Module, scheme: Fp8Scheme) -> int:
-    """Replaces each quantized projection by an empty Fp8Linear for the loader to fill;
-    returns how many."""
-    count = 0
+    """Replaces each quantized projection by an empty Fp8Linear, and makes each quantized
+    MoE layer's expert stacks FP8 (engine/quant/fp8_moe.py), for the loader to fill;
+    returns how many projections and expert layers."""
+    from engine.quant.fp8_moe import install_empty_experts
+
+    count = install_empty_experts(model, scheme)
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None and cfg.is_mla:
+        return count  # the other FP8 tensors load dequantized (engine/quant/dequantize.py)
     for parent, attr, full in list(_targets(model)):
         if not _quantized(scheme, full):
             continue
@@ -58,9 +66,12 @@ def install_empty(model: nn.Module, scheme: Fp8Scheme) -> int:
 
 
 def quantize_loaded(model: nn.Module, scheme: Fp8Scheme) -> int:
-    """Replaces each projection by its FP8 quantization (per-channel or block scales),
-    freeing the float weight as it goes; returns how many."""
-    count = 0
+    """Replaces each projection, and each MoE layer's expert stacks, by its FP8
+    quantization (per-channel or block scales), freeing the float weight as it goes;
+    returns how many projections and expert layers."""
+    from engine.quant.fp8_moe import quantize_experts
+
+    count = quantize_experts(model, scheme)
     for parent, attr, full in list(_targets(model)):
         if not _quantized(scheme, full):
             continue

@@ -64,17 +64,13 @@ def _refuse(field: str, why: str, value: Any) -> ValueError:
     return ValueError(f"quantization_config.{field}: {why}, got {value!r}")
 
 
-def scheme_from_hf(cfg: dict[str, Any], arch: str = "", moe: bool = False
-                   ) -> Fp8Scheme | None:
+def scheme_from_hf(cfg: dict[str, Any]) -> Fp8Scheme | None:
     """The scheme of an HF config.json's ``quantization_config``; None when there is none.
-    moe: the model has expert MLPs (whose fused kernel reads float weights: refused)."""
+    It covers the dense projections and the routed experts (the fused MoE kernel reads
+    FP8 experts); an MLA model's other FP8 tensors load dequantized."""
     q = cfg.get("quantization_config")
     if not q:
         return None
-    if moe:
-        raise ValueError("quantization_config: FP8 checkpoints are implemented for dense "
-                         f"models; {arch}'s experts are not (use a bf16 checkpoint with "
-                         "--quantization fp8, which quantizes its attention)")
     if not isinstance(q, dict):
         raise _refuse("", "expected an object", q)
     method = q.get("quant_method")

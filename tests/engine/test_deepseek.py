@@ -225,9 +225,14 @@ def test_released_configs():
     scaling = dict(v3.rope_scaling or ())
     assert rope_attention_factor(scaling) == 1.0  # mscale == mscale_all_dim
     assert softmax_mscale(scaling) == pytest.approx((0.1 * math.log(40) + 1) ** 2)
-    # the published V3 checkpoint is fp8: refused by name, not loaded as garbage
-    with pytest.raises(ValueError, match="^quantization_config: "):
-        ModelConfig.from_hf({**V3, "quantization_config": {"quant_method": "fp8"}})
+    # the published V3 checkpoint is block-wise fp8 (tests/engine/test_fp8_moe.py loads
+    # one); other methods are refused by name, not loaded as garbage
+    fp8 = ModelConfig.from_hf({**V3, "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}}).quant
+    assert fp8 is not None and (fp8.weight, fp8.block) == ("block", (128, 128))
+    with pytest.raises(ValueError, match="^quantization_config.quant_method: "):
+        ModelConfig.from_hf({**V3, "quantization_config": {"quant_method": "awq"}})
 
 
 def test_hidden_act_is_refused_by_name():

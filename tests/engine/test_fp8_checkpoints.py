@@ -134,15 +134,6 @@ def test_unsupported_schemes_are_refused_naming_the_field(src, tmp_path, qc, fie
         read_model_config(path)
 
 
-def test_fp8_moe_checkpoint_is_refused(tmp_path):
-    from engine.weights import read_model_config
-
-    path = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe")
-    path = _with_quant(path, tmp_path / "q", quant_config("fp8_block"))
-    with pytest.raises(ValueError, match="quantization_config: FP8 checkpoints"):
-        read_model_config(path)
-
-
 def test_float_weight_where_fp8_is_declared_is_refused(src, tmp_path):
     from engine.attention import kernels_for
     from engine.weights import build_model, read_model_config
@@ -226,15 +217,3 @@ def test_quantization_flag_parses_and_refuses_other_values():
         p.parse_args(["--quantization", "int4"])
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int4")
-
-
-def test_quantization_flag_is_refused_for_mla(tmp_path):
-    from tiny_deepseek import make_tiny_deepseek
-
-    from engine.attention import kernels_for
-    from engine.weights import build_model, read_model_config
-
-    path = make_tiny_deepseek(str(tmp_path / "ds"), "v3")
-    with pytest.raises(ValueError, match="--quantization fp8: not implemented for MLA"):
-        build_model(path, read_model_config(path), kernels_for(torch.device("cpu")),
-                    torch.device("cpu"), "float32", "auto", 64, quantization="fp8")
