@@ -9,16 +9,7 @@
 set -uo pipefail
 out=${1:?OUT_DIR}; before=${2:-6317fd3}
 shift $(( $# < 2 ? $# : 2 ))
-repo=$(cd "$(dirname "$0")/.." && pwd)
-py=${PYTHON:-python3}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-# `python -m deploy.cli` puts its working directory first on sys.path: run from one that
-# holds no package, so each run imports only the tree its PYTHONPATH names
-cd "$out" || exit 1
-wt=$(mktemp -d)/before
-git -C "$repo" worktree add -q --detach "$wt" "$before" || exit 1
-trap 'git -C "$repo" worktree remove --force "$wt"' EXIT
+source "$(dirname "$0")/before_tree.sh"
 flags=(bench --compare --num-prompts 12 --warmup 2 --input-len 64:256 --output-len 32
        --ignore-eos --rate 0.5,1,inf --goodput ttft:3000 tpot:300
        --worker-arg=--kv-cache-mib=512 "$@")

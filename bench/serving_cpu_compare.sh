@@ -7,16 +7,7 @@
 set -uo pipefail
 out=${1:?OUT_DIR}; before=${2:-3a4cee6}
 shift $(( $# < 2 ? $# : 2 ))
-repo=$(cd "$(dirname "$0")/.." && pwd)
-py=${PYTHON:-python3}
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
-# `python -m deploy.cli` puts its working directory first on sys.path: run from one that
-# holds no package, so each cluster imports only the tree its PYTHONPATH names
-cd "$out" || exit 1
-wt=$(mktemp -d)/before
-git -C "$repo" worktree add -q --detach "$wt" "$before" || exit 1
-trap 'git -C "$repo" worktree remove --force "$wt"' EXIT
+source "$(dirname "$0")/before_tree.sh"
 flags=(--model tiny-dummy --concurrency 256 --num-prompts 256 --input-len 64 --output-len 256
        "$@")
 rc=0
