@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from pipe_followers import PipeFollowers
+from xfer_helpers import until_terminal
 
 from engine.kv_layout import KVLayout
 from transfer import (
@@ -101,16 +102,6 @@ class DPWorkers:
             s.close()
 
 
-def _until(side: Any, rid: str, timeout: float = 10.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for u in side.poll():
-            if u.request_id == rid:
-                return u
-        time.sleep(0.001)
-    raise AssertionError(f"{rid}: not terminal")
-
-
 def _ready(rx: Any, rid: str, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -149,9 +140,9 @@ def test_kv_moves_between_the_two_groups_ranks_only(pt, pd, ct, cd, heads):
                     w.tx.push(rid, address, src[i:i + 4], dst[i:i + 4])
                 notice = TransferNotice(rid, 42, False, 36, seed=7)
                 w.tx.finish(rid, notice)
-                up = _until(w.rx, rid)
+                up = until_terminal(w.rx, rid)
                 assert (up.status, up.notice) == (S.DONE, notice), up
-                assert _until(w.tx, rid).status == S.DONE
+                assert until_terminal(w.tx, rid).status == S.DONE
                 # every consumer rank of the group has its heads of the producer group's KV;
                 # every other consumer rank's pool is as it was
                 for c, lay in enumerate(w.dst_lay):
@@ -193,7 +184,7 @@ def test_a_group_the_worker_does_not_have_is_an_error_naming_the_field():
         w.rx.expect("ok", [1, 2], source_tp=1)
         _ready(w.rx, "ok")
         w.rx.cancel("ok", "done")
-        assert _until(w.rx, "ok").status == S.CANCELLED
+        assert until_terminal(w.rx, "ok").status == S.CANCELLED
         w.rx.release("ok")
     finally:
         w.close()

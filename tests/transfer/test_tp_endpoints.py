@@ -10,12 +10,12 @@ over ucx and ipc.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 import torch
 from pipe_followers import PipeFollowers
+from xfer_helpers import until_terminal
 
 from engine.kv_layout import KVLayout
 from transfer import TransferConfig, TransferNotice, TransferStatus, make_receiver, make_sender
@@ -59,16 +59,6 @@ class Workers:
             s.close()
 
 
-def _until(side: Any, rid: str, timeout: float = 10.0) -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        for u in side.poll():
-            if u.request_id == rid:
-                return u
-        time.sleep(0.001)
-    raise AssertionError(f"{rid}: not terminal")
-
-
 @pytest.mark.parametrize("a,b,heads", [(2, 1, 2), (1, 2, 1), (2, 2, 1), (2, 4, 2), (4, 2, 4)])
 def test_every_consumer_rank_gets_its_heads_and_both_sides_end_as_one(a, b, heads):
     w = Workers(a, b, heads)
@@ -87,9 +77,9 @@ def test_every_consumer_rank_gets_its_heads_and_both_sides_end_as_one(a, b, head
             w.tx.push("r1", w.rx.address, src[i:i + 4], dst[i:i + 4])
         notice = TransferNotice("r1", 42, False, 36, seed=7)
         w.tx.finish("r1", notice)
-        up = _until(w.rx, "r1")
+        up = until_terminal(w.rx, "r1")
         assert (up.status, up.notice) == (S.DONE, notice)
-        assert _until(w.tx, "r1").status == S.DONE
+        assert until_terminal(w.tx, "r1").status == S.DONE
         for c, lay in enumerate(w.dst_lay):
             want = w.ref[..., lay.head_start:lay.head_start + lay.head_count, :]
             assert torch.equal(w.dst[c][dst], want[src]), c
@@ -122,11 +112,11 @@ def test_one_rank_failing_cancels_the_others_and_the_request_ends_once_all_did()
         with pytest.raises(ValueError, match="not every rank"):
             w.tx.release("r2")
         w.csides[1].side.cancel("r2", "rank 1 gave up")  # consumer rank 1 ends alone
-        up = _until(w.rx, "r2")
+        up = until_terminal(w.rx, "r2")
         assert up.status == S.CANCELLED and up.error.startswith("rank 1: ")
         # rank 0 was cancelled in turn: its record is terminal too, and the producer ends
         assert w.rx.receiver.status("r2").terminal
-        assert _until(w.tx, "r2").status != S.DONE
+        assert until_terminal(w.tx, "r2").status != S.DONE
         w.rx.release("r2")
         w.tx.release("r2")
         assert w.csides[1].side.accounting().transfers == 0
@@ -142,17 +132,17 @@ def test_a_follower_that_cannot_reach_the_consumer_fails_the_request_not_the_ran
         w.tx._begin("r3", {0, 1})  # as push() does, with rank 1 given a dead address
         w.pf.side(1, TO_RANK.encode(PushCmd("r3", ("fake://nobody",), (0, 1), (4, 5), None)))
         w.tx.sender.push("r3", w.rx.address, [0, 1], [4, 5])
-        up = _until(w.tx, "r3")
+        up = until_terminal(w.tx, "r3")
         assert up.status == S.FAILED and "rank 1: " in up.error
         w.tx.release("r3")
         # rank 1 serves the next request normally
         w.tx.cancel("r3")  # unknown now: a no-op
         w.rx.cancel("r3", "done")
-        _until(w.rx, "r3")
+        until_terminal(w.rx, "r3")
         w.rx.release("r3")
         w.rx.expect("r4", [6], source_tp=2)
         w.tx.push("r4", w.rx.address, [2], [6])
         w.tx.finish("r4", TransferNotice("r4", 1, False, 4))
-        assert _until(w.rx, "r4").status == S.DONE
+        assert until_terminal(w.rx, "r4").status == S.DONE
     finally:
         w.close()

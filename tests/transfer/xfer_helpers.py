@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -57,3 +58,15 @@ class Pair:
     def close(self) -> None:
         self.tx.close()
         self.rx.close()
+
+
+def until_terminal(side: Any, rid: str, timeout: float = 10.0) -> Any:
+    """The update a sender or receiver (or a TP rank side) reports for rid, polling it."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for u in side.poll():
+            if u.request_id == rid:
+                return u
+        time.sleep(0.001)
+    raise AssertionError(f"{rid}: not terminal")
+
