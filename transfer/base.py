@@ -147,4 +147,4 @@ class KVReceiver(_Side):
         return out
 
     def _now_ready(self, request_id: str) -> None:
-        self._ready = [*getattr(self, "_ready", []), request_id]
+        self.__dict__.setdefault("_ready", []).append(request_id)  # no __init__ in the contract
