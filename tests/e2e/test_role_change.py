@@ -140,6 +140,10 @@ def test_a_planned_role_change_keeps_the_name_and_logs_as_planned(tmp_path_facto
         try:
             assert main(["plan", "apply", "--router", c.router_address, "--producers", "1",
                          "--consumers", "2"]) == 0
+            # `plan apply` returns once the router has the worker back; the watch's next poll
+            # (every 0.05 s) sees that too, and its thread ends there. Stopping it now instead
+            # raced that last poll (it could end without ever seeing the worker back).
+            watch.thread.join(15)
         finally:
             watch.stop.set()
             watch.thread.join(15)
