@@ -71,6 +71,7 @@ class ModelRunner:
             self.followers.start_kv(tuple(kv_cache.shape), kv_cache.dtype,
                                     kv_scales_of(model) if kv_cache.dtype == torch.float8_e4m3fn
                                     else ())
+            self.followers.bind_pool(kv_cache, model.group)  # latent copies (block_copy.py)
         # Pure-decode steps read persistent buffers, replayed as CUDA graphs where allowed.
         # Under TP every follower holds the same buffers and graphs (engine.parallel.
         # graph_step): they capture at the same time, so the warm-up's collectives pair up.

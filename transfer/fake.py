@@ -149,7 +149,9 @@ class FakeReceiver(_FakeSide, KVReceiver):
         self.pool.check_ids(dst_block_ids, "dst_block_ids")
         lay = self.layout
         src_tp = lay.tp_size if source_tp is None else source_tp
-        parts = tp_plan.parts_to(lay.tp_rank, src_tp, lay.tp_size, lay.num_kv_heads)
+        latent = tp_plan.is_latent(lay)  # one producer rank sends it, named by the request
+        parts = tp_plan.parts_to(lay.tp_rank, src_tp, lay.tp_size, lay.num_kv_heads, latent,
+                                 tp_plan.latent_source(request_id, src_tp) if latent else 0)
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer_timeout_s
         with _LOCK:
             if request_id in self.recs:

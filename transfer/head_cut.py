@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.kv_layout import KVLayout
-from transfer.tp_plan import Part, part_between
+from transfer.tp_plan import Part, is_latent, part_between
 
 
 class Rows(NamedTuple):
@@ -77,5 +77,6 @@ class HeadCut:
 
 def cut_between(src: KVLayout, dst: KVLayout) -> HeadCut | None:
     """The cut producer pool ``src`` sends consumer pool ``dst`` (None: no heads)."""
-    part = part_between(src.tp_rank, dst.tp_rank, src.tp_size, dst.tp_size, src.num_kv_heads)
+    part = part_between(src.tp_rank, dst.tp_rank, src.tp_size, dst.tp_size, src.num_kv_heads,
+                        is_latent(src))
     return None if part is None else HeadCut.of(part, src, dst)

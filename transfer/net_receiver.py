@@ -71,7 +71,9 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
         self.pool.check_ids(dst_block_ids, "dst_block_ids")
         src_tp = self.layout.tp_size if source_tp is None else source_tp
         lay = self.layout
-        parts = tp_plan.parts_to(lay.tp_rank, src_tp, lay.tp_size, lay.num_kv_heads)
+        latent = tp_plan.is_latent(lay)  # one producer rank sends it, named by the request
+        parts = tp_plan.parts_to(lay.tp_rank, src_tp, lay.tp_size, lay.num_kv_heads, latent,
+                                 tp_plan.latent_source(request_id, src_tp) if latent else 0)
         if self._mirror_new(request_id) is not None:
             raise TransferError(f"expect({request_id!r}): already expected")
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer_timeout_s

@@ -21,6 +21,7 @@ ranks that take its heads. A one-rank consumer's address is a plain address, as 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,6 +72,10 @@ class RankChannel(Protocol):
     def side(self, rank: int, msg: bytes) -> None: ...
 
     def reports(self) -> list[tuple[int, bytes]]: ...
+
+    def copy_blocks(self, ranks: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Copies KV blocks from rank ``ranks[0]`` of an attention group to its other
+        ``ranks`` (a replicated latent received once), behind the step plans sent so far."""
 
 
 def attach_ranks(followers: RankChannel, kind: str, layout: KVLayout, cfg: TransferConfig,

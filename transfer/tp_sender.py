@@ -11,6 +11,10 @@ attention group push, each as the rank of a TP worker of the group's size: the c
 address names the ranks of its group, so the plan pairs the two groups rank to rank and
 no other rank of either worker takes part. Each of those ranks connects at its first push
 (rank 0's group may hold none of the request).
+
+A replicated latent (an MLA pool) leaves from one producer rank of the group, the one
+``tp_plan.latent_source`` names for the request, to the consumer's first rank only: the
+consumer copies it to its other ranks, so the wire carries it once per request.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from transfer.base import KVSender
 from transfer.tp_endpoints import RankChannel, TPEndpoints, attach_ranks, split_addresses
 from transfer.tp_groups import GroupOf, group_ranks
 from transfer.tp_messages import FinishCmd, PushCmd
-from transfer.tp_plan import parts_from
+from transfer.tp_plan import is_latent, latent_source, parts_from
 from transfer.types import TransferConfig, TransferNotice
 
 
@@ -50,17 +54,20 @@ class TPSender(TPEndpoints, KVSender):
         self.ranks = ranks or self.tp  # every rank of the worker
         group_ranks(0, self.tp, self.ranks)  # ValueError: the groups do not split the ranks
         self.heads = layout.num_kv_heads
+        self.latent = is_latent(layout)  # moved once per request (module docstring)
         self.group_of = group_of
 
     @property
     def data_parallel(self) -> bool:
         return self.ranks > self.tp
 
-    def _targets(self, rank: int, addresses: list[str]) -> list[str]:
+    def _targets(self, rank: int, addresses: list[str], rid: str) -> list[str]:
         """The consumer rank addresses worker ``rank`` sends its heads to (rank r of the
         worker is rank r % tp of its attention group)."""
+        source = latent_source(rid, self.tp) if self.latent else 0
         return [addresses[p.dst_rank]
-                for p in parts_from(rank % self.tp, self.tp, len(addresses), self.heads)]
+                for p in parts_from(rank % self.tp, self.tp, len(addresses), self.heads,
+                                    self.latent, source)]
 
     def connect(self, address: str, timeout: float | None = None) -> None:
         """Rank 0's connections; followers connect with their first push (blocking only
@@ -69,7 +76,10 @@ class TPSender(TPEndpoints, KVSender):
         rank, rank 0 included, connects at its first push."""
         if self.data_parallel:
             return
-        for a in self._targets(0, split_addresses(address)):
+        addresses = split_addresses(address)
+        # a latent goes to the consumer's first rank, from whichever rank a request names
+        targets = addresses[:1] if self.latent else self._targets(0, addresses, "")
+        for a in targets:
             self.sender.connect(a, timeout)
 
     def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
@@ -80,11 +90,11 @@ class TPSender(TPEndpoints, KVSender):
         if rec is None:
             group = self.group_of(request_id) if self.group_of is not None else 0
             ranks = {r for r in group_ranks(group, self.tp, self.ranks)
-                     if self._targets(r, addresses)}
+                     if self._targets(r, addresses, request_id)}
             rec = self._begin(request_id, ranks)
         try:
             if 0 in rec.ranks:
-                for a in self._targets(0, addresses):
+                for a in self._targets(0, addresses, request_id):
                     if self.data_parallel:  # idempotent: a handshake only the first time
                         self.sender.connect(a)
                     self.sender.push(request_id, a, src_block_ids, dst_block_ids, deadline)
@@ -93,7 +103,7 @@ class TPSender(TPEndpoints, KVSender):
                 del self.recs[request_id]
             raise
         for r in sorted(rec.ranks - {0}):
-            self._side(r, PushCmd(request_id, tuple(self._targets(r, addresses)),
+            self._side(r, PushCmd(request_id, tuple(self._targets(r, addresses, request_id)),
                                   tuple(src_block_ids), tuple(dst_block_ids), deadline))
 
     def finish(self, request_id: str, notice: TransferNotice) -> None:

@@ -25,6 +25,7 @@ from engine import host_memory
 from engine.attention import kernels_for
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_scales import apply_kv_scales
+from engine.parallel.block_copy import broadcast_blocks
 from engine.parallel.dp_groups import make_attention_group
 from engine.parallel.dp_plan import DPPlan, run_dp_plan
 from engine.parallel.graph_step import GraphStep, apply_graph_step
@@ -37,6 +38,7 @@ from engine.parallel.messages import (
     GraphsReady,
     GraphsStart,
     Hello,
+    KvCopy,
     KvReady,
     KvStart,
     SideMessage,
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
     kv_cache = (host_memory.zeros(shape, getattr(torch, dtype)) if device.type == "cpu"
                 else torch.zeros(shape, dtype=getattr(torch, dtype), device=device))
     write_frame(chan, KvReady())
-    follow(model, kv_cache, group, stdin, device, chan)
+    follow(model, kv_cache, group, stdin, device, chan, model_group)
     return 0
 
 
@@ -95,7 +97,9 @@ SIDE_POLL_S = 0.003  # how often an attached rank side is polled while no messag
 
 @torch.inference_mode()
 def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: int,
-           device: torch.device, chan: int) -> None:
+           device: torch.device, chan: int, attn_group: TPGroup | None = None) -> None:
+    """attn_group: this rank's attention group (data-parallel attention), which block
+    copies run over; the whole TP group without."""
     prev_ids: torch.Tensor | None = None
     side: RankSide | None = None
     graphs: DecodeGraphs | None = None  # rank 0's decode graphs, replayed in step with it
@@ -132,6 +136,8 @@ def follow(model: torch.nn.Module, kv_cache: torch.Tensor, group: TPGroup, fd: i
                                       msg.max_blocks, device, use_graphs=msg.use_graphs)
                 graphs.capture()
                 write_frame(chan, GraphsReady())
+            elif isinstance(msg, KvCopy):
+                broadcast_blocks(attn_group or group, kv_cache, msg.block_ids)
             elif isinstance(msg, SideMessage) and side is not None:
                 side.on_message(msg.body)
             elif isinstance(msg, Attach):

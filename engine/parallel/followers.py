@@ -6,7 +6,8 @@ engine.parallel.follower`):
   SPAWNED --Hello--> JOINING (its half of the process group) --(rank 0 joins)-->
   LOADING (its weight shard) --KvStart / KvReady--> CAPTURING (GraphsStart: the decode
   buffers and graphs, with rank 0) --GraphsReady--> FOLLOWING (one StepPlan or, for a
-  pure-decode step, one GraphStep per step; with a rank side attached, SideMessages in
+  pure-decode step, one GraphStep per step; KvCopy between them when rank 0 copies a
+  request's latent blocks to its group; with a rank side attached, SideMessages in
   between and SideReports back on its channel) --(Stop, or rank 0's channel closes, or
   rank 0's process is gone)--> EXITED
 
@@ -32,12 +33,14 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.parallel.block_copy import broadcast_blocks
 from engine.parallel.group import TPGroup, host_staged
 from engine.parallel.messages import (
     FROM_FOLLOWER,
@@ -48,6 +51,7 @@ from engine.parallel.messages import (
     GraphsReady,
     GraphsStart,
     Hello,
+    KvCopy,
     KvReady,
     KvStart,
     SideMessage,
@@ -80,6 +84,9 @@ class TPFollowers:
         cfg = {k: v for k, v in config.__dict__.items() if k != "extra"}
         cfg["extra"] = {k: v for k, v in config.extra.items() if _jsonable(v)}
         threads = max(1, torch.get_num_threads() // self.size)
+        # rank 0's pool and attention group, for block copies (bind_pool)
+        self.kv_cache: torch.Tensor | None = None
+        self.attn_group: TPGroup | None = None
         self.procs: list[subprocess.Popen[bytes]] = []
         self.chans: list[int] = []  # read ends: follower -> rank 0
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -119,6 +126,36 @@ class TPFollowers:
         self._send_all(KvStart(tuple(shape), str(dtype).removeprefix("torch."),
                                tuple(kv_scales)))
         self._expect(KvReady)
+
+    def bind_pool(self, kv_cache: torch.Tensor, attn_group: TPGroup | None) -> None:
+        """Rank 0's KV pool and the attention group it belongs to (its model's group; None:
+        a group of one rank), which ``copy_blocks`` reads and broadcasts over."""
+        self.kv_cache, self.attn_group = kv_cache, attn_group
+
+    def copy_blocks(self, ranks: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Copies blocks from ``ranks[0]``, the first rank of an attention group, to the
+        group's other ``ranks`` (engine.parallel.block_copy), behind every plan sent so
+        far. A rank that is gone, or a broadcast that fails, fails the engine
+        (TPRankError)."""
+        self._check_alive()
+        msg = KvCopy(tuple(block_ids))
+        for r in ranks:
+            if r == 0:
+                continue
+            p = self.procs[r - 1]
+            assert p.stdin is not None
+            try:
+                write_frame(p.stdin.fileno(), msg, self.timeout_s)
+            except OSError as e:
+                self._check_alive(wait_s=2.0)
+                raise self._fail(f"rank {r}: cannot send a block copy ({e})") from e
+        if 0 in ranks:
+            assert self.kv_cache is not None and self.attn_group is not None, \
+                "copy_blocks before bind_pool"
+            try:
+                broadcast_blocks(self.attn_group, self.kv_cache, block_ids)
+            except (RuntimeError, OSError) as e:
+                raise self.failure(e) from e
 
     def start_graphs(self, max_batch: int, max_blocks: int, use_graphs: bool) -> None:
         """Each follower builds its decode buffers and captures the same graphs as rank 0,

@@ -2,8 +2,9 @@
 (``engine.codec``), so a malformed frame names its kind and field.
 
 Rank 0 -> follower (the follower's stdin): ``KvStart``, ``GraphsStart``, one ``StepPlan``,
-``GraphStep`` or (data-parallel attention) ``DPPlan`` per step, ``Attach`` (start a rank
-side), ``SideMessage`` (for the rank side), ``Stop``. Follower -> rank 0 (its channel
+``GraphStep`` or (data-parallel attention) ``DPPlan`` per step, ``KvCopy`` (join a block
+copy from the attention group's first rank), ``Attach`` (start a rank side),
+``SideMessage`` (for the rank side), ``Stop``. Follower -> rank 0 (its channel
 pipe): ``Hello``, ``KvReady``, ``GraphsReady``, ``Attached`` / ``AttachFailed``,
 ``SideReport``. A rank side's own messages travel as bytes in ``Attach.args``,
 ``SideMessage``, ``Attached.info`` and ``SideReport``: the engine does not know them, the
@@ -41,6 +42,15 @@ class GraphsStart:
     max_batch: int
     max_blocks: int
     use_graphs: bool
+
+
+@dataclass(frozen=True)
+class KvCopy:
+    """Join the broadcast of these KV blocks from the attention group's first rank
+    (engine.parallel.block_copy): a replicated latent it received for a request."""
+
+    KIND: ClassVar[str] = "kv-copy"
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -103,10 +113,10 @@ class SideReport:
     body: bytes
 
 
-ToFollower = (KvStart | GraphsStart | StepPlan | GraphStep | DPPlan | Attach | SideMessage
-              | Stop)
+ToFollower = (KvStart | GraphsStart | StepPlan | GraphStep | DPPlan | KvCopy | Attach
+              | SideMessage | Stop)
 FromFollower = Hello | KvReady | GraphsReady | Attached | AttachFailed | SideReport
 
-TO_FOLLOWER = Codec((KvStart, GraphsStart, StepPlan, GraphStep, DPPlan, Attach, SideMessage,
-                     Stop))
+TO_FOLLOWER = Codec((KvStart, GraphsStart, StepPlan, GraphStep, DPPlan, KvCopy, Attach,
+                     SideMessage, Stop))
 FROM_FOLLOWER = Codec((Hello, KvReady, GraphsReady, Attached, AttachFailed, SideReport))

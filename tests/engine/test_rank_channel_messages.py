@@ -29,7 +29,7 @@ TO_SAMPLES = [m.KvStart((4, 2, 2, 4, 1, 8), "bfloat16"),
               DPPlan(PLAN, 4, [2, 0], 1), DPPlan(None, 4, [2, 0], 1),
               dataclasses.replace(PLAN, sample_at=[], fix_at=[], fix_from=[]), GRAPH,
               dataclasses.replace(GRAPH, logit_rows=None), m.Attach("pkg.mod:fn", b"\x01\x02"),
-              m.SideMessage(b"body"), m.Stop()]
+              m.KvCopy((3, 0, 7)), m.KvCopy(()), m.SideMessage(b"body"), m.Stop()]
 FROM_SAMPLES = [m.Hello(), m.KvReady(), m.GraphsReady(), m.Attached(b"info"),
                 m.AttachFailed("ValueError: no"), m.SideReport(b"r")]
 

@@ -102,12 +102,32 @@ def test_layout_kind_is_part_of_the_fingerprint():
 
 
 def test_tp_plans_of_a_latent_layout():
-    # One "head": every rank of either side holds the whole latent. A TP2 producer sends
-    # it once (from rank 0) to a TP1 consumer; a TP1 producer sends it to each rank of a
-    # TP2 consumer (once per consumer rank: moving it once per worker and copying it
-    # between the consumer's ranks is not built yet)
-    from transfer.tp_plan import plan
+    # One "head", the same bytes on every rank of either side: it moves once per request,
+    # from the producer rank latent_source names to the consumer's first rank, which copies
+    # it to its other ranks (tests/transfer/test_latent_tp.py); the dense plans of one KV
+    # head (replicated K/V heads, each consumer rank taking its own copy) are unchanged
+    from transfer.tp_plan import latent_source, part_between, plan
 
-    assert [(p.src_rank, p.dst_rank, p.num_heads) for p in plan(2, 1, 1)] == [(0, 0, 1)]
+    for src_tp, dst_tp in [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (2, 4)]:
+        for source in range(src_tp):
+            assert [(p.src_rank, p.dst_rank, p.num_heads)
+                    for p in plan(src_tp, dst_tp, 1, True, source)] == [(source, 0, 1)]
+        # a connection: any producer rank may send the first consumer rank a latent
+        assert all(part_between(s, 0, src_tp, dst_tp, 1, True) is not None
+                   for s in range(src_tp))
+        assert all(part_between(s, c, src_tp, dst_tp, 1, True) is None
+                   for s in range(src_tp) for c in range(1, dst_tp))
     assert [(p.src_rank, p.dst_rank) for p in plan(1, 2, 1)] == [(0, 0), (0, 1)]
     assert [(p.src_rank, p.dst_rank) for p in plan(2, 2, 1)] == [(0, 0), (1, 1)]
+    # the sending rank is a function of the request id that spreads requests over ranks
+    ids = [f"req-{i}" for i in range(64)]
+    assert [latent_source(r, 2) for r in ids] == [latent_source(r, 2) for r in ids]
+    for tp in (2, 4):
+        counts = [sum(latent_source(r, tp) == k for r in ids) for k in range(tp)]
+        assert min(counts) >= 64 // tp // 2, counts
+    with pytest.raises(ValueError, match="^source: producer rank 2 outside"):
+        plan(2, 2, 1, True, 2)
+    with pytest.raises(ValueError, match="^num_kv_heads: a latent is one head"):
+        plan(2, 2, 2, True, 0)
+    with pytest.raises(ValueError, match="^producer tp_size"):
+        latent_source("r", 0)
