@@ -25,8 +25,10 @@ def broadcast_blocks(group: TPGroup, kv_cache: torch.Tensor, block_ids: Sequence
     if not block_ids or group.size == 1:
         return
     idx = torch.tensor(list(block_ids), dtype=torch.int64, device=kv_cache.device)
-    rows = kv_cache.index_select(0, idx)  # [n, ...]: root's data; overwritten elsewhere
-    # as bytes: gloo and NCCL move float8 (and gloo bfloat16) only as a plain byte type
-    group.broadcast(rows.view(torch.uint8), 0)
+    # as bytes: gloo and NCCL move float8 (and gloo bfloat16) only as a plain byte type,
+    # and CPU indexing kernels skip float8 too
+    raw = kv_cache.view(torch.uint8)  # [NB, ..., head_dim * element size]
+    rows = raw.index_select(0, idx)  # [n, ...]: the root's blocks; overwritten elsewhere
+    group.broadcast(rows, 0)
     if group.rank != 0:
-        kv_cache.index_copy_(0, idx, rows)
+        raw.index_copy_(0, idx, rows)

@@ -1,6 +1,7 @@
 """DeepSeek (MLA latent cache + MoE) served disaggregated: a live cluster (router, gRPC
-workers, engine processes, UCX transfers), 1P1D and with a tensor-parallel producer or
-consumer (heads and experts split over two ranks, the latent whole on each), gives each
+workers, engine processes, UCX transfers), 1P1D and with a tensor-parallel producer,
+consumer or both (heads and experts split over two ranks, the latent whole on each: it
+reaches a TP consumer's first rank once, which copies it to the other), gives each
 request the colocated TP1 engine's tokens, greedy and seeded. The colocated engine's tokens equal
 transformers' (tests/engine/test_deepseek.py)."""
 
@@ -15,8 +16,8 @@ from tiny_models import byte_tokenizer
 SEED = 900
 
 
-@pytest.mark.parametrize("producer_tp,consumer_tp", [(1, 1), (2, 1), (1, 2)],
-                         ids=["1p1d", "p-tp2-d-tp1", "p-tp1-d-tp2"])
+@pytest.mark.parametrize("producer_tp,consumer_tp", [(1, 1), (2, 1), (1, 2), (2, 2)],
+                         ids=["1p1d", "p-tp2-d-tp1", "p-tp1-d-tp2", "p-tp2-d-tp2"])
 def test_mla_pd_tokens_equal_colocated(tmp_path_factory, producer_tp, consumer_tp):
     version, kw = MODELS["v3"]
     path = make_tiny_deepseek(str(tmp_path_factory.mktemp("mla") / "v3"), version, seed=5, **kw)
