@@ -16,11 +16,17 @@ consumer rank 0 receives all of it and rank 1 nothing over the network.
 A consumer rank that dies during the copy fails that request (an error naming the copy),
 frees its blocks, takes no longer than the death takes to notice, and the worker then fails
 as a whole (TPRankError), as for any dead rank.
+
+On CPU the consumer's ranks copy over gloo; with two GPUs (``-m gpu``) the consumer's ranks
+sit on cuda:0 and cuda:1 and copy over NCCL, the producer on cuda:0 (TP2: both GPUs), the
+latent crossing GPU pools over UCX. With ``$OUT`` set, each run writes its bytes per
+request (wire and formula) to ``$OUT/latent_tp_<case>.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import threading
@@ -29,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from tiny_deepseek import MODELS, make_tiny_deepseek
 from tiny_models import PROMPTS
 from xfer_helpers import cfg, until_terminal
@@ -64,12 +71,24 @@ def _model(tmp_path_factory: pytest.TempPathFactory, name: str) -> str:
                               seed=5, **kw)
 
 
+GPU = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two CUDA GPUs (the consumer's two ranks)")])
+# where each side's ranks run: the single-rank reference, the consumer, a producer by TP
+PLACES: dict[str, dict[str, Any]] = {
+    "cpu": dict(ref={}, consumer={}, producer={1: {}, 2: {}}),
+    "cuda": dict(ref=dict(device="cuda:0"), consumer=dict(devices=("cuda:0", "cuda:1")),
+                 producer={1: dict(device="cuda:0"), 2: dict(devices=("cuda:0", "cuda:1"))}),
+}
+
+
 @pytest.fixture(scope="module")
-def v3(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]]]:
-    path = _model(tmp_path_factory, "v3")
-    with LLM(path, **ENGINE) as llm:
-        refs = [c.token_ids for c in llm.generate(PROMPTS, [GREEDY] * len(PROMPTS))]
-    return path, refs
+def v3_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return _model(tmp_path_factory, "v3")
+
+
+def _refs(path: str, device: str) -> list[list[int]]:
+    with LLM(path, **ENGINE, **PLACES[device]["ref"]) as llm:
+        return [c.token_ids for c in llm.generate(PROMPTS, [GREEDY] * len(PROMPTS))]
 
 
 class Consumer:
@@ -127,9 +146,9 @@ class Consumer:
 
 
 class Producer:
-    def __init__(self, path: str, tp: int) -> None:
+    def __init__(self, path: str, tp: int, **engine: Any) -> None:
         self.tp = tp
-        self.llm = LLM(path, role="producer", tensor_parallel_size=tp, **ENGINE)
+        self.llm = LLM(path, role="producer", tensor_parallel_size=tp, **{**ENGINE, **engine})
         eng = self.llm.engine
         self.tx: Any = tp_sender(make_sender(eng.kv_cache, eng.layout, _cfg()), eng.layout,
                                  _cfg(), eng.runner.followers)
@@ -172,14 +191,19 @@ def wire_bytes(prompt: list[int], engine: Any) -> int:
     return blocks * BS * cfg_.num_layers * (cfg_.kv_lora_rank + cfg_.qk_rope_head_dim) * 4
 
 
+@pytest.mark.parametrize("device", ["cpu", GPU])
 @pytest.mark.parametrize("producer_tp", [1, 2], ids=["p-tp1-d-tp2", "p-tp2-d-tp2"])
-def test_latent_moves_once_and_tokens_equal_the_single_rank_engine(v3, producer_tp):
-    path, refs = v3
+def test_latent_moves_once_and_tokens_equal_the_single_rank_engine(v3_path, producer_tp,
+                                                                   device):
+    path = v3_path
+    refs = _refs(path, device)
+    place = PLACES[device]
     assert sorted({latent_source(r, 2) for r in RIDS}) == [0, 1]  # both ranks take some
-    cons = Consumer(path, 2)
+    cons = Consumer(path, 2, **place["consumer"])
     prod = None
+    record: list[dict[str, Any]] = []
     try:
-        prod = Producer(path, producer_tp)
+        prod = Producer(path, producer_tp, **place["producer"][producer_tp])
         assert cons.llm.engine.layout.kind == "mla"
         per_rank = [0] * producer_tp
         total = 0
@@ -194,7 +218,11 @@ def test_latent_moves_once_and_tokens_equal_the_single_rank_engine(v3, producer_
             # the latent of the prompt's tokens, within one block
             row = nbytes // (-(-len(prompt) // BS) * BS)
             assert 0 <= nbytes - len(prompt) * row < BS * row
-            assert cons.rx.local.stats().payload_bytes - before == nbytes, rid
+            wire = cons.rx.local.stats().payload_bytes - before
+            assert wire == nbytes, rid
+            record.append(dict(rid=rid, prompt_tokens=len(prompt), wire_bytes=wire,
+                               formula_bytes=nbytes,
+                               producer_rank=latent_source(rid, producer_tp)))
             per_rank[latent_source(rid, producer_tp)] += nbytes
             total += nbytes
         # consumer: rank 0 took every byte once; rank 1 none over the network (its blocks
@@ -212,10 +240,28 @@ def test_latent_moves_once_and_tokens_equal_the_single_rank_engine(v3, producer_
         acc = cons.llm.engine.block_accounting()
         assert acc.free == acc.total  # every block back (cached ones count as free)
         assert cons.rx.accounting().transfers == 0
+        _record(f"{device}_p{producer_tp}_d2", cons, record, per_rank)
     finally:
         if prod is not None:
             prod.close()
         cons.close()
+
+
+def _record(case: str, cons: Consumer, requests: list[dict[str, Any]],
+            producer_ranks: list[int]) -> None:
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    cfg_ = cons.llm.engine.model_cfg
+    with open(os.path.join(out, f"latent_tp_{case}.json"), "w") as f:
+        json.dump({"case": case, "command": "OUT=DIR pytest tests/transfer/test_latent_tp.py"
+                   " (-m gpu for cuda)", "block_size": BS, "layers": cfg_.num_layers,
+                   "latent_row": cfg_.kv_lora_rank + cfg_.qk_rope_head_dim, "dtype_bytes": 4,
+                   "requests": requests, "producer_rank_bytes": producer_ranks,
+                   "consumer_rank_bytes": [cons.rx.local.stats().payload_bytes,
+                                           *(st.payload_bytes
+                                             for st in cons.rx.rank_stats.values())]}, f,
+                  indent=1)
 
 
 def test_a_consumer_rank_dying_during_the_copy_fails_the_request_cleanly(tmp_path_factory):
