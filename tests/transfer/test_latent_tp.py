@@ -13,6 +13,9 @@ Bytes: each request crosses the wire once, prompt blocks x block_size x layers x
 ``tp_plan.latent_source`` names (a TP2 producer's requests spread over both ranks);
 consumer rank 0 receives all of it and rank 1 nothing over the network.
 
+Under data-parallel attention each attention group's first rank receives its requests' latent
+and copies it inside the group (rank 0 of the worker need not be in it).
+
 A consumer rank that dies during the copy fails that request (an error naming the copy),
 frees its blocks, takes no longer than the death takes to notice, and the worker then fails
 as a whole (TPRankError), as for any dead rank.
@@ -112,9 +115,10 @@ class Consumer:
             h.on_outputs(h.engine.step(), time.time_ns())
         h.after_step()
 
-    def reserve(self, rid: str, prompt: list[int], source_tp: int) -> ReservedEvent:
+    def reserve(self, rid: str, prompt: list[int], source_tp: int,
+                group: int = -1) -> ReservedEvent:
         self.handler.on_command(DecodeCmd(rid, tuple(prompt), GREEDY, False,
-                                          source_tp=source_tp))
+                                          source_tp=source_tp, dp_rank=group))
         end = time.monotonic() + 30
         while time.monotonic() < end:
             self.turn()
@@ -262,6 +266,43 @@ def _record(case: str, cons: Consumer, requests: list[dict[str, Any]],
                                            *(st.payload_bytes
                                              for st in cons.rx.rank_stats.values())]}, f,
                   indent=1)
+
+
+def test_each_attention_group_copies_its_own_latent(v3_path):
+    # a consumer of 4 ranks in 2 attention groups of 2 (--data-parallel-size 2): a request
+    # reserved in group 1 lands on rank 2 alone, which copies it to rank 3 over the group's
+    # own communicator (rank 0 only sends the two of them the copy message)
+    path = v3_path
+    refs = _refs(path, "cpu")
+    groups = [0, 1, 1, 0]
+    cons = Consumer(path, 4, data_parallel_size=2)
+    prod = None
+    try:
+        prod = Producer(path, 1)
+        addresses = split_addresses(cons.rx.address)
+        want_bytes = [0, 0, 0, 0]
+        for rid, prompt, want, g in zip(RIDS, PROMPTS, refs, groups, strict=True):
+            res = cons.reserve(rid, prompt, 1, g)
+            assert split_addresses(res.kv_address) == addresses[2 * g:2 * g + 2]
+            t0 = prod.send(rid, prompt, res)
+            assert [t0, *cons.decode(rid)] == want, (rid, g)
+            want_bytes[2 * g] += wire_bytes(prompt, cons.llm.engine)
+        end = time.monotonic() + 10
+        while time.monotonic() < end:
+            cons.turn()
+            got = [cons.rx.local.stats().payload_bytes,
+                   *(cons.rx.rank_stats[r].payload_bytes if r in cons.rx.rank_stats else 0
+                     for r in (1, 2, 3))]
+            if got == want_bytes:
+                break
+            time.sleep(0.05)
+        assert got == want_bytes  # each group's first rank took its requests; no one else
+        acc = cons.llm.engine.block_accounting()
+        assert acc.free == acc.total
+    finally:
+        if prod is not None:
+            prod.close()
+        cons.close()
 
 
 def test_a_consumer_rank_dying_during_the_copy_fails_the_request_cleanly(tmp_path_factory):
