@@ -155,6 +155,11 @@ def prefill_point(reqs: list[tuple[int, int]], cfg: dict, gen: torch.Generator,
     if host:
         res["host_us"] = host_us(
             lambda: prefill_attention(q, kv, table, cu, seq, SCALE, out, **cfg))
+        # the same data through the unsplit kernel at the tuned tiles: the split must agree
+        plain = prefill_attention(q, kv, table, cu, seq, SCALE, num_splits=1, block_m=256,
+                                  num_warps=8)
+        res["rel_err_vs_unsplit"] = float((out.float() - plain.float()).norm()
+                                          / plain.float().norm())
     if with_sdpa and len(reqs) == 1 and reqs[0][0] == 0:  # fresh prompt: SDPA, same data
         n = reqs[0][1]
         k = kv[table[0].long(), 0].reshape(-1, HKV, D)[:n].transpose(0, 1).unsqueeze(0)
@@ -200,7 +205,8 @@ def cached_prefix(cached: int, chunk: int, gen: torch.Generator) -> dict:
         r["step_ms_32_layers"] = 32 * r["ms"]
         rows[name] = r
         print(f"cached {cached} + chunk {chunk} [{name}]: {r['ms'] * 1e3:.1f} us/layer, "
-              f"host {r['host_us']:.1f} us/launch", flush=True)
+              f"host {r['host_us']:.1f} us/launch, err {r['rel_err_vs_unsplit']:.1e}",
+              flush=True)
     from kernels.triton_prefill_attention import SHORT_BLOCK_M
     auto_splits = choose_prefill_splits(max_query_tiles(chunk, 1, SHORT_BLOCK_M), HQ, total,
                                         torch.device("cuda"))
