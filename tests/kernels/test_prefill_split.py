@@ -123,6 +123,49 @@ def test_bad_split_count_is_refused(device):
         prefill_attention(q, kv, table, cu, lens, 1.0, num_splits=0)
 
 
+def test_engine_dispatch_sizes_the_split_from_the_step(gen, device, close, monkeypatch):
+    # PagedAttention hands the step's max_seq_len to the Triton launcher: 16 new tokens
+    # after 600 cached split into 616 // MIN_SPLIT_KEYS = 2 runs, where the block table's
+    # capacity (1,024 tokens) alone would have given 4. Same output as the references.
+    import kernels.triton_prefill_attention as tpa
+    from engine.attention import AttentionMetadata, KernelSet, PagedAttention, kernels_for
+    from engine.rope import cos_sin_table
+    from kernels.triton_decode_attention import decode_attention
+    from kernels.triton_norm import rms_norm, rope
+    from kernels.triton_store_kv import store_kv
+
+    used: list[int] = []
+    merge = tpa.merge_splits
+
+    def spy(part_o, part_lse, out, num_splits):
+        used.append(num_splits)
+        merge(part_o, part_lse, out, num_splits)
+
+    monkeypatch.setattr(tpa, "merge_splits", spy)
+    tri = KernelSet(store_kv, tpa.prefill_attention, decode_attention, rms_norm, rope,
+                    "triton", lambda x: x)
+    cached, n, bs, hkv, g, d = 600, 16, 16, 1, 2, 32
+    kv, table = paged_kv([cached + n], bs, hkv, d, torch.float32, gen, device)
+    table = torch.cat([table, table.new_zeros(1, 64 - table.shape[1])], dim=1)
+    pos = torch.arange(cached, cached + n, device=device)
+    slots = table[0].long()[pos // bs] * bs + pos % bs
+    meta = AttentionMetadata(
+        slot_mapping=slots, block_tables=table,
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([cached + n], dtype=torch.int32, device=device),
+        decode_only=False, max_seq_len=cached + n)
+    q = _rand((n, hkv * g, d), torch.float32, gen, device)
+    k = _rand((n, hkv, d), torch.float32, gen, device)
+    v = _rand((n, hkv, d), torch.float32, gen, device)
+    cs = cos_sin_table(d, 1024, 10000.0, None).to(device)
+    want_kv = kv.clone()
+    want = PagedAttention(kernels_for(device, force_reference=True), d ** -0.5)(
+        q, k, v, want_kv, meta, pos, cs)
+    got = PagedAttention(tri, d ** -0.5)(q, k, v, kv, meta, pos, cs)
+    assert used == [2]
+    close(got, want, torch.float32)
+
+
 # --- GPU, Llama-3-8B heads --------------------------------------------------------------
 
 @pytest.mark.gpu
