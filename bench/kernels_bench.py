@@ -189,16 +189,22 @@ def host_us(fn, n: int = 200) -> float:
 
 def cached_prefix(cached: int, chunk: int, gen: torch.Generator) -> dict:
     """The prefix-cache chunk under each launch choice, and the full prefill it replaces."""
+    from kernels.triton_prefill_attention import SHORT_BLOCK_M
     from kernels.triton_prefill_split import choose_prefill_splits, max_query_tiles
 
     rows: dict[str, Any] = {}
+    total = cached + chunk
+    tiles = max_query_tiles(chunk, 1, SHORT_BLOCK_M if chunk <= SHORT_BLOCK_M else 256)
+    auto_splits = choose_prefill_splits(tiles, HQ, total, torch.device("cuda"))
+    auto2 = choose_prefill_splits(tiles, HQ, total, torch.device("cuda"), programs_per_sm=2)
     variants: list[tuple[str, dict]] = [
         ("auto", {}),
         ("unsplit", {"num_splits": 1}),
         ("before (256 x 64 tiles, 8 warps, unsplit)",
          {"num_splits": 1, "block_m": 256, "num_warps": 8}),
-    ] + [(f"splits={s}", {"num_splits": s}) for s in (2, 4, 6, 8, 12, 16)]
-    total = cached + chunk
+        ("auto splits, 4 warps", {"num_warps": 4}),
+        ("splits for 2 programs per SM", {"num_splits": auto2}),
+    ] + [(f"splits={s}", {"num_splits": s}) for s in (2, 3, 4, 6, 8, 12, 16)]
     for name, kw in variants:
         r = prefill_point([(cached, chunk)], dict(kw, max_seq_len=total), gen, False,
                           host=True)
@@ -207,9 +213,6 @@ def cached_prefix(cached: int, chunk: int, gen: torch.Generator) -> dict:
         print(f"cached {cached} + chunk {chunk} [{name}]: {r['ms'] * 1e3:.1f} us/layer, "
               f"host {r['host_us']:.1f} us/launch, err {r['rel_err_vs_unsplit']:.1e}",
               flush=True)
-    from kernels.triton_prefill_attention import SHORT_BLOCK_M
-    auto_splits = choose_prefill_splits(max_query_tiles(chunk, 1, SHORT_BLOCK_M), HQ, total,
-                                        torch.device("cuda"))
     full = prefill_point([(0, total)], {}, gen, True)
     full["step_ms_32_layers"] = 32 * full["ms"]
     print(f"full prefill of {total}: {full['ms'] * 1e3:.1f} us/layer "

@@ -27,10 +27,10 @@ import triton.language as tl
 MIN_SPLIT_KEYS = 256
 # At most this many splits: the partials are S x T x Hq x D float32 values.
 MAX_SPLITS = 16
-# Prefill programs resident per SM at the short-chunk tiles (BLOCK_M 128, 4 warps: about
-# 100 KB of shared memory and half an SM's registers each, by the tile_fit estimate):
-# split until the grid holds this many programs per SM, one full wave.
-PROGRAMS_PER_SM = 2
+# Prefill programs resident per SM at the short-chunk tiles: BLOCK_M 128 at 8 warps uses
+# 255 registers a thread (ptxas for sm_90, split variant, 80 bytes spilled), so one
+# program fills an SM's 64K registers. Split until the grid is one full wave.
+PROGRAMS_PER_SM = 1
 MERGE_BLOCK_T = 16  # tokens per merge program
 
 

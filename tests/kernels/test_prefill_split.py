@@ -86,8 +86,11 @@ def test_split_count_policy(monkeypatch):
     h200 = torch.device("cuda", 0)
     monkeypatch.setattr(sp, "num_sms", lambda dev: 132)
     # 8B: 32 heads, a 128-query chunk after 2,048 cached tokens: the 32 programs split
-    # into PROGRAMS_PER_SM (2) x 132 / 32 = 8 runs of 272 keys
-    assert sp.choose_prefill_splits(1, 32, 2176, h200) == 8
+    # into 4 runs of 544 keys, 128 programs on 132 SMs (PROGRAMS_PER_SM 1)
+    assert sp.PROGRAMS_PER_SM == 1
+    assert sp.choose_prefill_splits(1, 32, 2176, h200) == 4
+    # twice the programs per SM, twice the splits
+    assert sp.choose_prefill_splits(1, 32, 2176, h200, programs_per_sm=2) == 8
     # keys bound the split: never under MIN_SPLIT_KEYS keys a split
     assert sp.choose_prefill_splits(1, 32, 3 * sp.MIN_SPLIT_KEYS, h200) == 3
     assert sp.choose_prefill_splits(1, 32, sp.MIN_SPLIT_KEYS - 1, h200) == 1
@@ -144,7 +147,7 @@ def test_engine_dispatch_sizes_the_split_from_the_step(gen, device, close, monke
     monkeypatch.setattr(tpa, "merge_splits", spy)
     tri = KernelSet(store_kv, tpa.prefill_attention, decode_attention, rms_norm, rope,
                     "triton", lambda x: x)
-    cached, n, bs, hkv, g, d = 600, 16, 16, 1, 2, 32
+    cached, n, bs, hkv, g, d = 600, 16, 16, 1, 1, 32  # one head: 4 (interpreter) SMs idle
     kv, table = paged_kv([cached + n], bs, hkv, d, torch.float32, gen, device)
     table = torch.cat([table, table.new_zeros(1, 64 - table.shape[1])], dim=1)
     pos = torch.arange(cached, cached + n, device=device)
