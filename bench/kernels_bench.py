@@ -16,6 +16,13 @@ calls, so small problems are timed cold (a conservative choice for decode).
 
 Run from the repo root on a CUDA machine:
     PYTHONPATH=. python3 bench/kernels_bench.py --out DIR
+
+``--cached-prefix`` runs only the prefix-cache point instead (``cached_prefix.json``): one
+request's 128-token chunk after 2,048 cached tokens at the Llama-3-8B head shape, with the
+launcher's own choices (split-K, short-chunk tiles), with each split count forced, without
+the split, and with the tiles used before the split existed (256-query tiles, 8 warps,
+unsplit); against the same kernel's full 2,176-token prefill. Times are per attention
+layer (x 32 for the model's step) and the host time of one eager launch.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import datetime
 import json
 import math
 import pathlib
+import time
 from typing import Any
 
 import torch
@@ -123,8 +131,9 @@ def decode_point(batch: int, ctx: int, cfg: dict, gen: torch.Generator,
 
 
 def prefill_point(reqs: list[tuple[int, int]], cfg: dict, gen: torch.Generator,
-                  with_sdpa: bool = True) -> dict:
-    """reqs: (cached tokens, chunk length) per request."""
+                  with_sdpa: bool = True, host: bool = False) -> dict:
+    """reqs: (cached tokens, chunk length) per request; host: also the host time of one
+    launch."""
     lens = [c + n for c, n in reqs]
     per = [triton.cdiv(s, BS) for s in lens]
     kv = torch.randn(sum(per), 2, BS, HKV, D, device="cuda", dtype=DT)
@@ -143,6 +152,14 @@ def prefill_point(reqs: list[tuple[int, int]], cfg: dict, gen: torch.Generator,
     visible = sum(sum(range(c + 1, c + n + 1)) for c, n in reqs)  # keys seen by each query
     flops = 4 * D * HQ * visible
     res: dict[str, Any] = {"reqs": reqs, "ms": ms, "TFLOPs": flops / ms / 1e9}
+    if host:
+        res["host_us"] = host_us(
+            lambda: prefill_attention(q, kv, table, cu, seq, SCALE, out, **cfg))
+        # the same data through the unsplit kernel at the tuned tiles: the split must agree
+        plain = prefill_attention(q, kv, table, cu, seq, SCALE, num_splits=1, block_m=256,
+                                  num_warps=8)
+        res["rel_err_vs_unsplit"] = float((out.float() - plain.float()).norm()
+                                          / plain.float().norm())
     if with_sdpa and len(reqs) == 1 and reqs[0][0] == 0:  # fresh prompt: SDPA, same data
         n = reqs[0][1]
         k = kv[table[0].long(), 0].reshape(-1, HKV, D)[:n].transpose(0, 1).unsqueeze(0)
@@ -156,6 +173,57 @@ def prefill_point(reqs: list[tuple[int, int]], cfg: dict, gen: torch.Generator,
             qs, k, v, is_causal=True, scale=SCALE, enable_gqa=True))
         res["sdpa_TFLOPs"] = flops / res["sdpa_ms"] / 1e9
     return res
+
+
+def host_us(fn, n: int = 200) -> float:
+    """Microseconds of host time per call, launches queued without waiting for the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
+
+
+def cached_prefix(cached: int, chunk: int, gen: torch.Generator) -> dict:
+    """The prefix-cache chunk under each launch choice, and the full prefill it replaces."""
+    from kernels.triton_prefill_attention import SHORT_BLOCK_M
+    from kernels.triton_prefill_split import choose_prefill_splits, max_query_tiles
+
+    rows: dict[str, Any] = {}
+    total = cached + chunk
+    tiles = max_query_tiles(chunk, 1, SHORT_BLOCK_M if chunk <= SHORT_BLOCK_M else 256)
+    auto_splits = choose_prefill_splits(tiles, HQ, total, torch.device("cuda"))
+    auto2 = choose_prefill_splits(tiles, HQ, total, torch.device("cuda"), programs_per_sm=2)
+    variants: list[tuple[str, dict]] = [
+        ("auto", {}),
+        ("unsplit", {"num_splits": 1}),
+        ("before (256 x 64 tiles, 8 warps, unsplit)",
+         {"num_splits": 1, "block_m": 256, "num_warps": 8}),
+        ("auto splits, 4 warps", {"num_warps": 4}),
+        ("splits for 2 programs per SM", {"num_splits": auto2}),
+    ] + [(f"splits={s}", {"num_splits": s}) for s in (2, 3, 4, 6, 8, 12, 16)]
+    for name, kw in variants:
+        r = prefill_point([(cached, chunk)], dict(kw, max_seq_len=total), gen, False,
+                          host=True)
+        r["step_ms_32_layers"] = 32 * r["ms"]
+        rows[name] = r
+        print(f"cached {cached} + chunk {chunk} [{name}]: {r['ms'] * 1e3:.1f} us/layer, "
+              f"host {r['host_us']:.1f} us/launch, err {r['rel_err_vs_unsplit']:.1e}",
+              flush=True)
+    full = prefill_point([(0, total)], {}, gen, True)
+    full["step_ms_32_layers"] = 32 * full["ms"]
+    print(f"full prefill of {total}: {full['ms'] * 1e3:.1f} us/layer "
+          f"(SDPA {full.get('sdpa_ms', float('nan')) * 1e3:.1f} us)", flush=True)
+    best = min((k for k in rows if k.startswith("splits=")), key=lambda k: rows[k]["ms"])
+    return {"cached": cached, "chunk": chunk, "auto_num_splits": auto_splits,
+            "variants": rows, "full_prefill": full, "best_forced": best,
+            "speedup_auto_vs_unsplit": rows["unsplit"]["ms"] / rows["auto"]["ms"],
+            "speedup_auto_vs_before": rows["before (256 x 64 tiles, 8 warps, unsplit)"]["ms"]
+            / rows["auto"]["ms"],
+            "chunk_over_full": rows["auto"]["ms"] / full["ms"]}
 
 
 DECODE_CFGS = [
@@ -199,6 +267,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--quick", action="store_true", help="fewer points (smoke test)")
+    ap.add_argument("--cached-prefix", action="store_true",
+                    help="only the prefix-cache chunk (128 after 2,048 cached) and its "
+                         "comparisons, into cached_prefix.json")
     args = ap.parse_args()
     outdir = pathlib.Path(args.out)
     gen = torch.Generator(device="cuda")
@@ -207,6 +278,12 @@ def main() -> None:
     meta = {"device": dev.name, "sms": dev.multi_processor_count, "torch": torch.__version__,
             "triton": triton.__version__, "date": datetime.date.today().isoformat()}
     print(meta, flush=True)
+    if args.cached_prefix:
+        points = [cached_prefix(2048, 128, gen), cached_prefix(2048, 512, gen),
+                  cached_prefix(8192, 128, gen)]
+        (outdir / "cached_prefix.json").write_text(
+            json.dumps({"meta": meta, "points": points}, indent=1))
+        return
     ceil = ceilings()
     print(ceil, flush=True)
 

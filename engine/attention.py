@@ -128,5 +128,8 @@ class PagedAttention:
             return self.k.decode_attention(q, kv_layer, meta.block_tables, meta.seq_lens,
                                            self.scale, max_seq_len=meta.max_seq_len,
                                            k_scale=ks, v_scale=vs)
+        # max_seq_len sizes the Triton kernel's key split (a short chunk after a long cached
+        # prefix is too few query tiles to fill the GPU; kernels/triton_prefill_split.py).
         return self.k.prefill_attention(q, kv_layer, meta.block_tables, meta.cu_seqlens_q,
-                                        meta.seq_lens, self.scale, k_scale=ks, v_scale=vs)
+                                        meta.seq_lens, self.scale,
+                                        max_seq_len=meta.max_seq_len, k_scale=ks, v_scale=vs)

@@ -35,6 +35,7 @@ def prefill_attention_ref(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
     *,
+    max_seq_len: int | None = None,  # the Triton launcher's split-K hint; unused here
     k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
     v_scale: float = 1.0,
 ) -> torch.Tensor:

@@ -12,6 +12,14 @@ slots ``cu[b] // BLOCK_M + b ...``, which never overlap and fit in ``T // BLOCK_
 slots, and each program finds its request by binary search over ``cu_seqlens_q``. A
 request's spare slot (at most one each) exits at once.
 
+Split-K (``SPLIT``, kernels/triton_prefill_split.py): a third grid dimension splits each
+tile's keys ``[0, hi)`` into ``S`` even runs of whole key tiles. The run holding ``diag``
+takes the masked part whole, up to ``hi``, and the runs after it have nothing left, so
+every split sees either only keys below the tile's first query (all its rows see them all)
+or the diagonal, whose first key every row sees: no row of a split that has keys is fully
+masked. Each split writes a float32 partial and its log-sum-exp, which a merge kernel
+combines; a split with no keys writes lse -inf (weight 0).
+
 A float8 cache is upcast on load to the query's dtype; its K scale folds into the softmax
 scale and its V scale multiplies the output (kernels/kv_fp8.py).
 """
@@ -34,6 +42,12 @@ from kernels.triton_common import (
     kv_compute_dtype,
     kv_ieee,
 )
+from kernels.triton_prefill_split import (
+    choose_prefill_splits,
+    max_query_tiles,
+    merge_splits,
+    partials,
+)
 
 LOG2E = 1.4426950408889634
 
@@ -43,6 +57,13 @@ BLOCK_M = 256
 BLOCK_N = 64
 NUM_WARPS = 8
 NUM_STAGES = 3
+# Steps of at most SHORT_BLOCK_M tokens (a short chunk, e.g. after a cached prefix) use
+# query tiles of this size with SHORT_NUM_WARPS: a 256-row tile would leave half its rows
+# padding. 8 warps, not 4: at 4 the [128, 128] float32 accumulator spills 2.7 KB of
+# registers (ptxas for sm_90, D 128), at 8 80 bytes. Callers that pass block_m /
+# num_warps get what they ask for.
+SHORT_BLOCK_M = 128
+SHORT_NUM_WARPS = 8
 
 
 @triton.jit
@@ -90,7 +111,7 @@ def _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale, 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr,
+    q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     s_qt, s_qh,  # q strides [T, Hq, D]; D is contiguous
     s_cb, s_ckv, s_cs, s_ch,  # kv_layer strides [NB, 2, BS, Hkv, D]; D is contiguous
     s_btb,
@@ -98,8 +119,10 @@ def _prefill_kernel(
     qk_scale,  # softmax scale * log2(e) (* a float8 cache's K scale)
     v_scale,  # a float8 cache's V scale (1.0 otherwise): multiplies the output
     num_reqs, search_steps,  # B, and ceil(log2(B + 1)) binary-search steps
+    num_tokens,  # T: SPLIT's partials are [S, T, Hq, D] and [S, T, Hq] float32
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     hq = tl.program_id(0)  # fastest: the heads of one tile run together and share KV in L2
     slot = tl.num_programs(1) - 1 - tl.program_id(1)  # last requests' last tiles first
@@ -136,13 +159,35 @@ def _prefill_kernel(
     # Keys below the tile's first query position are visible to all its queries.
     diag = (ctx + mt * BLOCK_M) // BLOCK_N * BLOCK_N
     hi = tl.minimum(seq_len, ctx + (mt + 1) * BLOCK_M)
+    if SPLIT:
+        # This split's run of whole key tiles; the run holding diag also takes [diag, hi).
+        split = tl.program_id(2)
+        run = tl.cdiv(tl.cdiv(hi, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = split * run
+        plain_hi = tl.minimum(lo + run, diag)  # < lo (nothing) for runs past diag
+        masked_lo = tl.where((lo <= diag) & (diag < lo + run), diag, hi)
+    else:
+        lo = 0
+        plain_hi = diag
+        masked_lo = diag
     acc, m, lsum = _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale,
-                                qpos, 0, diag, seq_len, D, BS, BLOCK_N, False, COMPUTE, IEEE)
+                                qpos, lo, plain_hi, seq_len, D, BS, BLOCK_N, False, COMPUTE,
+                                IEEE)
     acc, m, lsum = _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale,
-                                qpos, diag, hi, seq_len, D, BS, BLOCK_N, True, COMPUTE, IEEE)
-    o = acc / lsum[:, None] * v_scale  # x 1.0 (not a float8 cache) is exact
-    tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+                                qpos, masked_lo, hi, seq_len, D, BS, BLOCK_N, True, COMPUTE,
+                                IEEE)
+    if SPLIT:
+        # A split with no keys has lsum 0 (every row, or none: see the module docstring).
+        seen = lsum > 0.0
+        o = acc / tl.where(seen, lsum, 1.0)[:, None] * v_scale
+        lse = tl.where(seen, m + tl.log2(tl.where(seen, lsum, 1.0)), float("-inf"))
+        row = (tl.program_id(2) * num_tokens + tok) * tl.num_programs(0) + hq  # [BLOCK_M]
+        tl.store(part_o_ptr + row[:, None] * D + d[None, :], o, mask=mmask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=mmask)
+    else:
+        o = acc / lsum[:, None] * v_scale  # x 1.0 (not a float8 cache) is exact
+        tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
 
 
 def prefill_attention(
@@ -154,9 +199,11 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
     *,
-    block_m: int = BLOCK_M,
+    max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the key splits
+    num_splits: int | None = None,  # key splits per query tile; None: choose_prefill_splits
+    block_m: int | None = None,  # None: BLOCK_M, or SHORT_BLOCK_M for a short step
     block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
+    num_warps: int | None = None,  # None: NUM_WARPS, or SHORT_NUM_WARPS for a short step
     num_stages: int = NUM_STAGES,
     k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
     v_scale: float = 1.0,
@@ -179,25 +226,44 @@ def prefill_attention(
     check_shape("out", out, q.shape)
     check(out.stride(2) == 1, "out: head_dim must be contiguous")
     check_device(q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out)
+    if num_splits is not None:
+        check(1 <= num_splits < 65536, f"num_splits: must be in [1, 65535], got {num_splits}")
     if bsz == 0 or num_tokens == 0:
         return out
+    short = num_tokens <= SHORT_BLOCK_M
+    if block_m is None:
+        block_m = SHORT_BLOCK_M if short else BLOCK_M
+    if num_warps is None:
+        num_warps = SHORT_NUM_WARPS if short else NUM_WARPS
     want = fit_attention_tiles(Tiles(block_m, block_n, num_stages, num_warps), d,
                                kv_layer.dtype, q.device)
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = block_tables.shape[1] * bs
+        num_splits = choose_prefill_splits(max_query_tiles(num_tokens, bsz, want.block_m), hq,
+                                           max_seq_len, q.device)
+    split = num_splits > 1
+    if split:
+        part_o, part_lse = partials(num_splits, num_tokens, hq, d, q.device)
+    else:
+        part_o = part_lse = out  # unused
 
     def launch(t: Tiles) -> None:
         check(num_tokens // t.block_m + bsz < 65536, "too many query tiles for grid dim 1")
-        grid = (hq, num_tokens // t.block_m + bsz)
+        grid = (hq, num_tokens // t.block_m + bsz, num_splits)
         _prefill_kernel[grid](
-            q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out,
+            q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out, part_o, part_lse,
             q.stride(0), q.stride(1),
             kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
             block_tables.stride(0),
             out.stride(0), out.stride(1),
-            scale * LOG2E * k_scale, float(v_scale), bsz, bsz.bit_length(),
+            scale * LOG2E * k_scale, float(v_scale), bsz, bsz.bit_length(), num_tokens,
             G=hq // hkv, D=d, BS=bs, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer),
+            COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer), SPLIT=split,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     launch_fitting(("prefill", kv_layer.dtype, d, q.device), want, launch)
+    if split:
+        merge_splits(part_o, part_lse, out, num_splits)
     return out
