@@ -35,15 +35,21 @@ def splits_for(k: int) -> int:
 def split_k_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | None:
     """[S, T, N] float32 partials of layer(x) for x [T, K], or None where the fused form
     does not apply (the caller then runs the layer)."""
-    partials = getattr(layer, "partials", None)  # an FP8 layer makes its own (engine/quant)
-    if partials is not None:
-        if not x.is_cuda or x.shape[0] == 0 or x.shape[0] > MAX_ROWS:
+    if not x.is_cuda:
+        # Before any attribute lookup: this runs for 3 projections of every layer in every
+        # step, and on a float layer `layer.partials` misses, which nn.Module.__getattr__
+        # answers by raising AttributeError (~2-3 µs each on the 2-core CPU box).
+        return None
+    # An FP8 layer makes its own (engine/quant). Looked up on the class: a method, and a
+    # miss on the type costs no exception.
+    if hasattr(type(layer), "partials"):
+        if x.shape[0] == 0 or x.shape[0] > MAX_ROWS:
             return None
-        out: torch.Tensor | None = partials(x)
+        out: torch.Tensor | None = type(layer).partials(layer, x)  # type: ignore[attr-defined]
         return out
     t, k = x.shape
     s = splits_for(k)
-    if (not x.is_cuda or t == 0 or t > MAX_ROWS or s == 1 or layer.bias is not None
+    if (t == 0 or t > MAX_ROWS or s == 1 or layer.bias is not None
             or not x.is_contiguous() or not layer.weight.is_contiguous()):
         return None
     n, c = layer.weight.shape[0], k // s

@@ -337,3 +337,31 @@ def test_fp8_engine_triton_close_to_reference(tmp_path, dtype):
     same = sum(a == b for t, r in zip(tokens[False], tokens[True], strict=True)
                for a, b in zip(t, r, strict=True))
     assert same >= 0.75 * 4 * 24, (tokens[False], tokens[True])
+
+
+def test_take_from_a_float_pool_is_one_index_op():
+    # The reference decode reads every layer's blocks through take(): a float pool's read
+    # must dispatch the index alone (no byte views around it), and give the same values.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels.kv_fp8 import take
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    pool = torch.randn(6, 2, 4, 3)
+    idx = torch.tensor([4, 1])
+    with Ops() as m:
+        got = take(pool, (idx,))
+    assert m.ops == ["aten.index.Tensor"]
+    assert torch.equal(got, pool[idx])
+    f8 = pool.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    got8 = take(f8, (idx,))
+    assert got8.dtype == FP8_DTYPE and torch.equal(got8.view(torch.uint8),
+                                                   f8.view(torch.uint8)[idx])

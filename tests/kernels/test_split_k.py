@@ -86,3 +86,28 @@ def test_split_k_partials_and_norm_match_linear_then_norm(rows, k, gen, close):
         ref_out, ref_res = rms_norm(lin(x), w, 1e-5, res)
     close(out, ref_out, torch.bfloat16)
     close(new_res, ref_res, torch.bfloat16)
+
+
+class _CountingLinear(torch.nn.Linear):
+    """Records every attribute nn.Module.__getattr__ is asked for (each one a miss that
+    raises AttributeError inside it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        object.__setattr__(self, "misses", [])  # plain attribute, before Module's setup
+        super().__init__(*args, **kwargs)
+        self.misses.clear()  # (none expected from the setup; only split_k's count)
+
+    def __getattr__(self, name: str):
+        object.__getattribute__(self, "misses").append(name)
+        return super().__getattr__(name)
+
+
+def test_split_k_on_cpu_answers_without_a_module_attribute_miss():
+    # Three projections of every layer ask in every step; on a float layer a `partials`
+    # lookup through the instance misses, and nn.Module answers a miss by raising.
+    from engine.models import split_k as sk
+
+    lin = _CountingLinear(64, 32, bias=False)
+    for rows in (1, sk.MAX_ROWS, sk.MAX_ROWS + 1):
+        assert sk.split_k_linear(torch.randn(rows, 64), lin) is None
+    assert lin.misses == []
