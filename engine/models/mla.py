@@ -29,6 +29,7 @@ computes and stores the same latent. o_proj is row-parallel: one all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,18 @@ from engine.parallel.group import TPGroup
 from engine.parallel.shards import TPShard
 from engine.rope import softmax_mscale
 from kernels.kv_fp8 import from_cache, take
+
+
+def latent_store_for(kernels: KernelSet) -> Callable[..., None]:
+    """The latent kernel (kernels/ref_mla_latent.py's contract) of the kernel set's family:
+    the Triton one beside Triton kernels (graph-safe), else the torch reference."""
+    if kernels.name == "triton":
+        from kernels.triton_mla_latent import mla_latent_store
+
+        return mla_latent_store
+    from kernels.ref_mla_latent import mla_latent_store_ref
+
+    return mla_latent_store_ref
 
 
 class MLAAttention(nn.Module):
@@ -73,6 +86,7 @@ class MLAAttention(nn.Module):
         # two (zeros add nothing to q.k, and V's padding columns are cut off after)
         self.pad_dim = max(16, 1 << (max(qk, self.dv) - 1).bit_length())
         self.kv_scale = 1.0  # a float8 cache's latent scale for this layer
+        self.latent_store = latent_store_for(kernels)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -85,16 +99,13 @@ class MLAAttention(nn.Module):
                 and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
         q = q.view(t, self.h, self.dn + self.r)
-        q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
         kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + R]
-        c = self.kv_a_layernorm(kv_a[:, :self.c].contiguous())[0]  # [T, C]
-        # DeepSeek's interleaved rope pairs were de-interleaved in the weights at load
-        # (load_weights), so the rotate-half kernel applies.
-        q_pe, k_pe = self.k.rope(q_pe.contiguous(), kv_a[:, None, self.c:].contiguous(),
-                                 positions, cos_sin)  # [T, H, R], [T, 1, R]
-        latent = torch.cat([c, k_pe.view(t, self.r)], dim=-1)  # [T, C + R]
-        assert self.k.store_latent is not None
-        self.k.store_latent(latent, kv_layer, meta.slot_mapping, scale=self.kv_scale)
+        # one kernel: the latent [norm(c) | rope(k_pe)] into the cache, q_pe roped in
+        # place. DeepSeek's interleaved rope pairs were de-interleaved in the weights at
+        # load (load_weights), so the rotate-half rotation applies.
+        self.latent_store(kv_a, q, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                          positions, cos_sin, kv_layer, meta.slot_mapping, scale=self.kv_scale)
+        q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
         if meta.decode_only:
             o = self._decode(q_nope, q_pe, kv_layer, meta.block_tables, meta.seq_lens,
                              meta.max_seq_len)
