@@ -6,8 +6,9 @@ DeepSeek-V2/V3 model (made from transformers' config class, dummy weights) with 
 engine's CUDA kernel set executing under Triton's interpreter, and counts per layer:
 
 - `triton`: Triton kernel launches (every launch, named by its kernel function);
-- `aten`: torch operators outside those launches that run a kernel on a GPU: views,
-  metadata and allocation (`empty*`) are left out, as they launch nothing.
+- `aten`: torch operators outside those launches that run a kernel on a GPU: views (a
+  reshape or contiguous that returns its input's storage), metadata and allocation
+  (`empty*`) are left out, as they launch nothing.
 
 Their sum per layer is the number to cut. The layout the counts come from is the engine's
 real CUDA path (kernels_for(cuda)), only run by the interpreter instead of a GPU.
@@ -77,11 +78,22 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
         if not self.in_kernel:
             name = func.overloadpacket.__name__
-            if not func.is_view and name not in _NO_KERNEL:
+            # a view-like op (reshape, contiguous) launches a copy when it cannot alias
+            if name not in _NO_KERNEL and not (func.is_view and _aliases(out, args)):
                 self.counts[self.where].aten[name] += 1
-        return func(*args, **(kwargs or {}))
+        return out
+
+
+def _aliases(out: Any, args: Any) -> bool:
+    """out shares storage with a tensor among args (a view, no kernel)."""
+    if not isinstance(out, torch.Tensor):
+        return True  # split/unbind and such: tuples of views
+    ptr = out.untyped_storage().data_ptr()
+    return any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == ptr
+               for a in args)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KernelSet
@@ -87,19 +88,46 @@ class MLAAttention(nn.Module):
         self.pad_dim = max(16, 1 << (max(qk, self.dv) - 1).bit_length())
         self.kv_scale = 1.0  # a float8 cache's latent scale for this layer
         self.latent_store = latent_store_for(kernels)
+        # finish_load: q_proj's (or q_a_proj's) rows and kv_a_proj_with_mqa's in one weight,
+        # [Nq + C + R, hidden]; the two Linear weights are then views of it
+        self.fused_a: torch.Tensor | None = None
+
+    def finish_load(self) -> None:
+        """Stacks the two projections of the layer's input into one weight, so a step runs
+        one GEMM for both (a launch less per layer at decode). Left apart where either is
+        not a plain float Linear (an FP8 projection)."""
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        second = self.kv_a_proj_with_mqa
+        if type(first) is not nn.Linear or type(second) is not nn.Linear:
+            return
+        a, b = first.weight, second.weight
+        if a.dtype != b.dtype or a.device != b.device or not a.dtype.is_floating_point \
+                or a.element_size() < 2:
+            return
+        fused = torch.cat([a.detach(), b.detach()])  # [Nq + C + R, hidden]
+        n = a.shape[0]
+        first.weight.data = fused[:n]
+        second.weight.data = fused[n:]
+        self.fused_a = fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; cos_sin [max_pos, R]; kv_layer [NB, 1, BS, 1, C + R]."""
         t = x.shape[0]
-        if self.q_proj is not None:
-            q = self.q_proj(x)
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        assert first is not None
+        if self.fused_a is not None:  # [q or q_a | kv_a] in one GEMM, then column views
+            both = F.linear(x, self.fused_a)  # [T, Nq + C + R]
+            n = first.out_features
+            a, kv_a = both[:, :n], both[:, n:]
         else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None \
-                and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+            a, kv_a = first(x), self.kv_a_proj_with_mqa(x)  # kv_a [T, C + R]
+        if self.q_proj is not None:
+            q = a
+        else:
+            assert self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(a)[0])
         q = q.view(t, self.h, self.dn + self.r)
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + R]
         # one kernel: the latent [norm(c) | rope(k_pe)] into the cache, q_pe roped in
         # place. DeepSeek's interleaved rope pairs were de-interleaved in the weights at
         # load (load_weights), so the rotate-half rotation applies.

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 # kernels per layer at most: (dense first layer, MoE layer). V2 (V2-Lite's layout: q_proj,
-# ungrouped softmax routing, 2 shared experts): norms 2, q/kv_a GEMMs 2, latent 1, W_UK
-# bmm + query concat 2, MLA decode 1, W_UV bmm 1, o_proj 1; dense MLP 3, or the router
-# GEMM, routing 1 and the fused experts' align, gate/up, down and sum with the shared
-# experts stacked among them. V3 adds the q LoRA's GEMM and norm, and routes by groups.
-BOUNDS = {("v2", 1): (13, 16), ("v2", 3): (13, 16), ("v3", 1): (15, 18)}
+# ungrouped softmax routing, 2 shared experts): norms 2, one GEMM for q and kv_a, the latent
+# kernel, W_UK bmm + query concat 2, MLA decode 1, W_UV bmm 1, o_proj 1; then the dense MLP
+# 3, or the router GEMM, routing 1 and the fused experts' align, gate/up, down and sum,
+# the shared experts stacked among them. V3 adds the q LoRA's norm and second GEMM, and
+# routes by expert groups in the same routing kernel.
+# At batch > 1 the W_UV bmm's [H, B, Dv] output is copied to o_proj's [B, H * Dv] rows.
+BOUNDS = {("v2", 1): (12, 15), ("v2", 3): (13, 16), ("v3", 1): (14, 17)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
@@ -32,5 +34,6 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
         assert c.triton["_gate_up_kernel"] == 1 and "_silu_and_mul_kernel" not in c.triton
         assert "add" not in c.aten
         assert c.triton["_mla_latent_kernel"] == 1 and "_rope_kernel" not in c.triton
+        assert c.triton["_route_kernel"] == 1 and "topk" not in c.aten
     # the step's ends: the embedding, then the final norm and the head
     assert counts["embed"].total == 1 and counts["head"].total == 2
