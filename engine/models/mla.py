@@ -22,6 +22,10 @@ A float8 cache (--kv-cache-dtype fp8) stores the latent divided by the layer's s
 (``kv_scale``, set by engine/kv_scales.py): the decode kernel reads it in-kernel, and the
 prefill path multiplies the rows it decompresses back before kv_b_proj.
 
+One kernel (kernels/triton_mla_latent.py) normalizes the new latent, rotates its rope key
+and the queries' rope parts, and stores the row; after load (`finish_load`) the q (or q_a)
+and kv_a projections are one GEMM over a stacked weight.
+
 Tensor parallelism: query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns)
 split by head; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank
 computes and stores the same latent. o_proj is row-parallel: one all-reduce.

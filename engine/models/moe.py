@@ -4,6 +4,9 @@ A layer routes each token to `top_k` of `E` experts (`select_experts`, exactly a
 transformers computes it for each family), runs them as one fused kernel over stacked
 weights (`MoE`, the kernel from the engine's KernelSet: Triton on CUDA, the torch reference
 on CPU), and adds always-on shared experts where the model has them (`SparseMoeBlock`).
+Once the weights are in (`SparseMoeBlock.finish_load`), one rank holding every expert
+stacks the shared experts after the routed ones, and routing sends every token to them with
+weight 1: the fused kernel then runs them, instead of a separate MLP and an add.
 
 Tensor parallelism shards experts, not their columns: rank r of tp holds experts
 [r * E / tp, (r + 1) * E / tp) whole, every rank routes every token (the router is
