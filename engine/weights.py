@@ -130,6 +130,10 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         finish = getattr(module, "finish_load", None)
         if callable(finish):
             finish()
+    if device.type == "cuda":
+        # the tensors the stacks replaced: cached blocks would read as in use to the KV
+        # pool's sizing (engine/memory_budget.py asks the device what is free)
+        torch.cuda.empty_cache()
     model.eval()
     return model
 
