@@ -21,15 +21,17 @@ def mla_latent_store_ref(
     slot_mapping: torch.Tensor,  # [T] int; < 0 skips the store
     *,
     scale: float = 1.0,  # float8 cache: this layer's latent scale
+    q_pe_out: torch.Tensor | None = None,  # [T, H, R]: where the rotated q_pe goes
 ) -> None:
-    """Stores [rms_norm(c) | rope(k_pe)] per token and rotates q's rope part in place,
-    rounding where the separate kernels (RMSNorm, RoPE, latent store) round."""
+    """Stores [rms_norm(c) | rope(k_pe)] per token and rotates q's rope part (in place, or
+    into q_pe_out), rounding where the separate kernels (RMSNorm, RoPE, latent store)
+    round."""
     t, width = kv_a.shape
     r = cos_sin.shape[1]
     c = width - r
     dn = q.shape[2] - r
     normed = rms_norm_ref(kv_a[:, :c], norm_weight, eps)[0]  # [T, C]
     q_pe, k_pe = rope_ref(q[..., dn:], kv_a[:, None, c:], positions, cos_sin)
-    q[..., dn:] = q_pe
+    (q[..., dn:] if q_pe_out is None else q_pe_out).copy_(q_pe)
     store_latent_ref(torch.cat([normed, k_pe.view(t, r)], dim=-1), kv_layer, slot_mapping,
                      scale=scale)

@@ -29,9 +29,10 @@ from kernels.triton_store_kv import _to_cache
 
 @triton.jit
 def _mla_latent_kernel(
-    kva_ptr, q_ptr, w_ptr, pos_ptr, cs_ptr, kv_ptr, slot_ptr,
+    kva_ptr, q_ptr, qo_ptr, w_ptr, pos_ptr, cs_ptr, kv_ptr, slot_ptr,
     s_a,  # kv_a row stride
     s_qt, s_qh,  # q token and head strides (q_ptr points at the first rope column)
+    s_ot, s_oh,  # the same for the rotated q_pe's destination
     s_cs,  # cos_sin row stride
     s_cb, s_ct,  # kv_layer block and token strides [NB, 1, BS, 1, C + R]
     eps, scale,
@@ -43,8 +44,9 @@ def _mla_latent_kernel(
     d = tl.arange(0, HALF)
     cos = tl.load(cs_ptr + pos * s_cs + d)  # [HALF] float32
     sin = tl.load(cs_ptr + pos * s_cs + HALF + d)
-    # the queries' rope parts, in place (each head's halves are loaded before its stores)
-    _rope_rows(q_ptr, q_ptr, s_qt, s_qh, s_qt, s_qh, t, cos[None, :], sin[None, :],
+    # the queries' rope parts, in place or into the destination (each head's halves are
+    # loaded before its stores)
+    _rope_rows(q_ptr, qo_ptr, s_qt, s_qh, s_ot, s_oh, t, cos[None, :], sin[None, :],
                H, HALF, BLOCK_H)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token (a graph's padding row): nothing to store
@@ -79,6 +81,7 @@ def mla_latent_store(
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 skips the store
     *,
     scale: float = 1.0,
+    q_pe_out: torch.Tensor | None = None,  # [T, H, R], last dim contiguous; None: in place
 ) -> None:
     check(kv_a.dim() == 2 and q.dim() == 3, "kv_a, q: expected [T, C + R], [T, H, Dn + R]")
     t, width = kv_a.shape
@@ -103,13 +106,19 @@ def mla_latent_store(
     check_int("positions", positions)
     check_int("slot_mapping", slot_mapping)
     check_device(kv_a, q, norm_weight, positions, cos_sin, kv_layer, slot_mapping)
-    if t == 0:
-        return
     h = q.shape[1]
     q_pe = q[..., q.shape[2] - r:]
+    out = q_pe if q_pe_out is None else q_pe_out
+    check_shape("q_pe_out", out, (t, h, r))
+    check(out.stride(2) == 1 and out.dtype == q.dtype,
+          "q_pe_out: expected q's dtype and a contiguous last dim")
+    check_device(q, out)
+    if t == 0:
+        return
     _mla_latent_kernel[(t,)](
-        kv_a, q_pe, norm_weight, positions, cos_sin, kv_layer, slot_mapping,
-        kv_a.stride(0), q.stride(0), q.stride(1), cos_sin.stride(0),
+        kv_a, q_pe, out, norm_weight, positions, cos_sin, kv_layer, slot_mapping,
+        kv_a.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        cos_sin.stride(0),
         kv_layer.stride(0), kv_layer.stride(2), float(eps), float(scale),
         C=c, HALF=r // 2, H=h, BS=kv_layer.shape[2], BLOCK_C=triton.next_power_of_2(c),
         BLOCK_H=triton.next_power_of_2(h), FP8=is_fp8(kv_layer), num_warps=4)

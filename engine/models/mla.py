@@ -132,15 +132,18 @@ class MLAAttention(nn.Module):
             assert self.q_a_layernorm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_layernorm(a)[0])
         q = q.view(t, self.h, self.dn + self.r)
-        # one kernel: the latent [norm(c) | rope(k_pe)] into the cache, q_pe roped in
-        # place. DeepSeek's interleaved rope pairs were de-interleaved in the weights at
-        # load (load_weights), so the rotate-half rotation applies.
+        # one kernel: the latent [norm(c) | rope(k_pe)] into the cache, q_pe roped (in
+        # place, or at decode straight into the absorbed query's rope columns).
+        # DeepSeek's interleaved rope pairs were de-interleaved in the weights at load
+        # (load_weights), so the rotate-half rotation applies.
+        q_abs = q.new_empty(t, self.h, self.c + self.r) if meta.decode_only else None
         self.latent_store(kv_a, q, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-                          positions, cos_sin, kv_layer, meta.slot_mapping, scale=self.kv_scale)
+                          positions, cos_sin, kv_layer, meta.slot_mapping, scale=self.kv_scale,
+                          q_pe_out=None if q_abs is None else q_abs[..., self.c:])
         q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
-        if meta.decode_only:
-            o = self._decode(q_nope, q_pe, kv_layer, meta.block_tables, meta.seq_lens,
-                             meta.max_seq_len)
+        if q_abs is not None:
+            o = self._decode(q_nope, None, kv_layer, meta.block_tables, meta.seq_lens,
+                             meta.max_seq_len, q_abs)
         elif meta.cu_seqlens_q_host is not None and meta.seq_lens_host is not None:
             o = self._mixed(q_nope, q_pe, kv_layer, meta, _split_of(meta, kv_layer.shape[2]))
         else:
@@ -154,17 +157,28 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.c)
         return w[:, :self.dn], w[:, self.dn:]
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                max_seq_len: int | None) -> torch.Tensor:  # [B, H, Dv]
-        """One query per request, in the absorbed form."""
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor | None,
+                kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                max_seq_len: int | None,
+                q: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, Dv]
+        """One query per request, in the absorbed form. q: the absorbed query [B, H, C + R]
+        whose rope columns already hold the rotated q_pe (q_pe is then None); the W_UK
+        product is written into its first C columns, so no concatenation runs. The W_UV
+        product is written in [B, H, Dv] order for o_proj (no copy at B > 1)."""
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, B, C]
-        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, H, C + R]
+        b = q_nope.shape[0]
+        if q is None:
+            assert q_pe is not None
+            q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe],
+                          dim=-1)  # [B, H, C + R]
+        else:
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :self.c])
         assert self.k.mla_decode is not None
         o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
                                   max_seq_len=max_seq_len, kv_scale=self.kv_scale)  # [B, H, C]
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        o = o_lat.new_empty(b, self.h, self.dv)
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o
 
     def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                meta: AttentionMetadata, sp: _Split) -> torch.Tensor:  # [T, H, Dv]

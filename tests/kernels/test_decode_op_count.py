@@ -10,12 +10,12 @@ import torch
 
 # kernels per layer at most: (dense first layer, MoE layer). V2 (V2-Lite's layout: q_proj,
 # ungrouped softmax routing, 2 shared experts): norms 2, one GEMM for q and kv_a, the latent
-# kernel, W_UK bmm + query concat 2, MLA decode 1, W_UV bmm 1, o_proj 1; then the dense MLP
-# 3, or the router GEMM, routing 1 and the fused experts' align, gate/up, down and sum,
-# the shared experts stacked among them. V3 adds the q LoRA's norm and second GEMM, and
-# routes by expert groups in the same routing kernel.
-# At batch > 1 the W_UV bmm's [H, B, Dv] output is copied to o_proj's [B, H * Dv] rows.
-BOUNDS = {("v2", 1): (12, 15), ("v2", 3): (13, 16), ("v3", 1): (14, 17)}
+# kernel (its rotated q_pe written into the absorbed query), the W_UK bmm (into the same
+# query), MLA decode, the W_UV bmm (in o_proj's row order), o_proj; then the dense MLP 3,
+# or the router GEMM, routing 1 and the fused experts' align, gate/up, down and sum, the
+# shared experts stacked among them. V3 adds the q LoRA's norm and second GEMM, and routes
+# by expert groups in the same routing kernel.
+BOUNDS = {("v2", 1): (11, 14), ("v2", 3): (11, 14), ("v3", 1): (13, 16)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
@@ -35,5 +35,6 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
         assert "add" not in c.aten
         assert c.triton["_mla_latent_kernel"] == 1 and "_rope_kernel" not in c.triton
         assert c.triton["_route_kernel"] == 1 and "topk" not in c.aten
+        assert "cat" not in c.aten and c.aten["bmm"] == 2
     # the step's ends: the embedding, then the final norm and the head
     assert counts["embed"].total == 1 and counts["head"].total == 2

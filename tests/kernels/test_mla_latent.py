@@ -46,6 +46,23 @@ def test_mla_latent_store_equals_reference(dtype, t, heads, gen, device):
     assert kv.float().abs().sum() > 0  # rows were written
 
 
+def test_rotated_queries_can_go_to_another_tensor(gen, device):
+    """q_pe_out: the rotated rope parts land there (the absorbed query's rope columns), q
+    is left as it was."""
+    from kernels.triton_mla_latent import mla_latent_store
+
+    kv_a, q, w, pos, cs, kv, slots = _inputs(3, 4, 32, 16, 8, torch.float32, gen, device)
+    q0, q_ref, kv_ref = q.clone(), q.clone(), kv.clone()
+    mla_latent_store_ref(kv_a, q_ref, w, 1e-6, pos, cs, kv_ref, slots)
+    for fn in (mla_latent_store, mla_latent_store_ref):
+        dest = torch.zeros(3, 4, 32 + 16, device=device)
+        fn(kv_a, q, w, 1e-6, pos, cs, kv, slots, q_pe_out=dest[..., 32:])
+        assert torch.equal(q, q0)
+        torch.testing.assert_close(kv, kv_ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(dest[..., 32:], q_ref[..., 8:], rtol=0, atol=1e-6)
+        assert torch.equal(dest[..., :32], torch.zeros_like(dest[..., :32]))
+
+
 def test_the_reference_is_the_separate_kernels_composed(gen):
     kv_a, q, w, pos, cs, kv, slots = _inputs(6, 4, 32, 16, 8, torch.float32, gen,
                                              torch.device("cpu"))
