@@ -125,6 +125,15 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
             raise ValueError(f"model: checkpoint lacks weights {missing[:4]}")
         if cfg.quant is None and quantization is not None:
             quantize_loaded(model, AT_LOAD)
+    # layouts built from the loaded weights (fused stacks): every weight is final here
+    for module in list(model.modules()):
+        finish = getattr(module, "finish_load", None)
+        if callable(finish):
+            finish()
+    if device.type == "cuda":
+        # the tensors the stacks replaced: cached blocks would read as in use to the KV
+        # pool's sizing (engine/memory_budget.py asks the device what is free)
+        torch.cuda.empty_cache()
     model.eval()
     return model
 

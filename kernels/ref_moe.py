@@ -56,12 +56,20 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def moe_route_ref(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
                   routed_scaling_factor: float = 1.0,
                   e_score_correction_bias: torch.Tensor | None = None,
-                  round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing without expert groups: logits [T, E] -> (weights [T, k] float32,
-    ids [T, k] int64). Scores are softmax or sigmoid of the float32 logits; the bias (if
-    any) is added for the choice only; the weights are the chosen experts' scores,
-    renormalized to sum 1 (sigmoid: over sum + 1e-20, as DeepSeek-V3), times the scaling
-    factor, then (round_dtype) rounded to the model's dtype as Qwen3-MoE does."""
+                  round_dtype: torch.dtype | None = None,
+                  num_shared: int = 0, n_group: int | None = None,
+                  topk_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing: logits [T, E] -> (weights [T, k + S] float32, ids [T, k + S] int64).
+    Scores are softmax or sigmoid of the float32 logits; the bias (if any) is added for the
+    choice only; the weights are the chosen experts' scores, renormalized to sum 1
+    (sigmoid: over sum + 1e-20, as DeepSeek-V3), times the scaling factor, then
+    (round_dtype) rounded to the model's dtype as Qwen3-MoE does.
+    Expert groups (n_group > 1): only experts of the best topk_group groups are eligible.
+    softmax (DeepSeek-V2's group_limited_greedy): a group scores its best expert and the
+    others' scores become 0; sigmoid (DeepSeek-V3's noaux_tc): a group scores the sum of
+    its two best biased scores and the others are never picked.
+    num_shared S: always-on experts stacked after the routed ones (ids E .. E + S - 1)
+    follow the top-k in every row with weight 1 (no renormalization, no scaling)."""
     if scoring_func == "softmax":
         scores = logits.float().softmax(dim=-1)  # [T, E]
     elif scoring_func == "sigmoid":
@@ -71,6 +79,18 @@ def moe_route_ref(logits: torch.Tensor, top_k: int, scoring_func: str, renormali
     choice = scores
     if e_score_correction_bias is not None:
         choice = scores + e_score_correction_bias.float().unsqueeze(0)
+    if n_group is not None and topk_group is not None and n_group > 1:
+        t, e = logits.shape
+        grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
+        if scoring_func == "sigmoid":
+            group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values
+        group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
+        # V2 zeroes the dropped softmax scores, V3 makes its biased choice scores -inf
+        choice = choice.masked_fill(~keep, float("-inf") if scoring_func == "sigmoid" else 0.0)
     ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
     weights = scores.gather(1, ids)  # [T, k]
     if renormalize:
@@ -80,4 +100,16 @@ def moe_route_ref(logits: torch.Tensor, top_k: int, scoring_func: str, renormali
         weights = weights * routed_scaling_factor
     if round_dtype is not None and round_dtype != torch.float32:
         weights = weights.to(round_dtype).float()
+    if num_shared:
+        return append_shared(weights, ids, logits.shape[1], num_shared)
     return weights, ids
+
+
+def append_shared(weights: torch.Tensor, ids: torch.Tensor, first: int,
+                  num_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """weights, ids [T, k] -> [T, k + S]: every token also routed to experts first ..
+    first + S - 1 (the shared experts stacked after the routed ones) with weight 1."""
+    t = ids.shape[0]
+    shared = torch.arange(first, first + num_shared, dtype=ids.dtype, device=ids.device)
+    return (torch.cat([weights, weights.new_ones(t, num_shared)], dim=1),
+            torch.cat([ids, shared.expand(t, num_shared)], dim=1))

@@ -340,9 +340,12 @@ def _check_scale(name: str, scale: torch.Tensor, w: torch.Tensor) -> int:
 
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
-                  TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr):
+                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     ok = es < E
@@ -357,6 +360,31 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
     if HAS_BIAS:
         choice = scores + tl.load(bias_ptr + es, mask=ok, other=0.0).to(tl.float32)
     choice = tl.where(ok, choice, float("-inf"))
+    if N_GROUP > 1:
+        # a group's score: its best choice (softmax) or its two best summed (sigmoid, a
+        # tie counting twice as topk(2) does); the first maximum wins ties throughout
+        grp = es // GROUP_SIZE
+        gs_idx = tl.arange(0, BLOCK_G)
+        gs = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for g in tl.static_range(N_GROUP):
+            mine = tl.where(grp == g, choice, float("-inf"))
+            best = tl.max(mine, axis=0)
+            score = best
+            if SIGMOID and GROUP_SIZE > 1:
+                first = tl.min(tl.where(mine == best, es, BLOCK_E), axis=0)
+                score = best + tl.max(tl.where(es == first, float("-inf"), mine), axis=0)
+            gs = tl.where(gs_idx == g, score, gs)
+        keep = es < 0  # all False
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.max(gs, axis=0)
+            gi = tl.min(tl.where(gs == top, gs_idx, BLOCK_G), axis=0)
+            keep = keep | (grp == gi)
+            gs = tl.where(gs_idx == gi, float("-inf"), gs)
+        # dropped experts: softmax scores 0 (V2), sigmoid choices never picked (V3)
+        if SIGMOID:
+            choice = tl.where(keep, choice, float("-inf"))
+        else:
+            choice = tl.where(keep | ~ok, choice, 0.0)
     ks = tl.arange(0, BLOCK_K)
     picked = tl.zeros([BLOCK_K], dtype=tl.float32)  # the chosen experts' scores, in order
     picked_ids = tl.zeros([BLOCK_K], dtype=tl.int64)
@@ -375,9 +403,14 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
     picked = picked * scale
     if ROUND:
         picked = picked.to(ROUND_DTYPE).to(tl.float32)
-    kmask = ks < TOP_K
-    tl.store(w_ptr + t * TOP_K + ks, picked, mask=kmask)
-    tl.store(ids_ptr + t * TOP_K + ks, picked_ids, mask=kmask)
+    # the shared experts (ids E .. E + NUM_SHARED - 1) follow with weight 1, unscaled
+    shared = (ks >= TOP_K) & (ks < TOP_K + NUM_SHARED)
+    picked = tl.where(shared, 1.0, picked)
+    picked_ids = tl.where(shared, (E + ks - TOP_K).to(tl.int64), picked_ids)
+    row = TOP_K + NUM_SHARED
+    kmask = ks < row
+    tl.store(w_ptr + t * row + ks, picked, mask=kmask)
+    tl.store(ids_ptr + t * row + ks, picked_ids, mask=kmask)
 
 
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -386,9 +419,13 @@ _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
               routed_scaling_factor: float = 1.0,
               e_score_correction_bias: torch.Tensor | None = None,
-              round_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              round_dtype: torch.dtype | None = None,
+              num_shared: int = 0, n_group: int | None = None,
+              topk_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.ref_moe.moe_route_ref in one program per token: at decode the torch form is
-    eight small kernels per layer (casts, softmax, top-k, gather, sum, divide, rounding)."""
+    eight small kernels per layer (casts, softmax, top-k, gather, sum, divide, rounding),
+    about twenty with expert groups. num_shared: the shared experts' columns are written
+    by the same program. Ties go to the lowest expert (and group) index."""
     check(logits.dim() == 2, "logits: expected [T, E]")
     check_float("logits", logits)
     check(logits.stride(1) == 1, "logits: rows must be contiguous")
@@ -400,17 +437,26 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: 
         check(tuple(e_score_correction_bias.shape) == (e,), "e_score_correction_bias: "
               f"expected shape ({e},)")
         check_device(logits, e_score_correction_bias)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    check(num_shared >= 0, f"num_shared: must be >= 0, got {num_shared}")
+    groups = n_group if n_group is not None and topk_group is not None and n_group > 1 else 1
+    if groups > 1:
+        assert topk_group is not None
+        check(e % groups == 0, f"n_group: {groups} does not divide the {e} experts")
+        check(1 <= topk_group <= groups, f"topk_group: must be in [1, {groups}], got "
+              f"{topk_group}")
+    row = top_k + num_shared
+    weights = torch.empty(t, row, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, row, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
     rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
     _route_kernel[(t,)](
         logits, e_score_correction_bias if e_score_correction_bias is not None else logits,
         weights, ids, e, logits.stride(0), float(routed_scaling_factor),
-        TOP_K=top_k, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(top_k), SIGMOID=scoring_func == "sigmoid",
+        TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(row), SIGMOID=scoring_func == "sigmoid",
         HAS_BIAS=e_score_correction_bias is not None, RENORM=renormalize,
         ROUND=rnd is not None, ROUND_DTYPE=rnd if rnd is not None else tl.float32,
-        num_warps=4)
+        N_GROUP=groups, TOPK_GROUP=topk_group if groups > 1 else 1, GROUP_SIZE=e // groups,
+        BLOCK_G=triton.next_power_of_2(groups), num_warps=4)
     return weights, ids

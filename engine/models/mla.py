@@ -22,6 +22,10 @@ A float8 cache (--kv-cache-dtype fp8) stores the latent divided by the layer's s
 (``kv_scale``, set by engine/kv_scales.py): the decode kernel reads it in-kernel, and the
 prefill path multiplies the rows it decompresses back before kv_b_proj.
 
+One kernel (kernels/triton_mla_latent.py) normalizes the new latent, rotates its rope key
+and the queries' rope parts, and stores the row; after load (`finish_load`) the q (or q_a)
+and kv_a projections are one GEMM over a stacked weight.
+
 Tensor parallelism: query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns)
 split by head; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank
 computes and stores the same latent. o_proj is row-parallel: one all-reduce.
@@ -29,9 +33,11 @@ computes and stores the same latent. o_proj is row-parallel: one all-reduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, KernelSet
@@ -41,6 +47,18 @@ from engine.parallel.group import TPGroup
 from engine.parallel.shards import TPShard
 from engine.rope import softmax_mscale
 from kernels.kv_fp8 import from_cache, take
+
+
+def latent_store_for(kernels: KernelSet) -> Callable[..., None]:
+    """The latent kernel (kernels/ref_mla_latent.py's contract) of the kernel set's family:
+    the Triton one beside Triton kernels (graph-safe), else the torch reference."""
+    if kernels.name == "triton":
+        from kernels.triton_mla_latent import mla_latent_store
+
+        return mla_latent_store
+    from kernels.ref_mla_latent import mla_latent_store_ref
+
+    return mla_latent_store_ref
 
 
 class MLAAttention(nn.Module):
@@ -73,31 +91,59 @@ class MLAAttention(nn.Module):
         # two (zeros add nothing to q.k, and V's padding columns are cut off after)
         self.pad_dim = max(16, 1 << (max(qk, self.dv) - 1).bit_length())
         self.kv_scale = 1.0  # a float8 cache's latent scale for this layer
+        self.latent_store = latent_store_for(kernels)
+        # finish_load: q_proj's (or q_a_proj's) rows and kv_a_proj_with_mqa's in one weight,
+        # [Nq + C + R, hidden]; the two Linear weights are then views of it
+        self.fused_a: torch.Tensor | None = None
+
+    def finish_load(self) -> None:
+        """Stacks the two projections of the layer's input into one weight, so a step runs
+        one GEMM for both (a launch less per layer at decode). Left apart where either is
+        not a plain float Linear (an FP8 projection)."""
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        second = self.kv_a_proj_with_mqa
+        if type(first) is not nn.Linear or type(second) is not nn.Linear:
+            return
+        a, b = first.weight, second.weight
+        if a.dtype != b.dtype or a.device != b.device or not a.dtype.is_floating_point \
+                or a.element_size() < 2:
+            return
+        fused = torch.cat([a.detach(), b.detach()])  # [Nq + C + R, hidden]
+        n = a.shape[0]
+        first.weight.data = fused[:n]
+        second.weight.data = fused[n:]
+        self.fused_a = fused
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """x [T, hidden]; cos_sin [max_pos, R]; kv_layer [NB, 1, BS, 1, C + R]."""
         t = x.shape[0]
-        if self.q_proj is not None:
-            q = self.q_proj(x)
+        first = self.q_proj if self.q_proj is not None else self.q_a_proj
+        assert first is not None
+        if self.fused_a is not None:  # [q or q_a | kv_a] in one GEMM, then column views
+            both = F.linear(x, self.fused_a)  # [T, Nq + C + R]
+            n = first.out_features
+            a, kv_a = both[:, :n], both[:, n:]
         else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None \
-                and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))[0])
+            a, kv_a = first(x), self.kv_a_proj_with_mqa(x)  # kv_a [T, C + R]
+        if self.q_proj is not None:
+            q = a
+        else:
+            assert self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(a)[0])
         q = q.view(t, self.h, self.dn + self.r)
-        q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
-        kv_a = self.kv_a_proj_with_mqa(x)  # [T, C + R]
-        c = self.kv_a_layernorm(kv_a[:, :self.c].contiguous())[0]  # [T, C]
+        # one kernel: the latent [norm(c) | rope(k_pe)] into the cache, q_pe roped (in
+        # place, or at decode straight into the absorbed query's rope columns).
         # DeepSeek's interleaved rope pairs were de-interleaved in the weights at load
-        # (load_weights), so the rotate-half kernel applies.
-        q_pe, k_pe = self.k.rope(q_pe.contiguous(), kv_a[:, None, self.c:].contiguous(),
-                                 positions, cos_sin)  # [T, H, R], [T, 1, R]
-        latent = torch.cat([c, k_pe.view(t, self.r)], dim=-1)  # [T, C + R]
-        assert self.k.store_latent is not None
-        self.k.store_latent(latent, kv_layer, meta.slot_mapping, scale=self.kv_scale)
-        if meta.decode_only:
-            o = self._decode(q_nope, q_pe, kv_layer, meta.block_tables, meta.seq_lens,
-                             meta.max_seq_len)
+        # (load_weights), so the rotate-half rotation applies.
+        q_abs = q.new_empty(t, self.h, self.c + self.r) if meta.decode_only else None
+        self.latent_store(kv_a, q, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                          positions, cos_sin, kv_layer, meta.slot_mapping, scale=self.kv_scale,
+                          q_pe_out=None if q_abs is None else q_abs[..., self.c:])
+        q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
+        if q_abs is not None:
+            o = self._decode(q_nope, None, kv_layer, meta.block_tables, meta.seq_lens,
+                             meta.max_seq_len, q_abs)
         elif meta.cu_seqlens_q_host is not None and meta.seq_lens_host is not None:
             o = self._mixed(q_nope, q_pe, kv_layer, meta, _split_of(meta, kv_layer.shape[2]))
         else:
@@ -111,17 +157,28 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.h, self.dn + self.dv, self.c)
         return w[:, :self.dn], w[:, self.dn:]
 
-    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
-                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                max_seq_len: int | None) -> torch.Tensor:  # [B, H, Dv]
-        """One query per request, in the absorbed form."""
+    def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor | None,
+                kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                max_seq_len: int | None,
+                q: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, Dv]
+        """One query per request, in the absorbed form. q: the absorbed query [B, H, C + R]
+        whose rope columns already hold the rotated q_pe (q_pe is then None); the W_UK
+        product is written into its first C columns, so no concatenation runs. The W_UV
+        product is written in [B, H, Dv] order for o_proj (no copy at B > 1)."""
         w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, B, C]
-        q = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [B, H, C + R]
+        b = q_nope.shape[0]
+        if q is None:
+            assert q_pe is not None
+            q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe],
+                          dim=-1)  # [B, H, C + R]
+        else:
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :self.c])
         assert self.k.mla_decode is not None
         o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
                                   max_seq_len=max_seq_len, kv_scale=self.kv_scale)  # [B, H, C]
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        o = o_lat.new_empty(b, self.h, self.dv)
+        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return o
 
     def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                meta: AttentionMetadata, sp: _Split) -> torch.Tensor:  # [T, H, Dv]

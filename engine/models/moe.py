@@ -4,6 +4,9 @@ A layer routes each token to `top_k` of `E` experts (`select_experts`, exactly a
 transformers computes it for each family), runs them as one fused kernel over stacked
 weights (`MoE`, the kernel from the engine's KernelSet: Triton on CUDA, the torch reference
 on CPU), and adds always-on shared experts where the model has them (`SparseMoeBlock`).
+Once the weights are in (`SparseMoeBlock.finish_load`), one rank holding every expert
+stacks the shared experts after the routed ones, and routing sends every token to them with
+weight 1: the fused kernel then runs them, instead of a separate MLP and an add.
 
 Tensor parallelism shards experts, not their columns: rank r of tp holds experts
 [r * E / tp, (r + 1) * E / tp) whole, every rank routes every token (the router is
@@ -49,40 +52,9 @@ def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str
     group scores the sum of its two best biased scores, experts outside the chosen groups
     are never picked, and the weights are the unbiased scores of the picks.
     The routed scaling factor multiplies the weights last (after renormalization)."""
-    if n_group is None or topk_group is None or n_group == 1:  # no groups
-        return moe_route_ref(router_logits, top_k, scoring_func, renormalize,
-                             routed_scaling_factor, e_score_correction_bias)
-    t, e = router_logits.shape
-    if scoring_func == "softmax":
-        scores = router_logits.float().softmax(dim=-1)  # [T, E]
-    elif scoring_func == "sigmoid":
-        scores = router_logits.float().sigmoid()
-    else:
-        raise ValueError(f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
-    choice = scores
-    if e_score_correction_bias is not None:
-        choice = scores + e_score_correction_bias.float().unsqueeze(0)  # [T, E]
-    # grouped top-k: only experts of the best topk_group groups are eligible
-    grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
-    if scoring_func == "sigmoid":
-        group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)  # [T, G]
-    else:
-        group_scores = grouped.max(dim=-1).values
-    group_idx = group_scores.topk(topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    keep = keep.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)  # [T, E]
-    # V2 zeroes the dropped softmax scores, V3 makes its biased choice scores -inf
-    fill = float("-inf") if scoring_func == "sigmoid" else 0.0
-    choice = choice.masked_fill(~keep, fill)
-    topk_ids = choice.topk(top_k, dim=-1, sorted=False)[1]  # [T, k]
-    topk_weights = scores.gather(1, topk_ids)  # [T, k] float32
-    if renormalize:
-        # V3 guards its sum with 1e-20; softmax weights are positive, so it changes nothing
-        eps = 1e-20 if scoring_func == "sigmoid" else 0.0
-        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + eps)
-    if routed_scaling_factor != 1.0:
-        topk_weights = topk_weights * routed_scaling_factor
-    return topk_weights, topk_ids
+    return moe_route_ref(router_logits, top_k, scoring_func, renormalize,
+                         routed_scaling_factor, e_score_correction_bias, n_group=n_group,
+                         topk_group=topk_group)
 
 
 @dataclass(frozen=True)
@@ -263,26 +235,48 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = (SharedExperts(hidden, moe.shared_intermediate_size, kernels,
                                              rank, size)
                                if moe.n_shared_experts else None)
+        # shared experts stacked after the routed ones in `experts` (finish_load): every
+        # token is routed to them too, with weight 1, so the fused kernel runs them
+        self.folded_shared = 0
+
+    def finish_load(self) -> None:
+        """Stacks the shared experts after the routed ones once the weights are in, so a
+        step runs one fused kernel instead of the fused kernel plus the shared MLP's two
+        GEMMs, its activation and the add (four kernels a layer at decode). The shared MLP
+        of width S * I is S experts of width I summed (the activation is per column).
+        Kept apart where the stack cannot hold them: experts split over ranks (the extra
+        ids would name another rank's experts), FP8 experts beside float shared ones, or
+        a shared width that is not a whole number of experts."""
+        sh, ex = self.shared_experts, self.experts
+        if sh is None or self.exchange is not None or ex.shard.count != ex.num_experts:
+            return
+        gu, down = sh.gate_up_proj.weight, sh.down_proj.weight  # [2 S I, H], [H, S I]
+        if ex.w13_scale is not None or gu.dtype != ex.w13.dtype or sh.inter % ex.inter:
+            return
+        s, i, h = sh.inter // ex.inter, ex.inter, gu.shape[1]
+        with torch.no_grad():
+            gate, up = gu.view(2, s, i, h).unbind(0)  # [S, I, H] each
+            w13 = torch.cat([ex.w13, torch.cat([gate, up], dim=1)])  # [E + S, 2I, H]
+            w2 = torch.cat([ex.w2, down.view(h, s, i).transpose(0, 1)])  # [E + S, H, I]
+        ex.w13 = nn.Parameter(w13, requires_grad=False)
+        ex.w2 = nn.Parameter(w2, requires_grad=False)
+        self.shared_experts = None
+        self.folded_shared = s
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights [T, k] float32, topk_ids [T, k])."""
+        """x [T, H] -> (topk_weights [T, k + S] float32, topk_ids [T, k + S]); S: the
+        shared experts folded into the stack (0 if none), weight 1 each."""
         c = self.cfg
         w = self.gate.weight
         logits = F.linear(x.float(), w.float()) if c.router_fp32 else F.linear(x, w)  # [T, E]
         bias = getattr(self.gate, "e_score_correction_bias", None)
         round_to = x.dtype if c.weights_in_model_dtype else None
-        if (c.n_group is None or c.n_group == 1) and self.k.moe_route is not None:
-            out: tuple[torch.Tensor, torch.Tensor] = self.k.moe_route(
-                logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor,
-                bias, round_dtype=round_to)
-            return out
-        weights, ids = select_experts(logits, c.top_k, scoring_func=c.scoring_func,
-                                      renormalize=c.renormalize, n_group=c.n_group,
-                                      topk_group=c.topk_group, e_score_correction_bias=bias,
-                                      routed_scaling_factor=c.routed_scaling_factor)
-        if round_to is not None and round_to != torch.float32:
-            weights = weights.to(round_to).float()  # the rounding HF applies (Qwen3-MoE)
-        return weights, ids
+        route = self.k.moe_route if self.k.moe_route is not None else moe_route_ref
+        out: tuple[torch.Tensor, torch.Tensor] = route(
+            logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor, bias,
+            round_dtype=round_to, num_shared=self.folded_shared, n_group=c.n_group,
+            topk_group=c.topk_group)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""

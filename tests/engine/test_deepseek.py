@@ -270,3 +270,37 @@ def test_cuda_triton_and_graphs_equal_transformers(ds_models, name):
         assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays
     for prompt, res in zip(PROMPTS, results, strict=True):
         assert res.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (name, prompt)
+
+
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_stacked_weights_equal_the_separate_projections(ds_models, name, monkeypatch):
+    """finish_load's stacks (shared experts among the routed ones, q and kv_a as one GEMM)
+    give the logits the separate modules give, through chunked prefill and a decode."""
+    from tiny_deepseek import engine_logits
+
+    from engine.models.mla import MLAAttention
+    from engine.models.moe import SparseMoeBlock
+
+    prompt = PROMPTS[1][:11]
+    stacked: list[str] = []
+    fold, fuse = SparseMoeBlock.finish_load, MLAAttention.finish_load
+
+    def fold_and_note(self: SparseMoeBlock) -> None:
+        fold(self)
+        if self.folded_shared:
+            stacked.append("shared")
+
+    def fuse_and_note(self: MLAAttention) -> None:
+        fuse(self)
+        if self.fused_a is not None:
+            stacked.append("qkv_a")
+
+    monkeypatch.setattr(SparseMoeBlock, "finish_load", fold_and_note)
+    monkeypatch.setattr(MLAAttention, "finish_load", fuse_and_note)
+    got = engine_logits(ds_models[name], prompt, chunk=4, host=True)
+    assert stacked.count("shared") == 1 and stacked.count("qkv_a") == 2, stacked
+    monkeypatch.setattr(SparseMoeBlock, "finish_load", lambda self: None)
+    monkeypatch.setattr(MLAAttention, "finish_load", lambda self: None)
+    want = engine_logits(ds_models[name], prompt, chunk=4, host=True)
+    err = (got - want).abs().max().item()
+    assert err < 1e-5 * want.abs().max().item(), err

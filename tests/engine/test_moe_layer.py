@@ -252,11 +252,12 @@ def _hf_deepseek_block(arch: str, **kw: object):  # type: ignore[no-untyped-def]
     ("deepseek_v3", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5,
                          norm_topk_prob=True)),
 ])
-@pytest.mark.parametrize("tp", [1, 2])
-def test_deepseek_block_matches_transformers(arch, kw, tp):
+@pytest.mark.parametrize("tp,fold", [(1, False), (1, True), (2, False), (2, True)])
+def test_deepseek_block_matches_transformers(arch, kw, tp, fold):
     """The block the MLA family builds from a DeepSeek config (moe_config_from_hf), loaded
     from transformers' stacked experts, equals transformers' block; under TP the ranks'
-    parts (routed experts and shared-expert columns) sum to it."""
+    parts (routed experts and shared-expert columns) sum to it. fold: finish_load stacks
+    the shared experts after the routed ones (one rank only; under TP it keeps them)."""
     from engine.config import moe_config_from_hf
 
     hf, cfg = _hf_deepseek_block(arch, **kw)
@@ -276,7 +277,15 @@ def test_deepseek_block_matches_transformers(arch, kw, tp):
             block.gate.weight.copy_(sd["gate.weight"])
             if arch == "deepseek_v3":
                 block.gate.e_score_correction_bias.copy_(sd["gate.e_score_correction_bias"])
-            total += block(x)
+        if fold:
+            block.finish_load()
+            folded = tp == 1
+            assert block.folded_shared == (2 if folded else 0)
+            assert (block.shared_experts is None) == folded
+            assert block.experts.w13.shape[0] == 16 // tp + block.folded_shared
+            weights, ids = block.route(x)
+            assert ids.shape[1] == 4 + block.folded_shared
+        total += block(x)
     with torch.no_grad():
         ref = hf(x.unsqueeze(0))[0]
     torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-5)

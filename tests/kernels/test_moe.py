@@ -198,3 +198,52 @@ def test_moe_route_rejects_a_bad_scoring_func(device):
 
     with pytest.raises(ValueError, match="scoring_func"):
         moe_route(torch.zeros(2, 4, device=device), 2, "tanh", True)
+
+
+@pytest.mark.parametrize("scoring,bias,scale", [("softmax", False, 1.0),
+                                                ("sigmoid", True, 2.5)])
+def test_moe_route_appends_shared_experts_unscaled(scoring, bias, scale, gen, device):
+    """num_shared S: ids E .. E + S - 1 follow the top-k in every row with weight 1, and
+    the routed part is what the call without them returns."""
+    from kernels.ref_moe import moe_route_ref
+    from kernels.triton_moe import moe_route
+
+    e, k, s = 16, 3, 2
+    logits = (torch.randn(7, e, generator=gen) * 2).to(device)
+    b = torch.randn(e, generator=gen).to(device) if bias else None
+    args = (logits, k, scoring, True, scale, b)
+    base_w, base_ids = moe_route_ref(*args)
+    for fn in (moe_route, moe_route_ref):
+        w, ids = fn(*args, num_shared=s)
+        assert w.shape == ids.shape == (7, k + s)
+        assert torch.equal(ids[:, k:].cpu(), torch.tensor([[e, e + 1]] * 7))
+        assert torch.equal(w[:, k:].cpu(), torch.ones(7, s))
+        assert torch.equal(ids[:, :k].sort(dim=1).values, base_ids.sort(dim=1).values)
+        got = torch.zeros(7, e, device=device).scatter_(1, ids[:, :k], w[:, :k])
+        want = torch.zeros(7, e, device=device).scatter_(1, base_ids, base_w)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scoring,bias,renorm,scale,e,g,tg,k", [
+    ("softmax", False, False, 16.0, 16, 4, 2, 4),  # DeepSeek-V2's group_limited_greedy
+    ("softmax", False, False, 1.0, 160, 8, 3, 6),  # V2's own shape: 20 experts a group
+    ("sigmoid", True, True, 2.5, 16, 4, 2, 4),  # DeepSeek-V3's noaux_tc
+    ("sigmoid", True, True, 2.5, 256, 8, 4, 8),  # V3's own shape
+    ("sigmoid", True, False, 1.0, 8, 8, 3, 2),  # one expert a group
+])
+def test_moe_route_with_expert_groups_equals_reference(scoring, bias, renorm, scale, e, g,
+                                                       tg, k, gen, device):
+    from kernels.ref_moe import moe_route_ref
+    from kernels.triton_moe import moe_route
+
+    logits = (torch.randn(23, e, generator=gen) * 2).to(device)
+    b = torch.randn(e, generator=gen).to(device) if bias else None
+    args = (logits, k, scoring, renorm, scale, b)
+    w, ids = moe_route(*args, n_group=g, topk_group=tg, num_shared=1)
+    rw, rids = moe_route_ref(*args, n_group=g, topk_group=tg, num_shared=1)
+    assert torch.equal(ids.sort(dim=1).values, rids.sort(dim=1).values)
+    got = torch.zeros(23, e + 1, device=device).scatter_(1, ids, w)
+    want = torch.zeros(23, e + 1, device=device).scatter_(1, rids, rw)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the picks lie in topk_group groups: the grouping did restrict them
+    assert max(len(set((row // (e // g)).tolist())) for row in ids[:, :k].cpu()) <= tg
