@@ -107,8 +107,10 @@ class EngineBridge:
                 log.error("dropped a bad event from the engine process: %s", e)
                 continue
             if isinstance(msg, TokensBatchEvent):
-                for ev in msg.items:
-                    self._tokens(ev)
+                if rest := self.hub.add_batch(msg):
+                    for ev in msg.events(rest):  # no Outputs stream: their Decode carries them
+                        if (q := self.queues.get(ev.rid)) is not None:
+                            q.put_nowait(ev)
                 self._flush()
             elif isinstance(msg, TokensEvent):
                 self._tokens(msg)
