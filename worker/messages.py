@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from engine.codec import Codec
+from engine.codec import BASE, Codec
 from engine.codec import MessageError as MessageError  # raised by decode
 from engine.request import LogprobRow
 from engine.sampling_params import SamplingParams
@@ -201,38 +201,34 @@ class TokensBatchEvent:
     top_values: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        # the codec reports a ValueError("field: why") as "batch.field: why"
+        # The codec reports a ValueError("field: why") as "batch.field: why". Each column
+        # is checked as a whole (lengths, ranges: C-level calls); the sparse groups only
+        # when the step has them.
         n = len(self.rids)
-        _same_len(n, "counts", self.counts, "texts", self.texts)
-        if self.counts and min(self.counts) < 0:
-            raise ValueError("counts: a negative token count")
-        if sum(self.counts) != len(self.ids):
-            raise ValueError(f"ids: {len(self.ids)} tokens, counts add up to "
-                             f"{sum(self.counts)}")
+        _same_len(n, ("counts", self.counts), ("texts", self.texts))
+        _counts("counts", self.counts, "ids", self.ids)
         _token_ids("ids", self.ids)
-        _indices("ended", self.ended, n)
-        _same_len(len(self.ended), "finishes", self.finishes, "stop_reasons",
-                  self.stop_reasons, "errors", self.errors)
-        if not set(self.finishes) <= FINISHES:
-            raise ValueError(f"finishes: each one of {sorted(FINISHES)}")
-        _indices("timed", self.timed, n)
-        _same_len(len(self.timed), "kv_ready_ns", self.kv_ready_ns, "first_step_ns",
-                  self.first_step_ns, "cached_tokens", self.cached_tokens)
-        if self.lp_counts or self.lp_ids:
-            _same_len(n, "lp_counts", self.lp_counts)
-            if min(self.lp_counts) < 0 or sum(self.lp_counts) != len(self.lp_ids):
-                raise ValueError(f"lp_counts: must add up to the {len(self.lp_ids)} rows "
-                                 f"of lp_ids")
-        _token_ids("lp_ids", self.lp_ids)
-        _same_len(len(self.lp_ids), "lp_values", self.lp_values, "top_counts",
-                  self.top_counts)
-        if self.top_counts and min(self.top_counts) < 0:
-            raise ValueError("top_counts: a negative count")
-        if sum(self.top_counts) != len(self.top_ids):
-            raise ValueError(f"top_ids: {len(self.top_ids)} entries, top_counts add up to "
-                             f"{sum(self.top_counts)}")
-        _token_ids("top_ids", self.top_ids)
-        _same_len(len(self.top_ids), "top_values", self.top_values)
+        if self.ended or self.finishes or self.stop_reasons or self.errors:
+            _indices("ended", self.ended, n)
+            _same_len(len(self.ended), ("finishes", self.finishes),
+                      ("stop_reasons", self.stop_reasons), ("errors", self.errors))
+            if not set(self.finishes) <= FINISHES:
+                raise ValueError(f"finishes: each one of {sorted(FINISHES)}")
+        if self.timed or self.kv_ready_ns or self.first_step_ns or self.cached_tokens:
+            _indices("timed", self.timed, n)
+            _same_len(len(self.timed), ("kv_ready_ns", self.kv_ready_ns),
+                      ("first_step_ns", self.first_step_ns),
+                      ("cached_tokens", self.cached_tokens))
+        if self.lp_counts or self.lp_ids or self.lp_values or self.top_counts \
+                or self.top_ids or self.top_values:
+            _same_len(n, ("lp_counts", self.lp_counts))
+            _counts("lp_counts", self.lp_counts, "lp_ids", self.lp_ids)
+            _token_ids("lp_ids", self.lp_ids)
+            _same_len(len(self.lp_ids), ("lp_values", self.lp_values),
+                      ("top_counts", self.top_counts))
+            _counts("top_counts", self.top_counts, "top_ids", self.top_ids)
+            _token_ids("top_ids", self.top_ids)
+            _same_len(len(self.top_ids), ("top_values", self.top_values))
 
     @classmethod
     def of(cls, events: Sequence[TokensEvent]) -> TokensBatchEvent:
@@ -349,10 +345,18 @@ FINISHES = frozenset({"", "stop", "length", "abort", "error"})  # "": not finish
 _TOKEN_ID_LIMIT = 2**32  # the wire's token ids are uint32
 
 
-def _same_len(n: int, *named: object) -> None:
-    for name, col in zip(named[::2], named[1::2], strict=True):
-        if len(col) != n:  # type: ignore[arg-type]
-            raise ValueError(f"{name}: {len(col)} entries, expected {n}")  # type: ignore[arg-type]
+def _same_len(n: int, *named: tuple[str, Sequence[Any]]) -> None:
+    for name, col in named:
+        if len(col) != n:
+            raise ValueError(f"{name}: {len(col)} entries, expected {n}")
+
+
+def _counts(name: str, counts: list[int], of: str, items: list[Any]) -> None:
+    """counts[i] of ``items`` belong to entry i: none negative, all of them accounted for."""
+    if counts and min(counts) < 0:
+        raise ValueError(f"{name}: a negative count")
+    if sum(counts) != len(items):
+        raise ValueError(f"{of}: {len(items)} entries, {name} add up to {sum(counts)}")
 
 
 def _indices(name: str, col: list[int], n: int) -> None:
@@ -431,14 +435,34 @@ def _floats_out(v: list[float]) -> bytes:
 
 
 def _floats_in(v: Any) -> list[float]:
+    if v == b"":
+        return []
     if not isinstance(v, bytes) or len(v) % 8:
         raise TypeError("packed float64 bytes")
     out: list[float] = np.frombuffer(v, dtype=_F64).tolist()
     return out
 
 
+_STR = frozenset({str})
+
+
+def _strs_in(v: Any) -> list[str]:
+    # a step's request ids and texts: one C-level pass over the column's types, not a
+    # Python-level check per entry (that was most of the step message's decode time)
+    if not isinstance(v, list) or not set(map(type, v)) <= _STR:
+        raise TypeError("a list of strings")
+    return v
+
+
+def _ints_in(v: Any) -> list[int]:
+    return [] if v == b"" else _packed_ints_in(v)  # most sparse columns of a step are empty
+
+
+_packed_ints_in = BASE[list[int]][1]
 # list[float] (a step's logprobs) travels packed like list[int]: one numpy call, lossless
-_CODEC = Codec((*COMMANDS, *EVENTS), extra={list[float]: (_floats_out, _floats_in)})
+_CODEC = Codec((*COMMANDS, *EVENTS), extra={list[float]: (_floats_out, _floats_in),
+                                            list[str]: (list, _strs_in),
+                                            list[int]: (BASE[list[int]][0], _ints_in)})
 
 
 def encode(msg: Message) -> bytes:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from dataclasses import dataclass
 
 from pdserve.v1 import worker_pb2
@@ -181,22 +182,32 @@ class OutputHub:
         built in place from the columns. Returns the indices of the requests that have no
         subscriber (their Decode streams carry them)."""
         owner = self._owner
-        ids = b.ids
+        dirty = self._dirty
         entries: list[worker_pb2.Tokens | None] = []
         rest: list[int] = []
-        o = 0
-        for i, (rid, n, text) in enumerate(zip(b.rids, b.counts, b.texts, strict=True)):
+        # Setting an entry's fields one by one is ~30% cheaper than add(**fields) (upb);
+        # a decode step gives every request one token, the common case
+        one_each = len(b.ids) == len(b.rids) and (not b.counts or min(b.counts) == 1)
+        ids, texts = b.ids, b.texts
+        starts = [] if one_each else list(itertools.accumulate(b.counts, initial=0))
+        for i, rid in enumerate(b.rids):
             sub = owner.get(rid)
             if sub is None:
                 rest.append(i)
                 entries.append(None)
-            else:
-                if not sub.npending:
-                    self._dirty.append(sub)
-                sub.npending += 1
-                entries.append(sub.pending.tokens.add(request_id=rid, token_ids=ids[o:o + n],
-                                                      text=text))
-            o += n
+                continue
+            if not sub.npending:
+                dirty.append(sub)
+            sub.npending += 1
+            t = sub.pending.tokens.add()
+            t.request_id = rid
+            if one_each:
+                t.token_ids.append(ids[i])
+            elif starts[i] < starts[i + 1]:
+                t.token_ids.extend(ids[starts[i]:starts[i + 1]])
+            if text := texts[i]:
+                t.text = text
+            entries.append(t)
         for i, kv_ready, first_step, cached in zip(b.timed, b.kv_ready_ns, b.first_step_ns,
                                                    b.cached_tokens, strict=True):
             if (t := entries[i]) is not None:

@@ -161,5 +161,13 @@ def test_a_columnar_step_builds_the_same_entries_as_its_events() -> None:
             want.request_id = ev.rid
             assert entry == want, (entry, want)
         assert step.events([1]) == (events[1],)
+        # the common decode step: one token for each request
+        step = TokensBatchEvent.of([tok("r1", (3,)), tok("inline", (4,)),
+                                    tok("r4", (5,), "length")])
+        assert hub.add_batch(step) == [1]
+        assert hub.flush() == [OutputsDone("r4", 2, "length")]
+        assert [(t.request_id, list(t.token_ids), t.text, t.finish_reason)
+                for t in (await a.next_batch()).tokens] == [
+            ("r1", [3], "d", 0), ("r4", [5], "f", common_pb2.FINISH_REASON_LENGTH)]
 
     asyncio.run(main())
