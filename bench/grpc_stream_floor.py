@@ -243,7 +243,7 @@ def main() -> None:
         "grpc": grpc.__version__, "config": {k: v for k, v in vars(args).items()
                                              if k != "out"},
         "runs": runs, "server_us_per_message_median": per_msg[len(per_msg) // 2]}
-    print(f"grpc.aio {args.mode}, {args.streams} streams, {args.tick_ms:g} ms ticks: server "
+    print(f"grpc {args.mode}, {args.streams} streams, {args.tick_ms:g} ms ticks: server "
           f"µs/message {per_msg} (median {result['server_us_per_message_median']})")
     if args.out:
         with open(args.out, "w") as f:
