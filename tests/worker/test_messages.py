@@ -11,7 +11,7 @@ import pytest
 from engine.request import LogprobRow
 from engine.sampling_params import SamplingParams
 from worker import messages as m
-from worker.load_report import LoadReport
+from worker.load_report import HeldRow, LoadReport
 
 ROW = LogprobRow(7, -0.25, ((7, -0.25), (3, -1.5)))
 SAMPLES: list[m.Message] = [
@@ -48,6 +48,9 @@ SAMPLES: list[m.Message] = [
                            m.TokensEvent("r2", (5,), "c", (), "stop", "</s>"))),
     m.TokensBatchEvent.of(()),
     m.StatsEvent(LoadReport(1, 0, 3, 8)),
+    m.StatsEvent(LoadReport(1, 2, 3, 8, requests=(HeldRow("a", "DECODING", 1.25, 0.125, 3),
+                                                  HeldRow("b", "QUEUED", 0.001, 0.001, 0)),
+                            requests_held=2)),
     m.FatalEvent("boom"),
 ]
 
@@ -78,6 +81,7 @@ def _raw(*items: object) -> bytes:
 # SamplingParams() as the wire carries it (a field list), and one field of it changed
 SP = msgpack.unpackb(m.encode(m.PrefillCmd("r", (1,), SamplingParams(), 0)))[3]
 _FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+_LOAD = msgpack.unpackb(m.encode(m.StatsEvent(LoadReport(1, 2, 3, 4))))[1]  # its field list
 
 
 def _sp(field: str, value: object) -> list[object]:
@@ -106,6 +110,10 @@ def _sp(field: str, value: object) -> list[object]:
     (_raw("token0", "r1", 1, "t", [1, -0.1], None, "", 0, 0), "token0.logprob"),
     (_raw("tokens", "r1", [1], "t", [[1, -0.1, [[2]]]], None), "tokens.logprobs"),
     (_raw("stats", [1, 2]), "stats.load"),
+    (_raw("stats", [*_LOAD[:12], [["a"], ["DECODING"], _f64(1.0), _f64(1.0), b""]]),
+     "stats.load.requests"),
+    (_raw("stats", [*_LOAD[:12], [["a"], [7], _f64(1.0), _f64(1.0), _i64(1)]]),
+     "stats.load.requests"),
     (_raw("batch", ["r1"]), "batch.counts"),
     (_raw("batch", ["r1", 7], _i64(1, 1), _i64(5, 6), ["a", "b"]), "batch.rids"),
     (_raw("batch", ["r1"], [1], _i64(5), ["a"]), "batch.counts"),
