@@ -461,6 +461,9 @@ def _ints_in(v: Any) -> list[int]:
 _packed_ints_out, _packed_ints_in = BASE[list[int]]
 
 
+_HELD_COLUMNS = ("request_id", "state", "age_s", "state_age_s", "blocks")
+
+
 def _held_out(rows: tuple[HeldRow, ...]) -> list[Any]:
     return [[r.request_id for r in rows], [r.state for r in rows],
             _floats_out([r.age_s for r in rows]), _floats_out([r.state_age_s for r in rows]),
@@ -473,8 +476,14 @@ def _held_in(v: Any) -> tuple[HeldRow, ...]:
     if not (isinstance(v, list) and len(v) == 5):
         raise TypeError("the held requests as 5 columns [ids, states, ages, state ages, "
                         "blocks]")
-    ids, states = _strs_in(v[0]), _strs_in(v[1])
-    ages, state_ages, blocks = _floats_in(v[2]), _floats_in(v[3]), _ints_in(v[4])
+    cols: list[Any] = []
+    for name, conv, col in zip(_HELD_COLUMNS, (_strs_in, _strs_in, _floats_in, _floats_in,
+                                               _ints_in), v, strict=True):
+        try:
+            cols.append(conv(col))
+        except TypeError as e:
+            raise TypeError(f"its {name} column as {e}") from None
+    ids, states, ages, state_ages, blocks = cols
     if not len(ids) == len(states) == len(ages) == len(state_ages) == len(blocks):
         raise TypeError("held request columns of one length")
     return tuple(map(HeldRow, ids, states, ages, state_ages, blocks))
