@@ -488,11 +488,50 @@ def _held_in(v: Any) -> tuple[HeldRow, ...]:
         raise TypeError("held request columns of one length")
     return tuple(map(HeldRow, ids, states, ages, state_ages, blocks))
 
+_BYTES = frozenset({bytes})
+
+
+def _hashes_in(v: Any) -> tuple[bytes, ...]:
+    if not isinstance(v, list) or not set(map(type, v)) <= _BYTES:
+        raise TypeError("a list of bytes")
+    return tuple(v)
+
+
+def _kv_items_out(items: tuple[KVBlocksEvent, ...]) -> list[Any]:
+    return [_packed_ints_out([e.seq for e in items]),
+            _packed_ints_out([int(e.removed) for e in items]),
+            _packed_ints_out([len(e.hashes) for e in items]),
+            [h for e in items for h in e.hashes]]
+
+
+def _kv_items_in(v: Any) -> tuple[KVBlocksEvent, ...]:
+    # A step's prefix-cache events (blocks stored and evicted) as columns: seqs, removed
+    # flags, hashes per event, every hash
+    if not (isinstance(v, list) and len(v) == 4):
+        raise TypeError("the events as 4 columns [seqs, removed, counts, hashes]")
+    try:
+        seqs, removed, counts = _ints_in(v[0]), _ints_in(v[1]), _ints_in(v[2])
+        hashes = _hashes_in(v[3])
+    except TypeError as e:
+        raise TypeError(f"the events as columns [seqs, removed, counts, hashes] ({e})") \
+            from None
+    if not len(seqs) == len(removed) == len(counts) or sum(counts) != len(hashes) \
+            or (counts and min(counts) < 0) or not set(removed) <= {0, 1}:
+        raise TypeError("event columns that agree (one length; counts adding up to the "
+                        "hashes; removed 0 or 1)")
+    starts = itertools.accumulate(counts, initial=0)
+    return tuple(KVBlocksEvent(q, bool(r), hashes[o:o + n])
+                 for q, r, n, o in zip(seqs, removed, counts, starts, strict=False))
+
+
 # list[float] (a step's logprobs) travels packed like list[int]: one numpy call, lossless
 _CODEC = Codec((*COMMANDS, *EVENTS), extra={list[float]: (_floats_out, _floats_in),
                                             list[str]: (list, _strs_in),
                                             list[int]: (_packed_ints_out, _ints_in),
-                                            tuple[HeldRow, ...]: (_held_out, _held_in)})
+                                            tuple[HeldRow, ...]: (_held_out, _held_in),
+                                            tuple[bytes, ...]: (list, _hashes_in),
+                                            tuple[KVBlocksEvent, ...]: (_kv_items_out,
+                                                                        _kv_items_in)})
 
 
 def encode(msg: Message) -> bytes:
