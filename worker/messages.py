@@ -169,7 +169,8 @@ class TokensBatchEvent:
     """One engine step's tokens for every request that got some, as parallel columns: one
     message per step, so the cost of this hop does not grow with the batch, and decoding it
     checks each column once (a packed column is one numpy call) instead of a record per
-    request. Build it with ``of``; ``events`` gives the requests' ``TokensEvent``s back.
+    request. The engine process fills one with ``TokensBatchBuilder``; ``events`` gives the
+    requests' ``TokensEvent``s back.
 
     Request ``i`` is ``rids[i]``; its tokens are the next ``counts[i]`` of ``ids`` and its
     text ``texts[i]``. The fields most steps do not have travel sparse, by index into
