@@ -14,7 +14,10 @@ token can go while each message carries one token.
         --repeat 3 --out OUT.json
 
 ``--mode write`` sends with ``context.write`` from a coroutine handler instead of yielding
-from an async generator (the router's way); ``--server-option NAME=VALUE`` passes a grpc
+from an async generator (the router's way); ``--mode bytes`` yields each message already
+encoded to a method registered without a response serializer (no protobuf object per
+message); ``--mode sync`` serves from grpc's sync server, one pool thread per stream;
+``--server-option NAME=VALUE`` passes a grpc
 server channel argument (ints where they parse), to measure options against the default.
 """
 
@@ -22,14 +25,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import datetime
 import json
 import multiprocessing as mp
 import os
 import platform
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,11 +80,90 @@ class WritingTickServicer(TickServicer):
             await context.write(resp)
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(tag: int, data: bytes) -> bytes:
+    return bytes((tag,)) + _varint(len(data)) + data
+
+
+class BytesTickServicer(TickServicer):
+    """Yields each response already encoded (protobuf wire bytes written here, the same
+    message as the other modes) to a method registered with no response serializer: no
+    protobuf object is built or serialized per message."""
+
+    async def bytes_responses(self, request: router_pb2.GenerateRequest, context: Any
+                              ) -> AsyncIterator[bytes]:
+        head = _field(0x0A, request.request_id.encode())  # request_id = 1
+        tail = _field(0x1A, b" tok")  # text = 3
+        for i in range(self.messages):
+            await self.tick.wait()
+            yield head + _field(0x12, _varint(1000 + i)) + tail  # token_ids = 2, packed
+
+
+def _add_bytes_servicer(servicer: BytesTickServicer, server: Any) -> None:
+    generate = grpc.unary_stream_rpc_method_handler(
+        servicer.bytes_responses,
+        request_deserializer=router_pb2.GenerateRequest.FromString,
+        response_serializer=None)  # the handler's bytes go out as they are
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "pdserve.v1.Router", {"Generate": generate}),))
+
+
+class SyncTickServicer(router_pb2_grpc.RouterServicer):
+    """grpc's sync server: one pool thread per stream, each waiting on a shared tick."""
+
+    def __init__(self, messages: int) -> None:
+        self.messages = messages
+        self.cond = threading.Condition()
+        self.ticks = 0
+
+    def step(self) -> None:
+        with self.cond:
+            self.ticks += 1
+            self.cond.notify_all()
+
+    def Generate(self, request: router_pb2.GenerateRequest,  # type: ignore[override]
+                 context: Any) -> Iterator[router_pb2.GenerateResponse]:
+        with self.cond:
+            seen = self.ticks
+        for i in range(self.messages):
+            with self.cond:
+                self.cond.wait_for(lambda: self.ticks > seen)  # noqa: B023 - read now
+                seen = self.ticks
+            yield router_pb2.GenerateResponse(request_id=request.request_id,
+                                              token_ids=[1000 + i], text=" tok")
+
+
+def _serve_sync(port_q: Any, messages: int, tick_s: float, streams: int,
+                options: list[tuple[str, Any]]) -> None:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=streams + 4),
+                         options=options)
+    servicer = SyncTickServicer(messages)
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    port_q.put(port)
+    while True:
+        time.sleep(tick_s)
+        servicer.step()
+
+
 async def _serve(port_q: Any, messages: int, tick_s: float, mode: str,
                  options: list[tuple[str, Any]]) -> None:
     server = grpc.aio.server(options=options)
-    servicer = (TickServicer if mode == "yield" else WritingTickServicer)(messages)
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    servicer = {"yield": TickServicer, "write": WritingTickServicer,
+                "bytes": BytesTickServicer}[mode](messages)
+    if isinstance(servicer, BytesTickServicer):
+        _add_bytes_servicer(servicer, server)
+    else:
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     port_q.put(port)
@@ -88,9 +172,12 @@ async def _serve(port_q: Any, messages: int, tick_s: float, mode: str,
         servicer.step()
 
 
-def server_main(port_q: Any, messages: int, tick_s: float, mode: str,
+def server_main(port_q: Any, messages: int, tick_s: float, mode: str, streams: int,
                 options: list[tuple[str, Any]]) -> None:
-    asyncio.run(_serve(port_q, messages, tick_s, mode, options))
+    if mode == "sync":
+        _serve_sync(port_q, messages, tick_s, streams, options)
+    else:
+        asyncio.run(_serve(port_q, messages, tick_s, mode, options))
 
 
 async def _clients(port: int, streams: int) -> int:
@@ -110,7 +197,7 @@ def one_run(args: argparse.Namespace, options: list[tuple[str, Any]]) -> dict[st
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
     server = ctx.Process(target=server_main, args=(port_q, args.messages, args.tick_ms / 1e3,
-                                                   args.mode, options))
+                                                   args.mode, args.streams, options))
     server.start()
     try:
         port = port_q.get(timeout=30)
@@ -141,7 +228,7 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tick-ms", type=float, default=10.0)
     ap.add_argument("--messages", type=int, default=300, help="per stream")
-    ap.add_argument("--mode", choices=("yield", "write"), default="yield")
+    ap.add_argument("--mode", choices=("yield", "write", "bytes", "sync"), default="yield")
     ap.add_argument("--server-option", action="append", default=[], type=_option)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", help="JSON results here")
@@ -156,7 +243,7 @@ def main() -> None:
         "grpc": grpc.__version__, "config": {k: v for k, v in vars(args).items()
                                              if k != "out"},
         "runs": runs, "server_us_per_message_median": per_msg[len(per_msg) // 2]}
-    print(f"grpc.aio {args.mode}, {args.streams} streams, {args.tick_ms:g} ms ticks: server "
+    print(f"grpc {args.mode}, {args.streams} streams, {args.tick_ms:g} ms ticks: server "
           f"µs/message {per_msg} (median {result['server_us_per_message_median']})")
     if args.out:
         with open(args.out, "w") as f:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from engine.outputs import StepResult
 from engine.scheduler import QueueFull
-from worker.messages import AbortCmd, Command, DecodeCmd, TokensBatchEvent
-from worker.role import RoleHandler, error_event, tokens_event
+from worker.messages import AbortCmd, Command, DecodeCmd
+from worker.role import RoleHandler, error_event, tokens_batch
 
 
 class ColocatedHandler(RoleHandler):
@@ -24,4 +24,4 @@ class ColocatedHandler(RoleHandler):
 
     def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
         if step.outputs:  # one message for the whole step
-            self.emit(TokensBatchEvent(tuple(tokens_event(out) for out in step.outputs)))
+            self.emit(tokens_batch(step.outputs))

@@ -31,10 +31,9 @@ from worker.messages import (
     DecodeCmd,
     ReadyInfo,
     ReservedEvent,
-    TokensBatchEvent,
 )
 from worker.orphans import exhausted_by_orphans
-from worker.role import Emit, RoleHandler, error_event, now_ns, tokens_event
+from worker.role import Emit, RoleHandler, error_event, now_ns, tokens_batch
 
 log = logging.getLogger("pdserve.consumer")
 S = RequestState
@@ -198,12 +197,8 @@ class ConsumerHandler(RoleHandler):
     def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
         for rid, blocks in step.reserved.items():
             self._reserved(rid, blocks, step.reserved_cached.get(rid, 0))
-        items = []
-        for out in step.outputs:
-            times = self.first_step.pop(out.request_id, (0, 0))
-            items.append(tokens_event(out, kv_ready_ns=times[0], first_step_ns=times[1]))
-        if items:  # one message for the whole step
-            self.emit(TokensBatchEvent(tuple(items)))
+        if step.outputs:  # one message for the whole step
+            self.emit(tokens_batch(step.outputs, self.first_step))
 
     def has_background_work(self) -> bool:
         return self.engine.num_in(S.RESERVING, S.WAITING_FOR_KV) > 0

@@ -65,7 +65,7 @@ class Side:
         # a step's tokens come as one batch; tests look at them per request
         if isinstance(ev, TokensBatchEvent):
             self.batches += 1
-            self.events.extend(ev.items)
+            self.events.extend(ev.events())
         else:
             self.events.append(ev)
 

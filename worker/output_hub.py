@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 from dataclasses import dataclass
 
 from pdserve.v1 import worker_pb2
 
-from worker.convert import add_tokens
-from worker.messages import TokensEvent
+from worker.convert import add_tokens, finish_reason_pb, token_logprob
+from worker.messages import TokensBatchEvent, TokensEvent
 
 MAX_SUBSCRIBER_ID = 256  # bytes; a router's id is a uuid and a counter
 # How long a Decode waits for the subscriber it names to open (the router opens the stream
@@ -175,6 +176,66 @@ class OutputHub:
             sub.rids.discard(ev.rid)
             self._finishing.append((ev.rid, ev.finish or "", sub))
         return True
+
+    def add_batch(self, b: TokensBatchEvent) -> list[int]:
+        """``add`` for every request of a step's columnar message, each ``Tokens`` entry
+        built in place from the columns. Returns the indices of the requests that have no
+        subscriber (their Decode streams carry them)."""
+        owner = self._owner
+        dirty = self._dirty
+        entries: list[worker_pb2.Tokens | None] = []
+        rest: list[int] = []
+        # Setting an entry's fields one by one is ~30% cheaper than add(**fields) (upb);
+        # a decode step gives every request one token, the common case
+        one_each = len(b.ids) == len(b.rids) and (not b.counts or min(b.counts) == 1)
+        ids, texts = b.ids, b.texts
+        starts = [] if one_each else list(itertools.accumulate(b.counts, initial=0))
+        for i, rid in enumerate(b.rids):
+            sub = owner.get(rid)
+            if sub is None:
+                rest.append(i)
+                entries.append(None)
+                continue
+            if not sub.npending:
+                dirty.append(sub)
+            sub.npending += 1
+            t = sub.pending.tokens.add()
+            t.request_id = rid
+            if one_each:
+                t.token_ids.append(ids[i])
+            elif starts[i] < starts[i + 1]:
+                t.token_ids.extend(ids[starts[i]:starts[i + 1]])
+            if text := texts[i]:
+                t.text = text
+            entries.append(t)
+        for i, kv_ready, first_step, cached in zip(b.timed, b.kv_ready_ns, b.first_step_ns,
+                                                   b.cached_tokens, strict=True):
+            if (t := entries[i]) is not None:
+                if kv_ready:
+                    t.kv_ready_ns = kv_ready
+                if first_step:
+                    t.first_step_ns = first_step
+                if cached:
+                    t.cached_tokens = cached
+        if b.lp_counts:
+            for t, rows in zip(entries, b.logprob_rows(), strict=True):
+                if t is not None and rows:
+                    t.logprobs.extend([token_logprob(r) for r in rows])
+        for i, finish, stop_reason, error in zip(b.ended, b.finishes, b.stop_reasons,
+                                                 b.errors, strict=True):
+            if (t := entries[i]) is None:
+                continue
+            if stop_reason:
+                t.stop_reason = stop_reason
+            if error:
+                t.error = error
+            if finish:
+                t.finish_reason = finish_reason_pb(finish)
+                rid = b.rids[i]  # its last message: no more tokens may follow on any stream
+                sub = self._owner.pop(rid)
+                sub.rids.discard(rid)
+                self._finishing.append((rid, finish, sub))
+        return rest
 
     def flush(self) -> list[OutputsDone]:
         """Ends the step: one batch per subscriber that got tokens. Returns one OutputsDone

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput, StepResult
 from worker.load_report import DPRankLoad, LoadReport, PrefixCacheLoad
-from worker.messages import Command, Event, ReadyInfo, TokensEvent
+from worker.messages import (
+    Command,
+    Event,
+    ReadyInfo,
+    TokensBatchBuilder,
+    TokensBatchEvent,
+    TokensEvent,
+)
 
 if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
     from engine.llm_engine import LLMEngine
@@ -21,12 +28,18 @@ def now_ns() -> int:
     return time.time_ns()
 
 
-def tokens_event(out: RequestOutput, kv_ready_ns: int = 0,
-                 first_step_ns: int = 0) -> TokensEvent:
-    return TokensEvent(out.request_id, tuple(out.new_token_ids), out.new_text,
-                       tuple(out.new_logprobs), out.finish_reason, stop_text(out.stop_reason),
-                       kv_ready_ns=kv_ready_ns, first_step_ns=first_step_ns,
-                       cached_tokens=out.num_cached_tokens)
+def tokens_batch(outputs: Iterable[RequestOutput],
+                 first_steps: dict[str, tuple[int, int]] | None = None) -> TokensBatchEvent:
+    """One step's outputs as one columnar message. first_steps: rid -> (KV landed, first
+    decode step launched) ns, taken (popped) for the requests of this step (consumer)."""
+    b = TokensBatchBuilder()
+    for out in outputs:
+        kv_ready, first_step = (first_steps.pop(out.request_id, (0, 0)) if first_steps
+                                else (0, 0))
+        b.add(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs,
+              out.finish_reason, stop_text(out.stop_reason), "", kv_ready, first_step,
+              out.num_cached_tokens)
+    return b.build()
 
 
 def error_event(rid: str, finish: str, error: str) -> TokensEvent:

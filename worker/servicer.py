@@ -27,6 +27,7 @@ from worker.messages import (
     FatalEvent,
     KVEventsEvent,
     KVSnapshotEvent,
+    Message,
     MessageError,
     ReadyEvent,
     ReadyInfo,
@@ -45,6 +46,8 @@ log = logging.getLogger("pdserve.worker")
 # gRPC metadata key carrying the cluster token on the router's calls (router/requests/channels.py
 # sets it; the router must not import this package, so the name is written in both)
 CLUSTER_TOKEN_METADATA = "x-pdserve-cluster-token"
+# Events routed per wake-up of the pump before other work on the loop gets a turn
+DRAIN_BATCH = 64
 
 
 class EngineBusy(Exception):
@@ -57,9 +60,10 @@ class EngineBridge:
 
     def __init__(self, paths: ipc.IpcPaths) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.events = self.ctx.socket(zmq.PULL)
-        self.events.setsockopt(zmq.RCVHWM, ipc.HWM)
-        self.events.bind(paths.events)
+        # The events socket is a plain one, read by ``pump`` from a reader callback:
+        # zmq.asyncio costs a future and several enum operations per message received.
+        self._events_ctx = zmq.Context()
+        self.events = ipc.bind_pull(self._events_ctx, paths.events)
         self.commands = self.ctx.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.LINGER, 0)
         self.commands.setsockopt(zmq.SNDHWM, ipc.HWM)
@@ -100,34 +104,62 @@ class EngineBridge:
         self.hub.detach(rid)
 
     async def pump(self) -> None:
-        while True:
+        """Routes the engine process's events until cancelled. A reader on the socket's
+        descriptor wakes ``_drain``, which takes every queued message with non-blocking
+        receives (ZMQ's descriptor is edge-triggered: it signals again only once the queue
+        was read empty)."""
+        loop = asyncio.get_running_loop()
+        fd = self.events.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        loop.add_reader(fd, self._drain)
+        loop.call_soon(self._drain)  # what arrived before the reader was registered
+        try:
+            await loop.create_future()  # until cancelled
+        finally:
+            loop.remove_reader(fd)
+
+    def _drain(self) -> None:
+        for _ in range(DRAIN_BATCH):
             try:
-                msg = decode(await self.events.recv())
+                data = self.events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return  # read empty: the descriptor signals the next arrival
+            except zmq.ZMQError:  # closed (shutdown)
+                return
+            try:
+                self._route(decode(data))
             except MessageError as e:  # one bad event must not stop every stream
                 log.error("dropped a bad event from the engine process: %s", e)
-                continue
-            if isinstance(msg, TokensBatchEvent):
-                for ev in msg.items:
-                    self._tokens(ev)
-                self._flush()
-            elif isinstance(msg, TokensEvent):
-                self._tokens(msg)
-                self._flush()
-            elif isinstance(msg, StatsEvent):
-                self.load = msg.load
-            elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):
-                if self.on_kv is not None:
-                    self.on_kv(msg)
-            elif isinstance(msg, ReadyEvent):
-                if not self.ready.done():
-                    self.ready.set_result(msg.info)
-            elif isinstance(msg, FatalEvent):
-                self.fail_all(f"engine process failed: {msg.error}")
-            elif isinstance(msg, Event) and rid_of(msg) in self.queues:
-                self.queues[rid_of(msg)].put_nowait(msg)
-            elif not isinstance(msg, Event):
-                log.error("dropped a bad event from the engine process: %s is a command",
-                          type(msg).KIND)
+            except Exception:  # nor one the code here mishandles: the rest still flow
+                log.exception("failed to route an event from the engine process")
+        # more may be queued: let the loop's other work run before reading on
+        asyncio.get_running_loop().call_soon(self._drain)
+
+    def _route(self, msg: Message) -> None:
+        if isinstance(msg, TokensBatchEvent):
+            if rest := self.hub.add_batch(msg):
+                for ev in msg.events(rest):  # no Outputs stream: their Decode carries them
+                    if (q := self.queues.get(ev.rid)) is not None:
+                        q.put_nowait(ev)
+            self._flush()
+        elif isinstance(msg, TokensEvent):
+            self._tokens(msg)
+            self._flush()
+        elif isinstance(msg, StatsEvent):
+            self.load = msg.load
+        elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):
+            if self.on_kv is not None:
+                self.on_kv(msg)
+        elif isinstance(msg, ReadyEvent):
+            if not self.ready.done():
+                self.ready.set_result(msg.info)
+        elif isinstance(msg, FatalEvent):
+            self.fail_all(f"engine process failed: {msg.error}")
+        elif isinstance(msg, Event) and rid_of(msg) in self.queues:
+            self.queues[rid_of(msg)].put_nowait(msg)
+        elif not isinstance(msg, Event):
+            log.error("dropped a bad event from the engine process: %s is a command",
+                      type(msg).KIND)
 
     def _tokens(self, ev: TokensEvent) -> None:
         if not self.hub.add(ev) and ev.rid in self.queues:
@@ -148,6 +180,7 @@ class EngineBridge:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+        self._events_ctx.destroy(linger=0)
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

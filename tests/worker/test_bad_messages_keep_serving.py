@@ -29,6 +29,11 @@ class RecordingRole:
     def has_background_work(self) -> bool:
         return False
 
+    def command_wait_ms(self) -> int:
+        # asked whenever a turn ends with the loop still running (a command arriving after
+        # the turn's first drain, as under load)
+        return 0
+
     def after_step(self) -> None:
         pass
 

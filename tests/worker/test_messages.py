@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 import msgpack
+import numpy as np
 import pytest
 
 from engine.request import LogprobRow
 from engine.sampling_params import SamplingParams
 from worker import messages as m
-from worker.load_report import LoadReport
+from worker.load_report import HeldRow, LoadReport
 
 ROW = LogprobRow(7, -0.25, ((7, -0.25), (3, -1.5)))
 SAMPLES: list[m.Message] = [
@@ -40,10 +41,16 @@ SAMPLES: list[m.Message] = [
     m.KVSnapshotEvent(9, (b"\x03" * 32,)),
     m.TokensEvent("r1", (7, 8), "ab", (ROW, LogprobRow(8, -0.5)), "length", "", "", 5, 6),
     m.TokensEvent("r3", (), "", (), "error", error="bad"),
-    m.TokensBatchEvent((m.TokensEvent("r1", (7,), "a", (ROW,), None),
-                        m.TokensEvent("r2", (), "", (), "abort", error="gone"))),
-    m.TokensBatchEvent(()),
+    m.TokensBatchEvent.of((m.TokensEvent("r1", (7,), "a", (ROW,), None),
+                           m.TokensEvent("r2", (), "", (), "abort", error="gone"))),
+    m.TokensBatchEvent.of((m.TokensEvent("r1", (7, 9), "ab", (), None, kv_ready_ns=3,
+                                         first_step_ns=4, cached_tokens=16),
+                           m.TokensEvent("r2", (5,), "c", (), "stop", "</s>"))),
+    m.TokensBatchEvent.of(()),
     m.StatsEvent(LoadReport(1, 0, 3, 8)),
+    m.StatsEvent(LoadReport(1, 2, 3, 8, requests=(HeldRow("a", "DECODING", 1.25, 0.125, 3),
+                                                  HeldRow("b", "QUEUED", 0.001, 0.001, 0)),
+                            requests_held=2)),
     m.FatalEvent("boom"),
 ]
 
@@ -58,6 +65,14 @@ def test_round_trip(msg: m.Message) -> None:
     assert got == msg and type(got) is type(msg)
 
 
+def _i64(*v: int) -> bytes:
+    return np.asarray(v, dtype="<i8").tobytes()
+
+
+def _f64(*v: float) -> bytes:
+    return np.asarray(v, dtype="<f8").tobytes()
+
+
 def _raw(*items: object) -> bytes:
     out: bytes = msgpack.packb(list(items), use_bin_type=True)
     return out
@@ -66,6 +81,7 @@ def _raw(*items: object) -> bytes:
 # SamplingParams() as the wire carries it (a field list), and one field of it changed
 SP = msgpack.unpackb(m.encode(m.PrefillCmd("r", (1,), SamplingParams(), 0)))[3]
 _FIELDS = [f.name for f in dataclasses.fields(SamplingParams)]
+_LOAD = msgpack.unpackb(m.encode(m.StatsEvent(LoadReport(1, 2, 3, 4))))[1]  # its field list
 
 
 def _sp(field: str, value: object) -> list[object]:
@@ -89,16 +105,44 @@ def _sp(field: str, value: object) -> list[object]:
     (_raw("dest", "r1", "c", "addr", [1, True]), "dest.block_ids"),
     (_raw("dest", "r1", "c", "addr", [1], "2"), "dest.cached_blocks"),
     (_raw("kvsnap", 1, ["ab"]), "kvsnap.hashes"),
-    (_raw("kv", [[1, False, [b"x"]], [2, "no", []]]), "kv.items[1].removed"),
+    (_raw("kv", [[1, False, [b"x"]], [2, "no", []]]), "kv.items: expected the events as 4"),
+    (_raw("kv", [_i64(1, 2), _i64(0, 2), _i64(1, 0), [b"x"]]), "kv.items: expected event"),
+    (_raw("kv", [_i64(1, 2), _i64(0, 1), _i64(1, 1), [b"x"]]), "kv.items: expected event"),
+    (_raw("kv", [_i64(1), _i64(0), _i64(1), ["x"]]), "kv.items: expected the events as col"),
     (_raw("decode", "r1", [1], SP, 1), "decode.colocated"),
     (_raw("token0", "r1", 1, "t", [1, -0.1], None, "", 0, 0), "token0.logprob"),
     (_raw("tokens", "r1", [1], "t", [[1, -0.1, [[2]]]], None), "tokens.logprobs"),
     (_raw("stats", [1, 2]), "stats.load"),
-    (_raw("batch", 5), "batch.items"),
-    (_raw("batch", [["r1", [1], "t", [], None], ["r2", [1, "x"], "t", [], None]]),
-     "batch.items[1].ids"),
-    (_raw("batch", [["r1", [1]]]), "batch.items[0].text"),
-    (_raw("batch", [7]), "batch.items[0]"),
+    (_raw("stats", [*_LOAD[:12], [["a"], ["DECODING"], _f64(1.0), _f64(1.0), b""]]),
+     "stats.load.requests"),
+    (_raw("stats", [*_LOAD[:12], [["a"], [7], _f64(1.0), _f64(1.0), _i64(1)]]),
+     "stats.load.requests"),
+    (_raw("batch", ["r1"]), "batch.counts"),
+    (_raw("batch", ["r1", 7], _i64(1, 1), _i64(5, 6), ["a", "b"]), "batch.rids"),
+    (_raw("batch", ["r1"], [1], _i64(5), ["a"]), "batch.counts"),
+    (_raw("batch", ["r1", "r2"], _i64(1), _i64(5), ["a", "b"]), "batch.counts"),
+    (_raw("batch", ["r1"], _i64(-1), b"", ["a"]), "batch.counts"),
+    (_raw("batch", ["r1"], _i64(2), _i64(5), ["a"]), "batch.ids"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5)[:-1], ["a"]), "batch.ids"),
+    (_raw("batch", ["r1"], _i64(1), _i64(-5), ["a"]), "batch.ids"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), [b"a"]), "batch.texts"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], _i64(1), ["stop"], [""], [""]),
+     "batch.ended"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], _i64(0), [], [], []), "batch.finishes"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], _i64(0), ["exploded"], [""], [""]),
+     "batch.finishes"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], b"", [], [], [], _i64(0), _i64(1),
+          _i64(2), b""), "batch.cached_tokens"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], b"", [], [], [], b"", b"", b"", b"",
+          _i64(2), _i64(5), _f64(-0.5), _i64(0)), "batch.lp_ids"),
+    (_raw("batch", ["r1", "r2"], _i64(1, 0), _i64(5), ["a", ""], b"", [], [], [], b"", b"",
+          b"", b"", _i64(1), _i64(5), _f64(-0.5), _i64(0)), "batch.lp_counts"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], b"", [], [], [], b"", b"", b"", b"",
+          _i64(1), _i64(5), _f64(-0.5), _i64(2), _i64(3), _f64(-1.0)), "batch.top_ids"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], b"", [], [], [], b"", b"", b"", b"",
+          _i64(1), _i64(5), [-0.5], _i64(0)), "batch.lp_values"),
+    (_raw("batch", ["r1"], _i64(1), _i64(5), ["a"], b"", [], [], [], b"", b"", b"", b"",
+          _i64(1), _i64(5), _f64(-0.5), _i64(1), _i64(3), b""), "batch.top_values"),
     (_raw("abort", "r1", "extra"), "abort"),
     (_raw(), "message"),
     (msgpack.packb({"kind": "abort"}), "message"),
@@ -115,3 +159,23 @@ def test_bad_messages_are_rejected_by_name(data: bytes, names: str) -> None:
 def test_messages_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         m.AbortCmd("r1").rid = "r2"  # type: ignore[misc]
+
+
+def test_a_token_batch_is_the_same_tokens_as_its_events() -> None:
+    """The columnar step message gives back exactly the per-request events it was built
+    from: tokens, texts, finish and stop reasons, errors, timings, logprobs to the bit."""
+    events = (
+        m.TokensEvent("a", (7, 8), "xy", (ROW, LogprobRow(8, -0.1234567890123, ())), None,
+                      kv_ready_ns=5, first_step_ns=6, cached_tokens=3),
+        m.TokensEvent("b", (), "", (), "error", error="kv transfer failed"),
+        m.TokensEvent("c", (9,), "z", (), "stop", stop_reason="z"),
+        m.TokensEvent("d", (2**32 - 1,), "é", (LogprobRow(1, float("-inf")),), "length"),
+        m.TokensEvent("e", (4,), "q", (), None),
+    )
+    batch = m.decode(m.encode(m.TokensBatchEvent.of(events)))
+    assert isinstance(batch, m.TokensBatchEvent)
+    assert batch.events() == events
+    assert batch.events([4, 1]) == (events[4], events[1])
+    assert batch.counts == [2, 0, 1, 1, 1] and batch.ended == [1, 2, 3]
+    plain = m.TokensBatchEvent.of(events[4:])  # no request asked for logprobs: no columns
+    assert plain.lp_counts == [] and plain.events() == events[4:]

@@ -122,3 +122,52 @@ def test_a_batch_entry_carries_every_field_of_its_tokens_event() -> None:
             assert got == want, (got, want)
 
     asyncio.run(main())
+
+
+def test_a_columnar_step_builds_the_same_entries_as_its_events() -> None:
+    """A step's columnar message (what the engine process sends) gives each subscribed
+    request the entry its own event would (worker.convert.tokens_pb, every field), finishes
+    detach their requests, and the requests with no subscriber come back for their Decode."""
+    from engine.request import LogprobRow
+    from worker.convert import tokens_pb
+    from worker.messages import TokensBatchEvent, decode, encode
+
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        b, _ = hub.subscribe("router-b")
+        events = [
+            TokensEvent("r1", (5, 6), "xy", (LogprobRow(5, -0.5, ((5, -0.5), (7, -1.5))),
+                                              LogprobRow(6, -0.25, ())), None,
+                        kv_ready_ns=11, first_step_ns=12, cached_tokens=16),
+            TokensEvent("inline", (8,), "p", (), None),
+            TokensEvent("r2", (), "", (), "error", error="kv transfer failed"),
+            TokensEvent("r3", (9,), "z", (), "stop", stop_reason="z"),
+            TokensEvent("r4", (1,), "a", (), None),
+        ]
+        for ev, sub in zip(events, (a, None, a, b, a), strict=True):
+            if sub is not None:
+                hub.attach(ev.rid, sub)
+        step = decode(encode(TokensBatchEvent.of(events)))
+        assert isinstance(step, TokensBatchEvent)
+        assert hub.add_batch(step) == [1]
+        assert sorted(hub.flush(), key=lambda d: d.rid) == [
+            OutputsDone("r2", 1, "error"), OutputsDone("r3", 1, "stop")]
+        assert not hub.owns("r2") and not hub.owns("r3") and hub.owns("r1") and hub.owns("r4")
+        assert hub.tokens == 4 and hub.batches == 2
+        got = list((await a.next_batch()).tokens) + list((await b.next_batch()).tokens)
+        for entry, ev in zip(got, [events[i] for i in (0, 2, 4, 3)], strict=True):
+            want = tokens_pb(ev)
+            want.request_id = ev.rid
+            assert entry == want, (entry, want)
+        assert step.events([1]) == (events[1],)
+        # the common decode step: one token for each request
+        step = TokensBatchEvent.of([tok("r1", (3,)), tok("inline", (4,)),
+                                    tok("r4", (5,), "length")])
+        assert hub.add_batch(step) == [1]
+        assert hub.flush() == [OutputsDone("r4", 2, "length")]
+        assert [(t.request_id, list(t.token_ids), t.text, t.finish_reason)
+                for t in (await a.next_batch()).tokens] == [
+            ("r1", [3], "d", 0), ("r4", [5], "f", common_pb2.FINISH_REASON_LENGTH)]
+
+    asyncio.run(main())

@@ -117,7 +117,7 @@ def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> N
         emitted: list[Event] = []
 
         def emit(ev: Event) -> None:
-            emitted.extend(ev.items if isinstance(ev, TokensBatchEvent) else (ev,))
+            emitted.extend(ev.events() if isinstance(ev, TokensBatchEvent) else (ev,))
 
         loop = WorkerLoop(ColocatedHandler(eng, emit), pull, events)
         params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
