@@ -47,8 +47,11 @@ out["align/256"] = spills(al._align_kernel, {
 out["route/256"] = spills(m._route_kernel, {
     "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
     "E": "i32", "s_l": "i32", "scale": "fp32"},
-    dict(TOP_K=8, BLOCK_E=256, BLOCK_K=8, SIGMOID=True, HAS_BIAS=True, RENORM=True,
-         ROUND=True, ROUND_DTYPE=tl.bfloat16), num_warps=4)
+    # DeepSeek-V3's routing: 256 experts in 8 groups (top 4 groups), sigmoid + bias, top-8,
+    # and its shared expert routed to as a 9th column
+    dict(TOP_K=8, NUM_SHARED=1, BLOCK_E=256, BLOCK_K=16, SIGMOID=True, HAS_BIAS=True,
+         RENORM=True, ROUND=True, ROUND_DTYPE=tl.bfloat16, N_GROUP=8, TOPK_GROUP=4,
+         GROUP_SIZE=32, BLOCK_G=8), num_warps=4)
 out["sum"] = spills(m._sum_topk_kernel, {
     "y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "TOP_K": "i32",
     "expert_start": "i32", "num_local": "i32", "s_y": "i32", "s_o": "i32"},

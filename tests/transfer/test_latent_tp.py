@@ -130,7 +130,7 @@ class Consumer:
     def tokens(self, rid: str) -> Iterator[TokensEvent]:
         for ev in self.events:
             if isinstance(ev, TokensBatchEvent):
-                yield from (t for t in ev.items if t.rid == rid)
+                yield from (t for t in ev.events() if t.rid == rid)
             elif isinstance(ev, TokensEvent) and ev.rid == rid:
                 yield ev
 
