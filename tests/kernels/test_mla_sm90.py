@@ -1,8 +1,9 @@
-"""The MLA decode, merge and latent-store kernels compile for an H200 (sm_90) without a GPU,
-at DeepSeek's latent (512 + 64, bf16) and the launcher's default tiles, with no register
-spills past the measured exception below: ptxas from Triton's wheel, in a child process
-(the kernel tests' conftest runs Triton in its interpreter, which compiles nothing). The
-interpreter tests check values; this catches what only the compiler sees."""
+"""The MLA decode, merge, latent-store and latent (norm + RoPE + store) kernels compile for
+an H200 (sm_90) without a GPU, at DeepSeek's latent (512 + 64, bf16) and the launcher's
+default tiles, with no register spills past the measured exception below: ptxas from
+Triton's wheel, in a child process (the kernel tests' conftest runs Triton in its
+interpreter, which compiles nothing). The interpreter tests check values; this catches
+what only the compiler sees."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sm90_spills import spill_bytes
 
 BODY = r'''
 import kernels.triton_mla_decode as m
+import kernels.triton_mla_latent as lat
 import kernels.triton_store_kv as s
 
 DEC = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i64",
@@ -31,6 +33,13 @@ out["merge"] = spills(m._mla_merge_kernel, {
 out["store_latent"] = spills(s._store_latent_kernel, {
     "src_ptr": "*bf16", "kv_ptr": "*bf16", "slot_ptr": "*i64", "s_t": "i32", "s_cb": "i64",
     "s_cs": "i32", "scale": "fp32"}, dict(D=576, BS=64, BLOCK_D=1024, FP8=False), num_warps=4)
+LAT = {"kva_ptr": "*bf16", "q_ptr": "*bf16", "qo_ptr": "*bf16", "w_ptr": "*bf16",
+       "pos_ptr": "*i64", "cs_ptr": "*fp32", "kv_ptr": "*bf16", "slot_ptr": "*i64",
+       "s_a": "i32", "s_qt": "i32", "s_qh": "i32", "s_ot": "i32", "s_oh": "i32",
+       "s_cs": "i32", "s_cb": "i64", "s_ct": "i32", "eps": "fp32", "scale": "fp32"}
+for heads in (16, 128):  # V2-Lite's and V3's query heads on one rank
+    out[f"latent/h{heads}"] = spills(lat._mla_latent_kernel, LAT, dict(
+        C=512, HALF=32, H=heads, BS=64, BLOCK_C=512, BLOCK_H=heads, FP8=False), num_warps=4)
 '''
 
 
@@ -42,6 +51,6 @@ ACCEPTED = {"decode/h16/split0": 128, "decode/h16/split1": 128}
 @pytest.mark.slow
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     found = spill_bytes(BODY)
-    assert len(found) == 6
+    assert len(found) == 8
     over = {k: v for k, v in found.items() if v > ACCEPTED.get(k, 0)}
     assert over == {}, found
