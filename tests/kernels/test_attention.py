@@ -97,15 +97,23 @@ def test_decode_gpu(g, d, dtype, batch, max_len, num_splits, gen, close):
 PREFILL_SMALL = [(0, 20), (16, 16), (37, 5), (5, 1), (10, 0), (3, 33)]
 
 
-def _prefill_case(reqs: list[tuple[int, int]], bs: int, hkv: int, g: int, d: int,
-                  dtype: torch.dtype, gen: torch.Generator, device: torch.device,
-                  kw: dict[str, int], close) -> None:
+def prefill_inputs(reqs: list[tuple[int, int]], bs: int, hkv: int, g: int, d: int,
+                   dtype: torch.dtype, gen: torch.Generator, device: torch.device):
+    """A prefill step's (q, kv, block table, cu_seqlens, seq_lens) for requests given as
+    (cached tokens, chunk length)."""
     lens = [c + n for c, n in reqs]
     kv, table = paged_kv(lens, bs, hkv, d, dtype, gen, device)
     chunk = [n for _, n in reqs]
     cu = torch.tensor([0] + chunk, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
     q = _rand((sum(chunk), hkv * g, d), dtype, gen, device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    return q, kv, table, cu, seq_lens
+
+
+def _prefill_case(reqs: list[tuple[int, int]], bs: int, hkv: int, g: int, d: int,
+                  dtype: torch.dtype, gen: torch.Generator, device: torch.device,
+                  kw: dict[str, int], close) -> None:
+    q, kv, table, cu, seq_lens = prefill_inputs(reqs, bs, hkv, g, d, dtype, gen, device)
     scale = d ** -0.5
     ref = prefill_attention_ref(q, kv, table, cu, seq_lens, scale)
     from kernels.triton_prefill_attention import prefill_attention

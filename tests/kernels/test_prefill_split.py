@@ -8,24 +8,13 @@ import pytest
 import torch
 
 from kernels.ref_attention import prefill_attention_ref
-from tests.kernels.test_attention import _rand, needs_cuda, paged_kv
+from tests.kernels.test_attention import _rand, needs_cuda, paged_kv, prefill_inputs
 
 TILES = {"block_m": 16, "block_n": 16}
 # (cached tokens, chunk length) per request: a chunk starting mid-block after a cached
 # prefix (37 = 2 blocks + 5), one starting on a block boundary, a chunk longer than one
 # query tile after a prefix, a fresh prompt, a single token, an empty chunk.
 MIXED = [(37, 5), (48, 16), (21, 40), (0, 20), (70, 1), (9, 0)]
-
-
-def _case(reqs: list[tuple[int, int]], bs: int, hkv: int, g: int, d: int, dtype: torch.dtype,
-          gen: torch.Generator, device: torch.device):
-    lens = [c + n for c, n in reqs]
-    kv, table = paged_kv(lens, bs, hkv, d, dtype, gen, device)
-    chunk = [n for _, n in reqs]
-    cu = torch.tensor([0] + chunk, dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
-    q = _rand((sum(chunk), hkv * g, d), dtype, gen, device)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    return q, kv, table, cu, seq_lens
 
 
 def _run(q, kv, table, cu, seq_lens, scale, **kw) -> torch.Tensor:
@@ -41,7 +30,7 @@ def _run(q, kv, table, cu, seq_lens, scale, **kw) -> torch.Tensor:
 @pytest.mark.parametrize("g,dtype", [(4, torch.float32), (1, torch.bfloat16)])
 def test_split_matches_reference(num_splits, g, dtype, gen, device, close):
     # 7 splits over at most 85 keys: some splits of some tiles get no keys at all.
-    q, kv, table, cu, seq_lens = _case(MIXED, 16, 2, g, 64, dtype, gen, device)
+    q, kv, table, cu, seq_lens = prefill_inputs(MIXED, 16, 2, g, 64, dtype, gen, device)
     ref = prefill_attention_ref(q, kv, table, cu, seq_lens, 0.125)
     out = _run(q, kv, table, cu, seq_lens, 0.125, num_splits=num_splits, **TILES)
     close(out, ref, dtype)
@@ -50,7 +39,7 @@ def test_split_matches_reference(num_splits, g, dtype, gen, device, close):
 def test_split_equals_unsplit(gen, device):
     # Same float32 data split and not: only the merge's rounding may differ.
     reqs = [(100, 24), (33, 7), (64, 3)]
-    q, kv, table, cu, seq_lens = _case(reqs, 8, 2, 3, 32, torch.float32, gen, device)
+    q, kv, table, cu, seq_lens = prefill_inputs(reqs, 8, 2, 3, 32, torch.float32, gen, device)
     one = _run(q, kv, table, cu, seq_lens, 0.2, num_splits=1, **TILES)
     four = _run(q, kv, table, cu, seq_lens, 0.2, num_splits=4, **TILES)
     assert torch.allclose(one, four, rtol=1e-5, atol=1e-5)
@@ -61,7 +50,8 @@ def test_diagonal_run_crosses_a_split_boundary(gen, device, close):
     # One tile of 16 queries after 40 cached tokens: keys [0, 56), diag 32, runs of 32 keys
     # with 2 splits, so the masked part [32, 56) starts its own run; with 3 splits (runs of
     # 32 too: ceil(ceil(56 / 3) / 16) * 16) the third split has no keys.
-    q, kv, table, cu, seq_lens = _case([(40, 16)], 16, 1, 2, 32, torch.float32, gen, device)
+    q, kv, table, cu, seq_lens = prefill_inputs([(40, 16)], 16, 1, 2, 32, torch.float32, gen,
+                                                device)
     ref = prefill_attention_ref(q, kv, table, cu, seq_lens, 0.3)
     for s in (2, 3):
         close(_run(q, kv, table, cu, seq_lens, 0.3, num_splits=s, **TILES), ref, torch.float32)
@@ -73,7 +63,7 @@ def test_heuristic_splits_a_short_chunk_after_a_long_prefix(gen, device, close):
     from kernels.triton_prefill_split import choose_prefill_splits
 
     assert choose_prefill_splits(1, 2, 616, device) > 1
-    q, kv, table, cu, seq_lens = _case([(600, 16)], 16, 1, 2, 32, torch.bfloat16, gen,
+    q, kv, table, cu, seq_lens = prefill_inputs([(600, 16)], 16, 1, 2, 32, torch.bfloat16, gen,
                                        device)
     ref = prefill_attention_ref(q, kv, table, cu, seq_lens, 0.17)
     close(_run(q, kv, table, cu, seq_lens, 0.17, max_seq_len=616, **TILES), ref,
@@ -181,7 +171,7 @@ def test_engine_dispatch_sizes_the_split_from_the_step(gen, device, close, monke
 ])
 def test_split_gpu(num_splits, reqs, gen, close):
     dev = torch.device("cuda")
-    q, kv, table, cu, seq_lens = _case(reqs, 16, 8, 4, 128, torch.bfloat16, gen, dev)
+    q, kv, table, cu, seq_lens = prefill_inputs(reqs, 16, 8, 4, 128, torch.bfloat16, gen, dev)
     ref = prefill_attention_ref(q, kv, table, cu, seq_lens, 128 ** -0.5)
     out = _run(q, kv, table, cu, seq_lens, 128 ** -0.5, num_splits=num_splits,
                max_seq_len=max(c + n for c, n in reqs))
