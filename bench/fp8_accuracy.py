@@ -4,12 +4,16 @@ perplexity on the embedded SmolLM2-135M-Instruct (or --model).
   * greedy: 16 chat prompts, 32 new tokens each (EOS ignored), batched; the share of the
     16 x 32 positions whose token equals bf16's (a divergence also counts the positions
     after it), and the mean length of the common prefix;
+  * teacher-forced: each prompt followed by bf16's 32 tokens in one prefill, and the share
+    of those positions where the model's own argmax is bf16's token (no divergence carries
+    over, so one near-tie costs one position, not the rest of the answer);
   * perplexity of a fixed English text (one prefill, so FP8 x FP8 with activations
     quantized per token on a GPU, simulated on CPU), FP8 relative to bf16.
 
     python bench/fp8_accuracy.py --device cpu --out bench/results/fp8_accuracy_cpu.json
     python bench/fp8_accuracy.py --device cpu --act-group 64 \
         --out bench/results/fp8_accuracy_cpu_group64.json
+    python bench/fp8_accuracy.py --device cpu --weight-scales amax  # the earlier scales
 """
 
 from __future__ import annotations
@@ -74,6 +78,15 @@ def prompt_logits(model, ids: list[int], device: torch.device, dtype: torch.dtyp
         return model.compute_logits(h).float()
 
 
+def teacher_forced(model, prompt: list[int], ref: list[int], device: torch.device,
+                   dtype: torch.dtype) -> int:
+    """How many of `ref` (a continuation of `prompt`) the model's argmax picks when each
+    position is given the reference's own prefix (one prefill of prompt + ref)."""
+    logits = prompt_logits(model, prompt + ref, device, dtype)
+    picks = logits[len(prompt) - 1:-1].argmax(dim=-1).tolist()
+    return sum(a == b for a, b in zip(picks, ref, strict=True))
+
+
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     target = torch.tensor(ids[1:], device=logits.device)
     nll = torch.nn.functional.cross_entropy(logits[:-1], target)
@@ -87,7 +100,8 @@ def run(model: str | None, device: str, dtype: str, max_tokens: int = 32) -> dic
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     out: dict = {"model": model or "smollm2", "device": device, "dtype": dtype,
                  "prompts": len(PROMPTS), "max_tokens": max_tokens}
-    tokens, ppl = {}, {}
+    tokens: dict = {}
+    ppl, forced = {}, {}
     for quant in (None, "fp8"):
         t0 = time.perf_counter()
         with LLM(model, device=device, dtype=dtype, quantization=quant,
@@ -96,6 +110,10 @@ def run(model: str | None, device: str, dtype: str, max_tokens: int = 32) -> dic
             tokens[quant] = [r.token_ids for r in res]
             ids = llm.tokenizer.encode(TEXT)
             m = llm.engine.runner.model
+            forced[quant] = [
+                teacher_forced(m, llm.encode(q, chat=True), ref, torch.device(device),
+                               getattr(torch, dtype))
+                for q, ref in zip(PROMPTS, tokens[None], strict=True)]
             logits = prompt_logits(m, ids, torch.device(device), getattr(torch, dtype))
             ppl[quant] = perplexity(logits, ids)
         out[f"{quant or 'bf16'}_s"] = round(time.perf_counter() - t0, 1)
@@ -108,6 +126,9 @@ def run(model: str | None, device: str, dtype: str, max_tokens: int = 32) -> dic
     out.update(
         greedy_match=round(same / (len(PROMPTS) * max_tokens), 4),
         mean_common_prefix=round(sum(prefix) / len(prefix), 2),
+        teacher_forced_match=round(sum(forced["fp8"]) / (len(PROMPTS) * max_tokens), 4),
+        teacher_forced_match_bf16_itself=round(
+            sum(forced[None]) / (len(PROMPTS) * max_tokens), 4),
         text_tokens=len(ids), ppl_bf16=round(ppl[None], 4), ppl_fp8=round(ppl["fp8"], 4),
         ppl_ratio=round(ppl["fp8"] / ppl[None], 4))
     return out
@@ -139,20 +160,30 @@ def main() -> None:
     ap.add_argument("--weight-only-max-rows", type=int, default=None,
                     help="engine/quant/fp8_linear.WEIGHT_ONLY_MAX_ROWS for this run (a large "
                          "value: activations never quantized)")
+    ap.add_argument("--weight-scales", choices=("mse", "amax"), default=None,
+                    help="engine/quant/scheme.AT_LOAD.weight_scales for this run (default: "
+                         "the engine's, error-minimising 'mse')")
     ap.add_argument("--dtype-baseline", action="store_true",
                     help="no FP8: greedy agreement of float32 and bf16 only")
     ap.add_argument("--out", default="bench/results/fp8_accuracy_cpu.json")
     args = ap.parse_args()
+    import dataclasses
+
     import engine.quant.fp8_linear as fl
+    import engine.quant.scheme as sch
 
     if args.act_group is not None:
         fl.ACT_GROUP = args.act_group
     if args.weight_only_max_rows is not None:
         fl.WEIGHT_ONLY_MAX_ROWS = args.weight_only_max_rows
+    if args.weight_scales is not None:
+        sch.AT_LOAD = dataclasses.replace(sch.AT_LOAD, weight_scales=args.weight_scales)
+        sch.AT_LOAD_SCHEMES["fp8"] = sch.AT_LOAD  # what the engine's load reads
     if args.dtype_baseline:
         result = dtype_baseline(args.model, args.device)
     else:
         result = run(args.model, args.device, args.dtype)
+    result["weight_scales"] = sch.AT_LOAD.weight_scales
     result["act_group"] = fl.ACT_GROUP
     result["weight_only_max_rows"] = fl.WEIGHT_ONLY_MAX_ROWS
     result["torch"] = torch.__version__

@@ -16,9 +16,23 @@ token can go while each message carries one token.
 ``--mode write`` sends with ``context.write`` from a coroutine handler instead of yielding
 from an async generator (the router's way); ``--mode bytes`` yields each message already
 encoded to a method registered without a response serializer (no protobuf object per
-message); ``--mode sync`` serves from grpc's sync server, one pool thread per stream;
-``--server-option NAME=VALUE`` passes a grpc
-server channel argument (ints where they parse), to measure options against the default.
+message); ``--mode driven`` starts every stream's write from the tick itself, driving
+``context.write`` by hand (router/requests/direct_write.py, the router's steady state): no
+handler task wakes per message; ``--mode sync`` serves from grpc's sync server, one pool
+thread per stream;
+``--mode serialized`` builds the protobuf message and calls ``SerializeToString`` once
+in the handler, handing the bytes to a generic handler with identity serializers;
+``--mode sse`` is the HTTP door's shape instead of gRPC: an aiohttp server streaming one
+OpenAI-style ``data: {json}`` chunk per tick per stream (HTTP/1.1, one connection per
+stream), read by aiohttp clients; ``--server-option NAME=VALUE`` passes a grpc server
+channel argument (ints where they parse), to measure options against the default;
+``--loop uvloop`` runs the server's event loop on uvloop instead of asyncio's own;
+``--mode h2`` serves gRPC without grpc: an asyncio protocol whose connection setup and
+control frames go through the ``h2`` package, and whose response messages are written by
+hand as HTTP/2 DATA frames (9-byte frame header, 5-byte gRPC prefix, the message's protobuf
+bytes) within the peer's flow-control windows, one transport write per message, read by
+the same grpcio client; ``--mode h2-coalesce`` joins a tick's frames for every stream of a
+connection into one transport write.
 """
 
 from __future__ import annotations
@@ -46,6 +60,9 @@ import grpc  # noqa: E402
 from pdserve.v1 import router_pb2, router_pb2_grpc  # noqa: E402
 
 from deploy.benchmark.proc_cpu import proc_cpu_s  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from h2_floor_server import _field, _varint, serve_h2  # noqa: E402
 
 
 class TickServicer(router_pb2_grpc.RouterServicer):
@@ -80,17 +97,48 @@ class WritingTickServicer(TickServicer):
             await context.write(resp)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+class DrivenTickServicer(TickServicer):
+    """The tick itself starts every stream's write: each stream's ``context.write``
+    coroutine is driven by hand from the tick callback (``DirectWrite``), so no handler
+    task wakes per message; the handler only waits for its stream's end."""
 
+    def __init__(self, messages: int) -> None:
+        super().__init__(messages)
+        self.streams: list[Any] = []
 
-def _field(tag: int, data: bytes) -> bytes:
-    return bytes((tag,)) + _varint(len(data)) + data
+    def step(self) -> None:
+        for st in self.streams:
+            st.send()
+
+    async def Generate(self, request: router_pb2.GenerateRequest,  # type: ignore[override]
+                       context: Any) -> None:
+        from router.requests.direct_write import DirectWrite
+
+        rid = request.request_id
+        done = asyncio.get_running_loop().create_future()
+        writer = DirectWrite(context)
+        sent = 0
+
+        class Stream:
+            @staticmethod
+            def send() -> None:
+                nonlocal sent
+                if sent >= self.messages:
+                    if not done.done():
+                        done.set_result(None)
+                    return
+                if writer.idle:
+                    writer.start(router_pb2.GenerateResponse(
+                        request_id=rid, token_ids=[1000 + sent], text=" tok"))
+                    sent += 1
+
+        st = Stream()
+        self.streams.append(st)
+        try:
+            await done
+            await writer.wait_idle()
+        finally:
+            self.streams.remove(st)
 
 
 class BytesTickServicer(TickServicer):
@@ -107,7 +155,21 @@ class BytesTickServicer(TickServicer):
             yield head + _field(0x12, _varint(1000 + i)) + tail  # token_ids = 2, packed
 
 
-def _add_bytes_servicer(servicer: BytesTickServicer, server: Any) -> None:
+class SerializedTickServicer(TickServicer):
+    """Builds each response as the other modes do, serializes it once in the handler and
+    hands the bytes over raw (identity response serializer): grpc does no serializing."""
+
+    async def bytes_responses(self, request: router_pb2.GenerateRequest, context: Any
+                              ) -> AsyncIterator[bytes]:
+        rid = request.request_id
+        for i in range(self.messages):
+            await self.tick.wait()
+            yield router_pb2.GenerateResponse(request_id=rid, token_ids=[1000 + i],
+                                              text=" tok").SerializeToString()
+
+
+def _add_bytes_servicer(servicer: BytesTickServicer | SerializedTickServicer,
+                        server: Any) -> None:
     generate = grpc.unary_stream_rpc_method_handler(
         servicer.bytes_responses,
         request_deserializer=router_pb2.GenerateRequest.FromString,
@@ -155,12 +217,55 @@ def _serve_sync(port_q: Any, messages: int, tick_s: float, streams: int,
         servicer.step()
 
 
+SSE_CHUNK = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "text": " tok", "logprobs": None,
+                          "finish_reason": None}]}
+
+
+async def _serve_sse(port_q: Any, messages: int, tick_s: float) -> None:
+    """The HTTP door's per-chunk work: one JSON chunk encoded and written per tick."""
+    from aiohttp import web
+
+    tick = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for i in range(messages):
+            await tick.wait()
+            chunk = dict(SSE_CHUNK, id=f"cmpl-{i}")
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stream)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port_q.put(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    while True:
+        await asyncio.sleep(tick_s)
+        tick, old = asyncio.Event(), tick
+        old.set()
+
+
 async def _serve(port_q: Any, messages: int, tick_s: float, mode: str,
                  options: list[tuple[str, Any]]) -> None:
+    if mode == "sse":
+        await _serve_sse(port_q, messages, tick_s)
+        return
+    if mode in ("h2", "h2-coalesce"):
+        await serve_h2(port_q, messages, tick_s, coalesce=mode == "h2-coalesce")
+        return
     server = grpc.aio.server(options=options)
     servicer = {"yield": TickServicer, "write": WritingTickServicer,
-                "bytes": BytesTickServicer}[mode](messages)
-    if isinstance(servicer, BytesTickServicer):
+                "bytes": BytesTickServicer, "driven": DrivenTickServicer,
+                "serialized": SerializedTickServicer}[mode](messages)
+    if isinstance(servicer, BytesTickServicer | SerializedTickServicer):
         _add_bytes_servicer(servicer, server)
     else:
         router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
@@ -173,11 +278,33 @@ async def _serve(port_q: Any, messages: int, tick_s: float, mode: str,
 
 
 def server_main(port_q: Any, messages: int, tick_s: float, mode: str, streams: int,
-                options: list[tuple[str, Any]]) -> None:
+                options: list[tuple[str, Any]], loop: str = "asyncio") -> None:
     if mode == "sync":
         _serve_sync(port_q, messages, tick_s, streams, options)
+    elif loop == "uvloop":
+        import uvloop
+
+        uvloop.run(_serve(port_q, messages, tick_s, mode, options))
     else:
         asyncio.run(_serve(port_q, messages, tick_s, mode, options))
+
+
+async def _sse_clients(port: int, streams: int) -> int:
+    import aiohttp
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=streams)) as session:
+
+        async def one(i: int) -> int:
+            n = 0
+            async with session.post(url, json={"prompt": str(i)}) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        n += 1
+            return n
+
+        return sum(await asyncio.gather(*(one(i) for i in range(streams))))
 
 
 async def _clients(port: int, streams: int) -> int:
@@ -197,14 +324,16 @@ def one_run(args: argparse.Namespace, options: list[tuple[str, Any]]) -> dict[st
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
     server = ctx.Process(target=server_main, args=(port_q, args.messages, args.tick_ms / 1e3,
-                                                   args.mode, args.streams, options))
+                                                   args.mode, args.streams, options,
+                                                   args.loop))
     server.start()
     try:
         port = port_q.get(timeout=30)
         time.sleep(0.5)  # the server settled: its start-up is not measured
         assert server.pid is not None
         cpu0, t0 = proc_cpu_s(server.pid) or 0.0, time.monotonic()
-        sent = asyncio.run(_clients(port, args.streams))
+        sent = asyncio.run((_sse_clients if args.mode == "sse" else _clients)(
+            port, args.streams))
         cpu1, t1 = proc_cpu_s(server.pid) or 0.0, time.monotonic()
     finally:
         server.kill()
@@ -228,7 +357,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--tick-ms", type=float, default=10.0)
     ap.add_argument("--messages", type=int, default=300, help="per stream")
-    ap.add_argument("--mode", choices=("yield", "write", "bytes", "sync"), default="yield")
+    ap.add_argument("--mode", choices=("yield", "write", "bytes", "sync", "driven",
+                                       "serialized", "sse", "h2", "h2-coalesce"),
+                    default="yield")
+    ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                    help="the server's event loop")
     ap.add_argument("--server-option", action="append", default=[], type=_option)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", help="JSON results here")
@@ -243,7 +376,7 @@ def main() -> None:
         "grpc": grpc.__version__, "config": {k: v for k, v in vars(args).items()
                                              if k != "out"},
         "runs": runs, "server_us_per_message_median": per_msg[len(per_msg) // 2]}
-    print(f"grpc {args.mode}, {args.streams} streams, {args.tick_ms:g} ms ticks: server "
+    print(f"{args.mode} ({args.loop}), {args.streams} streams, {args.tick_ms:g} ms ticks: server "
           f"µs/message {per_msg} (median {result['server_us_per_message_median']})")
     if args.out:
         with open(args.out, "w") as f:

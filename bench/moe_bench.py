@@ -32,7 +32,7 @@ FP8 and as the same weights dequantized to bf16 (the same routings, in one run).
     python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
     python bench/moe_bench.py --quantization fp8 --out $OUT/moe_fp8_h200.json
     python bench/moe_bench.py --shape v2lite --profile --batches 1,8 --contexts 512 \
-        --out $OUT/moe_v2lite_profile.json   # per-kernel table of the decode step
+        --out $OUT/moe_v2lite_profile.json   # per-kernel table (bench/moe_profile.py)
     python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
     python bench/moe_bench.py --tune --quantization fp8   # FP8 experts' ("<device> fp8")
 
@@ -196,59 +196,6 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
         "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 3),
         "ratio_to_floor": round(point["engine_step_ms"] / floor_ms, 3)})
     return point
-
-
-def profile_point(engine: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
-    """Per-kernel GPU time of the graphed decode step at (batch, context): torch.profiler
-    over `steps` steps after a warm-up, each kernel name's CUDA time and launches per step,
-    largest first. Kernels in a replayed CUDA graph are recorded one by one (CUPTI)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=steps * 2 + 16, ignore_eos=True)
-    ids = []
-    for i in range(batch):
-        blocks = engine.reserve(context)
-        if blocks is None:
-            break
-        rid = f"prof-{batch}-{context}-{i}"
-        engine.add_prefilled(rid, [1 + (5 * i + j) % 1000 for j in range(context)], params,
-                             blocks, first_token=2)
-        ids.append(rid)
-    if len(ids) < batch:
-        for rid in ids:
-            engine.abort(rid)
-        while engine.has_unfinished():
-            engine.step()
-        return {"batch": batch, "context": context, "skipped": "KV does not fit"}
-    for _ in range(4):  # prefilled requests join; graphs replay from here on
-        engine.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) / steps * 1e3
-    kern: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kern.setdefault(e.name[:120], [0.0, 0])
-            k[0] += e.device_time_total
-            k[1] += 1
-    for rid in ids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    rows = [{"kernel": name, "ms_per_step": round(us / steps / 1e3, 4),
-             "count_per_step": round(n / steps, 2)}
-            for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
-    return {"batch": batch, "context": context, "steps": steps,
-            "step_wall_ms_under_profiler": round(wall_ms, 3),
-            "kernel_ms_per_step": round(sum(r["ms_per_step"] for r in rows), 3),
-            "kernels_per_step": round(sum(r["count_per_step"] for r in rows), 1),
-            "kernels": rows}
 
 
 def kv_values_per_token(cfg: Any) -> int:
@@ -420,6 +367,7 @@ def main() -> None:
     if args.quantization and args.tune_mla:
         ap.error("--tune-mla: MLA reads bf16 weights; leave out --quantization")
     from decode_bench import hbm_read_tbps, hf_generate_ms
+    from moe_profile import profile_table
     from moe_tune import tune, tune_mla
 
     from engine.config import EngineConfig
@@ -460,19 +408,7 @@ def main() -> None:
     result["dense_weight_bytes"] = dense_weight_bytes(model)
     result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
     if args.profile:
-        prof = []
-        for ctx in contexts:
-            for b in batches:
-                try:
-                    p = profile_point(engine, b, ctx, args.steps)
-                except Exception as e:
-                    p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
-                print(json.dumps({k: v for k, v in p.items() if k != "kernels"}), flush=True)
-                for row in p.get("kernels", [])[:30]:
-                    print(f"  {row['ms_per_step']:8.4f} ms  {row['count_per_step']:6.1f}/step"
-                          f"  {row['kernel']}", flush=True)
-                prof.append(p)
-        result["decode_profile"] = prof
+        result["decode_profile"] = profile_table(engine, batches, contexts, args.steps)
     elif args.tune_mla:
         result["tuned_mla"] = tune_mla(model, hbm, [(b, c) for c in contexts for b in batches])
         print(json.dumps(result["tuned_mla"], indent=1))

@@ -68,6 +68,21 @@ def _variant(name: str) -> None:
     tpa.SHORT_BLOCK_M = 0 if name == "before" else 128
 
 
+def producer_engine() -> Any:
+    """The producer engine this bench times: Llama-3-8B shape, dummy weights, bf16, prefix
+    caching on, the 2,048-token step budget bench/prefix_cache_gpu.sh gives it."""
+    from engine.config import EngineConfig
+    from engine.llm import build_engine
+
+    cfg_dir = tempfile.mkdtemp()
+    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
+        json.dump(LLAMA3_8B, f)
+    return build_engine(EngineConfig(
+        model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy", role="producer",
+        max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048,
+        kv_cache_bytes=8 << 30))
+
+
 def _profile(engine: Any, rid: str, prompt: list[int]) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -92,16 +107,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default="prefix_step.json")
     args = ap.parse_args()
-    from engine.config import EngineConfig
-    from engine.llm import build_engine
-
-    cfg_dir = tempfile.mkdtemp()
-    with open(os.path.join(cfg_dir, "config.json"), "w") as f:
-        json.dump(LLAMA3_8B, f)
-    engine = build_engine(EngineConfig(
-        model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy", role="producer",
-        max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048,
-        kv_cache_bytes=8 << 30))
+    engine = producer_engine()
     gen = torch.Generator().manual_seed(0)
     prefix = _tokens(PREFIX, gen)
     n = 0

@@ -56,7 +56,7 @@ TINY_DUMMY = "tiny-dummy"
 
 @dataclass(frozen=True)
 class ClientJob:
-    backend: str  # "grpc" | "http"
+    backend: str  # "grpc" | "http" ("grpc-stream" runs as "grpc" on the stream door's port)
     address: str  # router gRPC host:port
     base_url: str  # HTTP base URL (backend "http")
     specs: list[tuple[int, RequestSpec]]  # (workload index, request) this client sends
@@ -116,7 +116,8 @@ def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:
 
 # -- the run ------------------------------------------------------------------------------------
 
-def _cluster_spec(args: argparse.Namespace, model: str | None) -> Any:
+def _cluster_spec(args: argparse.Namespace, model: str | None, stream_port: int = -1) -> Any:
+    """stream_port: the router's hand-framed Generate door (--grpc-stream-port); -1: off."""
     from deploy.cluster import ClusterSpec
 
     worker = list(args.worker_arg)
@@ -131,6 +132,8 @@ def _cluster_spec(args: argparse.Namespace, model: str | None) -> Any:
         worker += ["--max-num-seqs", str(max(64, args.concurrency))]
     router = ["--max-running-requests", str(max(512, args.concurrency)),
               "--max-queued-requests", str(max(1024, args.concurrency)), *args.router_arg]
+    if stream_port >= 0:
+        router += ["--grpc-stream-port", str(stream_port)]
     # the cluster runs this tree's code (or --code-tree's: an older commit measured by the
     # same clients and meter), whatever an installed pdserve would give
     code = args.code_tree or ROOT
@@ -174,6 +177,7 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from deploy.benchmark.dummy_model import write_dummy_model
     from deploy.cluster import LocalCluster
+    from deploy.ports import free_port
 
     load_start = os.getloadavg()  # a shared machine's other work skews every number
     tmp = tempfile.mkdtemp(prefix="pdserve-cpu-bench-")
@@ -186,7 +190,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sampling = SamplingChoice(ignore_eos=True, timeout_s=args.request_timeout)
     procs_n = max(1, min(args.client_procs or max(2, math.ceil(args.concurrency / 250)),
                          args.concurrency))
-    cluster = LocalCluster(_cluster_spec(args, model), log_dir=args.log_dir or
+    # the same grpcio clients, on the router's hand-framed door (router/grpc_stream/)
+    stream_port = free_port("127.0.0.1") if args.backend == "grpc-stream" else -1
+    cluster = LocalCluster(_cluster_spec(args, model, stream_port), log_dir=args.log_dir or
                            os.path.join(tmp, "logs"))
     ctx = mp.get_context("spawn")
     ready, results, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -199,8 +205,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         indexed = list(enumerate(specs))
         conc = _split(list(range(args.concurrency)), procs_n)
         for share, streams in zip(_split(indexed, procs_n), conc, strict=True):
-            job = ClientJob(args.backend, cluster.router_address, base_url, share,
-                            max(1, len(streams)), args.warmup, sampling)
+            address = (f"{cluster.spec.host}:{stream_port}" if stream_port >= 0
+                       else cluster.router_address)
+            job = ClientJob("http" if args.backend == "http" else "grpc", address, base_url,
+                            share, max(1, len(streams)), args.warmup, sampling)
             p = ctx.Process(target=client_main, args=(job, ready, go, results), daemon=True)
             p.start()
             clients.append(p)
@@ -208,6 +216,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if ready.get(timeout=args.request_timeout) == -1:
                 raise RuntimeError(f"a client failed to start: {results.get(timeout=5)}")
         groups = {name: p.pid for name, p in cluster.procs.items()}
+        idle: dict[str, Any] = {}
+        if args.idle_s > 0:  # the fixed per-second costs: cluster up, clients connected
+            i0 = snapshot(groups)
+            t_idle = time.perf_counter()
+            time.sleep(args.idle_s)
+            idle_wall = time.perf_counter() - t_idle
+            idle = {part: v["cpu_s"] / idle_wall
+                    for part, v in cpu_between(i0, snapshot(groups)).items()}
         before = snapshot(groups)
         t0 = time.perf_counter()
         go.set()
@@ -241,6 +257,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cpu[part] = {"cpu_s": round(v["cpu_s"], 3),
                      "us_per_token": round(v["cpu_s"] / per_token * 1e6, 2),
                      "cores": round(v["cpu_s"] / wall, 3), "procs": v["procs"]}
+        if part in idle:
+            # what the process spends per second with nothing to serve, and that share of
+            # its per-token figure at this token rate (the rest grows with the load)
+            cpu[part]["idle_cores"] = round(idle[part], 4)
+            cpu[part]["idle_us_per_token"] = round(
+                idle[part] * wall / per_token * 1e6, 2)
     routers = [v["cpu_s"] for k, v in used.items() if k.startswith("router")]
     if len(routers) > 1:  # front doors started as processes of their own
         cpu["routers_total"] = {"cpu_s": round(sum(routers), 3),
@@ -342,8 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run the cluster from this checkout (e.g. a worktree of an older "
                         "commit) instead of the bench's own tree")
     w = p.add_argument_group("load")
-    w.add_argument("--backend", default="grpc", choices=("grpc", "http"),
-                   help="grpc: the router's Generate stream; http: /v1/completions SSE")
+    w.add_argument("--backend", default="grpc", choices=("grpc", "grpc-stream", "http"),
+                   help="grpc: the router's Generate stream; grpc-stream: the same on its "
+                        "hand-framed door (--grpc-stream-port); http: /v1/completions SSE")
     w.add_argument("--concurrency", type=int, default=64, help="streams open at once")
     w.add_argument("--num-prompts", type=int, default=None,
                    help="measured requests (default: 2x --concurrency)")
@@ -355,6 +378,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="client processes sharing the streams (default: max(2, c/250))")
     w.add_argument("--warmup", type=int, default=1, help="unmeasured requests per client")
     w.add_argument("--request-timeout", type=float, default=600.0)
+    w.add_argument("--idle-s", type=float, default=0.0,
+                   help="first measure this many seconds of the cluster idle (clients "
+                        "connected, no requests): each part's idle_cores, and "
+                        "idle_us_per_token, its share of the per-token figure")
     o = p.add_argument_group("output")
     o.add_argument("--out", default=None, help="write the result JSON here")
     o.add_argument("--log-dir", default=None, help="cluster process logs (default: a tmp dir)")

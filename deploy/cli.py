@@ -3,31 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from deploy.bench_cmd import add_bench_parser
-from deploy.cluster import ClusterStartError
-from deploy.doctor_cmd import add_doctor_parser
-from deploy.generate_cmd import add_generate_parser
-from deploy.launch_cmd import add_launch_parser
-from deploy.plan_cmd import add_plan_parser
-from deploy.router_client import RouterError
-from deploy.router_cmd import add_router_parser
-from deploy.worker_cmd import add_worker_parsers
+# Each command's module and the function that adds its subparser(s), in --help's order.
+# The modules are imported where the parser is built, not at this module's import: a
+# worker's engine process is started with multiprocessing's spawn, which runs the parent's
+# main module (this one, under `python -m deploy.cli`) again in the child before anything
+# else, and top-level imports here cost every engine start and role change 0.85 s of CPU
+# that the engine never uses. A process started for one command (a worker, the router)
+# builds that command's parser alone: the others' modules (plan's simulator and numpy,
+# launch's supervisor, ...) cost a worker's gRPC process ~0.6 s of its start.
+COMMANDS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("deploy.generate_cmd", "add_generate_parser", ("generate",)),
+    ("deploy.worker_cmd", "add_worker_parsers", ("producer", "consumer", "colocated")),
+    ("deploy.router_cmd", "add_router_parser", ("router",)),
+    ("deploy.launch_cmd", "add_launch_parser", ("launch",)),
+    ("deploy.bench_cmd", "add_bench_parser", ("bench",)),
+    ("deploy.doctor_cmd", "add_doctor_parser", ("doctor",)),
+    ("deploy.plan_cmd", "add_plan_parser", ("plan",)),
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with ``command`` (a subcommand's name) only the module
+    that defines it (what a process started for that one command needs)."""
     parser = argparse.ArgumentParser(prog="pdserve",
                                      description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
-    add_generate_parser(sub)
-    add_worker_parsers(sub)
-    add_router_parser(sub)
-    add_launch_parser(sub)
-    add_bench_parser(sub)
-    add_doctor_parser(sub)
-    add_plan_parser(sub)
+    only = [c for c in COMMANDS if command in c[2]]
+    for module, add, _ in only or COMMANDS:
+        getattr(importlib.import_module(module), add)(sub)
     _show_defaults(parser)
     return parser
 
@@ -53,13 +60,21 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    except (RouterError, ClusterStartError) as e:
+    except Exception as e:
+        # imported here: deploy.cluster (grpc, the router's protos) is a worker's import
+        # only where it fails
+        from deploy.cluster import ClusterStartError
+        from deploy.router_client import RouterError
+
+        if not isinstance(e, (RouterError, ClusterStartError)):
+            raise
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -8,6 +8,13 @@ several workers of one host). Oversubscribed, OpenMP's spinning threads made a 6
 an engine resolves ``--threads 0`` here: the cores of the process's affinity mask, capped
 by the cgroup quota (v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``), and ``OMP_NUM_THREADS``
 when the operator set it. `launch` splits that among the workers it starts on one host.
+
+The right count is not enough: an engine always shares its cores with other processes (its
+worker's gRPC service, the router, clients), and OpenMP's default is to spin at every
+barrier; a thread whose partner was descheduled spins out its time slice. A colocated
+worker with 2 threads on 2 busy cores took 25-34 s for 32 tokens, 2.2-2.7 s with passive
+waits (1 thread: 3.2-6.6 s). So every command that runs an engine asks for passive waits
+(``OMP_WAIT_POLICY=PASSIVE``) before torch loads, unless the operator chose a policy.
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ def available_cores(root: str = CGROUP_ROOT, proc_cgroup: str = "/proc/self/cgro
     if limit is not None:
         cores = min(cores, max(1, math.ceil(limit)))
     return max(1, cores)
+
+
+def passive_omp_waits(env: dict[str, str] | os._Environ[str] = os.environ) -> None:
+    """OpenMP threads sleep rather than spin while they wait (see the module docstring);
+    takes effect in processes that load torch's OpenMP after this, and in their children.
+    The operator's own ``OMP_WAIT_POLICY`` wins."""
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def engine_threads(requested: int, share: int = 1) -> int:

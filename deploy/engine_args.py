@@ -56,9 +56,12 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
     g.add_argument("--tp-timeout", type=float, default=60.0,
                    help="seconds any one collective between the ranks may take before the "
                         "engine fails (a hung rank)")
-    g.add_argument("--quantization", default=None, choices=("fp8",),
+    g.add_argument("--quantization", default=None, choices=("fp8", "fp8-all"),
                    help="fp8: quantize a float checkpoint's linear layers at load (per-channel "
-                        "FP8 weights, activations per token); FP8 checkpoints need no flag")
+                        "FP8 weights, activations per token), leaving the first and last "
+                        "decoder layers in the model's dtype on models of 8+ layers; fp8-all: "
+                        "those too (fewer bytes per step, less accurate); FP8 checkpoints "
+                        "need no flag")
     g.add_argument("--simulate-step-ms", type=float, default=None, metavar="MS",
                    help="a simulated engine (serving-plane load tests): no model; every step "
                         "takes MS ms and samples hashed token ids of the served tokenizer "

@@ -33,9 +33,11 @@ def add_generate_parser(sub: Any) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from deploy.cpu_threads import engine_threads, passive_omp_waits
+
+    passive_omp_waits()  # before torch's OpenMP loads
     import torch
 
-    from deploy.cpu_threads import engine_threads
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 

@@ -162,9 +162,11 @@ def _dataset_lengths(args: argparse.Namespace, n: int,
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    from deploy.cpu_threads import engine_threads, passive_omp_waits
+
+    passive_omp_waits()  # as the workers it profiles for run; before torch's OpenMP loads
     import torch
 
-    from deploy.cpu_threads import engine_threads
     from deploy.plan.measure import Grid, measure_profile, parse_ints
 
     torch.set_num_threads(engine_threads(args.threads))

@@ -13,7 +13,7 @@ from typing import Any
 
 from consumer.role import make_colocated_handler, make_consumer_handler
 from consumer.servicer import ConsumerServicer
-from deploy.cpu_threads import engine_threads
+from deploy.cpu_threads import engine_threads, passive_omp_waits
 from deploy.engine_args import add_engine_args, engine_config
 from producer.role import make_producer_handler
 from producer.servicer import ProducerServicer
@@ -130,6 +130,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
 
     args.worker_id = worker_id(args)
     config_for(args.command)  # bad flags fail here, before anything starts
+    passive_omp_waits()  # inherited by the engine process, which loads torch
     return run_worker_roles(config_for, args.command, args.drain_timeout)
 
 

@@ -16,13 +16,17 @@ Torch is imported only by ``iter_gguf_tensors``; reading the config stays torch-
 
 from __future__ import annotations
 
+import functools
 import mmap
+import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from engine.gguf_dequant import dequantize
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +67,7 @@ _SKIPPED = {"rope_freqs"}
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
            10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _MAGIC = b"GGUF"
 
 
@@ -103,6 +108,19 @@ class GGUFFile:
         self._pos += n
         return raw.decode("utf-8")
 
+    def _strings(self, n: int) -> list[str]:
+        """An array of n strings (a vocabulary, its merges): one tight loop, since a
+        49k-token vocabulary went through _value/_string/_read per string in 0.3 s."""
+        mm, pos, out = self._mm, self._pos, []
+        length = _U64.unpack_from
+        for _ in range(n):
+            k = length(mm, pos)[0]
+            pos += 8
+            out.append(mm[pos:pos + k].decode("utf-8"))
+            pos += k
+        self._pos = pos
+        return out
+
     def _value(self, vtype: int) -> Any:
         if vtype == _STRING:
             return self._string()
@@ -113,6 +131,8 @@ class GGUFFile:
                 arr = np.frombuffer(self._mm, dtype=dt, count=n, offset=self._pos)
                 self._pos += n * dt.itemsize
                 return arr.tolist()
+            if etype == _STRING:
+                return self._strings(n)
             return [self._value(etype) for _ in range(n)]
         if vtype not in _SCALAR:
             raise ValueError(f"unknown metadata value type {vtype}")
@@ -152,6 +172,21 @@ class GGUFFile:
         outer = int(np.prod(info.shape[:-1]))
         data = np.frombuffer(self._mm, np.uint8, count=outer * row_bytes, offset=info.offset)
         return data.reshape(*info.shape[:-1], row_bytes)
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The parsed header of ``path``, parsed once per process while the file is unchanged:
+    an engine start reads it three times (config, weights, tokenizer)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ValueError(f"model: {path} is not a readable GGUF file: {e}") from e
+    return _open_unchanged(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_unchanged(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
 
 
 def _arch(reader: GGUFFile, path: str) -> str:
@@ -221,7 +256,7 @@ def _config_from_reader(reader: GGUFFile, path: str) -> dict[str, Any]:
 
 def read_gguf_config(path: str) -> dict[str, Any]:
     """An HF ``config.json``-style dict for the model in the GGUF file at ``path``."""
-    return _config_from_reader(GGUFFile(path), path)
+    return _config_from_reader(open_gguf(path), path)
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -256,10 +291,9 @@ def iter_gguf_tensors(path: str, slicer: Callable[[str], tuple[int, int, int] | 
     slicer(hf_name) -> (dim, start, stop): only that part (a tensor-parallel rank's). Rows
     are quantized independently, so a row range is cut before dequantizing; a column range
     needs the whole tensor dequantized first."""
-    import gguf
     import torch
 
-    reader = GGUFFile(path)
+    reader = open_gguf(path)
     config = _config_from_reader(reader, path)
     permuted = _arch(reader, path) in _PERMUTED_QK
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
@@ -275,12 +309,14 @@ def iter_gguf_tensors(path: str, slicer: Callable[[str], tuple[int, int, int] | 
         if early:
             assert cut is not None
             raw = raw[cut[1]:cut[2]]
-        w = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(t.qtype))
+        w = dequantize(raw, t.qtype)
         stem = t.name.split(".")[-2]
         if permuted and stem in heads:  # the interleave is within a head: whole heads cut
             w = unpermute_qk_rows(w, heads[stem] * w.shape[0] // rows if early
                                   else heads[stem])
         if cut is not None and not early:
             w = w[cut[1]:cut[2]] if cut[0] == 0 else w[:, cut[1]:cut[2]]
-        # Own, writable float32 memory: torch must not alias the file mapping.
-        yield name, torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+        # Writable float32 memory: torch must not alias the (read-only) file mapping; a
+        # dequantized tensor already is new memory, copied only when a column cut left it
+        # strided.
+        yield name, torch.from_numpy(np.require(w, np.float32, ("C", "W")))

@@ -202,9 +202,9 @@ class Tokenizer:
 
     @classmethod
     def _from_gguf(cls, path: str) -> Tokenizer:
-        from engine.gguf_reader import GGUFFile  # torch-free: header parse only
+        from engine.gguf_reader import open_gguf  # torch-free: header parse only
 
-        meta = GGUFFile(path).metadata
+        meta = open_gguf(path).metadata
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError(f"model: GGUF {path} carries no tokenizer (tokenizer.ggml.tokens)")

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.attention import KernelSet
 from engine.config import ModelConfig
@@ -80,20 +81,39 @@ def _fill_dummy(model: LlamaForCausalLM, seed: int) -> None:
             p.copy_(model.local_from_full(name, w))
 
 
+# torch.nn.init's random fills, which nn.Linear/nn.Embedding run as they are built
+_RANDOM_INITS = frozenset({
+    torch.nn.init.uniform_, torch.nn.init.normal_, torch.nn.init.trunc_normal_,
+    torch.nn.init.kaiming_uniform_, torch.nn.init.kaiming_normal_,
+    torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_})
+
+
+class _NoRandomInit(TorchFunctionMode):
+    """Leaves parameters unfilled while a model is built: build_model then overwrites every
+    one (from the checkpoint, which must supply them all, or with dummy weights), so the
+    random fills were wasted work: 0.6 s of SmolLM2-135M's start on CPU, on every worker
+    start. torch.nn.init's functions dispatch through an active mode, hence a mode."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in _RANDOM_INITS:
+            return args[0] if args else (kwargs or {})["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.device,
                 dtype: str, load_format: str, max_positions: int,
                 seed: int = 0, group: TPGroup | None = None,
                 quantization: str | None = None) -> LlamaForCausalLM:
     """group: this rank's TP group; the model then holds (and reads) only its shard.
-    quantization: "fp8" quantizes a float checkpoint's projections at load (an FP8
-    checkpoint, cfg.quant, needs none)."""
+    quantization: "fp8" (or "fp8-all": the end layers too) quantizes a float checkpoint's
+    projections at load (an FP8 checkpoint, cfg.quant, needs none)."""
     from engine.quant.install import install_empty, quantize_loaded
-    from engine.quant.scheme import AT_LOAD
+    from engine.quant.scheme import AT_LOAD_SCHEMES
 
     prev = torch.get_default_dtype()
     torch.set_default_dtype(TORCH_DTYPES[dtype])
     try:
-        with torch.device(device):
+        with torch.device(device), _NoRandomInit():
             model = model_class(cfg)(cfg, kernels, max_positions, group)
     finally:
         torch.set_default_dtype(prev)
@@ -101,7 +121,7 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         _fill_dummy(model, seed)
         # dummy weights of an FP8 config: random floats quantized by its scheme (with
         # dynamic activation scales: random weights come with no calibrated input_scale)
-        scheme = cfg.quant or (AT_LOAD if quantization else None)
+        scheme = cfg.quant or (AT_LOAD_SCHEMES[quantization] if quantization else None)
         if scheme is not None:
             if scheme.act == "tensor":
                 scheme = dataclasses.replace(scheme, act="token")
@@ -124,7 +144,7 @@ def build_model(path: str, cfg: ModelConfig, kernels: KernelSet, device: torch.d
         if missing:
             raise ValueError(f"model: checkpoint lacks weights {missing[:4]}")
         if cfg.quant is None and quantization is not None:
-            quantize_loaded(model, AT_LOAD)
+            quantize_loaded(model, AT_LOAD_SCHEMES[quantization])
     # layouts built from the loaded weights (fused stacks): every weight is final here
     for module in list(model.modules()):
         finish = getattr(module, "finish_load", None)

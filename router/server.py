@@ -75,6 +75,8 @@ class RouterServer:
         self.metrics: RouterMetrics | None = None
         self.admission: Admission | None = None
         self._http: Any = None  # router.http.http_server.HttpFrontDoor, imported only when used
+        self.grpc_stream_port = 0  # bound hand-framed Generate port once started (0: off)
+        self._grpc_stream: Any = None  # router.grpc_stream.door.GrpcStreamDoor, when on
         self._server: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._channels: WorkerChannels | None = None
@@ -175,6 +177,16 @@ class RouterServer:
             except BaseException:
                 await self.stop(0)
                 raise
+        if cfg.grpc_stream_port >= 0:
+            from router.grpc_stream.door import GrpcStreamDoor  # h2 only when it is on
+
+            self._grpc_stream = GrpcStreamDoor(frontend, cfg, dict(SERVER_OPTIONS)[
+                "grpc.max_receive_message_length"])
+            try:
+                self.grpc_stream_port = await self._grpc_stream.start()
+            except BaseException:
+                await self.stop(0)
+                raise
         log.info("router serving %s on %s (policy %s)%s", model_id, self.address, policy.name,
                  f", HTTP on port {self.http_port}" if self.http_port else "")
         return self.port
@@ -186,6 +198,8 @@ class RouterServer:
                 await t
         if self.role_changer is not None:
             await self.role_changer.close()
+        if self._grpc_stream is not None:  # GOAWAY first: its open streams end below
+            self._grpc_stream.goaway()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self.dispatcher is not None:
@@ -193,6 +207,9 @@ class RouterServer:
         if self._http is not None:  # after the dispatcher ended its runs: streams close fast
             await self._http.stop()
             self._http = None
+        if self._grpc_stream is not None:  # its runs ended above: the streams end at once
+            await self._grpc_stream.stop(grace)
+            self._grpc_stream = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
@@ -224,8 +241,8 @@ class RouterServer:
                 log.warning("the router's event loop stalled for %.1f s: no worker is "
                             "charged for heartbeats it could not process then", late)
             for w in self.registry.sweep():
-                log.warning("dropped %s %s (%s): no heartbeat for %.1f s", w.role_name,
-                            w.worker_id, w.address, self.config.heartbeat_timeout_s)
+                log.warning("dropped %s %s (%s): %s", w.role_name, w.worker_id, w.address,
+                            self.registry.silence_reason(w))
 
     def _health_changed(self) -> None:
         self._spawn(self._set_health())

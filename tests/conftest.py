@@ -19,7 +19,12 @@ import time
 
 import pytest
 
+from deploy.cpu_threads import passive_omp_waits
 from deploy.procs import cmdline, processes
+
+# The engines tests build in this process wait passively, as every pdserve command that runs
+# an engine makes its own do (deploy/cpu_threads.py); before anything loads torch.
+passive_omp_waits()
 
 PR_SET_CHILD_SUBREAPER = 36
 GRACE_S = 10.0  # a cluster's stop waits for its leaders; their children may trail a little

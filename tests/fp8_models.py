@@ -133,10 +133,29 @@ def engine_logits(path: str, prompt: list[int], dtype: str = "float32",
     return out[0], out[1]
 
 
+def mse_rows_round_trip(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] through FP8 with each row's scale the one of amax / 448 * s, s = 1.0, 0.98,
+    ..., 0.5, that leaves the least squared error (the first of equal ones): the rule of
+    ``--quantization fp8``, written out row by row here."""
+    out = torch.empty_like(w)
+    for i, row in enumerate(w):
+        amax = (row.abs().max() / 448).clamp_min(1e-12)  # float32, as the engine's
+        best = None
+        for j in range(26):
+            scale = amax * round(1.0 - 0.02 * j, 2)
+            rt = (row / scale).clamp(-448, 448).to(FP8).float() * scale
+            err = float((rt - row).square().sum())
+            if best is None or err < best[0]:
+                best = (err, rt)
+        assert best is not None
+        out[i] = best[1]
+    return out
+
+
 def write_rows_dequantized(src: str, dst: str, quantized) -> str:  # type: ignore[no-untyped-def]
     """Writes `src`'s model into dst with each weight `quantized(name)` selects replaced by
-    its per-row FP8 round trip (amax / 448 per output row, the rule of ``--quantization
-    fp8``), in float32: the float model of what the engine holds after quantizing at load."""
+    its per-row FP8 round trip under ``--quantization fp8``'s rule (mse_rows_round_trip),
+    in float32: the float model of what the engine holds after quantizing at load."""
     from safetensors.torch import load_file, save_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -147,8 +166,7 @@ def write_rows_dequantized(src: str, dst: str, quantized) -> str:  # type: ignor
     for name, t in tensors.items():
         w = t.float()
         if quantized(name):
-            scale = _scales(w, "ct_channel").clamp_min(1e-12)
-            w = (w / scale).clamp(-448, 448).to(FP8).float() * scale
+            w = mse_rows_round_trip(w)
         out[name] = w.contiguous()
     os.makedirs(dst, exist_ok=True)
     save_file(out, os.path.join(dst, "model.safetensors"))
@@ -156,3 +174,21 @@ def write_rows_dequantized(src: str, dst: str, quantized) -> str:  # type: ignor
         if os.path.exists(os.path.join(src, extra)):
             shutil.copy(os.path.join(src, extra), dst)
     return dst
+
+
+def teacher_forced_agreement(llm, prompts: list[list[int]],  # type: ignore[no-untyped-def]
+                             ref: list[list[int]]) -> int:
+    """How many of the reference's greedy tokens `llm` picks itself when given the
+    reference's own prefix before each of them. Free-running agreement cannot judge FP8
+    on the tests' tiny random models: their logits are nearly flat, so one rounding-level
+    near-tie flips a token and every later token differs with it (bf16 against float32 of
+    the same weights already diverges within a few tokens). Given the same prefixes, a
+    correct FP8 path keeps most positions and a broken kernel almost none."""
+    from engine.sampling_params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    same = 0
+    for i in range(len(ref[0])):
+        outs = llm.generate([p + r[:i] for p, r in zip(prompts, ref, strict=True)], one)
+        same += sum(o.token_ids[0] == r[i] for o, r in zip(outs, ref, strict=True))
+    return same

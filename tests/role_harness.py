@@ -27,11 +27,10 @@ from worker.messages import (
     ReservedEvent,
     Token0Event,
     Token0SentCmd,
-    TokensBatchEvent,
-    TokensEvent,
     TransferResultEvent,
 )
 from worker.role import RoleHandler
+from worker.token_batch import TokensBatchEvent, TokensEvent
 
 FAKE = {"backend": "fake"}
 

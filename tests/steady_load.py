@@ -101,20 +101,30 @@ class SteadyLoad:
 
 
 def check_against_colocated(sent: list[Sent], llm: Any) -> None:
-    """Every request succeeded, and with the colocated engine's tokens."""
+    """Every request succeeded, and with the colocated engine's tokens.
+
+    The engine runs each prompt once, to the longest max_tokens it was sent with: a request
+    for fewer tokens must get exactly the first max_tokens of those (ignore_eos, so only the
+    length stops it; greedy, or seeded sampling, whose randomness is a function of the seed
+    and the position). One sequence per prompt instead of one per (prompt, max_tokens) is
+    a third of the reference's batch: on a 2-core machine it took longer than the load."""
     from engine.sampling_params import SamplingParams
 
     bad = [(s.prompt, s.result.code, s.result.details, s.result.error) for s in sent
            if s.result.code is not None or s.result.error
            or s.result.finish_reason != common_pb2.FINISH_REASON_LENGTH]
     assert not bad, f"{len(bad)} of {len(sent)} requests failed: {bad[:5]}"
-    keys = sorted({(s.prompt, s.max_tokens) for s in sent})
+    longest: dict[int, int] = {}
+    for s in sent:
+        longest[s.prompt] = max(longest.get(s.prompt, 0), s.max_tokens)
+    keys = sorted(longest.items())
     ref = llm.generate([PROMPTS[p] for p, _ in keys],
                        [SamplingParams(**sampling(p, mt)) for p, mt in keys])
-    want = {k: c.token_ids for k, c in zip(keys, ref, strict=True)}
+    want = {p: c.token_ids for (p, _), c in zip(keys, ref, strict=True)}
     for s in sent:
+        assert len(want[s.prompt]) == longest[s.prompt]
         assert len(s.result.token_ids) == s.max_tokens
-        assert s.result.token_ids == want[(s.prompt, s.max_tokens)], (s.prompt, s.max_tokens)
+        assert s.result.token_ids == want[s.prompt][:s.max_tokens], (s.prompt, s.max_tokens)
 
 
 def workers(c: LocalCluster) -> dict[str, router_pb2.WorkerStatus]:
@@ -128,13 +138,14 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def requests_on(c: LocalCluster, name: str) -> list[router_pb2.RequestStatus]:
-    """The router's in-flight requests whose consumer is ``name``: its own per-request view."""
+def requests_on(c: LocalCluster, names: tuple[str, ...]) -> list[list[router_pb2.RequestStatus]]:
+    """For each of ``names``, the router's in-flight requests decoding there (as consumer,
+    or as the colocated worker serving them whole), from one look at its own view."""
     with grpc.insecure_channel(c.router_address) as ch:
         st = router_pb2_grpc.RouterStub(ch).ClusterStatus(
             router_pb2.ClusterStatusRequest(include_requests=True), timeout=10,
             metadata=c.auth_metadata())
-    return [r for r in st.requests if r.consumer == name]
+    return [[r for r in st.requests if name in (r.consumer, r.colocated)] for name in names]
 
 
 def tokens_left(r: router_pb2.RequestStatus) -> int:
@@ -142,15 +153,21 @@ def tokens_left(r: router_pb2.RequestStatus) -> int:
     return int(r.request_id.rsplit("-", 1)[1]) - r.tokens_streamed
 
 
-def wait_decoding(c: LocalCluster, name: str, left: int, timeout: float = 120.0) -> None:
-    """Until the router shows a SteadyLoad request decoding on ``name`` with at least ``left``
-    tokens still to stream, so that a drain or role change started now has work in flight
-    whatever the machine's speed. (A heartbeat's load count is up to an interval old, and the
-    request it saw may have streamed its last token since: CI once saw four drains in a row
-    find nothing in flight.)"""
-    wait_until(lambda: any(r.state == "DECODING" and r.request_id.startswith("load-")
-                           and tokens_left(r) >= left for r in requests_on(c, name)),
-               timeout, f"{name} decoding a request with {left}+ tokens to go")
+def wait_decoding(c: LocalCluster, names: str | tuple[str, ...], left: int,
+                  timeout: float = 120.0) -> None:
+    """Until the router shows, on each of ``names`` at once, a SteadyLoad request decoding
+    with at least ``left`` tokens still to stream, so that a drain or role change started now
+    has work in flight whatever the machine's speed. (A heartbeat's load count is up to an
+    interval old, and the request it saw may have streamed its last token since: CI once saw
+    four drains in a row find nothing in flight.)"""
+    names = (names,) if isinstance(names, str) else names
+
+    def holds(rs: list[router_pb2.RequestStatus]) -> bool:
+        return any(r.state == "DECODING" and r.request_id.startswith("load-")
+                   and tokens_left(r) >= left for r in rs)
+
+    wait_until(lambda: all(holds(rs) for rs in requests_on(c, names)), timeout,
+               f"{', '.join(names)} each decoding a request with {left}+ tokens to go")
 
 
 def log_text(c: LocalCluster, name: str) -> str:

@@ -15,9 +15,9 @@ PACKAGES = ("kernels", "engine", "transfer", "router", "worker", "producer", "co
 # a package may import its own layer's modules and any lower layer's, never a higher one
 LAYER = {"kernels": 1, "engine": 2, "transfer": 3, "router": 3, "worker": 4, "producer": 5,
          "consumer": 5, "deploy": 6}
-# inside router/: control <- requests <- http <- server; config and auth are leaves
+# inside router/: control <- requests <- http, grpc_stream <- server; config and auth are leaves
 ROUTER_LAYER = {"router.control": 1, "router.requests": 2, "router.http": 3,
-                "router.server": 4}
+                "router.grpc_stream": 3, "router.server": 4}
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:

@@ -35,15 +35,27 @@ class SenderConnections(NetSide[SendRecord]):
         if conn is None:
             assert self.plane is not None
             sock = self.control_socket(zmq.DEALER)
+            # the monitor before the connect: ZMQ does not retry a handshake that failed on a
+            # protocol error (CURVE on one side only), so an event it raised before the
+            # monitor was attached would be lost and connect() would only time out
+            monitor = self.watch_handshakes(sock)
             sock.connect(address)
             self.poller.register(sock, zmq.POLLIN)
             now = time.monotonic()
             conn = Conn(address, sock, random.getrandbits(32), Future(), now, now)
-            conn.monitor = self.watch_handshakes(sock)
+            conn.monitor = monitor
             self.conns[address] = conn
             hello = handshake.hello(self.layout, self.config.backend, self.plane.local_info(),
                                     self.config.cluster_token)
-            sock.send(wire.encode([wire.Hello(**hello, name=self.name)])[0], flags=zmq.NOBLOCK)
+            try:
+                sock.send(wire.encode([wire.Hello(**hello, name=self.name)])[0],
+                          flags=zmq.NOBLOCK)
+            except zmq.Again:
+                # no pipe to queue it on: the ZMQ handshake already failed (a protocol
+                # error tears the pipe down and is never retried). The monitor, attached
+                # before the connect, reports why; anything else ends in connect()'s
+                # timeout. Raising here would kill the I/O thread over a peer's refusal.
+                pass
         conn.ready.add_done_callback(lambda f: _copy_outcome(f, outer))
 
     def _drop_conn(self, address: str, reason: str) -> None:

@@ -13,7 +13,7 @@ from engine.request import LogprobRow
 from engine.request_limits import check_ids, check_lengths, check_request_id
 from engine.sampling_fields import SEED_LIMIT, wire_values
 from engine.sampling_params import SamplingParams
-from worker.messages import TokensEvent
+from worker.token_batch import TokensEvent
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "": common_pb2.FINISH_REASON_UNSPECIFIED,
            "stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,

@@ -5,10 +5,11 @@ Lifecycle (worker/runner.py moves a worker through it):
     serving ──SIGTERM, or a role change the router ordered──▶ deregistered
         Membership.Deregister: the router stops placing new requests here; a call it placed
         just before may still be on the wire, so calls keep being served for IN_TRANSIT_S
-    ──▶ closed: new Prefill/Decode calls end UNAVAILABLE ("... is draining"), Abort still
-        works; the request streams already open run to their end
-    ──▶ drained, when no request stream is open        [guard: --drain-timeout; past it,
-        the streams still open end with an error naming the timeout]
+    ──▶ closed: new Prefill/Decode/StartDecode calls end UNAVAILABLE ("... is draining"),
+        Abort still works; the requests already running run to their end
+    ──▶ drained, when no request runs                  [guard: --drain-timeout; past it,
+        the requests still running end with an error naming the timeout: their own
+        streams, and the Outputs streams that carry the others]
     ──▶ SIGTERM: Deregister(done), stop, exit 0 | role change: rebuild in the new role
 """
 
@@ -31,7 +32,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 25.0
 # Between the router placing a request and its call reaching us: a call placed before the
 # router processed our Deregister arrives within this and is served, not refused.
 IN_TRANSIT_S = 0.5
-GATED_METHODS = ("/pdserve.v1.Worker/Prefill", "/pdserve.v1.Worker/Decode")
+GATED_METHODS = ("/pdserve.v1.Worker/Prefill", "/pdserve.v1.Worker/Decode",
+                 "/pdserve.v1.Worker/StartDecode")
 
 
 class DrainGate(grpc.aio.ServerInterceptor):
@@ -89,11 +91,11 @@ async def drain(bridge: EngineBridge, gate: DrainGate, registration: Registratio
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
     log.info("draining (%s): waiting for %d request(s) in flight (up to %g s)", reason,
-             len(bridge.queues), timeout_s)
-    while bridge.queues:
+             bridge.in_flight, timeout_s)
+    while bridge.in_flight:
         if loop.time() >= end:
             log.warning("drain timeout (%g s): ending %d request(s) still running", timeout_s,
-                        len(bridge.queues))
+                        bridge.in_flight)
             bridge.fail_all(f"worker {gate.worker_id} stopped ({reason}): its drain timeout "
                             f"({timeout_s:g} s, --drain-timeout) passed before this request "
                             f"finished")

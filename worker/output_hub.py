@@ -1,8 +1,9 @@
 """Per-step batches of tokens for the router's Outputs streams (the gRPC process's side).
 
 A router opens one ``Outputs`` stream per worker and names it (``subscriber_id``) in each
-``Decode`` it sends; every engine step's tokens for all of that router's requests then
-leave in one ``OutputBatch``, instead of one gRPC message per token per request.
+``StartDecode`` it sends; every engine step's outputs for all of that router's requests
+(reservations, tokens, ends) then leave in one ``OutputBatch``, instead of one gRPC message
+per token per request, and no per-request stream stays open.
 
 Lifecycle of a subscriber (who moves it):
 
@@ -10,10 +11,12 @@ Lifecycle of a subscriber (who moves it):
                                                │ a new call with the same id replaces it
                                                ▼ (the old one is gone)
 
-Lifecycle of a request's route: ``attach`` (its Decode named a live subscriber) ──its
-finishing tokens are queued (``flush`` reports (rid, seq))──▶ detached. A subscriber that
-goes away hands back the requests still attached: the router that read them is gone, so the
-servicer aborts them (nothing else would free their blocks).
+Lifecycle of a request's route: ``attach`` (its StartDecode named a live subscriber) ──its
+finishing tokens are queued (``flush`` reports it ended)──▶ detached. A subscriber that goes
+away hands back the requests still attached: the router that read them is gone, so the
+servicer aborts them (nothing else would free their blocks). ``fail`` ends every subscriber
+with an error (the engine failed, or the drain timed out): their readers see the stream end
+with it once the batches already queued have gone.
 
 Nothing here waits on the engine-process pump: ``add`` and ``flush`` only append. A reader
 that falls behind gets its queued batches merged into one message (lossless, in order), so
@@ -23,73 +26,82 @@ its backlog costs fewer, larger writes rather than more memory per batch.
 from __future__ import annotations
 
 import asyncio
-import collections
 import itertools
 from dataclasses import dataclass
 
 from pdserve.v1 import worker_pb2
 
 from worker.convert import add_tokens, finish_reason_pb, token_logprob
-from worker.messages import TokensBatchEvent, TokensEvent
+from worker.messages import ReservedEvent
+from worker.token_batch import TokensBatchEvent, TokensEvent
 
 MAX_SUBSCRIBER_ID = 256  # bytes; a router's id is a uuid and a counter
-# How long a Decode waits for the subscriber it names to open (the router opens the stream
-# just before its first request to a worker, so the two may cross).
+# How long a StartDecode waits for the subscriber it names to open (the router opens the
+# stream just before its first request to a worker, so the two may cross).
 SUBSCRIBE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
 class OutputsDone:
-    """To a request's Decode stream: its last tokens left in batch ``seq`` (not an IPC
-    message: it never leaves the gRPC process)."""
+    """A request whose last tokens left in batch ``seq`` (for the servicer's count; not an
+    IPC message: it never leaves the gRPC process)."""
 
     rid: str
     seq: int
     finish: str  # the engine's finish reason ("stop", "length", "abort", "error")
 
 
-class Subscriber:
-    """One router's Outputs stream: batches waiting to be written, in seq order.
+class SubscriberFailed(Exception):
+    """The worker ended every Outputs stream with this error (``OutputHub.fail``)."""
 
-    A step's tokens are written straight into the batch message that will carry them
-    (``pending``), so each token is built once; only batches that queued up behind a slow
-    reader are copied, when they merge into one message.
+
+class Subscriber:
+    """One router's Outputs stream: the batch its reader takes next.
+
+    A step's outputs are written straight into the message that will carry them
+    (``pending``), so each entry is built once. While the reader has not yet taken the
+    batch queued before (its write is still in flight), the next step's entries go into
+    that same message, after the earlier ones: a reader that falls behind gets one larger
+    message, in order, and nothing is copied to merge it.
     """
 
     def __init__(self, subscriber_id: str) -> None:
         self.subscriber_id = subscriber_id
         self.seq = 0  # the last batch queued (0: none yet; the stream opens with seq 0)
-        self.pending = worker_pb2.OutputBatch()  # the current step's, not yet queued
-        self.npending = 0  # Tokens entries in it
+        self.pending = worker_pb2.OutputBatch()  # the message the reader takes next
+        self.npending = 0  # entries the current step wrote into it (not yet queued)
         self.rids: set[str] = set()  # requests attached to it
         self.closed = False
-        self._queue: collections.deque[worker_pb2.OutputBatch] = collections.deque()
+        self.failed = ""  # set: the stream ends with this error once its queue is empty
+        self._queued = False  # pending holds queued steps the reader has not taken
         self._ready = asyncio.Event()
 
     async def next_batch(self) -> worker_pb2.OutputBatch:
-        """Everything queued since the last call, as one message (waits for something)."""
-        while not self._queue:
+        """Everything queued since the last call, as one message (waits for something);
+        SubscriberFailed once the queue is empty and the hub failed it."""
+        while not self._queued:
+            if self.failed:
+                raise SubscriberFailed(self.failed)
             self._ready.clear()
             await self._ready.wait()
-        batch = self._queue.popleft()
-        while self._queue:  # the reader fell behind: one message for all of it, in order
-            later = self._queue.popleft()
-            batch.tokens.extend(later.tokens)
-            batch.seq = later.seq
+        # steps write and queue in one synchronous pass (EngineBridge._drain), so the
+        # message taken here never holds part of a step
+        batch = self.pending
+        self.pending = worker_pb2.OutputBatch()
+        self._queued = False
         return batch
 
     def _queue_pending(self) -> int:
         self.seq += 1
-        batch = self.pending
-        batch.seq = self.seq
-        self._queue.append(batch)
-        self.pending = worker_pb2.OutputBatch()
+        self.pending.seq = self.seq
+        self._queued = True
         self.npending = 0
         self._ready.set()
         return self.seq
 
     def _drop_pending(self) -> None:
         self.pending = worker_pb2.OutputBatch()
+        self._queued = False
         self.npending = 0
 
 
@@ -99,7 +111,7 @@ class OutputHub:
         self._owner: dict[str, Subscriber] = {}  # rid -> where its tokens go
         self._dirty: list[Subscriber] = []  # subscribers with pending tokens
         self._finishing: list[tuple[str, str, Subscriber]] = []  # (rid, finish, sub)
-        self._opened = asyncio.Event()  # set whenever a subscriber opens (Decode waits)
+        self._opened = asyncio.Event()  # set whenever a subscriber opens (StartDecode waits)
         self.batches = 0  # batches queued, all subscribers (metrics, tests)
         self.tokens = 0  # Tokens entries queued
 
@@ -146,7 +158,26 @@ class OutputHub:
                 return None
         return sub
 
+    def fail(self, error: str) -> None:
+        """Ends every subscriber with ``error`` after what it has queued; its requests are
+        detached (their reader learns the error from the stream's end)."""
+        self._finishing.clear()
+        for sub in list(self.subscribers.values()):
+            sub.failed = error
+            for rid in sub.rids:
+                self._owner.pop(rid, None)
+            sub.rids.clear()
+            if sub.npending:  # what the engine said before it failed still goes out
+                sub._queue_pending()
+            sub._ready.set()
+        self._dirty.clear()
+
     # -- requests --------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        """Requests attached to a subscriber (started, not yet finished)."""
+        return len(self._owner)
 
     def attach(self, rid: str, sub: Subscriber) -> None:
         self._owner[rid] = sub
@@ -159,6 +190,23 @@ class OutputHub:
 
     def owns(self, rid: str) -> bool:
         return rid in self._owner
+
+    def add_reserved(self, ev: ReservedEvent) -> bool:
+        """Queues a consumer's reservation for its subscriber's next batch; False when the
+        request has none (its Decode stream carries it)."""
+        sub = self._owner.get(ev.rid)
+        if sub is None:
+            return False
+        if not sub.npending:
+            self._dirty.append(sub)
+        sub.npending += 1
+        r = sub.pending.reserved.add()
+        r.request_id = ev.rid
+        r.kv_address = ev.kv_address
+        r.block_ids.extend(ev.block_ids)
+        if ev.cached_blocks:
+            r.cached_blocks = ev.cached_blocks
+        return True
 
     def add(self, ev: TokensEvent) -> bool:
         """Queues a request's tokens for its subscriber's next batch; False when it has none
@@ -238,8 +286,8 @@ class OutputHub:
         return rest
 
     def flush(self) -> list[OutputsDone]:
-        """Ends the step: one batch per subscriber that got tokens. Returns one OutputsDone
-        per request that finished in it (its Decode stream then ends with that seq)."""
+        """Ends the step: one batch per subscriber that got outputs. Returns one OutputsDone
+        per request that finished in it."""
         seqs: dict[int, int] = {}
         for sub in self._dirty:
             if not sub.closed:

@@ -1,13 +1,14 @@
 """Joining the router: Register once the engine is ready, then heartbeat the load; register
-again if the router forgot us (it restarted, or dropped us after missed heartbeats). With
-each heartbeat, poll the router's orders (a role change it wants). Leaving: Deregister
+again if the router forgot us (it restarted, or dropped us after missed heartbeats). Each
+heartbeat's answer carries the router's orders (a role change it wants). Leaving: Deregister
 (draining: no new work comes) and, once drained, Deregister(done). A worker whose engine
 failed leaves at once (Deregister(done)) and never registers again: it serves nothing until
 it restarts, and between the failure and its exit (the engine stops its TP ranks and
 transfer endpoints first) the router would otherwise place new requests on it.
 
 Liveness travels apart from the data plane: the heartbeats leave from their own
-thread over their own (sync) gRPC channel, so an event loop saturated by token streams
+thread over their own (sync) gRPC channel, one call a heartbeat (its answer carries the
+router's orders), so an event loop saturated by token streams
 cannot delay them past the router's timeout; the router would take a busy worker for a dead
 one and fail all its requests. The thread reports how far behind the loop is instead
 (``LoopWatch``: a ticker task on the loop stamps the time, the thread reads how late it is)
@@ -147,7 +148,7 @@ class Registration:
         self.watch = LoopWatch(load)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._order_seen = False  # the thread's own copy of "ordered": stop polling
+        self._order_seen = False  # the thread's own copy of "ordered": handed on once
 
     # -- the loop's side -------------------------------------------------------------------
 
@@ -218,8 +219,8 @@ class Registration:
                         worker_id=self.worker_id, load=self._load_pb(),
                         cluster_token=self.token), timeout=CALL_TIMEOUT_S)
                     registered = resp.known
-                    if registered and not self._order_seen:
-                        self._poll_orders(loop)
+                    if registered and resp.change_role:
+                        self._order(loop, int(resp.change_role))
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     return
@@ -253,18 +254,11 @@ class Registration:
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)
 
-    def _poll_orders(self, loop: asyncio.AbstractEventLoop) -> None:
-        try:
-            resp = self.membership.Orders(router_pb2.OrdersRequest(
-                worker_id=self.worker_id, cluster_token=self.token), timeout=CALL_TIMEOUT_S)
-        except grpc.RpcError as e:
-            # not a reason to register again (an older router has no Membership service);
-            # the heartbeat says whether the router still knows us
-            log.debug("orders poll failed: %s", cast(grpc.Call, e).code().name)
-            return
-        if resp.change_role and resp.change_role in ROLES.values():
+    def _order(self, loop: asyncio.AbstractEventLoop, role: int) -> None:
+        """A role change the router ordered, handed to the loop once."""
+        if not self._order_seen and role in ROLES.values():
             self._order_seen = True
-            _call_soon(loop, self._on_order, int(resp.change_role))
+            _call_soon(loop, self._on_order, role)
 
     def _deregister(self, reason: str, done: bool, timeout: float) -> bool:
         try:

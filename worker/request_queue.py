@@ -13,10 +13,8 @@ import asyncio
 import collections
 from dataclasses import replace
 
-from worker.messages import Event, FatalEvent, TokensEvent
-from worker.output_hub import OutputsDone
-
-Item = Event | OutputsDone
+from worker.messages import Event, FatalEvent
+from worker.token_batch import TokensEvent
 
 MAX_EVENTS = 64  # per request; a request emits a handful besides its token events
 
@@ -29,13 +27,13 @@ class RequestQueue:
         self.max_events = max_events
         self.merged = 0  # token events merged into an earlier one (the reader lagged)
         self.overflowed = False
-        self._items: collections.deque[Item] = collections.deque()
+        self._items: collections.deque[Event] = collections.deque()
         self._ready = asyncio.Event()
 
     def qsize(self) -> int:
         return len(self._items)
 
-    def put_nowait(self, ev: Item) -> None:
+    def put_nowait(self, ev: Event) -> None:
         if self.overflowed:
             return  # already failed; its FatalEvent is queued
         items = self._items
@@ -51,14 +49,14 @@ class RequestQueue:
                                     f"events behind; the request was ended"))
         self._ready.set()
 
-    async def get(self) -> Item:
+    async def get(self) -> Event:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
         return self._items.popleft()
 
 
-def _mergeable(ev: Item) -> bool:
+def _mergeable(ev: Event) -> bool:
     return isinstance(ev, TokensEvent) and not ev.finish and not ev.error
 
 

@@ -9,14 +9,8 @@ from typing import TYPE_CHECKING
 
 from engine.outputs import RequestOutput, StepResult
 from worker.load_report import DPRankLoad, LoadReport, PrefixCacheLoad
-from worker.messages import (
-    Command,
-    Event,
-    ReadyInfo,
-    TokensBatchBuilder,
-    TokensBatchEvent,
-    TokensEvent,
-)
+from worker.messages import Command, Event, ReadyInfo
+from worker.token_batch import TokensBatchBuilder, TokensBatchEvent, TokensEvent
 
 if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
     from engine.llm_engine import LLMEngine

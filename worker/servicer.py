@@ -31,16 +31,16 @@ from worker.messages import (
     MessageError,
     ReadyEvent,
     ReadyInfo,
+    ReservedEvent,
     StatsEvent,
-    TokensBatchEvent,
-    TokensEvent,
     decode,
     encode,
     rid_of,
 )
 from worker.metrics_server import WorkerMetrics
-from worker.output_hub import OutputHub
+from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed
 from worker.request_queue import RequestQueue
+from worker.token_batch import TokensBatchEvent, TokensEvent
 
 log = logging.getLogger("pdserve.worker")
 # gRPC metadata key carrying the cluster token on the router's calls (router/requests/channels.py
@@ -75,6 +75,8 @@ class EngineBridge:
         self.fatal: str | None = None
         # where the engine's prefix-cache events go (worker/kv_publisher.py); None: nowhere
         self.on_kv: Callable[[KVEventsEvent | KVSnapshotEvent], None] | None = None
+        # told of each request started with StartDecode once its last tokens are queued
+        self.on_done: Callable[[OutputsDone], None] | None = None
 
     def send(self, cmd: Command) -> None:
         """For commands about running requests (abort, destination, ...): never refused, so
@@ -92,12 +94,24 @@ class EngineBridge:
         info = self.ready.result()
         return ModelLimits(info.vocab_size, info.max_model_len)
 
-    def open(self, rid: str) -> RequestQueue:
-        if rid in self.queues:
+    def check_new(self, rid: str) -> None:
+        """ValueError naming the field when ``rid`` is running here already."""
+        if rid in self.queues or self.hub.owns(rid):
             raise ValueError(f"request_id: {rid!r} is already running on this worker")
+
+    def open(self, rid: str) -> RequestQueue:
+        self.check_new(rid)
         q = RequestQueue(rid)
         self.queues[rid] = q
         return q
+
+    def running(self, rid: str) -> bool:
+        return rid in self.queues or self.hub.owns(rid)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests running here: those on their own stream and those on an Outputs one."""
+        return len(self.queues) + self.hub.running
 
     def close_request(self, rid: str) -> None:
         self.queues.pop(rid, None)
@@ -119,21 +133,29 @@ class EngineBridge:
             loop.remove_reader(fd)
 
     def _drain(self) -> None:
-        for _ in range(DRAIN_BATCH):
-            try:
-                data = self.events.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return  # read empty: the descriptor signals the next arrival
-            except zmq.ZMQError:  # closed (shutdown)
-                return
-            try:
-                self._route(decode(data))
-            except MessageError as e:  # one bad event must not stop every stream
-                log.error("dropped a bad event from the engine process: %s", e)
-            except Exception:  # nor one the code here mishandles: the rest still flow
-                log.exception("failed to route an event from the engine process")
-        # more may be queued: let the loop's other work run before reading on
-        asyncio.get_running_loop().call_soon(self._drain)
+        """Routes what the engine sent; the Outputs batches leave once per pass. The engine
+        process sends each phase of its loop turn as one multipart message (worker/outbox.py),
+        so a step's reservations and tokens share a pass and an Outputs message."""
+        recv = self.events.recv_multipart
+        try:
+            for _ in range(DRAIN_BATCH):
+                try:
+                    parts = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return  # read empty: the descriptor signals the next arrival
+                except zmq.ZMQError:  # closed (shutdown)
+                    return
+                for data in parts:
+                    try:
+                        self._route(decode(data))
+                    except MessageError as e:  # one bad event must not stop every stream
+                        log.error("dropped a bad event from the engine process: %s", e)
+                    except Exception:  # nor one mishandled here: the rest still flow
+                        log.exception("failed to route an event from the engine process")
+            # more may be queued: let the loop's other work run before reading on
+            asyncio.get_running_loop().call_soon(self._drain)
+        finally:
+            self._flush()
 
     def _route(self, msg: Message) -> None:
         if isinstance(msg, TokensBatchEvent):
@@ -141,10 +163,10 @@ class EngineBridge:
                 for ev in msg.events(rest):  # no Outputs stream: their Decode carries them
                     if (q := self.queues.get(ev.rid)) is not None:
                         q.put_nowait(ev)
-            self._flush()
         elif isinstance(msg, TokensEvent):
             self._tokens(msg)
-            self._flush()
+        elif isinstance(msg, ReservedEvent) and self.hub.add_reserved(msg):
+            pass  # its Outputs stream carries it
         elif isinstance(msg, StatsEvent):
             self.load = msg.load
         elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):
@@ -166,10 +188,11 @@ class EngineBridge:
             self.queues[ev.rid].put_nowait(ev)  # no Outputs stream: its Decode carries them
 
     def _flush(self) -> None:
-        """The step's batches go out; a request whose last tokens are in one learns which."""
-        for done in self.hub.flush():
-            if (q := self.queues.get(done.rid)) is not None:
-                q.put_nowait(done)
+        """The pass's batches go out; the requests that finished in them are counted."""
+        done = self.hub.flush()
+        if self.on_done is not None:
+            for d in done:
+                self.on_done(d)
 
     def fail_all(self, error: str) -> None:
         self.fatal = error
@@ -177,6 +200,7 @@ class EngineBridge:
             self.ready.set_exception(RuntimeError(error))
         for q in self.queues.values():
             q.put_nowait(FatalEvent(error))
+        self.hub.fail(error)
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
@@ -236,17 +260,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._count(rpc, "busy")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
-    async def _open(self, rid: str,
-                    context: grpc.aio.ServicerContext) -> RequestQueue:
+    async def _check_new(self, rid: str, context: grpc.aio.ServicerContext) -> None:
+        """UNAVAILABLE when the engine failed, INVALID_ARGUMENT without an id,
+        ALREADY_EXISTS when the id is running here."""
         if self.bridge.fatal:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.bridge.fatal)
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
         try:
-            return self.bridge.open(rid)
+            self.bridge.check_new(rid)
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
-            raise
+
+    async def _open(self, rid: str,
+                    context: grpc.aio.ServicerContext) -> RequestQueue:
+        await self._check_new(rid, context)
+        return self.bridge.open(rid)
 
     async def Outputs(self, request: worker_pb2.OutputsRequest,
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.OutputBatch]:
@@ -260,19 +289,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise
         self._orphaned(replaced, "its router opened a new Outputs stream")
         try:
-            yield worker_pb2.OutputBatch(seq=0)  # subscribed: Decode calls may name it
+            yield worker_pb2.OutputBatch(seq=0)  # subscribed: StartDecode calls may name it
             while True:
-                yield await sub.next_batch()
+                try:
+                    batch = await sub.next_batch()
+                except SubscriberFailed as e:  # every request on it ended with this
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+                yield batch
         finally:
             self._orphaned(hub.unsubscribe(sub), "its router's Outputs stream ended")
 
     def _orphaned(self, rids: list[str], why: str) -> None:
-        """Requests whose tokens had nowhere to go: abort them (blocks freed) and end their
-        Decode streams."""
+        """Requests whose outputs had nowhere to go: abort them (blocks freed)."""
         for rid in rids:
             self.bridge.send(AbortCmd(rid))
-            if (q := self.bridge.queues.get(rid)) is not None:
-                q.put_nowait(FatalEvent(f"request {rid}: {why}"))
         if rids:
             log.warning("%s: aborted %d request(s): %s", self.worker_id, len(rids), why)
 
@@ -284,7 +314,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             self._count("abort", "invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        known = request.request_id in self.bridge.queues
+        known = self.bridge.running(request.request_id)
         self.bridge.send(AbortCmd(request.request_id))
         return worker_pb2.WorkerAbortResponse(ok=known)
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from engine.quant.scheme import Fp8Scheme
+from engine.quant.weight_scale import mse_channel_quantize
 from kernels import ref_fp8
 
 # Rows up to which the weight-only kernel runs (and FP8 x FP8 above). The crossover is
@@ -133,7 +134,10 @@ class Fp8Linear(nn.Module):
         out = Fp8Linear(layer.in_features, layer.out_features, layer.bias is not None, scheme,
                         device=w.device, dtype=w.dtype)
         strategy = "channel" if scheme.weight == "tensor" else scheme.weight
-        q, scale = ref_fp8.quantize_weight(w, strategy, scheme.block)
+        if strategy == "channel" and scheme.weight_scales == "mse":
+            q, scale = mse_channel_quantize(w)
+        else:
+            q, scale = ref_fp8.quantize_weight(w, strategy, scheme.block)
         with torch.no_grad():
             out.weight.copy_(q)
             out.weight_scale.copy_(rows_scale(scale, out.weight_scale.shape, scheme))

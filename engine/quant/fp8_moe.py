@@ -19,6 +19,7 @@ from torch import nn
 from engine.models.moe import MoE
 from engine.quant.fp8_linear import rows_scale
 from engine.quant.scheme import Fp8Scheme
+from engine.quant.weight_scale import mse_channel_quantize
 from kernels import ref_fp8
 
 
@@ -81,12 +82,25 @@ def quantize_experts(model: nn.Module, scheme: Fp8Scheme) -> int:
         for attr in ("w13", "w2"):
             w = getattr(moe, attr).data
             groups(w.shape[2], scheme)  # refuses a block width that does not divide K
-            q, s = ref_fp8.quantize_stack(w, block)
+            if block is None and scheme.weight_scales == "mse":
+                q, s = _mse_stack(w)
+            else:
+                q, s = ref_fp8.quantize_stack(w, block)
             setattr(moe, attr, _param(q))
             setattr(moe, f"{attr}_scale", _param(s))
             del w
         count += 1
     return count
+
+
+def _mse_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] stacks with each expert's rows scaled as dense layers are at load
+    (engine/quant/weight_scale.py), one expert at a time."""
+    q = torch.empty(w.shape, dtype=ref_fp8.FP8, device=w.device)
+    s = torch.empty(w.shape[0], w.shape[1], 1, dtype=torch.float32, device=w.device)
+    for j in range(w.shape[0]):
+        q[j], s[j] = mse_channel_quantize(w[j])
+    return q, s
 
 
 def scale_reader(scheme: Fp8Scheme, name: str

@@ -71,6 +71,9 @@ def quantize_loaded(model: nn.Module, scheme: Fp8Scheme) -> int:
     returns how many projections and expert layers."""
     from engine.quant.fp8_moe import quantize_experts
 
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        scheme = scheme.with_edge_layers_ignored(cfg.num_layers)
     count = quantize_experts(model, scheme)
     for parent, attr, full in list(_targets(model)):
         if not _quantized(scheme, full):

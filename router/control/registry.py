@@ -23,6 +23,7 @@ right after a stall, before the tick, does not find its worker expired either.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,6 +76,9 @@ class WorkerInfo:
     # Deregister(done): the worker drained and is exiting. Forgotten once no request the
     # router placed on it is still running here (its last messages may trail the call).
     left: bool = False
+    # Which registration this is: rises with every Register of any worker in this registry,
+    # so a restart at the same id and address is told apart from the process it replaced.
+    incarnation: int = 0
 
     @property
     def role_name(self) -> str:
@@ -113,6 +117,7 @@ class Registry:
         self.served_model = served_model  # display name workers must serve; None: any
         self._clock = clock
         self._workers: dict[str, WorkerInfo] = {}
+        self._incarnations = itertools.count(1)
         # Called with (worker, reason) after a worker leaves (dropped or replaced).
         self.on_drop: list[Callable[[WorkerInfo, str], None]] = []
         # Called after any change that may flip cluster health.
@@ -177,7 +182,8 @@ class Registry:
                           last_heartbeat=self._clock(), version=version, tp_size=tp_size,
                           dp_size=dp_size,
                           block_size=block_size, prefix_caching=prefix_caching,
-                          accepts_cache_salt=accepts_cache_salt)
+                          accepts_cache_salt=accepts_cache_salt,
+                          incarnation=next(self._incarnations))
         self._workers[worker_id] = info
         if old is not None:
             # A restart under the same id: requests on the old incarnation are gone with it.
@@ -223,12 +229,21 @@ class Registry:
         for w in dropped:
             del self._workers[w.worker_id]
             self._notify_drop(w, f"worker {w.worker_id} ({w.role_name} at {w.address}) "
-                                 f"stopped heartbeating ({self.heartbeat_timeout_s:g} s)")
+                                 f"{self.silence_reason(w)}")
         for w in [w for w in self._workers.values() if w.left and w.inflight <= 0]:
             self.remove(w.worker_id, f"worker {w.worker_id} deregistered ({w.drain_reason})")
         if dropped:
             self._notify_change()
         return dropped
+
+    def silence_reason(self, w: WorkerInfo) -> str:
+        """Why a silent worker is dropped. One that already left (Deregister done) and then
+        went quiet with requests still open here is not a lost worker: it said goodbye, and
+        the requests' last messages never came."""
+        if w.left:
+            return (f"left ({w.drain_reason}) and went silent with {w.inflight} "
+                    f"request(s) still open here")
+        return f"stopped heartbeating ({self.heartbeat_timeout_s:g} s)"
 
     def drain(self, worker_id: str, reason: str) -> bool:
         """Stops placing new requests on the worker; those it runs go on. False: unknown."""

@@ -77,7 +77,9 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
             else:
                 log.info("%s %s caught up: it takes new requests again", w.role_name,
                          w.worker_id)
-        return worker_pb2.HeartbeatResponse(known=known)
+        return worker_pb2.HeartbeatResponse(
+            known=known,
+            change_role=self.registry.orders(request.worker_id) if known else 0)  # type: ignore[arg-type]
 
     async def PublishKVEvents(self, request: worker_pb2.KVEventBatch,
                               context: grpc.aio.ServicerContext) -> worker_pb2.KVEventAck:

@@ -6,7 +6,7 @@ Lifecycle of one change (one at a time per router):
     planned ──▶ for each step, in order:
                   ordered   registry.order_role_change: the worker is draining (never
                             picked for new work, its in-flight requests go on) and has a
-                            target role, which it reads from its next Orders poll
+                            target role, which it reads from its next heartbeat's answer
                   ──▶ the worker drains (its --drain-timeout), rebuilds its engine in the
                       new role in place and Registers again (same id, same address);
                       while it rebuilds it sends no heartbeat, which is planned: the

@@ -26,6 +26,9 @@ from router.http.large_body import parse_large_body
 from router.http.openai_request import OpenAIRequest, parse_chat, parse_completion
 from router.http.openai_response import ResponseBuilder, TokenTexts
 from router.http.openapi import openapi_document
+from router.http.sse_direct import SseStream
+from router.http.sse_template import sse as _sse
+from router.requests.direct_write import DirectWrite, WriteFailed
 from router.requests.errors import Overloaded, RequestError
 from router.requests.frontend import Frontend
 from router.requests.health import unhealthy_reason, usable_counts
@@ -48,10 +51,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(text=json.dumps(body, separators=(",", ":")), status=status,
                         content_type="application/json", headers=headers)
-
-
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 class HttpFrontDoor:
@@ -206,16 +205,19 @@ class HttpFrontDoor:
         if req.model is not None and req.model not in self.frontend.model_names:
             self.metrics.refused("http", "not_found")
             raise self._unknown_model(req.model)
+        builder = ResponseBuilder(req, self.frontend.model_id, self.texts)
+        # a stream's text chunks may be written from the worker's batch (sse_direct.py)
+        stream = SseStream(builder) if req.stream else None
+        writer = DirectWrite(stream) if stream is not None else None
         gen: AsyncGenerator[router_pb2.GenerateResponse, None] = self.frontend.generate(
-            req.generate, received_ns, "http", fill_max_tokens=req.chat)
+            req.generate, received_ns, "http", fill_max_tokens=req.chat, direct=writer)
         async with contextlib.aclosing(gen):
             try:
                 first = await anext(gen)
             except RequestError as e:
                 raise from_request_error(e, req.chat, req.structured_field) from e
-            builder = ResponseBuilder(req, self.frontend.model_id, self.texts)
-            if req.stream:
-                return await self._stream(request, builder, first, gen)
+            if stream is not None and writer is not None:
+                return await self._stream(request, stream, writer, first, gen)
             builder.add(first)
             async for resp in gen:
                 builder.add(resp)
@@ -223,22 +225,28 @@ class HttpFrontDoor:
             raise HttpError(500, builder.error, type_="server_error")
         return _json(builder.final())
 
-    async def _stream(self, request: web.Request, builder: ResponseBuilder,
+    async def _stream(self, request: web.Request, stream: SseStream, writer: DirectWrite,
                       first: router_pb2.GenerateResponse,
                       rest: AsyncIterator[router_pb2.GenerateResponse]) -> web.StreamResponse:
+        """Writes what comes out of ``rest``; a decoding request's text chunks may also be
+        written directly (``writer``), and every write here waits for those first, so the
+        chunks leave in the order the responses came."""
+        builder = stream.builder
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                           "Cache-Control": "no-cache"})
         await out.prepare(request)
+        stream.out = out
         try:
             builder.start(first)
             if builder.req.chat:
                 await out.write(_sse(builder.role_chunk()))
             resp: router_pb2.GenerateResponse | None = first
             while resp is not None:
-                chunk = builder.add(resp)
-                if chunk is not None:
-                    await out.write(_sse(chunk))
+                if (data := stream.chunk(resp)) is not None:
+                    await writer.wait_idle()
+                    await out.write(data)
                 resp = await anext(rest, None)
+            await writer.wait_idle()
             if builder.error:
                 # Headers are gone: the error travels as an event, like OpenAI's.
                 await out.write(_sse(HttpError(500, builder.error,
@@ -247,6 +255,6 @@ class HttpFrontDoor:
                 await out.write(_sse(builder.usage_chunk()))
             await out.write(b"data: [DONE]\n\n")
             await out.write_eof()
-        except ConnectionError:
+        except (ConnectionError, WriteFailed):
             pass  # the client left; closing the stream (aclosing) aborts the request
         return out

@@ -10,6 +10,7 @@ from pdserve.v1 import common_pb2, router_pb2
 
 from engine.tokenizer import Tokenizer
 from router.http.openai_request import OpenAIRequest
+from router.http.sse_template import TEXT_MARK, TextChunkTemplate
 from router.http.tool_parse import parse_auto
 from router.http.tool_stream import ToolStream
 
@@ -51,6 +52,8 @@ class ResponseBuilder:
         self.usage: dict[str, Any] | None = None
         # a chat with tools: calls are read from the text as it streams
         self.tools = ToolStream(req.tools) if req.chat and req.tools is not None else None
+        # a stream's text-only chunks, encoded around the text (built at the first)
+        self._text_chunk: TextChunkTemplate | None = None
 
     # -- accumulation ------------------------------------------------------------------------
 
@@ -79,6 +82,23 @@ class ResponseBuilder:
         if not resp.text and not resp.finish_reason and not new_lps:
             return None
         return self._chunk(resp.text, new_lps, self.finish)
+
+    def text_sse(self, resp: router_pb2.GenerateResponse) -> bytes | None:
+        """A response that only carries new text (no finish, no logprobs asked for, no tool
+        parsing), taken as ``add`` takes it and returned as its SSE bytes: what ``sse`` of
+        ``add``'s chunk gives, from the request's template. None for any other response,
+        which then goes through ``add``."""
+        if (resp.finish_reason or not resp.text or self.tools is not None
+                or self.req.logprobs is not None):
+            return None
+        t = self._text_chunk
+        if t is None:
+            self.start(resp)
+            t = self._text_chunk = TextChunkTemplate(self._chunk(TEXT_MARK, None, None))
+        if not t.usable:
+            return None
+        self.text.append(resp.text)
+        return t.render(resp.text)
 
     def _tool_chunk(self, text: str, lps: Any) -> dict[str, Any] | None:
         assert self.tools is not None

@@ -1,4 +1,12 @@
-"""One grpc.aio channel per worker, reused by every request sent to it."""
+"""One grpc.aio channel per worker registration, reused by every request sent to it.
+
+A worker that registers again (a restart, a role change) gets a new channel even at the
+same address: the old one may have met the dead process and sit in gRPC's reconnect
+backoff, during which every call on it fails at once with UNAVAILABLE ("connection
+refused"), for up to its growing backoff, though the new process already listens. Each
+channel keeps its own subchannels for the same reason: by default gRPC shares one per
+address across the process's channels, so a new channel would inherit a closing one's
+backoff."""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from typing import Any
 import grpc
 from pdserve.v1 import worker_pb2_grpc
 
+from router.control.registry import WorkerInfo
 from router.requests.worker_outputs import WorkerOutputs
 
 # Prompts travel as token ids; a 1M-token prompt is ~5 MB on the wire, above gRPC's 4 MB
@@ -17,6 +26,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -60,17 +70,19 @@ class WorkerChannels:
         # A dropped worker's channel stays open this long so the Worker.Abort calls of its
         # requests (sent after the drop fails them) can still reach a worker that is alive.
         self._close_delay_s = close_delay_s
-        self._channels: dict[str, tuple[str, grpc.aio.Channel, worker_pb2_grpc.WorkerStub]] = {}
+        # worker id -> (the registration it was opened for, its channel, its stub)
+        self._channels: dict[str, tuple[WorkerInfo, grpc.aio.Channel,
+                                        worker_pb2_grpc.WorkerStub]] = {}
         self._outputs: dict[str, WorkerOutputs] = {}  # worker id -> its Outputs stream
         self._closing: set[asyncio.Task[None]] = set()
 
-    def outputs(self, worker_id: str, address: str) -> WorkerOutputs:
+    def outputs(self, w: WorkerInfo) -> WorkerOutputs:
         """The worker's Outputs stream on its current channel, opened (again) if needed."""
-        stub = self.stub(worker_id, address)
-        out = self._outputs.get(worker_id)
+        stub = self.stub(w)
+        out = self._outputs.get(w.worker_id)
         if out is None or not out.usable:
-            out = WorkerOutputs(worker_id, stub)
-            self._outputs[worker_id] = out
+            out = WorkerOutputs(w.worker_id, stub)
+            self._outputs[w.worker_id] = out
         return out
 
     def _close_outputs(self, worker_id: str) -> None:
@@ -78,17 +90,22 @@ class WorkerChannels:
         if out is not None:
             out.close()
 
-    def stub(self, worker_id: str, address: str) -> worker_pb2_grpc.WorkerStub:
-        entry = self._channels.get(worker_id)
-        if entry is not None and entry[0] == address:
+    def stub(self, w: WorkerInfo) -> worker_pb2_grpc.WorkerStub:
+        """The channel of ``w``'s registration; a newer registration replaces an older one's
+        channel (and its Outputs stream). A call for an older registration than the
+        channel's (an abort for a request of the process that was replaced) rides the
+        current channel: the old process is gone, and an abort of an id the new one does not
+        hold is answered and ignored."""
+        entry = self._channels.get(w.worker_id)
+        if entry is not None and w.incarnation <= entry[0].incarnation:
             return entry[2]
-        if entry is not None:  # the worker came back at another address
-            self._close_outputs(worker_id)
+        if entry is not None:  # registered again: the old channel may be in backoff
+            self._close_outputs(w.worker_id)
             self._close_later(entry[1])
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+        channel = grpc.aio.insecure_channel(w.address, options=CHANNEL_OPTIONS,
                                             interceptors=self._interceptors)
         stub = worker_pb2_grpc.WorkerStub(channel)
-        self._channels[worker_id] = (address, channel, stub)
+        self._channels[w.worker_id] = (w, channel, stub)
         return stub
 
     def drop(self, worker_id: str) -> None:

@@ -22,6 +22,7 @@ from router.control.prefix_lookup import PrefixLookup
 from router.control.registry import COLOCATED, CONSUMER, PRODUCER, ROLE_NAMES, Registry, WorkerInfo
 from router.requests.admission import Admission
 from router.requests.channels import WorkerChannels
+from router.requests.direct_write import DirectWrite
 from router.requests.errors import Overloaded, RequestError
 from router.requests.request_info import RequestInfo
 from router.requests.request_run import RequestRun
@@ -48,22 +49,25 @@ class Dispatcher:
         self._background: set[asyncio.Task[Any]] = set()
         registry.on_drop.append(self._on_worker_drop)
 
-    async def generate(self, prep: PreparedRequest, received_ns: int, admission: Admission
+    async def generate(self, prep: PreparedRequest, received_ns: int, admission: Admission,
+                       direct: DirectWrite | None = None
                        ) -> AsyncIterator[router_pb2.GenerateResponse]:
         """Queues the request for an admission slot, places it, streams its responses.
 
-        Refusals raise RequestError before the first response.
+        Refusals raise RequestError before the first response. ``direct``: the client's
+        gRPC stream, which steady-state tokens may be written to without passing here.
         """
         if prep.request_id in self.active:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
                                f"request_id: {prep.request_id!r} is already in flight")
         lookup = PrefixLookup(self.kv_index, prep.prompt_token_ids, prep.cache_salt)
         run = RequestRun(prep, received_ns, self.config,
-                         stub_for=lambda w: self.channels.stub(w.worker_id, w.address),
-                         outputs_for=lambda w: self.channels.outputs(w.worker_id, w.address),
+                         stub_for=self.channels.stub,
+                         outputs_for=self.channels.outputs,
                          on_unreachable=self._unreachable, spawn=self._spawn,
                          replace=lambda failed, migration: self._replace(failed, migration,
-                                                                         lookup))
+                                                                         lookup),
+                         direct=direct)
         self.active[prep.request_id] = run  # listed as QUEUED while it waits for a slot
         try:
             async with admission.slot(run.stopped) as admitted:
@@ -144,9 +148,8 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
     def _on_worker_drop(self, w: WorkerInfo, reason: str) -> None:
-        # The channel outlives a re-registration at the same address (the common restart).
-        current = self.registry.get(w.worker_id)
-        if current is None or current.address != w.address:
+        # Replaced by a new registration: its first call opens the new channel. Gone: close.
+        if self.registry.get(w.worker_id) is None:
             self.channels.drop(w.worker_id)
         for run in self.active.values():
             if run.slot is not None and any(x is w for x in run.slot.workers):

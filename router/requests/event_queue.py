@@ -31,6 +31,7 @@ class EventQueue:
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the first wait
         self._waiter: asyncio.Future[bool] | None = None  # result: True = an event came
         self._deadline = 0.0  # loop time the current wait ends at
+        self._bound: float | None = None  # the current wait's timeout (``touch``)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self.merged = 0  # token messages folded into an earlier one (metrics, tests)
@@ -59,6 +60,7 @@ class EventQueue:
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
+        self._bound = timeout
         if timeout is None:
             self._deadline = math.inf
         else:
@@ -73,6 +75,18 @@ class EventQueue:
             finally:
                 self._waiter = None
         return self._take()
+
+    def parked(self) -> bool:
+        """The reader waits in ``get`` with nothing in hand: an event handed past the queue
+        now cannot overtake one the reader took and has not handed on yet."""
+        w = self._waiter
+        return w is not None and not w.done()
+
+    def touch(self) -> None:
+        """Something came for the parked reader past the queue: its bounded wait starts
+        over, as if it had read an event and waited again."""
+        if self._bound is not None and self._loop is not None:
+            self._deadline = self._loop.time() + self._bound
 
     def _arm(self, at: float) -> None:
         assert self._loop is not None
@@ -105,7 +119,7 @@ class EventQueue:
         items = self._items
         merged: worker_pb2.Tokens | None = None
         while (items and isinstance(nxt := items[0], TokensRead)
-               and _open(merged or ev.tokens) and _plain_end(nxt.tokens)):
+               and is_open(merged or ev.tokens) and _plain_end(nxt.tokens)):
             if merged is None:
                 merged = worker_pb2.Tokens()
                 merged.CopyFrom(ev.tokens)
@@ -115,7 +129,7 @@ class EventQueue:
         return ev if merged is None else TokensRead(merged)
 
 
-def _open(t: worker_pb2.Tokens) -> bool:
+def is_open(t: worker_pb2.Tokens) -> bool:
     """More tokens may follow this message (it neither ends nor fails the request)."""
     return not t.finish_reason and not t.error
 

@@ -18,6 +18,7 @@ from pdserve.v1 import router_pb2
 from engine.tokenizer import Tokenizer
 from router.control.registry import Registry
 from router.requests.admission import Admission
+from router.requests.direct_write import DirectWrite
 from router.requests.dispatcher import Dispatcher, no_workers_message
 from router.requests.errors import RequestError, invalid
 from router.requests.health import wait_until_serving
@@ -60,18 +61,24 @@ class Frontend:
             retry_after_s=admission.retry_after_s, source=tokenizer_source)
 
     async def generate(self, request: router_pb2.GenerateRequest, received_ns: int, api: str,
-                       *, fill_max_tokens: bool = False
+                       *, fill_max_tokens: bool = False, direct: DirectWrite | None = None
                        ) -> AsyncGenerator[router_pb2.GenerateResponse, None]:
         """Streams the request's responses; refusals raise RequestError before the first.
 
         fill_max_tokens: an unset max_tokens means "up to the context length" (OpenAI chat)
-        instead of the engine's default.
+        instead of the engine's default. direct: the client's stream (gRPC, or an HTTP SSE
+        stream: router/http/sse_direct.py); a decoding
+        request's plain tokens may be written to it straight from the worker's batch, and
+        then never come out of this generator (they are observed all the same).
         """
         try:
             prep = await self._prepare(request, fill_max_tokens)
             obs = self.metrics.observe(api)
+            if direct is not None:
+                direct.observe = obs.on_tokens
             try:
-                async for resp in self.dispatcher.generate(prep, received_ns, self.admission):
+                async for resp in self.dispatcher.generate(prep, received_ns, self.admission,
+                                                           direct):
                     obs.on_response(resp)
                     yield resp
             except RequestError:

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 
 Report = Callable[[Event], None]  # where a leg sends what it read
+# A leg cancelled while its StartDecode was in flight aborts the request once it answers,
+# within this bound (the run's own Abort may have reached the worker first).
+ABORT_AFTER_START_S = 5.0
 
 
 def describe_rpc_error(worker: WorkerInfo, e: BaseException) -> tuple[grpc.StatusCode | None, str]:
@@ -185,12 +188,13 @@ class ProducerLeg(Leg):
 
 
 class DecodeLeg(Leg):
-    """The Decode stream of a consumer (reserved, then tokens) or a colocated worker.
+    """A consumer's (reservation, then tokens) or a colocated worker's part of a request.
 
-    With the worker's Outputs stream (``outputs``), the tokens come from it, demultiplexed
-    by request id, and the Decode stream carries only the reservation and, last, ``done``
-    with the batch that held the final tokens; without it (an older worker) the Decode
-    stream carries the tokens itself.
+    With the worker's Outputs stream (``outputs``) the request is started with a unary
+    ``StartDecode`` that answers once the worker took it (or its refusal); its reservation,
+    tokens and end then come from that stream, demultiplexed by request id, and the leg
+    holds no call of its own. Without it (an older worker) one ``Decode`` stream carries
+    all of it.
     """
 
     def __init__(self, worker: WorkerInfo, stub: worker_pb2_grpc.WorkerStub,
@@ -200,22 +204,66 @@ class DecodeLeg(Leg):
         self._stub = stub
         self._request = request
         self._outputs = outputs
+        self._routed = False  # on the Outputs stream, its end not yet seen
+        self._starting = False  # StartDecode in flight
+        self._abort_when_started = False  # cancelled while StartDecode was in flight
+        # the run's steady-state writer of tokens that go on: True when it took them
+        self.direct: Callable[[worker_pb2.Tokens], bool] | None = None
 
     def start(self) -> None:
         self._start(self._read())
 
+    @property
+    def reading(self) -> bool:
+        return self._routed or super().reading
+
+    def cancel(self) -> None:
+        self._unroute()
+        if self._starting:
+            # The worker may take the request after a cancel of the call reached it, and an
+            # Abort sent now could overtake StartDecode: abort once it has answered.
+            self._abort_when_started = True
+            return
+        super().cancel()
+
+    async def linger(self, bound_s: float) -> None:
+        if self._routed:  # its outputs come from the worker's stream: nothing to close
+            self._unroute()
+            return
+        await super().linger(bound_s)
+
+    def _unroute(self) -> None:
+        if self._routed:
+            self._routed = False
+            assert self._outputs is not None
+            self._outputs.unroute(self._request.request_id)
+
     # Route: what the worker's Outputs stream calls
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
+        if tokens.finish_reason:  # the request's last entry on the worker's stream
+            self._unroute()
+        elif (direct := self.direct) is not None and direct(tokens):
+            return  # written to the client already: no report object for them
         self._report_event(TokensRead(tokens))
 
+    def on_reserved(self, reserved: worker_pb2.Reserved) -> None:
+        self._report_event(Reserved(self._destination(reserved)))
+
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
+        self._routed = False  # the stream dropped every route
         w = self.worker
         self._report_event(LegFailed(
             w, code or grpc.StatusCode.UNAVAILABLE,
             f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}"))
 
+    def _destination(self, reserved: worker_pb2.Reserved) -> worker_pb2.KVDestination:
+        return worker_pb2.KVDestination(consumer_id=self.worker.worker_id,
+                                        kv_address=reserved.kv_address
+                                        or self.worker.kv_address,
+                                        block_ids=reserved.block_ids,
+                                        cached_blocks=reserved.cached_blocks)
+
     async def _read(self) -> None:
-        rid = self._request.request_id
         outputs = self._outputs
         batched = False
         try:
@@ -227,32 +275,48 @@ class DecodeLeg(Leg):
                     return
             if batched:
                 assert outputs is not None
-                outputs.route(rid, self)
-                self._request.subscriber_id = outputs.subscriber_id
+                await self._start_decode(outputs)
+                return
             self.call = self._stub.Decode(self._request)
             async for out in self.call:
                 kind = out.WhichOneof("kind")
                 if kind == "reserved":
-                    dest = worker_pb2.KVDestination(consumer_id=self.worker.worker_id,
-                                                    kv_address=out.reserved.kv_address
-                                                    or self.worker.kv_address,
-                                                    block_ids=out.reserved.block_ids,
-                                                    cached_blocks=out.reserved.cached_blocks)
-                    self._report_event(Reserved(dest))
+                    self._report_event(Reserved(self._destination(out.reserved)))
                 elif kind == "tokens":
                     self._report_event(TokensRead(out.tokens))
-                elif kind == "done" and outputs is not None:
-                    # the last tokens are in that batch: hand them on before the end
-                    await outputs.caught_up(out.done.final_seq)
             self._report_event(DecodeEnded())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
             code, msg = describe_rpc_error(self.worker, e)
             self._report_event(LegFailed(self.worker, code, msg))
+
+    async def _start_decode(self, outputs: WorkerOutputs) -> None:
+        """Routed before the call: the worker's first outputs may overtake its answer."""
+        rid = self._request.request_id
+        if not outputs.usable:  # it broke after it was ready: its routes were told then
+            self.on_outputs_broken(None, f"its Outputs stream ended ({outputs.worker_id})")
+            return
+        self._request.subscriber_id = outputs.subscriber_id
+        outputs.route(rid, self)
+        self._routed = True
+        self._starting = True
+        try:
+            self.call = self._stub.StartDecode(self._request)
+            await self.call
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - refused, or the worker failed
+            was_routed = self._routed
+            self._unroute()
+            if was_routed:  # not already ended (cancelled, or its stream broke)
+                code, msg = describe_rpc_error(self.worker, e)
+                self._report_event(LegFailed(self.worker, code, msg))
+            return
         finally:
-            if batched and outputs is not None:
-                outputs.unroute(rid)
+            self._starting = False
+        if self._abort_when_started:
+            await abort_on_worker(self._stub, self.worker, rid, ABORT_AFTER_START_S)
 
 
 async def hold_until_reserved(producer: ProducerLeg, decode: DecodeLeg, interval_s: float,

@@ -84,7 +84,13 @@ class RequestObserver:
         self.done = False
 
     def on_response(self, resp: router_pb2.GenerateResponse) -> None:
-        n = len(resp.token_ids)
+        now = self.on_tokens(len(resp.token_ids))
+        if resp.finish_reason:
+            self._finish(resp, now)
+
+    def on_tokens(self, n: int) -> float:
+        """A message of ``n`` tokens that does not end the request went out (the steady
+        state, without reading the message back); returns when."""
         now = time.monotonic()
         if n:
             m = self.m
@@ -103,8 +109,7 @@ class RequestObserver:
             self.tokens += n
             self.last = now
             m.generation_tokens.inc(n)
-        if resp.finish_reason:
-            self._finish(resp, now)
+        return now
 
     def _finish(self, resp: router_pb2.GenerateResponse, now: float) -> None:
         self.done = True

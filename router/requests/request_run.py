@@ -59,7 +59,8 @@ from router.config import RouterConfig
 from router.control.dp_placement import attention_tp, pick_dp_rank
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
-from router.requests.event_queue import EventQueue
+from router.requests.direct_write import DirectWrite
+from router.requests.event_queue import EventQueue, is_open
 from router.requests.legs import DecodeLeg, ProducerLeg, abort_on_worker
 from router.requests.request_info import RequestInfo
 from router.requests.run_events import (
@@ -70,6 +71,7 @@ from router.requests.run_events import (
     Failed,
     Reserved,
     TimedOut,
+    TokensRead,
 )
 from router.requests.run_output import RunOutput
 from router.requests.run_phase import RunPhase, check_phase
@@ -81,6 +83,7 @@ from router.requests.worker_outputs import WorkerOutputs
 log = logging.getLogger(__name__)
 
 P = RunPhase
+DECODING = RunPhase.DECODING
 # How long a leg that did its part may take to close its stream before the router cancels it.
 LINGER_S = 5.0
 FINISHED = {
@@ -97,7 +100,10 @@ class RequestRun:
                  stub_for: Callable[[WorkerInfo], worker_pb2_grpc.WorkerStub],
                  outputs_for: Callable[[WorkerInfo], WorkerOutputs | None] = lambda w: None,
                  on_unreachable: Callable[[WorkerInfo, str], None], spawn: Spawn,
-                 replace: Callable[[list[WorkerInfo], bool], Slot | None]) -> None:
+                 replace: Callable[[list[WorkerInfo], bool], Slot | None],
+                 direct: DirectWrite | None = None) -> None:
+        """direct: the client's gRPC stream, for decoding tokens written from the worker's
+        batch (``_on_report``); None: every message goes through the client loop."""
         self.prep = prep
         self.config = config
         self.out = RunOutput(prep, received_ns)
@@ -117,6 +123,7 @@ class RequestRun:
         self._spawn = spawn
         self._received = time.monotonic()
         self._queue = EventQueue()  # legs' reports; waiting token messages coalesce
+        self._direct = direct
         self.stopped = asyncio.Event()  # aborted or failed from outside (ends a queued wait)
         self._pairing: asyncio.Task[None] | None = None
         self._closed = False  # torn down: legs ended, no more pairing
@@ -180,11 +187,16 @@ class RequestRun:
     def _start_legs(self) -> None:
         slot, prep, t = self.slot, self.prep, self.out.timing
         assert slot is not None
-        attempt = self.attempt
+        rec, attempt, on_report = self.recovery, self.attempt, self._on_report
 
-        def report(ev: Event) -> None:
-            if attempt == self.attempt:  # a replaced attempt's legs have nothing to say
-                self._on_report(ev)
+        def report(ev: Event) -> None:  # once per token message: no property, no lookup
+            if attempt == rec.attempt:  # a replaced attempt's legs have nothing to say
+                on_report(ev)
+
+        write_direct = self._write_direct
+
+        def direct(t: worker_pb2.Tokens) -> bool:  # per token message, before any report
+            return attempt == rec.attempt and write_direct(t)
 
         t.producer = slot.producer.worker_id if slot.producer else ""
         t.consumer = slot.consumer.worker_id if slot.consumer else ""
@@ -198,6 +210,8 @@ class RequestRun:
                 req.dp_rank = group
             self.decode = DecodeLeg(w, self.stubs[w.worker_id], req, self._outputs_for(w),
                                     report)
+            if self._direct is not None:
+                self.decode.direct = direct
             self.decode.start()
             self._move(P.PLACED)
             return
@@ -216,6 +230,8 @@ class RequestRun:
                 leg_req.dp_rank = group
         self.decode = DecodeLeg(c, self.stubs[c.worker_id], dreq, self._outputs_for(c),
                                 report)
+        if self._direct is not None:
+            self.decode.direct = direct
         # Decode first: the reservation is the slower path, so it should not start late.
         self.decode.start()
         self.producer.start(preq,
@@ -224,12 +240,38 @@ class RequestRun:
 
     def _on_report(self, ev: Event) -> None:
         """Every leg's report lands here first and goes on to the client loop; the
-        consumer's reservation also goes on to the producer at once."""
+        consumer's reservation also goes on to the producer at once.
+
+        The steady state skips the loop: a decoding request's tokens that neither end nor
+        fail it, arriving while the client loop waits with nothing in hand and no write is
+        in flight, are written to the client's gRPC stream from here, within the pass over
+        the worker's batch (``DirectWrite``). Anything else, or tokens that arrive while a
+        write is still in flight, queue for the loop, which merges what waits together:
+        the order of the client's messages is the order of the reports either way.
+        """
+        if type(ev) is TokensRead and is_open(ev.tokens) and self._write_direct(ev.tokens):
+            return
         if isinstance(ev, Reserved):
             if self.producer is None or self._closed:
                 return
             self._pairing = _spawn(self._pair(ev.dest))
         self._queue.put_nowait(ev)
+
+    def _write_direct(self, tokens: worker_pb2.Tokens) -> bool:
+        """Writes a decoding request's tokens that go on (no finish: the caller checked)
+        to the client's stream now, if the client loop waits with nothing in hand and no
+        write is in flight; False: they go through the loop. Called by the decoding leg per
+        token message before any report is made (``DecodeLeg.direct``), and by
+        ``_on_report`` for a Decode stream's tokens."""
+        d = self._direct
+        if (d is None or self.phase is not DECODING or not d.idle or tokens.error
+                or not self._queue.parked() or self._closed):
+            return False
+        resp, n = self.out.more(tokens)
+        d.observe(n)
+        d.start(resp)
+        self._queue.touch()  # the loop's wait for the next token starts over
+        return True
 
     async def _pair(self, dest: worker_pb2.KVDestination) -> None:
         """Tells the producer where the consumer's blocks are, then half-closes its input."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
 
+from router.requests.direct_write import DirectWrite, WriteFailed
 from router.requests.errors import Overloaded, RequestError
 from router.requests.frontend import Frontend
 
@@ -20,13 +21,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.model_id = frontend.model_id  # the name ListModels reports
         self.policy_name = policy_name
 
-    async def Generate(self, request: router_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext
-                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    async def Generate(self, request: router_pb2.GenerateRequest,  # type: ignore[override]
+                       context: grpc.aio.ServicerContext) -> None:
+        """Writes with ``context.write`` (not an async generator): a decoding request's
+        tokens are written from the worker's batch as they come (``DirectWrite``); the rest
+        (token 0, merged tokens, the final message) from here, in order."""
         received_ns = time.time_ns()
+        writer = DirectWrite(context)
         try:
-            async for resp in self.frontend.generate(request, received_ns, "grpc"):
-                yield resp
+            async with contextlib.aclosing(self.frontend.generate(
+                    request, received_ns, "grpc", direct=writer)) as responses:
+                async for resp in responses:
+                    await writer.send(resp)
+            await writer.wait_idle()
+        except WriteFailed:
+            return  # the client's stream ended under a write: nobody left to tell
         except Overloaded as e:
             # The retry hint: seconds (like HTTP Retry-After), and the pushback gRPC's own
             # retry policy honours.

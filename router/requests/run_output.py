@@ -50,25 +50,35 @@ class RunOutput:
         self.token_ids.append(t0.token_id)
         return resp
 
+    def more(self, tokens: worker_pb2.Tokens) -> tuple[router_pb2.GenerateResponse, int]:
+        """A decoding leg's tokens as the client's response, and how many they are; the
+        finish, if any, is the caller's (``tokens``).
+
+        Per token on the hot path: the ids as one list (a slice of the repeated field: one
+        C call, where extending a list from the field iterates it), used for the response
+        and the record of what the client has; an empty repeated field is not passed
+        (copying even an empty container costs more than the message's other fields)."""
+        ids = tokens.token_ids[:]
+        lp = tokens.logprobs
+        if lp:
+            resp = router_pb2.GenerateResponse(request_id=self.prep.request_id, token_ids=ids,
+                                               text=tokens.text, logprobs=lp)
+        else:
+            resp = router_pb2.GenerateResponse(request_id=self.prep.request_id, token_ids=ids,
+                                               text=tokens.text)
+        self.completion_tokens += len(ids)
+        self.token_ids += ids
+        if self._stamps_open:
+            self._stamp(tokens)
+        return resp, len(ids)
+
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                ) -> tuple[router_pb2.GenerateResponse, str | None]:
         """A decoding leg's tokens; the error is None while the request goes on, "" when
         it finished well, else what failed."""
-        ids = tokens.token_ids
-        # Per token on the hot path: an empty repeated field is not passed (copying even an
-        # empty container costs more than the message's other fields).
-        if tokens.logprobs:
-            resp = router_pb2.GenerateResponse(request_id=self.prep.request_id, token_ids=ids,
-                                               text=tokens.text, logprobs=tokens.logprobs)
-        else:
-            resp = router_pb2.GenerateResponse(request_id=self.prep.request_id, token_ids=ids,
-                                               text=tokens.text)
         if not self.completion_tokens and tokens.cached_tokens:  # colocated: its prefill
             self.cached_tokens = tokens.cached_tokens
-        self.completion_tokens += len(ids)
-        self.token_ids += ids
-        if self._stamps_open:  # the consumer's timing stamps ride on its first messages
-            self._stamp(tokens)
+        resp = self.more(tokens)[0]
         if not tokens.finish_reason:
             return resp, None
         error = ""

@@ -1,23 +1,24 @@
 """The router's end of one worker's Outputs stream: per-step batches, demultiplexed.
 
 Each worker gets one ``Outputs`` call from this router process (its subscriber id is this
-process's id and a counter), opened on the first request placed there; every ``Decode``
-the router sends names it, and the worker then puts all of that router's tokens of one
-engine step into one ``OutputBatch``. Here each batch is read once and its entries handed
-to the legs by request id, so the per-token cost is a dict lookup and a callback instead
-of a gRPC message read per token per request.
+process's id and a counter), opened on the first request placed there; every
+``StartDecode`` the router sends names it, and the worker then puts all of that router's
+outputs of one engine step (reservations, tokens, ends) into one ``OutputBatch``. Here each
+batch is read once and its entries handed to the legs by request id, so the per-token cost
+is a dict lookup and a callback instead of a gRPC message read per token per request, and
+a request holds no call of its own once the worker took it.
 
 Lifecycle (who moves it):
 
     CONNECTING ──first (empty) batch──▶ READY ──the call ends or fails──▶ BROKEN
         │ the worker answers UNIMPLEMENTED (an older worker)
         ▼
-    UNSUPPORTED: Decode streams carry their own tokens, as before
+    UNSUPPORTED: requests go on Decode streams that carry their own outputs
 
-A BROKEN stream tells every leg routed to it (its worker failed, or the channel closed);
-``WorkerChannels`` opens a new one for the next request. A Decode stream ends with
-``done.final_seq``: the leg waits (``caught_up``) until this reader has handed on every
-batch up to it, so a request's last tokens always reach its run before its stream's end.
+A BROKEN stream tells every leg routed to it (its worker failed, its engine failed or its
+drain timed out, or the channel closed); ``WorkerChannels`` opens a new one for the next
+request. A request's end is its entry with a finish reason, in order with its other
+entries, so nothing else has to be waited for.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ class Route(Protocol):
 
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None: ...
 
+    def on_reserved(self, reserved: worker_pb2.Reserved) -> None: ...
+
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None: ...
 
 
@@ -68,7 +71,6 @@ class WorkerOutputs:
         self.seq = 0  # the last batch handed on
         self._routes: dict[str, Route] = {}
         self._ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._call: Any = stub.Outputs(worker_pb2.OutputsRequest(
             subscriber_id=self.subscriber_id))
         self._task = asyncio.get_running_loop().create_task(self._read())
@@ -78,8 +80,8 @@ class WorkerOutputs:
         return self.state in (State.CONNECTING, State.READY, State.UNSUPPORTED)
 
     async def ready(self) -> bool:
-        """True: Decode calls may name this stream; False: the worker has no Outputs (its
-        Decode streams carry tokens). Raises the call's error if it failed first."""
+        """True: StartDecode calls may name this stream; False: the worker has no Outputs
+        (Decode streams carry the outputs). Raises the call's error if it failed first."""
         return await asyncio.shield(self._ready)
 
     def route(self, rid: str, leg: Route) -> None:
@@ -87,14 +89,6 @@ class WorkerOutputs:
 
     def unroute(self, rid: str) -> None:
         self._routes.pop(rid, None)
-
-    async def caught_up(self, seq: int) -> None:
-        """Returns once every batch up to ``seq`` was handed on (or the stream broke)."""
-        if self.seq >= seq or self.state is State.BROKEN:
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append((seq, fut))
-        await fut
 
     def close(self) -> None:
         self._call.cancel()
@@ -109,13 +103,14 @@ class WorkerOutputs:
                     self.state = State.READY
                     self._ready.set_result(True)
                 routes = self._routes
+                for r in batch.reserved:  # before any token of the same request
+                    if (leg := routes.get(r.request_id)) is not None:
+                        leg.on_reserved(r)
                 for t in batch.tokens:
                     leg = routes.get(t.request_id)
                     if leg is not None:  # none: a leg already torn down
                         leg.on_tokens(t)
                 self.seq = batch.seq
-                if self._waiters:
-                    self._wake(self.seq)
         except asyncio.CancelledError:
             why = "Outputs stream closed by the router"
         except grpc.aio.AioRpcError as e:
@@ -137,15 +132,3 @@ class WorkerOutputs:
         routes, self._routes = self._routes, {}
         for leg in routes.values():
             leg.on_outputs_broken(code, why)
-        self._wake(None)
-
-    def _wake(self, upto: int | None) -> None:
-        """Wakes the waiters for batches up to ``upto`` (None: all of them)."""
-        keep = []
-        for seq, fut in self._waiters:
-            if upto is None or seq <= upto:
-                if not fut.done():
-                    fut.set_result(None)
-            else:
-                keep.append((seq, fut))
-        self._waiters = keep

@@ -21,7 +21,8 @@ from engine.sampling_params import SamplingParams
 from transfer.tp_endpoints import split_addresses
 from transfer.tp_receiver import TPReceiver
 from transfer.tp_sender import TPSender
-from worker.messages import DecodeCmd, PrefillCmd, ReservedEvent, TokensEvent
+from worker.messages import DecodeCmd, PrefillCmd, ReservedEvent
+from worker.token_batch import TokensEvent
 
 UCX = {"backend": "ucx", "host": "127.0.0.1", "peer_timeout_s": 5.0,
        "transfer_timeout_s": 60.0}

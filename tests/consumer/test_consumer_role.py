@@ -13,7 +13,8 @@ from tiny_models import PROMPTS
 from engine.llm import LLM
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from worker.messages import AbortCmd, DecodeCmd, ReservedEvent, TokensEvent
+from worker.messages import AbortCmd, DecodeCmd, ReservedEvent
+from worker.token_batch import TokensEvent
 
 S = RequestState
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,52 @@ def test_generate_on_one_allowed_core_uses_one_thread() -> None:
                          preexec_fn=lambda: os.sched_setaffinity(0, {core}))
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.splitlines()[-1])["threads"] == 1
+
+
+def _engine_environ(worker: subprocess.Popen[bytes]) -> dict[str, str]:
+    """The environment of the engine process a worker spawned (its multiprocessing child)."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        assert worker.poll() is None, "the worker exited before spawning its engine"
+        try:
+            with open(f"/proc/{worker.pid}/task/{worker.pid}/children") as f:
+                kids = f.read().split()
+            for kid in kids:
+                with open(f"/proc/{kid}/cmdline", "rb") as f:
+                    if b"spawn_main" not in f.read():
+                        continue
+                with open(f"/proc/{kid}/environ", "rb") as f:
+                    pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+                return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError("no engine process within 60 s")
+
+
+@pytest.mark.parametrize("given,want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_a_workers_engine_waits_passively_unless_the_operator_chose(
+        given: str | None, want: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    env.pop("OMP_WAIT_POLICY", None)
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    # no router there: the engine process starts before the worker registers
+    cmd = [sys.executable, "-m", "deploy.cli", "colocated", "--router", "127.0.0.1:9",
+           "--threads", "1", "--kv-cache-mib", "16", "--metrics-port", "-1"]
+    worker = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        assert _engine_environ(worker).get("OMP_WAIT_POLICY") == want
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+
+
+def test_passive_waits_keep_the_operators_policy() -> None:
+    env: dict[str, str] = {}
+    cpu_threads.passive_omp_waits(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"OMP_WAIT_POLICY": "ACTIVE"}
+    cpu_threads.passive_omp_waits(env)
+    assert env == {"OMP_WAIT_POLICY": "ACTIVE"}

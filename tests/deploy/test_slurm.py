@@ -79,7 +79,7 @@ def test_sbatch_1p1d_serves_and_scancel_leaves_nothing(slurm, tmp_path: Path) ->
             assert state in ("PENDING", "RUNNING", "CONFIGURING"), \
                 f"job state {state!r}\n{context()}"
             assert time.monotonic() < end, f"no endpoint file after 300 s\n{context()}"
-            time.sleep(1.0)
+            time.sleep(0.25)
         ep = json.loads(endpoint.read_text())
         assert set(ep) == {"grpc", "http", "producers", "consumers", "colocated"}, ep
         assert len(ep["producers"]) == 1 and len(ep["consumers"]) == 1, ep

@@ -72,7 +72,9 @@ def test_rolling_restart_2p2d_under_load_loses_no_request(tmp_path_factory, tiny
                       router_args=("--heartbeat-timeout", "3", "--heartbeat-interval",
                                    HEARTBEAT_S, "--policy", "round_robin"))
     try:
-        load = SteadyLoad(c.router_address, clients=3, max_tokens=(64, 300, 800))
+        # the longest leaves room for DRAIN_LEFT once the router shows it decoding; each token
+        # costs twice (the cluster, then the colocated reference at the end)
+        load = SteadyLoad(c.router_address, clients=3, max_tokens=(32, 150, 600))
         with load.running():
             load.wait_for(8)
             for i, name in enumerate(("worker-0", "worker-2", "worker-1", "worker-3")):
@@ -134,6 +136,14 @@ def test_draining_worker_refuses_new_calls_and_ends_what_outlives_the_timeout(
                     list(worker_pb2_grpc.WorkerStub(wch).Decode(worker_pb2.DecodeRequest(
                         request_id="late", prompt_token_ids=PROMPTS[0], colocated=True,
                         sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=10))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "worker-0 is draining (SIGTERM)" in e.value.details()
+            with grpc.insecure_channel(address) as wch:  # and so is a request started alone
+                with pytest.raises(grpc.RpcError) as e:
+                    worker_pb2_grpc.WorkerStub(wch).StartDecode(worker_pb2.DecodeRequest(
+                        request_id="late2", prompt_token_ids=PROMPTS[0], colocated=True,
+                        subscriber_id="any", sampling=common_pb2.SamplingParams(max_tokens=2)),
+                        timeout=10)
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "worker-0 is draining (SIGTERM)" in e.value.details()
             res = long.result(120)

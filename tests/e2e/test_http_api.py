@@ -27,6 +27,9 @@ from deploy.cluster import LocalCluster
 
 KEY, TOKEN = "test-api-key", "test-cluster-token"
 RUNNING, QUEUED = 64, 136  # the router's admission bounds for this cluster
+# Room for the chat prompts here (34 tokens with SmolLM2's template) and their answers;
+# short, since a chat request without max_tokens (schemathesis sends many) decodes to it.
+MAX_MODEL_LEN = 64
 PROMPTS = ["Name a color.", "What is 2+2?", "Say hello.", "Name a fruit.", "Count to three."]
 
 
@@ -49,7 +52,8 @@ class _Auth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor)
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c = start_cluster(tmp_path_factory, "http1p1d", http_port=0, api_key=KEY,
-                      cluster_token=TOKEN, worker_args=(*WORKER_ARGS, "--max-model-len", "256"),
+                      cluster_token=TOKEN,
+                      worker_args=(*WORKER_ARGS, "--max-model-len", str(MAX_MODEL_LEN)),
                       router_args=("--max-running-requests", str(RUNNING),
                                    "--max-queued-requests", str(QUEUED)))
     yield c
@@ -130,7 +134,7 @@ def test_api_key_and_cluster_token_are_enforced(cluster: LocalCluster) -> None:
 
     async def register(token: str) -> str:
         reg = Registration(cluster.router_address, "stray-1", "consumer", "127.0.0.1:1",
-                           ReadyInfo("smollm2", "x", 256, kv_address="tcp://127.0.0.1:1"),
+                           ReadyInfo("smollm2", "x", MAX_MODEL_LEN, kv_address="tcp://127.0.0.1:1"),
                            lambda: None, token)
         try:
             await reg.run()
@@ -281,7 +285,7 @@ def test_metrics_parse_and_move(cluster: LocalCluster) -> None:
     c_before = _scrape(f"http://127.0.0.1:{ports['worker-1']}/metrics")
     client(cluster).chat.completions.create(model="smollm2", max_tokens=6, temperature=0,
                                             messages=[{"role": "user", "content": "Hi"}])
-    time.sleep(0.6)  # worker counters ride the engine's 0.25 s load reports
+    time.sleep(1.2)  # worker counters ride the engine's 0.5 s load reports
     after = _scrape(router_url)
     p_after = _scrape(f"http://127.0.0.1:{ports['worker-0']}/metrics")
     c_after = _scrape(f"http://127.0.0.1:{ports['worker-1']}/metrics")

@@ -28,7 +28,7 @@ DETAIL = (" I ordered it last week from the online shop, paid by card, and chose
 QUESTIONS = [q + DETAIL for q in ("Where is my parcel?", "How do I change the address?",
                                   "Can I pick it up myself?", "What does 'in transit' mean?")]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
-SETTLE_S = 1.5  # the workers publish KV events every 50 ms; a loaded CPU host lags
+SETTLE_S = 1.5  # the workers publish KV events at most every 0.2 s; a loaded CPU host lags
 
 
 @pytest.fixture(scope="module")

@@ -131,6 +131,78 @@ def test_malformed_decode_is_invalid_argument_counted_and_worker_keeps_serving(
     wait_whole(cluster_pdc)
 
 
+def _entries(outputs: Any, rid: str, until: Any) -> list[Any]:
+    """Reads an Outputs stream's batches until ``until(entries of rid)`` holds."""
+    got: list[Any] = []
+    for batch in outputs:
+        got += [r for r in batch.reserved if r.request_id == rid]
+        got += [t for t in batch.tokens if t.request_id == rid]
+        if until(got):
+            return got
+    raise AssertionError(f"the Outputs stream ended before {rid} did: {got}")
+
+
+def test_start_decode_takes_a_request_and_its_outputs_ride_the_outputs_stream(
+        cluster_pdc: Any, stubs: dict[str, Any]) -> None:
+    """StartDecode answers at once; the reservation, tokens and end come on the Outputs
+    stream it names; refusals are the call's status; Abort ends a started request."""
+    colo, cons = stubs["worker-2"], stubs["worker-1"]
+    outs = {wid: stubs[wid].Outputs(worker_pb2.OutputsRequest(subscriber_id=f"t-{wid}"),
+                                    timeout=120) for wid in ("worker-2", "worker-1")}
+    try:
+        for o in outs.values():
+            assert next(o).seq == 0  # subscribed
+        req = worker_pb2.DecodeRequest(
+            request_id="started-1", prompt_token_ids=[HI, 5, 6], colocated=True, seed=1,
+            sampling=sp(max_tokens=3, temperature=0, ignore_eos=True),
+            subscriber_id="t-worker-2")
+        colo.StartDecode(req, timeout=30)
+        got = _entries(outs["worker-2"], "started-1", lambda g: g and g[-1].finish_reason)
+        assert [i for t in got for i in t.token_ids] and sum(len(t.token_ids) for t in got) == 3
+        assert got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        # the same tokens as one Decode stream gives (same seed, greedy)
+        _, _, toks, _ = decode(colo, "started-ref", [HI, 5, 6],
+                               sp(max_tokens=3, temperature=0, ignore_eos=True), True)
+        assert [i for t in got for i in t.token_ids] == toks
+        refusals = [
+            (dict(subscriber_id=""), grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id:"),
+            (dict(prompt_token_ids=[HI, VOCAB]), grpc.StatusCode.INVALID_ARGUMENT,
+             "prompt_token_ids[1]:"),
+        ]
+        for change, code, prefix in refusals:
+            bad = worker_pb2.DecodeRequest()
+            bad.CopyFrom(req)
+            bad.request_id = f"refused-{prefix}"
+            for k, v in change.items():
+                if isinstance(v, list):
+                    del getattr(bad, k)[:]
+                    getattr(bad, k).extend(v)
+                else:
+                    setattr(bad, k, v)
+            with pytest.raises(grpc.RpcError) as e:
+                colo.StartDecode(bad, timeout=30)
+            assert e.value.code() == code and (e.value.details() or "").startswith(prefix), (
+                e.value.code(), e.value.details())
+        # a consumer: its reservation arrives on the stream; Abort frees it and ends it
+        cons.StartDecode(worker_pb2.DecodeRequest(
+            request_id="started-2", prompt_token_ids=[HI, 5, 6], seed=1,
+            sampling=sp(max_tokens=3), subscriber_id="t-worker-1"), timeout=30)
+        [r] = _entries(outs["worker-1"], "started-2", bool)
+        assert r.block_ids and r.kv_address
+        with pytest.raises(grpc.RpcError) as e:  # its id is taken while it runs
+            cons.StartDecode(worker_pb2.DecodeRequest(
+                request_id="started-2", prompt_token_ids=[HI], sampling=sp(max_tokens=3),
+                subscriber_id="t-worker-1"), timeout=30)
+        assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert cons.Abort(worker_pb2.WorkerAbortRequest(request_id="started-2"), timeout=10).ok
+        [end] = _entries(outs["worker-1"], "started-2", bool)
+        assert end.finish_reason == common_pb2.FINISH_REASON_ABORT
+    finally:
+        for o in outs.values():
+            o.cancel()
+    wait_whole(cluster_pdc)
+
+
 def test_malformed_prefill_is_invalid_argument_counted_and_worker_keeps_serving(
         cluster_pdc: Any, stubs: dict[str, Any]) -> None:
     stub = stubs["worker-0"]

@@ -15,6 +15,21 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             for i, a in enumerate(("llama", "qwen2", "qwen3", "mistral", "llama3"))}
 
 
+@pytest.fixture(scope="session")
+def hf_smollm2():  # type: ignore[no-untyped-def]
+    """transformers' own load of the embedded SmolLM2 GGUF, in eval mode, built once: its
+    GGUF dequantization takes ~20 s on 2 cores, and the tests only read the model (its
+    weights, greedy generation)."""
+    import torch
+    import transformers
+
+    from engine.model_source import resolve_model
+
+    path = resolve_model("smollm2")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
+
+
 @pytest.fixture
 def make_llm():  # type: ignore[no-untyped-def]
     """Builds LLMs and, after the test, checks each one's KV pool is whole again."""

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from fp8_models import FORMATS, engine_logits, quant_config, write_fp8
+from fp8_models import FORMATS, engine_logits, quant_config, teacher_forced_agreement, write_fp8
 from tiny_models import PROMPTS, make_tiny_model
 
 from engine.sampling_params import SamplingParams
@@ -177,17 +177,20 @@ def test_ignored_modules_stay_float(src, tmp_path):
 @pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel", "ct_tensor_static"])
 def test_fp8_checkpoint_on_gpu_with_cuda_graphs(src, tmp_path, make_llm, fmt):
     """bf16 on CUDA with decode graphs (weight-only kernels at decode, FP8 x FP8 prefill):
-    greedy tokens mostly those of the dequantized weights, and graphs equal eager."""
+    graphs equal eager, and given the same prefixes the FP8 model picks the dequantized
+    weights' tokens more often than the unquantized model does (teacher_forced_agreement
+    says why free-running tokens cannot judge this)."""
     fp8, deq = write_fp8(src["llama"], str(tmp_path / "fp8"), str(tmp_path / "deq"), fmt)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw: dict = dict(device="cuda", dtype="bfloat16", block_size=4, max_num_seqs=8)
-    graphs = make_llm(fp8, **kw).generate(PROMPTS, params)
+    llm = make_llm(fp8, **kw)
+    graphs = llm.generate(PROMPTS, params)
     eager = make_llm(fp8, enforce_eager=True, **kw).generate(PROMPTS, params)
-    ref = make_llm(deq, **kw).generate(PROMPTS, params)
     assert [g.token_ids for g in graphs] == [e.token_ids for e in eager]
-    same = sum(a == b for g, r in zip(graphs, ref, strict=True)
-               for a, b in zip(g.token_ids, r.token_ids, strict=True))
-    assert same >= 0.75 * 16 * len(PROMPTS), same
+    ref = [r.token_ids for r in make_llm(deq, **kw).generate(PROMPTS, params)]
+    fp8_agree = teacher_forced_agreement(llm, PROMPTS, ref)
+    float_agree = teacher_forced_agreement(make_llm(src["llama"], **kw), PROMPTS, ref)
+    assert fp8_agree >= max(float_agree, 16 * len(PROMPTS) // 2), (fp8_agree, float_agree)
 
 
 @pytest.mark.parametrize("fmt", ["fp8_block", "ct_tensor_static"])

@@ -16,7 +16,14 @@ import re
 
 import pytest
 import torch
-from fp8_models import MLA_PROJ, PROJ, engine_logits, write_fp8, write_rows_dequantized
+from fp8_models import (
+    MLA_PROJ,
+    PROJ,
+    engine_logits,
+    teacher_forced_agreement,
+    write_fp8,
+    write_rows_dequantized,
+)
 from tiny_deepseek import MODELS as DS_MODELS
 from tiny_deepseek import make_tiny_deepseek
 from tiny_models import PROMPTS, make_tiny_model
@@ -257,7 +264,9 @@ def test_fp8_expert_checkpoint_tp2_equals_tp1(tmp_path, fmt, overrides):
 @pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel", "at_load"])
 def test_fp8_experts_on_gpu_with_cuda_graphs(tmp_path, make_llm, fmt):
     """bf16 on CUDA with decode graphs (the Triton fused MoE kernel reading FP8 experts):
-    graphs equal eager, and greedy tokens mostly those of the dequantized weights."""
+    graphs equal eager, and given the same prefixes the FP8 model picks the dequantized
+    weights' tokens more often than the unquantized model does (teacher_forced_agreement
+    says why free-running tokens cannot judge this)."""
     src = make_tiny_model(str(tmp_path / "src"), "qwen3_moe", seed=8, **WIDE)
     if fmt == "at_load":
         path, kw = src, {"quantization": "fp8"}
@@ -272,11 +281,11 @@ def test_fp8_experts_on_gpu_with_cuda_graphs(tmp_path, make_llm, fmt):
     assert llm.engine.runner.model.layers[1].mlp.experts.w13.dtype == FP8
     graphs = llm.generate(PROMPTS, params)
     eager = make_llm(path, enforce_eager=True, **common, **kw).generate(PROMPTS, params)
-    ref = make_llm(deq, **common).generate(PROMPTS, params)
     assert [g.token_ids for g in graphs] == [e.token_ids for e in eager]
-    same = sum(a == b for g, r in zip(graphs, ref, strict=True)
-               for a, b in zip(g.token_ids, r.token_ids, strict=True))
-    assert same >= 0.75 * STEPS * len(PROMPTS), same
+    ref = [r.token_ids for r in make_llm(deq, **common).generate(PROMPTS, params)]
+    fp8_agree = teacher_forced_agreement(llm, PROMPTS, ref)
+    float_agree = teacher_forced_agreement(make_llm(src, **common), PROMPTS, ref)
+    assert fp8_agree >= max(float_agree, STEPS * len(PROMPTS) // 2), (fp8_agree, float_agree)
 
 
 def test_fp8_experts_expert_parallel_under_dp_attention(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,6 +15,9 @@ import transformers
 
 from engine.gguf_reader import iter_gguf_tensors, read_gguf_config
 from engine.model_source import model_display_name, resolve_model
+
+# the reference reader; the GPU machine lacks it (the tests here need no GPU: CI runs them)
+gguf = pytest.importorskip("gguf")
 
 
 def llamacpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -99,11 +101,8 @@ def test_embedded_config(embedded: str) -> None:
     assert abs(cfg["rms_norm_eps"] - 1e-5) < 1e-9
 
 
-def test_embedded_tensors_equal_transformers(embedded: str) -> None:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(embedded), gguf_file=os.path.basename(embedded), dtype=torch.float32
-    )
-    ref = hf.state_dict()
+def test_embedded_tensors_equal_transformers(embedded: str, hf_smollm2) -> None:
+    ref = hf_smollm2.state_dict()  # transformers' own load of the same file
     ours = dict(iter_gguf_tensors(embedded))
     # Tied: HF's state_dict shows lm_head as an alias of the embedding; we do not yield it.
     assert set(ref) - set(ours) == {"lm_head.weight"}

@@ -4,14 +4,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from engine.model_source import resolve_model
 from engine.sampling_params import SamplingParams
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -28,20 +26,11 @@ def smol(request):
     assert acc.used == 0 and acc.free == acc.total
 
 
-@pytest.fixture(scope="module")
-def hf_smol():
-    import transformers as tf
-
-    path = resolve_model("smollm2")
-    return tf.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
-
-
-def test_chat_greedy_matches_transformers(smol, hf_smol):
+def test_chat_greedy_matches_transformers(smol, hf_smollm2):
     res = smol.generate(CHATS, SamplingParams(max_tokens=48, temperature=0), chat=True)
     for r in res:
         ids = r.prompt_token_ids
-        ref = hf_smol.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+        ref = hf_smollm2.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                dtype=torch.long), max_new_tokens=48,
                                do_sample=False)[0, len(ids):].tolist()
         assert r.token_ids == ref[: len(r.token_ids)]

@@ -37,10 +37,10 @@ from worker.messages import (
     ReservedEvent,
     Token0Event,
     Token0SentCmd,
-    TokensEvent,
     TransferResultEvent,
     encode,
 )
+from worker.token_batch import TokensEvent
 
 S = RequestState
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

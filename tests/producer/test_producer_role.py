@@ -15,7 +15,8 @@ from engine.llm import LLM
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from transfer import TransferStatus
-from worker.messages import AbortCmd, Token0Event, TokensEvent
+from worker.messages import AbortCmd, Token0Event
+from worker.token_batch import TokensEvent
 
 S = RequestState
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -107,6 +107,37 @@ async def decode_ok(w: FakeWorker, req: worker_pb2.DecodeRequest
     yield tokens([103], "D", LENGTH)
 
 
+async def decode_endless(w: FakeWorker, req: worker_pb2.DecodeRequest
+                         ) -> AsyncIterator[worker_pb2.DecodeOutput]:
+    """One token a step (10 ms), never finishing: for a client that leaves mid-stream."""
+    yield reserved()
+    i = 0
+    while True:
+        i += 1
+        await asyncio.sleep(0.01)
+        yield tokens([i], f"<{i}>")
+
+
+BURSTS, BURST = 5, 10  # decode_bursts: consumer tokens after token 0, bursts of one step each
+
+
+async def decode_bursts(w: FakeWorker, req: worker_pb2.DecodeRequest
+                        ) -> AsyncIterator[worker_pb2.DecodeOutput]:
+    """Tokens in bursts: each burst's tokens reach the worker's Outputs queue in one loop
+    pass, and its batch (``batch_all``) carries all of them, as a service whose loop fell
+    behind its engine sends several steps' tokens of one request together."""
+    yield reserved()
+    for b in range(BURSTS):
+        await asyncio.sleep(0.05)  # the previous burst went out meanwhile
+        for i in range(b * BURST + 1, (b + 1) * BURST + 1):
+            yield tokens([i], f"<{i}>", LENGTH if i == BURSTS * BURST else 0)
+
+
+def burst_text() -> str:
+    """The whole text of a request served by ``decode_bursts`` (token 0 is "A")."""
+    return "A" + "".join(f"<{i}>" for i in range(1, BURSTS * BURST + 1))
+
+
 async def decode_hang_after_reserve(w: FakeWorker, req: worker_pb2.DecodeRequest
                                     ) -> AsyncIterator[worker_pb2.DecodeOutput]:
     yield reserved()
@@ -115,14 +146,25 @@ async def decode_hang_after_reserve(w: FakeWorker, req: worker_pb2.DecodeRequest
 
 # -- the fake worker -----------------------------------------------------------------------
 
+# How a streaming handler learns that the router cancelled its call: usually CancelledError;
+# when the cancel lands as the handler starts, grpc.aio closes the handler's generator
+# instead (GeneratorExit at its first yield), as test_dispatch's token-0 test met at load.
+CLIENT_GONE = (asyncio.CancelledError, GeneratorExit)
+
+
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
     def __init__(self, worker_id: str, role: int, *, prefill: PrefillScript = prefill_ok,
                  decode: DecodeScript = decode_ok, kv_fingerprint: str = "fp1",
                  max_model_len: int = 2048, model: str = "smollm2",
-                 outputs: bool = False, batch_delay_s: float = 0.0) -> None:
-        """outputs: serve Outputs (tokens of Decode calls naming it go there, batched, and
-        Decode ends with done(final_seq)); batch_delay_s: each batch leaves that late, so
-        the done can overtake the batch holding the last tokens."""
+                 outputs: bool = False, start_delay_s: float = 0.0,
+                 refuse_start: tuple[grpc.StatusCode, str] | None = None,
+                 batch_all: bool = False) -> None:
+        """outputs: serve Outputs and StartDecode (the decode script's reservation and
+        tokens go to the Outputs stream StartDecode names); start_delay_s: StartDecode
+        answers that late, after its request's outputs went out; refuse_start: StartDecode
+        answers with this status instead; batch_all: one batch carries every output waiting
+        when it leaves (one request's several tokens in one batch, as a service whose loop
+        fell behind its engine sends them)."""
         self.worker_id, self.role = worker_id, role
         self.prefill_script, self.decode_script = prefill, decode
         self.kv_fingerprint, self.max_model_len, self.model = kv_fingerprint, max_model_len, model
@@ -136,8 +178,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.abort_event = asyncio.Event()
         self.load = common_pb2.WorkerLoad(kv_blocks_free=100, kv_blocks_total=100)
         self.heartbeating = True
-        self.outputs, self.batch_delay_s = outputs, batch_delay_s
+        self.outputs, self.start_delay_s = outputs, start_delay_s
+        self.refuse_start, self.batch_all = refuse_start, batch_all
         self.subscribers: dict[str, asyncio.Queue[Any]] = {}
+        self.started: dict[str, asyncio.Task[None]] = {}  # StartDecode's requests
         self.seq = 0
         self.port = 0
         self._server: grpc.aio.Server | None = None
@@ -181,6 +225,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def kill(self) -> None:
         """Like a crashed process: the server goes away, streams break, heartbeats stop."""
         self.heartbeating = False
+        for task in self.started.values():
+            task.cancel()
         if self._server is not None:
             await self._server.stop(None)
 
@@ -201,7 +247,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         try:
             async for out in self.prefill_script(self, req, self._watch_close(req, inputs)):
                 yield out
-        except asyncio.CancelledError:
+        except CLIENT_GONE:
             self.cancelled.append(req.request_id)
             raise
 
@@ -213,20 +259,44 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Decode(self, request: worker_pb2.DecodeRequest, context: Any
                      ) -> AsyncIterator[worker_pb2.DecodeOutput]:
         self.decode_requests.append(request)
-        sub = self.subscribers.get(request.subscriber_id) if request.subscriber_id else None
         try:
             async for out in self.decode_script(self, request):
-                if sub is not None and out.WhichOneof("kind") == "tokens":
-                    out.tokens.request_id = request.request_id
-                    self.seq += 1
-                    sub.put_nowait((self.seq, out.tokens))
-                else:
-                    yield out
-            if sub is not None:
-                yield worker_pb2.DecodeOutput(done=worker_pb2.DecodeDone(final_seq=self.seq))
-        except asyncio.CancelledError:
+                yield out
+        except CLIENT_GONE:
             self.cancelled.append(request.request_id)
             raise
+
+    async def StartDecode(self, request: worker_pb2.DecodeRequest, context: Any
+                          ) -> worker_pb2.DecodeStarted:
+        if not self.outputs:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no StartDecode here")
+        self.decode_requests.append(request)
+        if self.refuse_start is not None:
+            await context.abort(*self.refuse_start)
+        q = self.subscribers.get(request.subscriber_id)
+        if q is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "subscriber_id: not open")
+        rid = request.request_id
+
+        async def feed() -> None:
+            async for out in self.decode_script(self, request):
+                if out.WhichOneof("kind") == "tokens":
+                    out.tokens.request_id = rid
+                    batch = worker_pb2.OutputBatch(tokens=[out.tokens])
+                else:
+                    out.reserved.request_id = rid
+                    batch = worker_pb2.OutputBatch(reserved=[out.reserved])
+                self.seq += 1
+                batch.seq = self.seq
+                q.put_nowait(batch)
+
+        task = asyncio.get_running_loop().create_task(feed())
+        # Told by the task's end, not by an except clause in feed: an Abort that comes
+        # before the task first ran cancels a coroutine whose body never starts.
+        task.add_done_callback(lambda t: t.cancelled() and self.cancelled.append(rid))
+        self.started[rid] = task
+        await asyncio.sleep(self.start_delay_s)
+        return worker_pb2.DecodeStarted()
 
     async def Outputs(self, request: worker_pb2.OutputsRequest, context: Any
                       ) -> AsyncIterator[worker_pb2.OutputBatch]:
@@ -236,14 +306,20 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.subscribers[request.subscriber_id] = q
         yield worker_pb2.OutputBatch(seq=0)
         while True:
-            seq, t = await q.get()
-            await asyncio.sleep(self.batch_delay_s)
-            yield worker_pb2.OutputBatch(tokens=[t], seq=seq)
+            batch = await q.get()
+            while self.batch_all and not q.empty():
+                more = q.get_nowait()
+                batch.tokens.extend(more.tokens)
+                batch.reserved.extend(more.reserved)
+                batch.seq = more.seq
+            yield batch
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest, context: Any
                     ) -> worker_pb2.WorkerAbortResponse:
         self.aborts.append(request.request_id)
         self.abort_event.set()
+        if (task := self.started.pop(request.request_id, None)) is not None:
+            task.cancel()
         return worker_pb2.WorkerAbortResponse(ok=True)
 
 

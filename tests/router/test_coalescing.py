@@ -13,7 +13,20 @@ from typing import Any
 
 import grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
-from router_fakes import LENGTH, TOKEN0, Cluster, FakeWorker, request, reserved, run, tokens
+from router_fakes import (
+    BURST,
+    BURSTS,
+    LENGTH,
+    TOKEN0,
+    Cluster,
+    FakeWorker,
+    burst_text,
+    decode_bursts,
+    request,
+    reserved,
+    run,
+    tokens,
+)
 
 N = 600  # consumer tokens, each with a text of ~1 KB: far past one flow-control window
 TEXT = 1000
@@ -58,5 +71,26 @@ def test_a_slow_reader_gets_every_token_in_fewer_messages() -> None:
         # ~64 messages fill the window; everything after waited and left together
         assert len(got) < N // 4, len(got)
         assert max(len(r.token_ids) for r in got) > N // 2
+
+    run(main(), timeout=60)
+
+
+def test_tokens_waiting_together_leave_in_one_message() -> None:
+    """Several tokens of one request waiting when the stream's writer runs leave as one
+    client message: the first of a burst may be written straight from the batch (nothing
+    waits yet), the rest wait behind that write and leave merged."""
+    async def main() -> None:
+        async with Cluster() as cl:
+            await cl.pd(decode=decode_bursts)
+            cl.workers[1].outputs = cl.workers[1].batch_all = True
+            got = await cl.generate(max_tokens=BURSTS * BURST + 1)
+        ids = [i for r in got for i in r.token_ids]
+        assert ids == [TOKEN0, *range(1, BURSTS * BURST + 1)]
+        assert "".join(r.text for r in got) == burst_text()
+        assert got[-1].finish_reason == LENGTH
+        assert got[-1].usage.completion_tokens == BURSTS * BURST + 1
+        # token 0, then at most two messages a burst (one written direct, the rest merged)
+        sizes = [len(r.token_ids) for r in got]
+        assert len(got) <= 1 + 2 * BURSTS, sizes
 
     run(main(), timeout=60)

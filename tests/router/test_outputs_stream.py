@@ -1,7 +1,8 @@
 """The router's end of the per-worker Outputs stream (router/requests/worker_outputs.py), against
-scripted workers: tokens arrive batched and demultiplexed, a Decode stream's done waits for
-the batch holding its last tokens, a worker without Outputs still works, and a broken
-stream fails over like a broken Decode stream."""
+scripted workers: a request is started with StartDecode and its reservation and tokens
+arrive batched and demultiplexed, outputs that overtake StartDecode's answer are not lost,
+a worker without Outputs still works on Decode streams, and a broken stream fails over
+like a broken Decode stream."""
 
 from __future__ import annotations
 
@@ -9,8 +10,20 @@ import asyncio
 from typing import Any
 
 import grpc
-from pdserve.v1 import worker_pb2
-from router_fakes import CO, LENGTH, TOKEN0, Cluster, request, reserved, run, tokens
+from pdserve.v1 import common_pb2, worker_pb2
+from router_fakes import (
+    CO,
+    LENGTH,
+    TOKEN0,
+    Cluster,
+    decode_hang_after_reserve,
+    prefill_hang_after_token0,
+    request,
+    reserved,
+    run,
+    tokens,
+    wait_until,
+)
 
 from router.requests.worker_outputs import State
 
@@ -26,23 +39,23 @@ def test_tokens_come_batched_and_each_request_gets_its_own() -> None:
                 assert ids == [TOKEN0, 101, 102, 103], ids
                 assert resps[-1].finish_reason == LENGTH
             subs = {r.subscriber_id for r in c.decode_requests}
-            assert len(subs) == 1 and "" not in subs  # one stream, named by every Decode
+            assert len(subs) == 1 and "" not in subs  # one stream, named by every request
             assert len(c.decode_requests) == 6
 
     run(main())
 
 
-def test_the_done_never_overtakes_the_last_tokens() -> None:
-    """Each batch leaves 0.3 s late, so the Decode stream's done arrives first: the run must
-    still see the final tokens before it takes the stream as ended (else: "ended its stream
-    before the request finished")."""
+def test_outputs_that_overtake_start_decode_reach_the_run() -> None:
+    """StartDecode answers 0.3 s after its request's reservation and tokens went out on the
+    Outputs stream: the leg is routed before the call, so every token still arrives."""
     async def main() -> None:
         async with Cluster() as cl:
             p, c = await cl.pd()
-            c.outputs, c.batch_delay_s = True, 0.3
+            c.outputs, c.start_delay_s = True, 0.3
             resps = await cl.generate(max_tokens=4)
             assert [i for r in resps for i in r.token_ids] == [TOKEN0, 101, 102, 103]
             assert resps[-1].finish_reason == LENGTH and not resps[-1].error, resps[-1]
+            assert p.destinations  # the reservation came on the Outputs stream
 
     run(main())
 
@@ -85,7 +98,7 @@ def test_a_broken_outputs_stream_migrates_its_requests() -> None:
     run(main())
 
 
-def test_reserved_still_comes_on_the_decode_stream() -> None:
+def test_the_reservation_comes_on_the_outputs_stream() -> None:
     async def main() -> None:
         async with Cluster() as cl:
             p, c = await cl.pd()
@@ -94,5 +107,65 @@ def test_reserved_still_comes_on_the_decode_stream() -> None:
             assert p.destinations and list(p.destinations[0].block_ids) == list(
                 reserved().reserved.block_ids)
             assert c.decode_requests[0].subscriber_id
+            assert not c.cancelled and not c.aborts  # finished: nothing to cancel or abort
+
+    run(main())
+
+
+def test_a_client_that_leaves_aborts_its_started_request() -> None:
+    """No per-request call is left to cancel: the worker hears of it through Abort, and the
+    leg's route on the Outputs stream goes away."""
+    async def main() -> None:
+        async with Cluster() as cl:
+            p, c = await cl.pd(prefill=prefill_hang_after_token0,
+                               decode=decode_hang_after_reserve)
+            c.outputs = True
+            call = cl.router.Generate(request(request_id="r1"))
+            first = await call.read()
+            assert list(first.token_ids) == [TOKEN0]
+            await wait_until(lambda: len(p.destinations) == 1)
+            call.cancel()
+            await asyncio.wait_for(c.abort_event.wait(), 5)
+            assert c.aborts == ["r1"]
+            await wait_until(lambda: c.cancelled == ["r1"])  # the fake's request task
+            outs = cl.server._channels._outputs["c0"]  # type: ignore[union-attr]
+            await wait_until(lambda: not outs._routes)
+            assert outs.state is State.READY  # the stream stays for the next request
+
+    run(main())
+
+
+def test_a_refused_start_decode_fails_the_request_with_its_status() -> None:
+    async def refuse(w: Any, req: worker_pb2.DecodeRequest) -> Any:
+        raise AssertionError("never run")
+        yield  # an async generator
+
+    async def main() -> None:
+        async with Cluster() as cl:
+            await cl.add("w0", CO, decode=refuse, outputs=True, refuse_start=(
+                grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens: too many"))
+            resps = await cl.generate(max_tokens=2)
+            last = resps[-1]
+            assert last.finish_reason == common_pb2.FINISH_REASON_ERROR
+            assert "INVALID_ARGUMENT" in last.error and "sampling.max_tokens" in last.error, last
+            outs = cl.server._channels._outputs["w0"]  # type: ignore[union-attr]
+            assert not outs._routes
+
+    run(main())
+
+
+def test_a_leg_cancelled_while_starting_aborts_once_the_worker_answers() -> None:
+    """The client leaves while StartDecode is in flight: the worker may take the request
+    after an Abort sent at once, so the leg aborts again after the answer."""
+    async def main() -> None:
+        async with Cluster() as cl:
+            w = await cl.add("w0", CO, decode=decode_hang_after_reserve, outputs=True)
+            w.start_delay_s = 0.5
+            call = cl.router.Generate(request(request_id="r1"))
+            await wait_until(lambda: len(w.decode_requests) == 1)
+            call.cancel()
+            await wait_until(lambda: w.aborts.count("r1") == 2, timeout=5)
+            outs = cl.server._channels._outputs["w0"]  # type: ignore[union-attr]
+            assert not outs._routes
 
     run(main())

@@ -8,7 +8,7 @@ from unittest.mock import patch
 
 import grpc
 import pytest
-from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router_fakes import CO, C, Cluster, P, run
 
 from router.control.policy import RoundRobin, place
@@ -63,6 +63,25 @@ def test_a_draining_worker_is_listed_heartbeating_but_never_picked() -> None:
     c0b = add(reg, "c0", CONSUMER)
     add(reg, "p1", PRODUCER)
     assert c0b is not c0 and not c0b.draining and reg.serving()
+
+
+def test_a_worker_that_left_and_went_silent_is_not_reported_as_lost() -> None:
+    """A worker that deregistered with a request still open here, then stopped
+    heartbeating (its process exited), is dropped saying it left, not as a lost worker;
+    a worker that never left still reads as one."""
+    clock = Clock()
+    reg = Registry(heartbeat_timeout_s=3, clock=clock)
+    why: dict[str, str] = {}
+    reg.on_drop.append(lambda w, reason: why.__setitem__(w.worker_id, reason))
+    p0, p1 = add(reg, "p0", PRODUCER), add(reg, "p1", PRODUCER)
+    p0.inflight = 1
+    assert reg.leave("p0", "SIGTERM, drained")
+    clock.t += 3.5
+    assert {w.worker_id for w in reg.sweep()} == {"p0", "p1"}
+    assert why["p0"] == ("worker p0 (producer at p0:1) left (SIGTERM, drained) and went "
+                         "silent with 1 request(s) still open here")
+    assert why["p1"] == "worker p1 (producer at p1:1) stopped heartbeating (3 s)"
+    assert why["p1"].endswith(reg.silence_reason(p1))
 
 
 def test_a_role_change_order_drains_and_is_read_by_orders() -> None:
@@ -191,6 +210,10 @@ def test_change_split_orders_workers_and_waits_for_their_new_roles() -> None:
                 w = p0 if msg.worker_id == "p0" else c0
                 orders = await mem.Orders(router_pb2.OrdersRequest(worker_id=w.worker_id))
                 assert orders.change_role == common_pb2.ROLE_COLOCATED
+                # the heartbeat's answer carries the same order (the worker's one call)
+                hb = await w.registry.Heartbeat(worker_pb2.HeartbeatRequest(
+                    worker_id=w.worker_id, load=w.load))
+                assert hb.known and hb.change_role == common_pb2.ROLE_COLOCATED
                 # a second change is refused while this one runs
                 with pytest.raises(grpc.aio.AioRpcError) as e:
                     await admin.ChangeSplit(router_pb2.ChangeSplitRequest(colocated=2),

@@ -260,12 +260,18 @@ def test_cli_starts_fast_without_torch_and_stops_on_signals() -> None:
                 proc.wait()
 
 
-def test_router_modules_import_fast_without_torch() -> None:
-    code = ("import sys, time; t = time.monotonic(); import router.server, "
-            "router.requests.dispatcher, router.control.policy, router.requests.validation, "
-            "deploy.router_cmd; "
-            "assert 'torch' not in sys.modules; print(time.monotonic() - t)")
+# What makes a process slow to start and large (a router frontend is one process per
+# core): none of it may be imported by the router. Asserted on the modules, not on a time,
+# which a loaded CI machine stretched past any fixed bound (0.24 s idle, 1.19 s at load 10).
+HEAVY = ("torch", "transformers", "triton", "numpy", "safetensors", "ucxx", "zmq", "engine.llm")
+
+
+def test_router_modules_import_without_the_engines_stack() -> None:
+    code = ("import sys; import router.server, router.requests.dispatcher, "
+            "router.control.policy, router.requests.validation, deploy.router_cmd; "
+            f"print(sorted({{h for h in {HEAVY!r} for m in sys.modules "
+            "if m == h or m.startswith(h + '.')}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert float(out.stdout) < 1.0
+    assert out.stdout.strip() == "[]", f"the router imported {out.stdout.strip()}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -22,6 +23,7 @@ from transfer import (
     make_receiver,
     make_sender,
 )
+from transfer.net_side import NetSide
 
 TOKEN = "kv-curve-token-5f1e2d"
 
@@ -119,6 +121,54 @@ def test_a_producer_without_the_token_cannot_finish_a_handshake(rx: object, toke
         assert rx.accounting().peers == 0  # type: ignore[attr-defined]
         until(lambda: rx.stats().rejected_handshakes >= 1)  # type: ignore[attr-defined]
         assert rx.stats().malformed_messages == 0  # type: ignore[attr-defined]  # never decoded
+    finally:
+        tx.close()
+
+
+def test_a_handshake_over_before_the_hello_is_sent_is_a_handshake_error(
+        rx: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a loaded machine a CURVE mismatch can end the ZMQ handshake, and with it the
+    pipe, before the HELLO is queued; the non-blocking send then raises zmq.Again (seen in
+    CI), which once killed the producer's I/O thread. ZMQ_IMMEDIATE makes that the only
+    order: a DEALER with it queues nothing until a handshake completes."""
+    make = NetSide.control_socket
+
+    def immediate(self: NetSide, kind: int) -> object:
+        sock = make(self, kind)
+        if kind == zmq.DEALER:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        return sock
+
+    monkeypatch.setattr(NetSide, "control_socket", immediate)
+    tx = make_sender(pool(), LAYOUT, cfg("ucx", cluster_token="another-token"))
+    try:
+        with pytest.raises(HandshakeError, match="ZMQ handshake failed"):
+            tx.connect(rx.address, timeout=10)  # type: ignore[attr-defined]
+        # the I/O thread lived through it: a second try is answered the same way
+        with pytest.raises(HandshakeError, match="ZMQ handshake failed"):
+            tx.connect(rx.address, timeout=10)  # type: ignore[attr-defined]
+        assert tx.accounting().peers == 0
+    finally:
+        tx.close()
+
+
+def test_a_failed_handshake_is_seen_however_late_the_monitor_would_come(
+        rx: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZMQ does not retry a handshake that failed on a protocol error, so its event must
+    not be raised before the monitor listens. A slow loop (CI's two cores) is made here by
+    delaying the monitor's attachment: were it attached after the connect, the failure
+    would be over by then and connect() would only time out (seen in CI)."""
+    attach = NetSide.watch_handshakes
+
+    def slowly(self: NetSide, sock: object) -> object:
+        time.sleep(0.5)
+        return attach(self, sock)
+
+    monkeypatch.setattr(NetSide, "watch_handshakes", slowly)
+    tx = make_sender(pool(), LAYOUT, cfg("ucx", cluster_token=""))
+    try:
+        with pytest.raises(HandshakeError, match="cluster token"):
+            tx.connect(rx.address, timeout=10)  # type: ignore[attr-defined]
     finally:
         tx.close()
 

@@ -53,7 +53,8 @@ from transfer.tp_endpoints import split_addresses
 from transfer.tp_plan import latent_source
 from transfer.tp_receiver import TPReceiver
 from transfer.tp_sender import tp_sender
-from worker.messages import DecodeCmd, ReservedEvent, TokensBatchEvent, TokensEvent
+from worker.messages import DecodeCmd, ReservedEvent
+from worker.token_batch import TokensBatchEvent, TokensEvent
 
 BS = 4
 TOKENS = 32

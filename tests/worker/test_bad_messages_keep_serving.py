@@ -13,8 +13,9 @@ from engine.outputs import StepResult
 from worker import ipc
 from worker.engine_loop import WorkerLoop
 from worker.load_report import LoadReport
-from worker.messages import AbortCmd, Command, StatsEvent, StopCmd, TokensEvent, encode
+from worker.messages import AbortCmd, Command, StatsEvent, StopCmd, encode
 from worker.servicer import EngineBridge
+from worker.token_batch import TokensEvent
 
 
 class RecordingRole:

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 from cluster_client import chat, stub_for, wait_for_full_kv
-from live_cluster import dump_logs, start_cluster
+from live_cluster import dump_logs
 from pdserve.v1 import common_pb2, router_pb2
 
 from deploy.cluster import LocalCluster
@@ -22,10 +21,8 @@ LONG = "Disaggregated serving splits prefill from decode so each can scale on it
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory, "debugreqs")
-    yield c
-    c.stop()
+def cluster(worker_1p1d: LocalCluster) -> LocalCluster:
+    return worker_1p1d  # tests/worker/conftest.py: shared, nothing here changes it
 
 
 def _held(port: int) -> dict[str, Any]:

@@ -9,8 +9,9 @@ import zmq
 import zmq.asyncio
 
 from worker import ipc
-from worker.messages import TokensBatchEvent, TokensEvent, encode
+from worker.messages import encode
 from worker.servicer import DRAIN_BATCH, EngineBridge
+from worker.token_batch import TokensBatchEvent, TokensEvent
 
 
 def step(n: int, finish: str | None = None) -> bytes:

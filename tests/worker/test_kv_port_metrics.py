@@ -7,11 +7,10 @@ import os
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
 import zmq
-from live_cluster import dump_logs, start_cluster
+from live_cluster import dump_logs
 
 from deploy.cluster import LocalCluster
 
@@ -20,10 +19,8 @@ REJECTED = "pdserve_worker_kv_rejected_handshakes_total"
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory, "kvmetrics")
-    yield c
-    c.stop()
+def cluster(worker_1p1d: LocalCluster) -> LocalCluster:
+    return worker_1p1d  # tests/worker/conftest.py: shared, nothing here changes it
 
 
 def _kv_address(cluster: LocalCluster) -> str:
@@ -114,7 +111,7 @@ def test_a_repeated_prompt_hits_the_producers_prefix_cache_on_metrics(
     with ch:
         first = generate(stub, {"max_tokens": 2, "temperature": 0},
                          prompt_token_ids=router_pb2.TokenIds(ids=ids))
-        time.sleep(0.6)  # the next load report (0.25 s) carries the first's counts
+        time.sleep(1.2)  # the next load report (every 0.5 s) carries the first's counts
         before = (_metric(port, q), _metric(port, h))
         second = generate(stub, {"max_tokens": 2, "temperature": 0},
                           prompt_token_ids=router_pb2.TokenIds(ids=ids))

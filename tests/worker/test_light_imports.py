@@ -13,10 +13,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
-from live_cluster import dump_logs, start_cluster
+from live_cluster import dump_logs
 
 from deploy.cluster import LocalCluster
 
@@ -134,10 +133,8 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory, "light", router_args=("--heartbeat-timeout", "5"))
-    yield c
-    c.stop()
+def cluster(worker_1p1d: LocalCluster) -> LocalCluster:
+    return worker_1p1d  # tests/worker/conftest.py: shared, nothing here changes it
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import pytest
 from engine.request import LogprobRow
 from engine.sampling_params import SamplingParams
 from worker import messages as m
+from worker import token_batch as tb
 from worker.load_report import HeldRow, LoadReport
 
 ROW = LogprobRow(7, -0.25, ((7, -0.25), (3, -1.5)))
@@ -39,14 +40,14 @@ SAMPLES: list[m.Message] = [
     m.KVEventsEvent((m.KVBlocksEvent(1, False, (b"\x01" * 32,)),
                      m.KVBlocksEvent(2, True, (b"\x01" * 32,)))),
     m.KVSnapshotEvent(9, (b"\x03" * 32,)),
-    m.TokensEvent("r1", (7, 8), "ab", (ROW, LogprobRow(8, -0.5)), "length", "", "", 5, 6),
-    m.TokensEvent("r3", (), "", (), "error", error="bad"),
-    m.TokensBatchEvent.of((m.TokensEvent("r1", (7,), "a", (ROW,), None),
-                           m.TokensEvent("r2", (), "", (), "abort", error="gone"))),
-    m.TokensBatchEvent.of((m.TokensEvent("r1", (7, 9), "ab", (), None, kv_ready_ns=3,
-                                         first_step_ns=4, cached_tokens=16),
-                           m.TokensEvent("r2", (5,), "c", (), "stop", "</s>"))),
-    m.TokensBatchEvent.of(()),
+    tb.TokensEvent("r1", (7, 8), "ab", (ROW, LogprobRow(8, -0.5)), "length", "", "", 5, 6),
+    tb.TokensEvent("r3", (), "", (), "error", error="bad"),
+    tb.TokensBatchEvent.of((tb.TokensEvent("r1", (7,), "a", (ROW,), None),
+                            tb.TokensEvent("r2", (), "", (), "abort", error="gone"))),
+    tb.TokensBatchEvent.of((tb.TokensEvent("r1", (7, 9), "ab", (), None, kv_ready_ns=3,
+                                          first_step_ns=4, cached_tokens=16),
+                            tb.TokensEvent("r2", (5,), "c", (), "stop", "</s>"))),
+    tb.TokensBatchEvent.of(()),
     m.StatsEvent(LoadReport(1, 0, 3, 8)),
     m.StatsEvent(LoadReport(1, 2, 3, 8, requests=(HeldRow("a", "DECODING", 1.25, 0.125, 3),
                                                   HeldRow("b", "QUEUED", 0.001, 0.001, 0)),
@@ -165,17 +166,17 @@ def test_a_token_batch_is_the_same_tokens_as_its_events() -> None:
     """The columnar step message gives back exactly the per-request events it was built
     from: tokens, texts, finish and stop reasons, errors, timings, logprobs to the bit."""
     events = (
-        m.TokensEvent("a", (7, 8), "xy", (ROW, LogprobRow(8, -0.1234567890123, ())), None,
-                      kv_ready_ns=5, first_step_ns=6, cached_tokens=3),
-        m.TokensEvent("b", (), "", (), "error", error="kv transfer failed"),
-        m.TokensEvent("c", (9,), "z", (), "stop", stop_reason="z"),
-        m.TokensEvent("d", (2**32 - 1,), "é", (LogprobRow(1, float("-inf")),), "length"),
-        m.TokensEvent("e", (4,), "q", (), None),
+        tb.TokensEvent("a", (7, 8), "xy", (ROW, LogprobRow(8, -0.1234567890123, ())), None,
+                       kv_ready_ns=5, first_step_ns=6, cached_tokens=3),
+        tb.TokensEvent("b", (), "", (), "error", error="kv transfer failed"),
+        tb.TokensEvent("c", (9,), "z", (), "stop", stop_reason="z"),
+        tb.TokensEvent("d", (2**32 - 1,), "é", (LogprobRow(1, float("-inf")),), "length"),
+        tb.TokensEvent("e", (4,), "q", (), None),
     )
-    batch = m.decode(m.encode(m.TokensBatchEvent.of(events)))
-    assert isinstance(batch, m.TokensBatchEvent)
+    batch = m.decode(m.encode(tb.TokensBatchEvent.of(events)))
+    assert isinstance(batch, tb.TokensBatchEvent)
     assert batch.events() == events
     assert batch.events([4, 1]) == (events[4], events[1])
     assert batch.counts == [2, 0, 1, 1, 1] and batch.ended == [1, 2, 3]
-    plain = m.TokensBatchEvent.of(events[4:])  # no request asked for logprobs: no columns
+    plain = tb.TokensBatchEvent.of(events[4:])  # no request asked for logprobs: no columns
     assert plain.lp_counts == [] and plain.events() == events[4:]

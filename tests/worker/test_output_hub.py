@@ -1,4 +1,5 @@
-"""The gRPC process's per-step batching of tokens for routers' Outputs streams."""
+"""The gRPC process's per-step batching of outputs (reservations, tokens, ends) for
+routers' Outputs streams."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import asyncio
 import pytest
 from pdserve.v1 import common_pb2
 
-from worker.messages import TokensEvent
-from worker.output_hub import OutputHub, OutputsDone
+from worker.messages import ReservedEvent
+from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed
+from worker.token_batch import TokensEvent
 
 
 def tok(rid: str, ids: tuple[int, ...], finish: str | None = None) -> TokensEvent:
@@ -73,6 +75,48 @@ def test_a_subscriber_that_leaves_hands_back_its_requests() -> None:
     asyncio.run(main())
 
 
+def test_a_reservation_leaves_in_the_batch_before_its_tokens() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        hub.attach("r1", a)
+        assert hub.add_reserved(ReservedEvent("r1", "kv:1", (7, 8, 9), 1))
+        assert not hub.add_reserved(ReservedEvent("other", "kv:1", (1,)))  # not attached
+        hub.flush()
+        hub.add(tok("r1", (5,)))
+        hub.flush()
+        batch = await a.next_batch()  # both batches, merged in order
+        assert batch.seq == 2
+        [r] = batch.reserved
+        assert (r.request_id, r.kv_address, list(r.block_ids), r.cached_blocks) == (
+            "r1", "kv:1", [7, 8, 9], 1)
+        assert [(t.request_id, list(t.token_ids)) for t in batch.tokens] == [("r1", [5])]
+
+    asyncio.run(main())
+
+
+def test_a_failed_hub_sends_what_it_queued_then_ends_every_stream() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        b, _ = hub.subscribe("router-b")
+        hub.attach("r1", a)
+        hub.attach("r2", b)
+        assert hub.running == 2
+        hub.add(tok("r1", (1,)))  # said before the engine failed, not yet flushed
+        waiter = asyncio.ensure_future(b.next_batch())
+        await asyncio.sleep(0.01)
+        hub.fail("engine process failed: boom")
+        assert hub.running == 0 and not hub.owns("r1")
+        assert [t.request_id for t in (await a.next_batch()).tokens] == ["r1"]
+        with pytest.raises(SubscriberFailed, match="engine process failed: boom"):
+            await a.next_batch()
+        with pytest.raises(SubscriberFailed, match="boom"):
+            await waiter
+
+    asyncio.run(main())
+
+
 def test_decode_may_wait_for_its_subscriber_to_open() -> None:
     async def main() -> None:
         hub = OutputHub()
@@ -130,7 +174,8 @@ def test_a_columnar_step_builds_the_same_entries_as_its_events() -> None:
     detach their requests, and the requests with no subscriber come back for their Decode."""
     from engine.request import LogprobRow
     from worker.convert import tokens_pb
-    from worker.messages import TokensBatchEvent, decode, encode
+    from worker.messages import decode, encode
+    from worker.token_batch import TokensBatchEvent
 
     async def main() -> None:
         hub = OutputHub()
@@ -169,5 +214,31 @@ def test_a_columnar_step_builds_the_same_entries_as_its_events() -> None:
         assert [(t.request_id, list(t.token_ids), t.text, t.finish_reason)
                 for t in (await a.next_batch()).tokens] == [
             ("r1", [3], "d", 0), ("r4", [5], "f", common_pb2.FINISH_REASON_LENGTH)]
+
+    asyncio.run(main())
+
+
+def test_a_lagging_reader_takes_later_steps_in_one_message_then_a_fresh_one() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        for rid in ("r1", "r2"):
+            hub.attach(rid, a)
+        hub.add(tok("r1", (1,)))
+        hub.flush()
+        hub.add(tok("r2", (2,)))
+        hub.add(tok("r1", (3,)))
+        hub.flush()
+        first = await a.next_batch()  # the reader was behind by two steps
+        assert first.seq == 2
+        assert [(t.request_id, list(t.token_ids)) for t in first.tokens] == [
+            ("r1", [1]), ("r2", [2]), ("r1", [3])]
+        hub.add(tok("r2", (4,)))
+        hub.flush()
+        second = await a.next_batch()
+        assert second is not first and second.seq == 3
+        assert [(t.request_id, list(t.token_ids)) for t in second.tokens] == [("r2", [4])]
+        assert len(first.tokens) == 3  # what the reader took is not written to again
+        assert hub.batches == 3 and hub.tokens == 4
 
     asyncio.run(main())

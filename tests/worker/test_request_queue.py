@@ -10,9 +10,10 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from worker import ipc
-from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent, TokensEvent
+from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent
 from worker.request_queue import RequestQueue
 from worker.servicer import EngineBridge, EngineBusy
+from worker.token_batch import TokensEvent
 
 
 def tok(i: int, finish: str | None = None) -> TokensEvent:

@@ -19,9 +19,10 @@ from engine.sampling_params import SamplingParams
 from worker import ipc
 from worker.engine_loop import WorkerLoop, load_report
 from worker.load_report import LoadReport
-from worker.messages import DecodeCmd, Event, StatsEvent, TokensBatchEvent, decode, encode
+from worker.messages import DecodeCmd, Event, StatsEvent, decode, encode
 from worker.metrics_server import WorkerMetrics
 from worker.step_stats import StepStats
+from worker.token_batch import TokensBatchEvent
 
 
 class Clock:

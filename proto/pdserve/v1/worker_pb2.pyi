@@ -100,10 +100,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known",)
+    __slots__ = ("known", "change_role")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_ROLE_FIELD_NUMBER: _ClassVar[int]
     known: bool
-    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+    change_role: _common_pb2.Role
+    def __init__(self, known: _Optional[bool] = ..., change_role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
 
 class OutputsRequest(_message.Message):
     __slots__ = ("subscriber_id",)
@@ -112,12 +114,14 @@ class OutputsRequest(_message.Message):
     def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("tokens", "seq")
+    __slots__ = ("tokens", "seq", "reserved")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     seq: int
-    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ...) -> None: ...
+    reserved: _containers.RepeatedCompositeFieldContainer[Reserved]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ..., reserved: _Optional[_Iterable[_Union[Reserved, _Mapping]]] = ...) -> None: ...
 
 class PrefillInput(_message.Message):
     __slots__ = ("request", "destination", "queued")
@@ -232,30 +236,28 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., colocated: _Optional[bool] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., source_tp_size: _Optional[int] = ..., subscriber_id: _Optional[str] = ..., cache_salt: _Optional[str] = ..., reuse_cached: _Optional[bool] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class DecodeOutput(_message.Message):
-    __slots__ = ("reserved", "tokens", "done")
+    __slots__ = ("reserved", "tokens")
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
     reserved: Reserved
     tokens: Tokens
-    done: DecodeDone
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., done: _Optional[_Union[DecodeDone, _Mapping]] = ...) -> None: ...
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ...) -> None: ...
 
-class DecodeDone(_message.Message):
-    __slots__ = ("final_seq",)
-    FINAL_SEQ_FIELD_NUMBER: _ClassVar[int]
-    final_seq: int
-    def __init__(self, final_seq: _Optional[int] = ...) -> None: ...
+class DecodeStarted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("kv_address", "block_ids", "cached_blocks")
+    __slots__ = ("kv_address", "block_ids", "cached_blocks", "request_id")
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     kv_address: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_blocks: int
-    def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "error", "kv_ready_ns", "first_step_ns", "request_id", "cached_tokens")

@@ -192,7 +192,8 @@ class Registry:
 
 
 class WorkerStub:
-    """Served by every worker. Producers serve Prefill; consumers and colocated workers Decode.
+    """Served by every worker. Producers serve Prefill; consumers and colocated workers Decode
+    (or StartDecode).
     """
 
     def __init__(self, channel):
@@ -211,6 +212,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeOutput.FromString,
                 _registered_method=True)
+        self.StartDecode = channel.unary_unary(
+                '/pdserve.v1.Worker/StartDecode',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeStarted.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.Worker/Abort',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerAbortRequest.SerializeToString,
@@ -224,7 +230,8 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Served by every worker. Producers serve Prefill; consumers and colocated workers Decode.
+    """Served by every worker. Producers serve Prefill; consumers and colocated workers Decode
+    (or StartDecode).
     """
 
     def Prefill(self, request_iterator, context):
@@ -236,8 +243,23 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """Consumer: reserve blocks (Reserved), wait for KV + token 0, stream tokens 1..n.
-        Colocated: run the whole request, streaming tokens 0..n.
+        """One request whose reservation, tokens and end all travel on its own stream (tools, and
+        routers without an Outputs stream). Consumer: reserve blocks (Reserved), wait for KV +
+        token 0, stream tokens 1..n. Colocated: run the whole request, streaming tokens 0..n.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartDecode(self, request, context):
+        """The same request, control only: it answers once the worker took the request (or
+        refuses it with the call's status: INVALID_ARGUMENT naming the field, ALREADY_EXISTS,
+        RESOURCE_EXHAUSTED when the engine is behind, FAILED_PRECONDITION when
+        DecodeRequest.subscriber_id names no open Outputs stream, UNAVAILABLE when draining or
+        failed). Everything after that travels on the named Outputs stream: the reservation
+        (OutputBatch.reserved), tokens, and the request's end (a Tokens entry with its
+        finish_reason, and error for a refusal the engine made). Worker.Abort ends it early; a
+        request whose Outputs stream ends is aborted by the worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -250,10 +272,12 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Outputs(self, request, context):
-        """One long-lived stream per router process: every engine step's tokens for all of the
-        Decode requests that named this subscriber, in one message (the serving path's cost is
-        per step, not per token per request). It opens with an empty batch (seq 0) once the
-        subscriber is registered; ending it aborts the requests that named it.
+        """One long-lived stream per router process: every engine step's outputs for all of the
+        requests started with StartDecode naming this subscriber, in one message (the serving
+        path's cost is per step, not per message per request). It opens with an empty batch
+        (seq 0) once the subscriber is registered; ending it aborts the requests that named it.
+        The worker ends it with UNAVAILABLE when its engine failed or its drain timed out:
+        every request on it ended with that error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -271,6 +295,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeOutput.SerializeToString,
+            ),
+            'StartDecode': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartDecode,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeStarted.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -291,7 +320,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Served by every worker. Producers serve Prefill; consumers and colocated workers Decode.
+    """Served by every worker. Producers serve Prefill; consumers and colocated workers Decode
+    (or StartDecode).
     """
 
     @staticmethod
@@ -338,6 +368,33 @@ class Worker:
             '/pdserve.v1.Worker/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.DecodeOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartDecode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/StartDecode',
+            pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.DecodeStarted.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,84 @@
+"""The per-kernel table of a MoE model's graphed decode step (``moe_bench.py --profile``):
+torch.profiler's CUDA time and launches per step of each kernel, at each (batch, context).
+Where the decode benchmark says how far a step is from its byte floor, this says which
+kernels the step's time goes to."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import torch
+
+
+def profile_point(engine: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
+    """Per-kernel GPU time of the graphed decode step at (batch, context): torch.profiler
+    over `steps` steps after a warm-up, each kernel name's CUDA time and launches per step,
+    largest first. Kernels in a replayed CUDA graph are recorded one by one (CUPTI)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=steps * 2 + 16, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        blocks = engine.reserve(context)
+        if blocks is None:
+            break
+        rid = f"prof-{batch}-{context}-{i}"
+        engine.add_prefilled(rid, [1 + (5 * i + j) % 1000 for j in range(context)], params,
+                             blocks, first_token=2)
+        ids.append(rid)
+    if len(ids) < batch:
+        for rid in ids:
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        return {"batch": batch, "context": context, "skipped": "KV does not fit"}
+    for _ in range(4):  # prefilled requests join; graphs replay from here on
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / steps * 1e3
+    kern: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(e.name[:120], [0.0, 0])
+            k[0] += e.device_time_total
+            k[1] += 1
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    rows = [{"kernel": name, "ms_per_step": round(us / steps / 1e3, 4),
+             "count_per_step": round(n / steps, 2)}
+            for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+    return {"batch": batch, "context": context, "steps": steps,
+            "step_wall_ms_under_profiler": round(wall_ms, 3),
+            "kernel_ms_per_step": round(sum(r["ms_per_step"] for r in rows), 3),
+            "kernels_per_step": round(sum(r["count_per_step"] for r in rows), 1),
+            "kernels": rows}
+
+
+def profile_table(engine: Any, batches: list[int], contexts: list[int],
+                  steps: int) -> list[dict[str, Any]]:
+    """profile_point at every (batch, context), each printed with its 30 largest kernels as
+    it ends; a point that raises is recorded with its error and the others still run."""
+    prof = []
+    for ctx in contexts:
+        for b in batches:
+            try:
+                p = profile_point(engine, b, ctx, steps)
+            except Exception as e:
+                p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
+            print(json.dumps({k: v for k, v in p.items() if k != "kernels"}), flush=True)
+            for row in p.get("kernels", [])[:30]:
+                print(f"  {row['ms_per_step']:8.4f} ms  {row['count_per_step']:6.1f}/step"
+                      f"  {row['kernel']}", flush=True)
+            prof.append(p)
+    return prof

@@ -1,0 +1,29 @@
+"""The engine process's side of the events link: what one phase of a loop turn emitted
+(the commands' answers before the forward; the step's tokens, the reservations and
+transfers polled after it, the prefix-cache events and the load report at the turn's end)
+leaves as one multipart ZMQ message. The gRPC process then reads a step with one receive
+and one wake-up of its loop, and routes it in one pass, so the step's reservations and
+tokens share one Outputs batch; each part is one message of ``worker.messages``, decoded
+as before.
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from worker.messages import Event, encode
+
+
+class EventOutbox:
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.parts: list[bytes] = []
+
+    def emit(self, ev: Event) -> None:
+        """Encodes now (the message is the event as it is now); sends at ``flush``."""
+        self.parts.append(encode(ev))
+
+    def flush(self) -> None:
+        if self.parts:
+            parts, self.parts = self.parts, []
+            self.sock.send_multipart(parts)
