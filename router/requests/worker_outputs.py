@@ -15,6 +15,12 @@ Lifecycle (who moves it):
         ▼
     UNSUPPORTED: requests go on Decode streams that carry their own outputs
 
+Outputs of a request no leg routes (its run was torn down) still arriving after a while
+mean the worker runs a request nobody reads: an Abort that overtook its StartDecode, or
+one lost with its channel. The stream then aborts it on the worker itself, once per
+request (``_orphaned``), so a lost Abort costs a few tokens, not a whole max_tokens of
+decode steps (seen in CI: a deadline passed while StartDecode was answered late).
+
 A BROKEN stream tells every leg routed to it (its worker failed, its engine failed or its
 drain timed out, or the channel closed); ``WorkerChannels`` opens a new one for the next
 request. A request's end is its entry with a finish reason, in order with its other
@@ -34,6 +40,11 @@ import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+# How long the stream's own Abort of an orphaned request may take.
+ORPHAN_ABORT_S = 5.0
+# Request ids remembered as aborted here (oldest forgotten first): enough for every request
+# torn down while its abort was in flight, small enough to never matter for memory.
+ORPHANS_KEPT = 4096
 ROUTER_ID = uuid.uuid4().hex[:16]  # this process: two routers (frontends) never collide
 _counter = itertools.count(1)
 
@@ -70,6 +81,11 @@ class WorkerOutputs:
         self.state = State.CONNECTING
         self.seq = 0  # the last batch handed on
         self._routes: dict[str, Route] = {}
+        self._stub = stub
+        # ids aborted as orphans (insertion order: the oldest is forgotten first), and the
+        # Abort calls in flight (kept so they are not collected before they finish)
+        self._orphans: dict[str, None] = {}
+        self._aborting: set[asyncio.Task[None]] = set()
         self._ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._call: Any = stub.Outputs(worker_pb2.OutputsRequest(
             subscriber_id=self.subscriber_id))
@@ -106,10 +122,16 @@ class WorkerOutputs:
                 for r in batch.reserved:  # before any token of the same request
                     if (leg := routes.get(r.request_id)) is not None:
                         leg.on_reserved(r)
+                    else:
+                        self._orphaned(r.request_id)
                 for t in batch.tokens:
                     leg = routes.get(t.request_id)
-                    if leg is not None:  # none: a leg already torn down
+                    if leg is not None:
                         leg.on_tokens(t)
+                    elif t.finish_reason:  # its end: the worker holds nothing more for it
+                        self._orphans.pop(t.request_id, None)
+                    else:  # a leg already torn down, its Abort in flight or lost
+                        self._orphaned(t.request_id)
                 self.seq = batch.seq
         except asyncio.CancelledError:
             why = "Outputs stream closed by the router"
@@ -123,6 +145,29 @@ class WorkerOutputs:
         except Exception as e:  # noqa: BLE001 - any failure ends the stream the same way
             why = f"Outputs stream failed: {e!r}"
         self._broken(code, why)
+
+    def _orphaned(self, rid: str) -> None:
+        """Aborts ``rid`` on the worker, once: no leg here reads its outputs any more."""
+        if rid in self._orphans:
+            return
+        if len(self._orphans) >= ORPHANS_KEPT:
+            del self._orphans[next(iter(self._orphans))]
+        self._orphans[rid] = None
+        task = asyncio.get_running_loop().create_task(self._abort(rid))
+        self._aborting.add(task)
+        task.add_done_callback(self._aborting.discard)
+
+    async def _abort(self, rid: str) -> None:
+        try:
+            r = await self._stub.Abort(worker_pb2.WorkerAbortRequest(request_id=rid),
+                                       timeout=ORPHAN_ABORT_S)
+        except grpc.aio.AioRpcError as e:
+            log.info("Abort(%s) of an orphaned request on %s failed: %s", rid, self.worker_id,
+                     e.code().name)
+            return
+        if r.ok:  # it was still running: an earlier Abort did not reach it in time
+            log.info("aborted %s on %s: its outputs came after its run ended", rid,
+                     self.worker_id)
 
     def _broken(self, code: grpc.StatusCode | None, why: str) -> None:
         self.state = State.BROKEN

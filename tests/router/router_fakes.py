@@ -173,6 +173,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.destinations: list[worker_pb2.KVDestination] = []
         self.holds: list[tuple[float, str]] = []  # (monotonic, consumer id) of each hold
         self.aborts: list[str] = []
+        self.lose_aborts = 0  # Aborts to answer without ending anything (lost_aborts)
+        self.lost_aborts: list[str] = []
         self.cancelled: list[str] = []  # streams the router cancelled
         self.inputs_closed: list[str] = []  # Prefill streams the router half-closed
         self.abort_event = asyncio.Event()
@@ -316,6 +318,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest, context: Any
                     ) -> worker_pb2.WorkerAbortResponse:
+        if self.lose_aborts:  # as if it overtook the request's StartDecode: nothing to end
+            self.lose_aborts -= 1
+            self.lost_aborts.append(request.request_id)
+            return worker_pb2.WorkerAbortResponse(ok=False)
         self.aborts.append(request.request_id)
         self.abort_event.set()
         if (task := self.started.pop(request.request_id, None)) is not None:

@@ -16,6 +16,7 @@ from router_fakes import (
     LENGTH,
     TOKEN0,
     Cluster,
+    decode_endless,
     decode_hang_after_reserve,
     prefill_hang_after_token0,
     request,
@@ -167,5 +168,27 @@ def test_a_leg_cancelled_while_starting_aborts_once_the_worker_answers() -> None
             await wait_until(lambda: w.aborts.count("r1") == 2, timeout=5)
             outs = cl.server._channels._outputs["w0"]  # type: ignore[union-attr]
             assert not outs._routes
+
+    run(main())
+
+
+def test_outputs_of_a_request_whose_abort_was_lost_abort_it_again() -> None:
+    """The worker drops the router's Abort (as when it overtook a late StartDecode answer)
+    and goes on decoding: the tokens that keep coming for a request no leg routes abort it
+    from the Outputs stream, once."""
+    async def main() -> None:
+        async with Cluster() as cl:
+            w = await cl.add("w0", CO, decode=decode_endless, outputs=True)
+            w.lose_aborts = 1
+            call = cl.router.Generate(request(request_id="r1"))
+            await call.read()
+            await call.read()  # decoding
+            call.cancel()
+            await wait_until(lambda: w.cancelled == ["r1"], timeout=5)
+            assert w.lost_aborts == ["r1"] and w.aborts == ["r1"]  # the stream's own
+            await asyncio.sleep(0.3)
+            assert w.aborts == ["r1"]  # once
+            outs = cl.server._channels._outputs["w0"]  # type: ignore[union-attr]
+            assert outs.state is State.READY and not outs._routes
 
     run(main())
