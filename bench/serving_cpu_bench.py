@@ -61,8 +61,9 @@ class ClientJob:
     base_url: str  # HTTP base URL (backend "http")
     specs: list[tuple[int, RequestSpec]]  # (workload index, request) this client sends
     concurrency: int  # streams this client keeps open
-    warmup: int  # unmeasured requests before the start signal
+    warmup: int  # unmeasured requests before the start signal, per connection
     sampling: SamplingChoice
+    connections: int = 1  # client connections (channels) its streams spread over
 
 
 def _backend(job: ClientJob) -> Any:
@@ -76,20 +77,25 @@ def _backend(job: ClientJob) -> Any:
 
 
 async def _client(job: ClientJob, ready: Any, go: Any) -> dict[str, Any]:
-    backend = _backend(job)
-    await backend.open()
+    # Several connections per client process: a router's frontends share their port by
+    # SO_REUSEPORT, which balances connections, not streams, so a handful of multiplexed
+    # connections would load the frontends unevenly (real traffic comes on many).
+    backends = [_backend(job) for _ in range(max(1, job.connections))]
+    for b in backends:
+        await b.open()
     try:
         warm = [job.specs[i % len(job.specs)][1] for i in range(job.warmup)]
-        for spec in warm:  # connections up, first-request costs paid
-            await backend.send(spec, RequestRecord(-1, spec.prompt_len, spec.output_len),
-                               job.sampling)
+        for b in backends:
+            for spec in warm:  # connections up, first-request costs paid
+                await b.send(spec, RequestRecord(-1, spec.prompt_len, spec.output_len),
+                             job.sampling)
         ready.put(os.getpid())
         await asyncio.get_running_loop().run_in_executor(None, go.wait)
         t_cpu = os.times()
         records = [RequestRecord(i, s.prompt_len, s.output_len) for i, s in job.specs]
         queue = list(range(len(job.specs)))[::-1]
 
-        async def stream() -> None:
+        async def stream(backend: Any) -> None:
             while queue:
                 k = queue.pop()
                 try:
@@ -98,12 +104,14 @@ async def _client(job: ClientJob, ready: Any, go: Any) -> dict[str, Any]:
                     records[k].error, records[k].success = f"client: {e!r}", False
                     records[k].end = time.perf_counter()
 
-        await asyncio.gather(*(stream() for _ in range(job.concurrency)))
+        await asyncio.gather(*(stream(backends[i % len(backends)])
+                               for i in range(job.concurrency)))
         t_end = os.times()
         cpu = (t_end.user - t_cpu.user) + (t_end.system - t_cpu.system)
         return {"records": records, "cpu_s": cpu, "pid": os.getpid()}
     finally:
-        await backend.close()
+        for b in backends:
+            await b.close()
 
 
 def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:
@@ -208,7 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             address = (f"{cluster.spec.host}:{stream_port}" if stream_port >= 0
                        else cluster.router_address)
             job = ClientJob("http" if args.backend == "http" else "grpc", address, base_url,
-                            share, max(1, len(streams)), args.warmup, sampling)
+                            share, max(1, len(streams)), args.warmup, sampling,
+                            args.connections_per_client)
             p = ctx.Process(target=client_main, args=(job, ready, go, results), daemon=True)
             p.start()
             clients.append(p)
@@ -285,6 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "producers": args.producers, "consumers": args.consumers,
                    "colocated": args.colocated, "concurrency": args.concurrency,
                    "client_procs": len(outs), "num_prompts": len(specs),
+                   "connections_per_client": args.connections_per_client,
                    "input_len": args.input_len, "output_len": args.output_len,
                    "backend": args.backend, "worker_args": list(cluster.spec.worker_args),
                    "router_args": list(cluster.spec.router_args),
@@ -376,7 +386,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--client-procs", type=int, default=0,
                    help="client processes sharing the streams (default: max(2, c/250))")
-    w.add_argument("--warmup", type=int, default=1, help="unmeasured requests per client")
+    w.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured requests per client connection")
+    w.add_argument("--connections-per-client", type=int, default=1,
+                   help="connections each client process spreads its streams over (several "
+                        "balance the frontends of --router-arg=--frontends=N)")
     w.add_argument("--request-timeout", type=float, default=600.0)
     w.add_argument("--idle-s", type=float, default=0.0,
                    help="first measure this many seconds of the cluster idle (clients "

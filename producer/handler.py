@@ -121,8 +121,12 @@ class ProducerHandler(RoleHandler):
                                         cmd.sampling, list(cmd.prior_ids),
                                         cmd.cache_salt or None,
                                         dp_rank=cmd.dp_rank if cmd.dp_rank >= 0 else None)
-            except (ValueError, QueueFull) as e:
+            except ValueError as e:
                 self._transfer_event(rid, False, str(e))
+                return
+            except QueueFull as e:  # busy, not broken: the router may go elsewhere
+                self.emit(TransferResultEvent(rid, False, f"producer busy: {e}", 0.0,
+                                              busy=True))
                 return
             self.out[rid] = Outgoing(rid, cmd.received_ns, time.monotonic() + self.lease_s,
                                      num_prior=len(cmd.prior_ids))

@@ -75,11 +75,13 @@ class ProducerServicer(WorkerServicer):
                     done = bool(msg.finish)
                     outcome = str(msg.finish or outcome)
                 elif isinstance(msg, TransferResultEvent):
-                    outcome = "transferred" if msg.ok else "transfer_failed"
+                    outcome = ("transferred" if msg.ok
+                               else "busy" if msg.busy else "transfer_failed")
                     if msg.ok and self.metrics is not None:
                         self.metrics.kv_transfer.observe(msg.kv_transfer_ms / 1e3)
                     yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
-                        ok=msg.ok, error=msg.error, kv_transfer_ms=msg.kv_transfer_ms))
+                        ok=msg.ok, error=msg.error, kv_transfer_ms=msg.kv_transfer_ms,
+                        busy=msg.busy))
                     done = True
                 elif isinstance(msg, FatalEvent):
                     outcome = "engine_failed"

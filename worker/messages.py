@@ -139,6 +139,7 @@ class TransferResultEvent:
     ok: bool
     error: str
     kv_transfer_ms: float
+    busy: bool = False  # refused before its prefill: the engine's waiting queue is full
 
 
 @dataclass(frozen=True)

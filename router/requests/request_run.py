@@ -60,6 +60,7 @@ from router.control.dp_placement import attention_tp, pick_dp_rank
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
 from router.requests.direct_write import DirectWrite
+from router.requests.errors import Overloaded
 from router.requests.event_queue import EventQueue, is_open
 from router.requests.legs import DecodeLeg, ProducerLeg, abort_on_worker
 from router.requests.request_info import RequestInfo
@@ -308,10 +309,12 @@ class RequestRun:
                 resp.error = self.recovery.describe(resp.error)
         return resp
 
-    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool:
-        """A producer failed before token 0: may the request go to another producer? Not
-        once the client or the consumer has tokens (``held``) from this attempt."""
-        return self.recovery.may_retry(p, why, bool(held or self.out.completion_tokens))
+    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens],
+                    busy: bool = False) -> bool:
+        """A producer failed (``busy``: refused, its queue full) before token 0: may the
+        request go to another producer? Not once the client or the consumer has tokens
+        (``held``) from this attempt."""
+        return self.recovery.may_retry(p, why, bool(held or self.out.completion_tokens), busy)
 
     def migrate_after(self, w: WorkerInfo, why: str, code: grpc.StatusCode | None = None
                       ) -> bool:
@@ -328,6 +331,7 @@ class RequestRun:
         consumer may be picked; the new legs use a new ``leg_id``).
         """
         rec = self.recovery
+        busy = rec.take_busy()
         why, migrating = rec.take()
         # a migration leaves alone a producer whose part is done (its blocks are freed)
         self._end_legs(self.legs_to_abort() if migrating else self._all_legs())
@@ -344,6 +348,9 @@ class RequestRun:
             self.slot = None
             if migrating:  # nowhere to go: the failure as it was
                 return self.out.failed(why)
+            if busy and not self.out.completion_tokens:  # nothing sent: a clean refusal
+                raise Overloaded(f"{rec.no_slot(why)}; retry later",
+                                 self.config.retry_after_s)
             return self.out.failed(rec.no_slot(why))
         if migrating:
             rec.migrations += 1

@@ -26,22 +26,26 @@ class Recovery:
         self.failed_on: list[WorkerInfo] = []
         self.reason: str | None = None  # why the current legs are being replaced
         self.migrating = False  # the current replacement is a migration
+        # the current retry's producer refused the request as busy (its queue is full):
+        # with no other producer, the client is refused (RESOURCE_EXHAUSTED), not failed
+        self.busy = False
 
     def fail_on(self, w: WorkerInfo) -> None:
         self.failed.add(w.worker_id)
         if all(x is not w for x in self.failed_on):
             self.failed_on.append(w)
 
-    def may_retry(self, p: WorkerInfo, why: str, client_saw_tokens: bool) -> bool:
-        """A producer failed before token 0: only while neither the client nor the consumer
-        has anything from it, and within ``prefill_retries``."""
+    def may_retry(self, p: WorkerInfo, why: str, client_saw_tokens: bool,
+                  busy: bool = False) -> bool:
+        """A producer failed (or, ``busy``, refused) before token 0: only while neither the
+        client nor the consumer has anything from it, and within ``prefill_retries``."""
         if client_saw_tokens:
             return False
         self.fail_on(p)
         if self.retries >= self.prefill_retries:
             return False
         self.retries += 1
-        self.reason = why
+        self.reason, self.busy = why, busy
         return True
 
     def may_migrate(self, w: WorkerInfo, why: str, stopped: bool) -> bool:
@@ -58,6 +62,11 @@ class Recovery:
         why, self.reason = self.reason or "a worker failed", None
         migrating, self.migrating = self.migrating, False
         return why, migrating
+
+    def take_busy(self) -> bool:
+        """Whether the pending replacement is a busy producer's retry (cleared)."""
+        busy, self.busy = self.busy, False
+        return busy
 
     def describe(self, error: str) -> str:
         """A final error, with the attempts that led to it."""

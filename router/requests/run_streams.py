@@ -27,6 +27,7 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2
 from router.config import RouterConfig
 from router.control.policy import Slot
 from router.control.registry import WorkerInfo
+from router.requests.errors import Overloaded
 from router.requests.run_events import (
     DecodeEnded,
     Dropped,
@@ -60,7 +61,8 @@ class StreamedRun(Protocol):
     def tokens(self, tokens: worker_pb2.Tokens, w: WorkerInfo
                ) -> tuple[router_pb2.GenerateResponse, str | None]: ...
 
-    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens]) -> bool: ...
+    def retry_after(self, p: WorkerInfo, why: str, held: list[worker_pb2.Tokens],
+                    busy: bool = False) -> bool: ...
 
     def migrate_after(self, w: WorkerInfo, why: str, code: grpc.StatusCode | None = None
                       ) -> bool: ...
@@ -153,6 +155,16 @@ async def disaggregated_stream(run: StreamedRun
             case TransferRead(result=tr):
                 out.timing.kv_transfer_ms = tr.kv_transfer_ms
                 run.ended.add(p.worker_id)  # the producer is done with this request
+                if tr.busy and not tr.ok and not token0_sent():
+                    # refused before its prefill: another producer, else a clean refusal
+                    # (RESOURCE_EXHAUSTED before any response) unless the client has tokens
+                    why = f"producer {p.worker_id}: {tr.error or 'busy'}"
+                    if run.retry_after(p, why, held, busy=True):
+                        return
+                    if out.completion_tokens:  # a migrated request: its client has tokens
+                        yield out.failed(why)
+                        return
+                    raise Overloaded(f"{why}; retry later", cfg.retry_after_s)
                 if not tr.ok:
                     why = (f"KV transfer from producer {p.worker_id} to consumer "
                            f"{c.worker_id} failed: {tr.error or 'no details'}")

@@ -106,25 +106,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_search_on_gpu_picks_the_cpu_scales():
-    """Quantizing at load runs where the weights are: on CUDA the search must pick the
-    same scales and FP8 bytes as on CPU (a Llama-3-8B down_proj's shape, in chunks), but
-    for rows where two shrinks tie to within the error sums' rounding (CUDA sums a row in
-    another order; the first H200 run found such rows): there either pick is as good."""
+    """Quantizing at load runs where the weights are: on CUDA the search must pick scales as
+    good as the CPU's (a Llama-3-8B down_proj's shape, in chunks). Not the same ones: a
+    row's squared error barely moves with the scale (FP8 rounds relative to each value's
+    magnitude, so only clipping and the smallest values change it), shrinks tie to within
+    the error sums' rounding, and CUDA sums in another order; the first H200 run found 55%
+    of rows picking differently. So: by the CPU's float64 reckoning, each row's GPU pick is
+    within 1e-5 of the CPU pick's error, and at the same scale the FP8 bytes are the same."""
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(4096, 14336, generator=g) * 0.02).to(torch.bfloat16)
     q, s = mse_channel_quantize(w)
     qg, sg = mse_channel_quantize(w.cuda())
     qg, sg = qg.cpu(), sg.cpu()
     same = (s == sg).squeeze(1)
-    assert same.float().mean().item() > 0.99, same.float().mean().item()
     assert torch.equal(q[same].view(torch.uint8), qg[same].view(torch.uint8))
-    wf = w.float()
 
     def err(qq: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
-        return (qq.float() * ss - wf[~same]).square().sum(dim=1)
+        return (qq.double() * ss.double() - w.double()).square().sum(dim=1)
 
-    e_cpu, e_gpu = err(q[~same], s[~same]), err(qg[~same], sg[~same])
-    assert torch.all((e_gpu - e_cpu).abs() <= 1e-5 * e_cpu), (e_cpu, e_gpu)
+    e_cpu, e_gpu = err(q, s), err(qg, sg)
+    worst = ((e_gpu - e_cpu) / e_cpu).max().item()
+    assert worst <= 1e-5, worst
 
 
 def test_edge_layers_join_ignore_only_on_deep_enough_models():

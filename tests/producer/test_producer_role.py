@@ -15,7 +15,7 @@ from engine.llm import LLM
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from transfer import TransferStatus
-from worker.messages import AbortCmd, Token0Event
+from worker.messages import AbortCmd, Token0Event, TransferResultEvent
 from worker.token_batch import TokensEvent
 
 S = RequestState
@@ -199,3 +199,21 @@ def test_the_loop_waits_for_token0_sent_only_while_the_final_notice_needs_it(tin
     pd.run(lambda: bool(pd.p.of("late", Token0Event)))
     time.sleep(TOKEN0_SENT_WAIT_S + 0.01)  # no confirmation came: the loop goes on
     assert pd.producer.command_wait_ms() == 0
+
+
+def test_a_full_waiting_queue_refuses_as_busy_and_keeps_serving(tiny_llama):
+    """Past --max-waiting the engine refuses a new prefill: the transfer result says busy
+    (the router then goes to another producer or refuses with RESOURCE_EXHAUSTED), nothing
+    is held for it, and the queued request still completes."""
+    pd = PD(tiny_llama, producer_kw={"max_waiting": 1})
+    pd.submit("first", PROMPTS[0], GREEDY)
+    pd.submit("second", PROMPTS[1], GREEDY)  # before any step: the queue holds "first"
+    (busy,) = pd.p.of("second", TransferResultEvent)
+    assert not busy.ok and busy.busy, busy
+    assert busy.error == "producer busy: waiting queue is full (1 requests)", busy.error
+    assert pd.state(pd.p, "second") is None
+    pd.consumer.on_command(AbortCmd("second"))  # the router's teardown of its reservation
+    pd.run(lambda: pd.finished("first"))
+    result = pd.transfer("first")
+    assert result is not None and result.ok and not result.busy, result
+    pd.run(lambda: pd.p.whole() and pd.c.whole())

@@ -8,6 +8,8 @@ import argparse
 import asyncio
 from typing import Any
 
+import grpc
+from pdserve.v1 import worker_pb2
 from prometheus_client.parser import text_string_to_metric_families
 from router_fakes import (
     CO,
@@ -19,6 +21,7 @@ from router_fakes import (
     decode_hang_after_reserve,
     next_destination,
     prefill_ok,
+    request,
     run,
     token0,
     wait_until,
@@ -161,3 +164,59 @@ def test_the_cli_flag_sets_the_bound() -> None:
     add_router_parser(p.add_subparsers(dest="command"))
     assert router_config(p.parse_args(["router"])).prefill_retries == 2
     assert router_config(p.parse_args(["router", "--prefill-retries", "0"])).prefill_retries == 0
+
+
+async def prefill_busy(w: FakeWorker, req: Any, inputs: Any) -> Any:
+    """The producer's engine queue is full: refused before any prefill (TransferResult busy)."""
+    yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
+        ok=False, busy=True, error="producer busy: waiting queue is full (1024 requests)"))
+
+
+def test_a_busy_producer_sends_the_request_to_another_producer() -> None:
+    async def main() -> None:
+        async with Cluster() as cl:
+            p0 = await cl.add("p0", P, prefill=prefill_busy)
+            p1 = await cl.add("p1", P, prefill=prefill_ok)
+            c = await cl.add("c0", C)
+            out = await cl.generate(request_id="r1", max_tokens=4)
+            assert [list(r.token_ids) for r in out] == [[TOKEN0], [101, 102], [103]]
+            assert out[-1].finish_reason == LENGTH and not out[-1].error
+            assert [r.request_id for r in p0.prefill_requests] == ["r1"]
+            assert [r.request_id for r in p1.prefill_requests] == ["r1#retry1"]
+            # the consumer was not blamed: the same one took the retry
+            assert c.decode_requests[-1].request_id == "r1#retry1"
+            assert (out[-1].timing.producer, out[-1].timing.consumer) == ("p1", "c0")
+
+    run(main())
+
+
+def test_a_busy_producer_with_none_other_is_a_clean_refusal() -> None:
+    """No other producer: RESOURCE_EXHAUSTED with a retry hint before any response (a 429
+    over HTTP), the consumer's reservation aborted; the producer is not dropped."""
+    async def main() -> None:
+        async with Cluster() as cl:
+            p0 = await cl.add("p0", P, prefill=prefill_busy)
+            c = await cl.add("c0", C, decode=decode_hang_after_reserve)
+            call = cl.router.Generate(request(request_id="r1", max_tokens=4))
+            got = [r async for r in _until_error(call)]
+            assert got == []  # refused before the stream started
+            assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = await call.details()
+            assert "producer p0" in details and "waiting queue is full" in details, details
+            assert "retry later" in details, details
+            trailers = dict(await call.trailing_metadata())
+            assert trailers.get("retry-after") == "1", trailers
+            await wait_until(lambda: "r1" in c.aborts)
+            assert cl.server.registry is not None
+            assert cl.server.registry.get("p0") is not None  # busy is not dead
+            assert all(w.inflight == 0 for w in cl.server.registry.all())
+
+    run(main())
+
+
+async def _until_error(call: Any) -> Any:
+    try:
+        async for r in call:
+            yield r
+    except grpc.aio.AioRpcError:
+        return
