@@ -12,6 +12,8 @@
 #   bash bench/serving_path_gpu.sh OUT_DIR [PRESET] [DEVICE] [CONSUMER_KV_MIB]
 # CPU dry run at toy size:
 #   NUM=8 LONG=32 bash bench/serving_path_gpu.sh /tmp/dry tiny cpu 512
+# ONLY="pd_prefill1 pd_hold": run only the named points (the P/D cluster alone unless
+# co_long is named; then no decode_bench reference either)
 set -uo pipefail
 out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,6 +54,7 @@ EOF
 }
 bench() {  # NAME, then pdserve bench flags
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   timeout 400 python3 -m deploy.cli bench --router 127.0.0.1:50051 --model "$M" --ignore-eos \
     --request-timeout 300 --warmup 2 --result-json "$out/$name.json" --markdown "$out/$name.md" \
     "$@" > "$out/$name.log" 2>&1
@@ -77,6 +80,7 @@ fi
 stop_all
 
 # ---- one colocated worker ----
+if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" co_long "* ]]; then rm -rf "$work"; exit 0; fi
 start_router co
 python3 -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
   --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id worker-0 > "$out/colocated.log" 2>&1 &

@@ -172,15 +172,22 @@ class ProducerHandler(RoleHandler):
         for rid, n in step.final_blocks.items():
             if (o := self.out.get(rid)) is not None:
                 o.final = n
+        sampled = []
         for out in step.outputs:
             o = self.out.get(out.request_id)
             if o is None or not out.new_token_ids:
                 continue
-            tok = out.new_token_ids[0]
             row = out.new_logprobs[0] if out.new_logprobs else None
-            self.emit(Token0Event(o.rid, tok, out.new_text, row, out.finish_reason,
-                                  stop_text(out.stop_reason), out.sampled_ns, o.received_ns,
-                                  out.num_cached_tokens))
+            self.emit(Token0Event(o.rid, out.new_token_ids[0], out.new_text, row,
+                                  out.finish_reason, stop_text(out.stop_reason),
+                                  out.sampled_ns, o.received_ns, out.num_cached_tokens))
+            sampled.append((o, out, row))
+        if sampled:
+            # token 0 leaves now: the client's first token must not wait for this step's
+            # KV pushes and the rest of the loop turn (the first-token hold)
+            self.flush_events()
+        for o, out, row in sampled:
+            tok = out.new_token_ids[0]
             if out.finished:  # token 0 ended it: the engine freed all but the pinned blocks
                 if o.started:  # close the early chunks' transfer now, not at its deadline;
                     o.move(TransferPhase.CANCELLING)  # the pins go with the sender's report

@@ -83,6 +83,7 @@ class WorkerLoop:
         self._last_stats = 0.0
         self.steps = StepStats()
         self.outbox = outbox if outbox is not None else EventOutbox(events)
+        handler.flush_events = self.outbox.flush
         self.kv_events = KVEventForwarder(self.engine, self.outbox.emit)
 
     def _drain_commands(self, timeout_ms: int) -> bool:

@@ -44,10 +44,18 @@ def stop_text(reason: int | str | None) -> str:
     return "" if reason is None else str(reason)
 
 
+def _nothing() -> None:
+    return None
+
+
 class RoleHandler(abc.ABC):
     def __init__(self, engine: LLMEngine, emit: Emit) -> None:
         self.engine = engine
         self.emit = emit
+        # Sends what was emitted so far now, ahead of the loop's own flush points (the
+        # engine loop sets it to its outbox's): for events that must not wait for the rest
+        # of the turn, as the producer's token 0 must not wait for the KV pushes.
+        self.flush_events: Callable[[], None] = _nothing
 
     @abc.abstractmethod
     def on_command(self, cmd: Command) -> None:

@@ -195,7 +195,7 @@ def test_a_busy_producer_with_none_other_is_a_clean_refusal() -> None:
     over HTTP), the consumer's reservation aborted; the producer is not dropped."""
     async def main() -> None:
         async with Cluster() as cl:
-            p0 = await cl.add("p0", P, prefill=prefill_busy)
+            await cl.add("p0", P, prefill=prefill_busy)
             c = await cl.add("c0", C, decode=decode_hang_after_reserve)
             call = cl.router.Generate(request(request_id="r1", max_tokens=4))
             got = [r async for r in _until_error(call)]
