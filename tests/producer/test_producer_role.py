@@ -217,3 +217,32 @@ def test_a_full_waiting_queue_refuses_as_busy_and_keeps_serving(tiny_llama):
     result = pd.transfer("first")
     assert result is not None and result.ok and not result.busy, result
     pd.run(lambda: pd.p.whole() and pd.c.whole())
+
+
+def test_token0_leaves_before_the_kv_pushes_of_its_step(tiny_llama, monkeypatch):
+    """The first-token hold: the step's token 0s are flushed to the gRPC process before the
+    handler posts any of their KV pushes (and before the rest of the loop turn)."""
+    pd = PD(tiny_llama)
+    flushed: list[str] = []  # request ids whose token 0 had left, in order
+    pushed_after: list[tuple[str, list[str]]] = []
+
+    def flush() -> None:
+        flushed.extend(e.rid for e in pd.p.events if isinstance(e, Token0Event)
+                       and e.rid not in flushed)
+
+    pd.producer.flush_events = flush
+    push = type(pd.producer)._push_ready
+
+    def recording_push(self: Any, o: Any) -> None:
+        if o.token0_at:
+            pushed_after.append((o.rid, list(flushed)))
+        push(self, o)
+
+    monkeypatch.setattr(type(pd.producer), "_push_ready", recording_push)
+    for rid, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+        pd.submit(rid, prompt, GREEDY)
+    pd.run(lambda: pd.finished("a") and pd.finished("b"))
+    assert sorted(flushed) == ["a", "b"]
+    assert pushed_after, "no push after token 0"
+    for rid, seen in pushed_after:
+        assert rid in seen, (rid, seen)  # its token 0 was out before its push
