@@ -12,6 +12,9 @@
 #   bash bench/serving_path_gpu.sh OUT_DIR [PRESET] [DEVICE] [CONSUMER_KV_MIB]
 # CPU dry run at toy size:
 #   NUM=8 LONG=32 bash bench/serving_path_gpu.sh /tmp/dry tiny cpu 512
+# P_TOKENS / CO_TOKENS: the producer's / colocated worker's --max-num-batched-tokens (2048):
+# on a shared GPU a producer's prefill step runs beside the consumer's decode step and
+# stretches it, so the prefill chunk bounds the consumer's ITL p99.
 # ONLY="pd_prefill1 pd_hold": run only the named points (the P/D cluster alone unless
 # co_long is named; then no decode_bench reference either)
 set -uo pipefail
@@ -65,7 +68,8 @@ stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; s
 
 # ---- P/D, sharing the GPU ----
 start_router pd
-python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib 8000 \
+python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" \
+  --max-num-batched-tokens "${P_TOKENS:-2048}" --kv-cache-mib 8000 \
   --metrics-port 9101 --worker-id worker-0 > "$out/producer.log" 2>&1 &
 python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
   --metrics-port 9102 --worker-id worker-1 > "$out/consumer.log" 2>&1 &
@@ -83,6 +87,7 @@ stop_all
 if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" co_long "* ]]; then rm -rf "$work"; exit 0; fi
 start_router co
 python3 -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
+  --max-num-batched-tokens "${CO_TOKENS:-2048}" \
   --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id worker-0 > "$out/colocated.log" 2>&1 &
 if wait_workers 1; then
   bench co_long --input-len 128 --output-len "$LONG" --concurrency 256 --num-prompts "$(n 256)"
