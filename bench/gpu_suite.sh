@@ -3,6 +3,9 @@
 # two GPUs), with the wheels the device lacks carried in .whl (pyzmq, ucxx for CUDA 13, grpcio 1.84.2 with health and reflection,
 # gguf). Only the folders that hold gpu tests are collected (the device lacks some of the
 # other suites' client packages, e.g. openai). Logs go to OUT; the summary lines are what bench/results/gpu_suite.txt records.
+# The tree plus the default wheels is over a run's 64 MiB carry: run bench/slim_wheels.sh
+# after wheels.sh (libucx 42 -> 18 MB), which also leaves room for gguf and llguidance
+# (wheels.sh gguf==0.19.0 ...), whose tests otherwise skip on the device.
 #   bash bench/gpu_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?OUT_DIR}
