@@ -18,12 +18,13 @@ from pdserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from deploy.benchmark.dummy_model import write_dummy_model
 from deploy.cluster import LocalCluster
 
-# One prefill at a time in chunks of 16 tokens, one more waiting: a burst of 12 requests
-# of 120 prompt tokens keeps the producer's queue full for most of its length.
+# One prefill at a time in chunks of 16 tokens (25 steps for a 400-token prompt), one
+# more waiting: a burst of 12 requests sent together (a barrier after their channels are
+# up) finds the producer's queue full for most of its length, however loaded the machine.
 PRODUCER_ARGS = ("--max-waiting", "1", "--max-num-seqs", "1")
 WORKER_ARGS = ("--load-format", "dummy", "--max-num-batched-tokens", "16",
                "--kv-cache-mib", "32")
-BURST, MAX_TOKENS = 12, 4
+BURST, MAX_TOKENS, PROMPT_LEN = 12, 4, 400
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +38,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.stop()
 
 
-def _generate(address: str, i: int) -> dict[str, Any]:
-    """One request: its responses, then the call's status."""
+def _generate(address: str, i: int, start: threading.Barrier | None = None
+              ) -> dict[str, Any]:
+    """One request (once every thread of ``start`` has its channel up): its responses,
+    then the call's status."""
     got: dict[str, Any] = {"responses": [], "code": grpc.StatusCode.OK, "details": "",
                            "trailers": {}}
     with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=30)
+        if start is not None:
+            start.wait(60)
         call = router_pb2_grpc.RouterStub(ch).Generate(router_pb2.GenerateRequest(
-            prompt_token_ids=router_pb2.TokenIds(ids=list(range(200 + i, 320 + i))),
+            prompt_token_ids=router_pb2.TokenIds(ids=list(range(200 + i,
+                                                                200 + i + PROMPT_LEN))),
             sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)),
             timeout=120)
         try:
@@ -58,9 +65,10 @@ def _generate(address: str, i: int) -> dict[str, Any]:
 def test_a_burst_past_the_producer_queue_is_completed_or_refused_up_front(
         cluster: LocalCluster) -> None:
     results: list[dict[str, Any]] = [{} for _ in range(BURST)]
+    start = threading.Barrier(BURST)
 
     def one(i: int) -> None:
-        results[i] = _generate(cluster.router_address, i)
+        results[i] = _generate(cluster.router_address, i, start)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(BURST)]
     for t in threads:
