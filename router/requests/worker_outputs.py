@@ -19,7 +19,8 @@ Outputs of a request no leg routes (its run was torn down) still arriving after 
 mean the worker runs a request nobody reads: an Abort that overtook its StartDecode, or
 one lost with its channel. The stream then aborts it on the worker itself, once per
 request (``_orphaned``), so a lost Abort costs a few tokens, not a whole max_tokens of
-decode steps (seen in CI: a deadline passed while StartDecode was answered late).
+decode steps (seen once in CI: a request went on decoding after its client's deadline; the
+path that lost its Abort was not found, hence a net under every path).
 
 A BROKEN stream tells every leg routed to it (its worker failed, its engine failed or its
 drain timed out, or the channel closed); ``WorkerChannels`` opens a new one for the next
