@@ -125,8 +125,7 @@ class ProducerHandler(RoleHandler):
                 self._transfer_event(rid, False, str(e))
                 return
             except QueueFull as e:  # busy, not broken: the router may go elsewhere
-                self.emit(TransferResultEvent(rid, False, f"producer busy: {e}", 0.0,
-                                              busy=True))
+                self._transfer_event(rid, False, f"producer busy: {e}", busy=True)
                 return
             self.out[rid] = Outgoing(rid, cmd.received_ns, time.monotonic() + self.lease_s,
                                      num_prior=len(cmd.prior_ids))
@@ -318,8 +317,9 @@ class ProducerHandler(RoleHandler):
         o.move(TransferPhase.ENDED)
         del self.out[o.rid]
 
-    def _transfer_event(self, rid: str, ok: bool, error: str, ms: float = 0.0) -> None:
-        self.emit(TransferResultEvent(rid, ok, error, ms))
+    def _transfer_event(self, rid: str, ok: bool, error: str, ms: float = 0.0,
+                        busy: bool = False) -> None:
+        self.emit(TransferResultEvent(rid, ok, error, ms, busy))
 
     def has_background_work(self) -> bool:
         return bool(self.out)

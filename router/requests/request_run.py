@@ -331,8 +331,7 @@ class RequestRun:
         consumer may be picked; the new legs use a new ``leg_id``).
         """
         rec = self.recovery
-        busy = rec.take_busy()
-        why, migrating = rec.take()
+        why, migrating, busy = rec.take()
         # a migration leaves alone a producer whose part is done (its blocks are freed)
         self._end_legs(self.legs_to_abort() if migrating else self._all_legs())
         self._unplace()

@@ -57,16 +57,13 @@ class Recovery:
         self.reason, self.migrating = why, True
         return True
 
-    def take(self) -> tuple[str, bool]:
-        """The pending replacement's reason and kind, cleared."""
+    def take(self) -> tuple[str, bool, bool]:
+        """The pending replacement's reason, kind (a migration?) and whether it is a busy
+        producer's retry; cleared."""
         why, self.reason = self.reason or "a worker failed", None
         migrating, self.migrating = self.migrating, False
-        return why, migrating
-
-    def take_busy(self) -> bool:
-        """Whether the pending replacement is a busy producer's retry (cleared)."""
         busy, self.busy = self.busy, False
-        return busy
+        return why, migrating, busy
 
     def describe(self, error: str) -> str:
         """A final error, with the attempts that led to it."""

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import zmq
+from live_bridge import live_bridge
 
 from engine.outputs import StepResult
 from worker import ipc
 from worker.engine_loop import WorkerLoop
 from worker.load_report import LoadReport
 from worker.messages import AbortCmd, Command, StatsEvent, StopCmd, encode
-from worker.servicer import EngineBridge
 from worker.token_batch import TokensEvent
 
 
@@ -69,13 +69,7 @@ def test_engine_loop_drops_bad_commands_and_keeps_running() -> None:
 
 def test_bridge_pump_drops_bad_events_and_keeps_routing() -> None:
     async def main() -> None:
-        paths = ipc.IpcPaths.fresh()
-        bridge = EngineBridge(paths)
-        ctx = zmq.asyncio.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(paths.events)
-        pump = asyncio.create_task(bridge.pump())
-        try:
+        async with live_bridge() as (bridge, push, pump):
             q = bridge.open("r1")
             for data in (b"not msgpack \xc1", encode(AbortCmd("r1")),
                          b"\x93\xa6tokens\xa2r1\x01", encode(StatsEvent(LoadReport(4, 0, 0, 0))),
@@ -85,11 +79,6 @@ def test_bridge_pump_drops_bad_events_and_keeps_routing() -> None:
             assert got == TokensEvent("r1", (5,), "x", (), "stop")
             assert bridge.load == LoadReport(4, 0, 0, 0)
             assert not pump.done()
-        finally:
-            pump.cancel()
-            ctx.destroy(linger=0)
-            bridge.close()
-            paths.cleanup()
 
     asyncio.run(main())
 

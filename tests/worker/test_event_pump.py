@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-import zmq
-import zmq.asyncio
+from live_bridge import live_bridge
 
-from worker import ipc
 from worker.messages import encode
-from worker.servicer import DRAIN_BATCH, EngineBridge
+from worker.servicer import DRAIN_BATCH
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
 
@@ -21,17 +19,11 @@ def step(n: int, finish: str | None = None) -> bytes:
 
 def test_a_burst_and_a_late_event_are_all_routed_in_order() -> None:
     async def main() -> None:
-        paths = ipc.IpcPaths.fresh()
-        bridge = EngineBridge(paths)
-        ctx = zmq.asyncio.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(paths.events)
-        sub, _ = bridge.hub.subscribe("router-a")
-        bridge.hub.attach("a", sub)
-        qb = bridge.open("b")  # no subscriber: its events go to its own queue
-        pump = asyncio.create_task(bridge.pump())
         burst = 5 * DRAIN_BATCH
-        try:
+        async with live_bridge() as (bridge, push, pump):
+            sub, _ = bridge.hub.subscribe("router-a")
+            bridge.hub.attach("a", sub)
+            qb = bridge.open("b")  # no subscriber: its events go to its own queue
             for n in range(burst):
                 await push.send(step(n))
             got_a: list[int] = []
@@ -55,10 +47,5 @@ def test_a_burst_and_a_late_event_are_all_routed_in_order() -> None:
             ev = await asyncio.wait_for(qb.get(), 5)
             assert isinstance(ev, TokensEvent) and ev.finish == "stop"
             assert not pump.done()
-        finally:
-            pump.cancel()
-            ctx.destroy(linger=0)
-            bridge.close()
-            paths.cleanup()
 
     asyncio.run(main())

@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from live_bridge import live_bridge
 
 from engine.outputs import StepResult
 from worker import ipc
@@ -27,7 +28,6 @@ from worker.messages import (
     encode,
 )
 from worker.outbox import EventOutbox
-from worker.servicer import EngineBridge
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
 
@@ -103,13 +103,7 @@ def test_a_turn_sends_one_message_before_the_forward_and_one_after() -> None:
 
 def test_a_steps_reservation_and_tokens_leave_in_one_outputs_batch() -> None:
     async def main() -> None:
-        paths = ipc.IpcPaths.fresh()
-        bridge = EngineBridge(paths)
-        ctx = zmq.asyncio.Context()
-        push = ctx.socket(zmq.PUSH)
-        push.connect(paths.events)
-        pump = asyncio.create_task(bridge.pump())
-        try:
+        async with live_bridge() as (bridge, push, pump):
             sub, _ = bridge.hub.subscribe("router-a")
             bridge.hub.attach("r1", sub)
             bridge.hub.attach("r2", sub)
@@ -127,10 +121,5 @@ def test_a_steps_reservation_and_tokens_leave_in_one_outputs_batch() -> None:
                 ("r1", [5], "a"), ("r2", [6, 8], "bc")]
             assert bridge.load == LoadReport(4, 0, 0, 0)
             assert not bridge.hub.owns("r2") and bridge.hub.owns("r1")
-        finally:
-            pump.cancel()
-            ctx.destroy(linger=0)
-            bridge.close()
-            paths.cleanup()
 
     asyncio.run(main())
