@@ -4,7 +4,7 @@
 # process, as a multi-node recipe starts them; the producer gets a small KV pool, the
 # consumer a large one) serves, in turn:
 #   prefill1 : 2048 in / 1 out, c=1         one full prefill step (the burst's GPU time unit)
-#   hold     : 128 in / 16 out, c=16,256    first-token hold (router sent - producer sampled)
+#   hold     : 128 in / 16 out, c=16 (hold256: c=256)  first-token hold (router sent - producer sampled)
 #   long     : 128 in / 1024 out, c=256,512 failures, TPOT, ITL, TTFT under long outputs
 #   seeds    : 1024 in / 32 out, c=256      the seeds' own load
 # then one colocated worker serves `long` at c=256, and bench/decode_bench.py times the
@@ -55,12 +55,16 @@ while time.time() < end:
 sys.exit("workers did not register")
 EOF
 }
+seed=0
 bench() {  # NAME, then pdserve bench flags
   local name=$1; shift
+  # each point its own prompts: with one seed, a point's prompts are the earlier points'
+  # and the consumer's prefix cache serves them (local prefill, no producer, no hold)
+  seed=$((seed + 1))
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   timeout 400 python3 -m deploy.cli bench --router 127.0.0.1:50051 --model "$M" --ignore-eos \
-    --request-timeout 300 --warmup 2 --result-json "$out/$name.json" --markdown "$out/$name.md" \
-    "$@" > "$out/$name.log" 2>&1
+    --request-timeout 300 --warmup 2 --seed "$seed" --result-json "$out/$name.json" \
+    --markdown "$out/$name.md" "$@" > "$out/$name.log" 2>&1
   echo "bench $name exit $?"; tail -4 "$out/$name.md" 2>/dev/null
 }
 stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; sleep 5
@@ -75,7 +79,8 @@ python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cach
   --metrics-port 9102 --worker-id worker-1 > "$out/consumer.log" 2>&1 &
 if wait_workers 2; then
   bench pd_prefill1 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts "$(n 4)"
-  bench pd_hold --input-len 128 --output-len 16 --concurrency 16,256 --num-prompts "$(n 256)"
+  bench pd_hold --input-len 128 --output-len 16 --concurrency 16 --num-prompts "$(n 256)"
+  bench pd_hold256 --input-len 128 --output-len 16 --concurrency 256 --num-prompts "$(n 256)"
   bench pd_long --input-len 128 --output-len "$LONG" --concurrency 256,512 \
     --num-prompts "$(n 512)"
   bench pd_seeds --input-len 1024 --output-len 32 --concurrency 256 --num-prompts "$(n 256)"
