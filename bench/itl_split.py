@@ -1,0 +1,39 @@
+"""Where a bench point's ITL tail comes from: the first gap (token 0 -> token 1, the P/D
+handoff: the producer's notice, the consumer admitting the request, its first step) or the
+decode steps after it.
+
+    python bench/itl_split.py RESULT.json [...]   # `pdserve bench --result-json` files
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+
+def split(path: str) -> list[str]:
+    doc = json.load(open(path))
+    lines = []
+    for cfg in doc["configs"]:
+        for p in cfg["points"]:
+            recs = [r for r in p["requests"] if r.get("itl_ms")]
+            if not recs:
+                continue
+            first = np.array([r["itl_ms"][0] for r in recs])
+            rest = np.concatenate([r["itl_ms"][1:] for r in recs])
+            every = np.concatenate([r["itl_ms"] for r in recs])
+            tpot = np.median([r["tpot_ms"] for r in recs if r.get("tpot_ms")])
+            p99, p99_rest = np.percentile(every, 99), np.percentile(rest, 99)
+            lines.append(
+                f"{path} c={p['concurrency']}: TPOT p50 {tpot:.2f} ms; ITL p99 {p99:.1f} "
+                f"({p99 / tpot:.2f}x), without the first gap {p99_rest:.1f} "
+                f"({p99_rest / tpot:.2f}x); first gap p50 {np.median(first):.1f} "
+                f"p99 {np.percentile(first, 99):.1f}")
+    return lines
+
+
+if __name__ == "__main__":
+    for f in sys.argv[1:]:
+        print("\n".join(split(f)))
