@@ -27,6 +27,14 @@ def test_launch_passes_engine_flags_to_every_worker() -> None:
         64, 8, True, 32)
 
 
+def test_launch_turns_an_on_by_default_flag_off_on_its_workers_too() -> None:
+    # it went to the workers as --enable-prefix-caching: the cache stayed on
+    worker_args = _launch("--no-enable-prefix-caching")
+    assert worker_args == ("--no-enable-prefix-caching",)
+    args = build_parser().parse_args(["consumer", "--router", "x:1", *worker_args])
+    assert args.enable_prefix_caching is False
+
+
 def test_launch_passes_only_the_engine_flags_given() -> None:
     assert _launch() == ()
     # --worker-arg (and a --config's engine:) first: the command line's flags win
