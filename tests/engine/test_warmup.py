@@ -181,6 +181,10 @@ def test_warm_up_runs_every_prefill_path(model, make_llm, role):
         assert {sum(c.num_tokens for c in s) <= SHORT_BLOCK_M for s in mixed} == {True, False}
         assert any(c.cached and c.prefill for s in mixed for c in s)
         assert any(not any(c.prefill for c in s) for s in steps)
+    # Triton compiles a token count that is a multiple of 16 apart from one that is not:
+    # both, for one request after a cached prefix and for steps of several requests
+    for kind in (hit_steps, several):
+        assert {sum(c.num_tokens for c in s) % 16 == 0 for s in kind} == {True, False}
     sampled = [c for c in chunks if c.samples]
     assert {c.greedy for c in sampled} == {True, False}
     assert all(c.seed_given for c in chunks)  # nothing drawn from the engine's seed stream
