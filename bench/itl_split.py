@@ -1,6 +1,7 @@
 """Where a bench point's ITL tail comes from: the first gap (token 0 -> token 1, the P/D
 handoff: the producer's notice, the consumer admitting the request, its first step) or the
-decode steps after it.
+decode steps after it; and which output positions the gaps above p99 sit at (a stall late
+in long outputs, after the burst, is the engine's or the host's, not the handoff's).
 
     python bench/itl_split.py RESULT.json [...]   # `pdserve bench --result-json` files
 """
@@ -26,11 +27,18 @@ def split(path: str) -> list[str]:
             every = np.concatenate([r["itl_ms"] for r in recs])
             tpot = np.median([r["tpot_ms"] for r in recs if r.get("tpot_ms")])
             p99, p99_rest = np.percentile(every, 99), np.percentile(rest, 99)
+            pos = np.concatenate([np.arange(len(r["itl_ms"])) for r in recs])
+            end = int(pos.max()) + 1
+            edges = [e for e in (0, 1, 8, 128, 512) if e < end] + [end]
+            counts = np.histogram(pos[every > p99], bins=edges)[0]
+            share = ", ".join(f"{lo}-{hi - 1}: {c / max(counts.sum(), 1):.0%}"
+                              for lo, hi, c in zip(edges, edges[1:], counts, strict=False))
             lines.append(
                 f"{path} c={p['concurrency']}: TPOT p50 {tpot:.2f} ms; ITL p99 {p99:.1f} "
                 f"({p99 / tpot:.2f}x), without the first gap {p99_rest:.1f} "
                 f"({p99_rest / tpot:.2f}x); first gap p50 {np.median(first):.1f} "
-                f"p99 {np.percentile(first, 99):.1f}")
+                f"p99 {np.percentile(first, 99):.1f}; gaps above p99 by output position: "
+                f"{share}")
     return lines
 
 
