@@ -8,12 +8,17 @@ dummy weights. A prompt is a 2,048-token shared prefix + a new 128-token questio
   * cached: the prefix's blocks are in the cache, so one 128-token chunk runs;
   * full: a new prefix every time, so 2,048 + 128 tokens run (two chunks at this budget).
 Each is timed from add_request to token 0 (``LLMEngine.step`` until the output), median of
---reps, under three launch choices of prefill attention:
-  * auto: the launcher's split-K and short-chunk tiles (kernels/triton_prefill_split.py);
-  * unsplit: no key split (MAX_SPLITS = 1), short-chunk tiles;
-  * before: no split and the long-chunk tiles (256 queries, 8 warps) for every step.
+--reps, with the short prefill step replayed as a CUDA graph and, in the same engine, run
+eagerly under three launch choices of prefill attention:
+  * graphs: the 128-token chunk (cached) and the last 128-token chunk (full) replay a
+    prefill graph (engine/prefill_graphs.py; the launcher's defaults, fixed grid);
+  * auto: eager, the launcher's split-K and short-chunk tiles (kernels/triton_prefill_split.py);
+  * unsplit: eager, no key split (MAX_SPLITS = 1), short-chunk tiles;
+  * before: eager, no split and the long-chunk tiles (256 queries, 8 warps) for every step.
 For the cached prompt it also records a torch.profiler summary of one request (CUDA time
-per kernel name, top 12, and the total) under auto and before.
+per kernel name, top 12, and the total) under graphs, auto and before.
+--prefill-graphs on / off runs only the first / the three eager variants (off builds the
+engine without prefill graphs).
 
     PYTHONPATH=. python3 bench/prefix_step_bench.py --out $OUT/prefix_step.json
 """
@@ -68,7 +73,7 @@ def _variant(name: str) -> None:
     tpa.SHORT_BLOCK_M = 0 if name == "before" else 128
 
 
-def producer_engine() -> Any:
+def producer_engine(prefill_graph_max_tokens: int = 256) -> Any:
     """The producer engine this bench times: Llama-3-8B shape, dummy weights, bf16, prefix
     caching on, the 2,048-token step budget bench/prefix_cache_gpu.sh gives it."""
     from engine.config import EngineConfig
@@ -80,7 +85,7 @@ def producer_engine() -> Any:
     return build_engine(EngineConfig(
         model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy", role="producer",
         max_num_seqs=8, max_model_len=4096, max_num_batched_tokens=2048,
-        kv_cache_bytes=8 << 30))
+        kv_cache_bytes=8 << 30, prefill_graph_max_tokens=prefill_graph_max_tokens))
 
 
 def _profile(engine: Any, rid: str, prompt: list[int]) -> dict:
@@ -106,8 +111,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default="prefix_step.json")
+    ap.add_argument("--prefill-graphs", choices=("both", "on", "off"), default="both",
+                    help="time the graphed variant, the eager ones, or both (one engine)")
     args = ap.parse_args()
-    engine = producer_engine()
+    engine = producer_engine(0 if args.prefill_graphs == "off" else 256)
+    graphs = engine.runner.prefill_graphs
+    if args.prefill_graphs != "off" and (graphs is None or not graphs.use_graphs):
+        raise SystemExit("prefill graphs were not captured (no CUDA graphs on this engine)")
     gen = torch.Generator().manual_seed(0)
     prefix = _tokens(PREFIX, gen)
     n = 0
@@ -121,12 +131,20 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "model": "Llama-3-8B shape, dummy, bf16",
         "torch": torch.__version__, "prefix": PREFIX, "question": QUESTION,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "variants": {}}
+    if graphs is not None:
+        result["prefill_graphs"] = {"buckets": graphs.buckets, "capture_s": graphs.capture_s,
+                                    "pool_mib": graphs.pool_bytes / 2**20}
     _token0_ms(engine, rid(), prefix + _tokens(QUESTION, gen))  # caches the prefix
-    for name in ("auto", "unsplit", "before"):
-        _variant(name)
+    names = {"both": ("graphs", "auto", "unsplit", "before"), "on": ("graphs",),
+             "off": ("auto", "unsplit", "before")}[args.prefill_graphs]
+    for name in names:
+        if name != "graphs":
+            engine.runner.prefill_graphs = None  # every later step runs eagerly
+            _variant(name)  # read at every eager launch (a graph keeps what it captured)
         for _ in range(3):  # compiles this variant's kernels for both shapes
             _token0_ms(engine, rid(), prefix + _tokens(QUESTION, gen))
             _token0_ms(engine, rid(), _tokens(PREFIX + QUESTION, gen))
+        replays = graphs.num_replays if graphs is not None else 0
         cached = [_token0_ms(engine, rid(), prefix + _tokens(QUESTION, gen))
                   for _ in range(args.reps)]
         full = [_token0_ms(engine, rid(), _tokens(PREFIX + QUESTION, gen))
@@ -134,14 +152,25 @@ def main() -> None:
         v: dict[str, Any] = {"cached_ms": statistics.median(cached),
                              "full_ms": statistics.median(full),
                              "cached_all": cached, "full_all": full}
-        if name in ("auto", "before"):
+        if name == "graphs":  # one per request: the cached chunk, or the full one's last
+            assert graphs is not None
+            v["graph_replays"] = graphs.num_replays - replays
+            assert v["graph_replays"] == 2 * args.reps, v["graph_replays"]
+        if name in ("graphs", "auto", "before"):
             v["profile_cached"] = _profile(engine, rid(), prefix + _tokens(QUESTION, gen))
         result["variants"][name] = v
         print(f"{name}: cached {v['cached_ms']:.2f} ms, full {v['full_ms']:.2f} ms",
               flush=True)
-    a, b = result["variants"]["auto"], result["variants"]["before"]
-    result["cached_speedup_auto_vs_before"] = b["cached_ms"] / a["cached_ms"]
-    result["full_over_cached_auto"] = a["full_ms"] / a["cached_ms"]
+    var = result["variants"]
+    if "auto" in var:
+        a, b = var["auto"], var["before"]
+        result["cached_speedup_auto_vs_before"] = b["cached_ms"] / a["cached_ms"]
+        result["full_over_cached_auto"] = a["full_ms"] / a["cached_ms"]
+    if "graphs" in var:
+        result["full_over_cached_graphs"] = var["graphs"]["full_ms"] / var["graphs"]["cached_ms"]
+    if "graphs" in var and "auto" in var:
+        result["cached_speedup_graphs_vs_auto"] = (var["auto"]["cached_ms"]
+                                                   / var["graphs"]["cached_ms"])
     stats = engine.prefix_cache_stats()
     result["prefix_cache"] = {"queried_tokens": stats.queried_tokens,
                               "hit_tokens": stats.hit_tokens}

@@ -33,7 +33,15 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
                    help="fraction of GPU memory for weights, activations, graphs and KV; "
                         "the KV pool gets the rest (overrides --kv-cache-mib)")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs: every decode step runs eagerly")
+                   help="no CUDA graphs: every decode (and short prefill) step runs eagerly")
+    g.add_argument("--prefill-graph-max-tokens", type=int, default=256,
+                   help="one request's prefill chunks of at most this many tokens (e.g. a "
+                        "question after a cached prefix) replay CUDA graphs, padded to "
+                        "16, 32, 64, ... tokens, wherever decode steps do; 0: never")
+    g.add_argument("--no-warmup", action="store_true",
+                   help="skip the start-up warm-up (CUDA): requests through every prefill "
+                        "path so Triton compiles its kernels before serving; without it the "
+                        "first requests on each path wait for those compiles")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=True,
                    help="reuse the KV of prompt prefixes already computed (full blocks, "
@@ -118,6 +126,8 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting, enforce_eager=args.enforce_eager,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens,
+        warmup=not args.no_warmup,
         enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout,

@@ -29,6 +29,9 @@ class AttentionMetadata:
     # None in CUDA graphs): MLA splits a mixed step's prefill and decode rows with them.
     cu_seqlens_q_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # A prefill step replayed as a CUDA graph (engine/prefill_graphs.py): prefill attention
+    # sizes its grid from shapes alone, and tokens after cu_seqlens_q[-1] are padding.
+    fixed_grid: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,4 +135,5 @@ class PagedAttention:
         # prefix is too few query tiles to fill the GPU; kernels/triton_prefill_split.py).
         return self.k.prefill_attention(q, kv_layer, meta.block_tables, meta.cu_seqlens_q,
                                         meta.seq_lens, self.scale,
-                                        max_seq_len=meta.max_seq_len, k_scale=ks, v_scale=vs)
+                                        max_seq_len=meta.max_seq_len, k_scale=ks, v_scale=vs,
+                                        fixed_grid=meta.fixed_grid)

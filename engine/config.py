@@ -319,7 +319,13 @@ class EngineConfig:
     seed: int = 0  # draws the seed of requests that give none
     defer_output: bool | None = None  # None: by role; set only to compare modes in benchmarks
     prefill_only: bool | None = None  # None: by role (ROLE_FLAGS)
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps
+    enforce_eager: bool = False  # True: no CUDA graphs (decode steps, short prefill steps)
+    # One request's prefill chunks of at most this many tokens replay CUDA graphs too
+    # (engine/prefill_graphs.py), wherever decode steps do; 0: prefill always runs eagerly
+    prefill_graph_max_tokens: int = 256
+    # Before serving, run a few requests through every prefill path so Triton compiles their
+    # kernels at start-up, not on the first requests (engine/warmup.py; CUDA engines only).
+    warmup: bool = True
     # Keep full prompt blocks' KV after their requests end, keyed by a hash chain, and skip
     # computing a prefix found there (engine/prefix_cache.py); tokens are the same either way.
     enable_prefix_caching: bool = True
@@ -382,6 +388,9 @@ class EngineConfig:
              f"(--quantization) must be one of {QUANTIZATION_FLAGS} or None"),
             ("enable_prefix_caching", isinstance(self.enable_prefix_caching, bool),
              "(--enable-prefix-caching) must be True or False"),
+            ("prefill_graph_max_tokens", self.prefill_graph_max_tokens >= 0,
+             "(--prefill-graph-max-tokens) must be >= 0"),
+            ("warmup", isinstance(self.warmup, bool), "(--no-warmup) must be True or False"),
         ]
         for name, ok, why in checks:
             if not ok:

@@ -1,6 +1,6 @@
-"""Pinned host staging for a decode step's inputs: filled by the host, copied to the device
-asynchronously, double-buffered so the host fills one while the last copy may still read
-the other.
+"""Pinned host staging for a graph step's inputs (decode, and short prefill): filled by the
+host, copied to the device asynchronously, double-buffered so the host fills one while the
+last copy may still read the other.
 
 Block tables are mirrored: the device table keeps every row from earlier steps, and a step
 uploads only the entries that changed (a request's new block, or rows whose request
@@ -13,6 +13,8 @@ import numpy as np
 import torch
 
 from engine.decode_graphs import INT_ROWS
+from engine.prefill_graphs import input_words, prefill_inputs
+from engine.request import Request
 
 
 class DecodeStaging:
@@ -84,6 +86,58 @@ class DecodeStaging:
             host.numpy()[k:2 * k] = self._vals[:k]
             e = host[:2 * k].to(self.device, non_blocking=True)  # one copy
             tables.view(-1)[e[:k]] = e[k:].to(tables.dtype)
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._done[self._slot] = ev
+
+
+class PrefillStaging:
+    """A prefill graph step's inputs in pinned host memory, laid out as the device buffer
+    (engine/prefill_graphs.PrefillInputs), so one copy moves them all; double-buffered as
+    DecodeStaging is. The block table row is written whole every step: a prefill step is
+    a request's first or one of few, so there is no earlier row to reuse."""
+
+    def __init__(self, max_tokens: int, max_blocks: int, block_size: int,
+                 device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.device = device
+        self.block_size = block_size
+        self._host = [prefill_inputs(torch.zeros(input_words(max_tokens, max_blocks),
+                                                 dtype=torch.int64, pin_memory=pin),
+                                     max_tokens, max_blocks) for _ in range(2)]
+        self._done: list[torch.cuda.Event | None] = [None, None]
+        self._slot = 0
+
+    def stage(self, r: Request, start: int, n: int, bucket: int) -> None:
+        """Writes the chunk of ``n`` tokens of ``r`` from position ``start``, padded to
+        ``bucket`` rows; waits only if the copy that last read this slot has not run."""
+        self._slot ^= 1
+        ev = self._done[self._slot]
+        if ev is not None:
+            ev.synchronize()
+        h = self._host[self._slot]
+        ids, pos, slots = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
+        table = h.block_table.numpy()[0]
+        np_ = r.num_prompt_tokens
+        end = start + n
+        ids[:n] = r.prompt_token_ids[start:end] if end <= np_ else \
+            r.prompt_token_ids[start:] + r.output_token_ids[max(start - np_, 0):end - np_]
+        p = np.arange(start, end, dtype=np.int64)
+        pos[:n] = p
+        table[:len(r.block_ids)] = r.block_ids
+        bs = self.block_size
+        slots[:n] = table[p // bs].astype(np.int64) * bs + p % bs
+        ids[n:bucket] = 0
+        pos[n:bucket] = 0
+        slots[n:bucket] = -1  # padding rows store no KV
+        h.last.numpy()[0] = n - 1
+        h.seq_lens.numpy()[0] = end
+        h.cu_seqlens_q.numpy()[:] = (0, n)
+
+    def upload(self, ints: torch.Tensor) -> None:
+        """Copies the staged step into the device buffer ``ints`` (PrefillInputs.ints)."""
+        ints.copy_(self._host[self._slot].ints, non_blocking=True)
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()

@@ -21,6 +21,7 @@ from engine.outputs import RequestOutput
 from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.sim_runner import sim_model_config
+from engine.warmup import wants_warmup, warm_up
 from engine.weights import build_model, read_model_config
 
 if TYPE_CHECKING:
@@ -85,9 +86,14 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         # the KV fingerprint names the weights, not the directory (engine/model_identity.py)
         identity = model_identity(path, config.load_format, config.seed,
                                   config.quantization)
-        return LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
-                         identity, kv_scales=kv_scales_for(config, model_cfg, path),
-                         followers=followers)
+        engine = LLMEngine(config, model_cfg, model, tokenizer, model_display_name(path),
+                           identity, kv_scales=kv_scales_for(config, model_cfg, path),
+                           followers=followers)
+        # after the KV pool and decode graphs exist, before anything serves (the simulated
+        # engine, returned above, has no kernels to compile)
+        if wants_warmup(config):
+            warm_up(engine)
+        return engine
     except BaseException:
         if followers is not None:
             followers.close(grace_s=0.0)

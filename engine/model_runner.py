@@ -14,7 +14,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.dp_runner import execute_dp
 from engine.grammar.masks import GrammarMasks
 from engine.inflight_step import InflightStep
-from engine.input_staging import DecodeStaging
+from engine.input_staging import DecodeStaging, PrefillStaging
 from engine.kv_scales import kv_scales_of
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.dp_groups import DPLayout
@@ -22,6 +22,7 @@ from engine.parallel.followers import TPFollowers
 from engine.parallel.graph_step import GraphStep
 from engine.parallel.step_plan import StepPlan, run_plan
 from engine.penalty_state import PenaltyState
+from engine.prefill_graphs import PrefillGraphs
 from engine.request import PLACEHOLDER, Request
 from engine.sampler import SamplerOutput, SamplingBatch, sample
 from engine.sampling_params import SamplingParams
@@ -55,9 +56,12 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  eos_token_ids: frozenset[int], device: torch.device, *,
                  max_num_seqs: int = 0, max_model_len: int = 0,
-                 cuda_graphs: bool = False, followers: TPFollowers | None = None) -> None:
+                 cuda_graphs: bool = False, followers: TPFollowers | None = None,
+                 prefill_graph_max_tokens: int = 0) -> None:
         """cuda_graphs: capture pure-decode steps up to max_num_seqs requests of at most
-        max_model_len tokens (CUDA only); other steps, and every step without, run eagerly."""
+        max_model_len tokens (CUDA only), and one request's prefill chunks of at most
+        prefill_graph_max_tokens tokens (0: none); other steps, and every step without,
+        run eagerly."""
         self.model = model
         self.kv_cache = kv_cache  # [NB, L, 2, BS, Hkv, D]
         self.block_size = block_size
@@ -100,10 +104,32 @@ class ModelRunner:
                 raise
             if self.followers is not None:
                 self.followers.graphs_ready(captured=use)
+        self.prefill_graphs: PrefillGraphs | None = None
+        # Not under tensor parallelism: followers replay only what a typed step message
+        # names, and a prefill graph step would need its own message and a capture on
+        # every rank. Not for MLA: its prefill, without host lengths, decompresses every
+        # block the table names (engine/models/mla.py), here the whole max_model_len.
+        if (prefill_graph_max_tokens and self.graphs is not None and self.graphs.use_graphs
+                and self.followers is None and not model.cfg.is_mla):
+            self.enable_prefill_graphs(min(prefill_graph_max_tokens, max_model_len),
+                                       self.graphs.max_blocks)
         self.penalties = PenaltyState(self.vocab, device)
         self.grammar_masks = GrammarMasks(self.vocab, self.eos, device)
         # the step output whose ids are in graphs.buf.sampled (None: nobody's)
         self._sampled_holds: SamplerOutput | None = None
+
+    def enable_prefill_graphs(self, max_tokens: int, max_blocks: int,
+                              use_graphs: bool = True) -> None:
+        """Runs one request's prefill chunks of at most max_tokens tokens and max_blocks
+        blocks through persistent buffers: replayed as CUDA graphs, captured now into the
+        decode graphs' pool, or with use_graphs False the same padded forward run eagerly
+        (CPU tests)."""
+        self.prefill_graphs = PrefillGraphs(self.model, self.kv_cache, max_tokens, max_blocks,
+                                            self.device, use_graphs=use_graphs)
+        self.prefill_staging = PrefillStaging(max_tokens, max_blocks, self.block_size,
+                                              self.device)
+        decode = self.graphs.graphs if self.graphs is not None else {}
+        self.prefill_graphs.capture(next(iter(decode.values())).pool() if decode else None)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(data, dtype=dtype).to(self.device, non_blocking=True)
@@ -137,6 +163,10 @@ class ModelRunner:
                 and all(c.num_tokens == 1 for c in chunks)
                 and max(len(c.request.block_ids) for c in chunks) <= self.graphs.max_blocks):
             return self._execute_graph(chunks, prev)
+        if self.prefill_graphs is not None:
+            bucket = self.prefill_graphs.bucket_for(chunks)
+            if bucket is not None:
+                return self._execute_prefill_graph(chunks[0], bucket, prev)
         prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
         plan, samplers = self._plan(chunks, prev_rows)
         if self.followers is not None:
@@ -261,6 +291,21 @@ class ModelRunner:
         if self.followers is not None:  # their next step may read these as inputs
             self.followers.group.broadcast(out.device_token_ids, 0)
         return samplers, out
+
+    def _execute_prefill_graph(self, c: ScheduledChunk, bucket: int, prev: InflightStep | None
+                               ) -> tuple[list[Request], SamplerOutput]:
+        """One request's short chunk (engine/prefill_graphs.py): one copy stages it, a graph
+        replays it, and its last row's logits are sampled eagerly as any step's are."""
+        assert self.prefill_graphs is not None
+        self.prefill_staging.stage(c.request, c.start, c.num_tokens, bucket)
+        self.prefill_staging.upload(self.prefill_graphs.buf.ints)
+        hidden = self.prefill_graphs.replay(bucket)
+        if not c.samples:
+            return [], SamplerOutput(token_ids=torch.empty(0, dtype=torch.int64))
+        samplers = [c.request]
+        prev_rows = {id(r): i for i, r in enumerate(prev.requests)} if prev else {}
+        logits = self.model.compute_logits(hidden)
+        return samplers, self._sample(logits, self._sampling_batch(samplers, prev, prev_rows))
 
     def _sampling_batch(self, reqs: list[Request], prev: InflightStep | None,
                         prev_rows: dict[int, int]) -> SamplingBatch:

@@ -156,4 +156,7 @@ def make_runner(config: EngineConfig, model: LlamaForCausalLM | None, kv_cache: 
     assert model is not None
     return ModelRunner(model, kv_cache, config.block_size, eos_token_ids, device,
                        max_num_seqs=config.max_num_seqs, max_model_len=max_model_len,
-                       cuda_graphs=not config.enforce_eager, followers=followers)
+                       cuda_graphs=not config.enforce_eager, followers=followers,
+                       # a chunk never exceeds the step's token budget
+                       prefill_graph_max_tokens=min(config.prefill_graph_max_tokens,
+                                                    config.max_num_batched_tokens))

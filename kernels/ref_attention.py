@@ -38,6 +38,9 @@ def prefill_attention_ref(
     max_seq_len: int | None = None,  # the Triton launcher's split-K hint; unused here
     k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
     v_scale: float = 1.0,
+    # A CUDA graph's launch (the Triton launcher's splits then come from the table alone):
+    # tokens after cu[B] are padding rows, written as zeros.
+    fixed_grid: bool = False,
 ) -> torch.Tensor:
     """Query j of a chunk of length n sits at position seq_len - n + j and attends causally."""
     if out is None:
@@ -45,6 +48,8 @@ def prefill_attention_ref(
     block_size = kv_layer.shape[2]
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    if fixed_grid:
+        out[cu[-1]:] = 0
     for b, seq_len in enumerate(lens):
         start, end = cu[b], cu[b + 1]
         n = end - start

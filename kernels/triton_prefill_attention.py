@@ -20,6 +20,15 @@ or the diagonal, whose first key every row sees: no row of a split that has keys
 masked. Each split writes a float32 partial and its log-sum-exp, which a merge kernel
 combines; a split with no keys writes lse -inf (weight 0).
 
+Fixed grid (``fixed_grid``, CUDA graphs of short prefill steps, engine/prefill_graphs.py):
+a graph replays the launch it captured, so nothing may depend on host-side lengths. The
+split count comes from the block table's capacity, and each tile spreads its own keys over
+those splits on the device, at least MIN_SPLIT_KEYS a split (a short context uses one); a
+split after the one holding the diagonal has no keys and exits after writing lse -inf,
+which the merge reads without loading its partial output. Tokens after ``cu[B]`` are the
+graph's padding rows: the last request's slots reach row ``T - 1`` and write them zeros
+without walking any key.
+
 A float8 cache is upcast on load to the query's dtype; its K scale folds into the softmax
 scale and its V scale multiplies the output (kernels/kv_fp8.py).
 """
@@ -43,6 +52,7 @@ from kernels.triton_common import (
     kv_ieee,
 )
 from kernels.triton_prefill_split import (
+    MIN_SPLIT_KEYS,
     choose_prefill_splits,
     max_query_tiles,
     merge_splits,
@@ -123,6 +133,8 @@ def _prefill_kernel(
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
     SPLIT: tl.constexpr,
+    FIXED: tl.constexpr,  # a fixed-grid launch (see the module docstring)
+    LEAST: tl.constexpr,  # FIXED and SPLIT: the least keys a split run holds (BLOCK_N's)
 ):
     hq = tl.program_id(0)  # fastest: the heads of one tile run together and share KV in L2
     slot = tl.num_programs(1) - 1 - tl.program_id(1)  # last requests' last tiles first
@@ -138,7 +150,12 @@ def _prefill_kernel(
     q_start = tl.load(cu_ptr + b)
     n_q = tl.load(cu_ptr + b + 1) - q_start
     mt = slot - (q_start // BLOCK_M + b)  # query tile within the request's chunk
-    if mt * BLOCK_M >= n_q:
+    if FIXED:
+        # rows this program writes: the last request's run on to row T - 1 (padding)
+        n_rows = tl.where(b == num_reqs - 1, num_tokens - q_start, n_q)
+    else:
+        n_rows = n_q
+    if mt * BLOCK_M >= n_rows:
         return
     seq_len = tl.load(lens_ptr + b)
     ctx = seq_len - n_q  # cached tokens before this chunk
@@ -146,6 +163,7 @@ def _prefill_kernel(
     mi = mt * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the chunk
     d = tl.arange(0, D)
     mmask = mi < n_q
+    wmask = mi < n_rows  # == mmask unless FIXED: padding rows are written too
     tok = (q_start + mi).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * s_qt + hq * s_qh + d[None, :], mask=mmask[:, None],
                 other=0.0).to(COMPUTE)  # [BLOCK_M, D]
@@ -163,6 +181,8 @@ def _prefill_kernel(
         # This split's run of whole key tiles; the run holding diag also takes [diag, hi).
         split = tl.program_id(2)
         run = tl.cdiv(tl.cdiv(hi, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        if FIXED:
+            run = tl.maximum(run, LEAST)
         lo = split * run
         plain_hi = tl.minimum(lo + run, diag)  # < lo (nothing) for runs past diag
         masked_lo = tl.where((lo <= diag) & (diag < lo + run), diag, hi)
@@ -170,6 +190,21 @@ def _prefill_kernel(
         lo = 0
         plain_hi = diag
         masked_lo = diag
+    if FIXED:
+        # No work: a tile of padding rows only, or a split past the diagonal's run.
+        idle = mt * BLOCK_M >= n_q
+        if SPLIT:
+            idle = idle | (lo > diag)
+        if idle:
+            if SPLIT:  # weight 0 in the merge, which then skips this partial output
+                row = (split * num_tokens + tok) * tl.num_programs(0) + hq
+                tl.store(part_lse_ptr + row, tl.full([BLOCK_M], float("-inf"), tl.float32),
+                         mask=wmask)
+            else:
+                tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + d[None, :],
+                         tl.zeros([BLOCK_M, D], out_ptr.dtype.element_ty),
+                         mask=wmask[:, None])
+            return
     acc, m, lsum = _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale,
                                 qpos, lo, plain_hi, seq_len, D, BS, BLOCK_N, False, COMPUTE,
                                 IEEE)
@@ -179,15 +214,19 @@ def _prefill_kernel(
     if SPLIT:
         # A split with no keys has lsum 0 (every row, or none: see the module docstring).
         seen = lsum > 0.0
+        if FIXED:
+            seen = seen & mmask  # a padding row (it saw every key) weighs 0
         o = acc / tl.where(seen, lsum, 1.0)[:, None] * v_scale
         lse = tl.where(seen, m + tl.log2(tl.where(seen, lsum, 1.0)), float("-inf"))
         row = (tl.program_id(2) * num_tokens + tok) * tl.num_programs(0) + hq  # [BLOCK_M]
         tl.store(part_o_ptr + row[:, None] * D + d[None, :], o, mask=mmask[:, None])
-        tl.store(part_lse_ptr + row, lse, mask=mmask)
+        tl.store(part_lse_ptr + row, lse, mask=wmask)
     else:
         o = acc / lsum[:, None] * v_scale  # x 1.0 (not a float8 cache) is exact
+        if FIXED:
+            o = tl.where(mmask[:, None], o, 0.0)
         tl.store(out_ptr + tok[:, None] * s_ot + hq * s_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=mmask[:, None])
+                 o.to(out_ptr.dtype.element_ty), mask=wmask[:, None])
 
 
 def prefill_attention(
@@ -207,6 +246,9 @@ def prefill_attention(
     num_stages: int = NUM_STAGES,
     k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
     v_scale: float = 1.0,
+    # A CUDA graph's launch: splits from the table's capacity and tokens after cu[B]
+    # written as zeros (see the module docstring); needs max_seq_len None.
+    fixed_grid: bool = False,
 ) -> torch.Tensor:
     hq, hkv, bs = check_paged_qkv(q, kv_layer, "[T, Hq, D]")
     num_tokens, d = q.shape[0], q.shape[2]
@@ -228,6 +270,8 @@ def prefill_attention(
     check_device(q, kv_layer, block_tables, cu_seqlens_q, seq_lens, out)
     if num_splits is not None:
         check(1 <= num_splits < 65536, f"num_splits: must be in [1, 65535], got {num_splits}")
+    check(not (fixed_grid and max_seq_len is not None),
+          "max_seq_len: a fixed-grid launch sizes its splits from the block table alone")
     if bsz == 0 or num_tokens == 0:
         return out
     short = num_tokens <= SHORT_BLOCK_M
@@ -260,10 +304,11 @@ def prefill_attention(
             scale * LOG2E * k_scale, float(v_scale), bsz, bsz.bit_length(), num_tokens,
             G=hq // hkv, D=d, BS=bs, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
             COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer), SPLIT=split,
+            FIXED=fixed_grid, LEAST=triton.cdiv(MIN_SPLIT_KEYS, t.block_n) * t.block_n,
             num_warps=t.num_warps, num_stages=t.num_stages,
         )
 
     launch_fitting(("prefill", kv_layer.dtype, d, q.device), want, launch)
     if split:
-        merge_splits(part_o, part_lse, out, num_splits)
+        merge_splits(part_o, part_lse, out, num_splits, skip_empty=fixed_grid)
     return out

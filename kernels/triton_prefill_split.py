@@ -64,6 +64,7 @@ def _merge_kernel(
     num_tokens, num_splits,
     s_ot, s_oh,  # out strides [T, Hq, D]; D is contiguous
     D: tl.constexpr, BLOCK_T: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr,  # a split with lse -inf may have left no partial output
 ):
     """out[t, h] = the splits' partial outputs weighted by exp2(lse) (an online log-sum-exp
     over the splits). A split that saw no key of a row has lse -inf and weighs 0."""
@@ -79,7 +80,8 @@ def _merge_kernel(
     for s in range(num_splits):
         row = (s * num_tokens + t).to(tl.int64) * hq + h  # [BLOCK_T] rows of [S, T, Hq]
         lse = tl.load(part_lse_ptr + row, mask=tmask, other=float("-inf"))
-        o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=tmask[:, None], other=0.0)
+        omask = tmask & (lse > float("-inf")) if SKIP_EMPTY else tmask
+        o = tl.load(part_o_ptr + row[:, None] * D + d[None, :], mask=omask[:, None], other=0.0)
         mx_new = tl.maximum(mx, lse)
         safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # rows no split has seen yet
         scale = tl.exp2(mx - safe)
@@ -102,9 +104,12 @@ def partials(num_splits: int, num_tokens: int, num_heads: int, head_dim: int,
 
 
 def merge_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                 num_splits: int) -> None:
-    """Writes out [T, Hq, D] from the splits' partials (see ``partials``)."""
+                 num_splits: int, skip_empty: bool = False) -> None:
+    """Writes out [T, Hq, D] from the splits' partials (see ``partials``). skip_empty: the
+    partial outputs of (split, row) pairs whose lse is -inf were never written (a fixed-grid
+    launch's idle splits and padding rows), so they are not read."""
     num_tokens, hq, d = out.shape
     grid = (triton.cdiv(num_tokens, MERGE_BLOCK_T), hq)
     _merge_kernel[grid](part_o, part_lse, out, num_tokens, num_splits, out.stride(0),
-                        out.stride(1), D=d, BLOCK_T=MERGE_BLOCK_T, num_warps=4)
+                        out.stride(1), D=d, BLOCK_T=MERGE_BLOCK_T, SKIP_EMPTY=skip_empty,
+                        num_warps=4)

@@ -19,6 +19,7 @@ import zmq
 
 from engine.config import EngineConfig
 from worker import ipc
+from worker.heap import freeze_startup_heap, gc_pauses
 from worker.kv_forward import KVEventForwarder
 from worker.load_report import HeldRow, LoadReport
 from worker.messages import (
@@ -85,6 +86,7 @@ class WorkerLoop:
         self.outbox = outbox if outbox is not None else EventOutbox(events)
         handler.flush_events = self.outbox.flush
         self.kv_events = KVEventForwarder(self.engine, self.outbox.emit)
+        self.gc = gc_pauses()
 
     def _drain_commands(self, timeout_ms: int) -> bool:
         """Applies every queued command, waiting up to timeout_ms for the first; False when
@@ -133,7 +135,8 @@ class WorkerLoop:
         if now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now
             self.outbox.emit(StatsEvent(load_report(self.handler, self.steps)))
-            if (line := self.steps.window_line()) is not None:
+            if (line := self.steps.window_line(gc_pause_s=self.gc.max_s)) is not None:
+                self.gc.take_max()
                 log.info("%s", line)
         # the step's tokens and ends, what after_step polled, the cache events and the
         # load report: one message
@@ -204,7 +207,11 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
         outbox.emit(StatsEvent(load_report(handler)))
         outbox.emit(ReadyEvent(handler.ready_info()))
         outbox.flush()
-        WorkerLoop(handler, commands, events, outbox).run()
+        loop = WorkerLoop(handler, commands, events, outbox)
+        # the model, its graphs and every import stay for the process's life: no collection
+        # needs to walk them again (worker/heap.py)
+        log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
+        loop.run()
     except Exception as e:  # the gRPC process reports it and exits; nothing else can act
         log.error("engine process failed: %s", traceback.format_exc())
         # what the handler emitted before it failed, then the failure

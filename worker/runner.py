@@ -21,6 +21,7 @@ import signal
 from collections.abc import Callable
 
 from worker.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainGate, drain
+from worker.heap import freeze_startup_heap
 from worker.registration import ROLES
 from worker.server import WorkerConfig, WorkerServer
 
@@ -79,6 +80,7 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
                 return 0
             addr = starting.result()
             print(f"{w.worker_id} ({role}) listening on {addr}", flush=True)
+            freeze_startup_heap()  # worker/heap.py: no full collection walks the imports
             reg = w.registration
             assert reg is not None
             interrupted.cancel()

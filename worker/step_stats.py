@@ -34,6 +34,10 @@ class StepStats:
         self.gaps = 0  # how many gaps gap_s sums (steps that followed a step)
         self._started = 0.0
         self._ended: float | None = None  # end of the last step, None after an idle turn
+        # the window's longest step and gap: a mean hides the stall a client sees as a
+        # long inter-token gap
+        self._max_step = 0.0
+        self._max_gap = 0.0
         self._window: tuple[float, int, int, float, float, int] | None = None
 
     def start(self) -> None:
@@ -42,12 +46,14 @@ class StepStats:
         if self._ended is not None:
             self.gap_s += now - self._ended
             self.gaps += 1
+            self._max_gap = max(self._max_gap, now - self._ended)
         self._started = now
 
     def end(self, outs: list[RequestOutput]) -> None:
         """Right after ``engine.step()`` returned ``outs``."""
         now = self.clock()
         self.step_s += now - self._started
+        self._max_step = max(self._max_step, now - self._started)
         self.steps += 1
         for out in outs:
             if out.new_token_ids:
@@ -64,9 +70,11 @@ class StepStats:
         return StepCounters(self.steps, self.rows, self.tokens, self.step_s, self.gap_s,
                             self.gaps)
 
-    def window_line(self, now: float | None = None, every_s: float = LOG_EVERY_S) -> str | None:
+    def window_line(self, now: float | None = None, every_s: float = LOG_EVERY_S,
+                    gc_pause_s: float | None = None) -> str | None:
         """A summary of the steps since the last line, once ``every_s`` has passed and the
-        window had steps; None otherwise (an idle worker logs nothing)."""
+        window had steps; None otherwise (an idle worker logs nothing). gc_pause_s: the
+        window's longest garbage-collection pause, shown beside the longest step and gap."""
         now = self.clock() if now is None else now
         snap = (now, self.steps, self.rows, self.step_s, self.gap_s, self.gaps)
         if self._window is None:
@@ -77,11 +85,17 @@ class StepStats:
             return None
         self._window = snap
         steps = self.steps - steps0
+        max_step, max_gap = self._max_step, self._max_gap
+        self._max_step = self._max_gap = 0.0
         if steps == 0:
             return None
         gaps = self.gaps - gaps0
         gap_ms = 1e3 * (self.gap_s - gap0) / gaps if gaps else 0.0
         step_ms = 1e3 * (self.step_s - step0) / steps
-        return (f"steps: {steps} in {now - t0:.1f} s, mean batch "
-                f"{(self.rows - rows0) / steps:.2f}, step {step_ms:.2f} ms, "
-                f"between steps {gap_ms:.2f} ms")
+        line = (f"steps: {steps} in {now - t0:.1f} s, mean batch "
+                f"{(self.rows - rows0) / steps:.2f}, step {step_ms:.2f} ms "
+                f"(max {1e3 * max_step:.1f}), between steps {gap_ms:.2f} ms "
+                f"(max {1e3 * max_gap:.1f})")
+        if gc_pause_s is not None:
+            line += f", longest gc pause {1e3 * gc_pause_s:.1f} ms"
+        return line

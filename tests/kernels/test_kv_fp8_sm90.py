@@ -44,7 +44,7 @@ for kvt, split in ((k, s) for k in ("*bf16", F8) for s in (False, True)):
         "s_oh": "i32", "qk_scale": "fp32", "v_scale": "fp32", "num_reqs": "i32",
         "search_steps": "i32", "num_tokens": "i32"},
         dict(G=4, D=128, BS=16, BLOCK_M=PRE_TILES[split]["BLOCK_M"], BLOCK_N=pre.BLOCK_N,
-             COMPUTE=tl.bfloat16, IEEE=False, SPLIT=split),
+             COMPUTE=tl.bfloat16, IEEE=False, SPLIT=split, FIXED=False, LEAST=256),
         num_warps=PRE_TILES[split]["num_warps"], num_stages=pre.NUM_STAGES)
 out["store_kv"] = spills(st._store_kv_kernel, {
     "key_ptr": "*bf16", "value_ptr": "*bf16", "kv_ptr": F8, "slot_ptr": "*i64",

@@ -130,9 +130,9 @@ def test_engine_dispatch_sizes_the_split_from_the_step(gen, device, close, monke
     used: list[int] = []
     merge = tpa.merge_splits
 
-    def spy(part_o, part_lse, out, num_splits):
+    def spy(part_o, part_lse, out, num_splits, **kw):
         used.append(num_splits)
-        merge(part_o, part_lse, out, num_splits)
+        merge(part_o, part_lse, out, num_splits, **kw)
 
     monkeypatch.setattr(tpa, "merge_splits", spy)
     tri = KernelSet(store_kv, tpa.prefill_attention, decode_attention, rms_norm, rope,

@@ -72,10 +72,33 @@ def test_window_line_reports_the_window_means_and_stays_quiet_when_idle() -> Non
     assert s.window_line(every_s=10.0) is None  # the window is not over
     clock.t = 110.5
     line = s.window_line(every_s=10.0)
-    assert line == ("steps: 4 in 10.5 s, mean batch 2.00, step 5.00 ms, "
-                    "between steps 1.00 ms")
+    assert line == ("steps: 4 in 10.5 s, mean batch 2.00, step 5.00 ms (max 5.0), "
+                    "between steps 1.00 ms (max 1.0)")
     clock.t = 121.0
     assert s.window_line(every_s=10.0) is None  # no steps in that window: no line
+
+
+def test_window_line_shows_the_longest_step_gap_and_gc_pause_of_that_window_only() -> None:
+    clock = Clock()
+    s = StepStats(clock)
+    s.window_line()
+    for step_s, gap_s in ((0.005, 0.001), (0.040, 0.001), (0.005, 0.030), (0.005, 0.001)):
+        s.start()
+        clock.t += step_s
+        s.end([_out(1)])
+        clock.t += gap_s
+    clock.t = 110.0
+    s.idle()  # the loop waited for work: not a gap
+    line = s.window_line(every_s=10.0, gc_pause_s=0.0125)
+    # mean step 13.75 ms hides the 40 ms stall a stream sees; the max shows it
+    assert line == ("steps: 4 in 10.0 s, mean batch 1.00, step 13.75 ms (max 40.0), "
+                    "between steps 10.67 ms (max 30.0), longest gc pause 12.5 ms")
+    s.start()
+    clock.t += 0.002
+    s.end([_out(1)])
+    clock.t = 121.0
+    assert s.window_line(every_s=10.0) == ("steps: 1 in 11.0 s, mean batch 1.00, step 2.00 ms "
+                                           "(max 2.0), between steps 0.00 ms (max 0.0)")
 
 
 def _metric(text: str, name: str) -> float:

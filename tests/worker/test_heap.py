@@ -1,0 +1,60 @@
+"""worker/heap.py: the start-up heap leaves the collector's walk; pauses are timed."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from worker.heap import freeze_startup_heap, gc_pauses
+
+
+class _Node:
+    def __init__(self) -> None:
+        self.me = self  # a cycle: only the collector can free it
+
+
+@pytest.fixture(autouse=True)
+def _thaw() -> Iterator[None]:
+    yield
+    gc.unfreeze()  # the rest of the test process collects as before
+
+
+def _tracked(obj: object) -> bool:
+    return any(o is obj for o in gc.get_objects())
+
+
+def test_objects_alive_at_the_freeze_leave_the_collectors_walk_and_later_ones_do_not() -> None:
+    before = [[i] for i in range(1000)]  # lists: always tracked
+    assert _tracked(before[0])
+    frozen = freeze_startup_heap()
+    assert frozen >= 1000
+    assert not _tracked(before[0])  # no generation, hence no collection, visits it
+    after = [-1]
+    assert _tracked(after)
+
+
+def test_a_second_freeze_collects_the_cyclic_garbage_the_first_one_kept() -> None:
+    node = _Node()
+    freeze_startup_heap()
+    gone: list[bool] = []
+    ref = weakref.ref(node, lambda _: gone.append(True))
+    del node
+    gc.collect()
+    assert ref() is not None  # frozen garbage is never collected...
+    freeze_startup_heap()  # ...until the next freeze thaws it first (a role change)
+    assert ref() is None and gone == [True]
+
+
+def test_pauses_count_full_collections_and_keep_the_longest_until_taken() -> None:
+    p = gc_pauses()
+    assert gc_pauses() is p  # one callback per process
+    full = p.full
+    gc.collect()
+    assert p.full == full + 1
+    assert p.max_s > 0.0
+    longest = p.take_max()
+    assert longest > 0.0 and p.max_s == 0.0
+    assert gc.callbacks.count(p._on_gc) == 1
