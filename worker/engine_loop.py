@@ -210,7 +210,7 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
         loop = WorkerLoop(handler, commands, events, outbox)
         # the model, its graphs and every import stay for the process's life: no collection
         # needs to walk them again (worker/heap.py)
-        log.info("froze %d start-up objects out of garbage collection", freeze_startup_heap())
+        log.debug("froze %d start-up objects out of garbage collection", freeze_startup_heap())
         loop.run()
     except Exception as e:  # the gRPC process reports it and exits; nothing else can act
         log.error("engine process failed: %s", traceback.format_exc())

@@ -22,13 +22,6 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.warmup import LONG_TAIL, SHORT_TAIL, SPLIT_CONTEXT, wants_warmup, warm_up
-from kernels.triton_prefill_attention import BLOCK_M, SHORT_BLOCK_M
-from kernels.triton_prefill_split import (
-    MIN_SPLIT_KEYS,
-    choose_prefill_splits,
-    max_query_tiles,
-    num_sms,
-)
 
 BUDGET = 256
 KW = dict(block_size=4, max_num_batched_tokens=BUDGET)
@@ -84,6 +77,12 @@ def _record(eng: LLMEngine) -> tuple[list[list[Chunk]], list[int], list[int]]:
 
 def _h200_variant(step: list[Chunk]) -> tuple[int, bool, bool]:
     """(query tile rows, keys split, one request) of the prefill attention launch."""
+    # kernels.triton_* are imported inside the tests: imported while pytest collects, they
+    # would define their @triton.jit functions before tests/kernels/conftest.py sets
+    # TRITON_INTERPRET, and every Triton kernel test of a whole-suite run would fail.
+    from kernels.triton_prefill_attention import BLOCK_M, SHORT_BLOCK_M
+    from kernels.triton_prefill_split import choose_prefill_splits, max_query_tiles, num_sms
+
     tokens = sum(c.num_tokens for c in step)
     block_m = SHORT_BLOCK_M if tokens <= SHORT_BLOCK_M else BLOCK_M
     longest = max(c.start + c.num_tokens for c in step)
@@ -113,6 +112,9 @@ def _state(eng: LLMEngine) -> dict[str, Any]:
 def test_sizes_select_the_launchers_variants():
     """The tails land on each side of the short-step tile, off multiples of 16 (Triton
     compiles those apart), and the cached context reaches two key splits."""
+    from kernels.triton_prefill_attention import BLOCK_M, SHORT_BLOCK_M
+    from kernels.triton_prefill_split import MIN_SPLIT_KEYS
+
     assert SHORT_TAIL <= SHORT_BLOCK_M < LONG_TAIL <= BLOCK_M
     assert SHORT_TAIL % 16 and LONG_TAIL % 16
     assert SPLIT_CONTEXT == 2 * MIN_SPLIT_KEYS
@@ -150,6 +152,8 @@ def test_tight_limits_slow_it_down_but_leave_no_trace(model, make_llm, role, sea
 
 @pytest.mark.parametrize("role", ["colocated", "producer"])
 def test_warm_up_runs_every_prefill_path(model, make_llm, role):
+    from kernels.triton_prefill_attention import BLOCK_M, SHORT_BLOCK_M
+
     eng = make_llm(model, role=role, **KW).engine
     steps, hits, _ = _record(eng)
     warm_up(eng)

@@ -8,6 +8,7 @@ package imports none of them).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -15,6 +16,15 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
+    # A test module collected before this folder (tests/bench ... tests/engine, in a
+    # whole-suite run) that imports a kernels.triton_* module at its top has already defined
+    # those @triton.jit functions for the compiler: every interpreted kernel that calls one
+    # then fails with "Cannot call @triton.jit'd outside of the scope of a kernel". Name it.
+    early = sorted(m for m in sys.modules if m.startswith("kernels.triton_"))
+    if early and not os.environ.get("TRITON_INTERPRET"):
+        raise RuntimeError(
+            f"{', '.join(early)} imported before TRITON_INTERPRET was set: a test module "
+            "collected earlier imports it at module level; import it inside the test")
     os.environ["TRITON_INTERPRET"] = "1"
 
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
