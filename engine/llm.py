@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import kernels_for
+from engine.compile_watch import process_watch
 from engine.config import EngineConfig
 from engine.kv_scales import kv_scales_for
 from engine.llm_engine import LLMEngine
@@ -91,8 +92,15 @@ def build_engine(config: EngineConfig) -> LLMEngine:
                            followers=followers)
         # after the KV pool and decode graphs exist, before anything serves (the simulated
         # engine, returned above, has no kernels to compile)
+        # every Triton compile from here on is logged (engine/compile_watch.py): one a
+        # request meets while serving stalls its whole step for a second or two
+        watch = process_watch() if torch.device(config.device).type == "cuda" else None
+        if watch is not None:
+            watch.serving = False
         if wants_warmup(config):
             warm_up(engine)
+        if watch is not None:
+            watch.serving = True
         return engine
     except BaseException:
         if followers is not None:

@@ -18,7 +18,8 @@ compile at the same time), each phase to its end:
 2. that prefix plus a short tail (<= 128 tokens: 128-query tiles, keys split when the
    context is long) and, alone after it, plus a longer tail (256-query tiles, split when
    its few tiles leave SMs idle): prefix-cache hits, one request per step as an idle
-   server meets them;
+   server meets them; then two hits together in one step, past 128 tokens and within
+   (query tiles over several requests, keys split), as a loaded producer meets them;
 3. a short request reaches decode; a prefix hit with a short tail and a fresh short prompt
    join it (a mixed step of <= 128 tokens: a consumer's local prefill beside its decodes),
    then a fresh longer prompt and another short one (a mixed step past 128 tokens), then
@@ -57,6 +58,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.block_manager import BlockManager
+from engine.compile_watch import process_watch
 from engine.config import EngineConfig
 from engine.dp_scheduler import make_scheduler
 from engine.prefix_cache import PrefixCache
@@ -101,6 +103,8 @@ def warm_up(engine: LLMEngine) -> None:
     if engine.max_model_len < 2:  # no request fits (a prompt and one output token)
         return
     start = time.perf_counter()
+    watch = process_watch()
+    compiles, compile_s = watch.compiles, watch.compile_s
     own = engine.blocks, engine.scheduler, engine._step_id, engine.num_preemptions
     throwaway = BlockManager(engine.blocks.num_blocks, engine.blocks.block_size, PrefixCache())
     engine.blocks = throwaway
@@ -112,8 +116,9 @@ def warm_up(engine: LLMEngine) -> None:
     assert not engine.requests and engine._inflight is None and not engine._unread \
         and not engine._free_after, "warm-up requests left behind"
     engine.blocks, engine.scheduler, engine._step_id, engine.num_preemptions = own
-    log.info("warm-up: %d steps in %.1f s (prefill, mixed and decode kernels compiled "
-             "before serving)", run.steps, time.perf_counter() - start)
+    log.info("warm-up: %d steps in %.1f s, %d Triton compiles (%.1f s): prefill, mixed and "
+             "decode kernels compiled before serving", run.steps, time.perf_counter() - start,
+             watch.compiles - compiles, watch.compile_s - compile_s)
 
 
 class _Run:
@@ -157,6 +162,15 @@ class _Run:
             self._finish()
             self._add(f"hit-long{n}", cached + self._tokens(long_tail, salt + 2), greedy)
             self._finish()
+            # two hits in one step, past 128 tokens and within: query tiles over several
+            # requests, keys split (a loaded producer's steps of cached-prefix questions; on
+            # an H200 their first use stalled a shared-prefix benchmark at c=8 for 1.4-2.7 s)
+            for k, tail in enumerate((long_tail, short_tail)):
+                self._add(f"hits-together{n}-{k}a", cached + self._tokens(tail, salt + 8 + k),
+                          seeded)
+                self._add(f"hits-together{n}-{k}b",
+                          cached + self._tokens(short_tail, salt + 10 + k), greedy)
+                self._finish()
             # the decoder still decodes when the longer fresh prompt's chunk is scheduled
             # (one output per step, the prefills before it taking up to the budget each step)
             behind = -(-(short_tail + 2 * fresh + long_fresh) // self.budget)

@@ -119,7 +119,13 @@ def _attend_tile(acc, m, lsum, q, kv_head, bt_row, s_cb, s_ckv, s_cs, qk_scale, 
     return acc, m, lsum
 
 
-@triton.jit
+# A step's request count, token count and block-table width change from step to step:
+# specialized (== 1, divisible by 16), each value class is another compile of this kernel,
+# ~1.5-2.7 s on an H200 in the middle of serving (engine/compile_watch.py named them), times
+# every tile / split variant. Left unspecialized, the variants are the constexprs alone,
+# which the start-up warm-up (engine/warmup.py) runs. They feed only scalar address
+# arithmetic and loop bounds.
+@triton.jit(do_not_specialize=["s_btb", "num_reqs", "search_steps", "num_tokens"])
 def _prefill_kernel(
     q_ptr, kv_ptr, bt_ptr, cu_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     s_qt, s_qh,  # q strides [T, Hq, D]; D is contiguous

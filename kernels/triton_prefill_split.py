@@ -58,7 +58,9 @@ def choose_prefill_splits(num_tiles: int, num_heads: int, max_seq_len: int,
     return max(1, min(want, max_seq_len // MIN_SPLIT_KEYS, MAX_SPLITS))
 
 
-@triton.jit
+# the step's token count varies from step to step: unspecialized, one compile per D and
+# tile (see _prefill_kernel's note in kernels/triton_prefill_attention.py)
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     num_tokens, num_splits,
