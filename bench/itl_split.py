@@ -3,6 +3,14 @@ handoff: the producer's notice, the consumer admitting the request, its first st
 decode steps after it; and which output positions the gaps above p99 sit at (a stall late
 in long outputs, after the burst, is the engine's or the host's, not the handoff's).
 
+Where the records carry the server's handoff stamps (gRPC backend, P/D), the first gap is
+split further, per request, into: token 0 sent by the router -> the consumer held the KV
+and admitted the request (``kv_ready_ms``: the transfer, the producer's notice, the
+admission); -> its first decode step launched (``first_step_wait_ms``: the consumer's step
+boundary); and the rest of the gap (that step and the deferred read of its token, the
+consumer -> router -> client path). p50 and p99 of each part are over the requests; the
+parts of one percentile need not add up to the gap's.
+
     python bench/itl_split.py RESULT.json [...]   # `pdserve bench --result-json` files
 """
 
@@ -39,7 +47,22 @@ def split(path: str) -> list[str]:
                 f"({p99_rest / tpot:.2f}x); first gap p50 {np.median(first):.1f} "
                 f"p99 {np.percentile(first, 99):.1f}; gaps above p99 by output position: "
                 f"{share}")
+            handoff = [r for r in recs if r.get("kv_ready_ms") is not None
+                       and r.get("first_step_wait_ms") is not None]
+            if handoff:
+                lines.append("  first gap, " + handoff_line(handoff))
     return lines
+
+
+def handoff_line(recs: list[dict]) -> str:
+    """The first gap's parts over records that carry the handoff stamps (module docstring)."""
+    gap = np.array([r["itl_ms"][0] for r in recs])
+    ready = np.array([r["kv_ready_ms"] for r in recs])
+    wait = np.array([r["first_step_wait_ms"] for r in recs])
+    parts = {"whole": gap, "token 0 sent -> KV ready": ready,
+             "-> first step": wait, "first step -> token 1 at the client": gap - ready - wait}
+    return "; ".join(f"{name} p50 {np.median(v):.1f} p99 {np.percentile(v, 99):.1f}"
+                     for name, v in parts.items()) + f" ms ({len(recs)} requests)"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
     rec.prefill_ms = _delta_ms(t.producer_token0_sampled_ns, t.producer_received_ns)
     # 0 means "not applicable" (colocated, or token 0 ended the request at the producer).
     rec.kv_transfer_ms = t.kv_transfer_ms if t.kv_transfer_ms > 0 else None
+    # the handoff (record.py); negative where a busy router sent token 0 after the KV landed
+    rec.kv_ready_ms = _delta_ms(t.consumer_kv_ready_ns, t.router_token0_sent_ns)
+    rec.first_step_wait_ms = _delta_ms(t.consumer_first_step_ns, t.consumer_kv_ready_ns)
 
 
 class GrpcBackend(Backend):

@@ -119,7 +119,10 @@ def summarize(records: Sequence[RequestRecord], ctx: PointContext,
               "ttst_ms": _ms([r.ttst for r in ok]),
               "hold_ms": [r.hold_ms for r in ok if r.hold_ms is not None],
               "kv_transfer_ms": [r.kv_transfer_ms for r in ok if r.kv_transfer_ms is not None],
-              "prefill_ms": [r.prefill_ms for r in ok if r.prefill_ms is not None]}
+              "prefill_ms": [r.prefill_ms for r in ok if r.prefill_ms is not None],
+              "kv_ready_ms": [r.kv_ready_ms for r in ok if r.kv_ready_ms is not None],
+              "first_step_wait_ms": [r.first_step_wait_ms for r in ok
+                                     if r.first_step_wait_ms is not None]}
     for name, values in series.items():
         m[name] = distribution(values, percentiles)
     return m

@@ -23,6 +23,12 @@ class RequestRecord:
     hold_ms: float | None = None  # router sent token 0 - producer sampled it
     kv_transfer_ms: float | None = None  # producer's first push to the consumer's ack
     prefill_ms: float | None = None  # producer received the request -> sampled token 0
+    # The P/D handoff, the first inter-token gap's server side: the router sent token 0 ->
+    # the consumer held every KV block and token 0 and admitted the request (the transfer,
+    # the producer's notice, the admission); then -> its first decode step was launched
+    # (waiting for the consumer's step boundary). Wall clocks of one host, or synchronized.
+    kv_ready_ms: float | None = None
+    first_step_wait_ms: float | None = None
     cached_tokens: int = 0  # usage: prompt tokens a worker's prefix cache held
     ideal_cached: int = 0  # what an infinite cache would have held (the workload's ideal)
 
@@ -71,5 +77,7 @@ class RequestRecord:
                 "output_tokens": self.output_tokens, "ttft_ms": ms(self.ttft),
                 "ttst_ms": ms(self.ttst), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
                 "hold_ms": self.hold_ms, "kv_transfer_ms": self.kv_transfer_ms,
-                "prefill_ms": self.prefill_ms, "cached_tokens": self.cached_tokens,
+                "prefill_ms": self.prefill_ms, "kv_ready_ms": self.kv_ready_ms,
+                "first_step_wait_ms": self.first_step_wait_ms,
+                "cached_tokens": self.cached_tokens,
                 "ideal_cached": self.ideal_cached, "itl_ms": [ms(g) for g in self.itl]}

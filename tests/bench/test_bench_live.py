@@ -48,9 +48,14 @@ def test_cli_sweep_json(cluster, tmp_path) -> None:  # type: ignore[no-untyped-d
         assert m["total_output_tokens"] == 5 * 6  # --ignore-eos: exact lengths
         assert m["good_requests"] == 5
         for key in ("ttft_ms", "ttst_ms", "tpot_ms", "itl_ms", "e2el_ms", "hold_ms",
-                    "kv_transfer_ms", "prefill_ms"):
+                    "kv_transfer_ms", "prefill_ms", "kv_ready_ms", "first_step_wait_ms"):
             vals = [m[key][s] for s in STATS]
             assert None not in vals and vals == sorted(vals), (key, m[key])
+        # the handoff's stamps, per P/D request: the consumer's first step follows its
+        # admission (one process's clock)
+        handed = [r for r in reqs if r["kv_transfer_ms"] is not None]
+        assert handed and all(r["first_step_wait_ms"] is not None and r["kv_ready_ms"]
+                              is not None and r["first_step_wait_ms"] >= 0 for r in handed)
         assert m["itl_ms"]["count"] >= 5 * (6 - 2)  # tokens may share a message
         assert m["ttft_ms"]["p50"] <= m["ttst_ms"]["p50"] <= m["e2el_ms"]["p50"]
         assert m["output_throughput_per_worker"] == pytest.approx(m["output_throughput"] / 2)

@@ -1,0 +1,42 @@
+"""bench/itl_split.py: the first gap split from the rest, and, where the records carry the
+server's handoff stamps, into its parts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+
+from itl_split import handoff_line, split  # noqa: E402
+
+
+def _rec(first: float, rest: list[float], ready: float | None, wait: float | None) -> dict:
+    return {"itl_ms": [first, *rest], "tpot_ms": 10.0, "kv_ready_ms": ready,
+            "first_step_wait_ms": wait}
+
+
+def test_the_first_gap_is_split_into_its_parts():
+    # every request: 40 ms first gap = 25 ms to KV ready + 5 ms to the first step + 10 ms
+    recs = [_rec(40.0, [10.0] * 5, 25.0, 5.0) for _ in range(9)]
+    line = handoff_line(recs)
+    assert line.startswith("whole p50 40.0 p99 40.0; token 0 sent -> KV ready p50 25.0")
+    assert "-> first step p50 5.0" in line
+    assert "first step -> token 1 at the client p50 10.0 p99 10.0" in line
+    assert line.endswith("(9 requests)")
+
+
+def test_a_result_file_with_and_without_stamps(tmp_path):
+    with_stamps = [_rec(40.0, [10.0] * 5, 25.0, 5.0) for _ in range(4)]
+    colocated = [_rec(30.0, [10.0] * 5, None, None) for _ in range(4)]
+    doc = {"configs": [{"points": [{"concurrency": 4, "requests": with_stamps},
+                                   {"concurrency": 8, "requests": colocated}]}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    lines = split(str(path))
+    assert len(lines) == 3  # two points, one handoff line (only the first has stamps)
+    assert "c=4: TPOT p50 10.00 ms; ITL p99" in lines[0]
+    assert "without the first gap 10.0 (1.00x); first gap p50 40.0" in lines[0]
+    assert lines[1].startswith("  first gap, whole p50 40.0")
+    assert "c=8:" in lines[2] and "first gap p50 30.0" in lines[2]
