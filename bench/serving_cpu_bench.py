@@ -64,9 +64,14 @@ class ClientJob:
     warmup: int  # unmeasured requests before the start signal, per connection
     sampling: SamplingChoice
     connections: int = 1  # client connections (channels) its streams spread over
+    client: str = "grpcio"  # gRPC client: grpcio's asyncio one, or hand-framed HTTP/2 ("h2")
 
 
 def _backend(job: ClientJob) -> Any:
+    if job.backend == "grpc" and job.client == "h2":
+        from deploy.benchmark.h2_grpc_backend import H2GrpcBackend
+
+        return H2GrpcBackend(job.address)
     if job.backend == "grpc":
         from deploy.benchmark.grpc_backend import GrpcBackend
 
@@ -217,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        else cluster.router_address)
             job = ClientJob("http" if args.backend == "http" else "grpc", address, base_url,
                             share, max(1, len(streams)), args.warmup, sampling,
-                            args.connections_per_client)
+                            args.connections_per_client, args.client)
             p = ctx.Process(target=client_main, args=(job, ready, go, results), daemon=True)
             p.start()
             clients.append(p)
@@ -296,7 +301,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "client_procs": len(outs), "num_prompts": len(specs),
                    "connections_per_client": args.connections_per_client,
                    "input_len": args.input_len, "output_len": args.output_len,
-                   "backend": args.backend, "worker_args": list(cluster.spec.worker_args),
+                   "backend": args.backend, "client": args.client,
+                   "worker_args": list(cluster.spec.worker_args),
                    "router_args": list(cluster.spec.router_args),
                    "transfer_backend": args.transfer_backend},
         "roles": dict(cluster.started_as),  # worker name -> its role (the cpu parts' names)
@@ -377,6 +383,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     w.add_argument("--backend", default="grpc", choices=("grpc", "grpc-stream", "http"),
                    help="grpc: the router's Generate stream; grpc-stream: the same on its "
                         "hand-framed door (--grpc-stream-port); http: /v1/completions SSE")
+    w.add_argument("--client", default="grpcio", choices=("grpcio", "h2"),
+                   help="the gRPC backends' client: grpcio's asyncio client, or a hand-framed "
+                        "HTTP/2 one (deploy/benchmark/h2_connection.py) that takes a fraction "
+                        "of its CPU per token, leaving the host's cores to what is measured")
     w.add_argument("--concurrency", type=int, default=64, help="streams open at once")
     w.add_argument("--num-prompts", type=int, default=None,
                    help="measured requests (default: 2x --concurrency)")

@@ -62,34 +62,48 @@ class GrpcBackend(Backend):
     async def send(self, spec: RequestSpec, rec: RequestRecord,
                    sampling: SamplingChoice) -> None:
         assert self._stub is not None
-        req = router_pb2.GenerateRequest(
-            prompt_token_ids=router_pb2.TokenIds(ids=spec.prompt_ids),
-            sampling=common_pb2.SamplingParams(max_tokens=spec.output_len,
-                                               temperature=sampling.temperature,
-                                               ignore_eos=sampling.ignore_eos))
+        req = generate_request(spec, sampling)
         counted = 0
         rec.start = time.perf_counter()
         try:
             async for msg in self._stub.Generate(req, timeout=sampling.timeout_s,
                                                  metadata=self.metadata):
-                now = time.perf_counter()
-                if msg.token_ids:
-                    rec.arrivals.append((now, len(msg.token_ids)))
-                    counted += len(msg.token_ids)
-                if msg.finish_reason:
-                    rec.finish_reason = common_pb2.FinishReason.Name(msg.finish_reason)
-                    if msg.finish_reason in FAILED_REASONS:
-                        rec.error = f"{rec.finish_reason}: {msg.error or 'no details'}"
-                    if msg.HasField("usage"):
-                        rec.prompt_len = msg.usage.prompt_tokens or rec.prompt_len
-                        counted = msg.usage.completion_tokens or counted
-                        rec.cached_tokens = msg.usage.cached_tokens
-                    if msg.HasField("timing"):
-                        apply_timing(rec, msg.timing)
+                counted = take_response(rec, msg, counted)
         except grpc.aio.AioRpcError as e:
             rec.error = f"{e.code().name}: {e.details() or ''}"
-        rec.end = time.perf_counter()
-        rec.output_tokens = counted
-        if not rec.error and not rec.finish_reason:
-            rec.error = "stream ended without a finish reason"
-        rec.success = not rec.error
+        finish_record(rec, counted)
+
+
+def generate_request(spec: RequestSpec, sampling: SamplingChoice) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        prompt_token_ids=router_pb2.TokenIds(ids=spec.prompt_ids),
+        sampling=common_pb2.SamplingParams(max_tokens=spec.output_len,
+                                           temperature=sampling.temperature,
+                                           ignore_eos=sampling.ignore_eos))
+
+
+def take_response(rec: RequestRecord, msg: router_pb2.GenerateResponse, counted: int) -> int:
+    """One response message into the record (arrival time, finish, usage, timing); returns
+    the tokens counted so far."""
+    if msg.token_ids:
+        rec.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+        counted += len(msg.token_ids)
+    if msg.finish_reason:
+        rec.finish_reason = common_pb2.FinishReason.Name(msg.finish_reason)
+        if msg.finish_reason in FAILED_REASONS:
+            rec.error = f"{rec.finish_reason}: {msg.error or 'no details'}"
+        if msg.HasField("usage"):
+            rec.prompt_len = msg.usage.prompt_tokens or rec.prompt_len
+            counted = msg.usage.completion_tokens or counted
+            rec.cached_tokens = msg.usage.cached_tokens
+        if msg.HasField("timing"):
+            apply_timing(rec, msg.timing)
+    return counted
+
+
+def finish_record(rec: RequestRecord, counted: int) -> None:
+    rec.end = time.perf_counter()
+    rec.output_tokens = counted
+    if not rec.error and not rec.finish_reason:
+        rec.error = "stream ended without a finish reason"
+    rec.success = not rec.error
