@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 from pdserve.v1 import router_pb2
 
 from deploy.benchmark.backend import Backend, SamplingChoice
@@ -16,13 +17,10 @@ from deploy.benchmark.h2_connection import CallEnded, H2Connection
 from deploy.benchmark.record import RequestRecord
 from deploy.benchmark.workload import RequestSpec
 from deploy.router_client import RouterError, auth_metadata
+from router.grpc_stream.status import GENERATE_PATH
 
-GENERATE = "/pdserve.v1.Router/Generate"
-# grpc's status codes by number (the trailers carry the number)
-STATUS_NAMES = ("OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
-                "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
-                "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL",
-                "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED")
+# grpc's status names by number (the trailers carry the number)
+STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 class H2GrpcBackend(Backend):
@@ -64,12 +62,12 @@ class H2GrpcBackend(Backend):
         rec.start = time.perf_counter()
         call = None
         try:
-            call = await self.conn.call(GENERATE, message, metadata, on_message)
+            call = await self.conn.call(GENERATE_PATH, message, metadata, on_message)
             # the server's deadline ends the call first; this one only if the server is gone
             code, details = await asyncio.wait_for(asyncio.shield(call.done),
                                                    sampling.timeout_s + 5.0)
             if code:
-                name = STATUS_NAMES[code] if code < len(STATUS_NAMES) else str(code)
+                name = STATUS_NAMES.get(code, str(code))
                 rec.error = f"{name}: {details}"
         except CallEnded as e:
             rec.error = f"{e.code}: {e.details}"
@@ -77,4 +75,6 @@ class H2GrpcBackend(Backend):
             rec.error = "DEADLINE_EXCEEDED: no end from the server"
             if call is not None:
                 self.conn.cancel(call, "client timeout")
+                if call.done.done():  # its failure is this record's error: mark it seen
+                    call.done.exception()
         finish_record(rec, counted)
