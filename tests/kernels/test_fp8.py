@@ -47,13 +47,17 @@ def test_weight_only_matches_reference(m, splits, groups, gen, device):
 def test_split_choice_for_8b_shapes_on_132_sms():
     from kernels.triton_fp8_weight_only import choose_splits
 
-    # Llama-3-8B at batch 1: qkv, o_proj, down_proj (per channel, and 128-column blocks)
+    # Llama-3-8B at batch 1 (the GEMV kernel's tiles per shape class, GEMV_TABLE):
+    # qkv and o_proj (32 x 256 tiles, >= 5 programs per SM, >= 2 tiles a range), down_proj
+    # (16 x 256, >= 6 per SM; per channel, and 128-column blocks)
     assert choose_splits(1, 6144, 4096, 1, 132) == 4
     assert choose_splits(1, 4096, 4096, 1, 132) == 8  # 8 ranges of 512 columns
-    assert choose_splits(1, 4096, 14336, 1, 132) == 8
-    assert choose_splits(1, 4096, 14336, 112, 132) == 8  # 14 whole blocks per range
+    assert choose_splits(1, 4096, 14336, 1, 132) == 4
+    assert choose_splits(1, 4096, 14336, 112, 132) == 4  # 28 whole blocks per range
     assert choose_splits(1, 28672, 4096, 1, 132) == 1  # gate_up fills the SMs unsplit
     assert choose_splits(1, 4096, 384, 1, 132) == 1  # too short to split
+    # past GEMV_MAX_M rows, the tensor-core kernel's rule (2 programs per SM)
+    assert choose_splits(16, 6144, 4096, 1, 132) == 4
 
 
 def test_weight_only_refuses_a_split_inside_a_scale_group(gen, device):
