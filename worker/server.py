@@ -104,6 +104,7 @@ class WorkerServer:
                            lambda: bridge.load, cfg.cluster_token, cfg.router_ca,
                            failed=lambda: bridge.fatal)
         self.registration = reg
+        bridge.on_wake = reg.watch.poke
         self.tasks.append(asyncio.create_task(reg.run()))
         self.tasks.append(asyncio.create_task(pub.run()))
         self.tasks.append(asyncio.create_task(self._watch_engine()))

@@ -77,6 +77,8 @@ class EngineBridge:
         self.on_kv: Callable[[KVEventsEvent | KVSnapshotEvent], None] | None = None
         # told of each request started with StartDecode once its last tokens are queued
         self.on_done: Callable[[OutputsDone], None] | None = None
+        # called as the engine's events wake the loop (the loop watch ticks on it)
+        self.on_wake: Callable[[], None] | None = None
 
     def send(self, cmd: Command) -> None:
         """For commands about running requests (abort, destination, ...): never refused, so
@@ -137,6 +139,8 @@ class EngineBridge:
         process sends each phase of its loop turn as one multipart message (worker/outbox.py),
         so a step's reservations and tokens share a pass and an Outputs message."""
         recv = self.events.recv_multipart
+        if self.on_wake is not None:
+            self.on_wake()
         try:
             for _ in range(DRAIN_BATCH):
                 try:
