@@ -9,7 +9,10 @@ and admitted the request (``kv_ready_ms``: the transfer, the producer's notice, 
 admission); -> its first decode step launched (``first_step_wait_ms``: the consumer's step
 boundary); and the rest of the gap (that step and the deferred read of its token, the
 consumer -> router -> client path). p50 and p99 of each part are over the requests; the
-parts of one percentile need not add up to the gap's.
+parts of one percentile need not add up to the gap's. Where they carry the hold's stamps,
+the first-token hold (producer sampled token 0 -> the router sent it) is split the same
+way: -> the producer's gRPC process handed it to the router's stream
+(``hold_producer_ms``), and the rest (that stream, the router's loop).
 
     python bench/itl_split.py RESULT.json [...]   # `pdserve bench --result-json` files
 """
@@ -51,6 +54,10 @@ def split(path: str) -> list[str]:
                        and r.get("first_step_wait_ms") is not None]
             if handoff:
                 lines.append("  first gap, " + handoff_line(handoff))
+            held = [r for r in p["requests"] if r.get("hold_ms") is not None
+                    and r.get("hold_producer_ms") is not None]
+            if held:
+                lines.append("  hold, " + hold_line(held))
     return lines
 
 
@@ -62,6 +69,16 @@ def handoff_line(recs: list[dict]) -> str:
     parts = {"whole": gap, "token 0 sent -> KV ready": ready,
              "-> first step": wait, "first step -> token 1 at the client": gap - ready - wait}
     return "; ".join(f"{name} p50 {np.median(v):.1f} p99 {np.percentile(v, 99):.1f}"
+                     for name, v in parts.items()) + f" ms ({len(recs)} requests)"
+
+
+def hold_line(recs: list[dict]) -> str:
+    """The first-token hold's parts (module docstring)."""
+    hold = np.array([r["hold_ms"] for r in recs])
+    prod = np.array([r["hold_producer_ms"] for r in recs])
+    parts = {"whole": hold, "sampled -> producer sent": prod,
+             "-> router sent": hold - prod}
+    return "; ".join(f"{name} p50 {np.median(v):.2f} p99 {np.percentile(v, 99):.2f}"
                      for name, v in parts.items()) + f" ms ({len(recs)} requests)"
 
 

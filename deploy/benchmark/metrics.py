@@ -118,6 +118,8 @@ def summarize(records: Sequence[RequestRecord], ctx: PointContext,
               "itl_ms": _ms(itls), "e2el_ms": _ms([r.e2el for r in ok]),
               "ttst_ms": _ms([r.ttst for r in ok]),
               "hold_ms": [r.hold_ms for r in ok if r.hold_ms is not None],
+              "hold_producer_ms": [r.hold_producer_ms for r in ok
+                                   if r.hold_producer_ms is not None],
               "kv_transfer_ms": [r.kv_transfer_ms for r in ok if r.kv_transfer_ms is not None],
               "prefill_ms": [r.prefill_ms for r in ok if r.prefill_ms is not None],
               "kv_ready_ms": [r.kv_ready_ms for r in ok if r.kv_ready_ms is not None],

@@ -21,6 +21,9 @@ class RequestRecord:
     output_tokens: int = 0  # usage.completion_tokens when reported, else the tokens counted
     # From the server's timing (None when the server did not report it, e.g. colocated):
     hold_ms: float | None = None  # router sent token 0 - producer sampled it
+    # its first part: the producer's gRPC process handed token 0 to the router's stream -
+    # sampled (the engine -> gRPC process hop); the rest is that stream and the router
+    hold_producer_ms: float | None = None
     kv_transfer_ms: float | None = None  # producer's first push to the consumer's ack
     prefill_ms: float | None = None  # producer received the request -> sampled token 0
     # The P/D handoff, the first inter-token gap's server side: the router sent token 0 ->
@@ -76,7 +79,8 @@ class RequestRecord:
                 "finish_reason": self.finish_reason, "prompt_len": self.prompt_len,
                 "output_tokens": self.output_tokens, "ttft_ms": ms(self.ttft),
                 "ttst_ms": ms(self.ttst), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
-                "hold_ms": self.hold_ms, "kv_transfer_ms": self.kv_transfer_ms,
+                "hold_ms": self.hold_ms, "hold_producer_ms": self.hold_producer_ms,
+                "kv_transfer_ms": self.kv_transfer_ms,
                 "prefill_ms": self.prefill_ms, "kv_ready_ms": self.kv_ready_ms,
                 "first_step_wait_ms": self.first_step_wait_ms,
                 "cached_tokens": self.cached_tokens,

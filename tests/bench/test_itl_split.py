@@ -40,3 +40,22 @@ def test_a_result_file_with_and_without_stamps(tmp_path):
     assert "without the first gap 10.0 (1.00x); first gap p50 40.0" in lines[0]
     assert lines[1].startswith("  first gap, whole p50 40.0")
     assert "c=8:" in lines[2] and "first gap p50 30.0" in lines[2]
+
+
+def test_the_hold_is_split_at_the_producer_s_send():
+    from itl_split import hold_line
+    # 3 ms hold: 0.5 ms engine -> the producer's gRPC process, 2.5 ms stream and router
+    recs = [{"hold_ms": 3.0, "hold_producer_ms": 0.5} for _ in range(5)]
+    line = hold_line(recs)
+    assert line.startswith("whole p50 3.00 p99 3.00; sampled -> producer sent p50 0.50")
+    assert "-> router sent p50 2.50 p99 2.50" in line and line.endswith("(5 requests)")
+
+
+def test_a_point_with_hold_stamps_gets_a_hold_line(tmp_path):
+    recs = [{**_rec(40.0, [10.0] * 5, 25.0, 5.0), "hold_ms": 2.0, "hold_producer_ms": 0.5}
+            for _ in range(4)]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"configs": [{"points": [{"concurrency": 4,
+                                                          "requests": recs}]}]}))
+    lines = split(str(path))
+    assert len(lines) == 3 and lines[2].startswith("  hold, whole p50 2.00")
