@@ -2,7 +2,11 @@
 its cache-aware placement.
 
 Lifecycle: the bridge hands every KV event to ``add`` (on the gRPC process's loop); ``run``
-sends what is pending at most every ``interval_s``, in one batch. The router answers
+sends what is pending at most every ``interval_s``, in one batch. Under a steady stream of
+events the send rides the loop wake-up that brought the first event after the interval (no
+timer of its own: a timer's wake-up of the loop cost ~0.3 ms of CPU on a 2-core VM, as much as
+the call); a lone event with nothing after it leaves at the latest two intervals after the
+last send. The router answers
 ``resync`` when its view of this worker is missing or has a gap (it restarted, this worker
 registered again, a batch was lost): the next batch then carries a snapshot of the mirror
 (worker/kv_mirror.py) and the events after it. The pending events are bounded: past
@@ -64,6 +68,8 @@ class KVPublisher:
         self._pending_hashes = 0
         self.need_snapshot = True  # the router has seen nothing of this epoch
         self._wake = asyncio.Event()
+        self._next_at = 0.0  # loop time before which no batch leaves
+        self._late: asyncio.TimerHandle | None = None  # the lone event's send
         # counters (worker /metrics, through ServingCounters)
         self.batches = 0
         self.snapshots = 0
@@ -82,7 +88,17 @@ class KVPublisher:
                 self._pending_hashes += sum(len(item.hashes) for item in ev.items)
                 if self._pending_hashes > MAX_PENDING_HASHES:
                     self._drop_pending()
-        self._wake.set()
+        self._ready()
+
+    def _ready(self) -> None:
+        """Something waits: send it now when the interval has passed (this wake-up carries
+        it), else make sure a timer sends it an interval after it could have left, in case no
+        other event comes first."""
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_at:
+            self._wake.set()
+        elif self._late is None:
+            self._late = loop.call_at(self._next_at + self.interval_s, self._wake.set)
 
     def _drop_pending(self) -> None:
         self.dropped += len(self.pending)
@@ -117,16 +133,27 @@ class KVPublisher:
 
     async def run(self) -> None:
         """Until cancelled."""
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            batch = self.batch()
-            if batch is not None:
-                wait = await self._send(batch)
-                if wait:
-                    await asyncio.sleep(wait)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                if self._late is not None:
+                    self._late.cancel()
+                    self._late = None
+                if (left := self._next_at - loop.time()) > 0:  # a resync or retry, early
+                    await asyncio.sleep(left)
+                batch = self.batch()
+                if batch is None:
                     continue
-            await asyncio.sleep(self.interval_s)
+                # set before the call: events added while it is in flight wait their turn
+                self._next_at = loop.time() + self.interval_s
+                if wait := await self._send(batch):
+                    self._next_at = loop.time() + wait
+        finally:
+            if self._late is not None:
+                self._late.cancel()
+                self._late = None
 
     async def _send(self, batch: worker_pb2.KVEventBatch) -> float:
         """Sends one batch; the extra wait before the next (0: none)."""

@@ -115,3 +115,45 @@ async def _publisher_batches(monkeypatch) -> None:  # type: ignore[no-untyped-de
     last = pub.batch()
     assert last is not None and last.snapshot.seq == 5 and len(last.snapshot.block_hashes) == 8
     await pub.close()
+
+
+def test_publisher_sends_on_the_events_wake_up_and_a_lone_event_still_leaves():
+    """Steady events (a decoding consumer's every step): each batch leaves on the wake-up of
+    the first event after the interval, no timer of its own, at most one per interval; an
+    event with nothing after it leaves within two intervals of the last send."""
+    asyncio.run(_publisher_timing())
+
+
+async def _publisher_timing() -> None:
+    interval = 0.1
+    pub = KVPublisher("127.0.0.1:1", "w0", "tok", interval_s=interval)
+    loop = asyncio.get_running_loop()
+    sent: list[tuple[float, float]] = []  # (when it left, when the last event came)
+    last_add = [0.0]
+
+    async def fake_send(batch: worker_pb2.KVEventBatch) -> float:
+        sent.append((loop.time(), last_add[0]))
+        await asyncio.sleep(0.01)  # the call in flight
+        return 0.0
+
+    pub._send = fake_send  # type: ignore[method-assign]
+    task = asyncio.create_task(pub.run())
+    h = [bytes([i % 256]) * 32 for i in range(64)]
+    for i in range(20):  # 30 ms apart: 0.6 s
+        pub.add(_stored(i + 1, h[i]))
+        last_add[0] = loop.time()
+        await asyncio.sleep(0.03)
+    steady = list(sent)
+    assert 4 <= len(steady) <= 8, steady
+    for left, came in steady:
+        assert left - came < 0.005, (left, came)  # on the event's own wake-up
+    for (a, _), (b, _) in zip(steady, steady[1:], strict=False):
+        assert b - a >= interval - 0.001
+    # one more event, then nothing: it still leaves, within two intervals of the last send
+    await asyncio.sleep(0.05)
+    pub.add(_stored(21, h[21]))
+    await asyncio.sleep(2.5 * interval)
+    assert len(sent) == len(steady) + 1
+    assert sent[-1][0] - sent[-2][0] <= 2 * interval + 0.02
+    task.cancel()
+    await pub.close()
