@@ -17,6 +17,9 @@
 # stretches it, so the prefill chunk bounds the consumer's ITL p99.
 # ONLY="pd_prefill1 pd_hold": run only the named points (the P/D cluster alone unless
 # co_long is named; then no decode_bench reference either)
+# ROUTER_ARGS / DOOR: extra router flags, and the port the clients use (default 50051, the
+# grpc.aio door), e.g. ROUTER_ARGS="--grpc-stream-port 50052" DOOR=50052 for the
+# hand-framed gRPC door (about half the router's CPU per token), or "--frontends 4"
 set -uo pipefail
 out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,7 +36,8 @@ common=(--model "$M" --load-format dummy --device "$dev" --max-model-len 4096
 n() { if [ "$NUM" -gt 0 ] && [ "$NUM" -lt "$1" ]; then echo "$NUM"; else echo "$1"; fi; }
 
 start_router() {
-  python3 -m deploy.cli router --host 127.0.0.1 --grpc-port 50051 --model "$M" \
+  # shellcheck disable=SC2086 # ROUTER_ARGS: several flags
+  python3 -m deploy.cli router --host 127.0.0.1 --grpc-port 50051 --model "$M" ${ROUTER_ARGS:-} \
     > "$out/router_$1.log" 2>&1 &
   echo $! > "$work/router.pid"
 }
@@ -62,7 +66,8 @@ bench() {  # NAME, then pdserve bench flags
   # and the consumer's prefix cache serves them (local prefill, no producer, no hold)
   seed=$((seed + 1))
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
-  timeout 400 python3 -m deploy.cli bench --router 127.0.0.1:50051 --model "$M" --ignore-eos \
+  timeout 400 python3 -m deploy.cli bench --router "127.0.0.1:${DOOR:-50051}" \
+    --status-router 127.0.0.1:50051 --model "$M" --ignore-eos \
     --request-timeout 300 --warmup 2 --seed "$seed" --result-json "$out/$name.json" \
     --markdown "$out/$name.md" "$@" > "$out/$name.log" 2>&1
   echo "bench $name exit $?"; tail -4 "$out/$name.md" 2>/dev/null

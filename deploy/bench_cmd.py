@@ -30,6 +30,10 @@ def add_bench_parser(sub: Any) -> None:
     t = p.add_argument_group("target")
     t.add_argument("--backend", default="grpc", choices=("grpc", "openai"))
     t.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
+    t.add_argument("--status-router", default=None,
+                   help="where to ask the router for its workers (ClusterStatus), when --router "
+                        "is its hand-framed door (--grpc-stream-port), which serves Generate "
+                        "only (default: --router)")
     t.add_argument("--base-url", default=None,
                    help="OpenAI HTTP base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
     add_router_client_args(t)
@@ -231,7 +235,8 @@ def backend_factory(args: argparse.Namespace) -> Any:
         if args.backend == "grpc":
             from deploy.benchmark.grpc_backend import GrpcBackend
 
-            return GrpcBackend(target.address, args.api_key, args.router_ca)
+            return GrpcBackend(target.address, args.api_key, args.router_ca,
+                               status_address=args.status_router)
         if not target.base_url:
             raise ValueError("--backend openai: needs --base-url (or a started cluster with "
                              "an HTTP port)")

@@ -36,8 +36,11 @@ def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
 class GrpcBackend(Backend):
     name = "grpc"
 
-    def __init__(self, address: str, api_key: str = "", router_ca: str = "") -> None:
+    def __init__(self, address: str, api_key: str = "", router_ca: str = "",
+                 status_address: str | None = None) -> None:
         self.address = address
+        # the router's port for ClusterStatus (its hand-framed door serves Generate only)
+        self.status_address = status_address
         self.router_ca = router_ca
         self.metadata = auth_metadata(api_key)
         self._channel: grpc.aio.Channel | None = None
@@ -53,11 +56,19 @@ class GrpcBackend(Backend):
 
     async def workers(self) -> int:
         assert self._stub is not None
+        address, stub, channel = self.address, self._stub, None
+        if self.status_address and self.status_address != self.address:
+            address = self.status_address
+            channel = aio_channel(address, self.router_ca, options=CHANNEL_OPTIONS)
+            stub = router_pb2_grpc.RouterStub(channel)
         try:
-            st = await self._stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10,
-                                                metadata=self.metadata)
+            st = await stub.ClusterStatus(router_pb2.ClusterStatusRequest(), timeout=10,
+                                          metadata=self.metadata)
         except grpc.aio.AioRpcError as e:  # the first call: a wrong key or address ends here
-            raise RouterError(error_line(self.address, e)) from None
+            raise RouterError(error_line(address, e)) from None
+        finally:
+            if channel is not None:
+                await channel.close()
         return sum(1 for w in st.workers if w.healthy)
 
     async def send(self, spec: RequestSpec, rec: RequestRecord,

@@ -92,3 +92,23 @@ def test_no_router_is_a_clear_error():
         asyncio.run(b.open())
     with pytest.raises(RouterError, match="cleartext"):
         H2GrpcBackend("127.0.0.1:1", router_ca="ca.pem")
+
+
+def test_grpcio_backend_asks_the_main_port_for_workers(cluster):  # type: ignore[no-untyped-def]
+    """The hand-framed door serves Generate only: ClusterStatus there is UNIMPLEMENTED, so
+    `pdserve bench --router DOOR --status-router MAIN` asks the main port for the workers."""
+    from deploy.router_client import RouterError
+
+    async def workers(b):  # type: ignore[no-untyped-def]
+        await b.open()
+        try:
+            return await b.workers()
+        finally:
+            await b.close()
+
+    with pytest.raises(RouterError, match="UNIMPLEMENTED"):
+        asyncio.run(workers(GrpcBackend(cluster.stream_address, api_key=KEY)))
+    b = GrpcBackend(cluster.stream_address, api_key=KEY, status_address=cluster.router_address)
+    assert asyncio.run(workers(b)) == 2  # 1P1D
+    (r,) = _run(b, SPECS[:1], SamplingChoice(ignore_eos=True, timeout_s=60))
+    assert r.success and r.output_tokens == SPECS[0].output_len  # Generate on the door
