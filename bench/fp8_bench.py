@@ -12,6 +12,9 @@ Sections (``--sections``, in order; each writes one key of the JSON):
     WEIGHT_ONLY_MAX_ROWS.
   * ``prefill``: one 4096-token prefill through the model (eager, as the engine runs
     prefill), tokens/s in bf16 and FP8.
+  * ``profile``: the graphed decode step's kernels under torch.profiler (bench/moe_profile.py)
+    at each --batches x --contexts point, bf16 and FP8, and per kernel name the FP8 step's
+    time against bf16's: where FP8's step is above its byte floor.
 Further sections register in SECTIONS (name -> fn(args, ctx) -> JSON value); ctx carries
 the model config directory, the HBM rate and each dtype's engine builder.
 
@@ -170,7 +173,42 @@ def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
     return out
 
 
-SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section}
+def profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    from moe_profile import profile_table
+
+    out: dict[str, Any] = {}
+    for name, quant in (("bf16", None), ("fp8", "fp8")):
+        eng = build(ctx, quant, args)
+        print(f"profile: {name}", flush=True)
+        out[name] = profile_table(eng, args.batch_list, args.context_list, args.steps)
+        free(eng)
+    out["fp8_vs_bf16"] = [kernel_diff(b, f) for b, f in zip(out["bf16"], out["fp8"],
+                                                              strict=True)]
+    for d in out["fp8_vs_bf16"]:
+        print(json.dumps({k: v for k, v in d.items() if k != "kernels"}), flush=True)
+        for row in d["kernels"][:20]:
+            print(f"  bf16 {row['bf16_ms']:8.4f}  fp8 {row['fp8_ms']:8.4f} ms/step  "
+                  f"{row['kernel']}", flush=True)
+    return out
+
+
+def kernel_diff(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
+    """One point's kernels by name, bf16's and FP8's ms per step side by side, the names
+    where the two differ most first."""
+    a = {r["kernel"]: r["ms_per_step"] for r in bf16.get("kernels", [])}
+    b = {r["kernel"]: r["ms_per_step"] for r in fp8.get("kernels", [])}
+    rows = [{"kernel": k, "bf16_ms": a.get(k, 0.0), "fp8_ms": b.get(k, 0.0)}
+            for k in set(a) | set(b)]
+    rows.sort(key=lambda r: -max(r["bf16_ms"], r["fp8_ms"]))
+    return {"batch": fp8.get("batch"), "context": fp8.get("context"),
+            "bf16_kernel_ms": bf16.get("kernel_ms_per_step"),
+            "fp8_kernel_ms": fp8.get("kernel_ms_per_step"),
+            "bf16_kernels": bf16.get("kernels_per_step"),
+            "fp8_kernels": fp8.get("kernels_per_step"), "kernels": rows}
+
+
+SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section,
+                                "profile": profile_section}
 
 
 def main() -> None:
