@@ -75,9 +75,9 @@ class LoopWatch:
     """How far behind an event loop runs, read from another thread.
 
     ``tick`` runs on the loop every ``tick_s``: from a timer, or from ``poke`` (the loop's own
-    work arriving, such as the engine's events), which then moves the timer on. A busy loop
-    so ticks without a wake-up of its own: a timer's wake-up of an otherwise idle loop cost
-    ~0.3 ms of CPU on a 2-core VM, and ten a second were a quarter of a consumer's gRPC
+    work arriving, such as the engine's events), which then moves the timer on. So a busy
+    loop ticks without a wake-up of its own: a timer's wake-up of an otherwise idle loop
+    cost ~0.3 ms of CPU on a 2-core VM, and ten a second were a quarter of a consumer's gRPC
     process at 1k tokens/s. ``read`` (the heartbeat thread) sees a loop
     that is stuck now (its tick overdue) as well as one that was stuck since the last read
     and caught up (the worst lateness a tick saw). The engine process's reports arrive on the
