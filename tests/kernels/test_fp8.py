@@ -6,25 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_weights import fp8_weight, rel_err
 
 from kernels import ref_fp8
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-
-
-def _weight(n: int, k: int, groups: int, gen: torch.Generator, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(n, k, generator=gen) * k ** -0.5
-    if groups == 1:
-        q, s = ref_fp8.quantize_weight(w, "channel")
-        return q.to(device), s.to(device)
-    q, s = ref_fp8.quantize_weight(w, "block", (k // groups, k // groups))
-    return q.to(device), s.repeat_interleave(k // groups, 0)[:n].contiguous().to(device)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @pytest.mark.parametrize("groups", [1, 4])  # per channel; 128-column blocks
@@ -33,15 +20,15 @@ def test_weight_only_matches_reference(m, splits, groups, gen, device):
     from kernels.triton_fp8_weight_only import fp8_weight_only
 
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
-    w, s = _weight(96, 512, groups, gen, device)  # N=96: a partial column tile
+    w, s = fp8_weight(96, 512, groups, gen, device)  # N=96: a partial column tile
     x = torch.randn(m, 512, generator=gen).to(device=device, dtype=dtype)
     out = fp8_weight_only(x, w, s, splits=splits)
     ref = ref_fp8.fp8_weight_only_ref(x, w, s, splits=splits)
     assert out.shape == ref.shape == ((m, 96) if splits == 1 else (splits, m, 96))
     assert out.dtype == (dtype if splits == 1 else torch.float32)
-    assert _rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
     if splits > 1:  # the partials add up to the product
-        assert _rel(out.sum(0), ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
+        assert rel_err(out.sum(0), ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
 
 
 def test_split_choice_for_8b_shapes_on_132_sms():
@@ -63,7 +50,7 @@ def test_split_choice_for_8b_shapes_on_132_sms():
 def test_weight_only_refuses_a_split_inside_a_scale_group(gen, device):
     from kernels.triton_fp8_weight_only import fp8_weight_only
 
-    w, s = _weight(32, 256, 2, gen, device)
+    w, s = fp8_weight(32, 256, 2, gen, device)
     with pytest.raises(ValueError, match="cuts a scale group"):
         fp8_weight_only(torch.randn(1, 256, device=device), w, s, splits=4)
 
@@ -73,32 +60,32 @@ def test_weight_only_refuses_a_split_inside_a_scale_group(gen, device):
 def test_block_gemm_matches_reference(m, groups, gen, device):
     from kernels.triton_fp8_gemm import fp8_block_gemm
 
-    w, s = _weight(96, 256, groups, gen, device)
+    w, s = fp8_weight(96, 256, groups, gen, device)
     x = torch.randn(m, 256, generator=gen).to(device)
     xq, xs = ref_fp8.quant_rows(x, groups)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     out = fp8_block_gemm(xq, xs, w, s, dtype)
     ref = ref_fp8.fp8_gemm_ref(xq, xs, w, s, dtype)
     assert out.dtype == dtype and out.shape == (m, 96)
-    assert _rel(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert rel_err(out, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
 def test_block_gemm_per_channel_weight_with_grouped_activations(gen, device):
     """A per-channel scale expanded to [N, G] (stride 0) against x's group scales."""
     from kernels.triton_fp8_gemm import fp8_block_gemm
 
-    w, s = _weight(96, 256, 1, gen, device)
+    w, s = fp8_weight(96, 256, 1, gen, device)
     x = torch.randn(20, 256, generator=gen).to(device)
     x[:, 7] *= 50  # an outlier column: per-row scales would flatten the rest of the row
     xq, xs = ref_fp8.quant_rows(x, 4)
     dtype = torch.bfloat16 if HAS_CUDA else torch.float32
     out = fp8_block_gemm(xq, xs, w, s.expand(96, 4), dtype)
     exact = x.float() @ ref_fp8.dequant(w, s).t()
-    assert _rel(out, ref_fp8.fp8_gemm_ref(xq, xs, w, s.expand(96, 4), dtype)) < (
+    assert rel_err(out, ref_fp8.fp8_gemm_ref(xq, xs, w, s.expand(96, 4), dtype)) < (
         1e-2 if HAS_CUDA else 1e-5)
     xq1, xs1 = ref_fp8.quant_rows(x, 1)
     per_row = ref_fp8.fp8_gemm_ref(xq1, xs1, w, s, torch.float32)
-    assert _rel(out, exact) < _rel(per_row, exact)  # the groups are what makes it closer
+    assert rel_err(out, exact) < rel_err(per_row, exact)  # the groups are what makes it closer
 
 
 @pytest.mark.parametrize("groups", [1, 4])
@@ -126,11 +113,11 @@ def test_quantize_weight_scale_shapes(gen):
     for strategy, shape in (("tensor", (1,)), ("channel", (200, 1))):
         q, s = ref_fp8.quantize_weight(w, strategy)
         assert q.dtype == ref_fp8.FP8 and tuple(s.shape) == shape
-        assert _rel(q.float() * s, w) < 0.04
+        assert rel_err(q.float() * s, w) < 0.04
     q, s = ref_fp8.quantize_weight(w, "block", (128, 128))
     assert tuple(s.shape) == (2, 3)
     full = s.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
-    assert _rel(q.float() * full, w) < 0.04
+    assert rel_err(q.float() * full, w) < 0.04
 
 
 @pytest.mark.gpu
@@ -141,12 +128,12 @@ def test_scaled_mm_per_token_per_channel(m, n, k, gen):
     from kernels.triton_fp8_gemm import fp8_gemm, quant_rows
 
     dev = torch.device("cuda")
-    w, s = _weight(n, k, 1, gen, dev)
+    w, s = fp8_weight(n, k, 1, gen, dev)
     x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
     xq, xs = quant_rows(x, 1)
     out = fp8_gemm(xq, xs, w, s, torch.bfloat16)
-    assert _rel(out, ref_fp8.fp8_gemm_ref(xq, xs, w, s, torch.float32)) < 1e-2
-    assert _rel(out, x.float() @ ref_fp8.dequant(w, s).t()) < 0.05  # activation rounding
+    assert rel_err(out, ref_fp8.fp8_gemm_ref(xq, xs, w, s, torch.float32)) < 1e-2
+    assert rel_err(out, x.float() @ ref_fp8.dequant(w, s).t()) < 0.05  # activation rounding
 
 
 @pytest.mark.gpu
@@ -158,12 +145,12 @@ def test_weight_only_8b_shapes_auto_splits(m, n, k, groups, gen):
     from kernels.triton_fp8_weight_only import auto_splits, fp8_weight_only
 
     dev = torch.device("cuda")
-    w, s = _weight(n, k, groups, gen, dev)
+    w, s = fp8_weight(n, k, groups, gen, dev)
     x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
     splits = auto_splits(x, n, groups)
     out = fp8_weight_only(x, w, s, splits=splits)
     got = out if splits == 1 else out.sum(0)
-    assert _rel(got, ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
+    assert rel_err(got, ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
 
 
 @pytest.mark.gpu
@@ -196,7 +183,7 @@ def test_fp8_linear_in_a_cuda_graph(weight, gen):
         torch.cuda.synchronize()
         torch.testing.assert_close(out, eager)
         tol = 1e-2 if f.weight_only(m) else 0.05
-        assert _rel(out, x.float() @ wd.t()) < tol, m
+        assert rel_err(out, x.float() @ wd.t()) < tol, m
         p = f.partials(x)
         if p is not None:
-            assert _rel(p.sum(0), x.float() @ wd.t()) < 1e-2
+            assert rel_err(p.sum(0), x.float() @ wd.t()) < 1e-2

@@ -9,24 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_weights import fp8_weight, rel_err
 
 from kernels import ref_fp8
 
 HAS_CUDA = torch.cuda.is_available()
-
-
-def _weight(n: int, k: int, groups: int, gen: torch.Generator, device: torch.device
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    w = torch.randn(n, k, generator=gen) * k ** -0.5
-    if groups == 1:
-        q, s = ref_fp8.quantize_weight(w, "channel")
-        return q.to(device), s.to(device)
-    q, s = ref_fp8.quantize_weight(w, "block", (k // groups, k // groups))
-    return q.to(device), s.repeat_interleave(k // groups, 0)[:n].contiguous().to(device)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, splits: int, config=None
@@ -40,9 +27,9 @@ def _check(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, splits: int, confi
     assert out.dtype == (x.dtype if splits == 1 else torch.float32)
     assert torch.isfinite(out).all(), "an element was not written"
     tol = 1e-2 if x.dtype == torch.bfloat16 else 1e-5
-    assert _rel(out, ref) < tol
+    assert rel_err(out, ref) < tol
     if splits > 1:  # the partials add up to the whole product
-        assert _rel(out.sum(0), ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
+        assert rel_err(out.sum(0), ref_fp8.fp8_weight_only_ref(x.float(), w, s)) < 1e-2
 
 
 def _dtype() -> torch.dtype:
@@ -58,7 +45,7 @@ def test_gemv_default_path(m, splits, groups, gen, device):
     from kernels.triton_fp8_weight_only import GEMV_MAX_M, config_for
 
     assert m <= GEMV_MAX_M and config_for(m, 96, 512, groups).kind == "gemv"
-    w, s = _weight(96, 512, groups, gen, device)
+    w, s = fp8_weight(96, 512, groups, gen, device)
     x = torch.randn(m, 512, generator=gen).to(device=device, dtype=_dtype())
     _check(x, w, s, splits)
 
@@ -69,7 +56,7 @@ def test_gemv_k_not_whole_tiles(m, splits, gen, device):
     the masked K path runs (6 rows: two programs, the second half empty)."""
     from kernels.triton_fp8_weight_only import Config
 
-    w, s = _weight(40, 320, 1, gen, device)
+    w, s = fp8_weight(40, 320, 1, gen, device)
     x = torch.randn(m, 320, generator=gen).to(device=device, dtype=_dtype())
     _check(x, w, s, splits, Config("gemv", 32, 128, 4, 1))
 
@@ -81,7 +68,7 @@ def test_gemv_tiles(block_n, block_k, stages, groups, gen, device):
     or several tiles."""
     from kernels.triton_fp8_weight_only import Config
 
-    w, s = _weight(72, 512, groups, gen, device)
+    w, s = fp8_weight(72, 512, groups, gen, device)
     x = torch.randn(1, 512, generator=gen).to(device=device, dtype=_dtype())
     _check(x, w, s, 2, Config("gemv", block_n, block_k, 4, stages))
 
@@ -92,7 +79,7 @@ def test_gemv_16_rows_and_strided_x(groups, gen, device):
     evict-first), with x a column slice of a wider tensor (row stride > K)."""
     from kernels.triton_fp8_weight_only import Config
 
-    w, s = _weight(64, 512, groups, gen, device)
+    w, s = fp8_weight(64, 512, groups, gen, device)
     wide = torch.randn(16, 640, generator=gen).to(device=device, dtype=_dtype())
     x = wide[:, 64:576]
     assert x.stride(0) == 640
@@ -107,7 +94,7 @@ def test_dot_path_past_gemv_rows(m, splits, groups, gen, device):
 
     cfg = config_for(m, 96, 512, groups)
     assert cfg.kind == "dot" and cfg.cvt_f32 and cfg.even_k
-    w, s = _weight(96, 512, groups, gen, device)
+    w, s = fp8_weight(96, 512, groups, gen, device)
     x = torch.randn(m, 512, generator=gen).to(device=device, dtype=_dtype())
     _check(x, w, s, splits)
 
@@ -119,7 +106,7 @@ def test_dot_old_and_new_conversion(which, k, splits, gen, device):
     the sweep; the new one's flags on a K that is not whole tiles fall back to masks."""
     from kernels.triton_fp8_weight_only import DOT_CONFIG, OLD_CONFIG
 
-    w, s = _weight(96, k, 1, gen, device)
+    w, s = fp8_weight(96, k, 1, gen, device)
     x = torch.randn(1, k, generator=gen).to(device=device, dtype=_dtype())
     _check(x, w, s, splits, OLD_CONFIG if which == "old" else DOT_CONFIG)
 
@@ -137,7 +124,7 @@ def test_config_table_picks_gemv_for_8b_decode_shapes():
 def test_bad_config_kind_is_refused(gen, device):
     from kernels.triton_fp8_weight_only import Config, fp8_weight_only
 
-    w, s = _weight(32, 256, 1, gen, device)
+    w, s = fp8_weight(32, 256, 1, gen, device)
     with pytest.raises(ValueError, match="config.kind"):
         fp8_weight_only(torch.randn(1, 256, device=device), w, s,
                         config=Config("wgmma", 64, 128, 4, 1))
@@ -151,7 +138,7 @@ def test_each_tuned_table_config(entry, groups, gen, device):
     from kernels.triton_fp8_weight_only import GEMV_TABLE
 
     cfg = GEMV_TABLE[entry][2]
-    w, s = _weight(40, 1024, groups, gen, device)
+    w, s = fp8_weight(40, 1024, groups, gen, device)
     for m in (1, 3):
         x = torch.randn(m, 1024, generator=gen).to(device=device, dtype=_dtype())
         _check(x, w, s, 2, cfg)

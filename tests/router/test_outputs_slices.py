@@ -56,7 +56,7 @@ class _Leg:
         pass
 
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
-        raise AssertionError(f"broken: {message}")
+        self.handed.append(f"broken: {message}")  # seen by the handed-on assertions
 
 
 def _step(n: int) -> worker_pb2.OutputBatch:
