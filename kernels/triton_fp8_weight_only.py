@@ -259,8 +259,8 @@ def _programs(m: int, n: int, cfg: Config) -> int:
 
 def choose_splits(m: int, n: int, k: int, groups: int, sms: int) -> int:
     """K ranges for [m, k] x [n, k] on `sms` SMs: doubled while the grid is under the
-    kernel's programs-per-SM target and each range keeps >= 4 K tiles (and, for block
-    scales, whole scale groups)."""
+    config's programs-per-SM target and each range keeps its min_k_tiles K tiles (and, for
+    block scales, whole scale groups)."""
     cfg = config_for(m, n, k, groups)
     progs = _programs(m, n, cfg)
     target = cfg.programs_per_sm

@@ -49,9 +49,10 @@ ORPHANS_KEPT = 4096
 ROUTER_ID = uuid.uuid4().hex[:16]  # this process: two routers (frontends) never collide
 # Entries handed on between yields to the event loop. A consumer's step at batch 256 is one
 # batch of 256 entries, each written to its client on the spot (~10-30 us apiece): in one
-# pass that held every other callback for 3-8 ms, and a producer's token 0 arriving then
-# waited for all of it (the first-token hold's p99 at c=256 on the H200: 5.1 ms). A yield
-# costs one loop iteration (~10-20 us) per slice.
+# pass that holds every other callback (a producer's token 0, new requests) for 3-8 ms. A
+# yield costs one loop iteration (~10-20 us) per slice. On the H200 the first-token hold's
+# p99 at c=256 did not move with it (5.12 -> 5.19 ms, bench/RESULTS.md): that step was not
+# what held token 0 there.
 SLICE = 32
 _counter = itertools.count(1)
 
