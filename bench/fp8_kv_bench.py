@@ -6,7 +6,8 @@ float8_e4m3fn KV (--kv-cache-dtype fp8), measured in the same run.
    128, block 16; fewer layers where a point's pool would not fit), every layer once per
    CUDA-graph replay; per layer ms, next to the byte floor (the KV bytes a step reads /
    the measured HBM read rate). Points: batch x context, every request at full context.
-   ``--fp8-tiles`` also times other KV tiles for the float8 pool (tuning aid).
+   ``--fp8-tiles`` also times other KV tiles for the float8 pool, and ``--sweep`` a grid of
+   them within ``--budget-s`` a point, nearest the defaults first (tuning aids).
 2. KV capacity: the engine (Llama-3-8B shape, dummy weights) built with the same
    --gpu-memory-utilization once per KV dtype, each in a process of its own (so the first
    engine's memory cannot shrink the second's budget): its pool's tokens and bytes, and
@@ -27,6 +28,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -47,8 +49,26 @@ def fill_pool(nb: int, layers: int, dtype: torch.dtype, gen: torch.Generator) ->
     return pool
 
 
-def attention_point(batch: int, context: int, fp8_tiles: list[tuple[int, int]],
-                    hbm: float) -> dict:
+Tile = tuple[int, ...]  # block_n, num_warps[, num_stages[, programs_per_sm]]
+TILE_KEYS = ("block_n", "num_warps", "num_stages", "programs_per_sm")
+
+
+def sweep_tiles() -> list[Tile]:
+    """The float8 sweep's grid, nearest the launcher's float8 defaults first (a budget cut
+    keeps the likeliest)."""
+    from kernels import triton_decode_attention as tda
+
+    base = (tda.FP8_BLOCK_N, tda.FP8_NUM_WARPS, tda.FP8_NUM_STAGES, tda.FP8_PROGRAMS_PER_SM)
+    grid: list[Tile] = [(bn, w, st, pps) for bn in (32, 64, 128) for w in (1, 2, 4, 8)
+            for st in (1, 2, 3, 4) for pps in (8, 16, 32)]
+
+    def dist(t: Tile) -> int:
+        return sum(a != b for a, b in zip(t, base, strict=True))
+    return sorted(grid, key=dist)[1:]  # the defaults themselves are always timed
+
+
+def attention_point(batch: int, context: int, fp8_tiles: list[Tile],
+                    hbm: float, budget_s: float = 0.0) -> dict:
     """hbm: the measured HBM read rate, bytes/s (the floors' denominator)."""
     from kernels.triton_decode_attention import decode_attention
 
@@ -66,18 +86,28 @@ def attention_point(batch: int, context: int, fp8_tiles: list[tuple[int, int]],
         pool = fill_pool(blocks, layers, dtype, gen)
         views = [pool[:, i] for i in range(layers)]
         tiles: list = [None] + (fp8_tiles if name == "fp8" else [])
+        t_end = time.monotonic() + budget_s
         for tile in tiles:
-            kw = {} if tile is None else {"block_n": tile[0], "num_warps": tile[1]}
+            if tile is not None and budget_s and time.monotonic() > t_end:
+                point["fp8_sweep_cut"] = True  # the rest of the grid was not timed
+                break
+            kw = {} if tile is None else dict(zip(TILE_KEYS, tile, strict=False))
 
             # no max_seq_len: the splits are sized as in the engine's decode graphs
             def step(kw: dict = kw, views: list = views) -> None:
                 for kv in views:
                     decode_attention(q, kv, tables, lens, scale, out=out, **kw)
 
-            ms = graph_time_ms(step) / layers
-            key = (f"{name}_attention_ms" if tile is None
-                   else f"{name}_block_n{tile[0]}_warps{tile[1]}_ms")
-            point[key] = round(ms, 4)
+            try:
+                ms = graph_time_ms(step) / layers
+            except Exception as e:  # a variant that does not compile is skipped, named
+                point.setdefault("fp8_failed", []).append([list(tile or ()), repr(e)[:200]])
+                continue
+            if tile is None:
+                point[f"{name}_attention_ms"] = round(ms, 4)
+            else:
+                point.setdefault("fp8_tiles", []).append(
+                    {**dict(zip(TILE_KEYS, tile, strict=False)), "ms": round(ms, 4)})
         nbytes = batch * context * 2 * HKV * D * pool.element_size()
         point[f"{name}_floor_ms"] = round(nbytes / hbm * 1e3, 4)
         point[f"{name}_kv_bytes_per_layer"] = nbytes
@@ -85,6 +115,10 @@ def attention_point(batch: int, context: int, fp8_tiles: list[tuple[int, int]],
         gc.collect()
         torch.cuda.empty_cache()
     point["fp8_over_bf16"] = round(point["fp8_attention_ms"] / point["bf16_attention_ms"], 3)
+    if point.get("fp8_tiles"):
+        best = min(point["fp8_tiles"], key=lambda t: t["ms"])
+        point["fp8_best_tile"] = {**best, "over_bf16": round(best["ms"]
+                                                             / point["bf16_attention_ms"], 3)}
     return point
 
 
@@ -123,9 +157,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default="32x4096,64x4096,32x8192,128x4096",
                     help="batch x context of the attention comparison")
-    ap.add_argument("--fp8-tiles", default="128:8",
-                    help="block_n:num_warps of KV tiles also timed for the float8 pool "
-                         "(the default tiles, 64:4, always are)")
+    ap.add_argument("--fp8-tiles", default="",
+                    help="block_n:num_warps[:num_stages[:programs_per_sm]] of KV tiles also "
+                         "timed for the float8 pool (the launcher's defaults always are)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time the float8 tile grid (sweep_tiles), --budget-s a point")
+    ap.add_argument("--budget-s", type=float, default=60.0)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--engine-points", default="32x4096",
                     help="batch x context of the engines' decode steps ('' for none)")
@@ -145,8 +182,10 @@ def main() -> None:
                                          args.gpu_memory_utilization, eng, args.steps)))
         return
     pts = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",") if p]
-    tiles = [(int(t.split(":")[0]), int(t.split(":")[1])) for t in args.fp8_tiles.split(",")
-             if t]
+    tiles: list[Tile] = [tuple(int(x) for x in t.split(":")) for t in args.fp8_tiles.split(",")
+                         if t]
+    if args.sweep:
+        tiles += [t for t in sweep_tiles() if t not in tiles]
     out: dict = {"command": "python " + shlex.join(sys.argv), "device":
                  torch.cuda.get_device_name(), "torch": torch.__version__,
                  "shape": {"layers": LAYERS, "num_heads": HQ, "num_kv_heads": HKV,
@@ -161,7 +200,7 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
     for b, c in pts:
-        p = attention_point(b, c, tiles, hbm * 1e12)
+        p = attention_point(b, c, tiles, hbm * 1e12, args.budget_s if args.sweep else 0.0)
         print(json.dumps(p), flush=True)
         out["attention"].append(p)
         save()

@@ -12,6 +12,7 @@
 #     (--client h2: a fraction of grpcio's CPU per token, leaving the cores to the routers)
 #     with 8 connections each (SO_REUSEPORT balances connections, not streams).
 #   bash bench/serving_handoff_gpu.sh OUT_DIR [PRESET] [DEVICE] [CONSUMER_KV_MIB]
+# SKIP_SIM=1 stops after part 1.
 # CPU dry run: NUM=16 SIM_CONSUMERS=2 SIM_CONCURRENCY=64 SIM_PROMPTS=128 SIM_CLIENT_PROCS=1 \
 #   bash bench/serving_handoff_gpu.sh /tmp/dry tiny cpu 256
 set -uo pipefail
@@ -25,6 +26,7 @@ ROUTER_ARGS="--grpc-stream-port 50052" DOOR=50052 ONLY="pd_hold pd_hold256" NUM=
   bash "$repo/bench/serving_path_gpu.sh" "$out/handoff_door" "$preset" "$dev" "$ckv"
 python3 "$repo/bench/itl_split.py" "$out"/handoff/pd_*.json "$out"/handoff_door/pd_*.json \
   | tee "$out/itl_split.txt"
+[ -n "${SKIP_SIM:-}" ] && exit 0  # the hold and handoff points alone
 STEP_MS=5 CONSUMERS=${SIM_CONSUMERS:-8} CONCURRENCY=${SIM_CONCURRENCY:-2000} \
   NUM_PROMPTS=${SIM_PROMPTS:-6000} CLIENT_PROCS=${SIM_CLIENT_PROCS:-8} \
   SIM_TIMEOUT=${SIM_TIMEOUT:-200} bash "$repo/bench/serving_plane_sim.sh" "$out/sim" "1 4" \

@@ -20,6 +20,8 @@
 # ROUTER_ARGS / DOOR: extra router flags, and the port the clients use (default 50051, the
 # grpc.aio door), e.g. ROUTER_ARGS="--grpc-stream-port 50052" DOOR=50052 for the
 # hand-framed gRPC door (about half the router's CPU per token), or "--frontends 4"
+# CONSUMER_ARGS: extra consumer flags, e.g. "--no-launch-pacing" (the launch at once, as
+# before worker/launch_pacer.py)
 set -uo pipefail
 out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -80,8 +82,9 @@ start_router pd
 python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" \
   --max-num-batched-tokens "${P_TOKENS:-2048}" --kv-cache-mib 8000 \
   --metrics-port 9101 --worker-id worker-0 > "$out/producer.log" 2>&1 &
+# shellcheck disable=SC2086 # CONSUMER_ARGS: several flags
 python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
-  --metrics-port 9102 --worker-id worker-1 > "$out/consumer.log" 2>&1 &
+  --metrics-port 9102 --worker-id worker-1 ${CONSUMER_ARGS:-} > "$out/consumer.log" 2>&1 &
 if wait_workers 2; then
   bench pd_prefill1 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts "$(n 4)"
   bench pd_hold --input-len 128 --output-len 16 --concurrency 16 --num-prompts "$(n 256)"

@@ -200,6 +200,9 @@ class ConsumerHandler(RoleHandler):
         if step.outputs:  # one message for the whole step
             self.emit(tokens_batch(step.outputs, self.first_step))
 
+    def awaiting_kv(self) -> bool:
+        return self.engine.num_in(S.WAITING_FOR_KV) > 0
+
     def has_background_work(self) -> bool:
         return self.engine.num_in(S.RESERVING, S.WAITING_FOR_KV) > 0
 

@@ -82,6 +82,11 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="producer: seconds blocks are held waiting for a consumer's "
                         "destination; at least 2x the router's --hold-interval (the router "
                         "refuses a shorter one)")
+    r.add_argument("--no-launch-pacing", dest="launch_pacing", action="store_false",
+                   help="consumer: launch each decode step as soon as the last one's tokens "
+                        "are read, even while KV transfers are in flight (by default the "
+                        "launch waits until shortly before the running step ends, so that "
+                        "requests whose KV lands meanwhile join it: worker/launch_pacer.py)")
     r.add_argument("--defer-output", action="store_true",
                    help="producer, FOR BENCHMARKS ONLY: defer the producer's output like a "
                         "decode engine, to measure what direct output saves")
@@ -102,7 +107,8 @@ def spec_from_args(args: argparse.Namespace, role: str) -> EngineSpec:
     return EngineSpec(role=role, engine=engine_config(args, **overrides),
                       handler_factory=ROLE_PARTS[role][0], transfer=transfer,
                       threads=engine_threads(args.threads), lease_s=args.lease,
-                      reservation_s=args.reservation_timeout)
+                      reservation_s=args.reservation_timeout,
+                      launch_pacing=args.launch_pacing)
 
 
 def worker_id(args: argparse.Namespace) -> str:

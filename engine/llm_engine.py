@@ -32,6 +32,7 @@ from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from engine.sim_runner import make_runner
+from engine.step_timing import StepTiming
 from engine.stop_check import check_stop, streamable_len
 
 if TYPE_CHECKING:
@@ -94,6 +95,10 @@ class LLMEngine(PrefixCacheQueries):
         self._seed_rng = random.Random(config.seed)
         self.num_preemptions = 0  # requests whose KV was dropped to be recomputed
         self.trace: TraceHook | None = None  # ("launch" | "read", step id), for tests/metrics
+        # Wall-clock marks of the last step() call, for a caller that paces its launches
+        # (worker/launch_pacer.py): when it was entered and its step launched (0: none was),
+        # and when the step it read was launched and read (0: none was).
+        self.timing = StepTiming()
 
     @property
     def defers_output(self) -> bool:
@@ -296,7 +301,15 @@ class LLMEngine(PrefixCacheQueries):
 
     # ---- the step --------------------------------------------------------------------------
 
+    @property
+    def has_inflight(self) -> bool:
+        """A launched step's ids are unread (deferred output): the device may be busy."""
+        return self._inflight is not None
+
     def step(self) -> StepResult:
+        tm = self.timing
+        tm.entered_ns = time.time_ns()
+        tm.launched_ns = tm.read_launched_ns = tm.read_ns = 0
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         launched: InflightStep | None = None
@@ -311,6 +324,7 @@ class LLMEngine(PrefixCacheQueries):
                 index.append(len(r.output_token_ids))
                 r.output_token_ids.append(PLACEHOLDER)
             launched = InflightStep(self._step_id, samplers, index, out, time.time_ns())
+            tm.launched_ns = launched.launched_ns
             self._unread[self._step_id] = {c.request.request_id: (c.request, c.start + c.num_tokens)
                                            for c in sched.chunks}
         if not self.defers_output:
@@ -336,6 +350,8 @@ class LLMEngine(PrefixCacheQueries):
 
     def _process(self, step: InflightStep) -> list[RequestOutput]:
         ids = step.out.token_ids.tolist()  # the host sync: the step has completed
+        self.timing.read_ns = time.time_ns()
+        self.timing.read_launched_ns = step.launched_ns
         for r, written in self._unread.pop(step.step_id, {}).values():
             self.scheduler.cache_written(r, written)  # ids read: the step has completed
         for pool, freed in self._free_after.pop(step.step_id, []):

@@ -85,6 +85,15 @@ def kv_compute_dtype(q: torch.Tensor, kv: torch.Tensor) -> tl.dtype:
     return compute_dtype(q if is_fp8(kv) else kv)
 
 
+def kv_fp16_products(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """A float8 cache read by 16-bit queries on the GPU does its products in fp16: e4m3
+    widens to fp16 in one instruction per two values but to bf16 only through float32 (one
+    more per value), which bound the float8 decode kernel at twice its byte floor; e4m3's
+    range (448) fits fp16's, whose mantissa is wider than bf16's. The query is clamped to
+    fp16's range before its cast (a component past 65504 would be inf)."""
+    return is_fp8(kv) and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
 def kv_ieee(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """float32 products in IEEE precision (not TF32): a float32 cache, or a float8 cache
     read by float32 queries."""

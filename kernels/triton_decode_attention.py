@@ -9,9 +9,10 @@ programs to finish merges the splits by their log-sum-exp (a counter per pair; a
 second kernel instead when fused_merge is off). See ref_attention.decode_attention_ref for
 the contract.
 
-A float8 cache (kernels/kv_fp8.py) is read at half bf16's bytes and upcast on load to the
-query's dtype; its K scale folds into the softmax scale and its V scale multiplies the
-output, so the inner loop does no extra work per entry beyond the cast.
+A float8 cache (kernels/kv_fp8.py) is read at half bf16's bytes and widened on load to fp16
+(triton_common.kv_fp16_products), whatever the query's 16-bit dtype; its K scale folds into
+the softmax scale and its V scale multiplies the output, so the inner loop does no extra
+work per entry beyond the cast.
 
 Host syncs: none. Without a ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at
 capture) the split count is sized for the block table's capacity and each request divides
@@ -36,7 +37,9 @@ from kernels.triton_common import (
     check_kv,
     check_paged_qkv,
     check_shape,
+    is_fp8,
     kv_compute_dtype,
+    kv_fp16_products,
     kv_ieee,
 )
 
@@ -47,6 +50,17 @@ LOG2E = 1.4426950408889634
 BLOCK_N = 64  # KV tokens per inner-loop tile
 NUM_WARPS = 4
 NUM_STAGES = 4
+# A float8 cache's own tiles: it reads half the bytes per tile, so the per-tile work (the
+# casts, the softmax) must shrink with it. On an H200, Llama-3-8B heads, per layer, fp16
+# products, bf16 KV's default tiles alongside (bench/fp8_kv_bench.py --sweep, 2026-12-03,
+# bench/results/fp8_kv_sweep_h200.json): 64-key tiles at 2 warps and 2 stages were best or
+# within 2% at every point; 8 programs per SM beat 16 at 64 x 4096 (0.166 against 0.185
+# ms, bf16 KV 0.256) and tied elsewhere. bf16 KV's tiles with bf16 products took 1.07-1.13x
+# bf16 KV's time (fp8_kv_h200.json).
+FP8_BLOCK_N = 64
+FP8_NUM_WARPS = 2
+FP8_NUM_STAGES = 2
+FP8_PROGRAMS_PER_SM = 8
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # ... except when there are very few (request, KV head) pairs: at batch 1 (8 KV heads) the
 # whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
@@ -94,7 +108,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
     DYN: tl.constexpr, FUSED: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr,
-    ROUND: tl.constexpr,
+    ROUND: tl.constexpr, CLAMP_Q: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -116,7 +130,10 @@ def _decode_kernel(
             return
 
     q = tl.load(q_ptr + b * s_qb + hq[:, None] * s_qh + d[None, :], mask=gmask[:, None],
-                other=0.0).to(COMPUTE)  # [BLOCK_G, D]
+                other=0.0)  # [BLOCK_G, D]
+    if CLAMP_Q:  # bf16 into fp16 products: a component past fp16's range would be inf
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0)
+    q = q.to(COMPUTE)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_G], tl.float32)
@@ -277,10 +294,10 @@ def decode_attention(
     *,
     max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the splits
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
-    block_n: int = BLOCK_N,
-    num_warps: int = NUM_WARPS,
-    num_stages: int = NUM_STAGES,
-    programs_per_sm: int = PROGRAMS_PER_SM,
+    block_n: int | None = None,  # None: the cache dtype's default (BLOCK_N or FP8_BLOCK_N)
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    programs_per_sm: int | None = None,  # None: PROGRAMS_PER_SM (FP8_PROGRAMS_PER_SM)
     fused_merge: bool | None = None,  # None: when num_splits <= FUSED_MAX_SPLITS
     k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
     v_scale: float = 1.0,
@@ -302,6 +319,15 @@ def decode_attention(
     check_device(q, kv_layer, block_tables, seq_lens, out)
     if bsz == 0:
         return out
+    fp8 = is_fp8(kv_layer)
+    if block_n is None:
+        block_n = FP8_BLOCK_N if fp8 else BLOCK_N
+    if num_warps is None:
+        num_warps = FP8_NUM_WARPS if fp8 else NUM_WARPS
+    if num_stages is None:
+        num_stages = FP8_NUM_STAGES if fp8 else NUM_STAGES
+    if programs_per_sm is None:
+        programs_per_sm = FP8_PROGRAMS_PER_SM if fp8 else PROGRAMS_PER_SM
 
     dyn = max_seq_len is None
     if max_seq_len is None:
@@ -331,6 +357,7 @@ def decode_attention(
     if not fused:
         cnt = None
     block_g = max(16, triton.next_power_of_2(g))
+    fp16 = kv_fp16_products(q, kv_layer)
     want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
                                kv_layer.dtype, q.device, min_block_m=block_g)
 
@@ -344,7 +371,8 @@ def decode_attention(
             out.stride(0), out.stride(1),
             scale * LOG2E * k_scale, float(v_scale), split_len, num_splits,
             G=g, BLOCK_G=block_g, D=d, BS=bs,
-            BLOCK_N=t.block_n, SPLIT=split, COMPUTE=kv_compute_dtype(q, kv_layer),
+            BLOCK_N=t.block_n, SPLIT=split,
+            COMPUTE=tl.float16 if fp16 else kv_compute_dtype(q, kv_layer), CLAMP_Q=fp16,
             IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
             FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n,
             MERGE_S=min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits))),

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from worker import ipc
 from worker.heap import freeze_startup_heap, gc_pauses
 from worker.kv_forward import KVEventForwarder
+from worker.launch_pacer import LaunchPacer
 from worker.load_report import HeldRow, LoadReport
 from worker.messages import (
     Event,
@@ -67,13 +68,16 @@ class EngineSpec:
     # the request may queue behind others' prefill on the producer (a dead producer is
     # caught sooner by peer liveness and by the router aborting the leg)
     reservation_s: float = 600.0
+    # consumer: launch decode steps late while KV transfers are in flight (launch_pacer.py)
+    launch_pacing: bool = True
 
 
 class WorkerLoop:
     def __init__(self, handler: RoleHandler, commands: zmq.Socket, events: zmq.Socket,
-                 outbox: EventOutbox | None = None) -> None:
+                 outbox: EventOutbox | None = None, pacer: LaunchPacer | None = None) -> None:
         """outbox: where the handler emits (its events leave at the loop's flush points);
-        None: the handler sends its own, and the loop's leave through a new outbox."""
+        None: the handler sends its own, and the loop's leave through a new outbox.
+        pacer: when to launch steps while KV transfers are in flight; None: at once."""
         self.handler = handler
         self.engine = handler.engine
         self.commands = commands
@@ -83,6 +87,7 @@ class WorkerLoop:
         self.running = True
         self._last_stats = 0.0
         self.steps = StepStats()
+        self.pacer = pacer if pacer is not None else LaunchPacer(enabled=False)
         self.outbox = outbox if outbox is not None else EventOutbox(events)
         handler.flush_events = self.outbox.flush
         self.kv_events = KVEventForwarder(self.engine, self.outbox.emit)
@@ -120,11 +125,14 @@ class WorkerLoop:
             if not self._drain_commands(wait):
                 break
         if self.engine.has_unfinished():
+            self._pace()
             self.outbox.flush()  # the commands' answers do not wait for the forward
             self.handler.before_step(time.time_ns())
             self.steps.start()
             step = self.engine.step()
             self.steps.end(step.outputs)
+            if self.pacer.enabled:
+                self.pacer.observe(self.engine.timing)
             # always: a step with no tokens may still report reservations or final blocks
             self.handler.on_outputs(step, time.time_ns())
         else:
@@ -141,6 +149,21 @@ class WorkerLoop:
         # the step's tokens and ends, what after_step polled, the cache events and the
         # load report: one message
         self.outbox.flush()
+
+    def _pace(self) -> None:
+        """Waits (taking commands) until the pacer's launch time, then polls the transfers
+        again, so that a request whose KV landed meanwhile joins this step."""
+        if not self.pacer.enabled:
+            return
+        wait = self.pacer.wait_s(time.time_ns(), self.engine.has_inflight,
+                                 self.handler.awaiting_kv())
+        if wait <= 0:
+            return
+        end = time.monotonic() + wait
+        while self.running and (left := end - time.monotonic()) > 0:
+            self._drain_commands(max(1, round(left * 1000)))
+        self.pacer.waited(wait)
+        self.handler.after_step()
 
     def run(self) -> None:
         while self.running:
@@ -207,7 +230,8 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
         outbox.emit(StatsEvent(load_report(handler)))
         outbox.emit(ReadyEvent(handler.ready_info()))
         outbox.flush()
-        loop = WorkerLoop(handler, commands, events, outbox)
+        # paced only while the role awaits KV (a consumer: RoleHandler.awaiting_kv)
+        loop = WorkerLoop(handler, commands, events, outbox, LaunchPacer(spec.launch_pacing))
         # the model, its graphs and every import stay for the process's life: no collection
         # needs to walk them again (worker/heap.py)
         log.debug("froze %d start-up objects out of garbage collection", freeze_startup_heap())

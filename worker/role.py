@@ -76,6 +76,11 @@ class RoleHandler(abc.ABC):
         reply the role expects within moments that would otherwise wait a whole step)."""
         return 0
 
+    def awaiting_kv(self) -> bool:
+        """True while KV transfers are in flight whose requests could join the next step
+        (the loop then launches it late: worker/launch_pacer.py)."""
+        return False
+
     def has_background_work(self) -> bool:
         """True while transfers or reservations need polling even with the engine idle."""
         return False
