@@ -91,7 +91,7 @@ def decode_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[s
     eng = build(ctx, None, args)
     bf16 = _points(eng, args)
     free(eng)
-    eng = build(ctx, "fp8", args)
+    eng = build(ctx, args.quantization, args)
     nbytes = full_read_bytes(eng.runner.model)
     ctx["fp8_read_bytes"] = nbytes
     default = fl.WEIGHT_ONLY_MAX_ROWS
@@ -155,7 +155,7 @@ def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
 
     n = args.prefill_tokens
     out: dict[str, Any] = {"tokens": n, "act_group": fl.ACT_GROUP}
-    for name, quant in (("bf16", None), ("fp8", "fp8")):
+    for name, quant in (("bf16", None), ("fp8", args.quantization)):
         eng = build(ctx, quant, args)
         ms = _prefill_ms(eng, n)
         out[f"{name}_ms"] = round(ms, 2)
@@ -177,7 +177,7 @@ def profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
     from moe_profile import profile_table
 
     out: dict[str, Any] = {}
-    for name, quant in (("bf16", None), ("fp8", "fp8")):
+    for name, quant in (("bf16", None), ("fp8", args.quantization)):
         eng = build(ctx, quant, args)
         print(f"profile: {name}", flush=True)
         out[name] = profile_table(eng, args.batch_list, args.context_list, args.steps)
@@ -220,6 +220,10 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default="fp8", choices=("fp8", "fp8-all"),
+                    help="FP8's --quantization: fp8 leaves the first and last decoder layers "
+                         "in bf16 (engine/quant/scheme.py); fp8-all quantizes all of them, "
+                         "as an FP8 per-channel checkpoint that ignores only lm_head runs")
     ap.add_argument("--out", default="bench/results/fp8_h200.json")
     args = ap.parse_args()
     args.batch_list = [int(b) for b in args.batches.split(",") if b]
@@ -232,7 +236,8 @@ def main() -> None:
         json.dump(LLAMA3_8B, f)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(), "model": "Llama-3-8B shape, dummy",
-        "fp8": "--quantization fp8 (per-channel weights, per-token activations)",
+        "fp8": f"--quantization {args.quantization} (per-channel weights, per-token "
+               "activations)",
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     ctx: dict[str, Any] = {"cfg_dir": cfg_dir, "hbm_tb_s": hbm_read_tbps()}
     result["hbm_read_tb_s"] = round(ctx["hbm_tb_s"], 3)
