@@ -36,10 +36,10 @@ def add_router_parser(sub: Any) -> None:
                    help="cache_aware: when the cache's pick is this much more loaded (queued "
                         "requests) than the least loaded worker, the least loaded takes it")
     p.add_argument("--local-prefill-max-tokens", type=int, default=64,
-                   help="cache_aware: a consumer that holds a cached prefix of the prompt "
-                        "prefills the rest itself (no producer, no transfer) when that rest "
-                        "is at most this many tokens, or when every producer has a queue and "
-                        "the consumer has room; -1: never")
+                   help="cache_aware: a consumer prefills a prompt itself (no producer, no "
+                        "transfer) when the tokens its cache lacks are at most this many and "
+                        "either it holds a cached prefix or every producer has a queue and "
+                        "it has room; -1: never")
     p.add_argument("--heartbeat-interval", type=float, default=1.0,
                    help="seconds between worker heartbeats (told to workers)")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0,

@@ -88,17 +88,22 @@ def test_local_prefill_follows_the_rule() -> None:
     slot = place(reg, pol, lookup=PrefixLookup(idx, PROMPT + list(range(200, 220))),
                  local=local)
     assert slot is not None and slot.colocated is None and slot.consumer is ws["c1"]
-    # every producer has a queue and the consumer has room: prefilled on the consumer
+    # every producer has a queue and the consumer has room: a short prompt is prefilled
+    # on the consumer
     ws["p0"].load.waiting = ws["p1"].load.waiting = 1
-    fresh = list(range(500, 600))
+    fresh = list(range(500, 520))
     slot = place(reg, pol, lookup=PrefixLookup(idx, fresh), local=local)
     assert slot is not None and slot.colocated in (ws["c0"], ws["c1"])
-    # ... unless the consumer has no room for the prompt
+    # ... a long one still goes to a producer (it would stall the consumer's decode batch)
+    long_fresh = list(range(600, 700))
+    slot = place(reg, pol, lookup=PrefixLookup(idx, long_fresh), local=local)
+    assert slot is not None and slot.producer is not None and slot.colocated is None
+    # ... and so does a short one when the consumer has no room for it
     for c in ("c0", "c1"):
-        ws[c].load.kv_blocks_free = 10
+        ws[c].load.kv_blocks_free = 1
     slot = place(reg, pol, lookup=PrefixLookup(idx, fresh), local=local)
     assert slot is not None and slot.producer is not None
-    assert local.decisions == {"short_tail": 1, "producers_saturated": 1, "remote": 3}
+    assert local.decisions == {"short_tail": 1, "producers_saturated": 1, "remote": 4}
     # -1: never
     off = LocalPrefill(max_tokens=-1)
     ws["p0"].load.waiting = ws["p1"].load.waiting = 0
