@@ -4,7 +4,11 @@ Triton's wheel, in a child process (the interpreter, which the value tests use, 
 nothing: it cannot say whether Hopper has the float8 casts). The stores and MLA decode
 spill no registers. Decode and prefill attention's default tiles already spill with a
 bf16 cache (decode 80 and 120 bytes, unsplit and split; prefill 2264; ptxas, 2026-12-02);
-their float8 variants may spill at most 64 bytes more (measured: 144, 156; 1978)."""
+prefill's float8 variant may spill at most 64 bytes more (measured 1978). Decode over a
+float8 cache runs its own tiles (2 warps, fp16 products): they spill 288 and 316 bytes
+(ptxas, 2026-12-03) and are still the fastest measured on an H200 (0.65-0.69x bf16 KV's
+time, where the best 4-warp tiles took 0.74-0.88x: fp8_kv_sweep_h200.json), so the
+bound there guards against growth, not against spilling."""
 
 from __future__ import annotations
 
@@ -25,13 +29,16 @@ DEC = {"q_ptr": "*bf16", "kv_ptr": F8, "bt_ptr": "*i32", "lens_ptr": "*i32",
        "s_ch": "i32", "s_btb": "i32", "s_ob": "i32", "s_oh": "i32", "qk_scale": "fp32",
        "v_scale": "fp32", "split_len": "i32", "num_splits": "i32"}
 for kvt in ("*bf16", F8):
+    fp8 = kvt == F8  # what the launcher runs: fp16 products, the float8 cache's own tiles
+    bn = dec.FP8_BLOCK_N if fp8 else dec.BLOCK_N
     for split in (False, True):  # unsplit, and split with the fused merge
         out[f"decode/{kvt}/split{int(split)}"] = spills(
             dec._decode_kernel, dict(DEC, kv_ptr=kvt), dict(
-                G=4, BLOCK_G=16, D=128, BS=16, BLOCK_N=dec.BLOCK_N, SPLIT=split,
-                COMPUTE=tl.bfloat16, IEEE=False, DYN=split, FUSED=split, G_PAD=4,
-                MERGE_S=16, ROUND=dec.BLOCK_N), num_warps=dec.NUM_WARPS,
-            num_stages=dec.NUM_STAGES)
+                G=4, BLOCK_G=16, D=128, BS=16, BLOCK_N=bn, SPLIT=split,
+                COMPUTE=tl.float16 if fp8 else tl.bfloat16, IEEE=False, DYN=split,
+                FUSED=split, G_PAD=4, MERGE_S=16, ROUND=bn, CLAMP_Q=fp8),
+            num_warps=dec.FP8_NUM_WARPS if fp8 else dec.NUM_WARPS,
+            num_stages=dec.FP8_NUM_STAGES if fp8 else dec.NUM_STAGES)
 PRE_TILES = {False: dict(BLOCK_M=pre.BLOCK_M, num_warps=pre.NUM_WARPS),
              True: dict(BLOCK_M=pre.SHORT_BLOCK_M, num_warps=pre.SHORT_NUM_WARPS)}
 for kvt, split in ((k, s) for k in ("*bf16", F8) for s in (False, True)):
@@ -78,6 +85,9 @@ for block_h in (16, 32):
 '''
 
 
+FP8_DECODE_SPILL_MAX = 352  # measured 288 / 316 (unsplit / split) with the launcher's tiles
+
+
 @pytest.mark.slow
 def test_fp8_kv_kernels_compile_for_sm90_without_spills() -> None:
     found = spill_bytes(BODY)
@@ -87,7 +97,8 @@ def test_fp8_kv_kernels_compile_for_sm90_without_spills() -> None:
     # fastest measured on an H200 (kernels/triton_mla_decode.py NUM_WARPS)
     accepted = {"mla/h16": 128}
     assert {k: v for k, v in found.items() if v > accepted.get(k, 0)} == {}, found
-    for kind in ("decode/{}/split0", "decode/{}/split1", "prefill/{}/split0",
-                 "prefill/{}/split1"):
+    fp8_decode = {k: v for k, v in paired.items() if k.startswith("decode/*fp8e4nv")}
+    assert max(fp8_decode.values()) <= FP8_DECODE_SPILL_MAX, fp8_decode
+    for kind in ("prefill/{}/split0", "prefill/{}/split1"):
         bf16, fp8 = paired[kind.format("*bf16")], paired[kind.format("*fp8e4nv")]
         assert fp8 <= bf16 + 64, paired
