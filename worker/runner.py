@@ -18,7 +18,8 @@ import asyncio
 import dataclasses
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from worker.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainGate, drain
 from worker.heap import freeze_startup_heap
@@ -126,11 +127,13 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
 
 
 def run_worker_roles(config_for: Callable[[str], WorkerConfig], role: str,
-                     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> int:
+                     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                     run: Callable[[Coroutine[Any, Any, int]], int] = asyncio.run) -> int:
     """Foreground entry point: ``config_for(role)`` builds the worker of any role (a role
     change needs the others' parts; the role packages are chosen where the command is
-    parsed, since worker/ never imports them)."""
+    parsed, since worker/ never imports them). ``run`` runs the worker's coroutine to its
+    end on an event loop (the command's --event-loop: deploy/event_loop.py)."""
     logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     if role not in ROLES:
         raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {role!r}")
-    return asyncio.run(serve(config_for, role, drain_timeout_s))
+    return run(serve(config_for, role, drain_timeout_s))

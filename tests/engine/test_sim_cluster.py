@@ -1,6 +1,7 @@
 """Simulated engines behind a real router: a colocated worker and a 1P1D pair serve requests
 end to end (gRPC, engine processes, KV transfer over UCX, detokenization), at the configured
-step time, and the pair gives the colocated worker's tokens."""
+step time, and the pair gives the colocated worker's tokens. The colocated worker's gRPC
+process runs on asyncio's loop, the pair's on the default (uvloop where installed)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str, name: str,
-             **kw: object) -> Iterator[LocalCluster]:
-    c = start_cluster(tmp_path_factory, name, model=model_dir, worker_args=SIM_ARGS, **kw)
+             extra: tuple[str, ...] = (), **kw: object) -> Iterator[LocalCluster]:
+    c = start_cluster(tmp_path_factory, name, model=model_dir, worker_args=SIM_ARGS + extra,
+                      **kw)
     try:
         yield c
     finally:
@@ -47,8 +49,8 @@ def sim_pd(tmp_path_factory, model_dir):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def sim_colocated(tmp_path_factory, model_dir):  # type: ignore[no-untyped-def]
-    yield from _cluster(tmp_path_factory, model_dir, "simco", producers=0, consumers=0,
-                        colocated=1)
+    yield from _cluster(tmp_path_factory, model_dir, "simco", ("--event-loop", "asyncio"),
+                        producers=0, consumers=0, colocated=1)
 
 
 def _timed(address: str, i: int) -> tuple[Result, float]:
