@@ -36,6 +36,10 @@ EMA = 0.25
 # the seeds' TPOT p50 was 13.2 ms paced against 12.3 unpaced (bench/RESULTS.md).
 EMA_DOWN = 0.5
 EMA_UP = 0.1
+# A sample counts as at most this many times the estimate: a one-off long step (a Triton
+# compile, a collection, a local prefill's mixed step) would otherwise raise it enough to
+# idle the device for several steps while it falls back.
+MAX_RISE = 2.0
 # The launch lands this long (plus the host's launch time) before the expected end: host
 # jitter of a millisecond or two must not leave the device idle.
 MIN_MARGIN_S = 0.002
@@ -101,7 +105,10 @@ def _mean(old: float | None, new: float) -> float:
 
 
 def _low_mean(old: float | None, new: float) -> float:
-    """A running mean that follows falls faster than rises (EMA_DOWN, EMA_UP)."""
+    """A running mean that follows falls faster than rises (EMA_DOWN, EMA_UP), and a rise
+    of at most MAX_RISE times itself per sample."""
     if old is None:
         return new
-    return old + (EMA_DOWN if new < old else EMA_UP) * (new - old)
+    if new < old:
+        return old + EMA_DOWN * (new - old)
+    return old + EMA_UP * (min(new, MAX_RISE * old) - old)
