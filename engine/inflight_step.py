@@ -17,4 +17,3 @@ class InflightStep:
     out_index: list[int]  # where in requests[i].output_token_ids row i's token goes
     out: SamplerOutput
     launched_ns: int = 0  # wall clock right after the launch (on CPU the forward has run)
-

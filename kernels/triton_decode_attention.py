@@ -319,15 +319,13 @@ def decode_attention(
     check_device(q, kv_layer, block_tables, seq_lens, out)
     if bsz == 0:
         return out
-    fp8 = is_fp8(kv_layer)
-    if block_n is None:
-        block_n = FP8_BLOCK_N if fp8 else BLOCK_N
-    if num_warps is None:
-        num_warps = FP8_NUM_WARPS if fp8 else NUM_WARPS
-    if num_stages is None:
-        num_stages = FP8_NUM_STAGES if fp8 else NUM_STAGES
-    if programs_per_sm is None:
-        programs_per_sm = FP8_PROGRAMS_PER_SM if fp8 else PROGRAMS_PER_SM
+    # the cache dtype's defaults for what the caller left out
+    defaults = ((FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES, FP8_PROGRAMS_PER_SM)
+                if is_fp8(kv_layer) else (BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM))
+    block_n, num_warps, num_stages, programs_per_sm = (
+        d if v is None else v
+        for v, d in zip((block_n, num_warps, num_stages, programs_per_sm), defaults,
+                        strict=True))
 
     dyn = max_seq_len is None
     if max_seq_len is None:

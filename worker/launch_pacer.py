@@ -15,7 +15,7 @@ schedules and launches the next step: a request whose KV landed in the meantime 
 The device stays busy as long as the launch lands before the running step ends: the wait
 ends `margin` plus the host's own launch time ahead of the expected end. Expected ends come
 from the device time of recent steps, measured from the engine's marks
-(engine.inflight_step.StepTiming), never from the loop's period, which a late launch would
+(engine/step_timing.py), never from the loop's period, which a late launch would
 itself lengthen.
 
 Without transfers in flight (nothing could join), without a step on the device, or before
@@ -60,7 +60,7 @@ class LaunchPacer:
         self.launch_s: float | None = None  # mean host time from step() entry to launch
         self._last_read_ns = 0
         self._running_since_ns = 0  # when the step now on the device started (0: none)
-        self.waits = 0  # turns that waited, and their total wait (for tests and metrics)
+        self.waits = 0  # turns that waited, and their total wait (read by the tests)
         self.waited_s = 0.0
 
     def wait_s(self, now_ns: int, has_inflight: bool, awaiting_kv: bool) -> float:

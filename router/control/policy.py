@@ -176,15 +176,15 @@ class LocalPrefill:
         if self.max_tokens < 0:
             return ""
         held = lookup.cached_tokens(consumer)
-        rest = lookup.num_tokens - held
-        if held and rest <= self.max_tokens:
-            return "short_tail"
-        # Saturated producers move only short prefills too. A long one on the consumer
-        # runs beside its decode batch and stalls every request in it: on one H200 the
-        # seeds' 1024-token prompts placed so took the consumer's TPOT p50 from 13 ms to
-        # 69-158 ms (bench/RESULTS.md, launch pacing), the interference P/D exists to end.
-        if rest > self.max_tokens:
+        # Only short prefills move, whatever the reason. A long one on the consumer runs
+        # beside its decode batch and stalls every request in it: on one H200 saturated
+        # producers sent the seeds' 1024-token prompts there and took the consumer's TPOT
+        # p50 from 13 ms to 69-158 ms (bench/RESULTS.md, launch pacing), the interference
+        # P/D exists to end.
+        if lookup.num_tokens - held > self.max_tokens:
             return ""
+        if held:
+            return "short_tail"
         load = consumer.load
         room = (load.kv_blocks_total and consumer.block_size
                 and load.kv_blocks_free * consumer.block_size >= lookup.num_tokens

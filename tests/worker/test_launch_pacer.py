@@ -12,6 +12,8 @@ without, the launch goes out at once and the request waits a step more.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import zmq
@@ -152,9 +154,9 @@ class AwaitingRole:
         return LoadReport(0, 0, 0, 0)
 
 
-def _first_step_of_a_newcomer(pacing: bool) -> tuple[int, int, LaunchPacer]:
-    """(index of the step the newcomer ran in, index of the step running when its KV
-    landed, the pacer)."""
+@contextmanager
+def _paced_loop(pacing: bool) -> Iterator[tuple[WorkerLoop, Device, AwaitingRole, LaunchPacer]]:
+    """The real WorkerLoop (real ZMQ sockets) over the simulated device and role."""
     paths = ipc.IpcPaths.fresh()
     ctx = zmq.Context()
     try:
@@ -164,7 +166,16 @@ def _first_step_of_a_newcomer(pacing: bool) -> tuple[int, int, LaunchPacer]:
         dev = Device()
         role = AwaitingRole(dev)
         pacer = LaunchPacer(enabled=pacing)
-        loop = WorkerLoop(role, pull, events, pacer=pacer)  # type: ignore[arg-type]
+        yield WorkerLoop(role, pull, events, pacer=pacer), dev, role, pacer  # type: ignore[arg-type]
+    finally:
+        ctx.destroy(linger=0)
+        paths.cleanup()
+
+
+def _first_step_of_a_newcomer(pacing: bool) -> tuple[int, int, LaunchPacer]:
+    """(index of the step the newcomer ran in, index of the step running when its KV
+    landed, the pacer)."""
+    with _paced_loop(pacing) as (loop, dev, role, pacer):
         for _ in range(4):  # steps 0..3 launched; the pacer has its means
             loop.turn()
         # the step now on the device is the last one launched; it started when the one
@@ -174,9 +185,6 @@ def _first_step_of_a_newcomer(pacing: bool) -> tuple[int, int, LaunchPacer]:
         while "new" not in dev.steps_with:
             loop.turn()
         return dev.steps_with["new"], running, pacer
-    finally:
-        ctx.destroy(linger=0)
-        paths.cleanup()
 
 
 def test_with_pacing_a_request_landing_mid_step_joins_the_next_launch() -> None:
@@ -193,16 +201,7 @@ def test_without_pacing_it_waits_a_step_more() -> None:
 
 def test_the_device_never_idles_for_a_paced_launch() -> None:
     """Each paced launch still lands before the running step ends (margin >= 2 ms)."""
-    paths = ipc.IpcPaths.fresh()
-    ctx = zmq.Context()
-    try:
-        pull = ipc.bind_pull(ctx, paths.commands)
-        ipc.bind_pull(ctx, paths.events)
-        events = ipc.connect_push(ctx, paths.events)
-        dev = Device()
-        role = AwaitingRole(dev)  # never lands: every turn is paced
-        pacer = LaunchPacer()
-        loop = WorkerLoop(role, pull, events, pacer=pacer)  # type: ignore[arg-type]
+    with _paced_loop(True) as (loop, dev, _, pacer):  # the KV never lands: every turn paced
         late = []
         for _ in range(10):
             before = dev.free_at
@@ -212,10 +211,6 @@ def test_the_device_never_idles_for_a_paced_launch() -> None:
             late.append(dev.free_at - before - STEP_S)
         assert pacer.waits >= 6
         assert max(late[4:]) < MIN_MARGIN_S, late
-    finally:
-        ctx.destroy(linger=0)
-        paths.cleanup()
-
 
 
 def test_the_estimate_follows_shorter_steps_faster_than_longer_ones() -> None:
