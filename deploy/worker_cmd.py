@@ -54,6 +54,11 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="PEM CA certificate of a TLS router (its --tls-cert); default plaintext")
     g.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port on --host (0: any free port, logged; -1: off)")
+    g.add_argument("--outputs-port", type=int, default=0,
+                   help="port on --host of the Outputs stream over plain TCP, which the "
+                        "router reads each step's tokens from at less CPU than the gRPC "
+                        "stream (0: any free port, advertised at registration; -1: off, the "
+                        "router reads the gRPC stream). Open it to the router like --port")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads of the engine process (default 0: the cores this "
                         "process may use, cgroup quota and affinity included)")
@@ -138,7 +143,7 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
                             bind_host=args.host, advertise_host=args.advertise_host,
                             port=args.port, worker_id=args.worker_id,
                             cluster_token=args.cluster_token, metrics_port=args.metrics_port,
-                            router_ca=args.router_ca)
+                            router_ca=args.router_ca, outputs_port=args.outputs_port)
 
     args.worker_id = worker_id(args)
     config_for(args.command)  # bad flags fail here, before anything starts

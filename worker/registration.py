@@ -153,7 +153,9 @@ class Registration:
     def __init__(self, router: str, worker_id: str, role: str, address: str,
                  info: ReadyInfo, load: Callable[[], LoadReport | None],
                  cluster_token: str = "", router_ca: str = "",
-                 failed: Callable[[], str | None] = lambda: None) -> None:
+                 failed: Callable[[], str | None] = lambda: None,
+                 outputs_address: str = "") -> None:
+        self.outputs_address = outputs_address  # the plain-TCP Outputs stream ("": none)
         if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA
             with open(router_ca, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
@@ -279,7 +281,7 @@ class Registration:
             lease_s=self.info.lease_s, block_size=self.info.block_size,
             prefix_caching=self.info.prefix_caching,
             accepts_cache_salt=self.info.accepts_cache_salt,
-            version=pdserve_version()), timeout=10)
+            version=pdserve_version(), outputs_address=self.outputs_address), timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)
 

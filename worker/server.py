@@ -17,6 +17,7 @@ from worker.engine_loop import EngineSpec, engine_process_main
 from worker.kv_publisher import KVPublisher
 from worker.messages import StopCmd
 from worker.metrics_server import MetricsServer, ServingCounters, WorkerMetrics
+from worker.outputs_port import OutputsPort
 from worker.registration import Registration
 from worker.servicer import EngineBridge, WorkerServicer
 
@@ -37,6 +38,9 @@ class WorkerConfig:
     cluster_token: str = ""
     ready_timeout_s: float = 300.0  # model loading
     metrics_port: int = 0  # Prometheus /metrics on bind_host; 0: any free port, -1: off
+    # the Outputs stream over plain TCP (worker/outputs_port.py) on bind_host; 0: any free
+    # port, -1: off (the router then reads the Outputs RPC)
+    outputs_port: int = 0
     router_ca: str = ""  # PEM CA to verify a TLS router with; "": plaintext to the router
     # gRPC server interceptors (worker/drain.py DrainGate refuses new requests in a drain)
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()
@@ -49,6 +53,9 @@ class WorkerConfig:
         if not -1 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port: must be -1 (off) or in [0, 65535], got "
                              f"{self.metrics_port}")
+        if not -1 <= self.outputs_port < 65536:
+            raise ValueError(f"outputs_port: must be -1 (off) or in [0, 65535], got "
+                             f"{self.outputs_port}")
 
 
 class WorkerServer:
@@ -66,6 +73,7 @@ class WorkerServer:
         self.metrics_server: MetricsServer | None = None
         self.registration: Registration | None = None
         self.kv_publisher: KVPublisher | None = None
+        self.outputs_port: OutputsPort | None = None
 
     async def start(self) -> str:
         cfg = self.config
@@ -88,12 +96,18 @@ class WorkerServer:
                 kv_event_batches=pub.batches, kv_event_snapshots=pub.snapshots,
                 kv_events_dropped_pending=pub.dropped))
         self.server = grpc.aio.server(interceptors=cfg.interceptors)
-        worker_pb2_grpc.add_WorkerServicer_to_server(
-            cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token),
-            self.server)
+        servicer = cfg.servicer(self.bridge, self.worker_id, self.metrics, cfg.cluster_token)
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, self.server)
         port = self.server.add_insecure_port(f"{cfg.bind_host}:{cfg.port}")
         await self.server.start()
-        self.address = f"{cfg.advertise_host or cfg.bind_host}:{port}"
+        host = cfg.advertise_host or cfg.bind_host
+        self.address = f"{host}:{port}"
+        outputs_address = ""
+        if cfg.outputs_port >= 0:
+            self.outputs_port = OutputsPort(hub, cfg.cluster_token, servicer.orphaned,
+                                            failed=lambda: bridge.fatal)
+            oport = await self.outputs_port.start(cfg.bind_host, cfg.outputs_port)
+            outputs_address = f"{host}:{oport}"
         if cfg.metrics_port >= 0:
             self.metrics_server = MetricsServer(self.metrics)
             mport = await self.metrics_server.start(cfg.bind_host, cfg.metrics_port)
@@ -102,7 +116,7 @@ class WorkerServer:
         reg = Registration(cfg.router, self.worker_id, cfg.spec.role, self.address,
                            dataclasses.replace(info, lease_s=cfg.spec.lease_s),
                            lambda: bridge.load, cfg.cluster_token, cfg.router_ca,
-                           failed=lambda: bridge.fatal)
+                           failed=lambda: bridge.fatal, outputs_address=outputs_address)
         self.registration = reg
         bridge.on_wake = reg.watch.poke
         self.tasks.append(asyncio.create_task(reg.run()))
@@ -150,6 +164,8 @@ class WorkerServer:
             await self.registration.close()
         if self.kv_publisher is not None:
             await self.kv_publisher.close()
+        if self.outputs_port is not None:
+            await self.outputs_port.stop()
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.metrics_server is not None:

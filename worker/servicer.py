@@ -291,7 +291,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             raise
-        self._orphaned(replaced, "its router opened a new Outputs stream")
+        self.orphaned(replaced, "its router opened a new Outputs stream")
         try:
             yield worker_pb2.OutputBatch(seq=0)  # subscribed: StartDecode calls may name it
             while True:
@@ -301,9 +301,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
                 yield batch
         finally:
-            self._orphaned(hub.unsubscribe(sub), "its router's Outputs stream ended")
+            self.orphaned(hub.unsubscribe(sub), "its router's Outputs stream ended")
 
-    def _orphaned(self, rids: list[str], why: str) -> None:
+    def orphaned(self, rids: list[str], why: str) -> None:
         """Requests whose outputs had nowhere to go: abort them (blocks freed)."""
         for rid in rids:
             self.bridge.send(AbortCmd(rid))

@@ -60,6 +60,8 @@ class WorkerInfo:
     inflight: int = 0  # requests the router has dispatched to it and not yet finished
     dispatched: int = 0  # total dispatched to it, for status and tests
     version: str = ""  # pdserve version it runs (from Register)
+    # its Outputs stream over plain TCP, host:port (from Register; "": read the Outputs RPC)
+    outputs_address: str = ""
     tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
     dp_size: int = 1  # attention data-parallel groups among those ranks (divides tp_size)
     # Prefix caching (from Register): block size in tokens (0: a worker older than the
@@ -143,7 +145,8 @@ class Registry:
                  model: str = "", kv_fingerprint: str = "", max_model_len: int = 0,
                  load: common_pb2.WorkerLoad | None = None, version: str = "",
                  tp_size: int = 1, block_size: int = 0, prefix_caching: bool = False,
-                 accepts_cache_salt: bool = False, dp_size: int = 1) -> WorkerInfo:
+                 accepts_cache_salt: bool = False, dp_size: int = 1,
+                 outputs_address: str = "") -> WorkerInfo:
         if not worker_id:
             raise RegistrationError("worker_id: must not be empty")
         if role not in ROLE_NAMES:
@@ -156,6 +159,8 @@ class Registry:
             raise RegistrationError(f"tp_size: must be in [1, 256], got {tp_size}")
         if dp_size < 1 or tp_size % dp_size:
             raise RegistrationError(f"dp_size: must divide tp_size {tp_size}, got {dp_size}")
+        if outputs_address:
+            _check_host_port("outputs_address", outputs_address)
         if max_model_len < 1:
             raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
         if not 0 <= block_size <= 1 << 16:
@@ -183,6 +188,7 @@ class Registry:
                           dp_size=dp_size,
                           block_size=block_size, prefix_caching=prefix_caching,
                           accepts_cache_salt=accepts_cache_salt,
+                          outputs_address=outputs_address,
                           incarnation=next(self._incarnations))
         self._workers[worker_id] = info
         if old is not None:
@@ -357,3 +363,10 @@ def _copy_load(load: common_pb2.WorkerLoad | None) -> common_pb2.WorkerLoad:
     if load is not None:
         out.CopyFrom(load)
     return out
+
+
+def _check_host_port(field_name: str, value: str) -> None:
+    """``value`` is host:port (an IPv6 host in brackets) with a port in [1, 65535]."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RegistrationError(f"{field_name}: must be host:port, got {value!r}")

@@ -70,6 +70,7 @@ class WorkerChannels:
         # A dropped worker's channel stays open this long so the Worker.Abort calls of its
         # requests (sent after the drop fails them) can still reach a worker that is alive.
         self._close_delay_s = close_delay_s
+        self._token = cluster_token  # in the plain-TCP Outputs stream's request
         # worker id -> (the registration it was opened for, its channel, its stub)
         self._channels: dict[str, tuple[WorkerInfo, grpc.aio.Channel,
                                         worker_pb2_grpc.WorkerStub]] = {}
@@ -81,9 +82,14 @@ class WorkerChannels:
         stub = self.stub(w)
         out = self._outputs.get(w.worker_id)
         if out is None or not out.usable:
-            out = WorkerOutputs(w.worker_id, stub)
+            out = WorkerOutputs(w.worker_id, stub, w.outputs_address, self._token)
             self._outputs[w.worker_id] = out
         return out
+
+    def outputs_transport(self, worker_id: str) -> str:
+        """"tcp" or "grpc": how the worker's open Outputs stream is read; "": none open."""
+        out = self._outputs.get(worker_id)
+        return out.transport if out is not None and out.usable else ""
 
     def _close_outputs(self, worker_id: str) -> None:
         out = self._outputs.pop(worker_id, None)

@@ -65,7 +65,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 healthy=w.healthy, unhealthy_reason=w.unhealthy_reason,
                 kv_fingerprint=w.kv_fingerprint, version=w.version, kv_address=w.kv_address,
                 draining=w.draining, target_role=w.target_role,  # type: ignore[arg-type]
-                tp_size=w.tp_size))  # type: ignore[arg-type]
+                tp_size=w.tp_size, outputs_address=w.outputs_address,
+                outputs_transport=self.dispatcher.channels.outputs_transport(w.worker_id)))
         if request.include_requests:
             out.requests.extend(router_pb2.RequestStatus(
                 request_id=r.request_id, state=r.state.name, age_s=r.age_s, producer=r.producer,

@@ -40,6 +40,8 @@ from typing import Any, Protocol
 import grpc
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
+from router.requests.outputs_plain import PlainOutputsCall, PlainOutputsEnded
+
 log = logging.getLogger(__name__)
 # How long the stream's own Abort of an orphaned request may take.
 ORPHAN_ABORT_S = 5.0
@@ -83,7 +85,8 @@ class Route(Protocol):
 
 
 class WorkerOutputs:
-    def __init__(self, worker_id: str, stub: worker_pb2_grpc.WorkerStub) -> None:
+    def __init__(self, worker_id: str, stub: worker_pb2_grpc.WorkerStub,
+                 outputs_address: str = "", cluster_token: str = "") -> None:
         self.worker_id = worker_id
         self.subscriber_id = f"{ROUTER_ID}-{next(_counter)}"
         self.state = State.CONNECTING
@@ -95,9 +98,23 @@ class WorkerOutputs:
         self._orphans: dict[str, None] = {}
         self._aborting: set[asyncio.Task[None]] = set()
         self._ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._call: Any = stub.Outputs(worker_pb2.OutputsRequest(
-            subscriber_id=self.subscriber_id))
+        request = worker_pb2.OutputsRequest(subscriber_id=self.subscriber_id)
+        # The worker's plain-TCP port when it has one (router/requests/outputs_plain.py):
+        # the same batches at less CPU on both ends. The token rides in the request there.
+        self._call: Any
+        if outputs_address:
+            plain = worker_pb2.OutputsRequest(subscriber_id=self.subscriber_id,
+                                              cluster_token=cluster_token)
+            self._call = PlainOutputsCall(worker_id, outputs_address, plain,
+                                          fallback=lambda: stub.Outputs(request))
+        else:
+            self._call = stub.Outputs(request)
         self._task = asyncio.get_running_loop().create_task(self._read())
+
+    @property
+    def transport(self) -> str:
+        """"tcp": the worker's plain port; "grpc": the Outputs RPC (also after a fallback)."""
+        return "tcp" if isinstance(self._call, PlainOutputsCall) and self._call.plain else "grpc"
 
     @property
     def usable(self) -> bool:
@@ -139,6 +156,9 @@ class WorkerOutputs:
                 self.seq = batch.seq
         except asyncio.CancelledError:
             why = "Outputs stream closed by the router"
+        except PlainOutputsEnded as e:
+            code = e.code
+            why = f"Outputs stream failed: {code.name}: {e}"
         except grpc.aio.AioRpcError as e:
             code = e.code()
             if code == grpc.StatusCode.UNIMPLEMENTED and self.state is State.CONNECTING:

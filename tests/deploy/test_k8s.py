@@ -82,6 +82,15 @@ def test_overlay_has_what_a_cluster_needs(overlay: Path) -> None:
     assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
             for p in pol["from"]} == {"producer", "router"}
     assert 50070 in [p["port"] for p in pol["ports"]]
+    # each worker's ports the router dials (gRPC, the plain Outputs stream) are open to it
+    policies = _by_kind(docs, "NetworkPolicy")
+    for role in ("producer", "consumer"):
+        args = deps[f"pdserve-{role}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        rule = policies[f"pdserve-{role}-ingress"]["spec"]["ingress"][0]
+        assert "router" in {p["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+                            for p in rule["from"]}
+        for flag in ("--port", "--outputs-port"):
+            assert int(args[args.index(flag) + 1]) in [p["port"] for p in rule["ports"]], flag
     want = {"1p1d": (1, 1), "2p4d": (2, 4)}[overlay.name]
     assert (deps["pdserve-producer"]["spec"]["replicas"],
             deps["pdserve-consumer"]["spec"]["replicas"]) == want

@@ -1,7 +1,9 @@
 """Simulated engines behind a real router: a colocated worker and a 1P1D pair serve requests
 end to end (gRPC, engine processes, KV transfer over UCX, detokenization), at the configured
 step time, and the pair gives the colocated worker's tokens. The colocated worker's gRPC
-process runs on asyncio's loop, the pair's on the default (uvloop where installed)."""
+process runs on asyncio's loop and serves its outputs on the Outputs RPC only
+(--outputs-port -1); the pair's run on the default (uvloop where installed) and the
+router reads the consumer's outputs from its plain-TCP port."""
 
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def sim_pd(tmp_path_factory, model_dir):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def sim_colocated(tmp_path_factory, model_dir):  # type: ignore[no-untyped-def]
-    yield from _cluster(tmp_path_factory, model_dir, "simco", ("--event-loop", "asyncio"),
+    yield from _cluster(tmp_path_factory, model_dir, "simco",
+                        ("--event-loop", "asyncio", "--outputs-port", "-1"),
                         producers=0, consumers=0, colocated=1)
 
 
@@ -96,6 +99,21 @@ def test_colocated_and_pd_serve_the_same_tokens(sim_colocated, sim_pd, model_dir
     for r in (r for r, _ in pd):
         assert r.timing.producer and r.timing.consumer and not r.timing.colocated
     assert [r.token_ids for r, _ in pd] == [r.token_ids for r, _ in co] == _reference(model_dir)
+    # each path was the one its workers offered
+    assert _outputs_transports(sim_colocated) == {"colocated": ("", "grpc")}
+    transports = _outputs_transports(sim_pd)
+    assert transports["consumer"][0] and transports["consumer"][1] == "tcp", transports
+
+
+def _outputs_transports(cluster: LocalCluster) -> dict[str, tuple[str, str]]:
+    """Role -> (the outputs address it registered, how the router reads its outputs now),
+    from the router's ClusterStatus; producers have no Outputs stream."""
+    ch, stub = stub_for(cluster.router_address)
+    with ch:
+        status = stub.ClusterStatus(router_pb2.ClusterStatusRequest())
+    return {common_pb2.Role.Name(w.role).removeprefix("ROLE_").lower():
+            (w.outputs_address, w.outputs_transport)
+            for w in status.workers if w.role != common_pb2.ROLE_PRODUCER}
 
 
 def test_step_time_is_honoured_under_load(sim_pd):

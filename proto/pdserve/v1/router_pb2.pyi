@@ -20,7 +20,7 @@ class RegistryView(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ...) -> None: ...
 
 class WorkerView(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "version", "tp_size", "draining", "drain_reason", "target_role", "incarnation", "dp_size")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "version", "tp_size", "draining", "drain_reason", "target_role", "incarnation", "dp_size", "outputs_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class WorkerView(_message.Message):
     TARGET_ROLE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -51,7 +52,8 @@ class WorkerView(_message.Message):
     target_role: _common_pb2.Role
     incarnation: int
     dp_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., version: _Optional[str] = ..., tp_size: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_reason: _Optional[str] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., incarnation: _Optional[int] = ..., dp_size: _Optional[int] = ...) -> None: ...
+    outputs_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., version: _Optional[str] = ..., tp_size: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_reason: _Optional[str] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., incarnation: _Optional[int] = ..., dp_size: _Optional[int] = ..., outputs_address: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_call_id", "tool_calls_json", "name")
@@ -224,7 +226,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., age_s: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., tokens_streamed: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role", "tp_size")
+    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role", "tp_size", "outputs_address", "outputs_transport")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +240,8 @@ class WorkerStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     TARGET_ROLE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -251,7 +255,9 @@ class WorkerStatus(_message.Message):
     draining: bool
     target_role: _common_pb2.Role
     tp_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    outputs_address: str
+    outputs_transport: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., tp_size: _Optional[int] = ..., outputs_address: _Optional[str] = ..., outputs_transport: _Optional[str] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "cluster_token", "done", "reason")

@@ -48,7 +48,7 @@ class KVEventAck(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "dp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "dp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version", "outputs_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,7 @@ class RegisterRequest(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -81,7 +82,8 @@ class RegisterRequest(_message.Message):
     prefix_caching: bool
     accepts_cache_salt: bool
     version: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ...) -> None: ...
+    outputs_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ..., outputs_address: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
@@ -108,10 +110,28 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., change_role: _Optional[_Union[_common_pb2.Role, str]] = ...) -> None: ...
 
 class OutputsRequest(_message.Message):
-    __slots__ = ("subscriber_id",)
+    __slots__ = ("subscriber_id", "cluster_token")
     SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     subscriber_id: str
-    def __init__(self, subscriber_id: _Optional[str] = ...) -> None: ...
+    cluster_token: str
+    def __init__(self, subscriber_id: _Optional[str] = ..., cluster_token: _Optional[str] = ...) -> None: ...
+
+class OutputsFrame(_message.Message):
+    __slots__ = ("batch", "end")
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    batch: OutputBatch
+    end: OutputsEnd
+    def __init__(self, batch: _Optional[_Union[OutputBatch, _Mapping]] = ..., end: _Optional[_Union[OutputsEnd, _Mapping]] = ...) -> None: ...
+
+class OutputsEnd(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
     __slots__ = ("tokens", "seq", "reserved")

@@ -1,0 +1,285 @@
+"""The Outputs stream over plain TCP (worker/outputs_port.py) read by the router's end of it
+(router/requests/outputs_plain.py), both real, over a real socket: the batches arrive as
+the hub queued them; a hello that is not a valid OutputsRequest, carries the wrong token or
+never comes is answered with an OutputsEnd naming the field and the port goes on serving; a
+router that leaves hands its requests back; a router that does not read gets the steps
+merged, losslessly; an unreachable port falls back to the RPC."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import struct
+
+import grpc
+import pytest
+from pdserve.v1 import worker_pb2
+
+import router.requests.outputs_plain as plain
+import worker.outputs_port as op
+from router.requests.outputs_plain import PlainOutputsCall, PlainOutputsEnded
+from worker.messages import decode, encode
+from worker.output_hub import OutputHub
+from worker.token_batch import TokensBatchBuilder
+
+TOKEN = "s3cret"
+
+
+def run_async(fn):  # type: ignore[no-untyped-def]
+    """The test body runs on its own event loop (pytest's parameters passed through)."""
+    @functools.wraps(fn)
+    def test(*args, **kwargs):  # type: ignore[no-untyped-def]
+        asyncio.run(fn(*args, **kwargs))
+    return test
+
+_LEN = struct.Struct(">I")
+
+
+class Port:
+    """An OutputsPort on a real hub, with the orphans it handed back."""
+
+    def __init__(self, token: str = TOKEN) -> None:
+        self.hub = OutputHub()
+        self.orphans: list[str] = []
+        self.fatal = ""
+        self.port = op.OutputsPort(self.hub, token, lambda rids, why: self.orphans.extend(rids),
+                                   failed=lambda: self.fatal)
+        self.address = ""
+
+    async def __aenter__(self) -> Port:
+        self.address = f"127.0.0.1:{await self.port.start('127.0.0.1', 0)}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.port.stop()
+
+    def step(self, rids: list[str], token: int, finish: str | None = None, pad: int = 0
+             ) -> None:
+        """One engine step's tokens for ``rids`` (as the engine process sends them); ``pad``
+        lengthens each token's text."""
+        b = TokensBatchBuilder()
+        for i, rid in enumerate(rids):
+            b.add(rid, (token + i,), f" t{token + i}" + "x" * pad, (), finish)
+        self.hub.add_batch(decode(encode(b.build())))  # type: ignore[arg-type]
+        self.hub.flush()
+
+
+def call(address: str, sub: str = "router-1", token: str = TOKEN,
+         fallback: object = None) -> PlainOutputsCall:
+    def no_fallback() -> object:
+        raise AssertionError("the plain port was reachable: no fallback expected")
+    return PlainOutputsCall("w0", address, worker_pb2.OutputsRequest(
+        subscriber_id=sub, cluster_token=token), fallback=fallback or no_fallback)  # type: ignore[arg-type]
+
+
+async def wait_until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
+    end = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < end, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_batch_frame_is_an_outputs_frame() -> None:
+    """The hand-built frame parses as OutputsFrame(batch=...) and equals protobuf's own."""
+    batch = worker_pb2.OutputBatch(seq=7)
+    for i in range(300):  # a body past 127 bytes: a multi-byte length varint
+        t = batch.tokens.add(request_id=f"cmpl-{i}", text=" x")
+        t.token_ids.append(i)
+    frame = op.batch_frame(batch)
+    (n,) = _LEN.unpack(frame[:4])
+    assert n == len(frame) - 4
+    assert frame[4:] == worker_pb2.OutputsFrame(batch=batch).SerializeToString()
+    assert worker_pb2.OutputsFrame.FromString(frame[4:]).batch == batch
+
+
+@run_async
+async def test_batches_arrive_in_order_and_a_router_that_leaves_hands_its_requests_back() -> None:
+    async with Port() as p:
+        c = call(p.address)
+        it = c.__aiter__()
+        first = await anext(it)
+        assert first.seq == 0 and not first.tokens  # subscribed
+        sub = p.hub.subscribers["router-1"]
+        for rid in ("a", "b", "c"):
+            p.hub.attach(rid, sub)
+        p.step(["a", "b", "c"], 100)
+        p.step(["a", "b"], 200)
+        got = []
+        while len(got) < 5:
+            batch = await anext(it)
+            got += [(t.request_id, list(t.token_ids), t.text) for t in batch.tokens]
+        assert got == [("a", [100], " t100"), ("b", [101], " t101"), ("c", [102], " t102"),
+                       ("a", [200], " t200"), ("b", [201], " t201")]
+        c.cancel()
+        await it.aclose()
+        # the worker sees the close and aborts what the router left running
+        await wait_until(lambda: len(p.orphans) == 3)
+        assert sorted(p.orphans) == ["a", "b", "c"]
+        assert "router-1" not in p.hub.subscribers
+
+
+async def _raw_hello(address: str, payload: bytes, send_len: int | None = None
+                     ) -> worker_pb2.OutputsEnd:
+    host, _, port = address.rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_LEN.pack(len(payload) if send_len is None else send_len) + payload)
+    (n,) = _LEN.unpack(await reader.readexactly(4))
+    frame = worker_pb2.OutputsFrame.FromString(await reader.readexactly(n))
+    assert await reader.read() == b""  # and the worker closed the connection
+    writer.close()
+    assert frame.WhichOneof("kind") == "end"
+    return frame.end
+
+
+@pytest.mark.parametrize("payload,send_len,code,names", [
+    (b"\xff" * 10, None, grpc.StatusCode.INVALID_ARGUMENT, "OutputsRequest"),
+    (b"", 1 << 20, grpc.StatusCode.RESOURCE_EXHAUSTED, "OutputsRequest"),
+    (worker_pb2.OutputsRequest(subscriber_id="r", cluster_token="nope").SerializeToString(),
+     None, grpc.StatusCode.UNAUTHENTICATED, "cluster_token"),
+    (worker_pb2.OutputsRequest(cluster_token=TOKEN).SerializeToString(), None,
+     grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id"),
+    (worker_pb2.OutputsRequest(subscriber_id="r" * 300, cluster_token=TOKEN)
+     .SerializeToString(), None, grpc.StatusCode.INVALID_ARGUMENT, "subscriber_id"),
+])
+@run_async
+async def test_a_bad_hello_is_refused_naming_the_field_and_the_port_serves_on(
+        payload: bytes, send_len: int | None, code: grpc.StatusCode, names: str) -> None:
+    async with Port() as p:
+        end = await _raw_hello(p.address, payload, send_len)
+        assert end.code == code.value[0], end
+        assert names in end.message
+        assert p.port.refused == 1 and not p.hub.subscribers
+        # a valid router is served after it
+        c = call(p.address)
+        it = c.__aiter__()
+        assert (await anext(it)).seq == 0
+        c.cancel()
+        await it.aclose()
+
+
+@run_async
+async def test_silence_and_half_a_hello_end_without_a_subscriber(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(op, "HELLO_TIMEOUT_S", 0.3)
+    async with Port() as p:
+        host, _, port = p.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"\x00\x00")  # half a length, then nothing
+        (n,) = _LEN.unpack(await asyncio.wait_for(reader.readexactly(4), 5))
+        end = worker_pb2.OutputsFrame.FromString(await reader.readexactly(n)).end
+        assert end.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+        assert "OutputsRequest" in end.message
+        writer.close()
+        # a client that connects and leaves at once costs nothing either
+        s = socket.create_connection((host, int(port)))
+        s.close()
+        await wait_until(lambda: not p.port.streams)
+        assert not p.hub.subscribers
+
+
+@run_async
+async def test_a_failed_hub_ends_the_stream_with_unavailable() -> None:
+    async with Port() as p:
+        it = call(p.address).__aiter__()
+        await anext(it)
+        sub = p.hub.subscribers["router-1"]
+        p.hub.attach("a", sub)
+        p.step(["a"], 5)
+        p.hub.fail("engine process exited")
+        batch = await anext(it)  # what was queued before the failure still comes
+        assert [t.request_id for t in batch.tokens] == ["a"]
+        with pytest.raises(PlainOutputsEnded) as e:
+            await anext(it)
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+        assert "engine process exited" in str(e.value)
+
+
+@run_async
+async def test_a_failed_engine_refuses_new_streams() -> None:
+    async with Port() as p:
+        p.fatal = "engine process exited"
+        with pytest.raises(PlainOutputsEnded) as e:
+            await anext(call(p.address).__aiter__())
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@run_async
+async def test_a_router_that_does_not_read_gets_the_steps_merged_losslessly(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With the socket full, the worker's write waits and the hub merges the steps that come
+    meanwhile into the next batch: fewer frames than steps, every token in order."""
+    monkeypatch.setattr(op, "HIGH_WATER", 1024)
+    async with Port() as p:
+        host, _, port = p.address.rpartition(":")
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        hello = worker_pb2.OutputsRequest(subscriber_id="slow", cluster_token=TOKEN)
+        s.sendall(_LEN.pack(hello.ByteSize()) + hello.SerializeToString())
+        await wait_until(lambda: "slow" in p.hub.subscribers)
+        sub = p.hub.subscribers["slow"]
+        rids = [f"r{i:03d}" for i in range(64)]
+        for rid in rids:
+            p.hub.attach(rid, sub)
+        steps = 200
+        for k in range(steps):  # ~13 MB of batches: past what the sockets' buffers take
+            p.step(rids, 1000 * k, pad=1000)
+            await asyncio.sleep(0)
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        buf = b""
+        frames: list[worker_pb2.OutputsFrame] = []
+        want = steps * len(rids)
+        while sum(len(f.batch.tokens) for f in frames) < want:
+            buf += await asyncio.wait_for(loop.sock_recv(s, 1 << 16), 10)
+            while len(buf) >= 4 and len(buf) >= 4 + _LEN.unpack(buf[:4])[0]:
+                (n,) = _LEN.unpack(buf[:4])
+                frames.append(worker_pb2.OutputsFrame.FromString(buf[4:4 + n]))
+                buf = buf[4 + n:]
+        s.close()
+        tokens = [(t.request_id, t.token_ids[0]) for f in frames for t in f.batch.tokens]
+        assert tokens == [(rid, 1000 * k + i) for k in range(steps)
+                          for i, rid in enumerate(rids)]
+        assert len(frames) - 1 < steps  # merged: the first frame is the empty one
+
+
+@run_async
+async def test_an_unreachable_port_falls_back_to_the_rpc() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: refused
+    batches = [worker_pb2.OutputBatch(seq=0), worker_pb2.OutputBatch(seq=1)]
+
+    class Rpc:
+        cancelled = False
+
+        def cancel(self) -> None:
+            self.cancelled = True
+
+        async def __aiter__(self):  # type: ignore[no-untyped-def]
+            for b in batches:
+                yield b
+
+    rpc = Rpc()
+    c = call(dead, fallback=lambda: rpc)
+    assert c.plain
+    got = [b.seq async for b in c]
+    s.close()
+    assert got == [0, 1] and not c.plain
+
+
+@run_async
+async def test_a_frame_past_the_cap_ends_the_stream(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A worker (or anything at its address) sending a huge length is not believed."""
+    monkeypatch.setattr(plain, "MAX_FRAME", 1000)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(100)
+        writer.write(_LEN.pack(5000) + b"x" * 10)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    with pytest.raises(PlainOutputsEnded) as e:
+        await anext(call(address).__aiter__())
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "OutputsFrame" in str(e.value)
+    server.close()

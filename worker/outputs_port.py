@@ -1,0 +1,208 @@
+"""The worker's Outputs stream over plain TCP: the router's per-step batches, one write each.
+
+The ``Outputs`` RPC (worker/servicer.py) carries the same batches, but grpc.aio completes
+each write on its own poller thread and then wakes the event loop for it: two wake-ups of
+this process per engine step (the step's message from the engine, then the write's
+completion), and at a consumer's step rates each wake-up, not the Python around it, is most
+of the process's CPU per token (bench/RESULTS.md, "The consumer's gRPC process on CPU";
+``bench/probes/wake_cost_probe.py`` measures a grpc.aio stream against this one). Here a
+batch is one ``transport.write`` inside the step message's own wake-up: the socket takes it
+at once, and nothing comes back to wake the loop.
+
+Wire (worker.proto, ``OutputsFrame``): every message either way is a 4-byte big-endian
+length and then the protobuf. The router sends one ``OutputsRequest`` (with the cluster
+token); the worker answers with frames, an empty batch first (subscribed: StartDecode calls
+may name it), then one per queued step, until an ``OutputsEnd`` (a gRPC status code and
+why) or the connection closes.
+
+Lifecycle of one connection (who moves it):
+
+    HELLO ──a valid OutputsRequest within HELLO_TIMEOUT_S──▶ STREAMING ──▶ CLOSED
+      │ anything else (too long, not an OutputsRequest,       │ the router closed it, the hub
+      │ wrong token, bad subscriber id, silence):             │ failed (OutputsEnd UNAVAILABLE),
+      ▼ OutputsEnd naming the field, then CLOSED              ▼ or the worker stops
+
+A subscriber whose connection closes hands back its requests, which are aborted (their
+reader is gone), exactly as when the RPC ends. A router that reads slower than steps come
+gets its queued steps merged into its next batch (worker/output_hub.py) while the write
+waits for the socket to drain, so memory stays bounded by the requests, not the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from pdserve.v1 import worker_pb2
+
+from worker.output_hub import OutputHub, SubscriberFailed
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 10.0  # a connection that sends no OutputsRequest by then is closed
+MAX_HELLO = 4096  # bytes of the OutputsRequest: a subscriber id (<= 256) and a token
+# The transport's write buffer above which a write waits for the socket to drain (the hub
+# merges the steps that come meanwhile); a 256-request step is ~20 KB.
+HIGH_WATER = 1 << 20
+_LEN = struct.Struct(">I")
+# OutputsFrame's ``batch`` field (number 1, length-delimited): a serialized OutputBatch
+# behind this tag and its length is that frame, without copying the batch into a wrapper.
+_BATCH_TAG = b"\x0a"
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def batch_frame(batch: worker_pb2.OutputBatch) -> bytes:
+    """The length-prefixed ``OutputsFrame`` carrying ``batch``."""
+    data = batch.SerializeToString()
+    body = _BATCH_TAG + _varint(len(data))
+    return _LEN.pack(len(body) + len(data)) + body + data
+
+
+def end_frame(code: grpc.StatusCode, message: str) -> bytes:
+    body = worker_pb2.OutputsFrame(end=worker_pb2.OutputsEnd(
+        code=code.value[0], message=message)).SerializeToString()
+    return _LEN.pack(len(body)) + body
+
+
+class HelloRefused(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class OutputsPort:
+    """The listener; ``orphaned`` aborts the requests a closed stream hands back."""
+
+    def __init__(self, hub: OutputHub, cluster_token: str,
+                 orphaned: Callable[[list[str], str], None],
+                 failed: Callable[[], str | None]) -> None:
+        self.hub = hub
+        self.cluster_token = cluster_token
+        self.orphaned = orphaned
+        self.failed = failed  # the engine's fatal error (None or "": none)
+        self.server: asyncio.AbstractServer | None = None
+        self.streams: set[asyncio.Task[None]] = set()
+        self.refused = 0  # connections closed at their hello (tests, logs)
+
+    async def start(self, host: str, port: int) -> int:
+        self.server = await asyncio.start_server(self._serve, host, port)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for t in list(self.streams):
+            t.cancel()
+        if self.streams:
+            await asyncio.gather(*self.streams, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.streams.add(task)
+        peer: Any = writer.get_extra_info("peername")
+        try:
+            try:
+                request = await asyncio.wait_for(self._hello(reader), HELLO_TIMEOUT_S)
+            except TimeoutError:
+                raise HelloRefused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"no OutputsRequest within {HELLO_TIMEOUT_S:g} s") from None
+            await self._stream(request, reader, writer)
+        except HelloRefused as e:
+            self.refused += 1
+            log.warning("refused an Outputs connection from %s: %s", peer, e)
+            with contextlib.suppress(ConnectionError):
+                writer.write(end_frame(e.code, str(e)))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the router went away: the stream ends as if it closed it
+        except asyncio.CancelledError:
+            # stop(): ended here, since asyncio's stream server (3.11) reads the exception
+            # of a connection task that ends cancelled and logs the CancelledError it gets
+            task.uncancel()
+        finally:
+            self.streams.discard(task)
+            writer.close()
+
+    async def _hello(self, reader: asyncio.StreamReader) -> worker_pb2.OutputsRequest:
+        try:
+            (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
+        except asyncio.IncompleteReadError:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "OutputsRequest: the connection closed before it") from None
+        if n > MAX_HELLO:
+            raise HelloRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"OutputsRequest: {n} bytes, more than {MAX_HELLO}")
+        try:
+            request = worker_pb2.OutputsRequest.FromString(await reader.readexactly(n))
+        except asyncio.IncompleteReadError:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               "OutputsRequest: the connection closed inside it") from None
+        except DecodeError as e:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"OutputsRequest: not a valid message: {e}") from None
+        if self.cluster_token and not hmac.compare_digest(
+                request.cluster_token.encode(), self.cluster_token.encode()):
+            raise HelloRefused(grpc.StatusCode.UNAUTHENTICATED,
+                               "cluster_token: wrong or missing cluster token")
+        if fatal := self.failed():
+            raise HelloRefused(grpc.StatusCode.UNAVAILABLE, fatal)
+        return request
+
+    async def _stream(self, request: worker_pb2.OutputsRequest,
+                      reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            sub, replaced = self.hub.subscribe(request.subscriber_id)
+        except ValueError as e:
+            raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        self.orphaned(replaced, "its router opened a new Outputs stream")
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # a router host that vanishes without a reset is found too
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        writer.transport.set_write_buffer_limits(high=HIGH_WATER)
+        # The router sends nothing after its hello: a read returns only when it closes
+        # (or breaks the protocol), and then ends the stream. Until then it costs nothing:
+        # no wake-up, and no second future to wait on beside each step's batch.
+        me = asyncio.current_task()
+        assert me is not None
+        closed = asyncio.ensure_future(reader.read(1))
+
+        def on_closed(_: asyncio.Future[bytes]) -> None:
+            me.cancel()
+
+        closed.add_done_callback(on_closed)
+        try:
+            writer.write(batch_frame(worker_pb2.OutputBatch(seq=0)))
+            while True:
+                try:
+                    batch = await sub.next_batch()
+                except SubscriberFailed as e:  # every request on it ended with this
+                    writer.write(end_frame(grpc.StatusCode.UNAVAILABLE, str(e)))
+                    return
+                writer.write(batch_frame(batch))
+                if writer.transport.get_write_buffer_size() > HIGH_WATER:
+                    await writer.drain()
+        except asyncio.CancelledError:
+            if not closed.done():
+                raise  # the worker stops
+            me.uncancel()  # the router closed the connection: the stream ends here
+        finally:
+            closed.remove_done_callback(on_closed)
+            closed.cancel()
+            self.orphaned(self.hub.unsubscribe(sub), "its router's Outputs stream ended")
