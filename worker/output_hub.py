@@ -76,6 +76,11 @@ class Subscriber:
         self._queued = False  # pending holds queued steps the reader has not taken
         self._ready = asyncio.Event()
 
+    @property
+    def has_queued(self) -> bool:
+        """A batch waits for the reader (the stream has not taken it yet)."""
+        return self._queued
+
     async def next_batch(self) -> worker_pb2.OutputBatch:
         """Everything queued since the last call, as one message (waits for something);
         SubscriberFailed once the queue is empty and the hub failed it."""

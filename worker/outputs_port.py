@@ -43,10 +43,12 @@ import grpc
 from google.protobuf.message import DecodeError
 from pdserve.v1 import worker_pb2
 
-from worker.output_hub import OutputHub, SubscriberFailed
+from worker.output_hub import OutputHub, Subscriber, SubscriberFailed
 
 log = logging.getLogger(__name__)
 
+# How long stop() lets the streams write what is queued (the RPC's server.stop grace)
+STOP_GRACE_S = 1.0
 HELLO_TIMEOUT_S = 10.0  # a connection that sends no OutputsRequest by then is closed
 MAX_HELLO = 4096  # bytes of the OutputsRequest: a subscriber id (<= 256) and a token
 # The transport's write buffer above which a write waits for the socket to drain (the hub
@@ -98,19 +100,32 @@ class OutputsPort:
         self.failed = failed  # the engine's fatal error (None or "": none)
         self.server: asyncio.AbstractServer | None = None
         self.streams: set[asyncio.Task[None]] = set()
+        # the streams past their hello: what each reads and writes to (stop() flushes them)
+        self.live: dict[asyncio.Task[None], tuple[Subscriber, asyncio.StreamWriter]] = {}
         self.refused = 0  # connections closed at their hello (tests, logs)
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
         return int(self.server.sockets[0].getsockname()[1])
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Closes the listener, lets the streams write what the hub queued for them (up to
+        ``grace_s``: a drained worker's last tokens are in flight), then ends them."""
         if self.server is not None:
             self.server.close()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        while self._unsent() and loop.time() < end:
+            await asyncio.sleep(0.01)
         for t in list(self.streams):
             t.cancel()
         if self.streams:
             await asyncio.gather(*self.streams, return_exceptions=True)
+
+    def _unsent(self) -> bool:
+        """Some stream has a batch queued or bytes not yet taken by its socket."""
+        return any(sub.has_queued or writer.transport.get_write_buffer_size()
+                   for sub, writer in self.live.values())
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -187,6 +202,7 @@ class OutputsPort:
             me.cancel()
 
         closed.add_done_callback(on_closed)
+        self.live[me] = (sub, writer)
         try:
             writer.write(batch_frame(worker_pb2.OutputBatch(seq=0)))
             while True:
@@ -203,6 +219,7 @@ class OutputsPort:
                 raise  # the worker stops
             me.uncancel()  # the router closed the connection: the stream ends here
         finally:
+            self.live.pop(me, None)
             closed.remove_done_callback(on_closed)
             closed.cancel()
             self.orphaned(self.hub.unsubscribe(sub), "its router's Outputs stream ended")

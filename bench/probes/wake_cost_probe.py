@@ -1,6 +1,7 @@
 """What one wake-up of a process costs in CPU on this host, by kind: a thread sleeping in
-time.sleep, in epoll, an asyncio loop woken by its timer, and a grpc.aio server streaming
-one small message per wake-up against back to back; and, for scale, what a consumer's gRPC
+time.sleep, in epoll, an asyncio loop woken by its timer, a grpc.aio server streaming
+one small message per wake-up against back to back, and the same over the workers' plain-TCP
+Outputs stream (worker/outputs_port.py); and, for scale, what a consumer's gRPC
 process does per step in Python, hot (decode one 64-request step message from the engine,
 build its router batch, take it). The serving processes' CPU per token at low step rates
 follows their wake-ups (bench/RESULTS.md, "The consumer's gRPC process on CPU"); this says
@@ -103,6 +104,54 @@ def grpc_stream(period: float, n: int) -> float:
     return float(us)
 
 
+def _serve_plain(port: int, period: float, n: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    """The worker's plain-TCP Outputs write (worker/outputs_port.py): one frame per period."""
+    from worker.outputs_port import batch_frame
+
+    batch = _step_batch()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1)  # the reader's hello
+        c0 = cpu_s()
+        for _ in range(n):
+            writer.write(batch_frame(batch))
+            if period:
+                await asyncio.sleep(period)
+            else:
+                await writer.drain()
+        out.put((cpu_s() - c0) / n * 1e6)
+        writer.close()
+
+    async def serve() -> None:
+        await asyncio.start_server(stream, "127.0.0.1", port)
+        await asyncio.sleep(3600)
+
+    asyncio.run(serve())
+
+
+def plain_stream(period: float, n: int) -> float:
+    import socket
+
+    from deploy.ports import free_port
+
+    port = free_port("127.0.0.1")
+    out: mp.Queue = mp.Queue()  # type: ignore[type-arg]
+    p = mp.Process(target=_serve_plain, args=(port, period, n, out), daemon=True)
+    p.start()
+    for _ in range(100):  # until it listens
+        try:
+            s = socket.create_connection(("127.0.0.1", port))
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.05)
+    s.sendall(b"x")
+    while s.recv(1 << 16):
+        pass
+    us = out.get(timeout=60)
+    p.terminate()
+    return float(us)
+
+
 def step_work(n: int) -> float:
     """Wall µs per step of the consumer service's own per-step Python, back to back."""
     from worker.messages import decode, encode
@@ -141,6 +190,9 @@ def main() -> None:
         f"asyncio.sleep({a.period})": asyncio.run(asyncio_sleeps(a.period, a.n)),
         f"grpc.aio stream, one message per {a.period} s": grpc_stream(a.period, a.n),
         "grpc.aio stream, back to back": grpc_stream(0.0, a.n * 4),
+        f"plain TCP stream (--outputs-port), one message per {a.period} s":
+            plain_stream(a.period, a.n),
+        "plain TCP stream, back to back": plain_stream(0.0, a.n * 4),
         "a consumer service's step in Python (64 requests, hot, wall)": step_work(2000),
     }
     for name, us in rows.items():

@@ -6,7 +6,10 @@ process's id and a counter), opened on the first request placed there; every
 outputs of one engine step (reservations, tokens, ends) into one ``OutputBatch``. Here each
 batch is read once and its entries handed to the legs by request id, so the per-token cost
 is a dict lookup and a callback instead of a gRPC message read per token per request, and
-a request holds no call of its own once the worker took it.
+a request holds no call of its own once the worker took it. A worker that advertised an
+outputs address serves the same stream over plain TCP, which is read instead
+(router/requests/outputs_plain.py: less CPU on both ends; the RPC if the port is
+unreachable).
 
 Lifecycle (who moves it):
 

@@ -125,7 +125,10 @@ def test_fingerprint_mismatch_is_refused_but_colocated_may_differ() -> None:
 @pytest.mark.parametrize("kw,field", [
     (dict(worker_id=""), "worker_id"), (dict(role=0), "role"), (dict(address=""), "address"),
     (dict(kv_address=""), "kv_address"), (dict(max_model_len=0), "max_model_len"),
-    (dict(model="other"), "model"),
+    (dict(model="other"), "model"), (dict(outputs_address="nohost"), "outputs_address"),
+    (dict(outputs_address="h:0"), "outputs_address"),
+    (dict(outputs_address="h:99999"), "outputs_address"),
+    (dict(outputs_address=":5"), "outputs_address"),
 ])
 def test_bad_registration_names_the_field(kw: dict[str, object], field: str) -> None:
     reg = Registry(heartbeat_timeout_s=3.0, served_model="m", clock=Clock())

@@ -283,3 +283,21 @@ async def test_a_frame_past_the_cap_ends_the_stream(monkeypatch) -> None:  # typ
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "OutputsFrame" in str(e.value)
     server.close()
+
+
+@run_async
+async def test_stop_writes_what_was_queued_before_ending_the_streams() -> None:
+    """A drained worker's last tokens are queued just before it stops: they still go out."""
+    p = Port()
+    await p.__aenter__()
+    it = call(p.address).__aiter__()
+    await anext(it)
+    sub = p.hub.subscribers["router-1"]
+    p.hub.attach("a", sub)
+    p.step(["a"], 9, finish="length")
+    await p.port.stop()  # no yield between the step and the stop
+    batch = await anext(it)
+    assert [(t.request_id, list(t.token_ids)) for t in batch.tokens] == [("a", [9])]
+    with pytest.raises(PlainOutputsEnded) as e:
+        await anext(it)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
