@@ -143,6 +143,21 @@ def check_kv_port(name: str, kv_address: str, timeout: float = 3.0) -> Check:
     return check_port(name, rest if sep else kv_address, timeout)
 
 
+def check_outputs(name: str, outputs_address: str, outputs_transport: str,
+                  timeout: float = 3.0) -> list[Check]:
+    """A worker's plain-TCP Outputs port (``--outputs-port``) accepts TCP here, and the router
+    reads it: a router that could not reach it reads the Outputs RPC instead, which works
+    but costs more CPU per token on both ends."""
+    if not outputs_address:
+        return []
+    out = [check_port(f"{name} Outputs port", outputs_address, timeout)]
+    if outputs_transport == "grpc":
+        out.append(Check(f"{name} Outputs stream", WARN,
+                         f"the router could not reach {outputs_address} and reads the Outputs "
+                         f"RPC instead (more CPU per token): open the port to the router"))
+    return out
+
+
 def check_clock(remote_date: str, now: float, warn_s: float = 1.5,
                 fail_s: float = 30.0) -> Check:
     """The router's HTTP Date header against this node's clock (1 s resolution)."""
@@ -213,6 +228,7 @@ def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0,
         else:
             out.append(Check(name, PASS, f"heartbeat {w.last_heartbeat_age_s:.1f} s ago"))
         out.append(check_port(f"{name} gRPC port", w.address, timeout))
+        out.extend(check_outputs(name, w.outputs_address, w.outputs_transport, timeout))
         ranks = [a for a in w.kv_address.split(",") if a]  # a TP consumer: one per rank
         for r, addr in enumerate(ranks):
             rank = f" (rank {r})" if len(ranks) > 1 else ""

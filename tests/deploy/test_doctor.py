@@ -93,6 +93,7 @@ def test_a_running_cluster_passes() -> None:
         assert by["roles"].detail == "consumer, producer"
         assert by["producer worker-0 gRPC port"].status == PASS
         assert by["consumer worker-1 gRPC port"].status == PASS
+        assert by["consumer worker-1 Outputs port"].status == PASS  # --outputs-port 0
         c.kill("worker-1")
         # while the router still lists it, its gRPC port is closed; once dropped, the
         # cluster has no consumer: either way doctor fails and names it
@@ -101,7 +102,8 @@ def test_a_running_cluster_passes() -> None:
         assert exit_code(after) == 1, render(after)
         assert {k.name for k in failed} <= {"roles", "consumer worker-1",
                                              "consumer worker-1 gRPC port",
-                                             "consumer worker-1 KV port"}, render(after)
+                                             "consumer worker-1 KV port",
+                                             "consumer worker-1 Outputs port"}, render(after)
 
 
 def test_fingerprints_match_and_a_mismatch_fails() -> None:

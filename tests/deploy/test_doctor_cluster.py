@@ -1,6 +1,7 @@
 """`pdserve doctor --router`: fingerprints, versions and KV ports as a real router reports
 them (ClusterStatus fields from each worker's Register), pass and fail, the fail cases made
-on purpose: workers registered with two fingerprints, two versions, a closed KV port."""
+on purpose: workers registered with two fingerprints, two versions, a closed KV port and
+a closed Outputs port."""
 
 from __future__ import annotations
 
@@ -48,10 +49,11 @@ def listener(stack: ExitStack) -> str:
 
 
 def register(address: str, worker_id: str, role: int, grpc_addr: str, fingerprint: str,
-             version: str, kv_address: str = "") -> None:
+             version: str, kv_address: str = "", outputs_address: str = "") -> None:
     with grpc.insecure_channel(address) as ch:
         worker_pb2_grpc.RegistryStub(ch).Register(worker_pb2.RegisterRequest(
             worker_id=worker_id, role=role, address=grpc_addr, kv_address=kv_address,  # type: ignore[arg-type]
+            outputs_address=outputs_address,
             model=MODEL, kv_fingerprint=fingerprint, max_model_len=2048, version=version,
             load=common_pb2.WorkerLoad(kv_blocks_free=8, kv_blocks_total=8)), timeout=10)
 
@@ -101,7 +103,23 @@ def test_mismatched_fingerprints_versions_and_a_closed_kv_port_fail(
     with ExitStack() as stack, router() as addr:
         register(addr, "p0", common_pb2.ROLE_PRODUCER, listener(stack), "fp-a", "0.1.0")
         register(addr, "c0", common_pb2.ROLE_CONSUMER, listener(stack), "fp-a", "0.1.0",
-                 kv_address=f"tcp://127.0.0.1:{closed}")
+                 kv_address=f"tcp://127.0.0.1:{closed}",
+                 outputs_address=f"127.0.0.1:{closed}")
         checks = cluster_checks(addr)
         failed = [c.name for c in checks if c.status == FAIL]
-        assert failed == ["consumer c0 KV port"], render(checks)
+        assert failed == ["consumer c0 Outputs port", "consumer c0 KV port"], render(checks)
+
+
+def test_a_router_reading_the_rpc_for_an_advertised_port_warns() -> None:
+    """The router fell back to the Outputs RPC (the port was unreachable from it): doctor
+    says so even where the port is reachable from where doctor runs."""
+    from deploy.doctor import WARN, check_outputs
+
+    with ExitStack() as stack:
+        port = listener(stack)
+        assert [c.status for c in check_outputs("consumer c0", port, "tcp")] == [PASS]
+        checks = check_outputs("consumer c0", port, "grpc")
+        assert [(c.name, c.status) for c in checks] == [("consumer c0 Outputs port", PASS),
+                                                        ("consumer c0 Outputs stream", WARN)]
+        assert port in checks[1].detail and "open the port" in checks[1].detail
+    assert check_outputs("consumer c0", "", "grpc") == []  # none advertised (--outputs-port -1)
