@@ -103,10 +103,12 @@ class OutputsPort:
         # the streams past their hello: what each reads and writes to (stop() flushes them)
         self.live: dict[asyncio.Task[None], tuple[Subscriber, asyncio.StreamWriter]] = {}
         self.refused = 0  # connections closed at their hello (tests, logs)
+        self.port = 0  # where it listens, once started
 
     async def start(self, host: str, port: int) -> int:
         self.server = await asyncio.start_server(self._serve, host, port)
-        return int(self.server.sockets[0].getsockname()[1])
+        self.port = int(self.server.sockets[0].getsockname()[1])
+        return self.port
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Closes the listener, lets the streams write what the hub queued for them (up to

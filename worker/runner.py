@@ -113,6 +113,7 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
                 return 0
             port = int(addr.rsplit(":", 1)[1])
             metrics_port = w.metrics_server.port if w.metrics_server is not None else -1
+            outputs_port = w.outputs_port.port if w.outputs_port is not None else -1
         except Exception as e:  # noqa: BLE001 - one line for the log, exit 1 for the supervisor
             log.error("%s: %s: %s", w.worker_id, type(e).__name__, e)
             return 1
@@ -123,7 +124,7 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
         # the same identity and ports: the router and peers keep dialing the same address
         role = new_role
         cfg = dataclasses.replace(config_for(role), port=port, metrics_port=metrics_port,
-                                  worker_id=w.worker_id)
+                                  outputs_port=outputs_port, worker_id=w.worker_id)
 
 
 def run_worker_roles(config_for: Callable[[str], WorkerConfig], role: str,

@@ -47,6 +47,8 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
                                    HEARTBEAT_S))
     try:
         before = {w.worker_id: w.address for w in workers(c).values()}
+        outputs_before = {w.worker_id: w.outputs_address for w in workers(c).values()}
+        assert all(outputs_before.values()), outputs_before
         # long enough that a change finds requests in flight: the worker learns of its order
         # at its next heartbeat (every 0.25 s here), and the longest request still runs for
         # seconds after that (300+ tokens left at a few hundred tokens/s on a 2-core
@@ -60,6 +62,7 @@ def test_1p1d_to_2_colocated_and_back_under_load(tmp_path_factory, tiny_model, c
             ws = workers(c)
             assert {w: s.role for w, s in ws.items()} == {"worker-0": X, "worker-1": X}
             assert {w: s.address for w, s in ws.items()} == before  # same identity and port
+            assert {w: s.outputs_address for w, s in ws.items()} == outputs_before
             assert not any(s.draining for s in ws.values())
             n_colocated = load.count()
             load.wait_for(6)

@@ -301,3 +301,49 @@ async def test_stop_writes_what_was_queued_before_ending_the_streams() -> None:
     with pytest.raises(PlainOutputsEnded) as e:
         await anext(it)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _junk(rng, n: int) -> list[bytes]:  # type: ignore[no-untyped-def]
+    """Hellos a stranger might send: random bytes, random bytes behind a plausible length,
+    a length promising more than comes, valid requests with junk appended."""
+    out = []
+    for i in range(n):
+        body = rng.randbytes(rng.randrange(0, 64))
+        kind = i % 4
+        if kind == 0:
+            out.append(body)
+        elif kind == 1:
+            out.append(_LEN.pack(len(body)) + body)
+        elif kind == 2:
+            out.append(_LEN.pack(len(body) + rng.randrange(1, 100)) + body)
+        else:
+            req = worker_pb2.OutputsRequest(subscriber_id=body.hex()[:20], cluster_token="x")
+            data = req.SerializeToString() + body
+            out.append(_LEN.pack(len(data)) + data)
+    return out
+
+
+@run_async
+async def test_junk_from_strangers_never_subscribes_and_the_port_serves_on() -> None:
+    """Whatever a stranger sends, the answer is at most one OutputsEnd and a close: no
+    subscriber is made, no task is left behind, and the router's stream still works."""
+    import random
+
+    async with Port() as p:
+        host, _, port = p.address.rpartition(":")
+        for junk in _junk(random.Random(20261203), 200):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(junk)
+            writer.write_eof()
+            data = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            if data:  # one OutputsEnd frame, nothing else
+                (n,) = _LEN.unpack(data[:4])
+                assert len(data) == 4 + n, junk
+                frame = worker_pb2.OutputsFrame.FromString(data[4:])
+                assert frame.WhichOneof("kind") == "end", junk
+                assert frame.end.code != grpc.StatusCode.OK.value[0]
+            assert not p.hub.subscribers, junk
+        await wait_until(lambda: not p.port.streams)
+        it = call(p.address).__aiter__()
+        assert (await anext(it)).seq == 0
