@@ -214,8 +214,7 @@ class OutputsPort:
                     writer.write(end_frame(grpc.StatusCode.UNAVAILABLE, str(e)))
                     return
                 writer.write(batch_frame(batch))
-                if writer.transport.get_write_buffer_size() > HIGH_WATER:
-                    await writer.drain()
+                await writer.drain()  # waits only past HIGH_WATER (the transport's limit)
         except asyncio.CancelledError:
             if not closed.done():
                 raise  # the worker stops

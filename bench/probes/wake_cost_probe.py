@@ -81,27 +81,32 @@ def _serve(port: int, period: float, n: int, out: mp.Queue) -> None:  # type: ig
     asyncio.run(serve())
 
 
-def grpc_stream(period: float, n: int) -> float:
-    import grpc
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
+def _measured(serve, period: float, n: int, read) -> float:  # type: ignore[no-untyped-def]
+    """µs of CPU per message that ``serve`` (its own process, on a free port) spends
+    streaming ``n`` of them, while ``read(port)`` reads them all here."""
     from deploy.ports import free_port
 
     port = free_port("127.0.0.1")
     out: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-    p = mp.Process(target=_serve, args=(port, period, n, out), daemon=True)
+    p = mp.Process(target=serve, args=(port, period, n, out), daemon=True)
     p.start()
+    read(port)
+    us = out.get(timeout=60)
+    p.terminate()
+    return float(us)
 
-    async def read() -> None:
+
+def grpc_stream(period: float, n: int) -> float:
+    import grpc
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    async def read(port: int) -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
             req = worker_pb2.OutputsRequest(subscriber_id="probe")
             async for _ in worker_pb2_grpc.WorkerStub(ch).Outputs(req, wait_for_ready=True):
                 pass
 
-    asyncio.run(read())
-    us = out.get(timeout=60)
-    p.terminate()
-    return float(us)
+    return _measured(_serve, period, n, lambda port: asyncio.run(read(port)))
 
 
 def _serve_plain(port: int, period: float, n: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
@@ -132,24 +137,19 @@ def _serve_plain(port: int, period: float, n: int, out: mp.Queue) -> None:  # ty
 def plain_stream(period: float, n: int) -> float:
     import socket
 
-    from deploy.ports import free_port
+    def read(port: int) -> None:
+        for _ in range(100):  # until it listens
+            try:
+                s = socket.create_connection(("127.0.0.1", port))
+                break
+            except ConnectionRefusedError:
+                time.sleep(0.05)
+        s.sendall(b"x")
+        while s.recv(1 << 16):
+            pass
+        s.close()
 
-    port = free_port("127.0.0.1")
-    out: mp.Queue = mp.Queue()  # type: ignore[type-arg]
-    p = mp.Process(target=_serve_plain, args=(port, period, n, out), daemon=True)
-    p.start()
-    for _ in range(100):  # until it listens
-        try:
-            s = socket.create_connection(("127.0.0.1", port))
-            break
-        except ConnectionRefusedError:
-            time.sleep(0.05)
-    s.sendall(b"x")
-    while s.recv(1 << 16):
-        pass
-    us = out.get(timeout=60)
-    p.terminate()
-    return float(us)
+    return _measured(_serve_plain, period, n, read)
 
 
 def step_work(n: int) -> float:
