@@ -20,6 +20,12 @@ import torch
 # 1, 2 and 4 rows (bench/probes/fusion_probe.py); more rows were not tried, and as the GEMM grows
 # compute-shaped cuBLAS's own split choice should win.
 MAX_ROWS = 4
+# Up to this many rows for FP8 layers (engine/quant/fp8_linear.py), whose weight-only
+# kernel makes the K-split partials itself (auto_splits) and otherwise sums them in torch
+# (a sum and a cast, two more launches): at 8 rows on an H200 those took 0.36 ms of a 8B
+# model's step (bench/RESULTS.md, "Where the FP8 batch-1 decode step goes"). The weight-only
+# kernel's own row limit (WEIGHT_ONLY_MAX_ROWS): partials() declines beyond it.
+FP8_MAX_ROWS = 16
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).
 QKV = True
 # Partial sums per projection. Two measured best for Llama-3-8B's o_proj and down_proj
@@ -43,7 +49,7 @@ def split_k_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | No
     # An FP8 layer makes its own (engine/quant). Looked up on the class: a method, and a
     # miss on the type costs no exception.
     if hasattr(type(layer), "partials"):
-        if x.shape[0] == 0 or x.shape[0] > MAX_ROWS:
+        if x.shape[0] == 0 or x.shape[0] > FP8_MAX_ROWS:
             return None
         out: torch.Tensor | None = type(layer).partials(layer, x)  # type: ignore[attr-defined]
         return out
