@@ -16,16 +16,17 @@ from __future__ import annotations
 
 import torch
 
+from engine.quant.fp8_linear import WEIGHT_ONLY_MAX_ROWS
+
 # Up to this many rows the fused-reduce form is used (0 turns it off). Measured faster at
 # 1, 2 and 4 rows (bench/probes/fusion_probe.py); more rows were not tried, and as the GEMM grows
 # compute-shaped cuBLAS's own split choice should win.
 MAX_ROWS = 4
-# Up to this many rows for FP8 layers (engine/quant/fp8_linear.py), whose weight-only
+# Up to this many rows for FP8 layers: the weight-only kernel's own row limit, since that
 # kernel makes the K-split partials itself (auto_splits) and otherwise sums them in torch
 # (a sum and a cast, two more launches): at 8 rows on an H200 those took 0.36 ms of a 8B
-# model's step (bench/RESULTS.md, "Where the FP8 batch-1 decode step goes"). The weight-only
-# kernel's own row limit (WEIGHT_ONLY_MAX_ROWS): partials() declines beyond it.
-FP8_MAX_ROWS = 16
+# model's step (bench/RESULTS.md, "Where the FP8 batch-1 decode step goes").
+FP8_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).
 QKV = True
 # Partial sums per projection. Two measured best for Llama-3-8B's o_proj and down_proj
