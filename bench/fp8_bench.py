@@ -12,6 +12,9 @@ Sections (``--sections``, in order; each writes one key of the JSON):
     WEIGHT_ONLY_MAX_ROWS.
   * ``prefill``: one 4096-token prefill through the model (eager, as the engine runs
     prefill), tokens/s in bf16 and FP8.
+  * ``pdl``: the decode step (CUDA graphs) with programmatic dependent launch off and on
+    (kernels/pdl.py), bf16 and FP8, alternated off/on/off/on so drift shows; with PDL on,
+    FP8 also with each ``--variants`` setting (a module constant set for that capture).
   * ``profile``: the graphed decode step's kernels under torch.profiler (bench/moe_profile.py)
     at each --batches x --contexts point, bf16 and FP8, and per kernel name the FP8 step's
     time against bf16's: where FP8's step is above its byte floor.
@@ -24,13 +27,16 @@ the model config directory, the HBM rate and each dtype's engine builder.
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import gc
+import importlib
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -117,6 +123,57 @@ def decode_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[s
         points.append(p)
         print(json.dumps(p), flush=True)
     return points
+
+
+@contextlib.contextmanager
+def setting(spec: str) -> Iterator[None]:
+    """'package.module.NAME=value' (value a Python literal) set for the block."""
+    target, _, value = spec.partition("=")
+    mod_name, _, attr = target.rpartition(".")
+    mod = importlib.import_module(mod_name)
+    old = getattr(mod, attr)
+    setattr(mod, attr, ast.literal_eval(value))
+    try:
+        yield
+    finally:
+        setattr(mod, attr, old)
+
+
+def pdl_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    import kernels.pdl as pdl
+
+    default_on = pdl.ENABLED
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def run(eng, key: str) -> None:
+        for (b, c), ms in _points(eng, args).items():
+            rows.setdefault((b, c), {"batch": b, "context": c}).setdefault(key, []).append(
+                round(ms, 3))
+
+    try:
+        for name, quant in (("bf16", None), ("fp8", args.quantization)):
+            eng = build(ctx, quant, args)
+            for on in (False, True, False, True):
+                pdl.ENABLED = on
+                recapture(eng)
+                run(eng, f"{name}_pdl_{'on' if on else 'off'}_ms")
+            if quant is not None:
+                pdl.ENABLED = True
+                for spec in args.variant_list:
+                    with setting(spec):
+                        recapture(eng)
+                        run(eng, f"fp8_pdl_{spec}_ms")
+            free(eng)
+    finally:
+        pdl.ENABLED = default_on
+    out = list(rows.values())
+    for r in out:
+        for name in ("bf16", "fp8"):
+            off, on = r.get(f"{name}_pdl_off_ms"), r.get(f"{name}_pdl_on_ms")
+            if off and on:
+                r[f"{name}_on_over_off"] = round(min(on) / min(off), 3)
+        print(json.dumps(r), flush=True)
+    return out
 
 
 def _prefill_ms(engine, n: int) -> float:
@@ -208,7 +265,7 @@ def kernel_diff(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section,
-                                "profile": profile_section}
+                                "pdl": pdl_section, "profile": profile_section}
 
 
 def main() -> None:
@@ -224,8 +281,12 @@ def main() -> None:
                     help="FP8's --quantization: fp8 leaves the first and last decoder layers "
                          "in bf16 (engine/quant/scheme.py); fp8-all quantizes all of them, "
                          "as an FP8 per-channel checkpoint that ignores only lm_head runs")
+    ap.add_argument("--variants", default="",
+                    help="pdl section: FP8 (PDL on) also with each of these settings, "
+                         "'module.NAME=value' each, ';' between them")
     ap.add_argument("--out", default="bench/results/fp8_h200.json")
     args = ap.parse_args()
+    args.variant_list = [v for v in args.variants.split(";") if v]
     args.batch_list = [int(b) for b in args.batches.split(",") if b]
     args.context_list = [int(c) for c in args.contexts.split(",") if c]
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, pdl_for, wait
 from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
     check,
@@ -108,8 +109,11 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
     DYN: tl.constexpr, FUSED: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr,
-    ROUND: tl.constexpr, CLAMP_Q: tl.constexpr,
+    ROUND: tl.constexpr, CLAMP_Q: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
+        wait()
+        launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -224,7 +228,11 @@ def _merge_kernel(
     split_len,  # as the decode kernel's (DYN: the least tokens per split)
     num_splits,
     D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, DYN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        wait()
+        launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
@@ -356,6 +364,7 @@ def decode_attention(
         cnt = None
     block_g = max(16, triton.next_power_of_2(g))
     fp16 = kv_fp16_products(q, kv_layer)
+    pdl = pdl_for(q)
     want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
                                kv_layer.dtype, q.device, min_block_m=block_g)
 
@@ -374,7 +383,7 @@ def decode_attention(
             IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
             FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n,
             MERGE_S=min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits))),
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
         )
 
     # split_len is a multiple of block_n; shrinking halves block_n, so it still divides it.
@@ -383,7 +392,7 @@ def decode_attention(
         _merge_kernel[(bsz, hq)](
             part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
             num_splits, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_N=block_n, DYN=dyn, num_warps=4,
+            BLOCK_N=block_n, DYN=dyn, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out
 

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, pdl_for, wait
 from kernels.triton_common import check, check_float
 
 # Tensor-core path (and the pre-GEMV default).
@@ -49,6 +50,10 @@ GEMV_MAX_M = 4
 # [BLOCK_N, rows] accumulator makes Triton pick a layout that round-trips through shared
 # memory every tile). Larger M takes more programs, which re-read the tile from L2.
 GEMV_ROWS = 4
+# The most K ranges choose_splits gives a projection (0: as many as its config's
+# programs-per-SM target asks for). Each range is one float32 partial the next kernel (a
+# norm, RoPE) sums on a few SMs, so more partials shorten the GEMV but lengthen that reader.
+MAX_SPLITS = 0
 
 
 @dataclass(frozen=True)
@@ -106,7 +111,7 @@ def config_for(m: int, n: int, k: int, groups: int) -> Config:
 @triton.jit
 def _wo_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, s_xm, s_wn, s_sn, s_os, s_om,
                k_per_split, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
-               EVEN_K: tl.constexpr, CVT_F32: tl.constexpr,
+               EVEN_K: tl.constexpr, CVT_F32: tl.constexpr, PDL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -117,6 +122,9 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, s_xm, s_wn, s_sn, s_os, s_
     m_ok = rm < M
     n_ok = rn < N
     k0 = pid_s * k_per_split
+    if PDL:
+        wait()  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
+        launch_dependents()
     k_end = tl.minimum(k0 + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(k0, k_end, BLOCK_K):
@@ -166,6 +174,7 @@ def _row_sum(wf, x_ptrs, k_ok, EVEN_K: tl.constexpr):
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_om,
                  k_per_split, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
                  EVEN_K: tl.constexpr, ROWS: tl.constexpr, EVICT_FIRST: tl.constexpr,
+                 PDL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     # grid: (row groups, N tiles, K splits). Row groups vary fastest, so the programs that
     # share a weight tile run together and all but the first read it from L2.
@@ -179,6 +188,9 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_o
     # N, so the 16-byte vectors along K survive; those sums are not stored.
     rn_ld = tl.minimum(rn, N - 1)
     k0 = pid_s * k_per_split
+    if PDL:
+        wait()  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
+        launch_dependents()
     w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :]
     # x as [BLOCK_K]: Triton then moves this small vector into the weight tile's layout
     # (as [1, BLOCK_K] it was seen converting the weight tile into x's layout instead).
@@ -273,7 +285,7 @@ def choose_splits(m: int, n: int, k: int, groups: int, sms: int) -> int:
                 and (groups == 1 or c % gk == 0))
 
     s = 1
-    while progs * s < target * sms and fits(2 * s):
+    while progs * s < target * sms and fits(2 * s) and (not MAX_SPLITS or 2 * s <= MAX_SPLITS):
         s *= 2
     return s
 
@@ -320,20 +332,23 @@ def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     if m == 0:
         return out[0] if splits == 1 else out
     even_k = cfg.even_k and kps % block_k == 0
+    pdl = pdl_for(x)
     if cfg.kind == "gemv":
         rows = _gemv_rows(m)
         grid = (triton.cdiv(m, rows), triton.cdiv(n, cfg.block_n), splits)
         _gemv_kernel[grid](
             x, w, w_scale, out, m, n, x.stride(0), w.stride(0), w_scale.stride(0),
-            out.stride(0), out.stride(1), kps, GROUP_K=gk, ONE_GROUP=g == 1, EVEN_K=even_k,
-            ROWS=rows, EVICT_FIRST=m <= rows, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-            STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+            out.stride(0), out.stride(1), kps, GROUP_K=gk, ONE_GROUP=g == 1,
+            EVEN_K=even_k, ROWS=rows, EVICT_FIRST=m <= rows, PDL=pdl,
+            BLOCK_N=cfg.block_n, BLOCK_K=block_k, STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps, launch_pdl=pdl)
     else:
         bm = _block_m(m)
         grid = (triton.cdiv(n, cfg.block_n), splits, triton.cdiv(m, bm))
         _wo_kernel[grid](x, w, w_scale, out, m, n, k, x.stride(0), w.stride(0),
                          w_scale.stride(0), out.stride(0), out.stride(1), kps, GROUP_K=gk,
-                         ONE_GROUP=g == 1, EVEN_K=even_k, CVT_F32=cfg.cvt_f32, BLOCK_M=bm,
-                         BLOCK_N=cfg.block_n, BLOCK_K=block_k, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
+                         ONE_GROUP=g == 1, EVEN_K=even_k, CVT_F32=cfg.cvt_f32, PDL=pdl,
+                         BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+                         num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages, launch_pdl=pdl)
     return out[0] if splits == 1 else out

@@ -10,7 +10,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, pdl_for, wait
 from kernels.triton_common import check, check_device, check_float, check_int, check_shape
+
+# Columns of a row per warp (at most 16 warps): one program holds a whole row, which at one
+# to a few rows (decode) is the whole kernel on one SM each. On the H200 with PDL, an 8B
+# FP8 decode step at batch 1 took 2.777 ms at 512 (8 warps for 4096), 2.696 at 256 and
+# 2.709 at 1024 (bench/fp8_bench.py --sections pdl --variants, bench/RESULTS.md).
+COLS_PER_WARP = 256
 
 
 @triton.jit
@@ -19,8 +26,11 @@ def _rms_norm_kernel(
     s_x, s_r, s_o, s_nr,  # row strides; rows are contiguous
     s_part,  # PARTS > 0: stride between x's float32 partial sums
     H, eps,
-    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PARTS: tl.constexpr,
+    HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # every input may be the kernel before's output (kernels/pdl.py)
+        wait()
+        launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -79,13 +89,14 @@ def rms_norm(
         return out, new_res
     res = residual if residual is not None else x  # unused pointer when HAS_RES is False
     block_h = triton.next_power_of_2(hidden)
+    pdl = pdl_for(x)
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, new_res,
         x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
         x_parts.stride(0) if parts else 0,
         hidden, eps,
-        HAS_RES=residual is not None, BLOCK_H=block_h, PARTS=parts,
-        num_warps=min(16, max(1, block_h // 512)),
+        HAS_RES=residual is not None, BLOCK_H=block_h, PARTS=parts, PDL=pdl,
+        num_warps=min(16, max(1, block_h // COLS_PER_WARP)), launch_pdl=pdl,
     )
     return out, new_res
 

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import launch_dependents, pdl_for, wait
 from kernels.triton_common import (
     check,
     check_device,
@@ -59,7 +60,11 @@ def _rope_store_kv_kernel(
     k_scale, v_scale,  # FP8: what the cache entries are multiplied by when read
     HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PARTS: tl.constexpr, FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # q/k/v are the kernel before's output (kernels/pdl.py)
+        wait()
+        launch_dependents()
     TY = qo_ptr.dtype.element_ty  # the projection's (the model's) dtype
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -145,6 +150,7 @@ def rope_store_kv(
         s_part, float(k_scale), float(v_scale),
         HQ=hq, HKV=hkv, HALF=d // 2, BS=kv_layer.shape[2],
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        PARTS=parts, FP8=is_fp8(kv_layer), num_warps=4,
+        PARTS=parts, FP8=is_fp8(kv_layer), PDL=pdl_for(q), num_warps=4,
+        launch_pdl=pdl_for(q),
     )
     return q_out
