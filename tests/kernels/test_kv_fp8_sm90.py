@@ -36,7 +36,7 @@ for kvt in ("*bf16", F8):
             dec._decode_kernel, dict(DEC, kv_ptr=kvt), dict(
                 G=4, BLOCK_G=16, D=128, BS=16, BLOCK_N=bn, SPLIT=split,
                 COMPUTE=tl.float16 if fp8 else tl.bfloat16, IEEE=False, DYN=split,
-                FUSED=split, G_PAD=4, MERGE_S=16, ROUND=bn, CLAMP_Q=fp8),
+                FUSED=split, G_PAD=4, MERGE_S=16, ROUND=bn, CLAMP_Q=fp8, PDL=True),
             num_warps=dec.FP8_NUM_WARPS if fp8 else dec.NUM_WARPS,
             num_stages=dec.FP8_NUM_STAGES if fp8 else dec.NUM_STAGES)
 PRE_TILES = {False: dict(BLOCK_M=pre.BLOCK_M, num_warps=pre.NUM_WARPS),
@@ -67,7 +67,8 @@ for parts in (0, 2):  # plain, and a K-split qkv_proj's float32 partials
         "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_vt": "i32", "s_vh": "i32",
         "s_qot": "i32", "s_qoh": "i32", "s_cs": "i32", "s_cb": "i64", "s_ckv": "i32",
         "s_cs2": "i32", "s_ch": "i32", "s_part": "i32", "k_scale": "fp32", "v_scale": "fp32"},
-        dict(HQ=32, HKV=8, HALF=64, BS=16, BLOCK_HQ=32, BLOCK_HKV=8, PARTS=parts, FP8=True),
+        dict(HQ=32, HKV=8, HALF=64, BS=16, BLOCK_HQ=32, BLOCK_HKV=8, PARTS=parts, FP8=True,
+             PDL=True),
         num_warps=4)
 out["store_latent"] = spills(st._store_latent_kernel, {
     "src_ptr": "*bf16", "kv_ptr": F8, "slot_ptr": "*i64", "s_t": "i32", "s_cb": "i64",
