@@ -2,11 +2,11 @@
 its cache-aware placement.
 
 Lifecycle: the bridge hands every KV event to ``add`` (on the gRPC process's loop); ``run``
-sends what is pending at most every ``interval_s`` (by role: ``interval_for``), in one
-batch. Under a steady stream of events the send rides the loop wake-up that brought the
-first event after the interval (no timer of its own: a timer's wake-up of the loop cost
-~0.3 ms of CPU on a 2-core VM, as much as the call); a lone event with nothing after it
-leaves at the latest two intervals after the last send. The router answers
+sends what is pending at most every ``interval_s``, in one batch. Under a steady stream of
+events the send rides the loop wake-up that brought the first event after the interval (no
+timer of its own: a timer's wake-up of the loop cost ~0.3 ms of CPU on a 2-core VM, as much as
+the call); a lone event with nothing after it leaves at the latest two intervals after the
+last send. The router answers
 ``resync`` when its view of this worker is missing or has a gap (it restarted, this worker
 registered again, a batch was lost): the next batch then carries a snapshot of the mirror
 (worker/kv_mirror.py) and the events after it. The pending events are bounded: past
@@ -37,14 +37,6 @@ log = logging.getLogger("pdserve.worker")
 # at 0.05 s that was ~7% of a consumer's service CPU at 1k tokens/s. An index up to 0.2 s
 # behind costs only the hits of requests placed within that time of a prefix's first use.
 PUBLISH_INTERVAL_S = 0.2
-# A consumer's own events come from its decode: each running request fills a block every
-# block_size steps, a steady stream, and those blocks serve the next turn of a conversation,
-# seconds later. So it publishes at most this often: at 0.2 s its five calls a second cost
-# 13% of the service's CPU per streamed token on a 2-core VM (19.5 / 18.6 µs against 16.5 /
-# 16.8 at 1 s, bench/RESULTS.md). Producers and colocated workers keep the shorter interval:
-# their events are prompts' blocks, which concurrent requests with the same prefix may share
-# within moments.
-DECODE_PUBLISH_INTERVAL_S = 1.0
 # Hashes waiting to be published before they are dropped for a snapshot (32 bytes each).
 MAX_PENDING_HASHES = 1 << 16
 # The most hashes one snapshot carries (the newest): within the router's message limit.
@@ -54,11 +46,6 @@ MAX_SNAPSHOT_HASHES = 1 << 19
 UNSUPPORTED_RETRY_S = 30.0
 CALL_TIMEOUT_S = 5.0
 CHANNEL_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
-
-
-def interval_for(role: str) -> float:
-    """The publishing interval of a worker of this role (engine/config.ROLES)."""
-    return DECODE_PUBLISH_INTERVAL_S if role == "consumer" else PUBLISH_INTERVAL_S
 
 
 class KVPublisher:

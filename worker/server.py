@@ -14,7 +14,7 @@ from pdserve.v1 import worker_pb2_grpc
 
 from worker import ipc
 from worker.engine_loop import EngineSpec, engine_process_main
-from worker.kv_publisher import KVPublisher, interval_for
+from worker.kv_publisher import KVPublisher
 from worker.messages import StopCmd
 from worker.metrics_server import MetricsServer, ServingCounters, WorkerMetrics
 from worker.outputs_port import OutputsPort
@@ -80,7 +80,7 @@ class WorkerServer:
         self.bridge = EngineBridge(self.paths)
         # from the engine's first event on: the router's index must see every block
         pub = self.kv_publisher = KVPublisher(cfg.router, self.worker_id, cfg.cluster_token,
-                                              cfg.router_ca, interval_for(cfg.spec.role))
+                                              cfg.router_ca)
         self.bridge.on_kv = pub.add
         self.tasks.append(asyncio.create_task(self.bridge.pump()))
         self.proc = mp.get_context("spawn").Process(

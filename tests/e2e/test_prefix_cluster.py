@@ -17,7 +17,6 @@ from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 
 from engine.prefix_hash import block_hashes, chain_root
 from engine.sampling_params import SamplingParams
-from worker.kv_publisher import DECODE_PUBLISH_INTERVAL_S
 
 TOKEN = "prefix-test-token"
 BS = 16  # the workers' --block-size (default)
@@ -29,9 +28,7 @@ DETAIL = (" I ordered it last week from the online shop, paid by card, and chose
 QUESTIONS = [q + DETAIL for q in ("Where is my parcel?", "How do I change the address?",
                                   "Can I pick it up myself?", "What does 'in transit' mean?")]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
-# A consumer publishes KV events at most every DECODE_PUBLISH_INTERVAL_S, and an event that
-# comes within it of the last send waits up to two of them; a loaded CPU host lags more.
-SETTLE_S = 2 * DECODE_PUBLISH_INTERVAL_S + 1.0
+SETTLE_S = 1.5  # the workers publish KV events at most every 0.2 s; a loaded CPU host lags
 
 
 @pytest.fixture(scope="module")

@@ -157,19 +157,3 @@ async def _publisher_timing() -> None:
     assert sent[-1][0] - sent[-2][0] <= 2 * interval + 0.02
     task.cancel()
     await pub.close()
-
-
-def test_a_consumer_publishes_less_often_than_the_roles_that_prefill():
-    """A consumer's events are its decode's blocks (the next turn's prefix, seconds later);
-    a producer's and a colocated worker's are prompts that concurrent requests may share."""
-    from engine.config import ROLES
-    from worker.kv_publisher import (
-        DECODE_PUBLISH_INTERVAL_S,
-        PUBLISH_INTERVAL_S,
-        interval_for,
-    )
-
-    assert DECODE_PUBLISH_INTERVAL_S > PUBLISH_INTERVAL_S
-    assert {r: interval_for(r) for r in ROLES} == {
-        "colocated": PUBLISH_INTERVAL_S, "producer": PUBLISH_INTERVAL_S,
-        "consumer": DECODE_PUBLISH_INTERVAL_S}
