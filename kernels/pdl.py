@@ -12,7 +12,8 @@ and ramp later. (Asking L2 for a GEMV's first weight tiles before its wait, whic
 writes, was tried too: every size from 256 bytes a row up made the step slower on the H200,
 bench/RESULTS.md.)
 
-The rules every kernel launched with ``launch_pdl`` here keeps:
+The rules every kernel launched with ``launch_pdl`` here keeps (its first statement is
+``follow()``, which does both):
 * ``wait`` first, before any load or store (a kernel that never waits could finish before
   the one it follows, breaking the stream order the next kernel relies on, and its output
   may be memory the one before still reads, as a graph's pool reuses blocks);
@@ -43,6 +44,14 @@ def _capability(index: int) -> int:
 def pdl_for(t: torch.Tensor) -> bool:
     """Whether kernels on t's device launch with PDL (and wait / launch dependents)."""
     return ENABLED and t.is_cuda and _capability(t.device.index or 0) >= 9
+
+
+@triton.jit
+def follow() -> None:
+    """A PDL-launched kernel's first statement: ``wait``, then ``launch_dependents`` (the
+    rules above, in the one order they allow)."""
+    wait()
+    launch_dependents()
 
 
 @triton.jit

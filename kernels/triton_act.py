@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_dependents, pdl_for, wait
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_float
 
 BLOCK = 1024
@@ -20,8 +20,7 @@ BLOCK = 1024
 def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, s_o, inter, BLOCK: tl.constexpr,
                          PDL: tl.constexpr):
     if PDL:  # x is the kernel before's output (kernels/pdl.py)
-        wait()
-        launch_dependents()
+        follow()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -40,7 +39,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t, inter, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
+    pdl = pdl_for(x)
     _silu_and_mul_kernel[(t, triton.cdiv(inter, BLOCK))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK, PDL=pdl_for(x), num_warps=4,
-        launch_pdl=pdl_for(x))
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=BLOCK, PDL=pdl, num_warps=4,
+        launch_pdl=pdl)
     return out

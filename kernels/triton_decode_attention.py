@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_dependents, pdl_for, wait
+from kernels.pdl import follow, pdl_for
 from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
     check,
@@ -112,8 +112,7 @@ def _decode_kernel(
     ROUND: tl.constexpr, CLAMP_Q: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
-        wait()
-        launch_dependents()
+        follow()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -231,8 +230,7 @@ def _merge_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
-        wait()
-        launch_dependents()
+        follow()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_dependents, pdl_for, wait
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_float
 
 # Tensor-core path (and the pre-GEMV default).
@@ -50,10 +50,6 @@ GEMV_MAX_M = 4
 # [BLOCK_N, rows] accumulator makes Triton pick a layout that round-trips through shared
 # memory every tile). Larger M takes more programs, which re-read the tile from L2.
 GEMV_ROWS = 4
-# The most K ranges choose_splits gives a projection (0: as many as its config's
-# programs-per-SM target asks for). Each range is one float32 partial the next kernel (a
-# norm, RoPE) sums on a few SMs, so more partials shorten the GEMV but lengthen that reader.
-MAX_SPLITS = 0
 
 
 @dataclass(frozen=True)
@@ -122,9 +118,8 @@ def _wo_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, s_xm, s_wn, s_sn, s_os, s_
     m_ok = rm < M
     n_ok = rn < N
     k0 = pid_s * k_per_split
-    if PDL:
-        wait()  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
-        launch_dependents()
+    if PDL:  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
+        follow()
     k_end = tl.minimum(k0 + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(k0, k_end, BLOCK_K):
@@ -188,9 +183,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_o
     # N, so the 16-byte vectors along K survive; those sums are not stored.
     rn_ld = tl.minimum(rn, N - 1)
     k0 = pid_s * k_per_split
-    if PDL:
-        wait()  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
-        launch_dependents()
+    if PDL:  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
+        follow()
     w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * s_wn + (k0 + rk)[None, :]
     # x as [BLOCK_K]: Triton then moves this small vector into the weight tile's layout
     # (as [1, BLOCK_K] it was seen converting the weight tile into x's layout instead).
@@ -285,7 +279,7 @@ def choose_splits(m: int, n: int, k: int, groups: int, sms: int) -> int:
                 and (groups == 1 or c % gk == 0))
 
     s = 1
-    while progs * s < target * sms and fits(2 * s) and (not MAX_SPLITS or 2 * s <= MAX_SPLITS):
+    while progs * s < target * sms and fits(2 * s):
         s *= 2
     return s
 
@@ -349,6 +343,5 @@ def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          w_scale.stride(0), out.stride(0), out.stride(1), kps, GROUP_K=gk,
                          ONE_GROUP=g == 1, EVEN_K=even_k, CVT_F32=cfg.cvt_f32, PDL=pdl,
                          BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                         num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages, launch_pdl=pdl)
+                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out[0] if splits == 1 else out

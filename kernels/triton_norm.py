@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_dependents, pdl_for, wait
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, check_shape
 
 # Columns of a row per warp (at most 16 warps): one program holds a whole row, which at one
@@ -29,8 +29,7 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # every input may be the kernel before's output (kernels/pdl.py)
-        wait()
-        launch_dependents()
+        follow()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import launch_dependents, pdl_for, wait
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import (
     check,
     check_device,
@@ -63,8 +63,7 @@ def _rope_store_kv_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:  # q/k/v are the kernel before's output (kernels/pdl.py)
-        wait()
-        launch_dependents()
+        follow()
     TY = qo_ptr.dtype.element_ty  # the projection's (the model's) dtype
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -142,6 +141,7 @@ def rope_store_kv(
     q_out = torch.empty(q.shape, dtype=out_dtype or q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
+    pdl = pdl_for(q)
     _rope_store_kv_kernel[(num_tokens,)](
         q, k, v, q_out, kv_layer, positions, cos_sin, slot_mapping,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -150,7 +150,6 @@ def rope_store_kv(
         s_part, float(k_scale), float(v_scale),
         HQ=hq, HKV=hkv, HALF=d // 2, BS=kv_layer.shape[2],
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        PARTS=parts, FP8=is_fp8(kv_layer), PDL=pdl_for(q), num_warps=4,
-        launch_pdl=pdl_for(q),
+        PARTS=parts, FP8=is_fp8(kv_layer), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
     return q_out
