@@ -18,6 +18,8 @@ Sections (``--sections``, in order; each writes one key of the JSON):
   * ``profile``: the graphed decode step's kernels under torch.profiler (bench/moe_profile.py)
     at each --batches x --contexts point, bf16 and FP8, and per kernel name the FP8 step's
     time against bf16's: where FP8's step is above its byte floor.
+  * ``prefill_profile``: one --prefill-tokens prefill's kernels under torch.profiler, bf16
+    and FP8: what bounds FP8's prefill speed-up.
 Further sections register in SECTIONS (name -> fn(args, ctx) -> JSON value); ctx carries
 the model config directory, the HBM rate and each dtype's engine builder.
 
@@ -176,7 +178,7 @@ def pdl_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str,
     return out
 
 
-def _prefill_ms(engine, n: int) -> float:
+def _prefill_ms(engine, n: int, runs: int = 7, warm: int = 2) -> float:
     from engine.attention import AttentionMetadata
 
     model, kv = engine.runner.model, engine.kv_cache
@@ -193,14 +195,14 @@ def _prefill_ms(engine, n: int) -> float:
     pos = torch.arange(n, device=dev)
     times = []
     with torch.inference_mode():
-        for i in range(7):
+        for i in range(runs):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             h = model(ids, pos, kv, meta)
             model.compute_logits(h[-1:])
             b.record()
             b.synchronize()
-            if i >= 2:  # the first runs compile and allocate
+            if i >= warm:  # the first runs compile and allocate
                 times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
 
@@ -227,6 +229,41 @@ def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
         free(eng)
     out["fp8_speedup"] = round(out["fp8_tok_s"] / out["bf16_tok_s"], 3)
     print(json.dumps(out), flush=True)
+    return out
+
+
+def _prefill_kernels(engine: Any, n: int) -> dict[str, Any]:
+    """One n-token prefill (after _prefill_ms has warmed it) under torch.profiler: each
+    kernel name's CUDA ms and launches, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _prefill_ms(engine, n, runs=3, warm=1)
+    kern: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(e.name[:120], [0.0, 0])
+            k[0] += e.device_time_total / 3  # three warm runs: per-prefill figures
+            k[1] += 1 / 3
+    rows = [{"kernel": name, "ms": round(us / 1e3, 3), "count": round(c, 1)}
+            for name, (us, c) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+    return {"kernel_ms": round(sum(r["ms"] for r in rows), 2), "kernels": rows}
+
+
+def prefill_profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Where a prefill's time goes, bf16 against FP8: the kernel table of one
+    --prefill-tokens prefill each (what bounds FP8's prefill speed-up)."""
+    n = args.prefill_tokens
+    out: dict[str, Any] = {"tokens": n}
+    for name, quant in (("bf16", None), ("fp8", args.quantization)):
+        eng = build(ctx, quant, args)
+        out[f"{name}_ms"] = round(_prefill_ms(eng, n), 2)
+        out[name] = _prefill_kernels(eng, n)
+        print(f"prefill profile {name}: {out[f'{name}_ms']} ms, kernels "
+              f"{out[name]['kernel_ms']} ms", flush=True)
+        for row in out[name]["kernels"][:25]:
+            print(f"  {row['ms']:8.3f} ms  {row['count']:6.1f}x  {row['kernel']}", flush=True)
+        free(eng)
     return out
 
 
@@ -265,7 +302,8 @@ def kernel_diff(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section,
-                                "pdl": pdl_section, "profile": profile_section}
+                                "pdl": pdl_section, "profile": profile_section,
+                                "prefill_profile": prefill_profile_section}
 
 
 def main() -> None:
