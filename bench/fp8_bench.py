@@ -18,6 +18,8 @@ Sections (``--sections``, in order; each writes one key of the JSON):
   * ``profile``: the graphed decode step's kernels under torch.profiler (bench/moe_profile.py)
     at each --batches x --contexts point, bf16 and FP8, and per kernel name the FP8 step's
     time against bf16's: where FP8's step is above its byte floor.
+  * ``gemm``: the four projections of the 8B shape alone at decode-batch rows, cuBLAS's
+    row-wise scaled mm against the K-split Triton kernel, with the weight bytes' floor.
   * ``prefill_profile``: one --prefill-tokens prefill's kernels under torch.profiler, bf16
     and FP8: what bounds FP8's prefill speed-up.
 Further sections register in SECTIONS (name -> fn(args, ctx) -> JSON value); ctx carries
@@ -267,6 +269,64 @@ def prefill_profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> di
     return out
 
 
+def gemm_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str, Any]]:
+    """Llama-3-8B's four projections alone at --gemm-rows rows: cuBLAS's row-wise scaled mm
+    against the K-split Triton kernel (kernels/triton_fp8_split_gemm, its partials as the
+    reader gets them, and its [M, N] product when unsplit), each over enough weight copies
+    that L2 holds none between calls, against the weight bytes' floor at the run's HBM rate."""
+    from kernels.triton_fp8_gemm import fp8_gemm
+    from kernels.triton_fp8_split_gemm import auto_splits, fp8_split_gemm
+
+    dev = torch.device("cuda")
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
+              "down": (4096, 14336)}
+    out = []
+
+    def timed(fn: Callable[..., Any], ws: list[torch.Tensor], *rest: Any) -> float:
+        """ms per fn(xq, xs, w, sc, ...) call, cycling through the weight copies ws, the
+        calls captured in one CUDA graph (launched from Python they are launch-bound: a
+        first run this way timed cuBLAS's qkv at 34 µs against a 6 µs weight floor)."""
+        reps = 40
+        for i in range(3):
+            fn(*rest[:2], ws[i % len(ws)], *rest[2:])
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for i in range(reps):
+                fn(*rest[:2], ws[i % len(ws)], *rest[2:])
+        g.replay()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(3):
+            g.replay()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b) / (3 * reps)
+
+    for name, (n, k) in shapes.items():
+        copies = max(2, -(-256 * 2**20 // (n * k)))
+        ws = [torch.randn(n, k, device=dev).to(torch.float8_e4m3fn) for _ in range(copies)]
+        sc = torch.rand(n, 1, device=dev) + 0.5
+        floor_ms = n * k / (ctx["hbm_tb_s"] * 1e12) * 1e3
+        for m in args.gemm_row_list:
+            xq = torch.randn(m, k, device=dev).to(torch.float8_e4m3fn)
+            xs = torch.rand(m, 1, device=dev) + 0.5
+            s = auto_splits(xq, n)
+            row = {"proj": name, "rows": m, "n": n, "k": k, "splits": s,
+                   "floor_ms": round(floor_ms, 4),
+                   "cublas_ms": round(timed(fp8_gemm, ws, xq, xs, sc, torch.bfloat16), 4),
+                   "split_ms": round(timed(fp8_split_gemm, ws, xq, xs, sc, s, torch.bfloat16),
+                                     4)}
+            if s > 1:
+                row["unsplit_ms"] = round(
+                    timed(fp8_split_gemm, ws, xq, xs, sc, 1, torch.bfloat16), 4)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+        ws.clear()
+        torch.cuda.empty_cache()
+    return out
+
+
 def profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
     from moe_profile import profile_table
 
@@ -303,6 +363,7 @@ def kernel_diff(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
 
 SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section,
                                 "pdl": pdl_section, "profile": profile_section,
+                                "gemm": gemm_section,
                                 "prefill_profile": prefill_profile_section}
 
 
@@ -312,6 +373,7 @@ def main() -> None:
                     help=f"comma-separated, of {sorted(SECTIONS)}")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="512")
+    ap.add_argument("--gemm-rows", default="32,64,128,256", help="the gemm section's rows")
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
@@ -325,6 +387,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/fp8_h200.json")
     args = ap.parse_args()
     args.variant_list = [v for v in args.variants.split(";") if v]
+    args.gemm_row_list = [int(r) for r in args.gemm_rows.split(",") if r]
     args.batch_list = [int(b) for b in args.batches.split(",") if b]
     args.context_list = [int(c) for c in args.contexts.split(",") if c]
     unknown = [s for s in args.sections.split(",") if s not in SECTIONS]

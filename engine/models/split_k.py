@@ -16,17 +16,22 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant.fp8_linear import WEIGHT_ONLY_MAX_ROWS
+from engine.quant import fp8_linear
 
 # Up to this many rows the fused-reduce form is used (0 turns it off). Measured faster at
 # 1, 2 and 4 rows (bench/probes/fusion_probe.py); more rows were not tried, and as the GEMM grows
 # compute-shaped cuBLAS's own split choice should win.
 MAX_ROWS = 4
-# Up to this many rows for FP8 layers: the weight-only kernel's own row limit, since that
-# kernel makes the K-split partials itself (auto_splits) and otherwise sums them in torch
-# (a sum and a cast, two more launches): at 8 rows on an H200 those took 0.36 ms of a 8B
-# model's step (bench/RESULTS.md, "Where the FP8 batch-1 decode step goes").
-FP8_MAX_ROWS = WEIGHT_ONLY_MAX_ROWS
+# FP8 layers make their own partials (Fp8Linear.partials) up to the weight-only kernel's
+# rows and, with per-channel scales, up to the K-split FP8 x FP8 kernel's
+# (fp8_linear.SPLIT_GEMM_MAX_ROWS): otherwise a split sums in torch (a sum and a cast, two
+# more launches; at 8 rows on an H200 those took 0.36 ms of a 8B model's step, bench/
+# RESULTS.md, "Where the FP8 batch-1 decode step goes"). Read at each call, so a bench can
+# set fp8_linear's limits.
+def fp8_max_rows() -> int:
+    return max(fp8_linear.WEIGHT_ONLY_MAX_ROWS, fp8_linear.SPLIT_GEMM_MAX_ROWS)
+
+
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).
 QKV = True
 # Partial sums per projection. Two measured best for Llama-3-8B's o_proj and down_proj
@@ -50,7 +55,7 @@ def split_k_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | No
     # An FP8 layer makes its own (engine/quant). Looked up on the class: a method, and a
     # miss on the type costs no exception.
     if hasattr(type(layer), "partials"):
-        if x.shape[0] == 0 or x.shape[0] > FP8_MAX_ROWS:
+        if x.shape[0] == 0 or x.shape[0] > fp8_max_rows():
             return None
         out: torch.Tensor | None = type(layer).partials(layer, x)  # type: ignore[attr-defined]
         return out

@@ -11,6 +11,9 @@ every scale with its rows).
 * More rows (prefill, large decode batches): x is quantized per row (per row and group for
   block weights; by the checkpoint's input_scale for static schemes) and the product runs
   in FP8 (kernels/triton_fp8_gemm: cuBLAS row-wise scaled mm, or the block-scaled kernel).
+  Up to SPLIT_GEMM_MAX_ROWS rows with one scale per row and per channel (decode batches),
+  the Triton kernel split along K (kernels/triton_fp8_split_gemm) runs instead, and hands
+  its partial sums to a reader that adds them (`partials`).
 * On CPU the torch references run the same arithmetic (kernels/ref_fp8).
 """
 
@@ -32,6 +35,14 @@ WEIGHT_ONLY_MAX_ROWS = 16
 # rose 4.2% with one scale per row and 2.0% with 64-column groups (bench/RESULTS.md);
 # bench/fp8_bench.py times prefill both ways.
 ACT_GROUP = 0
+# Rows up to which (above WEIGHT_ONLY_MAX_ROWS) the FP8 x FP8 product of per-row x
+# per-channel scales runs in the K-split Triton kernel, whose grid fills the GPU where
+# cuBLAS's 128 x 128 tiles leave most SMs idle, and whose partials the next kernel adds
+# (0: cuBLAS at every row count). On an H200, 8B dummy, context 512, graphed decode step
+# (bench/fp8_bench.py --sections pdl, 2026-12-04): batch 32 5.09 ms against cuBLAS's 5.44,
+# but batch 128 8.86 against 7.36 (there cuBLAS's tiles already cover the GPU's rate
+# better than this kernel's pointer-fed FP8 MMAs).
+SPLIT_GEMM_MAX_ROWS = 32
 
 
 class Fp8Linear(nn.Module):
@@ -79,10 +90,19 @@ class Fp8Linear(nn.Module):
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
+    def split_gemm(self, rows: int) -> bool:
+        """Whether `rows` rows take the K-split FP8 x FP8 kernel."""
+        return (WEIGHT_ONLY_MAX_ROWS < rows <= SPLIT_GEMM_MAX_ROWS and self.groups == 1
+                and not self.weight_only(rows) and self.act_groups() == 1)
+
     def partials(self, x: torch.Tensor) -> torch.Tensor | None:
         """[S, T, N] float32 K-split partial sums of the product, for a reader that adds
         them (engine/models/split_k.py); None where this layer does not make them."""
-        if not x.is_cuda or self.bias is not None or not self.weight_only(x.shape[0]):
+        if not x.is_cuda or self.bias is not None:
+            return None
+        if self.split_gemm(x.shape[0]):
+            return self._split_gemm(x, partials=True)
+        if not self.weight_only(x.shape[0]):
             return None
         from kernels.triton_fp8_weight_only import auto_splits, fp8_weight_only
 
@@ -115,7 +135,25 @@ class Fp8Linear(nn.Module):
 
         return quant_rows(x, groups)
 
+    def _split_gemm(self, x: torch.Tensor, partials: bool) -> torch.Tensor | None:
+        """The K-split kernel's product: partials [S, T, N] float32 (None where it would not
+        split), or [T, N] in x's dtype."""
+        from kernels.triton_fp8_split_gemm import auto_splits, fp8_split_gemm
+
+        s = auto_splits(x, self.out_features)
+        if partials and s == 1:
+            return None
+        xq, xs = self._quantize_input(x, 1)
+        y = fp8_split_gemm(xq, xs, self.weight, self.weight_scale, s, x.dtype)
+        if s == 1 or partials:
+            return y
+        return y.sum(0).to(x.dtype)  # no reader adds them: two more launches
+
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.split_gemm(x.shape[0]):
+            y = self._split_gemm(x, partials=False)
+            assert y is not None
+            return y
         groups = 1 if self.input_scale is not None else self.act_groups()
         xq, xs = self._quantize_input(x, groups)
         w_scale: torch.Tensor = self.weight_scale

@@ -186,4 +186,4 @@ def test_fp8_linear_in_a_cuda_graph(weight, gen):
         assert rel_err(out, x.float() @ wd.t()) < tol, m
         p = f.partials(x)
         if p is not None:
-            assert rel_err(p.sum(0), x.float() @ wd.t()) < 1e-2
+            assert rel_err(p.sum(0), x.float() @ wd.t()) < tol, m
