@@ -11,7 +11,7 @@ Sections (``--sections``, in order; each writes one key of the JSON):
     engine/quant/fp8_linear.py picks between by rows): the crossover sets
     WEIGHT_ONLY_MAX_ROWS.
   * ``prefill``: one 4096-token prefill through the model (eager, as the engine runs
-    prefill), tokens/s in bf16 and FP8.
+    prefill), tokens/s in bf16 and FP8 (and FP8 with each ``--variants`` setting).
   * ``pdl``: the decode step (CUDA graphs) with programmatic dependent launch off and on
     (kernels/pdl.py), bf16 and FP8, alternated off/on/off/on so drift shows; with PDL on,
     FP8 also with each ``--variants`` setting (a module constant set for that capture).
@@ -228,6 +228,12 @@ def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                 gms = _prefill_ms(eng, n)
                 out[f"fp8_act_group{group}_tok_s"] = round(n / gms * 1e3, 1)
             fl.ACT_GROUP = default
+            for spec in args.variant_list:  # e.g. engine.quant.fp8_input.FUSED=False
+                with setting(spec):
+                    vms = _prefill_ms(eng, n)
+                out[f"fp8_{spec}_ms"] = round(vms, 2)
+                out[f"fp8_{spec}_tok_s"] = round(n / vms * 1e3, 1)
+            out["fp8_again_ms"] = round(_prefill_ms(eng, n), 2)  # drift across the variants
         free(eng)
     out["fp8_speedup"] = round(out["fp8_tok_s"] / out["bf16_tok_s"], 3)
     print(json.dumps(out), flush=True)

@@ -1,8 +1,11 @@
-"""Plain-torch references for RMSNorm (with fused residual add) and rotary embedding."""
+"""Plain-torch references for RMSNorm (with fused residual add, and with its output
+quantized per row for an FP8 x FP8 projection) and rotary embedding."""
 
 from __future__ import annotations
 
 import torch
+
+from kernels.ref_fp8 import quant_rows
 
 
 def rms_norm_ref(
@@ -20,6 +23,16 @@ def rms_norm_ref(
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (normed.to(x.dtype) * weight).to(x.dtype), x
+
+
+def rms_norm_quant_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q [T, H] float8_e4m3fn, scale [T, 1] float32, new_residual): rms_norm_ref's output
+    quantized per row (kernels/ref_fp8.quant_rows)."""
+    out, res = rms_norm_ref(x, weight, eps, residual)
+    q, scale = quant_rows(out, 1)
+    return q, scale, res
 
 
 def rope_ref(

@@ -23,10 +23,12 @@ COLS_PER_WARP = 256
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
+    scale_ptr,  # QUANT: each row's float32 scale
     s_x, s_r, s_o, s_nr,  # row strides; rows are contiguous
     s_part,  # PARTS > 0: stride between x's float32 partial sums
     H, eps,
     HAS_RES: tl.constexpr, BLOCK_H: tl.constexpr, PARTS: tl.constexpr, PDL: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     if PDL:  # every input may be the kernel before's output (kernels/pdl.py)
         follow()
@@ -51,7 +53,17 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * s_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT:
+        # The row as the unfused kernel would store it (rounded to x's dtype), then exactly
+        # kernels/triton_fp8_gemm.quant_rows' arithmetic on it: the same FP8 bytes and scale.
+        y = (normed * w).to(x.dtype).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
+        q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
+        tl.store(out_ptr + row * s_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, scale)
+    else:
+        tl.store(out_ptr + row * s_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def rms_norm(
@@ -62,6 +74,24 @@ def rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (normed, new_residual); new_residual is x (+ residual). Inputs are not modified.
     Partial sums are summed in float32 and rounded to the residual's dtype first."""
+    out, new_res, _ = _rms_norm(x, weight, eps, residual, quant=False)
+    return out, new_res
+
+
+def rms_norm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rms_norm whose output is quantized per row for an FP8 x FP8 projection, in the same
+    pass: (q [T, H] float8_e4m3fn, scale [T, 1] float32, new_residual). q and scale are what
+    kernels/triton_fp8_gemm.quant_rows(rms_norm(...)[0], 1) would give
+    (kernels/ref_norm.rms_norm_quant_ref)."""
+    q, new_res, scale = _rms_norm(x, weight, eps, residual, quant=True)
+    return q, scale, new_res
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+              residual: torch.Tensor | None, quant: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     parts, x_parts = 0, x
     if x.dim() == 3:
         check(residual is not None, "x: partial sums [S, T, H] need a residual")
@@ -82,22 +112,29 @@ def rms_norm(
         check_device(x, weight, residual)
     check_device(x, weight)
     like = residual if parts and residual is not None else x
-    out = torch.empty_like(like, memory_format=torch.contiguous_format)
-    new_res = x if residual is None else torch.empty_like(out)
+    new_res = (x if residual is None
+               else torch.empty_like(like, memory_format=torch.contiguous_format))
+    if quant:
+        out = torch.empty(like.shape, dtype=torch.float8_e4m3fn, device=like.device)
+    else:
+        out = torch.empty_like(like, memory_format=torch.contiguous_format)
+    scale = torch.empty(num_tokens if quant else 0, 1, dtype=torch.float32, device=x.device)
+    # without QUANT the kernel never touches scale_ptr: any valid pointer will do
     if num_tokens == 0:
-        return out, new_res
+        return out, new_res, scale
     res = residual if residual is not None else x  # unused pointer when HAS_RES is False
     block_h = triton.next_power_of_2(hidden)
     pdl = pdl_for(x)
     _rms_norm_kernel[(num_tokens,)](
-        x, res, weight, out, new_res,
+        x, res, weight, out, new_res, scale if quant else weight,
         x.stride(0), res.stride(0), out.stride(0), new_res.stride(0),
         x_parts.stride(0) if parts else 0,
         hidden, eps,
         HAS_RES=residual is not None, BLOCK_H=block_h, PARTS=parts, PDL=pdl,
+        QUANT=quant,
         num_warps=min(16, max(1, block_h // COLS_PER_WARP)), launch_pdl=pdl,
     )
-    return out, new_res
+    return out, new_res, scale
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from engine.parallel.group import TPGroup
 from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
 from engine.quant.checkpoint import copy_scale, is_scale, param_name, scale_cut
+from engine.quant.fp8_input import Fp8Input, wants_fp8_input
 from engine.quant.scheme import Fp8Scheme
 from engine.rope import cos_sin_table
 
@@ -29,8 +30,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.k = kernels
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                into: nn.Module | None = None
+                ) -> tuple[torch.Tensor | Fp8Input, torch.Tensor]:
+        """(normed, new residual). into: the one projection that reads the output; where it
+        is an FP8 layer that would quantize it per row, the norm does (Fp8Input)."""
+        quant = self.k.rms_norm_quant
+        if into is not None and quant is not None and wants_fp8_input(into, x.shape[-2], quant):
+            q, scale, res = quant(x, self.weight, self.eps, residual)
+            dtype = residual.dtype if residual is not None else x.dtype
+            return Fp8Input(q, scale, dtype), res
         out: tuple[torch.Tensor, torch.Tensor] = self.k.rms_norm(x, self.weight, self.eps,
                                                                   residual)
         return out
@@ -54,8 +63,9 @@ class Attention(nn.Module):
         self.attn = PagedAttention(kernels, self.d**-0.5)
         self.k = kernels
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
-                kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Fp8Input, positions: torch.Tensor,
+                cos_sin: torch.Tensor, kv_layer: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         parts = None
         if (split_k.QKV and self.group is None and self.q_norm is None
@@ -94,8 +104,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=False)
         self.k = kernels
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        act = self.k.silu_and_mul(self.gate_up_proj(x))
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act: torch.Tensor | Fp8Input
+        quant = self.k.silu_and_mul_quant
+        if quant is not None and wants_fp8_input(self.down_proj, gate_up.shape[0], quant):
+            q, scale = quant(gate_up)
+            act = Fp8Input(q, scale, gate_up.dtype)
+        else:
+            act = self.k.silu_and_mul(gate_up)
         if self.group is not None:
             return self.group.all_reduce(self.down_proj(act))
         parts = split_k_linear(act, self.down_proj)  # [S, T, H] for the next norm to sum
@@ -114,13 +131,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = attn if attn is not None else Attention(cfg, kernels, shard, group)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.mlp = mlp if mlp is not None else MLP(cfg, kernels, shard, group)
+        # The dense attention and MLP read their input only through their first
+        # projection, so the norm before may hand it quantized (RMSNorm's `into`); other
+        # families' modules (MoE routing, MLA) read it more ways.
+        self.attn_in = attn is None
+        self.mlp_in = mlp is None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 cos_sin: torch.Tensor, kv_layer: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm(
+            x, residual, self.self_attn.qkv_proj if self.attn_in else None)
         h = self.self_attn(h, positions, cos_sin, kv_layer, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(
+            h, residual, self.mlp.gate_up_proj if self.mlp_in else None)
         return self.mlp(h), residual
 
 

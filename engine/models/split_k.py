@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.quant import fp8_linear
+from engine.quant.fp8_input import Fp8Input
 
 # Up to this many rows the fused-reduce form is used (0 turns it off). Measured faster at
 # 1, 2 and 4 rows (bench/probes/fusion_probe.py); more rows were not tried, and as the GEMM grows
@@ -44,9 +45,10 @@ def splits_for(k: int) -> int:
     return SPLITS if SPLITS > 1 and k % SPLITS == 0 else 1
 
 
-def split_k_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | None:
-    """[S, T, N] float32 partials of layer(x) for x [T, K], or None where the fused form
-    does not apply (the caller then runs the layer)."""
+def split_k_linear(x: torch.Tensor | Fp8Input, layer: torch.nn.Linear) -> torch.Tensor | None:
+    """[S, T, N] float32 partials of layer(x) for x [T, K] (or x already quantized for an
+    FP8 layer), or None where the fused form does not apply (the caller then runs the
+    layer)."""
     if not x.is_cuda:
         # Before any attribute lookup: this runs for 3 projections of every layer in every
         # step, and on a float layer `layer.partials` misses, which nn.Module.__getattr__
@@ -59,6 +61,8 @@ def split_k_linear(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | No
             return None
         out: torch.Tensor | None = type(layer).partials(layer, x)  # type: ignore[attr-defined]
         return out
+    if isinstance(x, Fp8Input):  # only an FP8 layer is handed one
+        return None
     t, k = x.shape
     s = splits_for(k)
     if (t == 0 or t > MAX_ROWS or s == 1 or layer.bias is not None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.quant.fp8_input import Fp8Input
 from engine.quant.scheme import Fp8Scheme
 from engine.quant.weight_scale import mse_channel_quantize
 from kernels import ref_fp8
@@ -77,7 +78,16 @@ class Fp8Linear(nn.Module):
     def weight_only(self, rows: int) -> bool:
         return self.scheme.act == "none" or rows <= WEIGHT_ONLY_MAX_ROWS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_fp8_input(self, rows: int) -> bool:
+        """Whether this layer quantizes `rows` rows of input one scale per row itself (FP8 x
+        FP8 with per-channel weights and dynamic activations), so that an Fp8Input made by
+        the kernel before it can stand in (engine/quant/fp8_input.py)."""
+        return (not self.weight_only(rows) and self.input_scale is None and self.groups == 1
+                and self.act_groups() == 1)
+
+    def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
+        if isinstance(x, Fp8Input):
+            return self._from_fp8_input(x)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
@@ -95,13 +105,15 @@ class Fp8Linear(nn.Module):
         return (WEIGHT_ONLY_MAX_ROWS < rows <= SPLIT_GEMM_MAX_ROWS and self.groups == 1
                 and not self.weight_only(rows) and self.act_groups() == 1)
 
-    def partials(self, x: torch.Tensor) -> torch.Tensor | None:
+    def partials(self, x: torch.Tensor | Fp8Input) -> torch.Tensor | None:
         """[S, T, N] float32 K-split partial sums of the product, for a reader that adds
         them (engine/models/split_k.py); None where this layer does not make them."""
         if not x.is_cuda or self.bias is not None:
             return None
         if self.split_gemm(x.shape[0]):
             return self._split_gemm(x, partials=True)
+        if isinstance(x, Fp8Input):
+            return None
         if not self.weight_only(x.shape[0]):
             return None
         from kernels.triton_fp8_weight_only import auto_splits, fp8_weight_only
@@ -135,19 +147,36 @@ class Fp8Linear(nn.Module):
 
         return quant_rows(x, groups)
 
-    def _split_gemm(self, x: torch.Tensor, partials: bool) -> torch.Tensor | None:
+    def _split_gemm(self, x: torch.Tensor | Fp8Input, partials: bool) -> torch.Tensor | None:
         """The K-split kernel's product: partials [S, T, N] float32 (None where it would not
         split), or [T, N] in x's dtype."""
         from kernels.triton_fp8_split_gemm import auto_splits, fp8_split_gemm
 
-        s = auto_splits(x, self.out_features)
+        s = auto_splits(x.q if isinstance(x, Fp8Input) else x, self.out_features)
         if partials and s == 1:
             return None
-        xq, xs = self._quantize_input(x, 1)
+        xq, xs = (x.q, x.scale) if isinstance(x, Fp8Input) else self._quantize_input(x, 1)
         y = fp8_split_gemm(xq, xs, self.weight, self.weight_scale, s, x.dtype)
         if s == 1 or partials:
             return y
         return y.sum(0).to(x.dtype)  # no reader adds them: two more launches
+
+    def _from_fp8_input(self, x: Fp8Input) -> torch.Tensor:
+        """The product of an input quantized by the kernel that made it."""
+        if not self.takes_fp8_input(x.shape[0]):
+            raise ValueError(f"{self.extra_repr()}: an FP8-quantized input of {x.shape[0]} "
+                             "rows, which this layer would not quantize one scale per row")
+        y: torch.Tensor | None
+        if not x.is_cuda:
+            y = ref_fp8.fp8_gemm_ref(x.q, x.scale, self.weight, self.weight_scale, x.dtype)
+        elif self.split_gemm(x.shape[0]):
+            y = self._split_gemm(x, partials=False)
+        else:
+            from kernels.triton_fp8_gemm import fp8_gemm
+
+            y = fp8_gemm(x.q, x.scale, self.weight, self.weight_scale, x.dtype)
+        assert y is not None  # _split_gemm gives None only when asked for partials
+        return y if self.bias is None else y + self.bias
 
     def _fp8_gemm(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.split_gemm(x.shape[0]):
