@@ -19,6 +19,10 @@ from kernels.triton_common import check, check_float
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
+# cuBLAS's FP8 fast accumulation (no periodic promotion of the tensor cores' partial sums to
+# full float32): faster, less exact over long K. Off until measured for speed and accuracy
+# (bench/fp8_bench.py --sections prefill --variants kernels.triton_fp8_gemm.FAST_ACCUM=True).
+FAST_ACCUM = False
 
 
 @triton.jit
@@ -98,7 +102,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: 
             and xq.shape[0] > 0 and xq.shape[1] % 16 == 0 and w.shape[0] % 16 == 0):
         return torch._scaled_mm(xq, w.t(), scale_a=x_scale.float().contiguous(),
                                 scale_b=w_scale.float().reshape(1, -1),
-                                out_dtype=out_dtype)
+                                out_dtype=out_dtype, use_fast_accum=FAST_ACCUM)
     return fp8_block_gemm(xq, x_scale, w, w_scale, out_dtype)
 
 

@@ -28,8 +28,11 @@ from engine.quant.weight_scale import mse_channel_quantize
 from kernels import ref_fp8
 
 # Rows up to which the weight-only kernel runs (and FP8 x FP8 above). The crossover is
-# measured by bench/fp8_bench.py (its per-batch weight-only and FP8 x FP8 step times).
-WEIGHT_ONLY_MAX_ROWS = 16
+# measured by bench/fp8_bench.py (its per-batch weight-only and FP8 x FP8 step times): on
+# an H200, 8B dummy, context 512 (2026-12-04, with the weight-only partials read by the
+# next kernel up to these rows), batch 32 took 4.68 ms weight-only against 5.23 FP8 x FP8,
+# batch 64 7.12 against 5.99.
+WEIGHT_ONLY_MAX_ROWS = 32
 # Dynamic activation scales of per-channel/per-tensor weights: 0 = one per row (cuBLAS's
 # row-wise scaled mm); g = one per row and g columns (the Triton block-scaled kernel,
 # where g divides K; else one per row). On SmolLM2-135M at load (bf16, CPU) perplexity
@@ -40,10 +43,11 @@ ACT_GROUP = 0
 # per-channel scales runs in the K-split Triton kernel, whose grid fills the GPU where
 # cuBLAS's 128 x 128 tiles leave most SMs idle, and whose partials the next kernel adds
 # (0: cuBLAS at every row count). On an H200, 8B dummy, context 512, graphed decode step
-# (bench/fp8_bench.py --sections pdl, 2026-12-04): batch 32 5.09 ms against cuBLAS's 5.44,
-# but batch 128 8.86 against 7.36 (there cuBLAS's tiles already cover the GPU's rate
-# better than this kernel's pointer-fed FP8 MMAs).
-SPLIT_GEMM_MAX_ROWS = 32
+# (bench/fp8_bench.py --sections pdl, 2026-12-04): batch 32 5.09 ms against cuBLAS's 5.44
+# (weight-only is faster still there), batch 64 5.90 against 5.98, but batch 128 8.86
+# against 7.36 (there cuBLAS's tiles already cover the GPU's rate better than this
+# kernel's pointer-fed FP8 MMAs).
+SPLIT_GEMM_MAX_ROWS = 64
 
 
 class Fp8Linear(nn.Module):
