@@ -18,6 +18,9 @@ Sections (``--sections``, in order; each writes one key of the JSON):
   * ``profile``: the graphed decode step's kernels under torch.profiler (bench/moe_profile.py)
     at each --batches x --contexts point, bf16 and FP8, and per kernel name the FP8 step's
     time against bf16's: where FP8's step is above its byte floor.
+  * ``prefill_ab``: bf16, FP8 and FP8 with each ``--variants`` setting, interleaved over
+    --repeats rounds (the prefill comparison to trust), and each variant's hidden states
+    against FP8's defaults.
   * ``gemm``: the four projections of the 8B shape alone at decode-batch rows, cuBLAS's
     row-wise scaled mm against the K-split Triton kernel, with the weight bytes' floor.
   * ``prefill_profile``: one --prefill-tokens prefill's kernels under torch.profiler, bf16
@@ -53,7 +56,10 @@ from decode_bench import LLAMA3_8B, engine_point, hbm_read_tbps, recapture  # no
 Section = Callable[[argparse.Namespace, dict[str, Any]], Any]
 
 
-def build(ctx: dict[str, Any], quantization: str | None, args: argparse.Namespace):
+def build(ctx: dict[str, Any], quantization: str | None, args: argparse.Namespace,
+          memory: float = 0.85):
+    """memory: the engine's gpu_memory_utilization (a second engine beside a first needs
+    the first's share plus its own: the budget counts memory already in use)."""
     from engine.config import EngineConfig
     from engine.llm import build_engine
 
@@ -62,7 +68,7 @@ def build(ctx: dict[str, Any], quantization: str | None, args: argparse.Namespac
         max_num_seqs=max(args.batch_list), quantization=quantization,
         max_model_len=max(max(args.context_list), args.prefill_tokens) + args.steps
         * args.repeats + 64, max_num_batched_tokens=2048,
-        gpu_memory_utilization=0.85))
+        gpu_memory_utilization=memory))
 
 
 def free(engine) -> None:
@@ -180,10 +186,10 @@ def pdl_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str,
     return out
 
 
-def _prefill_ms(engine, n: int, runs: int = 7, warm: int = 2) -> float:
+def _prefill_inputs(engine, n: int, seed: int | None = None) -> tuple[Any, ...]:
+    """One n-token prompt's (ids, positions, metadata) over the first blocks of the cache."""
     from engine.attention import AttentionMetadata
 
-    model, kv = engine.runner.model, engine.kv_cache
     bs = engine.config.block_size
     nb = -(-n // bs)
     dev = torch.device("cuda")
@@ -193,8 +199,15 @@ def _prefill_ms(engine, n: int, runs: int = 7, warm: int = 2) -> float:
         cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
         seq_lens=torch.tensor([n], dtype=torch.int32, device=dev), decode_only=False,
         max_seq_len=n, cu_seqlens_q_host=[0, n], seq_lens_host=[n])
-    ids = torch.randint(0, 1000, (n,), device=dev)
-    pos = torch.arange(n, device=dev)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    ids = torch.randint(0, 1000, (n,), device=dev, generator=gen)
+    return ids, torch.arange(n, device=dev), meta
+
+
+def _prefill_ms(engine, n: int, runs: int = 7, warm: int = 2) -> float:
+    model, kv = engine.runner.model, engine.kv_cache
+    ids, pos, meta = _prefill_inputs(engine, n)
     times = []
     with torch.inference_mode():
         for i in range(runs):
@@ -207,6 +220,49 @@ def _prefill_ms(engine, n: int, runs: int = 7, warm: int = 2) -> float:
             if i >= warm:  # the first runs compile and allocate
                 times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def _prefill_hidden(engine, n: int) -> torch.Tensor:
+    """The final hidden states of a fixed n-token prompt, float32."""
+    ids, pos, meta = _prefill_inputs(engine, n, seed=0)
+    with torch.inference_mode():
+        return engine.runner.model(ids, pos, engine.kv_cache, meta).float()
+
+
+def prefill_ab_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
+    """bf16, FP8 and FP8 under each --variants setting, interleaved: --repeats rounds, each
+    timing every configuration once (7 prefills, the median) in an order rotated by one per
+    round, so the GPU's drift over the run (it warms: a late FP8 prefill was measured 3%
+    slower than an early one of the same code) falls on all of them alike. Also how far each
+    variant's final hidden states move from FP8's own defaults (relative norm)."""
+    n = args.prefill_tokens
+    engines = {"bf16": build(ctx, None, args, memory=0.4)}
+    engines["fp8"] = build(ctx, args.quantization, args, memory=0.85)
+    configs: list[tuple[str, str, str | None]] = [("bf16", "bf16", None), ("fp8", "fp8", None)]
+    configs += [(spec, "fp8", spec) for spec in args.variant_list]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+    for r in range(args.repeats):
+        k = r % len(configs)
+        for name, eng, spec in configs[k:] + configs[:k]:
+            with setting(spec) if spec else contextlib.nullcontext():
+                times[name].append(round(_prefill_ms(engines[eng], n), 2))
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    out: dict[str, Any] = {"tokens": n, "rounds": args.repeats, "ms": times, "median_ms": med,
+                           "speedup_over_bf16": {name: round(med["bf16"] / m, 3)
+                                                 for name, m in med.items()}}
+    ref = _prefill_hidden(engines["fp8"], n)
+    drift: dict[str, float] = {}
+    for name, eng, spec in configs:
+        if name == "fp8":
+            continue
+        with setting(spec) if spec else contextlib.nullcontext():
+            h = _prefill_hidden(engines[eng], n)
+        drift[name] = float((h - ref).norm() / ref.norm())
+    out["hidden_rel_diff_from_fp8"] = drift
+    print(json.dumps(out), flush=True)
+    for e in engines.values():
+        free(e)
+    return out
 
 
 def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, Any]:
@@ -369,7 +425,7 @@ def kernel_diff(bf16: dict[str, Any], fp8: dict[str, Any]) -> dict[str, Any]:
 
 SECTIONS: dict[str, Section] = {"decode": decode_section, "prefill": prefill_section,
                                 "pdl": pdl_section, "profile": profile_section,
-                                "gemm": gemm_section,
+                                "gemm": gemm_section, "prefill_ab": prefill_ab_section,
                                 "prefill_profile": prefill_profile_section}
 
 

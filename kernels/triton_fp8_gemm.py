@@ -19,10 +19,14 @@ from kernels.triton_common import check, check_float
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
-# cuBLAS's FP8 fast accumulation (no periodic promotion of the tensor cores' partial sums to
-# full float32): faster, less exact over long K. Off until measured for speed and accuracy
-# (bench/fp8_bench.py --sections prefill --variants kernels.triton_fp8_gemm.FAST_ACCUM=True).
-FAST_ACCUM = False
+# cuBLAS's FP8 fast accumulation (the tensor cores' partial sums are not promoted to full
+# float32 every few K steps), as vLLM's Hopper FP8 GEMMs run by default: an H200 took a
+# 4k-token prefill of an 8B model in 66.2 ms against ~69.7 (bench/fp8_bench.py --sections
+# prefill, 2026-12-04); the per-token x per-channel tests hold it to the same bounds of the
+# float32 product as full accumulation (tests/kernels/test_fp8.py), K = 14336 included.
+# `bench/fp8_bench.py --sections prefill_ab` times it both ways, interleaved, and how far
+# the final hidden states move.
+FAST_ACCUM = True
 
 
 @triton.jit
