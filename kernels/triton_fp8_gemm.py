@@ -20,13 +20,12 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
 # cuBLAS's FP8 fast accumulation (the tensor cores' partial sums are not promoted to full
-# float32 every few K steps), as vLLM's Hopper FP8 GEMMs run by default: an H200 took a
-# 4k-token prefill of an 8B model in 66.2 ms against ~69.7 (bench/fp8_bench.py --sections
-# prefill, 2026-12-04); the per-token x per-channel tests hold it to the same bounds of the
-# float32 product as full accumulation (tests/kernels/test_fp8.py), K = 14336 included.
-# `bench/fp8_bench.py --sections prefill_ab` times it both ways, interleaved, and how far
-# the final hidden states move.
-FAST_ACCUM = True
+# float32 every few K steps; vLLM's Hopper FP8 GEMMs run so). Off: on an H200 it took an 8B
+# model's 4k-token prefill from 70.8 to 66.8 ms (1.49x -> 1.58x bf16; bench/fp8_bench.py
+# --sections prefill_ab, 2026-12-04), but moved the dummy model's final hidden states by
+# 39% of their norm against full accumulation (FP8 itself moves them 62% from bf16), and
+# no real model could be measured on the GPU to say what that costs in tokens.
+FAST_ACCUM = False
 
 
 @triton.jit
