@@ -99,3 +99,25 @@ def test_fused_quant_of_no_rows(device):
     q, s, r = rms_norm_quant(torch.randn(0, 64, device=device), torch.ones(64, device=device),
                              1e-6)
     assert q.shape == (0, 64) and s.shape == (0, 1) and r.shape == (0, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_fused_quant_at_8b_shapes_on_the_gpu(gen):
+    """In the -m gpu suite (the tests above run on the GPU only when called without it):
+    Llama-3-8B's rows (hidden 4096 with a residual and K-split partials; 14336 of SiLU x
+    mul), bf16, the same bytes as the unfused kernel and the quantizer."""
+    from kernels.triton_act import silu_and_mul, silu_and_mul_quant
+    from kernels.triton_fp8_gemm import quant_rows
+    from kernels.triton_norm import rms_norm, rms_norm_quant
+
+    dev = torch.device("cuda")
+    parts = torch.randn(2, 40, 4096, generator=gen).to(dev)
+    res = torch.randn(40, 4096, generator=gen).to(dev, torch.bfloat16)
+    w = (torch.rand(4096, generator=gen) + 0.5).to(dev, torch.bfloat16)
+    q, s, new_res = rms_norm_quant(parts, w, 1e-5, res)
+    out, ref_res = rms_norm(parts, w, 1e-5, res)
+    _same_quant(q, s, *quant_rows(out, 1))
+    assert torch.equal(new_res, ref_res)
+    x = torch.randn(40, 2 * 14336, generator=gen).to(dev, torch.bfloat16)
+    _same_quant(*silu_and_mul_quant(x), *quant_rows(silu_and_mul(x), 1))
