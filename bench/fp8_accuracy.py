@@ -14,6 +14,7 @@ perplexity on the embedded SmolLM2-135M-Instruct (or --model).
     python bench/fp8_accuracy.py --device cpu --act-group 64 \
         --out bench/results/fp8_accuracy_cpu_group64.json
     python bench/fp8_accuracy.py --device cpu --weight-scales amax  # the earlier scales
+    python3 bench/fp8_accuracy.py --device cuda [--fast-accum off] --out ...  # cuBLAS's FP8
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ def main() -> None:
     ap.add_argument("--weight-scales", choices=("mse", "amax"), default=None,
                     help="engine/quant/scheme.AT_LOAD.weight_scales for this run (default: "
                          "the engine's, error-minimising 'mse')")
+    ap.add_argument("--fast-accum", choices=("on", "off"), default=None,
+                    help="kernels/triton_fp8_gemm.FAST_ACCUM for this run (cuBLAS's FP8 "
+                         "accumulation without float32 promotion; GPU only; default: the "
+                         "engine's)")
     ap.add_argument("--dtype-baseline", action="store_true",
                     help="no FP8: greedy agreement of float32 and bf16 only")
     ap.add_argument("--out", default="bench/results/fp8_accuracy_cpu.json")
@@ -171,6 +176,7 @@ def main() -> None:
 
     import engine.quant.fp8_linear as fl
     import engine.quant.scheme as sch
+    import kernels.triton_fp8_gemm as fg
 
     if args.act_group is not None:
         fl.ACT_GROUP = args.act_group
@@ -179,6 +185,8 @@ def main() -> None:
     if args.weight_scales is not None:
         sch.AT_LOAD = dataclasses.replace(sch.AT_LOAD, weight_scales=args.weight_scales)
         sch.AT_LOAD_SCHEMES["fp8"] = sch.AT_LOAD  # what the engine's load reads
+    if args.fast_accum is not None:
+        fg.FAST_ACCUM = args.fast_accum == "on"
     if args.dtype_baseline:
         result = dtype_baseline(args.model, args.device)
     else:
@@ -186,6 +194,7 @@ def main() -> None:
     result["weight_scales"] = sch.AT_LOAD.weight_scales
     result["act_group"] = fl.ACT_GROUP
     result["weight_only_max_rows"] = fl.WEIGHT_ONLY_MAX_ROWS
+    result["fast_accum"] = fg.FAST_ACCUM
     result["torch"] = torch.__version__
     result["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -19,13 +19,15 @@ from kernels.triton_common import check, check_float
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12
-# cuBLAS's FP8 fast accumulation (the tensor cores' partial sums are not promoted to full
-# float32 every few K steps; vLLM's Hopper FP8 GEMMs run so). Off: on an H200 it took an 8B
-# model's 4k-token prefill from 70.8 to 66.8 ms (1.49x -> 1.58x bf16; bench/fp8_bench.py
-# --sections prefill_ab, 2026-12-04), but moved the dummy model's final hidden states by
-# 39% of their norm against full accumulation (FP8 itself moves them 62% from bf16), and
-# no real model could be measured on the GPU to say what that costs in tokens.
-FAST_ACCUM = False
+# cuBLAS's FP8 fast accumulation: the tensor cores' partial sums are not promoted to full
+# float32 every few K steps (vLLM's Hopper FP8 GEMMs run so). On an H200 it takes an 8B
+# model's 4k-token prefill from 71.8 to 65.0 ms (1.44x -> 1.59x bf16). What it costs, priced
+# on the GPU (bench/RESULTS.md, "cuBLAS's fast FP8 accumulation, priced", 2026-12-04): per
+# 8B projection it adds 0.06-0.20 points of relative error to FP8's 3.6 (bf16's own output
+# rounding is 0.17; bench/fp8_accum_error.py), and the real SmolLM2 with it keeps bf16's
+# token at 91.0% of the teacher-forced positions (91.4% without) with perplexity 1.006x
+# bf16 (1.020x without; bench/fp8_accuracy.py --device cuda).
+FAST_ACCUM = True
 
 
 @triton.jit

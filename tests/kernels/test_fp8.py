@@ -126,7 +126,7 @@ def test_quantize_weight_scale_shapes(gen):
 @pytest.mark.parametrize("m", [16, 37, 128, 4096])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (200, 4096)])
 def test_scaled_mm_per_token_per_channel(m, n, k, fast, gen, monkeypatch):
-    """Both accumulation modes (FAST_ACCUM: cuBLAS's fast FP8 accumulation, off by
+    """Both accumulation modes (FAST_ACCUM: cuBLAS's fast FP8 accumulation, on by
     default) within the same bounds of the float32 product, K = 14336 included."""
     import kernels.triton_fp8_gemm as tg
     from kernels.triton_fp8_gemm import fp8_gemm, quant_rows
