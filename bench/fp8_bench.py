@@ -22,7 +22,8 @@ Sections (``--sections``, in order; each writes one key of the JSON):
     --repeats rounds (the prefill comparison to trust), and each variant's hidden states
     against FP8's defaults.
   * ``gemm``: the four projections of the 8B shape alone at decode-batch rows, cuBLAS's
-    row-wise scaled mm against the K-split Triton kernel, with the weight bytes' floor.
+    row-wise scaled mm (also with the operands swapped: out^T = w x^T, and that transposed
+    back) against the K-split Triton kernel, with the weight bytes' floor.
   * ``prefill_profile``: one --prefill-tokens prefill's kernels under torch.profiler, bf16
     and FP8: what bounds FP8's prefill speed-up.
 Further sections register in SECTIONS (name -> fn(args, ctx) -> JSON value); ctx carries
@@ -336,8 +337,20 @@ def gemm_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str
     against the K-split Triton kernel (kernels/triton_fp8_split_gemm, its partials as the
     reader gets them, and its [M, N] product when unsplit), each over enough weight copies
     that L2 holds none between calls, against the weight bytes' floor at the run's HBM rate."""
+    import kernels.triton_fp8_gemm as tg
     from kernels.triton_fp8_gemm import fp8_gemm
     from kernels.triton_fp8_split_gemm import auto_splits, fp8_split_gemm
+
+    def swapped(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc: torch.Tensor,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        """The same product with the weight as cuBLAS's A operand: out^T [N, M]. cuBLAS
+        tiles the N x M output, so at few rows its tile choice (and SM count) differs."""
+        return torch._scaled_mm(w, xq.t(), scale_a=sc, scale_b=xs.reshape(1, -1),
+                                out_dtype=out_dtype, use_fast_accum=tg.FAST_ACCUM)
+
+    def swapped_back(xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, sc: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+        return swapped(xq, xs, w, sc, out_dtype).t().contiguous()
 
     dev = torch.device("cuda")
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -382,6 +395,9 @@ def gemm_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str
             if s > 1:
                 row["unsplit_ms"] = round(
                     timed(fp8_split_gemm, ws, xq, xs, sc, 1, torch.bfloat16), 4)
+            row["cublas_swapped_ms"] = round(timed(swapped, ws, xq, xs, sc, torch.bfloat16), 4)
+            row["cublas_swapped_back_ms"] = round(
+                timed(swapped_back, ws, xq, xs, sc, torch.bfloat16), 4)
             print(json.dumps(row), flush=True)
             out.append(row)
         ws.clear()

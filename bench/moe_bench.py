@@ -265,9 +265,13 @@ def kernel_point(model: Any, batch: int, hbm: float, config: dict[str, int] | No
     ms = graph_time_ms(run)
     nbytes = touched * expert_bytes(blocks[0]) + len(blocks) * batch * h * 2 * 2
     tbps = nbytes / (ms * 1e-3) / 1e12
+    # the routed experts' matmul work (gate/up and down), for prefill-sized calls
+    inter = blocks[0].experts.w2.shape[-1]
+    flops = len(blocks) * batch * cfg.top_k * 2 * 3 * h * inter
     point = {"batch": batch, "kernel_ms_all_layers": round(ms, 3),
              "experts_touched_mean": round(touched / len(blocks), 1),
-             "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
+             "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3),
+             "tflops": round(flops / (ms * 1e-3) / 1e12, 1)}
     if compare and blocks[0].experts.w13_scale is not None:
         point.update(fp8_vs_bf16_one_layer(blocks[0], x, w, ids, config))
     return point

@@ -16,6 +16,14 @@ CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
               (32, 64, 128, 8, 3), (64, 64, 64, 8, 3), (64, 128, 64, 8, 3),
               # wider K or N for batch-1 streaming (not spill-checked: timing decides)
               (16, 32, 256, 4, 3), (16, 64, 256, 8, 2), (16, 128, 128, 8, 3)]
+# ... and for prefill-sized calls (more than PREFILL_TOKENS tokens), where the kernel is
+# compute-bound: wide row tiles feed the tensor cores; each expert's rows pad to BLOCK_M, so
+# 128-row tiles waste more on experts with few rows (timing decides)
+PREFILL_TOKENS = 1024
+PREFILL_CANDIDATES = [(64, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),
+                      (64, 256, 64, 8, 3), (64, 128, 128, 8, 3), (64, 64, 128, 4, 3),
+                      (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
+                      (128, 256, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 128, 8, 2)]
 
 
 def tune_mla(model: Any, hbm: float, points: list[tuple[int, int]]) -> dict[str, Any]:
@@ -51,7 +59,8 @@ def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
     best: dict[str, Any] = {}
     for b in batches:
         rows = []
-        for bm, bn, bk, warps, stages in CANDIDATES:
+        for bm, bn, bk, warps, stages in (PREFILL_CANDIDATES if b > PREFILL_TOKENS
+                                          else CANDIDATES):
             cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn,
                    "BLOCK_K_DOWN": bk, "num_warps": warps, "num_stages": stages}
             try:
@@ -60,7 +69,7 @@ def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
                 print("tune", b, cfg, repr(e)[:120], flush=True)
                 continue
             rows.append((p["kernel_ms_all_layers"], cfg))
-            print("tune", b, cfg, p["kernel_ms_all_layers"], flush=True)
+            print("tune", b, cfg, p["kernel_ms_all_layers"], p.get("tflops", ""), flush=True)
         rows.sort(key=lambda r: r[0])
         best[str(b)] = rows[0][1]
     return {torch.cuda.get_device_name(): best}

@@ -35,7 +35,7 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
     counts = torch.zeros(num_local + 1, dtype=torch.int64, device=dev)
     counts.scatter_add_(0, key, torch.ones_like(key))  # [E+1]; bincount would sync
     padded = (counts + block_m - 1) // block_m * block_m  # [E+1]
-    padded[num_local] = 0
+    padded[num_local:].zero_()  # a fill kernel: `[i] = 0` copies a host scalar (no graphs)
     pad_end = torch.cumsum(padded, 0)  # [E+1]
     pad_start = pad_end - padded
     run_start = torch.cumsum(counts, 0) - counts  # [E+1]: unpadded run starts

@@ -48,6 +48,16 @@ ACT_GROUP = 0
 # against 7.36 (there cuBLAS's tiles already cover the GPU's rate better than this
 # kernel's pointer-fed FP8 MMAs).
 SPLIT_GEMM_MAX_ROWS = 64
+# ... and up to this many rows for narrow layers only (out_features <= NARROW_OUT, as
+# o_proj and down_proj of an 8B model): cuBLAS tiles their N = 4096 with 32 128 x 128 tiles,
+# a quarter of an H200's SMs, where the K-split kernel's one wave covers them all. qkv_proj
+# and gate_up_proj (48 and 224 column tiles) stay on cuBLAS. 0 turns it off (and
+# SPLIT_GEMM_MAX_ROWS = 0 turns off both). On an H200 at
+# 128 rows: o_proj 10.7 us against cuBLAS's 13.4, down_proj 32.0 against 36.6; the graphed
+# 8B step 7.12 ms against 7.21 (batch 96: 6.30 against 6.46; bench/fp8_bench.py --sections
+# gemm and pdl, 2026-12-04).
+NARROW_SPLIT_MAX_ROWS = 128
+NARROW_OUT = 4096
 
 
 class Fp8Linear(nn.Module):
@@ -106,7 +116,10 @@ class Fp8Linear(nn.Module):
 
     def split_gemm(self, rows: int) -> bool:
         """Whether `rows` rows take the K-split FP8 x FP8 kernel."""
-        return (WEIGHT_ONLY_MAX_ROWS < rows <= SPLIT_GEMM_MAX_ROWS and self.groups == 1
+        limit = (max(SPLIT_GEMM_MAX_ROWS, NARROW_SPLIT_MAX_ROWS)
+                 if self.out_features <= NARROW_OUT and SPLIT_GEMM_MAX_ROWS > 0
+                 else SPLIT_GEMM_MAX_ROWS)
+        return (WEIGHT_ONLY_MAX_ROWS < rows <= limit and self.groups == 1
                 and not self.weight_only(rows) and self.act_groups() == 1)
 
     def partials(self, x: torch.Tensor | Fp8Input) -> torch.Tensor | None:

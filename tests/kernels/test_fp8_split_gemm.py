@@ -67,13 +67,16 @@ def test_split_gemm_names_bad_arguments(gen, device):
 def test_split_choice_for_8b_shapes_at_128_rows_on_132_sms():
     from kernels.triton_fp8_split_gemm import choose_splits
 
-    # one wave of programs: o_proj and down_proj's 32 column tiles need 4-5 slices
-    assert choose_splits(128, 4096, 4096, 132) == 4  # 8 tiles of K each (MIN_K_TILES)
-    assert choose_splits(128, 4096, 14336, 132) == 5
-    assert choose_splits(128, 6144, 4096, 132) == 3  # qkv: 48 column tiles
+    # 128-row tiles, one program an SM: the grid stays within one wave (rounded down)
+    assert choose_splits(128, 4096, 4096, 132) == 4  # o_proj: 32 column tiles x 4 = 128
+    assert choose_splits(128, 4096, 14336, 132) == 4  # down_proj: 5 would be 160 programs
+    assert choose_splits(96, 4096, 14336, 132) == 4  # 96 rows: the same 128-row tile
+    assert choose_splits(128, 6144, 4096, 132) == 2  # qkv: 48 column tiles
     assert choose_splits(128, 28672, 4096, 132) == 1  # gate_up: 224 tiles fill the SMs
+    assert choose_splits(256, 4096, 14336, 132) == 2  # two row tiles: 64 x 2
+    # smaller tiles share an SM: rounded up, as measured at 64 rows
+    assert choose_splits(64, 4096, 14336, 132) == 5
     assert choose_splits(32, 4096, 512, 132) == 1  # 4 tiles of K: too short to split
-    assert choose_splits(256, 4096, 14336, 132) == 3  # two row tiles
 
 
 def _fp8_layer(n: int, k: int):
@@ -89,18 +92,20 @@ def _fp8_layer(n: int, k: int):
 @needs_cuda
 def test_fp8_layer_default_rows_for_the_split_kernel(gen):
     """By default the split kernel takes the rows just past the weight-only kernel's, up
-    to SPLIT_GEMM_MAX_ROWS (measured faster there), and cuBLAS the rows after."""
+    to SPLIT_GEMM_MAX_ROWS (measured faster there), and cuBLAS the rows after; a narrow
+    layer (out_features <= NARROW_OUT) keeps it up to NARROW_SPLIT_MAX_ROWS."""
     from engine.models import split_k as sk
     from engine.quant import fp8_linear as fl
 
-    f = _fp8_layer(4096, 4096)
-    assert fl.WEIGHT_ONLY_MAX_ROWS < fl.SPLIT_GEMM_MAX_ROWS
-    for rows, split in ((fl.WEIGHT_ONLY_MAX_ROWS + 1, True), (fl.SPLIT_GEMM_MAX_ROWS, True),
-                        (fl.SPLIT_GEMM_MAX_ROWS + 1, False)):
-        assert f.split_gemm(rows) == split, rows
-        x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
-        p = sk.split_k_linear(x, f)
-        assert (p is not None and p.shape[1:] == (rows, 4096)) == split, rows
+    assert fl.WEIGHT_ONLY_MAX_ROWS < fl.SPLIT_GEMM_MAX_ROWS < fl.NARROW_SPLIT_MAX_ROWS
+    for n, last in ((4096, fl.NARROW_SPLIT_MAX_ROWS), (6144, fl.SPLIT_GEMM_MAX_ROWS)):
+        f = _fp8_layer(n, 4096)
+        for rows, split in ((fl.WEIGHT_ONLY_MAX_ROWS + 1, True), (last, True),
+                            (last + 1, False)):
+            assert f.split_gemm(rows) == split, (n, rows)
+            x = torch.randn(rows, 4096, generator=gen).to("cuda", torch.bfloat16)
+            p = sk.split_k_linear(x, f)
+            assert (p is not None and p.shape[1:] == (rows, n)) == split, (n, rows)
 
 
 @pytest.mark.gpu
@@ -164,3 +169,29 @@ def test_split_gemm_limit_zero_keeps_cublas(gen, monkeypatch):
     f = _fp8_layer(4096, 4096)
     x = torch.randn(64, 4096, generator=gen).to("cuda", torch.bfloat16)
     assert not f.split_gemm(64) and sk.split_k_linear(x, f) is None
+
+
+def test_split_gemm_rows_by_layer_width(monkeypatch):
+    """Past SPLIT_GEMM_MAX_ROWS only a narrow layer (out_features <= NARROW_OUT) keeps the
+    split kernel, up to NARROW_SPLIT_MAX_ROWS; NARROW_SPLIT_MAX_ROWS = 0 drops that, and
+    SPLIT_GEMM_MAX_ROWS = 0 turns the kernel off for every layer."""
+    from engine.models import split_k as sk
+    from engine.quant import fp8_linear as fl
+    from engine.quant.scheme import Fp8Scheme
+
+    scheme = Fp8Scheme(weight="channel", act="token", block=None, scale_name=None)
+    narrow = fl.Fp8Linear(4096, 4096, False, scheme)
+    wide = fl.Fp8Linear(4096, 6144, False, scheme)
+    lo, mid, top = fl.WEIGHT_ONLY_MAX_ROWS, fl.SPLIT_GEMM_MAX_ROWS, fl.NARROW_SPLIT_MAX_ROWS
+    assert lo < mid < top and wide.out_features > fl.NARROW_OUT >= narrow.out_features
+    assert [narrow.split_gemm(r) for r in (lo, lo + 1, mid + 1, top, top + 1)] == [
+        False, True, True, True, False]
+    assert [wide.split_gemm(r) for r in (lo, lo + 1, mid, mid + 1)] == [False, True, True, False]
+    assert sk.fp8_max_rows() == top
+    monkeypatch.setattr(fl, "NARROW_SPLIT_MAX_ROWS", 0)
+    assert not narrow.split_gemm(mid + 1) and narrow.split_gemm(mid)
+    assert sk.fp8_max_rows() == mid
+    monkeypatch.setattr(fl, "NARROW_SPLIT_MAX_ROWS", top)
+    monkeypatch.setattr(fl, "SPLIT_GEMM_MAX_ROWS", 0)
+    assert not any(f.split_gemm(r) for f in (narrow, wide) for r in (lo + 1, mid, top))
+    assert sk.fp8_max_rows() == lo
