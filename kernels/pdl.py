@@ -18,7 +18,9 @@ The rules every kernel launched with ``launch_pdl`` here keeps (its first statem
   the one it follows, breaking the stream order the next kernel relies on, and its output
   may be memory the one before still reads, as a graph's pool reuses blocks);
 * ``launch_dependents`` right after its own ``wait``, so at most two kernels overlap and
-  the one started early only waits.
+  the one started early only waits (or, later, after its last store: the K-split FP8 GEMM
+  does, since its one-wave grid lost SM room to the next kernel's waiting programs;
+  kernels/triton_fp8_split_gemm.PDL_DEPENDENTS).
 
 Kernels not launched with PDL (cuBLAS, torch's own) keep plain stream order either way.
 Off CUDA (the Triton interpreter has no griddepcontrol) and before sm_90 it is off, and

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import follow, pdl_for
+from kernels.pdl import follow, launch_dependents, pdl_for, wait
 from kernels.triton_common import check
 
 FP8 = torch.float8_e4m3fn
@@ -36,15 +36,26 @@ PROGRAMS_PER_SM = 1
 # The fewest K tiles a slice keeps, so the pipelined loop fills.
 MIN_K_TILES = 16
 MAX_SPLITS = 8
+# When this kernel lets the next one start under PDL (kernels/pdl.py): "early" (right after
+# its wait, as every other PDL kernel here), "late" (after its store: the next kernel's
+# waiting programs then take no SM room from this one's), or "off" (launched without PDL).
+# On an H200, 8B dummy, graphed step, one interleaved call (bench/fp8_bench.py --sections
+# pdl, 2026-12-04): batch 48 early 5.51 / late 5.32 / off 5.37 ms, 64 5.90 / 5.90 / 5.75,
+# 128 7.09 / 7.06 / 7.15. Late was never slower than early.
+PDL_DEPENDENTS = "late"
 
 
 @triton.jit
 def _split_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, k_per_split,
                        s_am, s_asm, s_bn, s_bsn, s_cs, s_cm,
                        FP8_DOT: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
+                       LATE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     if PDL:  # xq is the kernel before's output; c may reuse its memory (kernels/pdl.py)
-        follow()
+        if LATE:
+            wait()
+        else:
+            follow()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -81,6 +92,8 @@ def _split_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, k_per_split
     acc = acc * sa[:, None] * sb[None, :]
     ptrs = c_ptr + split.to(tl.int64) * s_cs + rm[:, None].to(tl.int64) * s_cm + rn[None, :]
     tl.store(ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    if PDL and LATE:
+        launch_dependents()
 
 
 @functools.cache
@@ -143,13 +156,14 @@ def fp8_split_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
     if m == 0:
         return out
     bm = block_m(m)
-    pdl = pdl_for(xq)
+    pdl = pdl_for(xq) and PDL_DEPENDENTS != "off"
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(m, bm), splits)
     _split_gemm_kernel[grid](
         xq, x_scale, w, w_scale, out, m, n, k, k_per_split,
         xq.stride(0), x_scale.stride(0), w.stride(0), w_scale.stride(0), s_cs,
         out.stride(-2),
         FP8_DOT=xq.is_cuda, EVEN_K=k % BLOCK_K == 0, PDL=pdl,
+        LATE=PDL_DEPENDENTS == "late",
         BLOCK_M=bm, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         launch_pdl=pdl)
