@@ -21,8 +21,8 @@ for rows in (17, 64, 128, 256):
     for out_ty in ("*fp32", "*bf16"):  # partials; the product
         out[f"{rows}/{out_ty}"] = spills(
             sg._split_gemm_kernel, dict(SIG, c_ptr=out_ty), dict(
-                FP8_DOT=True, EVEN_K=True, PDL=True, BLOCK_M=bm, BLOCK_N=sg.BLOCK_N,
-                BLOCK_K=sg.BLOCK_K),
+                FP8_DOT=True, EVEN_K=True, PDL=True, LATE=sg.PDL_DEPENDENTS == "late",
+                BLOCK_M=bm, BLOCK_N=sg.BLOCK_N, BLOCK_K=sg.BLOCK_K),
             num_warps=sg.NUM_WARPS, num_stages=sg.NUM_STAGES)
 '''
 
