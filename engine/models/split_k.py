@@ -30,9 +30,9 @@ MAX_ROWS = 4
 # RESULTS.md, "Where the FP8 batch-1 decode step goes"). Read at each call, so a bench can
 # set fp8_linear's limits.
 def fp8_max_rows() -> int:
-    split = fp8_linear.SPLIT_GEMM_MAX_ROWS
-    narrow = fp8_linear.NARROW_SPLIT_MAX_ROWS if split > 0 else 0
-    return max(fp8_linear.WEIGHT_ONLY_MAX_ROWS, split, narrow)
+    # a narrow layer's limit is the largest any layer has
+    return max(fp8_linear.WEIGHT_ONLY_MAX_ROWS,
+               fp8_linear.split_gemm_max_rows(fp8_linear.NARROW_OUT))
 
 
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).

@@ -60,6 +60,14 @@ NARROW_SPLIT_MAX_ROWS = 128
 NARROW_OUT = 4096
 
 
+def split_gemm_max_rows(out_features: int) -> int:
+    """Rows up to which a layer of `out_features` outputs takes the K-split kernel (read at
+    each call, so a bench can set the limits)."""
+    if out_features <= NARROW_OUT and SPLIT_GEMM_MAX_ROWS > 0:
+        return max(SPLIT_GEMM_MAX_ROWS, NARROW_SPLIT_MAX_ROWS)
+    return SPLIT_GEMM_MAX_ROWS
+
+
 class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme,
                  device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
@@ -116,10 +124,8 @@ class Fp8Linear(nn.Module):
 
     def split_gemm(self, rows: int) -> bool:
         """Whether `rows` rows take the K-split FP8 x FP8 kernel."""
-        limit = (max(SPLIT_GEMM_MAX_ROWS, NARROW_SPLIT_MAX_ROWS)
-                 if self.out_features <= NARROW_OUT and SPLIT_GEMM_MAX_ROWS > 0
-                 else SPLIT_GEMM_MAX_ROWS)
-        return (WEIGHT_ONLY_MAX_ROWS < rows <= limit and self.groups == 1
+        return (WEIGHT_ONLY_MAX_ROWS < rows <= split_gemm_max_rows(self.out_features)
+                and self.groups == 1
                 and not self.weight_only(rows) and self.act_groups() == 1)
 
     def partials(self, x: torch.Tensor | Fp8Input) -> torch.Tensor | None:
