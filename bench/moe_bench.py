@@ -33,6 +33,9 @@ FP8 and as the same weights dequantized to bf16 (the same routings, in one run).
     python bench/moe_bench.py --quantization fp8 --out $OUT/moe_fp8_h200.json
     python bench/moe_bench.py --shape v2lite --profile --batches 1,8 --contexts 512 \
         --out $OUT/moe_v2lite_profile.json   # per-kernel table (bench/moe_profile.py)
+    python bench/moe_bench.py --shape v2lite --batches 1,8 --variants \
+        "kernels.pdl.ENABLED=False;kernels.triton_mla_decode.FEW_PROGRAMS_MIN_SPLIT_TOKENS=256" \
+        --out $OUT/moe_v2lite_variants.json   # the decode step per setting, interleaved
     python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
     python bench/moe_bench.py --tune --quantization fp8   # FP8 experts' ("<device> fp8")
 
@@ -366,6 +369,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="only a per-kernel table of the decode step at each (batch, "
                     "context): CUDA time and launches per step (torch.profiler)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated variants, each ','-joined module.NAME=value settings: "
+                         "only the decode step under each, interleaved with the defaults over "
+                         "--repeats rounds (bench/moe_variants.py)")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
     if args.quantization and args.tune_mla:
@@ -411,7 +418,13 @@ def main() -> None:
     model = engine.runner.model
     result["dense_weight_bytes"] = dense_weight_bytes(model)
     result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
-    if args.profile:
+    if args.variants:
+        from moe_variants import variants_section
+        result["variants"] = variants_section(
+            engine, [v for v in args.variants.split(";") if v], batches, contexts,
+            args.steps, args.repeats)
+        print(json.dumps(result["variants"], indent=1))
+    elif args.profile:
         result["decode_profile"] = profile_table(engine, batches, contexts, args.steps)
     elif args.tune_mla:
         result["tuned_mla"] = tune_mla(model, hbm, [(b, c) for c in contexts for b in batches])

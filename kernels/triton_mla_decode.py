@@ -12,7 +12,7 @@ Long contexts are split along the sequence so the whole GPU streams the cache; a
 kernel merges the splits by their log-sum-exp. Host syncs: none. Without a
 ``max_seq_len`` hint (CUDA graphs, whose grid is fixed at capture) the split count is
 sized for the block table's capacity and each request spreads its own context over those
-splits on the device (at least MIN_SPLIT_TOKENS each), as triton_decode_attention does.
+splits on the device (at least min_split_tokens each), as triton_decode_attention does.
 A request of length 0 (a graph's padding row) gets zeros. A float8 latent cache is upcast
 on load to the query's dtype; its scale folds into the softmax scale and multiplies the
 output (the latent is both key and value).
@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import (
     check,
     check_device,
@@ -51,6 +52,12 @@ NUM_STAGES = 2
 # 32 heads keep 8 warps, which do not spill (tests/kernels/test_mla_sm90.py).
 NUM_WARPS = {16: 4, 32: 8}
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
+# ... except when the whole call is a few programs' worth of (request, head block) pairs: at
+# batch 1 (one latent "head", one 16-head block) 256-token splits leave a 512-token context
+# to two programs, each walking eight tiles in a row while the rest of the GPU idles. This
+# is decode attention's few-pairs rule (kernels/triton_decode_attention.FEW_PAIRS), for MLA.
+FEW_PROGRAMS = 8  # batch x head blocks at or under this count as few
+FEW_PROGRAMS_MIN_SPLIT_TOKENS = 64
 # Two programs per SM: more splits only add merge traffic (H200, 16 heads: batch 32 best
 # at 8 splits, 128 at 4; at 8 programs per SM the heuristic gave 16 and 9).
 PROGRAMS_PER_SM = 2
@@ -78,8 +85,10 @@ def _mla_decode_kernel(
     num_splits, H,
     C: tl.constexpr, R: tl.constexpr, CP: tl.constexpr, RP: tl.constexpr,
     BLOCK_H: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    COMPUTE: tl.constexpr, IEEE: tl.constexpr, DYN: tl.constexpr,
+    COMPUTE: tl.constexpr, IEEE: tl.constexpr, DYN: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
+        follow()
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
@@ -151,10 +160,12 @@ def _mla_merge_kernel(
     split_len,  # as the decode kernel's (DYN: the least tokens per split)
     num_splits,
     C: tl.constexpr, CP: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    DYN: tl.constexpr,
+    DYN: tl.constexpr, PDL: tl.constexpr,
 ):
     """Merges one (request, head)'s splits, MERGE_S at a time with an online log-sum-exp:
     a [splits, C] tile at once spills registers past a few splits (ptxas, sm_90)."""
+    if PDL:  # the partials are the decode kernel's output (kernels/pdl.py)
+        follow()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
@@ -189,12 +200,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def min_split_tokens(batch: int, head_blocks: int) -> int:
+    """The least tokens a split holds (see FEW_PROGRAMS)."""
+    if batch * head_blocks <= FEW_PROGRAMS:
+        return FEW_PROGRAMS_MIN_SPLIT_TOKENS
+    return MIN_SPLIT_TOKENS
+
+
 def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int,
                       device: torch.device) -> int:
     """Enough splits to give every SM PROGRAMS_PER_SM programs, none under
-    MIN_SPLIT_TOKENS, at most MAX_SPLITS."""
+    min_split_tokens, at most MAX_SPLITS."""
     want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(1, batch * head_blocks))
-    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+    least = min_split_tokens(batch, head_blocks)
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, least)))
 
 
 def mla_decode(
@@ -252,7 +271,8 @@ def mla_decode(
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     if dyn and num_splits > 1:
         # the least a split holds; each program sizes its split from its request's length
-        split_len = triton.cdiv(min(MIN_SPLIT_TOKENS, split_len), block_n) * block_n
+        least = min_split_tokens(bsz, head_blocks)
+        split_len = triton.cdiv(min(least, split_len), block_n) * block_n
     split = num_splits > 1
     cp = max(16, triton.next_power_of_2(c))
     rp = max(16, triton.next_power_of_2(width - c))
@@ -264,6 +284,7 @@ def mla_decode(
         part_lse = part[bsz * heads * num_splits * cp:]
     else:
         part_o = part_lse = out  # unused
+    pdl = pdl_for(q)
     _mla_decode_kernel[(bsz, head_blocks, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2),
@@ -271,12 +292,13 @@ def mla_decode(
         scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, heads,
         C=c, R=width - c, CP=cp, RP=rp, BLOCK_H=block_h, BS=bs, BLOCK_N=block_n,
         SPLIT=split, COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer),
-        DYN=dyn and split, num_warps=num_warps, num_stages=num_stages,
+        DYN=dyn and split, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if split:
         _mla_merge_kernel[(bsz, heads)](
             part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
             num_splits, C=c, CP=cp, MERGE_S=min(MERGE_CHUNK, triton.next_power_of_2(num_splits)),
-            BLOCK_N=block_n, DYN=dyn, num_warps=4,
+            BLOCK_N=block_n, DYN=dyn, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
     return out

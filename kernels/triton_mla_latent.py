@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import (
     check,
     check_device,
@@ -37,8 +38,10 @@ def _mla_latent_kernel(
     s_cb, s_ct,  # kv_layer block and token strides [NB, 1, BS, 1, C + R]
     eps, scale,
     C: tl.constexpr, HALF: tl.constexpr, H: tl.constexpr, BS: tl.constexpr,
-    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # kv_a and q are the kernel before's output (kernels/pdl.py)
+        follow()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -115,10 +118,12 @@ def mla_latent_store(
     check_device(q, out)
     if t == 0:
         return
+    pdl = pdl_for(kv_a)
     _mla_latent_kernel[(t,)](
         kv_a, q_pe, out, norm_weight, positions, cos_sin, kv_layer, slot_mapping,
         kv_a.stride(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cos_sin.stride(0),
         kv_layer.stride(0), kv_layer.stride(2), float(eps), float(scale),
         C=c, HALF=r // 2, H=h, BS=kv_layer.shape[2], BLOCK_C=triton.next_power_of_2(c),
-        BLOCK_H=triton.next_power_of_2(h), FP8=is_fp8(kv_layer), num_warps=4)
+        BLOCK_H=triton.next_power_of_2(h), FP8=is_fp8(kv_layer), PDL=pdl, num_warps=4,
+        launch_pdl=pdl)

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_triton
 
@@ -91,8 +92,10 @@ def _gate_up_kernel(
     s_se, s_sn,  # w13_scale expert, row (FP8 weights only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
+    SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the align step's layout is the kernel before's output (kernels/pdl.py)
+        follow()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -166,8 +169,10 @@ def _down_kernel(
     s_se, s_sn,  # w2_scale expert, row (FP8 weights only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
-    SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
+    SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the activation is the kernel before's output (kernels/pdl.py)
+        follow()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -217,7 +222,9 @@ def _down_kernel(
 
 @triton.jit
 def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K, expert_start, num_local,
-                     s_y, s_o, BLOCK_H: tl.constexpr):
+                     s_y, s_o, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the weighted rows are the kernel before's output (kernels/pdl.py)
+        follow()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
@@ -284,6 +291,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * k
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
+    pdl = pdl_for(x)
     align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align
     sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
     tiles_m = block_expert.shape[0]
@@ -302,7 +310,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
-        SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, **launch)
+        SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
+        launch_pdl=pdl, **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     if g2 > 1:
@@ -314,11 +323,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
         EVEN_K=inter % bk2 == 0, SCALED=fp8, GROUP_K=gk2 if g2 > 1 else 1, ONE_GROUP=g2 == 1,
-        **launch)
+        PDL=pdl, launch_pdl=pdl, **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 
 
@@ -345,7 +354,9 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                   ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  BLOCK_G: tl.constexpr):
+                  BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the router's logits are the kernel before's output (kernels/pdl.py)
+        follow()
     t = tl.program_id(0).to(tl.int64)
     es = tl.arange(0, BLOCK_E)
     ok = es < E
@@ -450,6 +461,7 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: 
     if t == 0:
         return weights, ids
     rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
+    pdl = pdl_for(logits)
     _route_kernel[(t,)](
         logits, e_score_correction_bias if e_score_correction_bias is not None else logits,
         weights, ids, e, logits.stride(0), float(routed_scaling_factor),
@@ -458,5 +470,5 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: 
         HAS_BIAS=e_score_correction_bias is not None, RENORM=renormalize,
         ROUND=rnd is not None, ROUND_DTYPE=rnd if rnd is not None else tl.float32,
         N_GROUP=groups, TOPK_GROUP=topk_group if groups > 1 else 1, GROUP_SIZE=e // groups,
-        BLOCK_G=triton.next_power_of_2(groups), num_warps=4)
+        BLOCK_G=triton.next_power_of_2(groups), PDL=pdl, num_warps=4, launch_pdl=pdl)
     return weights, ids

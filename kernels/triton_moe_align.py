@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import follow, pdl_for
+
 
 def max_sorted_rows(num_pairs: int, num_local: int, block_m: int) -> int:
     """Rows of the padded, expert-sorted layout: a bound from shapes (an expert with c
@@ -62,9 +64,11 @@ ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_lo
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, P, NUM_TILES, expert_start, num_local,
                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+                  BLOCK_T: tl.constexpr, PDL: tl.constexpr):
     """moe_align in one program: count pairs per expert, lay out the padded runs, place
     every pair (stable: earlier pairs first), and name each tile's expert."""
+    if PDL:  # the routing's ids are the kernel before's output (kernels/pdl.py)
+        follow()
     es = tl.arange(0, BLOCK_E)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)
     for n0 in range(0, N, CHUNK):
@@ -106,8 +110,9 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, expert_start: int,
     p = max_sorted_rows(n, num_local, block_m)
     sorted_ids = torch.empty(p, dtype=torch.int32, device=topk_ids.device)
     block_expert = torch.empty(p // block_m, dtype=torch.int32, device=topk_ids.device)
+    pdl = pdl_for(topk_ids)
     _align_kernel[(1,)](
         topk_ids.reshape(-1), sorted_ids, block_expert, n, p, p // block_m, expert_start,
         num_local, BLOCK_E=triton.next_power_of_2(num_local), CHUNK=ALIGN_CHUNK,
-        BLOCK_M=block_m, BLOCK_T=64, num_warps=8)
+        BLOCK_M=block_m, BLOCK_T=64, PDL=pdl, num_warps=8, launch_pdl=pdl)
     return sorted_ids, block_expert

@@ -81,7 +81,7 @@ MLA = {"q_ptr": "*bf16", "kv_ptr": F8, "bt_ptr": "*i32", "lens_ptr": "*i32",
 for block_h in (16, 32):
     out[f"mla/h{block_h}"] = spills(mla._mla_decode_kernel, MLA, dict(
         C=512, R=64, CP=512, RP=64, BLOCK_H=block_h, BS=64, BLOCK_N=mla.BLOCK_N, SPLIT=True,
-        COMPUTE=tl.bfloat16, IEEE=False, DYN=True),
+        COMPUTE=tl.bfloat16, IEEE=False, DYN=True, PDL=True),
         num_warps=mla.NUM_WARPS[block_h], num_stages=mla.NUM_STAGES)
 '''
 

@@ -71,6 +71,26 @@ def test_mla_decode_graph_mode_splits_per_request(gen, device, close):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def test_mla_decode_few_programs_split_short_contexts(gen, device, close):
+    # One request (one head block): a short context is split finer than MIN_SPLIT_TOKENS,
+    # so a 512-token context at batch 1 spreads over several programs, in graph mode (each
+    # request sizes its own splits) and with a host-side length alike.
+    import kernels.triton_mla_decode as m
+    few = m.FEW_PROGRAMS_MIN_SPLIT_TOKENS
+    assert few < m.MIN_SPLIT_TOKENS
+    assert m.min_split_tokens(1, 1) == few
+    assert m.min_split_tokens(m.FEW_PROGRAMS + 1, 1) == m.MIN_SPLIT_TOKENS
+    assert m.choose_num_splits(1, 1, 512, device) > -(-512 // m.MIN_SPLIT_TOKENS)
+    lens = [3 * few + 5]  # four splits of `few` tokens, the last short
+    kv, table = paged_latent(lens, 16, 48, torch.float32, gen, device)
+    q = torch.randn(1, 4, 48, generator=gen).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = mla_decode_ref(q, kv, table, seq_lens, 0.2, 32)
+    close(m.mla_decode(q, kv, table, seq_lens, 0.2, 32, block_n=16), ref, torch.float32)
+    close(m.mla_decode(q, kv, table, seq_lens, 0.2, 32, block_n=16, max_seq_len=lens[0]),
+          ref, torch.float32)
+
+
 def test_reference_equals_attention_on_decompressed_kv(gen):
     # The absorbed form is attention over K = [c W_UK | k_pe], V = c W_UV, reassociated.
     heads, dn, dv, c, r, n = 3, 8, 6, 16, 4, 21

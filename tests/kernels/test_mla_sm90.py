@@ -24,12 +24,13 @@ for block_h in (16, 32):  # the launcher's choices: up to 16 heads, and more
     for split in (False, True):
         out[f"decode/h{block_h}/split{int(split)}"] = spills(m._mla_decode_kernel, DEC, dict(
             C=512, R=64, CP=512, RP=64, BLOCK_H=block_h, BS=64, BLOCK_N=m.BLOCK_N,
-            SPLIT=split, COMPUTE=tl.bfloat16, IEEE=False, DYN=split),
+            SPLIT=split, COMPUTE=tl.bfloat16, IEEE=False, DYN=split, PDL=True),
             num_warps=m.NUM_WARPS[block_h], num_stages=m.NUM_STAGES)
 out["merge"] = spills(m._mla_merge_kernel, {
     "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16", "lens_ptr": "*i64",
     "s_ob": "i32", "s_oh": "i32", "split_len": "i32", "num_splits": "i32"},
-    dict(C=512, CP=512, MERGE_S=m.MERGE_CHUNK, BLOCK_N=m.BLOCK_N, DYN=True), num_warps=4)
+    dict(C=512, CP=512, MERGE_S=m.MERGE_CHUNK, BLOCK_N=m.BLOCK_N, DYN=True, PDL=True),
+    num_warps=4)
 out["store_latent"] = spills(s._store_latent_kernel, {
     "src_ptr": "*bf16", "kv_ptr": "*bf16", "slot_ptr": "*i64", "s_t": "i32", "s_cb": "i64",
     "s_cs": "i32", "scale": "fp32"}, dict(D=576, BS=64, BLOCK_D=1024, FP8=False), num_warps=4)
@@ -39,7 +40,8 @@ LAT = {"kva_ptr": "*bf16", "q_ptr": "*bf16", "qo_ptr": "*bf16", "w_ptr": "*bf16"
        "s_cs": "i32", "s_cb": "i64", "s_ct": "i32", "eps": "fp32", "scale": "fp32"}
 for heads in (16, 128):  # V2-Lite's and V3's query heads on one rank
     out[f"latent/h{heads}"] = spills(lat._mla_latent_kernel, LAT, dict(
-        C=512, HALF=32, H=heads, BS=64, BLOCK_C=512, BLOCK_H=heads, FP8=False), num_warps=4)
+        C=512, HALF=32, H=heads, BS=64, BLOCK_C=512, BLOCK_H=heads, FP8=False, PDL=True),
+        num_warps=4)
 '''
 
 

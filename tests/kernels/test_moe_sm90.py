@@ -31,7 +31,7 @@ for bucket, c in [(f"{dev}/{b}", c) for dev in ("default", "NVIDIA H200")
     opts = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
     for kind, (wty, scaled) in WEIGHTS.items():
         base = dict(BLOCK_M=c["BLOCK_M"], DOT_DTYPE=tl.bfloat16, IEEE=False, EVEN_K=True,
-                    **scaled)
+                    PDL=True, **scaled)
         bn = c["BLOCK_N"]
         if scaled["GROUP_K"] > 1:  # the launcher's narrower tile for block scales
             bn = min(bn, max(16, m.BLOCK_SCALED_GATE_UP_TILE // c["BLOCK_M"]))
@@ -43,7 +43,7 @@ for bucket, c in [(f"{dev}/{b}", c) for dev in ("default", "NVIDIA H200")
 out["align/256"] = spills(al._align_kernel, {
     "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "N": "i32", "P": "i32",
     "NUM_TILES": "i32", "expert_start": "i32", "num_local": "i32"},
-    dict(BLOCK_E=256, CHUNK=al.ALIGN_CHUNK, BLOCK_M=16, BLOCK_T=64), num_warps=8)
+    dict(BLOCK_E=256, CHUNK=al.ALIGN_CHUNK, BLOCK_M=16, BLOCK_T=64, PDL=True), num_warps=8)
 out["route/256"] = spills(m._route_kernel, {
     "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
     "E": "i32", "s_l": "i32", "scale": "fp32"},
@@ -51,11 +51,11 @@ out["route/256"] = spills(m._route_kernel, {
     # and its shared expert routed to as a 9th column
     dict(TOP_K=8, NUM_SHARED=1, BLOCK_E=256, BLOCK_K=16, SIGMOID=True, HAS_BIAS=True,
          RENORM=True, ROUND=True, ROUND_DTYPE=tl.bfloat16, N_GROUP=8, TOPK_GROUP=4,
-         GROUP_SIZE=32, BLOCK_G=8), num_warps=4)
+         GROUP_SIZE=32, BLOCK_G=8, PDL=True), num_warps=4)
 out["sum"] = spills(m._sum_topk_kernel, {
     "y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "TOP_K": "i32",
     "expert_start": "i32", "num_local": "i32", "s_y": "i32", "s_o": "i32"},
-    dict(BLOCK_H=1024), num_warps=4)
+    dict(BLOCK_H=1024, PDL=True), num_warps=4)
 '''
 
 

@@ -1,0 +1,48 @@
+"""``moe_bench.py --variants``: the MoE model's decode step under module settings, interleaved.
+
+Each variant is a ';'-free list of ``package.module.NAME=value`` settings joined by ','
+(the empty variant is the tree's defaults); a round times every (batch, context) point under
+each variant in turn, the decode graphs captured again for each, and --repeats rounds
+alternate so that drift over the run shows as spread, not as a difference. The result per
+point: each variant's step times, and its best against the defaults' best.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from decode_bench import engine_point, recapture
+from fp8_bench import setting
+
+
+@contextlib.contextmanager
+def settings(variant: str) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for spec in (s for s in variant.split(",") if s):
+            stack.enter_context(setting(spec))
+        yield
+
+
+def variants_section(engine: Any, variants: list[str], batches: list[int],
+                     contexts: list[int], steps: int, rounds: int) -> list[dict[str, Any]]:
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    for _ in range(rounds):
+        for v in ["", *variants]:
+            with settings(v):
+                recapture(engine)
+                for c in contexts:
+                    for b in batches:
+                        p = engine_point(engine, b, c, steps, repeats=1)
+                        row = rows.setdefault((b, c), {"batch": b, "context": c})
+                        row.setdefault(v or "defaults", []).append(
+                            p.get("engine_step_ms", p.get("skipped")))
+    recapture(engine)  # the defaults' graphs again for whatever runs next
+    out = list(rows.values())
+    for r in out:
+        base = min(x for x in r["defaults"] if isinstance(x, float))
+        r["best_over_defaults"] = {
+            v: round(min(x for x in r[v] if isinstance(x, float)) / base, 3)
+            for v in variants if any(isinstance(x, float) for x in r[v])}
+    return out
