@@ -482,6 +482,7 @@ def main() -> None:
                 p["hf_generate_static_step_ms"] = round(ms, 3)
                 if "engine_step_ms" in p:
                     p["speedup_vs_hf"] = round(ms / p["engine_step_ms"], 2)
+        result.setdefault("hf_generate_static_step_ms", {})[str(b)] = round(ms, 3)
         print("hf", b, round(ms, 3), flush=True)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

@@ -9,7 +9,8 @@ them can be captured in a CUDA graph (every size below comes from shapes alone):
    is `sorted_ids` (pair index per padded row; N = T*k marks padding) and `block_expert`
    (the local expert of each tile; -1 past the last tile). The tile count is bounded from
    shapes: an expert with c pairs needs ceil(c / BM) tiles, at most min(N, E_local)
-   experts are non-empty, so N + min(N, E_local) * (BM - 1) rows.
+   experts are non-empty, so N + min(N, E_local) * (BM - 1) rows. At one token the step
+   is skipped (PER_PAIR_MAX_TOKENS): tile i is pair i, its expert read from topk_ids.
 2. gate/up (`_gate_up_kernel`): a grouped GEMM, tile (m, n) computes rows m of one
    expert against columns n of that expert's gate and of its up projection, and stores
    silu(gate) * up: the [T*k, 2I] product never reaches memory.
@@ -48,6 +49,14 @@ from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_alig
 FP8 = torch.float8_e4m3fn
 # Most BLOCK_M x BLOCK_N outputs of a gate/up tile with block-scaled FP8 weights.
 BLOCK_SCALED_GATE_UP_TILE = 64 * 64
+# Up to this many tokens the align step is skipped: row tile i holds (token, expert) pair i
+# alone, its expert read from the routing's ids by the GEMMs themselves. One token's top-k
+# experts (and its shared experts) are distinct, so every expert is still read once, with
+# the one real row per tile that align's layout gives at one token anyway; what goes is the
+# align launch, a single-program kernel of ~5.6 µs a layer on an H200 (a decode step of
+# DeepSeek-V2-Lite at batch 1: bench/RESULTS.md). Past one token a shared or popular expert
+# would be read once per pair routed to it.
+PER_PAIR_MAX_TOKENS = 1
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
 
@@ -85,24 +94,40 @@ def _device_name(device: torch.device) -> str:
 
 
 @triton.jit
+def _tile_rows(pid_m, sorted_ptr, bexp_ptr, ids_ptr, N, expert_start, num_local,
+               BLOCK_M: tl.constexpr, PER_PAIR: tl.constexpr):
+    """Row tile pid_m's local expert (< 0: nothing to do) and its [BLOCK_M] pair per row
+    (N: padding): from the align step's layout, or PER_PAIR, tile i is pair i alone, its
+    expert read from the routing's ids (no align step; see PER_PAIR_MAX_TOKENS)."""
+    if PER_PAIR:
+        e = tl.load(ids_ptr + pid_m).to(tl.int64) - expert_start
+        e = tl.where((e >= 0) & (e < num_local), e, -1)  # another rank's expert: no tile
+        pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, N)
+    else:
+        e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+        pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return e, pair
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, sc_ptr,
-    N, H, INTER, TOP_K,
+    x_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, sc_ptr, ids_ptr,
+    N, H, INTER, TOP_K, expert_start, num_local,
     s_x, s_we, s_wn, s_o,  # x row; w13 expert, w13 row; act row (all inner-contiguous)
     s_se, s_sn,  # w13_scale expert, row (FP8 weights only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr, PDL: tl.constexpr,
+    PER_PAIR: tl.constexpr,
 ):
     if PDL:  # the align step's layout is the kernel before's output (kernels/pdl.py)
         follow()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
-    if e < 0:  # a tile past the experts' padded runs: nothing to do
+    e, pair = _tile_rows(pid_m, sorted_ptr, bexp_ptr, ids_ptr, N, expert_start, num_local,
+                         BLOCK_M, PER_PAIR)
+    if e < 0:  # a tile past the experts' padded runs (or another rank's): nothing to do
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)  # [BM]; N: padding
     row_ok = pair < N
     # Padding rows read token 0 and columns past INTER wrap around, so the loads need no
     # row or column masks; the store drops them. Addresses are a scalar base plus
@@ -163,23 +188,23 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr, sc_ptr,
-    N, H, INTER,
+    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr, sc_ptr, ids_ptr,
+    N, H, INTER, expert_start, num_local,
     s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
     s_se, s_sn,  # w2_scale expert, row (FP8 weights only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_DTYPE: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr,
     SCALED: tl.constexpr, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr, PDL: tl.constexpr,
+    PER_PAIR: tl.constexpr,
 ):
     if PDL:  # the activation is the kernel before's output (kernels/pdl.py)
         follow()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    e, pair = _tile_rows(pid_m, sorted_ptr, bexp_ptr, ids_ptr, N, expert_start, num_local,
+                         BLOCK_M, PER_PAIR)
     if e < 0:
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + rows)
     row_ok = pair < N
     safe = tl.where(row_ok, pair, 0)  # padding rows read pair 0 (as _gate_up_kernel)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
@@ -292,9 +317,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     pdl = pdl_for(x)
-    align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align
-    sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
-    tiles_m = block_expert.shape[0]
+    per_pair = t <= PER_PAIR_MAX_TOKENS
+    if per_pair:  # tile i is pair i (the kernels read ids; these two are not read)
+        sorted_ids = block_expert = ids
+        tiles_m = n
+    else:
+        align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align
+        sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
+        tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)
     ieee = x.dtype == torch.float32
     gk13, gk2 = h // g13, inter // g2  # a constexpr only where there are groups
@@ -306,24 +336,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     s13 = w13_scale if w13_scale is not None else x  # an unread pointer without scales
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
-        x, w13, act, sorted_ids, block_expert, s13, n, h, inter, k,
+        x, w13, act, sorted_ids, block_expert, s13, ids, n, h, inter, k, expert_start, e_local,
         x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
         SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
-        launch_pdl=pdl, **launch)
+        PER_PAIR=per_pair, launch_pdl=pdl, **launch)
     y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     if g2 > 1:
         bk2 = min(bk2, gk2)
     s2 = w2_scale if w2_scale is not None else x
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
-        act, w2, y, sorted_ids, block_expert, weights, s2, n, h, inter,
+        act, w2, y, sorted_ids, block_expert, weights, s2, ids, n, h, inter, expert_start,
+        e_local,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
         EVEN_K=inter % bk2 == 0, SCALED=fp8, GROUP_K=gk2 if g2 > 1 else 1, ONE_GROUP=g2 == 1,
-        PDL=pdl, launch_pdl=pdl, **launch)
+        PDL=pdl, PER_PAIR=per_pair, launch_pdl=pdl, **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
         y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),

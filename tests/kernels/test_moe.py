@@ -83,6 +83,25 @@ def test_fused_moe_rank_holding_none_of_the_chosen_experts_adds_zeros(gen, devic
     assert torch.equal(out, torch.zeros_like(out))
 
 
+@pytest.mark.parametrize("start,e_local", [(0, None), (0, 4), (4, 4)])
+def test_fused_moe_one_token_needs_no_align_step(start, e_local, gen, device, close,
+                                                 monkeypatch):
+    # One token: each tile is one (token, expert) pair read straight from the routing, the
+    # align step never runs; an expert shard skips the other ranks' pairs
+    import kernels.triton_moe as m
+
+    def no_align(*a, **kw):  # type: ignore[no-untyped-def]
+        raise AssertionError("align ran for one token")
+
+    monkeypatch.setattr(m, "moe_align_triton", no_align)
+    monkeypatch.setattr(m, "moe_align", no_align)
+    _case(1, 32, 48, 8, 3, torch.float32, gen, device, close, e_local=e_local,
+          start=start)
+    monkeypatch.setattr(m, "PER_PAIR_MAX_TOKENS", 0)
+    with pytest.raises(AssertionError, match="align ran"):
+        _case(1, 32, 48, 8, 3, torch.float32, gen, device, close)
+
+
 def test_fused_moe_wide_tiles(gen, device, close):
     cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_N_DOWN": 32,
            "BLOCK_K_DOWN": 16, "num_warps": 4, "num_stages": 1}

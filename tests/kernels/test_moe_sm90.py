@@ -14,13 +14,13 @@ import kernels.triton_moe as m
 import kernels.triton_moe_align as al
 
 GU = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
-      "bexp_ptr": "*i32", "sc_ptr": "*fp32", "N": "i32", "H": "i32", "INTER": "i32",
-      "TOP_K": "i32", "s_x": "i32", "s_we": "i32", "s_wn": "i32", "s_o": "i32",
-      "s_se": "i32", "s_sn": "i32"}
+      "bexp_ptr": "*i32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32", "H": "i32",
+      "INTER": "i32", "TOP_K": "i32", "expert_start": "i32", "num_local": "i32",
+      "s_x": "i32", "s_we": "i32", "s_wn": "i32", "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
 DN = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "sorted_ptr": "*i32",
-      "bexp_ptr": "*i32", "tw_ptr": "*fp32", "sc_ptr": "*fp32", "N": "i32", "H": "i32",
-      "INTER": "i32", "s_a": "i32", "s_we": "i32", "s_wn": "i32", "s_o": "i32",
-      "s_se": "i32", "s_sn": "i32"}
+      "bexp_ptr": "*i32", "tw_ptr": "*fp32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32",
+      "H": "i32", "INTER": "i32", "expert_start": "i32", "num_local": "i32", "s_a": "i32",
+      "s_we": "i32", "s_wn": "i32", "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
 # weights: bf16; FP8 with per-channel scales; FP8 with 128-column block scales
 WEIGHTS = {"": ("*bf16", dict(SCALED=False, GROUP_K=1, ONE_GROUP=True)),
            "fp8/": ("*fp8e4nv", dict(SCALED=True, GROUP_K=1, ONE_GROUP=True)),
@@ -29,15 +29,19 @@ table = json.load(open(m.CONFIG_FILE))["configs"]
 for bucket, c in [(f"{dev}/{b}", c) for dev in ("default", "NVIDIA H200")
                   for b, c in table[dev].items()]:
     opts = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
-    for kind, (wty, scaled) in WEIGHTS.items():
+    # one token's tiles (PER_PAIR: no align step) come from the smallest bucket too
+    smallest = bucket.endswith("/" + min(table[bucket.split("/")[0]], key=int))
+    for (kind, (wty, scaled)), pp in [(w, pp) for w in WEIGHTS.items()
+                                      for pp in ((False, True) if smallest else (False,))]:
         base = dict(BLOCK_M=c["BLOCK_M"], DOT_DTYPE=tl.bfloat16, IEEE=False, EVEN_K=True,
-                    PDL=True, **scaled)
+                    PDL=True, PER_PAIR=pp, **scaled)
         bn = c["BLOCK_N"]
         if scaled["GROUP_K"] > 1:  # the launcher's narrower tile for block scales
             bn = min(bn, max(16, m.BLOCK_SCALED_GATE_UP_TILE // c["BLOCK_M"]))
-        out[f"gate_up/{kind}{bucket}"] = spills(m._gate_up_kernel, dict(GU, w_ptr=wty), dict(
+        tag = f"{kind}{bucket}{'/per_pair' if pp else ''}"
+        out[f"gate_up/{tag}"] = spills(m._gate_up_kernel, dict(GU, w_ptr=wty), dict(
             base, BLOCK_N=bn, BLOCK_K=c["BLOCK_K"]), **opts)
-        out[f"down/{kind}{bucket}"] = spills(m._down_kernel, dict(DN, w_ptr=wty), dict(
+        out[f"down/{tag}"] = spills(m._down_kernel, dict(DN, w_ptr=wty), dict(
             base, BLOCK_N=c.get("BLOCK_N_DOWN", c["BLOCK_N"]),
             BLOCK_K=c.get("BLOCK_K_DOWN", c["BLOCK_K"])), **opts)
 out["align/256"] = spills(al._align_kernel, {
@@ -70,7 +74,7 @@ FP8_ACCEPTED = {"down/fp8/default/256": 8}
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90_without_spills() -> None:
     spills = spill_bytes(BODY)
-    assert len(spills) == 3 * 20 + 3, sorted(spills)
+    assert len(spills) == 3 * 20 + 3 * 4 + 3, sorted(spills)  # 3 * 4: per-pair tiles
     over = {k: v for k, v in spills.items()
             if v > (H200_ACCEPTED[k.split("/")[0]] if "NVIDIA H200" in k
                     else FP8_ACCEPTED.get(k, 0))}
