@@ -144,14 +144,19 @@ def check_kv_port(name: str, kv_address: str, timeout: float = 3.0) -> Check:
 
 
 def check_outputs(name: str, outputs_address: str, outputs_transport: str,
-                  timeout: float = 3.0) -> list[Check]:
+                  timeout: float = 3.0, outputs_unix: str = "") -> list[Check]:
     """A worker's plain-TCP Outputs port (``--outputs-port``) accepts TCP here, and the router
-    reads it: a router that could not reach it reads the Outputs RPC instead, which works
-    but costs more CPU per token on both ends."""
+    reads its plain stream: a router that could not reach it reads the Outputs RPC instead,
+    which works but costs more CPU per token on both ends. A router on the worker's host
+    reads its Unix socket (``outputs_unix``), and says so; the port is checked all the same,
+    since a router elsewhere (a frontend on another host, or after a move) reads that."""
     if not outputs_address:
         return []
     out = [check_port(f"{name} Outputs port", outputs_address, timeout)]
-    if outputs_transport == "grpc":
+    if outputs_transport == "unix":
+        out.append(Check(f"{name} Outputs stream", PASS,
+                         f"the router reads its Unix socket {outputs_unix} (same host)"))
+    elif outputs_transport == "grpc":
         out.append(Check(f"{name} Outputs stream", WARN,
                          f"the router could not reach {outputs_address} and reads the Outputs "
                          f"RPC instead (more CPU per token): open the port to the router"))
@@ -228,7 +233,8 @@ def cluster_checks(router: str, api_key: str = "", timeout: float = 5.0,
         else:
             out.append(Check(name, PASS, f"heartbeat {w.last_heartbeat_age_s:.1f} s ago"))
         out.append(check_port(f"{name} gRPC port", w.address, timeout))
-        out.extend(check_outputs(name, w.outputs_address, w.outputs_transport, timeout))
+        out.extend(check_outputs(name, w.outputs_address, w.outputs_transport, timeout,
+                                 w.outputs_unix))
         ranks = [a for a in w.kv_address.split(",") if a]  # a TP consumer: one per rank
         for r, addr in enumerate(ranks):
             rank = f" (rank {r})" if len(ranks) > 1 else ""

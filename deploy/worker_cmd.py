@@ -58,7 +58,14 @@ def add_worker_args(p: argparse.ArgumentParser, role: str) -> None:
                    help="port on --host of the Outputs stream over plain TCP, which the "
                         "router reads each step's tokens from at less CPU than the gRPC "
                         "stream (0: any free port, advertised at registration; -1: off, the "
-                        "router reads the gRPC stream). Open it to the router like --port")
+                        "router reads the gRPC stream, and --no-outputs-unix is implied). "
+                        "Open it to the router like --port")
+    g.add_argument("--no-outputs-unix", dest="outputs_unix", action="store_false",
+                   help="serve the Outputs stream on TCP only. By default (Linux) it is also "
+                        "served on an abstract Unix socket with a random name, advertised at "
+                        "registration: a router on this host (and network namespace) reads "
+                        "that, at less CPU per step on both ends than loopback TCP; any other "
+                        "router cannot reach it and reads the TCP port")
     g.add_argument("--threads", type=int, default=0,
                    help="torch threads of the engine process (default 0: the cores this "
                         "process may use, cgroup quota and affinity included)")
@@ -143,7 +150,8 @@ def run_worker_cmd(args: argparse.Namespace) -> int:
                             bind_host=args.host, advertise_host=args.advertise_host,
                             port=args.port, worker_id=args.worker_id,
                             cluster_token=args.cluster_token, metrics_port=args.metrics_port,
-                            router_ca=args.router_ca, outputs_port=args.outputs_port)
+                            router_ca=args.router_ca, outputs_port=args.outputs_port,
+                            outputs_unix=args.outputs_unix)
 
     args.worker_id = worker_id(args)
     config_for(args.command)  # bad flags fail here, before anything starts

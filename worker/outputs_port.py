@@ -1,4 +1,5 @@
-"""The worker's Outputs stream over plain TCP: the router's per-step batches, one write each.
+"""The worker's plain Outputs stream (TCP, and a same-host Unix socket): the router's per-step
+batches, one write each.
 
 The ``Outputs`` RPC (worker/servicer.py) carries the same batches, but grpc.aio completes
 each write on its own poller thread and then wakes the event loop for it: two wake-ups of
@@ -8,6 +9,17 @@ of the process's CPU per token (bench/RESULTS.md, "The consumer's gRPC process o
 ``bench/probes/wake_cost_probe.py`` measures a grpc.aio stream against this one). Here a
 batch is one ``transport.write`` inside the step message's own wake-up: the socket takes it
 at once, and nothing comes back to wake the loop.
+
+Two listeners serve the one protocol below through the same code: the TCP port any router
+can reach, and (Linux) an abstract Unix socket whose name has an unguessable random part.
+Abstract names belong to a network namespace, so only a router on this host (and in this
+namespace) reaches the socket; it reads that one, because a loopback TCP send runs much of
+the reader's network stack inside this process's write: one 3 KB write every 50 ms costs
+the writer 79-84 µs of CPU over TCP and 47 µs over the Unix socket
+(``bench/probes/uds_write_probe.py``), and that write was most of a consumer's serving CPU
+per step (bench/RESULTS.md, "Issue 22's CPU point on this session's tree"). Anyone in the
+namespace can connect to an abstract name (it has no file permissions), so the hello's
+token check guards it exactly as it guards the port.
 
 Wire (worker.proto, ``OutputsFrame``): every message either way is a 4-byte big-endian
 length and then the protobuf. The router sends one ``OutputsRequest`` (with the cluster
@@ -36,6 +48,7 @@ import hmac
 import logging
 import socket
 import struct
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +71,9 @@ _LEN = struct.Struct(">I")
 # OutputsFrame's ``batch`` field (number 1, length-delimited): a serialized OutputBatch
 # behind this tag and its length is that frame, without copying the batch into a wrapper.
 _BATCH_TAG = b"\x0a"
+# The abstract Unix socket's name (after its NUL byte) starts with this, then a uuid4: a
+# name nobody else binds by chance, and no one guesses to squat on before the worker binds.
+UNIX_PREFIX = "pdserve-outputs-"
 
 
 def _varint(n: int) -> bytes:
@@ -98,23 +114,43 @@ class OutputsPort:
         self.cluster_token = cluster_token
         self.orphaned = orphaned
         self.failed = failed  # the engine's fatal error (None or "": none)
-        self.server: asyncio.AbstractServer | None = None
+        self.servers: list[asyncio.AbstractServer] = []  # the TCP and Unix listeners
         self.streams: set[asyncio.Task[None]] = set()
         # the streams past their hello: what each reads and writes to (stop() flushes them)
         self.live: dict[asyncio.Task[None], tuple[Subscriber, asyncio.StreamWriter]] = {}
         self.refused = 0  # connections closed at their hello (tests, logs)
         self.port = 0  # where it listens, once started
+        self.unix_name = ""  # its abstract Unix socket ("@" for the NUL byte), once started
 
     async def start(self, host: str, port: int) -> int:
-        self.server = await asyncio.start_server(self._serve, host, port)
-        self.port = int(self.server.sockets[0].getsockname()[1])
+        server = await asyncio.start_server(self._serve, host, port)
+        self.servers.append(server)
+        self.port = int(server.sockets[0].getsockname()[1])
         return self.port
+
+    async def start_unix(self) -> str:
+        """Listens on a fresh abstract Unix socket too (Linux); returns its name as the router
+        is told it, with "@" for the leading NUL byte. Raises OSError where the platform has
+        no abstract names."""
+        name = UNIX_PREFIX + uuid.uuid4().hex
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            # bound here, not by start_unix_server(path): an abstract name leaves no file
+            # behind to clean up, and asyncio's and uvloop's path handling differ for it
+            sock.bind("\0" + name)
+            server = await asyncio.start_unix_server(self._serve, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self.servers.append(server)
+        self.unix_name = "@" + name
+        return self.unix_name
 
     async def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Closes the listener, lets the streams write what the hub queued for them (up to
         ``grace_s``: a drained worker's last tokens are in flight), then ends them."""
-        if self.server is not None:
-            self.server.close()
+        for server in self.servers:
+            server.close()
         loop = asyncio.get_running_loop()
         end = loop.time() + grace_s
         while self._unsent() and loop.time() < end:
@@ -133,7 +169,8 @@ class OutputsPort:
         task = asyncio.current_task()
         assert task is not None
         self.streams.add(task)
-        peer: Any = writer.get_extra_info("peername")
+        # a Unix socket's client is unnamed: its peername is empty
+        peer: Any = writer.get_extra_info("peername") or "a Unix socket client"
         try:
             try:
                 request = await asyncio.wait_for(self._hello(reader), HELLO_TIMEOUT_S)
@@ -189,7 +226,9 @@ class OutputsPort:
             raise HelloRefused(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         self.orphaned(replaced, "its router opened a new Outputs stream")
         sock = writer.get_extra_info("socket")
-        if sock is not None:  # a router host that vanishes without a reset is found too
+        if sock is not None and sock.family != socket.AF_UNIX:
+            # a router host that vanishes without a reset is found too (on one host, the
+            # kernel closes a Unix socket's peer when its process dies)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         writer.transport.set_write_buffer_limits(high=HIGH_WATER)

@@ -154,8 +154,9 @@ class Registration:
                  info: ReadyInfo, load: Callable[[], LoadReport | None],
                  cluster_token: str = "", router_ca: str = "",
                  failed: Callable[[], str | None] = lambda: None,
-                 outputs_address: str = "") -> None:
+                 outputs_address: str = "", outputs_unix: str = "") -> None:
         self.outputs_address = outputs_address  # the plain-TCP Outputs stream ("": none)
+        self.outputs_unix = outputs_unix  # the same on an abstract Unix socket ("": none)
         if router_ca:  # the router serves TLS (--tls-cert): verify it with this CA
             with open(router_ca, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
@@ -281,7 +282,8 @@ class Registration:
             lease_s=self.info.lease_s, block_size=self.info.block_size,
             prefix_caching=self.info.prefix_caching,
             accepts_cache_salt=self.info.accepts_cache_salt,
-            version=pdserve_version(), outputs_address=self.outputs_address), timeout=10)
+            version=pdserve_version(), outputs_address=self.outputs_address,
+            outputs_unix=self.outputs_unix), timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
         log.info("registered with the router as %s (%s)", self.worker_id, self.role)
 

@@ -63,6 +63,7 @@ class PrimaryMembership(MembershipServicer):
                 max_model_len=w.max_model_len, load=w.load, version=w.version,
                 tp_size=w.tp_size, dp_size=w.dp_size, draining=w.draining,
                 drain_reason=w.drain_reason, outputs_address=w.outputs_address,
+                outputs_unix=w.outputs_unix,
                 target_role=w.target_role,  # type: ignore[arg-type]
                 incarnation=self._incarnations[w])
         return out
@@ -113,7 +114,8 @@ class RegistryMirror:
                              kv_address=v.kv_address, model=v.model,
                              kv_fingerprint=v.kv_fingerprint, max_model_len=v.max_model_len,
                              load=v.load, version=v.version, tp_size=v.tp_size or 1,
-                             dp_size=v.dp_size or 1, outputs_address=v.outputs_address)
+                             dp_size=v.dp_size or 1, outputs_address=v.outputs_address,
+                             outputs_unix=v.outputs_unix)
             else:
                 reg.heartbeat(v.worker_id, v.load)
             w = reg.get(v.worker_id)

@@ -62,6 +62,9 @@ class WorkerInfo:
     version: str = ""  # pdserve version it runs (from Register)
     # its Outputs stream over plain TCP, host:port (from Register; "": read the Outputs RPC)
     outputs_address: str = ""
+    # the same on its abstract Unix socket, "@name" (from Register; "": none). Read first:
+    # it is reachable only when this router shares the worker's host and network namespace.
+    outputs_unix: str = ""
     tp_size: int = 1  # tensor-parallel ranks (a consumer's ranks take a producer's heads)
     dp_size: int = 1  # attention data-parallel groups among those ranks (divides tp_size)
     # Prefix caching (from Register): block size in tokens (0: a worker older than the
@@ -146,7 +149,7 @@ class Registry:
                  load: common_pb2.WorkerLoad | None = None, version: str = "",
                  tp_size: int = 1, block_size: int = 0, prefix_caching: bool = False,
                  accepts_cache_salt: bool = False, dp_size: int = 1,
-                 outputs_address: str = "") -> WorkerInfo:
+                 outputs_address: str = "", outputs_unix: str = "") -> WorkerInfo:
         if not worker_id:
             raise RegistrationError("worker_id: must not be empty")
         if role not in ROLE_NAMES:
@@ -161,6 +164,8 @@ class Registry:
             raise RegistrationError(f"dp_size: must divide tp_size {tp_size}, got {dp_size}")
         if outputs_address:
             _check_host_port("outputs_address", outputs_address)
+        if outputs_unix:
+            _check_abstract_name("outputs_unix", outputs_unix)
         if max_model_len < 1:
             raise RegistrationError(f"max_model_len: must be >= 1, got {max_model_len}")
         if not 0 <= block_size <= 1 << 16:
@@ -188,7 +193,7 @@ class Registry:
                           dp_size=dp_size,
                           block_size=block_size, prefix_caching=prefix_caching,
                           accepts_cache_salt=accepts_cache_salt,
-                          outputs_address=outputs_address,
+                          outputs_address=outputs_address, outputs_unix=outputs_unix,
                           incarnation=next(self._incarnations))
         self._workers[worker_id] = info
         if old is not None:
@@ -363,6 +368,20 @@ def _copy_load(load: common_pb2.WorkerLoad | None) -> common_pb2.WorkerLoad:
     if load is not None:
         out.CopyFrom(load)
     return out
+
+
+# Linux's sockaddr_un holds 108 bytes of path: the NUL byte (written "@") and 107 of name.
+_MAX_UNIX_NAME = 108
+
+
+def _check_abstract_name(field_name: str, value: str) -> None:
+    """``value`` is an abstract Unix socket name, "@" then printable ASCII without spaces (it
+    is logged and shown by doctor, and fits sockaddr_un)."""
+    name = value[1:]
+    if not value.startswith("@") or not name or len(value) > _MAX_UNIX_NAME \
+            or not all("!" <= ch <= "~" for ch in name):
+        raise RegistrationError(f"{field_name}: must be '@' and up to {_MAX_UNIX_NAME - 1} "
+                                f"printable characters, got {value!r}")
 
 
 def _check_host_port(field_name: str, value: str) -> None:

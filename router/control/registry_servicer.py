@@ -43,7 +43,7 @@ class RegistryServicer(worker_pb2_grpc.RegistryServicer):
                 version=request.version, tp_size=request.tp_size or 1,
                 block_size=request.block_size, prefix_caching=request.prefix_caching,
                 accepts_cache_salt=request.accepts_cache_salt, dp_size=request.dp_size or 1,
-                outputs_address=request.outputs_address)
+                outputs_address=request.outputs_address, outputs_unix=request.outputs_unix)
         except RegistrationError as e:
             log.warning("refused worker %r: %s", request.worker_id, e)
             code = (grpc.StatusCode.FAILED_PRECONDITION if e.precondition

@@ -82,12 +82,14 @@ class WorkerChannels:
         stub = self.stub(w)
         out = self._outputs.get(w.worker_id)
         if out is None or not out.usable:
-            out = WorkerOutputs(w.worker_id, stub, w.outputs_address, self._token)
+            out = WorkerOutputs(w.worker_id, stub, w.outputs_address, self._token,
+                                outputs_unix=w.outputs_unix)
             self._outputs[w.worker_id] = out
         return out
 
     def outputs_transport(self, worker_id: str) -> str:
-        """"tcp" or "grpc": how the worker's open Outputs stream is read; "": none open."""
+        """"unix", "tcp" or "grpc": how the worker's open Outputs stream is read; "": none
+        open."""
         out = self._outputs.get(worker_id)
         return out.transport if out is not None and out.usable else ""
 

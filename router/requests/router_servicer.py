@@ -66,6 +66,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 kv_fingerprint=w.kv_fingerprint, version=w.version, kv_address=w.kv_address,
                 draining=w.draining, target_role=w.target_role,  # type: ignore[arg-type]
                 tp_size=w.tp_size, outputs_address=w.outputs_address,
+                outputs_unix=w.outputs_unix,
                 outputs_transport=self.dispatcher.channels.outputs_transport(w.worker_id)))
         if request.include_requests:
             out.requests.extend(router_pb2.RequestStatus(

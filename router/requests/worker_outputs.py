@@ -7,9 +7,9 @@ outputs of one engine step (reservations, tokens, ends) into one ``OutputBatch``
 batch is read once and its entries handed to the legs by request id, so the per-token cost
 is a dict lookup and a callback instead of a gRPC message read per token per request, and
 a request holds no call of its own once the worker took it. A worker that advertised an
-outputs address serves the same stream over plain TCP, which is read instead
-(router/requests/outputs_plain.py: less CPU on both ends; the RPC if the port is
-unreachable).
+outputs address serves the same stream over plain TCP (and on its host over a Unix
+socket), which is read instead (router/requests/outputs_plain.py: less CPU on both ends;
+the Unix socket first, then TCP, then the RPC if neither is reachable).
 
 Lifecycle (who moves it):
 
@@ -89,7 +89,8 @@ class Route(Protocol):
 
 class WorkerOutputs:
     def __init__(self, worker_id: str, stub: worker_pb2_grpc.WorkerStub,
-                 outputs_address: str = "", cluster_token: str = "") -> None:
+                 outputs_address: str = "", cluster_token: str = "",
+                 outputs_unix: str = "") -> None:
         self.worker_id = worker_id
         self.subscriber_id = f"{ROUTER_ID}-{next(_counter)}"
         self.state = State.CONNECTING
@@ -102,22 +103,24 @@ class WorkerOutputs:
         self._aborting: set[asyncio.Task[None]] = set()
         self._ready: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         request = worker_pb2.OutputsRequest(subscriber_id=self.subscriber_id)
-        # The worker's plain-TCP port when it has one (router/requests/outputs_plain.py):
-        # the same batches at less CPU on both ends. The token rides in the request there.
+        # The worker's plain stream when it has one (router/requests/outputs_plain.py): the
+        # same batches at less CPU on both ends. The token rides in the request there.
         self._call: Any
-        if outputs_address:
+        if outputs_address or outputs_unix:
             plain = worker_pb2.OutputsRequest(subscriber_id=self.subscriber_id,
                                               cluster_token=cluster_token)
             self._call = PlainOutputsCall(worker_id, outputs_address, plain,
-                                          fallback=lambda: stub.Outputs(request))
+                                          fallback=lambda: stub.Outputs(request),
+                                          unix=outputs_unix)
         else:
             self._call = stub.Outputs(request)
         self._task = asyncio.get_running_loop().create_task(self._read())
 
     @property
     def transport(self) -> str:
-        """"tcp": the worker's plain port; "grpc": the Outputs RPC (also after a fallback)."""
-        return "tcp" if isinstance(self._call, PlainOutputsCall) and self._call.plain else "grpc"
+        """"unix" or "tcp": the worker's plain stream over that; "grpc": the Outputs RPC (also
+        after a fallback)."""
+        return self._call.transport if isinstance(self._call, PlainOutputsCall) else "grpc"
 
     @property
     def usable(self) -> bool:

@@ -49,11 +49,12 @@ def listener(stack: ExitStack) -> str:
 
 
 def register(address: str, worker_id: str, role: int, grpc_addr: str, fingerprint: str,
-             version: str, kv_address: str = "", outputs_address: str = "") -> None:
+             version: str, kv_address: str = "", outputs_address: str = "",
+             outputs_unix: str = "") -> None:
     with grpc.insecure_channel(address) as ch:
         worker_pb2_grpc.RegistryStub(ch).Register(worker_pb2.RegisterRequest(
             worker_id=worker_id, role=role, address=grpc_addr, kv_address=kv_address,  # type: ignore[arg-type]
-            outputs_address=outputs_address,
+            outputs_address=outputs_address, outputs_unix=outputs_unix,
             model=MODEL, kv_fingerprint=fingerprint, max_model_len=2048, version=version,
             load=common_pb2.WorkerLoad(kv_blocks_free=8, kv_blocks_total=8)), timeout=10)
 
@@ -67,13 +68,14 @@ def test_status_reports_registration_and_doctor_passes() -> None:
         kv = listener(stack)
         register(addr, "p0", common_pb2.ROLE_PRODUCER, listener(stack), "fp-a", "0.1.0")
         register(addr, "c0", common_pb2.ROLE_CONSUMER, listener(stack), "fp-a", "0.1.0",
-                 kv_address=f"tcp://{kv}")
+                 kv_address=f"tcp://{kv}", outputs_unix="@pdserve-outputs-c0")
         with grpc.insecure_channel(addr) as ch:
             ws = {w.worker_id: w for w in router_pb2_grpc.RouterStub(ch).ClusterStatus(
                 router_pb2.ClusterStatusRequest(), timeout=10).workers}
         assert (ws["c0"].kv_fingerprint, ws["c0"].version, ws["c0"].kv_address) == \
             ("fp-a", "0.1.0", f"tcp://{kv}")
         assert (ws["p0"].kv_address, ws["p0"].draining) == ("", False)
+        assert (ws["c0"].outputs_unix, ws["p0"].outputs_unix) == ("@pdserve-outputs-c0", "")
         checks = cluster_checks(addr)
         assert all(c.status == PASS for c in checks), render(checks)
         by = {c.name: c for c in checks}
@@ -123,3 +125,18 @@ def test_a_router_reading_the_rpc_for_an_advertised_port_warns() -> None:
                                                         ("consumer c0 Outputs stream", WARN)]
         assert port in checks[1].detail and "open the port" in checks[1].detail
     assert check_outputs("consumer c0", "", "grpc") == []  # none advertised (--outputs-port -1)
+
+
+def test_a_router_reading_the_unix_socket_is_said_and_the_port_still_checked() -> None:
+    from deploy.doctor import check_outputs
+
+    with ExitStack() as stack:
+        port = listener(stack)
+        checks = check_outputs("consumer c0", port, "unix", outputs_unix="@pdserve-outputs-x")
+        assert [(c.name, c.status) for c in checks] == [("consumer c0 Outputs port", PASS),
+                                                        ("consumer c0 Outputs stream", PASS)]
+        assert "@pdserve-outputs-x" in checks[1].detail
+    closed = free_port()  # a router elsewhere reads the port: a closed one still fails
+    checks = check_outputs("consumer c0", f"127.0.0.1:{closed}", "unix",
+                           outputs_unix="@pdserve-outputs-x")
+    assert checks[0].status == FAIL

@@ -3,7 +3,8 @@ end to end (gRPC, engine processes, KV transfer over UCX, detokenization), at th
 step time, and the pair gives the colocated worker's tokens. The colocated worker's gRPC
 process runs on asyncio's loop and serves its outputs on the Outputs RPC only
 (--outputs-port -1); the pair's run on the default (uvloop where installed) and the
-router reads the consumer's outputs from its plain-TCP port."""
+router reads the consumer's outputs from its Unix socket (the router is on its host); the
+pair's producer runs with --no-outputs-unix and advertises its TCP port only."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _cluster(tmp_path_factory: pytest.TempPathFactory, model_dir: str, name: str
 
 @pytest.fixture(scope="module")
 def sim_pd(tmp_path_factory, model_dir):  # type: ignore[no-untyped-def]
-    yield from _cluster(tmp_path_factory, model_dir, "simpd")
+    yield from _cluster(tmp_path_factory, model_dir, "simpd",
+                        producer_args=("--no-outputs-unix",))
 
 
 @pytest.fixture(scope="module")
@@ -100,20 +102,23 @@ def test_colocated_and_pd_serve_the_same_tokens(sim_colocated, sim_pd, model_dir
         assert r.timing.producer and r.timing.consumer and not r.timing.colocated
     assert [r.token_ids for r, _ in pd] == [r.token_ids for r, _ in co] == _reference(model_dir)
     # each path was the one its workers offered
-    assert _outputs_transports(sim_colocated) == {"colocated": ("", "grpc")}
+    assert _outputs_transports(sim_colocated) == {"colocated": ("", "", "grpc")}
     transports = _outputs_transports(sim_pd)
-    assert transports["consumer"][0] and transports["consumer"][1] == "tcp", transports
+    address, unix, how = transports["consumer"]
+    assert address and unix.startswith("@pdserve-outputs-") and how == "unix", transports
+    # --no-outputs-unix: the TCP port only (producers have no Outputs stream open)
+    p_address, p_unix, _ = transports["producer"]
+    assert p_address and p_unix == "", transports
 
 
-def _outputs_transports(cluster: LocalCluster) -> dict[str, tuple[str, str]]:
-    """Role -> (the outputs address it registered, how the router reads its outputs now),
-    from the router's ClusterStatus; producers have no Outputs stream."""
+def _outputs_transports(cluster: LocalCluster) -> dict[str, tuple[str, str, str]]:
+    """Role -> (the outputs address and Unix socket it registered, how the router reads its
+    outputs now), from the router's ClusterStatus."""
     ch, stub = stub_for(cluster.router_address)
     with ch:
         status = stub.ClusterStatus(router_pb2.ClusterStatusRequest())
     return {common_pb2.Role.Name(w.role).removeprefix("ROLE_").lower():
-            (w.outputs_address, w.outputs_transport)
-            for w in status.workers if w.role != common_pb2.ROLE_PRODUCER}
+            (w.outputs_address, w.outputs_unix, w.outputs_transport) for w in status.workers}
 
 
 def test_step_time_is_honoured_under_load(sim_pd):

@@ -61,12 +61,14 @@ def test_a_mirror_knows_a_workers_tp_and_dp_sizes_and_outputs_port() -> None:
     async def main() -> None:
         primary = Registry(heartbeat_timeout_s=3.0)
         primary.register(worker_id="p0", role=PRODUCER, address="a:1", max_model_len=64,
-                         tp_size=4, dp_size=2, outputs_address="a:2")
+                         tp_size=4, dp_size=2, outputs_address="a:2",
+                         outputs_unix="@pdserve-outputs-ab")
         reg = Registry(heartbeat_timeout_s=3.0)
         mirror = RegistryMirror(reg, grpc.aio.insecure_channel("127.0.0.1:1"), "")
         mirror.apply(PrimaryMembership(primary, "").view())
         w = reg.get("p0")
         assert w is not None and (w.tp_size, w.dp_size) == (4, 2)
         assert w.outputs_address == "a:2"  # every frontend reads the worker's plain port
+        assert w.outputs_unix == "@pdserve-outputs-ab"  # (frontends share the router's host)
 
     asyncio.run(main())

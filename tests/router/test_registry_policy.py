@@ -129,6 +129,10 @@ def test_fingerprint_mismatch_is_refused_but_colocated_may_differ() -> None:
     (dict(outputs_address="h:0"), "outputs_address"),
     (dict(outputs_address="h:99999"), "outputs_address"),
     (dict(outputs_address=":5"), "outputs_address"),
+    (dict(outputs_unix="pdserve-outputs-ab"), "outputs_unix"),  # no "@": a path, not a name
+    (dict(outputs_unix="@"), "outputs_unix"), (dict(outputs_unix="@a b"), "outputs_unix"),
+    (dict(outputs_unix="@a\nb"), "outputs_unix"),
+    (dict(outputs_unix="@" + "x" * 108), "outputs_unix"),
 ])
 def test_bad_registration_names_the_field(kw: dict[str, object], field: str) -> None:
     reg = Registry(heartbeat_timeout_s=3.0, served_model="m", clock=Clock())

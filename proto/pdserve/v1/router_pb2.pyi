@@ -20,7 +20,7 @@ class RegistryView(_message.Message):
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerView, _Mapping]]] = ...) -> None: ...
 
 class WorkerView(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "version", "tp_size", "draining", "drain_reason", "target_role", "incarnation", "dp_size", "outputs_address")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "version", "tp_size", "draining", "drain_reason", "target_role", "incarnation", "dp_size", "outputs_address", "outputs_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class WorkerView(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     DP_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -53,7 +54,8 @@ class WorkerView(_message.Message):
     incarnation: int
     dp_size: int
     outputs_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., version: _Optional[str] = ..., tp_size: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_reason: _Optional[str] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., incarnation: _Optional[int] = ..., dp_size: _Optional[int] = ..., outputs_address: _Optional[str] = ...) -> None: ...
+    outputs_unix: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., version: _Optional[str] = ..., tp_size: _Optional[int] = ..., draining: _Optional[bool] = ..., drain_reason: _Optional[str] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., incarnation: _Optional[int] = ..., dp_size: _Optional[int] = ..., outputs_address: _Optional[str] = ..., outputs_unix: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "tool_call_id", "tool_calls_json", "name")
@@ -226,7 +228,7 @@ class RequestStatus(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., state: _Optional[str] = ..., age_s: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., tokens_streamed: _Optional[int] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role", "tp_size", "outputs_address", "outputs_transport")
+    __slots__ = ("worker_id", "role", "address", "load", "last_heartbeat_age_s", "healthy", "unhealthy_reason", "kv_fingerprint", "version", "kv_address", "draining", "target_role", "tp_size", "outputs_address", "outputs_transport", "outputs_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +244,7 @@ class WorkerStatus(_message.Message):
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -257,7 +260,8 @@ class WorkerStatus(_message.Message):
     tp_size: int
     outputs_address: str
     outputs_transport: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., tp_size: _Optional[int] = ..., outputs_address: _Optional[str] = ..., outputs_transport: _Optional[str] = ...) -> None: ...
+    outputs_unix: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., last_heartbeat_age_s: _Optional[float] = ..., healthy: _Optional[bool] = ..., unhealthy_reason: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., kv_address: _Optional[str] = ..., draining: _Optional[bool] = ..., target_role: _Optional[_Union[_common_pb2.Role, str]] = ..., tp_size: _Optional[int] = ..., outputs_address: _Optional[str] = ..., outputs_transport: _Optional[str] = ..., outputs_unix: _Optional[str] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id", "cluster_token", "done", "reason")

@@ -48,7 +48,7 @@ class KVEventAck(_message.Message):
     def __init__(self, known: _Optional[bool] = ..., resync: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "dp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version", "outputs_address")
+    __slots__ = ("worker_id", "role", "address", "kv_address", "model", "kv_fingerprint", "max_model_len", "load", "cluster_token", "tp_size", "dp_size", "lease_s", "block_size", "prefix_caching", "accepts_cache_salt", "version", "outputs_address", "outputs_unix")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class RegisterRequest(_message.Message):
     ACCEPTS_CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_UNIX_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.Role
     address: str
@@ -83,7 +84,8 @@ class RegisterRequest(_message.Message):
     accepts_cache_salt: bool
     version: str
     outputs_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ..., outputs_address: _Optional[str] = ...) -> None: ...
+    outputs_unix: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., address: _Optional[str] = ..., kv_address: _Optional[str] = ..., model: _Optional[str] = ..., kv_fingerprint: _Optional[str] = ..., max_model_len: _Optional[int] = ..., load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., cluster_token: _Optional[str] = ..., tp_size: _Optional[int] = ..., dp_size: _Optional[int] = ..., lease_s: _Optional[float] = ..., block_size: _Optional[int] = ..., prefix_caching: _Optional[bool] = ..., accepts_cache_salt: _Optional[bool] = ..., version: _Optional[str] = ..., outputs_address: _Optional[str] = ..., outputs_unix: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("heartbeat_interval_s",)
