@@ -10,10 +10,10 @@ whose completion wakes the worker's loop once more per step. This is the call ob
 
 Which transport, tried in this order when the stream opens:
 
-1. ``outputs_unix``, the worker's abstract Unix socket: the same protocol at about half the
-   worker's CPU per write of loopback TCP. Abstract names belong to a network namespace,
-   so from another host (or pod) the connect fails at once (ECONNREFUSED) and costs one
-   system call.
+1. ``outputs_unix``, the worker's abstract Unix socket: the same protocol at about 40% less
+   of the worker's CPU per write than loopback TCP. Abstract names belong to a network
+   namespace, so from another host (or pod) the connect fails at once (ECONNREFUSED) and
+   costs one system call.
 2. ``outputs_address``, its TCP port.
 3. The ``Outputs`` RPC, with a warning: a port the router cannot reach (a firewall or
    network policy that opens only the gRPC port) is not an error, since both carry the
