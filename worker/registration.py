@@ -231,6 +231,11 @@ class Registration:
     def _beat(self, loop: asyncio.AbstractEventLoop, refused: asyncio.Future[None]) -> None:
         registered = False
         while not self._stop.is_set():
+            # Heartbeats start on a fixed cadence, not an interval after the last one ended:
+            # in a process starved of CPU a call takes a second or more, and sleeping the
+            # interval after it stretched the router's gaps to interval + call (2-3 s against
+            # its 3 s timeout; the overload test's consumer was dropped that way once).
+            started = time.monotonic()
             if (why := self.failed()) is not None:
                 # No heartbeat (it would keep this worker placeable) and no register (after
                 # the router dropped it for its failed requests, that would bring it back as
@@ -265,7 +270,8 @@ class Registration:
                 registered = False
             except ValueError:  # the channel was closed under us (close() during a call)
                 return
-            self._stop.wait(self.interval)
+            # (the interval read now: a registration's answer sets it)
+            self._stop.wait(max(0.0, started + self.interval - time.monotonic()))
 
     def _load_pb(self) -> common_pb2.WorkerLoad:
         out = load_pb(self.load())

@@ -155,3 +155,39 @@ def test_a_refused_worker_raises_from_run() -> None:
                 await reg.close()
 
         asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_slow_heartbeats_keep_their_cadence() -> None:
+    """A heartbeat that takes most of an interval to send (a process starved of CPU) does
+    not push the next one back by its own duration: beats start every interval, so the
+    router's gaps stay near the interval, not interval + call."""
+    with RouterThread() as router:
+        registry = router.server.registry
+        assert registry is not None
+
+        async def main() -> None:
+            reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
+                               INFO, lambda: LoadReport(0, 0, kv_blocks_free=10,
+                                                        kv_blocks_total=10))
+            build = reg._load_pb
+            slow = 0.75 * INTERVAL_S
+
+            def slow_build() -> common_pb2.WorkerLoad:  # runs on the heartbeat thread
+                time.sleep(slow)
+                return build()
+
+            reg._load_pb = slow_build  # type: ignore[method-assign]
+            task = asyncio.create_task(reg.run())
+            try:
+                await _until(lambda: router.call(registry.get, "worker-1") is not None)
+                n = len(router.beats)
+                await asyncio.sleep(12 * INTERVAL_S)
+                beats = len(router.beats) - n
+                # on the interval's cadence ~12; one interval after each call ended, ~7
+                assert beats >= 10, beats
+            finally:
+                task.cancel()
+                await reg.close()
+
+        asyncio.run(main())
