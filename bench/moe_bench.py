@@ -32,7 +32,8 @@ FP8 and as the same weights dequantized to bf16 (the same routings, in one run).
     python bench/moe_bench.py --shape v2lite --hf-batches 1,8 --out $OUT/moe_v2lite_h200.json
     python bench/moe_bench.py --quantization fp8 --out $OUT/moe_fp8_h200.json
     python bench/moe_bench.py --shape v2lite --profile --batches 1,8 --contexts 512 \
-        --out $OUT/moe_v2lite_profile.json   # per-kernel table (bench/moe_profile.py)
+        --out $OUT/moe_v2lite_profile.json   # per-kernel tables, decode and a 4k prefill
+                                             # (bench/moe_profile.py)
     python bench/moe_bench.py --shape v2lite --batches 1,8 --variants \
         "kernels.pdl.ENABLED=False;kernels.triton_mla_decode.FEW_PROGRAMS_MIN_SPLIT_TOKENS=256" \
         --out $OUT/moe_v2lite_variants.json   # the decode step per setting, interleaved
@@ -375,8 +376,9 @@ def main() -> None:
                     help="FP8 weights: per-channel at load, or a block-wise 128 x 128 "
                     "quantization_config")
     ap.add_argument("--profile", action="store_true",
-                    help="only a per-kernel table of the decode step at each (batch, "
-                    "context): CUDA time and launches per step (torch.profiler)")
+                    help="only per-kernel tables: the decode step at each (batch, context), "
+                    "CUDA time and launches per step, and one --prefill-tokens prefill's "
+                    "(0: none) (torch.profiler)")
     ap.add_argument("--variants", default="",
                     help="';'-separated variants, each ','-joined module.NAME=value settings: "
                          "only the decode step under each, interleaved with the defaults over "
@@ -386,7 +388,7 @@ def main() -> None:
     if args.quantization and args.tune_mla:
         ap.error("--tune-mla: MLA reads bf16 weights; leave out --quantization")
     from decode_bench import hbm_read_tbps, hf_generate_ms
-    from moe_profile import profile_table
+    from moe_profile import prefill_kernels, profile_table
     from moe_tune import tune, tune_mla
 
     from engine.config import EngineConfig
@@ -434,6 +436,8 @@ def main() -> None:
         print(json.dumps(result["variants"], indent=1))
     elif args.profile:
         result["decode_profile"] = profile_table(engine, batches, contexts, args.steps)
+        if args.prefill_tokens:
+            result["prefill_profile"] = prefill_kernels(engine, args.prefill_tokens)
     elif args.tune_mla:
         result["tuned_mla"] = tune_mla(model, hbm, [(b, c) for c in contexts for b in batches])
         print(json.dumps(result["tuned_mla"], indent=1))

@@ -1,7 +1,8 @@
 """The per-kernel table of a MoE model's graphed decode step (``moe_bench.py --profile``):
 torch.profiler's CUDA time and launches per step of each kernel, at each (batch, context).
 Where the decode benchmark says how far a step is from its byte floor, this says which
-kernels the step's time goes to."""
+kernels the step's time goes to. ``prefill_kernels`` does the same for one prefill
+(``--profile`` with ``--prefill-tokens``): what keeps it under the matmul rate."""
 
 from __future__ import annotations
 
@@ -82,3 +83,42 @@ def profile_table(engine: Any, batches: list[int], contexts: list[int],
                       f"  {row['kernel']}", flush=True)
             prof.append(p)
     return prof
+
+
+def prefill_kernels(engine: Any, tokens: int, runs: int = 2) -> dict[str, Any]:
+    """One `tokens`-token prompt prefilled `runs` times under torch.profiler (after one
+    unprofiled run that compiles its shapes): each kernel name's CUDA ms and launches per
+    prefill, largest first, and the wall time per prefill under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    def one(r: int) -> None:
+        # a new first token each run: no block of it is in the prefix cache
+        prompt = [100 + r] + [1 + (13 * j) % 30000 for j in range(1, tokens)]
+        engine.add_request(f"prefill-prof-{r}", prompt, SamplingParams(max_tokens=1))
+        while engine.has_unfinished():
+            engine.step()
+
+    one(0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for r in range(runs):
+            one(1 + r)
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / runs * 1e3
+    kern: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(e.name[:120], [0.0, 0])
+            k[0] += e.device_time_total
+            k[1] += 1
+    rows = [{"kernel": name, "ms": round(us / runs / 1e3, 3), "count": round(n / runs, 1)}
+            for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+    out = {"tokens": tokens, "wall_ms_under_profiler": round(wall_ms, 2),
+           "kernel_ms": round(sum(r["ms"] for r in rows), 2), "kernels": rows}
+    print(json.dumps({k: v for k, v in out.items() if k != "kernels"}), flush=True)
+    for row in rows[:30]:
+        print(f"  {row['ms']:8.3f} ms  {row['count']:6.1f}x  {row['kernel']}", flush=True)
+    return out
