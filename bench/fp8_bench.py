@@ -301,18 +301,13 @@ def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
 def _prefill_kernels(engine: Any, n: int) -> dict[str, Any]:
     """One n-token prefill (after _prefill_ms has warmed it) under torch.profiler: each
     kernel name's CUDA ms and launches, largest first."""
+    from moe_profile import kernel_totals
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _prefill_ms(engine, n, runs=3, warm=1)
-    kern: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kern.setdefault(e.name[:120], [0.0, 0])
-            k[0] += e.device_time_total / 3  # three warm runs: per-prefill figures
-            k[1] += 1 / 3
-    rows = [{"kernel": name, "ms": round(us / 1e3, 3), "count": round(c, 1)}
-            for name, (us, c) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+    rows = [{"kernel": name, "ms": round(ms, 3), "count": round(c, 1)}
+            for name, ms, c in kernel_totals(prof, 3)]  # three runs: per-prefill figures
     return {"kernel_ms": round(sum(r["ms"] for r in rows), 2), "kernels": rows}
 
 

@@ -59,6 +59,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from moe_floor import (  # noqa: E402
+    dense_weight_bytes,
+    dense_weight_params,
+    expert_bytes,
+    expert_params,
+    kv_values_per_token,
+    moe_blocks,
+    touched_experts,
+)
+
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
     "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
@@ -108,68 +118,6 @@ def matmul_tflops() -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def moe_blocks(model: Any) -> list[Any]:
-    from engine.models.moe import SparseMoeBlock
-
-    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-
-
-EXPERT_PARAMS = ("experts.w13", "experts.w2", "experts.w13_scale", "experts.w2_scale")
-
-
-def expert_bytes(block: Any) -> int:
-    """One expert's weight bytes (gate, up and down; FP8 experts: with their scales)."""
-    e = block.experts
-    return sum(t[0].numel() * t.element_size()
-               for t in (e.w13, e.w2, e.w13_scale, e.w2_scale) if t is not None)
-
-
-def expert_params(block: Any) -> int:
-    """One expert's weights (gate, up and down), counted in values."""
-    return int(block.experts.w13[0].numel() + block.experts.w2[0].numel())
-
-
-def dense_weight_bytes(model: Any) -> int:
-    """Bytes of weights a decode step reads besides experts: all but the stacked experts
-    and the embedding table (a step reads only its rows)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name.endswith(EXPERT_PARAMS) or "embed_tokens" in name:
-            continue
-        total += p.numel() * p.element_size()
-    return total
-
-
-def dense_weight_params(model: Any) -> int:
-    """dense_weight_bytes' weights counted in values (scales left out)."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if not name.endswith(EXPERT_PARAMS) and "embed_tokens" not in name
-               and not name.endswith(("weight_scale", "input_scale")))
-
-
-def touched_experts(engine: Any) -> list[int]:
-    """Distinct experts each MoE layer routed the running batch to, in one eager step."""
-    blocks = moe_blocks(engine.runner.model)
-    seen: list[int] = [0] * len(blocks)
-    hooks = []
-    for i, blk in enumerate(blocks):
-        def hook(mod: Any, args: tuple[Any, ...], out: Any, i: int = i) -> None:
-            _, ids = mod.route(args[0])
-            seen[i] = int(torch.unique(ids).numel())
-        hooks.append(blk.register_forward_hook(hook))
-    graphs = engine.runner.graphs
-    prev = graphs.use_graphs
-    graphs.use_graphs = False  # an eager step, so the hooks run (replays run no Python)
-    try:
-        engine.step()
-        engine.step()  # deferred output: the second step is the first one fully read
-    finally:
-        graphs.use_graphs = prev
-        for h in hooks:
-            h.remove()
-    return seen
-
-
 def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int,
                  hbm: float) -> dict[str, Any]:
     from decode_bench import engine_point
@@ -208,13 +156,6 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
         "floor_bytes": floor_bytes, "floor_ms": round(floor_ms, 3),
         "ratio_to_floor": round(point["engine_step_ms"] / floor_ms, 3)})
     return point
-
-
-def kv_values_per_token(cfg: Any) -> int:
-    """KV values one layer stores per token: the latent + rope key (MLA), else K and V."""
-    if cfg.is_mla:
-        return cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    return 2 * cfg.num_kv_heads * cfg.head_dim
 
 
 def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,

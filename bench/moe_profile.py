@@ -13,6 +13,19 @@ from typing import Any
 import torch
 
 
+def kernel_totals(prof: Any, per: int) -> list[tuple[str, float, float]]:
+    """A torch.profiler run's CUDA kernels by name (cut to 120 characters): (name, ms,
+    launches), each divided by `per` (the steps or runs profiled), largest time first."""
+    kern: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kern.setdefault(e.name[:120], [0.0, 0])
+            k[0] += e.device_time_total
+            k[1] += 1
+    return [(name, us / per / 1e3, n / per)
+            for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+
+
 def profile_point(engine: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     """Per-kernel GPU time of the graphed decode step at (batch, context): torch.profiler
     over `steps` steps after a warm-up, each kernel name's CUDA time and launches per step,
@@ -46,19 +59,12 @@ def profile_point(engine: Any, batch: int, context: int, steps: int) -> dict[str
             engine.step()
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / steps * 1e3
-    kern: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kern.setdefault(e.name[:120], [0.0, 0])
-            k[0] += e.device_time_total
-            k[1] += 1
     for rid in ids:
         engine.abort(rid)
     while engine.has_unfinished():
         engine.step()
-    rows = [{"kernel": name, "ms_per_step": round(us / steps / 1e3, 4),
-             "count_per_step": round(n / steps, 2)}
-            for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+    rows = [{"kernel": name, "ms_per_step": round(ms, 4), "count_per_step": round(n, 2)}
+            for name, ms, n in kernel_totals(prof, steps)]
     return {"batch": batch, "context": context, "steps": steps,
             "step_wall_ms_under_profiler": round(wall_ms, 3),
             "kernel_ms_per_step": round(sum(r["ms_per_step"] for r in rows), 3),
@@ -108,14 +114,8 @@ def prefill_kernels(engine: Any, tokens: int, runs: int = 2) -> dict[str, Any]:
             one(1 + r)
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) / runs * 1e3
-    kern: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kern.setdefault(e.name[:120], [0.0, 0])
-            k[0] += e.device_time_total
-            k[1] += 1
-    rows = [{"kernel": name, "ms": round(us / runs / 1e3, 3), "count": round(n / runs, 1)}
-            for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
+    rows = [{"kernel": name, "ms": round(ms, 3), "count": round(n, 1)}
+            for name, ms, n in kernel_totals(prof, runs)]
     out = {"tokens": tokens, "wall_ms_under_profiler": round(wall_ms, 2),
            "kernel_ms": round(sum(r["ms"] for r in rows), 2), "kernels": rows}
     print(json.dumps({k: v for k, v in out.items() if k != "kernels"}), flush=True)

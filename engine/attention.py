@@ -73,7 +73,8 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         from kernels.triton_act import silu_and_mul, silu_and_mul_quant
         from kernels.triton_decode_attention import decode_attention
         from kernels.triton_mla_decode import mla_decode
-        from kernels.triton_moe import fused_moe, moe_route
+        from kernels.triton_moe import fused_moe
+        from kernels.triton_moe_route import moe_route
         from kernels.triton_norm import rms_norm, rms_norm_quant, rope
         from kernels.triton_prefill_attention import prefill_attention
         from kernels.triton_rope_kv import rope_store_kv

@@ -196,7 +196,7 @@ def test_fused_moe_gpu_expert_shard_and_graph(gen, close):
 def test_moe_route_equals_reference(scoring, renorm, bias, scale, round_dtype, k, e, gen,
                                     device):
     from kernels.ref_moe import moe_route_ref
-    from kernels.triton_moe import moe_route
+    from kernels.triton_moe_route import moe_route
 
     logits = (torch.randn(19, e, generator=gen) * 2).to(device)
     b = torch.randn(e, generator=gen).to(device) if bias else None
@@ -213,7 +213,7 @@ def test_moe_route_equals_reference(scoring, renorm, bias, scale, round_dtype, k
 
 
 def test_moe_route_rejects_a_bad_scoring_func(device):
-    from kernels.triton_moe import moe_route
+    from kernels.triton_moe_route import moe_route
 
     with pytest.raises(ValueError, match="scoring_func"):
         moe_route(torch.zeros(2, 4, device=device), 2, "tanh", True)
@@ -225,7 +225,7 @@ def test_moe_route_appends_shared_experts_unscaled(scoring, bias, scale, gen, de
     """num_shared S: ids E .. E + S - 1 follow the top-k in every row with weight 1, and
     the routed part is what the call without them returns."""
     from kernels.ref_moe import moe_route_ref
-    from kernels.triton_moe import moe_route
+    from kernels.triton_moe_route import moe_route
 
     e, k, s = 16, 3, 2
     logits = (torch.randn(7, e, generator=gen) * 2).to(device)
@@ -253,7 +253,7 @@ def test_moe_route_appends_shared_experts_unscaled(scoring, bias, scale, gen, de
 def test_moe_route_with_expert_groups_equals_reference(scoring, bias, renorm, scale, e, g,
                                                        tg, k, gen, device):
     from kernels.ref_moe import moe_route_ref
-    from kernels.triton_moe import moe_route
+    from kernels.triton_moe_route import moe_route
 
     logits = (torch.randn(23, e, generator=gen) * 2).to(device)
     b = torch.randn(e, generator=gen).to(device) if bias else None

@@ -12,6 +12,7 @@ from sm90_spills import spill_bytes
 BODY = r'''
 import kernels.triton_moe as m
 import kernels.triton_moe_align as al
+import kernels.triton_moe_route as rt
 
 GU = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
       "bexp_ptr": "*i32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32", "H": "i32",
@@ -48,7 +49,7 @@ out["align/256"] = spills(al._align_kernel, {
     "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "N": "i32", "P": "i32",
     "NUM_TILES": "i32", "expert_start": "i32", "num_local": "i32"},
     dict(BLOCK_E=256, CHUNK=al.ALIGN_CHUNK, BLOCK_M=16, BLOCK_T=64, PDL=True), num_warps=8)
-out["route/256"] = spills(m._route_kernel, {
+out["route/256"] = spills(rt._route_kernel, {
     "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64",
     "E": "i32", "s_l": "i32", "scale": "fp32"},
     # DeepSeek-V3's routing: 256 experts in 8 groups (top 4 groups), sigmoid + bias, top-8,
