@@ -29,6 +29,7 @@ import asyncio
 import logging
 import socket
 import struct
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -46,8 +47,21 @@ MAX_FRAME = 64 << 20
 _LEN = struct.Struct(">I")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 # worker id -> the transport last logged for it: the choice is logged when it changes, not
-# at every stream a worker's restarts or drops make this router open
-_logged: dict[str, str] = {}
+# at every stream a worker's restarts or drops make this router open. Bounded (oldest id
+# forgotten first): workers that come and go under new ids must not grow it for good.
+_logged: OrderedDict[str, str] = OrderedDict()
+LOGGED_KEPT = 4096
+
+
+def _log_once(worker_id: str, transport: str) -> bool:
+    """Records `transport` as the one logged for the worker; False if it already was."""
+    if _logged.get(worker_id) == transport:
+        return False
+    _logged[worker_id] = transport
+    _logged.move_to_end(worker_id)
+    while len(_logged) > LOGGED_KEPT:
+        _logged.popitem(last=False)
+    return True
 
 
 async def _open_abstract(name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -116,15 +130,14 @@ class PlainOutputsCall:
                 failed.append(f"{transport} {where}: {e!r}")
                 continue
             self.transport = transport
-            if _logged.get(self.worker_id) != transport:
-                _logged[self.worker_id] = transport
+            if _log_once(self.worker_id, transport):
                 why = f" ({'; '.join(failed)}: another host or network namespace)" \
                     if failed else ""
                 log.info("%s: reading its Outputs stream over %s %s%s", self.worker_id,
                          transport, where, why)
             return reader, writer
         self.transport = "grpc"
-        _logged[self.worker_id] = "grpc"
+        _log_once(self.worker_id, "grpc")
         log.warning("%s: its Outputs stream is unreachable (%s); reading its Outputs RPC "
                     "instead", self.worker_id, "; ".join(failed))
         return None

@@ -490,3 +490,15 @@ async def test_junk_from_strangers_never_subscribes_and_the_port_serves_on(trans
         await wait_until(lambda: not p.port.streams)
         it = call(**p.where(transport)).__aiter__()
         assert (await anext(it)).seq == 0
+
+
+def test_the_transport_log_is_said_once_per_change_and_stays_bounded(monkeypatch) -> None:
+    """The router logs a worker's transport when it changes, and forgets the oldest workers
+    past LOGGED_KEPT (ids that come and go must not grow it for good)."""
+    monkeypatch.setattr(plain, "_logged", type(plain._logged)())
+    monkeypatch.setattr(plain, "LOGGED_KEPT", 3)
+    assert plain._log_once("w0", "unix") and not plain._log_once("w0", "unix")
+    assert plain._log_once("w0", "tcp")  # a change is said again
+    for i in range(1, 6):
+        assert plain._log_once(f"w{i}", "unix")
+    assert list(plain._logged) == ["w3", "w4", "w5"]
