@@ -30,11 +30,25 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     c.stop()
 
 
-def router_pids(cluster: LocalCluster) -> list[int]:
+def router_kids(cluster: LocalCluster) -> list[int]:
     primary = cluster.procs["router"].pid
-    kids = [int(p) for p in open(f"/proc/{primary}/task/{primary}/children").read().split()]
-    return [primary, *[k for k in kids if b"deploy.cli" in open(f"/proc/{k}/cmdline", "rb")
-                       .read()]]
+    return [int(p) for p in open(f"/proc/{primary}/task/{primary}/children").read().split()]
+
+
+def router_pids(cluster: LocalCluster) -> list[int]:
+    # a mirror that exited is a zombie until reaped: no cmdline, so not counted
+    return [cluster.procs["router"].pid,
+            *[k for k in router_kids(cluster)
+              if b"deploy.cli" in open(f"/proc/{k}/cmdline", "rb").read()]]
+
+
+def kid_states(cluster: LocalCluster) -> str:
+    """The primary's children and their states (Z: a mirror that exited), for a failure."""
+    out = []
+    for k in router_kids(cluster):
+        with open(f"/proc/{k}/stat") as f:
+            out.append(f"{k}: {f.read().rsplit(')', 1)[1].split()[0]}")
+    return ", ".join(out) or "none"
 
 
 def cpu_s(pid: int) -> float:
@@ -59,7 +73,9 @@ def one_request(address: str, i: int) -> tuple[int, list[int]]:
 
 def test_every_frontend_serves_and_all_see_the_workers(cluster: LocalCluster) -> None:
     pids = router_pids(cluster)
-    assert len(pids) == FRONTENDS, (pids, dump_logs(cluster))
+    # a string, not a tuple: pytest prints it whole (a tuple's repr is cut mid-log)
+    assert len(pids) == FRONTENDS, (f"{pids}; the primary's children: {kid_states(cluster)}\n"
+                                    + dump_logs(cluster))
     # every frontend knows both workers (a mirror's view comes from the primary)
     deadline = time.monotonic() + 30
     while True:
