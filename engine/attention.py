@@ -51,6 +51,8 @@ class KernelSet:
     fused_moe: Callable[..., Any] | None = None
     # top-k routing without expert groups (kernels.ref_moe.moe_route_ref's contract)
     moe_route: Callable[..., Any] | None = None
+    # the router's logits for few tokens (kernels.ref_moe.router_logits_ref's contract)
+    router_logits: Callable[..., Any] | None = None
     # MLA (engine/models/mla.py): the latent store (kernels.ref_kv.store_latent_ref) and
     # absorbed-form decode (kernels.ref_mla_decode.mla_decode_ref)
     store_latent: Callable[..., Any] | None = None
@@ -78,6 +80,7 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         from kernels.triton_norm import rms_norm, rms_norm_quant, rope
         from kernels.triton_prefill_attention import prefill_attention
         from kernels.triton_rope_kv import rope_store_kv
+        from kernels.triton_router_logits import router_logits
         from kernels.triton_sample import sample_simple
         from kernels.triton_store_kv import store_kv, store_latent
 
@@ -85,12 +88,12 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
                          silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv,
                          fused_moe=fused_moe, moe_route=moe_route, store_latent=store_latent,
                          mla_decode=mla_decode, rms_norm_quant=rms_norm_quant,
-                         silu_and_mul_quant=silu_and_mul_quant)
+                         silu_and_mul_quant=silu_and_mul_quant, router_logits=router_logits)
     from kernels.ref_act import silu_and_mul_quant_ref, silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref, store_latent_ref
     from kernels.ref_mla_decode import mla_decode_ref
-    from kernels.ref_moe import fused_moe_ref, moe_route_ref
+    from kernels.ref_moe import fused_moe_ref, moe_route_ref, router_logits_ref
     from kernels.ref_norm import rms_norm_quant_ref, rms_norm_ref, rope_ref
     from kernels.ref_rope_kv import rope_store_kv_ref
     from kernels.ref_sample import sample_simple_ref
@@ -101,7 +104,7 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
                      fused_moe=fused_moe_ref, moe_route=moe_route_ref,
                      store_latent=store_latent_ref, mla_decode=mla_decode_ref,
                      rms_norm_quant=rms_norm_quant_ref,
-                     silu_and_mul_quant=silu_and_mul_quant_ref)
+                     silu_and_mul_quant=silu_and_mul_quant_ref, router_logits=router_logits_ref)
 
 
 class PagedAttention:

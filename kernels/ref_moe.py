@@ -53,6 +53,15 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out.to(x.dtype)
 
 
+def router_logits_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """The router's logits as HF computes them: a float32 router (DeepSeek) as a float32
+    linear of the widened hidden state, any other in the model's dtype."""
+    if out_dtype == torch.float32:
+        return F.linear(x.float(), w.float())
+    return F.linear(x, w).to(out_dtype)
+
+
 def moe_route_ref(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
                   routed_scaling_factor: float = 1.0,
                   e_score_correction_bias: torch.Tensor | None = None,

@@ -48,6 +48,11 @@ from engine.parallel.shards import TPShard
 from engine.rope import softmax_mscale
 from kernels.kv_fp8 import from_cache, take
 
+# Up to this many decoding rows the two per-head products (q_nope @ W_UK, o_lat @ W_UV^T)
+# run as Triton kernels (kernels/triton_mla_absorb.py: programmatic dependent launch, no
+# cuBLAS batched-GEMM launch per product); past it, torch.bmm.
+ABSORB_KERNEL_MAX_ROWS = 4
+
 
 def latent_store_for(kernels: KernelSet) -> Callable[..., None]:
     """The latent kernel (kernels/ref_mla_latent.py's contract) of the kernel set's family:
@@ -171,14 +176,25 @@ class MLAAttention(nn.Module):
             assert q_pe is not None
             q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe],
                           dim=-1)  # [B, H, C + R]
+        elif self._absorb_kernels(b):
+            from kernels.triton_mla_absorb import mla_absorb_q
+            mla_absorb_q(q_nope, w_uk, q[..., :self.c])
         else:
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :self.c])
         assert self.k.mla_decode is not None
         o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
                                   max_seq_len=max_seq_len, kv_scale=self.kv_scale)  # [B, H, C]
         o = o_lat.new_empty(b, self.h, self.dv)
-        torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        if self._absorb_kernels(b):
+            from kernels.triton_mla_absorb import mla_up_v
+            mla_up_v(o_lat, w_uv, o)
+        else:
+            torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
         return o
+
+    def _absorb_kernels(self, rows: int) -> bool:
+        """The per-head products as Triton kernels (few rows, beside Triton kernels)."""
+        return self.k.name == "triton" and rows <= ABSORB_KERNEL_MAX_ROWS
 
     def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                meta: AttentionMetadata, sp: _Split) -> torch.Tensor:  # [T, H, Dv]

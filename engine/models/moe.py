@@ -37,6 +37,10 @@ from engine.parallel.group import TPGroup
 from kernels.ref_moe import moe_route_ref
 
 TP_FLAG = "--tensor-parallel-size"
+# Up to this many tokens (decode) the router's logits come from KernelSet.router_logits: one
+# kernel where a float32 router was a cast, cuBLAS's float32 GEMV and its reduction per MoE
+# layer; past it, the linear (a GEMM's launches amortized over its rows).
+ROUTER_LOGITS_MAX_TOKENS = 16
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
@@ -268,7 +272,13 @@ class SparseMoeBlock(nn.Module):
         shared experts folded into the stack (0 if none), weight 1 each."""
         c = self.cfg
         w = self.gate.weight
-        logits = F.linear(x.float(), w.float()) if c.router_fp32 else F.linear(x, w)  # [T, E]
+        out_dtype = torch.float32 if c.router_fp32 else x.dtype
+        if self.k.router_logits is not None and x.shape[0] <= ROUTER_LOGITS_MAX_TOKENS:
+            logits = self.k.router_logits(x, w, out_dtype)  # [T, E]: one kernel at decode
+        elif c.router_fp32:
+            logits = F.linear(x.float(), w.float())
+        else:
+            logits = F.linear(x, w)
         bias = getattr(self.gate, "e_score_correction_bias", None)
         round_to = x.dtype if c.weights_in_model_dtype else None
         route = self.k.moe_route if self.k.moe_route is not None else moe_route_ref
