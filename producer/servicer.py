@@ -1,5 +1,7 @@
 """The producer's gRPC face: Prefill streams token 0 and the transfer's outcome back to the
-router, and forwards the consumer's destination to the engine process."""
+router, and forwards the consumer's destination to the engine process. A Prefill that names
+the router's Outputs stream (``subscriber_id``) gets its token 0 there instead, in one
+message with the step's other token 0s (worker/output_hub.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve.v1 import worker_pb2
 
-from worker.convert import finish_reason_pb, token_logprob
+from worker.convert import fill_token0
 from worker.messages import (
     AbortCmd,
     DestinationCmd,
@@ -21,6 +23,7 @@ from worker.messages import (
     Token0SentCmd,
     TransferResultEvent,
 )
+from worker.output_hub import Token0Routed
 from worker.servicer import WorkerServicer
 
 
@@ -37,7 +40,18 @@ class ProducerServicer(WorkerServicer):
         rid = req.request_id
         wire = await self._admit("prefill", rid, req.prompt_token_ids, req.sampling, req.seed,
                                  context, req.prior_output_ids)
+        sub = None
+        if req.subscriber_id:
+            hub = self.bridge.hub
+            sub = await hub.wait_for(req.subscriber_id)
+            if sub is None or sub.closed:
+                self._count("prefill", "invalid")
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"subscriber_id: no Outputs stream {req.subscriber_id!r}"
+                                    " is open on this worker")
         q = await self._open(rid, context)
+        if sub is not None:
+            self.bridge.hub.attach_token0(rid, sub)
         received = time.time_ns()
         await self._start("prefill", rid,
                           PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received,
@@ -55,25 +69,26 @@ class ProducerServicer(WorkerServicer):
 
         reader = asyncio.create_task(destinations())
         done = False
+        routed = False  # token 0 left on the Outputs stream (the result says so)
         outcome = "cancelled"
         try:
             while not done:
                 msg = await q.get()
-                if isinstance(msg, Token0Event):
-                    t0 = worker_pb2.Token0(
-                        token_id=msg.token_id, text=msg.text,
-                        finish_reason=finish_reason_pb(msg.finish),
-                        stop_reason=msg.stop_reason,
-                        sampled_ns=msg.sampled_ns, received_ns=msg.received_ns,
-                        sent_ns=time.time_ns(), cached_tokens=msg.cached_tokens)
-                    if msg.logprob is not None:
-                        t0.logprob.CopyFrom(token_logprob(msg.logprob))
-                    yield worker_pb2.PrefillOutput(token0=t0)
+                if isinstance(msg, (Token0Event, Token0Routed)):
+                    t0ev = msg.event if isinstance(msg, Token0Routed) else msg
+                    routed = isinstance(msg, Token0Routed)
+                    if isinstance(msg, Token0Event):  # not on an Outputs stream: here
+                        out = worker_pb2.PrefillOutput()
+                        fill_token0(out.token0, msg, time.time_ns())
+                        yield out
                     # Only now may the final transfer notice leave for the consumer: token 0
-                    # is ahead of the consumer's first decode step on every path.
+                    # is ahead of the consumer's first decode step on every path. (On an
+                    # Outputs stream it is queued, not yet written; the consumer's tokens
+                    # come a KV notice and a decode step later, and the router holds any
+                    # that overtake it: router/requests/run_streams.py.)
                     self.bridge.send(Token0SentCmd(rid))
-                    done = bool(msg.finish)
-                    outcome = str(msg.finish or outcome)
+                    done = bool(t0ev.finish)
+                    outcome = str(t0ev.finish or outcome)
                 elif isinstance(msg, TransferResultEvent):
                     outcome = ("transferred" if msg.ok
                                else "busy" if msg.busy else "transfer_failed")
@@ -81,7 +96,7 @@ class ProducerServicer(WorkerServicer):
                         self.metrics.kv_transfer.observe(msg.kv_transfer_ms / 1e3)
                     yield worker_pb2.PrefillOutput(transfer=worker_pb2.TransferResult(
                         ok=msg.ok, error=msg.error, kv_transfer_ms=msg.kv_transfer_ms,
-                        busy=msg.busy))
+                        busy=msg.busy, token0_routed=routed))
                     done = True
                 elif isinstance(msg, FatalEvent):
                     outcome = "engine_failed"

@@ -13,6 +13,7 @@ from engine.request import LogprobRow
 from engine.request_limits import check_ids, check_lengths, check_request_id
 from engine.sampling_fields import SEED_LIMIT, wire_values
 from engine.sampling_params import SamplingParams
+from worker.messages import Token0Event
 from worker.token_batch import TokensEvent
 
 _FINISH = {None: common_pb2.FINISH_REASON_UNSPECIFIED, "": common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -78,6 +79,26 @@ def token_logprob(row: LogprobRow) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=row.token_id, logprob=row.logprob,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in row.top])
+
+
+def fill_token0(t0: worker_pb2.Token0, ev: Token0Event, sent_ns: int) -> worker_pb2.Token0:
+    """A producer's token 0 into ``t0`` (a new message, or a new entry of an OutputBatch's
+    token0s); ``sent_ns``: when it is handed to the router's stream."""
+    t0.token_id = ev.token_id
+    if ev.text:
+        t0.text = ev.text
+    if ev.logprob is not None:
+        t0.logprob.CopyFrom(token_logprob(ev.logprob))
+    if ev.finish:
+        t0.finish_reason = _FINISH[ev.finish]
+    if ev.stop_reason:
+        t0.stop_reason = ev.stop_reason
+    t0.sampled_ns = ev.sampled_ns
+    t0.received_ns = ev.received_ns
+    t0.sent_ns = sent_ns
+    if ev.cached_tokens:
+        t0.cached_tokens = ev.cached_tokens
+    return t0
 
 
 def add_tokens(into: Any, ev: TokensEvent) -> worker_pb2.Tokens:

@@ -18,6 +18,15 @@ servicer aborts them (nothing else would free their blocks). ``fail`` ends every
 with an error (the engine failed, or the drain timed out): their readers see the stream end
 with it once the batches already queued have gone.
 
+A producer's request whose Prefill named a live subscriber is attached for its token 0
+only (``attach_token0``): the token leaves in that subscriber's next batch (``token0s``),
+with the step's other token 0s, and the request is detached at once; the Prefill stream
+carries only the transfer's result. If the subscriber is gone by then, or the token ends
+the request (the Prefill stream then ends with no result, and an end must not overtake its
+token), ``add_token0`` declines and the Prefill stream carries token 0 as before. These
+requests are not counted in ``running`` and are not handed back when their subscriber goes:
+their own Prefill stream ends them.
+
 Nothing here waits on the engine-process pump: ``add`` and ``flush`` only append. A reader
 that falls behind gets its queued batches merged into one message (lossless, in order), so
 its backlog costs fewer, larger writes rather than more memory per batch.
@@ -27,12 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from dataclasses import dataclass
 
 from pdserve.v1 import worker_pb2
 
-from worker.convert import add_tokens, finish_reason_pb, token_logprob
-from worker.messages import ReservedEvent
+from worker.convert import add_tokens, fill_token0, finish_reason_pb, token_logprob
+from worker.messages import ReservedEvent, Token0Event
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
 MAX_SUBSCRIBER_ID = 256  # bytes; a router's id is a uuid and a counter
@@ -49,6 +59,15 @@ class OutputsDone:
     rid: str
     seq: int
     finish: str  # the engine's finish reason ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class Token0Routed:
+    """A producer's token 0 that left on an Outputs stream (``OutputHub.add_token0``): its
+    Prefill stream sends nothing for it (not an IPC message: it never leaves the gRPC
+    process)."""
+
+    event: Token0Event
 
 
 class SubscriberFailed(Exception):
@@ -114,6 +133,7 @@ class OutputHub:
     def __init__(self) -> None:
         self.subscribers: dict[str, Subscriber] = {}
         self._owner: dict[str, Subscriber] = {}  # rid -> where its tokens go
+        self._token0_owner: dict[str, Subscriber] = {}  # producer's rid -> where token 0 goes
         self._dirty: list[Subscriber] = []  # subscribers with pending tokens
         self._finishing: list[tuple[str, str, Subscriber]] = []  # (rid, finish, sub)
         self._opened = asyncio.Event()  # set whenever a subscriber opens (StartDecode waits)
@@ -167,6 +187,7 @@ class OutputHub:
         """Ends every subscriber with ``error`` after what it has queued; its requests are
         detached (their reader learns the error from the stream's end)."""
         self._finishing.clear()
+        self._token0_owner.clear()  # their Prefill streams end with the engine's failure
         for sub in list(self.subscribers.values()):
             sub.failed = error
             for rid in sub.rids:
@@ -189,9 +210,27 @@ class OutputHub:
         sub.rids.add(rid)
 
     def detach(self, rid: str) -> None:
+        self._token0_owner.pop(rid, None)
         sub = self._owner.pop(rid, None)
         if sub is not None:
             sub.rids.discard(rid)
+
+    def attach_token0(self, rid: str, sub: Subscriber) -> None:
+        """A producer's request: its token 0 goes to ``sub`` (``add_token0``)."""
+        self._token0_owner[rid] = sub
+
+    def add_token0(self, ev: Token0Event) -> bool:
+        """Queues a producer's token 0 for its subscriber's next batch and detaches the
+        request; False when it has none, that one is gone, or the token ends the request
+        (its Prefill stream carries token 0 then)."""
+        sub = self._token0_owner.pop(ev.rid, None)
+        if sub is None or sub.closed or sub.failed or ev.finish:
+            return False
+        if not sub.npending:
+            self._dirty.append(sub)
+        sub.npending += 1
+        fill_token0(sub.pending.token0s.add(request_id=ev.rid), ev, time.time_ns())
+        return True
 
     def owns(self, rid: str) -> bool:
         return rid in self._owner

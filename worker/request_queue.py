@@ -14,7 +14,12 @@ import collections
 from dataclasses import replace
 
 from worker.messages import Event, FatalEvent
+from worker.output_hub import Token0Routed
 from worker.token_batch import TokensEvent
+
+# what a request's stream reads: the engine's events, and the note that its token 0 left on
+# an Outputs stream instead
+Item = Event | Token0Routed
 
 MAX_EVENTS = 64  # per request; a request emits a handful besides its token events
 
@@ -27,13 +32,13 @@ class RequestQueue:
         self.max_events = max_events
         self.merged = 0  # token events merged into an earlier one (the reader lagged)
         self.overflowed = False
-        self._items: collections.deque[Event] = collections.deque()
+        self._items: collections.deque[Item] = collections.deque()
         self._ready = asyncio.Event()
 
     def qsize(self) -> int:
         return len(self._items)
 
-    def put_nowait(self, ev: Event) -> None:
+    def put_nowait(self, ev: Item) -> None:
         if self.overflowed:
             return  # already failed; its FatalEvent is queued
         items = self._items
@@ -49,14 +54,14 @@ class RequestQueue:
                                     f"events behind; the request was ended"))
         self._ready.set()
 
-    async def get(self) -> Event:
+    async def get(self) -> Item:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
         return self._items.popleft()
 
 
-def _mergeable(ev: Event) -> bool:
+def _mergeable(ev: Item) -> bool:
     return isinstance(ev, TokensEvent) and not ev.finish and not ev.error
 
 

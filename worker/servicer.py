@@ -33,12 +33,13 @@ from worker.messages import (
     ReadyInfo,
     ReservedEvent,
     StatsEvent,
+    Token0Event,
     decode,
     encode,
     rid_of,
 )
 from worker.metrics_server import WorkerMetrics
-from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed
+from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed, Token0Routed
 from worker.request_queue import RequestQueue
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
@@ -70,6 +71,7 @@ class EngineBridge:
         self.commands.connect(paths.commands)
         self.queues: dict[str, RequestQueue] = {}
         self.hub = OutputHub()  # tokens of requests whose router reads an Outputs stream
+        self._routed_token0s: list[Token0Event] = []  # this pass's, on an Outputs stream
         self.load: LoadReport | None = None  # the engine process's latest report
         self.ready: asyncio.Future[ReadyInfo] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
@@ -171,6 +173,13 @@ class EngineBridge:
             self._tokens(msg)
         elif isinstance(msg, ReservedEvent) and self.hub.add_reserved(msg):
             pass  # its Outputs stream carries it
+        elif isinstance(msg, Token0Event):
+            if msg.rid not in self.queues:
+                self.hub.detach(msg.rid)
+            elif self.hub.add_token0(msg):
+                self._routed_token0s.append(msg)  # its stream learns after the flush
+            else:
+                self.queues[msg.rid].put_nowait(msg)
         elif isinstance(msg, StatsEvent):
             self.load = msg.load
         elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):
@@ -194,6 +203,14 @@ class EngineBridge:
     def _flush(self) -> None:
         """The pass's batches go out; the requests that finished in them are counted."""
         done = self.hub.flush()
+        # The Prefill streams of the token 0s that left on an Outputs stream learn only now:
+        # the batches' writers were woken first, so those token 0s go out before the
+        # streams' own work (each sends the transfer's go-ahead to the engine).
+        if self._routed_token0s:
+            for ev in self._routed_token0s:
+                if (q := self.queues.get(ev.rid)) is not None:
+                    q.put_nowait(Token0Routed(ev))
+            self._routed_token0s.clear()
         if self.on_done is not None:
             for d in done:
                 self.on_done(d)

@@ -98,13 +98,31 @@ class Leg:
 
 
 class ProducerLeg(Leg):
-    """The bidi Prefill stream: request first, destination when the consumer reserved."""
+    """The bidi Prefill stream: request first, destination when the consumer reserved.
 
-    def __init__(self, worker: WorkerInfo, call: Any, report: Report) -> None:
+    With the producer's Outputs stream (``outputs``, ready) the request names it, and token
+    0 comes from there, in one message with the step's other token 0s; the Prefill stream
+    then carries only the transfer's result. The two streams are not ordered with each
+    other, so a result that says token 0 went before it (``token0_routed``) is reported
+    only once token 0 was: the run sees the producer's events in the order it sent them. A
+    result without it (a refusal before the prefill) and the stream's end wait for nothing;
+    a token 0 that ends the request comes on the Prefill stream. Without the Outputs stream
+    (an older worker, or it failed before the request) token 0 comes on the Prefill stream
+    as before.
+    """
+
+    def __init__(self, worker: WorkerInfo, call: Any, report: Report,
+                 outputs: WorkerOutputs | None = None) -> None:
         super().__init__(worker, call, report)  # call: grpc.aio.StreamStreamCall
         self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
         self._closed_writing = False
         self._holding: asyncio.Task[None] | None = None  # hold_until_reserved, kept alive
+        self._outputs = outputs
+        self._rid = ""
+        self._routed = False  # on the Outputs stream, token 0 not yet seen there
+        # set once token 0 came from the Outputs stream, or that stream broke first;
+        # None: token 0 comes on the Prefill stream
+        self._token0_came: asyncio.Event | None = None
 
     def start(self, request: worker_pb2.PrefillRequest,
               hold: tuple[DecodeLeg, float, Callable[[], bool]] | None = None) -> None:
@@ -123,23 +141,89 @@ class ProducerLeg(Leg):
             await asyncio.wait_for(self.half_close(), bound_s)
         await super().linger(max(0.0, end - loop.time()))
 
+    def cancel(self) -> None:
+        self._unroute()
+        super().cancel()
+
     async def _read(self, request: worker_pb2.PrefillRequest) -> None:
         try:
-            await self._write(worker_pb2.PrefillInput(request=request))
+            # The request is the stream's first message: a hold or the destination waits
+            # for the lock this task takes first (it runs before they are made).
+            async with self._write_lock:
+                if self._outputs is not None:
+                    await self._route(request, self._outputs)
+                if not self._closed_writing:
+                    await self.call.write(worker_pb2.PrefillInput(request=request))
             while True:
                 out = await self.call.read()
                 if out is grpc.aio.EOF:
+                    # after its result (reported in order), or its token 0 ended the request
+                    # (that one comes on this stream), or it broke the protocol: no wait
+                    self._unroute()
                     self._report_event(ProducerEnded())
                     return
                 kind = out.WhichOneof("kind")
                 if kind == "token0":
+                    self._unroute()
                     self._report_event(Token0Read(out.token0))
                 elif kind == "transfer":
+                    if out.transfer.token0_routed:
+                        await self._after_token0()
+                    self._unroute()
                     self._report_event(TransferRead(out.transfer))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
+            self._unroute()
             await self._report(e)
+
+    async def _route(self, request: worker_pb2.PrefillRequest, outputs: WorkerOutputs) -> None:
+        """Names the Outputs stream in the request and routes token 0 from it, when the
+        stream is ready; otherwise the Prefill stream carries token 0."""
+        try:
+            batched = await outputs.ready()
+        except OutputsBroken:
+            return  # the producer serves token 0 on the Prefill stream all the same
+        if not batched or not outputs.usable:
+            return
+        self._rid = request.request_id
+        request.subscriber_id = outputs.subscriber_id
+        self._token0_came = asyncio.Event()
+        outputs.route(self._rid, self)
+        self._routed = True
+
+    async def _after_token0(self) -> None:
+        if self._token0_came is not None:
+            await self._token0_came.wait()
+
+    def _unroute(self) -> None:
+        if self._routed:
+            self._routed = False
+            assert self._outputs is not None
+            self._outputs.unroute(self._rid)
+
+    # Route: what the producer's Outputs stream calls
+    def on_token0(self, token0: worker_pb2.Token0) -> None:
+        self._unroute()
+        self._report_event(Token0Read(token0))
+        assert self._token0_came is not None
+        self._token0_came.set()
+
+    def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
+        pass  # a producer sends none for its requests
+
+    def on_reserved(self, reserved: worker_pb2.Reserved) -> None:
+        pass  # nor reservations
+
+    def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
+        """The stream failed before token 0 came on it: the token may have gone with it."""
+        self._routed = False  # the stream dropped every route
+        w = self.worker
+        self._report_event(LegFailed(
+            w, code or grpc.StatusCode.UNAVAILABLE,
+            f"{w.role_name} {w.worker_id} ({w.address}) failed before token 0: {message}"))
+        assert self._token0_came is not None
+        self._token0_came.set()
 
     async def send_destination(self, dest: worker_pb2.KVDestination) -> None:
         """Forwards the consumer's reservation, then half-closes: nothing else will follow."""
@@ -239,6 +323,9 @@ class DecodeLeg(Leg):
             self._outputs.unroute(self._request.request_id)
 
     # Route: what the worker's Outputs stream calls
+    def on_token0(self, token0: worker_pb2.Token0) -> None:
+        pass  # a producer's; a consumer or colocated worker sends none
+
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
         if tokens.finish_reason:  # the request's last entry on the worker's stream
             self._unroute()

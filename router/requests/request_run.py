@@ -218,7 +218,8 @@ class RequestRun:
             return
         p, c = slot.producer, slot.consumer
         assert p is not None and c is not None
-        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report)
+        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report,
+                                    self._outputs_for(p))
         # (producer, group) pairs with (consumer, group): the KV moves between those two
         # attention data-parallel groups' ranks only
         dreq = self._decode_request(colocated=False)

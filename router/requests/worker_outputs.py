@@ -80,6 +80,8 @@ class State(enum.Enum):
 class Route(Protocol):
     """What a leg gives the stream: where its tokens go, and what to do if it breaks."""
 
+    def on_token0(self, token0: worker_pb2.Token0) -> None: ...
+
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None: ...
 
     def on_reserved(self, reserved: worker_pb2.Reserved) -> None: ...
@@ -149,6 +151,12 @@ class WorkerOutputs:
                 if self.state is State.CONNECTING:
                     self.state = State.READY
                     self._ready.set_result(True)
+                # producers' token 0s first: each is a client's first token, the one the
+                # first-token hold measures (a token 0 of a run torn down is dropped: its
+                # Prefill call was cancelled, which ends the request on the producer)
+                for t0 in batch.token0s:
+                    if (leg := self._routes.get(t0.request_id)) is not None:
+                        leg.on_token0(t0)
                 for r in batch.reserved:  # before any token of the same request
                     if (leg := self._routes.get(r.request_id)) is not None:
                         leg.on_reserved(r)

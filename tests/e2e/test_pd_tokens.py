@@ -154,3 +154,23 @@ def test_consumer_tokens_travel_in_one_batch_per_step(cluster_1p1d, colocated_ll
     # every consumer token went through a batch, and steps shared batches across requests
     assert messages >= len([r for r in results if len(r.token_ids) > 1])
     assert 0 < batches < messages, (batches, messages, consumer_tokens)
+
+
+def test_token0s_travel_on_the_producers_outputs_stream(cluster_1p1d, colocated_llm):
+    """Each token 0 leaves the producer on the router's Outputs stream (the step's token 0s in
+    one message), not on the request's Prefill stream: one entry per request there, and the
+    tokens and the first-token stamps are what they were."""
+    port = cluster_1p1d.metrics_ports["worker-0"]
+    batches0 = _counter(port, "pdserve_worker_output_batches_total")
+    messages0 = _counter(port, "pdserve_worker_output_messages_total")
+    prompts = _prompts(colocated_llm.tokenizer)
+    results = _run_concurrently(cluster_1p1d.router_address, prompts, seeded=False)
+    _check_against_colocated(results, prompts, colocated_llm, seeded=False)
+    batches = _counter(port, "pdserve_worker_output_batches_total") - batches0
+    messages = _counter(port, "pdserve_worker_output_messages_total") - messages0
+    assert messages == len(prompts) and 0 < batches <= messages, (batches, messages)
+    for r in results:
+        t = r.timing
+        assert t.producer == "worker-0"
+        assert 0 < t.producer_token0_sampled_ns < t.producer_token0_sent_ns \
+            <= t.router_token0_sent_ns

@@ -203,6 +203,47 @@ def test_start_decode_takes_a_request_and_its_outputs_ride_the_outputs_stream(
     wait_whole(cluster_pdc)
 
 
+def test_a_prefill_naming_an_outputs_stream_sends_token0_there(
+        cluster_pdc: Any, stubs: dict[str, Any]) -> None:
+    """A Prefill with subscriber_id gets its token 0 on that Outputs stream (named, with its
+    stamps) and not on its own stream; one naming no open stream is refused by name."""
+    stub = stubs["worker-0"]
+    outs = stub.Outputs(worker_pb2.OutputsRequest(subscriber_id="t-producer"), timeout=120)
+    try:
+        assert next(outs).seq == 0  # subscribed
+        req = worker_pb2.PrefillInput(request=worker_pb2.PrefillRequest(
+            request_id="p-outputs", prompt_token_ids=[HI, 5, 6], seed=1,
+            sampling=sp(max_tokens=3, temperature=0), subscriber_id="t-producer"))
+        call = stub.Prefill(iter([req]), timeout=60)
+        t0 = None
+        for batch in outs:
+            got = [e for e in batch.token0s if e.request_id == "p-outputs"]
+            if got:
+                t0 = got[0]
+                break
+        assert t0 is not None and t0.sampled_ns <= t0.sent_ns and t0.received_ns
+        # the same token 0 as a Prefill stream gives (same seed, greedy)
+        ref = stub.Prefill(iter([worker_pb2.PrefillInput(request=worker_pb2.PrefillRequest(
+            request_id="p-stream", prompt_token_ids=[HI, 5, 6], seed=1,
+            sampling=sp(max_tokens=3, temperature=0)))]), timeout=60)
+        first = next(ref)
+        ref.cancel()
+        assert first.WhichOneof("kind") == "token0"
+        assert first.token0.token_id == t0.token_id
+        call.cancel()  # no consumer: hanging up frees its blocks
+        with pytest.raises(grpc.RpcError) as e:
+            bad = worker_pb2.PrefillInput()
+            bad.CopyFrom(req)
+            bad.request.request_id = "p-nowhere"
+            bad.request.subscriber_id = "not-open"
+            next(stub.Prefill(iter([bad]), timeout=30))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert (e.value.details() or "").startswith("subscriber_id:")
+    finally:
+        outs.cancel()
+    wait_whole(cluster_pdc)
+
+
 def test_malformed_prefill_is_invalid_argument_counted_and_worker_keeps_serving(
         cluster_pdc: Any, stubs: dict[str, Any]) -> None:
     stub = stubs["worker-0"]

@@ -158,13 +158,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                  max_model_len: int = 2048, model: str = "smollm2",
                  outputs: bool = False, start_delay_s: float = 0.0,
                  refuse_start: tuple[grpc.StatusCode, str] | None = None,
-                 batch_all: bool = False) -> None:
+                 batch_all: bool = False, token0_delay_s: float = 0.0) -> None:
         """outputs: serve Outputs and StartDecode (the decode script's reservation and
         tokens go to the Outputs stream StartDecode names); start_delay_s: StartDecode
         answers that late, after its request's outputs went out; refuse_start: StartDecode
         answers with this status instead; batch_all: one batch carries every output waiting
         when it leaves (one request's several tokens in one batch, as a service whose loop
-        fell behind its engine sends them)."""
+        fell behind its engine sends them); token0_delay_s: with outputs, a Prefill that
+        names the Outputs stream gets its token 0 there this late (and not on its own
+        stream, which goes on at once: its transfer result may overtake the token)."""
         self.worker_id, self.role = worker_id, role
         self.prefill_script, self.decode_script = prefill, decode
         self.kv_fingerprint, self.max_model_len, self.model = kv_fingerprint, max_model_len, model
@@ -182,6 +184,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.heartbeating = True
         self.outputs, self.start_delay_s = outputs, start_delay_s
         self.refuse_start, self.batch_all = refuse_start, batch_all
+        self.token0_delay_s = token0_delay_s
         self.subscribers: dict[str, asyncio.Queue[Any]] = {}
         self.started: dict[str, asyncio.Task[None]] = {}  # StartDecode's requests
         self.seq = 0
@@ -246,12 +249,30 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         first = await inputs.__anext__()
         req = first.request
         self.prefill_requests.append(req)
+        routed = False
         try:
             async for out in self.prefill_script(self, req, self._watch_close(req, inputs)):
+                kind = out.WhichOneof("kind")
+                if (self.outputs and req.subscriber_id and kind == "token0"
+                        and not out.token0.finish_reason
+                        and (q := self.subscribers.get(req.subscriber_id)) is not None):
+                    out.token0.request_id = req.request_id
+                    asyncio.get_running_loop().call_later(
+                        self.token0_delay_s, self._queue_batch, q,
+                        worker_pb2.OutputBatch(token0s=[out.token0]))
+                    routed = True
+                    continue
+                if kind == "transfer":
+                    out.transfer.token0_routed = routed
                 yield out
         except CLIENT_GONE:
             self.cancelled.append(req.request_id)
             raise
+
+    def _queue_batch(self, q: asyncio.Queue[Any], batch: worker_pb2.OutputBatch) -> None:
+        self.seq += 1
+        batch.seq = self.seq
+        q.put_nowait(batch)
 
     async def _watch_close(self, req: Any, inputs: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for msg in inputs:
@@ -309,12 +330,20 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         yield worker_pb2.OutputBatch(seq=0)
         while True:
             batch = await q.get()
+            if isinstance(batch, str):  # break_outputs: the stream fails
+                await context.abort(grpc.StatusCode.UNAVAILABLE, batch)
             while self.batch_all and not q.empty():
                 more = q.get_nowait()
                 batch.tokens.extend(more.tokens)
                 batch.reserved.extend(more.reserved)
+                batch.token0s.extend(more.token0s)
                 batch.seq = more.seq
             yield batch
+
+    def break_outputs(self, why: str = "outputs broke") -> None:
+        """Every open Outputs stream fails (UNAVAILABLE), after what it has queued."""
+        for q in self.subscribers.values():
+            q.put_nowait(why)
 
     async def Abort(self, request: worker_pb2.WorkerAbortRequest, context: Any
                     ) -> worker_pb2.WorkerAbortResponse:

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 from pdserve.v1 import common_pb2
 
-from worker.messages import ReservedEvent
+from engine.request import LogprobRow
+from worker.messages import ReservedEvent, Token0Event
 from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed
 from worker.token_batch import TokensEvent
 
@@ -240,5 +241,54 @@ def test_a_lagging_reader_takes_later_steps_in_one_message_then_a_fresh_one() ->
         assert [(t.request_id, list(t.token_ids)) for t in second.tokens] == [("r2", [4])]
         assert len(first.tokens) == 3  # what the reader took is not written to again
         assert hub.batches == 3 and hub.tokens == 4
+
+    asyncio.run(main())
+
+
+def t0(rid: str, token_id: int = 7, finish: str | None = None) -> Token0Event:
+    return Token0Event(rid, token_id, "x", LogprobRow(token_id, -0.5, ((token_id, -0.5),)),
+                       finish, "", sampled_ns=100, received_ns=50, cached_tokens=16)
+
+
+def test_a_steps_token0s_leave_in_one_batch_and_detach_their_requests() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        for rid in ("p1", "p2"):
+            hub.attach_token0(rid, a)
+        assert hub.running == 0 and not hub.owns("p1")  # their Prefill streams hold them
+        hub.attach_token0("p3", a)
+        assert hub.add_token0(t0("p1")) and hub.add_token0(t0("p2", 8))
+        assert not hub.add_token0(t0("p1"))  # detached at its token 0
+        # one that ends its request: its Prefill stream carries it (and then ends)
+        assert not hub.add_token0(t0("p3", 9, "stop"))
+        assert not hub.add_token0(t0("other"))  # never attached: its Prefill stream
+        assert hub.flush() == []  # a token 0 ends nothing the hub counts
+        batch = await a.next_batch()
+        assert batch.seq == 1 and not batch.tokens
+        assert [(e.request_id, e.token_id) for e in batch.token0s] == [("p1", 7), ("p2", 8)]
+        e = batch.token0s[1]
+        assert (e.text, e.sampled_ns, e.received_ns, e.cached_tokens) == ("x", 100, 50, 16)
+        assert e.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+        assert e.logprob.token_id == 8 and e.logprob.top[0].logprob == -0.5
+        assert e.sent_ns >= e.sampled_ns
+
+    asyncio.run(main())
+
+
+def test_a_token0_whose_subscriber_left_goes_on_its_prefill_stream() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        hub.attach_token0("p1", a)
+        hub.attach_token0("p2", a)
+        hub.attach_token0("p3", a)
+        assert hub.unsubscribe(a) == []  # not handed back: their Prefill streams end them
+        assert not hub.add_token0(t0("p1"))
+        hub.detach("p2")  # its Prefill stream ended first
+        b, _ = hub.subscribe("router-b")
+        hub.attach_token0("p2", b)
+        hub.fail("engine process failed")
+        assert not hub.add_token0(t0("p2")) and not hub.add_token0(t0("p3"))
 
     asyncio.run(main())

@@ -136,14 +136,16 @@ class OutputsEnd(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("tokens", "seq", "reserved")
+    __slots__ = ("tokens", "seq", "reserved", "token0s")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN0S_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     seq: int
     reserved: _containers.RepeatedCompositeFieldContainer[Reserved]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ..., reserved: _Optional[_Iterable[_Union[Reserved, _Mapping]]] = ...) -> None: ...
+    token0s: _containers.RepeatedCompositeFieldContainer[Token0]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ..., reserved: _Optional[_Iterable[_Union[Reserved, _Mapping]]] = ..., token0s: _Optional[_Iterable[_Union[Token0, _Mapping]]] = ...) -> None: ...
 
 class PrefillInput(_message.Message):
     __slots__ = ("request", "destination", "queued")
@@ -162,7 +164,7 @@ class ReservationQueued(_message.Message):
     def __init__(self, consumer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids", "cache_salt", "dp_rank")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "prior_output_ids", "cache_salt", "dp_rank", "subscriber_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +172,7 @@ class PrefillRequest(_message.Message):
     PRIOR_OUTPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBER_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -177,7 +180,8 @@ class PrefillRequest(_message.Message):
     prior_output_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     dp_rank: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., dp_rank: _Optional[int] = ...) -> None: ...
+    subscriber_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., prior_output_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., dp_rank: _Optional[int] = ..., subscriber_id: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
     __slots__ = ("consumer_id", "kv_address", "block_ids", "cached_blocks")
@@ -200,7 +204,7 @@ class PrefillOutput(_message.Message):
     def __init__(self, token0: _Optional[_Union[Token0, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class Token0(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns", "cached_tokens")
+    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns", "cached_tokens", "request_id")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +214,7 @@ class Token0(_message.Message):
     RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     SENT_NS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: _common_pb2.TokenLogprob
@@ -219,19 +224,22 @@ class Token0(_message.Message):
     received_ns: int
     sent_ns: int
     cached_tokens: int
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    request_id: str
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("ok", "error", "kv_transfer_ms", "busy")
+    __slots__ = ("ok", "error", "kv_transfer_ms", "busy", "token0_routed")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN0_ROUTED_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     kv_transfer_ms: float
     busy: bool
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., busy: _Optional[bool] = ...) -> None: ...
+    token0_routed: bool
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., busy: _Optional[bool] = ..., token0_routed: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id", "cache_salt", "reuse_cached", "dp_rank")
