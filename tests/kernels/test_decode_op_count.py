@@ -10,12 +10,16 @@ import torch
 
 # kernels per layer at most: (dense first layer, MoE layer). V2 (V2-Lite's layout: q_proj,
 # ungrouped softmax routing, 2 shared experts): norms 2, one GEMM for q and kv_a, the latent
-# kernel (its rotated q_pe written into the absorbed query), the W_UK bmm (into the same
-# query), MLA decode, the W_UV bmm (in o_proj's row order), o_proj; then the dense MLP 3,
-# or the router GEMM, routing 1 and the fused experts' align, gate/up, down and sum, the
+# kernel (its rotated q_pe written into the absorbed query), the W_UK product (into the same
+# query), MLA decode, the W_UV product (in o_proj's row order), o_proj; then the dense MLP 3,
+# or the router's logits, routing 1 and the fused experts' align, gate/up, down and sum, the
 # shared experts stacked among them. V3 adds the q LoRA's norm and second GEMM, and routes
-# by expert groups in the same routing kernel.
-BOUNDS = {("v2", 1): (11, 14), ("v2", 3): (11, 14), ("v3", 1): (13, 16)}
+# by expert groups in the same routing kernel. Up to engine.models.mla.ABSORB_KERNEL_MAX_ROWS
+# rows the two per-head products are Triton kernels (_absorb_kernel, _up_kernel), past it two
+# cuBLAS bmm; up to engine.models.moe.ROUTER_LOGITS_MAX_TOKENS the router's logits are one
+# Triton kernel (_router_logits_kernel) in place of a float32 GEMM. Up to
+# kernels.triton_moe.PER_PAIR_MAX_TOKENS tokens the experts run without the align step.
+BOUNDS = {("v2", 1): (11, 13), ("v2", 3): (11, 14), ("v2", 8): (11, 14), ("v3", 1): (13, 15)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
@@ -25,6 +29,10 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
 
     counts = count_decode_step(write_config(str(tmp_path / "config.json"), version),
                                batch=batch)
+    from engine.models.mla import ABSORB_KERNEL_MAX_ROWS
+    from engine.models.moe import ROUTER_LOGITS_MAX_TOKENS
+    from kernels.triton_moe import PER_PAIR_MAX_TOKENS
+
     dense, moe = BOUNDS[(version, batch)]
     assert counts["layer.0"].total <= dense, counts["layer.0"]
     for layer in ("layer.1", "layer.2"):
@@ -35,6 +43,13 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
         assert "add" not in c.aten
         assert c.triton["_mla_latent_kernel"] == 1 and "_rope_kernel" not in c.triton
         assert c.triton["_route_kernel"] == 1 and "topk" not in c.aten
-        assert "cat" not in c.aten and c.aten["bmm"] == 2
+        assert "cat" not in c.aten
+        if batch <= ABSORB_KERNEL_MAX_ROWS:
+            assert c.triton["_absorb_kernel"] == 1 and c.triton["_up_kernel"] == 1
+            assert "bmm" not in c.aten
+        else:
+            assert c.aten["bmm"] == 2 and "_absorb_kernel" not in c.triton
+        assert c.triton["_router_logits_kernel"] == (batch <= ROUTER_LOGITS_MAX_TOKENS)
+        assert ("_align_kernel" in c.triton) == (batch > PER_PAIR_MAX_TOKENS)
     # the step's ends: the embedding, then the final norm and the head
     assert counts["embed"].total == 1 and counts["head"].total == 2
