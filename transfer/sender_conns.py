@@ -81,7 +81,9 @@ class SenderConnections(NetSide[SendRecord]):
                     for frame in wire.encode(msgs):
                         conn.sock.send(frame, flags=zmq.NOBLOCK)
                 except zmq.Again:  # never block the loop on a consumer that stopped reading
-                    self._drop_conn(conn.address, f"consumer {conn.address}: send queue full")
+                    # (or is gone: with its connection down, ZMQ has nowhere to queue)
+                    self._drop_conn(conn.address, f"consumer {conn.address}: send queue full "
+                                    "(it stopped reading, or its connection is gone)")
 
     def _unwatch(self, conn: Conn) -> None:
         if conn.monitor is not None:

@@ -65,7 +65,10 @@ def test_consumer_killed_mid_transfer(backend: Any) -> None:
                 tx.push("peer-req", addr, src[4:8], dst[4:8])  # mid-transfer: more is coming
             got = tx.wait("peer-req", tx_timeout := 2.0 + SLACK)
             assert got.status == TransferStatus.FAILED, got
-            assert any(w in (got.error or "") for w in ("silent", "drain", "data plane")), got
+            # which failure names the death first depends on timing (a loaded CI machine saw
+            # the control message's send fail first: nobody reads it any more)
+            assert any(w in (got.error or "") for w in ("silent", "drain", "data plane",
+                                                         "connection is gone")), got
             assert time.monotonic() - t0 < tx_timeout
             tx.release("peer-req")
             end = t0 + 2.0 + SLACK  # a fast data-plane failure precedes the silence verdict
