@@ -73,8 +73,11 @@ def test_a_turn_sends_one_message_before_the_forward_and_one_after() -> None:
     paths = ipc.IpcPaths.fresh()
     ctx = zmq.Context()
     try:
-        pull = ipc.bind_pull(ctx, paths.commands)
-        push = ipc.connect_push(ctx, paths.commands)
+        # commands over inproc: a send lands in the pipe before it returns, so both aborts
+        # are there for the turn (over ipc:// the second one could still be in flight on a
+        # loaded machine, and the turn then took only the first)
+        pull = ipc.bind_pull(ctx, "inproc://outbox-test-commands")
+        push = ipc.connect_push(ctx, "inproc://outbox-test-commands")
         ev_pull = ipc.bind_pull(ctx, paths.events)
         events = ipc.connect_push(ctx, paths.events)
         outbox = EventOutbox(events)
