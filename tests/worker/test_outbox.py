@@ -24,10 +24,12 @@ from worker.messages import (
     Message,
     ReservedEvent,
     StatsEvent,
+    Token0Event,
     decode,
     encode,
 )
 from worker.outbox import EventOutbox
+from worker.output_hub import Token0Routed
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
 
@@ -124,5 +126,48 @@ def test_a_steps_reservation_and_tokens_leave_in_one_outputs_batch() -> None:
                 ("r1", [5], "a"), ("r2", [6, 8], "bc")]
             assert bridge.load == LoadReport(4, 0, 0, 0)
             assert not bridge.hub.owns("r2") and bridge.hub.owns("r1")
+
+    asyncio.run(main())
+
+
+def test_a_passes_token0s_leave_in_one_batch_before_their_streams_hear() -> None:
+    """A pass's token 0s of requests that named a subscriber go in one batch (token0s); each
+    request's own stream hears of it (Token0Routed) only after the batch was queued, its
+    writer woken first. One that ends its request, or has no subscriber, goes to its
+    stream as the event itself."""
+    async def main() -> None:
+        async with live_bridge() as (bridge, push, pump):
+            sub, _ = bridge.hub.subscribe("router-a")
+            queues = {rid: bridge.open(rid) for rid in ("p1", "p2", "p3", "p4")}
+            for rid in ("p1", "p2", "p3"):
+                bridge.hub.attach_token0(rid, sub)
+            order: list[str] = []
+
+            async def writer() -> None:
+                batch = await sub.next_batch()
+                order.append("batch")
+                assert [(e.request_id, e.token_id) for e in batch.token0s] == [
+                    ("p1", 11), ("p2", 12)]
+
+            async def stream(rid: str) -> Any:
+                got = await queues[rid].get()
+                order.append(rid)
+                return got
+
+            w = asyncio.create_task(writer())
+            readers = {rid: asyncio.create_task(stream(rid)) for rid in queues}
+            await asyncio.sleep(0)  # every reader waits before the pass
+            await push.send_multipart([encode(Token0Event(
+                rid, tok, "t", None, "stop" if rid == "p3" else None, "", 10, 5))
+                for rid, tok in (("p1", 11), ("p2", 12), ("p3", 13), ("p4", 14))])
+            got = {rid: await asyncio.wait_for(t, 5) for rid, t in readers.items()}
+            await asyncio.wait_for(w, 5)
+            assert isinstance(got["p1"], Token0Routed) and got["p1"].event.token_id == 11
+            assert isinstance(got["p2"], Token0Routed)
+            assert isinstance(got["p3"], Token0Event) and got["p3"].finish == "stop"
+            assert isinstance(got["p4"], Token0Event)  # no subscriber named
+            # the batch's writer ran before the routed requests' streams
+            assert order.index("batch") < order.index("p1")
+            assert order.index("batch") < order.index("p2")
 
     asyncio.run(main())
