@@ -76,6 +76,16 @@ def _end_plane_probes() -> None:
         sys.modules["transfer.plane_probe"].close_all()
 
 
+@pytest.fixture(scope="session")
+def colocated_llm():  # type: ignore[no-untyped-def]
+    """The reference for live-cluster tests (chaos, deploy, e2e): one in-process colocated
+    engine on the embedded SmolLM2. One for the whole session: a build is ~5 s on 2 cores,
+    and each of those folders built its own."""
+    from engine.llm import LLM
+
+    return LLM(None, max_num_batched_tokens=128)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)

@@ -1,12 +1,14 @@
-"""The colocated reference engine for the chaos tests (the e2e one lives in tests/e2e)."""
+"""The chaos tests' reference cases, computed once for both (tests/conftest.py holds the
+colocated reference engine)."""
 
 from __future__ import annotations
 
 import pytest
+from chaos.chaos_driver import Case, reference_cases
 
 
 @pytest.fixture(scope="session")
-def colocated_llm():  # type: ignore[no-untyped-def]
-    from engine.llm import LLM
-
-    return LLM(None, max_num_batched_tokens=128)
+def chaos_cases(colocated_llm) -> list[Case]:  # type: ignore[no-untyped-def]
+    """Every (prompt, sampling) case with the colocated engine's tokens: the same for
+    test_chaos and test_chaos_net, and only read by their runs."""
+    return reference_cases(colocated_llm)

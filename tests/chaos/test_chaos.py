@@ -17,7 +17,7 @@ import os
 import random
 
 import pytest
-from chaos.chaos_driver import ChaosRun, reference_cases
+from chaos.chaos_driver import ChaosRun
 from live_cluster import dump_logs, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -28,11 +28,11 @@ ROUTER_ARGS = ("--heartbeat-timeout", "2", "--token0-timeout", "40", "--token-ti
                "--max-migrations", "3", "--prefill-retries", "3")
 
 
-def test_chaos_2p2d(tmp_path_factory, colocated_llm):
+def test_chaos_2p2d(tmp_path_factory, chaos_cases):
     seed = int(os.environ.get("PDSERVE_CHAOS_SEED", random.randrange(1 << 30)))
     duration = float(os.environ.get("PDSERVE_CHAOS_S", "30"))
     print(f"chaos seed {seed}, {duration:g} s")
-    cases = reference_cases(colocated_llm)
+    cases = chaos_cases
     c = start_cluster(tmp_path_factory, "chaos", producers=2, consumers=2,
                       router_args=ROUTER_ARGS)
     try:

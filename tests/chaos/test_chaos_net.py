@@ -15,7 +15,7 @@ import random
 
 import netns_hosts
 import pytest
-from chaos.chaos_driver import ChaosRun, reference_cases, router_log
+from chaos.chaos_driver import ChaosRun, router_log
 from chaos.link_faults import LINK_KINDS, WORKERS_2P2D, netns_spec
 from live_cluster import WORKER_ARGS, dump_logs
 
@@ -27,10 +27,10 @@ ROUTER_ARGS = ("--heartbeat-timeout", "2", "--token0-timeout", "40", "--token-ti
                "--max-migrations", "3", "--prefill-retries", "3")
 
 
-def test_link_faults_2p2d(tmp_path, colocated_llm):
+def test_link_faults_2p2d(tmp_path, chaos_cases):
     seed = int(os.environ.get("PDSERVE_CHAOS_SEED", random.randrange(1 << 30)))
     print(f"chaos-net seed {seed}")
-    cases = reference_cases(colocated_llm)
+    cases = chaos_cases
     with netns_hosts.hub("pdcn", "10.213.7.0", WORKERS_2P2D) as hub:
         c = LocalCluster(netns_spec(hub, WORKER_ARGS, ROUTER_ARGS), log_dir=str(tmp_path))
         c.start()

@@ -57,7 +57,8 @@ def _stream_chat(http: str, content: str, max_tokens: int) -> str:
     return "".join(text)
 
 
-def test_sbatch_1p1d_serves_and_scancel_leaves_nothing(slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sbatch_1p1d_serves_and_scancel_leaves_nothing(slurm, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                       colocated_llm) -> None:
     env = {"PDSERVE_PRODUCER_NODES": "1", "PDSERVE_CONSUMER_NODES": "1",
            "PDSERVE_MODEL": "smollm2", "PDSERVE_TRANSFER_BACKEND": "ucx",
            "PDSERVE_WORKER_ARGS": "--threads 1 --kv-cache-mib 64",
@@ -86,8 +87,7 @@ def test_sbatch_1p1d_serves_and_scancel_leaves_nothing(slurm, tmp_path: Path) ->
         assert ep["colocated"] == [], ep  # PDSERVE_COLOCATED_NODES defaults to 0
         assert ep["http"].startswith("http://127.0.0.1:"), ep  # NodeAddr from scontrol
 
-        from engine.llm import LLM
-        llm = LLM(None, max_num_batched_tokens=128)
+        llm = colocated_llm  # tests/conftest.py: the session's reference engine
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
         ref = llm.generate([prompt], [SamplingParams(max_tokens=16, temperature=0.0)])[0]
         assert _stream_chat(ep["http"], QUESTION, 16) == ref.text, context()

@@ -14,14 +14,6 @@ def cluster_1p1d(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def colocated_llm():  # type: ignore[no-untyped-def]
-    """The reference: one in-process colocated engine on the same model."""
-    from engine.llm import LLM
-
-    return LLM(None, max_num_batched_tokens=128)
-
-
-@pytest.fixture(scope="session")
 def cluster_pdc(tmp_path_factory):  # type: ignore[no-untyped-def]
     """1P1D plus a colocated worker, with the HTTP door: the churn storm and the worker-gRPC
     validation tests share it."""
