@@ -50,8 +50,10 @@ def test_killed_workers_fail_their_requests_and_are_dropped(tmp_path_factory, ba
     ch, stub = stub_for(c.router_address)
     try:
         # --- a consumer dies mid-decode ------------------------------------------------
-        # long enough to be still decoding well after the router shows it decoding
-        decode = dict(max_tokens=150, temperature=0, ignore_eos=True)
+        # long enough to be still decoding well after the router shows it decoding (the kill
+        # follows that within milliseconds); every token past that is the survivor's to
+        # decode before the test goes on (150 took ~5 s more on a 2-core machine)
+        decode = dict(max_tokens=64, temperature=0, ignore_eos=True)
         rids = [f"kill-{backend}-{i}" for i in range(2)]
         with ThreadPoolExecutor(2) as pool:
             futs = [pool.submit(generate, stub, decode, timeout=120, request_id=rid,
