@@ -48,13 +48,7 @@ class ConsumerServicer(WorkerServicer):
                                 "subscriber_id: required (the Outputs stream that carries the "
                                 "request's outputs)")
         hub = self.bridge.hub
-        sub = await hub.wait_for(request.subscriber_id)
-        if sub is None or sub.closed:
-            self._count("decode", "invalid")
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"subscriber_id: no Outputs stream {request.subscriber_id!r}"
-                                " is open on this worker")
-            raise AssertionError  # abort raises
+        sub = await self._named_subscriber("decode", request.subscriber_id, context)
         await self._check_new(rid, context)  # the wait may have let the same id in
         hub.attach(rid, sub)
         try:

@@ -40,15 +40,8 @@ class ProducerServicer(WorkerServicer):
         rid = req.request_id
         wire = await self._admit("prefill", rid, req.prompt_token_ids, req.sampling, req.seed,
                                  context, req.prior_output_ids)
-        sub = None
-        if req.subscriber_id:
-            hub = self.bridge.hub
-            sub = await hub.wait_for(req.subscriber_id)
-            if sub is None or sub.closed:
-                self._count("prefill", "invalid")
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                    f"subscriber_id: no Outputs stream {req.subscriber_id!r}"
-                                    " is open on this worker")
+        sub = (await self._named_subscriber("prefill", req.subscriber_id, context)
+               if req.subscriber_id else None)
         q = await self._open(rid, context)
         if sub is not None:
             self.bridge.hub.attach_token0(rid, sub)
@@ -75,11 +68,11 @@ class ProducerServicer(WorkerServicer):
             while not done:
                 msg = await q.get()
                 if isinstance(msg, (Token0Event, Token0Routed)):
-                    t0ev = msg.event if isinstance(msg, Token0Routed) else msg
                     routed = isinstance(msg, Token0Routed)
-                    if isinstance(msg, Token0Event):  # not on an Outputs stream: here
+                    t0ev = msg.event if isinstance(msg, Token0Routed) else msg
+                    if not routed:  # not on an Outputs stream: here
                         out = worker_pb2.PrefillOutput()
-                        fill_token0(out.token0, msg, time.time_ns())
+                        fill_token0(out.token0, t0ev, time.time_ns())
                         yield out
                     # Only now may the final transfer notice leave for the consumer: token 0
                     # is ahead of the consumer's first decode step on every path. (On an

@@ -39,7 +39,13 @@ from worker.messages import (
     rid_of,
 )
 from worker.metrics_server import WorkerMetrics
-from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed, Token0Routed
+from worker.output_hub import (
+    OutputHub,
+    OutputsDone,
+    Subscriber,
+    SubscriberFailed,
+    Token0Routed,
+)
 from worker.request_queue import RequestQueue
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
@@ -292,6 +298,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.bridge.check_new(rid)
         except ValueError as e:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(e))
+
+    async def _named_subscriber(self, rpc: str, subscriber_id: str,
+                                context: grpc.aio.ServicerContext) -> Subscriber:
+        """The open Outputs stream a request names (waiting a little: the router opens it
+        just before its first request here, so the two may cross), or FAILED_PRECONDITION
+        naming the field (counted as the rpc's "invalid" outcome)."""
+        sub = await self.bridge.hub.wait_for(subscriber_id)
+        if sub is None or sub.closed:
+            self._count(rpc, "invalid")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"subscriber_id: no Outputs stream {subscriber_id!r}"
+                                " is open on this worker")
+            raise AssertionError  # abort raises
+        return sub
 
     async def _open(self, rid: str,
                     context: grpc.aio.ServicerContext) -> RequestQueue:

@@ -61,13 +61,38 @@ async def abort_on_worker(stub: worker_pb2_grpc.WorkerStub, w: WorkerInfo, reque
 
 
 class Leg:
-    """What both legs share: the worker, its call, and the task that reads the call."""
+    """What both legs share: the worker, its call, the task that reads the call, and the
+    route of its request on the worker's Outputs stream (``outputs``), when it has one."""
 
-    def __init__(self, worker: WorkerInfo, call: Any, report: Report) -> None:
+    def __init__(self, worker: WorkerInfo, call: Any, report: Report,
+                 outputs: WorkerOutputs | None = None) -> None:
         self.worker = worker
         self.call = call
         self.task: asyncio.Task[None] | None = None
         self._report_event = report
+        self._outputs = outputs
+        self._rid = ""  # the id routed on the Outputs stream
+        self._routed = False  # routed there, its last entry not yet seen
+
+    def _route_on(self, outputs: WorkerOutputs, rid: str) -> None:
+        self._rid = rid
+        outputs.route(rid, self)  # type: ignore[arg-type]  # each leg is a Route
+        self._routed = True
+
+    def _unroute(self) -> None:
+        if self._routed:
+            self._routed = False
+            assert self._outputs is not None
+            self._outputs.unroute(self._rid)
+
+    def _outputs_failed(self, code: grpc.StatusCode | None, message: str) -> None:
+        """The Outputs stream broke while the request was routed on it (it dropped every
+        route): the leg failed."""
+        self._routed = False
+        w = self.worker
+        self._report_event(LegFailed(
+            w, code or grpc.StatusCode.UNAVAILABLE,
+            f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}"))
 
     @property
     def reading(self) -> bool:
@@ -113,13 +138,10 @@ class ProducerLeg(Leg):
 
     def __init__(self, worker: WorkerInfo, call: Any, report: Report,
                  outputs: WorkerOutputs | None = None) -> None:
-        super().__init__(worker, call, report)  # call: grpc.aio.StreamStreamCall
+        super().__init__(worker, call, report, outputs)  # call: grpc.aio.StreamStreamCall
         self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
         self._closed_writing = False
         self._holding: asyncio.Task[None] | None = None  # hold_until_reserved, kept alive
-        self._outputs = outputs
-        self._rid = ""
-        self._routed = False  # on the Outputs stream, token 0 not yet seen there
         # set once token 0 came from the Outputs stream, or that stream broke first;
         # None: token 0 comes on the Prefill stream
         self._token0_came: asyncio.Event | None = None
@@ -186,21 +208,13 @@ class ProducerLeg(Leg):
             return  # the producer serves token 0 on the Prefill stream all the same
         if not batched or not outputs.usable:
             return
-        self._rid = request.request_id
         request.subscriber_id = outputs.subscriber_id
         self._token0_came = asyncio.Event()
-        outputs.route(self._rid, self)
-        self._routed = True
+        self._route_on(outputs, request.request_id)
 
     async def _after_token0(self) -> None:
         if self._token0_came is not None:
             await self._token0_came.wait()
-
-    def _unroute(self) -> None:
-        if self._routed:
-            self._routed = False
-            assert self._outputs is not None
-            self._outputs.unroute(self._rid)
 
     # Route: what the producer's Outputs stream calls
     def on_token0(self, token0: worker_pb2.Token0) -> None:
@@ -217,11 +231,7 @@ class ProducerLeg(Leg):
 
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
         """The stream failed before token 0 came on it: the token may have gone with it."""
-        self._routed = False  # the stream dropped every route
-        w = self.worker
-        self._report_event(LegFailed(
-            w, code or grpc.StatusCode.UNAVAILABLE,
-            f"{w.role_name} {w.worker_id} ({w.address}) failed before token 0: {message}"))
+        self._outputs_failed(code, f"before token 0: {message}")
         assert self._token0_came is not None
         self._token0_came.set()
 
@@ -284,11 +294,9 @@ class DecodeLeg(Leg):
     def __init__(self, worker: WorkerInfo, stub: worker_pb2_grpc.WorkerStub,
                  request: worker_pb2.DecodeRequest, outputs: WorkerOutputs | None,
                  report: Report) -> None:
-        super().__init__(worker, None, report)  # call: made once the mode is known
+        super().__init__(worker, None, report, outputs)  # call: made once the mode is known
         self._stub = stub
         self._request = request
-        self._outputs = outputs
-        self._routed = False  # on the Outputs stream, its end not yet seen
         self._starting = False  # StartDecode in flight
         self._abort_when_started = False  # cancelled while StartDecode was in flight
         # the run's steady-state writer of tokens that go on: True when it took them
@@ -316,12 +324,6 @@ class DecodeLeg(Leg):
             return
         await super().linger(bound_s)
 
-    def _unroute(self) -> None:
-        if self._routed:
-            self._routed = False
-            assert self._outputs is not None
-            self._outputs.unroute(self._request.request_id)
-
     # Route: what the worker's Outputs stream calls
     def on_token0(self, token0: worker_pb2.Token0) -> None:
         pass  # a producer's; a consumer or colocated worker sends none
@@ -337,11 +339,7 @@ class DecodeLeg(Leg):
         self._report_event(Reserved(self._destination(reserved)))
 
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
-        self._routed = False  # the stream dropped every route
-        w = self.worker
-        self._report_event(LegFailed(
-            w, code or grpc.StatusCode.UNAVAILABLE,
-            f"{w.role_name} {w.worker_id} ({w.address}) failed: {message}"))
+        self._outputs_failed(code, message)
 
     def _destination(self, reserved: worker_pb2.Reserved) -> worker_pb2.KVDestination:
         return worker_pb2.KVDestination(consumer_id=self.worker.worker_id,
@@ -385,8 +383,7 @@ class DecodeLeg(Leg):
             self.on_outputs_broken(None, f"its Outputs stream ended ({outputs.worker_id})")
             return
         self._request.subscriber_id = outputs.subscriber_id
-        outputs.route(rid, self)
-        self._routed = True
+        self._route_on(outputs, rid)
         self._starting = True
         try:
             self.call = self._stub.StartDecode(self._request)

@@ -151,18 +151,25 @@ def _counter(port: int, name: str) -> float:
                if line.startswith(name + "{"))
 
 
+def _served_with_outputs_counts(cluster, worker_id: str, llm) -> tuple[list, float, float]:  # type: ignore[no-untyped-def]
+    """The prompts served greedy and checked against colocated, and how many Outputs
+    batches and entries ``worker_id`` queued meanwhile (its /metrics)."""
+    port = cluster.metrics_ports[worker_id]
+    names = ("pdserve_worker_output_batches_total", "pdserve_worker_output_messages_total")
+    before = [_counter(port, n) for n in names]
+    prompts = _prompts(llm.tokenizer)
+    results = _run_concurrently(cluster.router_address, prompts, seeded=False)
+    _check_against_colocated(results, prompts, llm, seeded=False)
+    batches, messages = (_counter(port, n) - b for n, b in zip(names, before, strict=True))
+    return results, batches, messages
+
+
 def test_consumer_tokens_travel_in_one_batch_per_step(cluster_1p1d, colocated_llm):
     """One message per engine step carries every request's tokens to the router
     (the Outputs stream), not one gRPC message per token per request; the tokens are the
     colocated engine's all the same."""
-    port = cluster_1p1d.metrics_ports["worker-1"]
-    batches0 = _counter(port, "pdserve_worker_output_batches_total")
-    messages0 = _counter(port, "pdserve_worker_output_messages_total")
-    prompts = _prompts(colocated_llm.tokenizer)
-    results = _run_concurrently(cluster_1p1d.router_address, prompts, seeded=False)
-    _check_against_colocated(results, prompts, colocated_llm, seeded=False)
-    batches = _counter(port, "pdserve_worker_output_batches_total") - batches0
-    messages = _counter(port, "pdserve_worker_output_messages_total") - messages0
+    results, batches, messages = _served_with_outputs_counts(cluster_1p1d, "worker-1",
+                                                             colocated_llm)
     consumer_tokens = sum(len(r.token_ids) - 1 for r in results)  # token 0 is the producer's
     # every consumer token went through a batch, and steps shared batches across requests
     assert messages >= len([r for r in results if len(r.token_ids) > 1])
@@ -173,15 +180,9 @@ def test_token0s_travel_on_the_producers_outputs_stream(cluster_1p1d, colocated_
     """Each token 0 leaves the producer on the router's Outputs stream (the step's token 0s in
     one message), not on the request's Prefill stream: one entry per request there, and the
     tokens and the first-token stamps are what they were."""
-    port = cluster_1p1d.metrics_ports["worker-0"]
-    batches0 = _counter(port, "pdserve_worker_output_batches_total")
-    messages0 = _counter(port, "pdserve_worker_output_messages_total")
-    prompts = _prompts(colocated_llm.tokenizer)
-    results = _run_concurrently(cluster_1p1d.router_address, prompts, seeded=False)
-    _check_against_colocated(results, prompts, colocated_llm, seeded=False)
-    batches = _counter(port, "pdserve_worker_output_batches_total") - batches0
-    messages = _counter(port, "pdserve_worker_output_messages_total") - messages0
-    assert messages == len(prompts) and 0 < batches <= messages, (batches, messages)
+    results, batches, messages = _served_with_outputs_counts(cluster_1p1d, "worker-0",
+                                                             colocated_llm)
+    assert messages == len(results) and 0 < batches <= messages, (batches, messages)
     for r in results:
         t = r.timing
         assert t.producer == "worker-0"
