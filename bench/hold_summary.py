@@ -1,6 +1,7 @@
 """One line per run directory of bench/serving_path_gpu.sh (or serving_path_ab_gpu.sh): the
 first-token hold (producer sampled -> router sent) p50 / p99 and its producer half at the
-hold points, and the seeds' ITL p99 against TPOT p50 (issue 22's two H200 points).
+hold points, and the seeds' ITL p99 against TPOT p50 (issue 22's two H200 points); under
+it, each point's hold in its parts, the slowest 1%'s included.
 
     python bench/hold_summary.py OUT_DIR
 """
@@ -13,22 +14,26 @@ import os
 import sys
 from typing import Any
 
+from itl_split import hold_line
+
 
 def point(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
-            return json.load(f)["configs"][0]["points"][0]["metrics"]  # type: ignore[no-any-return]
+            return json.load(f)["configs"][0]["points"][0]  # type: ignore[no-any-return]
     except (OSError, KeyError, IndexError, ValueError):
         return None
 
 
 def line(run: str) -> str:
     cells = [os.path.basename(run.rstrip("/"))]
+    parts: list[str] = []
     for name in ("pd_hold", "pd_hold256", "pd_seeds"):
-        m = point(os.path.join(run, name + ".json"))
-        if m is None:
+        p = point(os.path.join(run, name + ".json"))
+        if p is None or "metrics" not in p:
             cells.append(f"{name}: missing")
             continue
+        m = p["metrics"]
         cell = f"{name}: ok {m['completed']}/{m['requests']}"
         hold, half = m.get("hold_ms") or {}, m.get("hold_producer_ms") or {}
         if hold.get("p50") is not None:
@@ -38,7 +43,11 @@ def line(run: str) -> str:
             tpot, itl = m["tpot_ms"]["p50"], m["itl_ms"]["p99"]
             cell += f" TPOT {tpot:.2f} ITL p99 {itl:.1f} ({itl / tpot:.2f}x)"
         cells.append(cell)
-    return " | ".join(cells)
+        held = [r for r in p.get("requests", []) if r.get("hold_ms") is not None
+                and r.get("hold_producer_ms") is not None]
+        if held:  # where the hold's time goes, the tail's included (bench/itl_split.py)
+            parts.append(f"  {name} hold: {hold_line(held)}")
+    return "\n".join([" | ".join(cells), *parts])
 
 
 def main() -> None:

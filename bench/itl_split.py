@@ -12,7 +12,11 @@ consumer -> router -> client path). p50 and p99 of each part are over the reques
 parts of one percentile need not add up to the gap's. Where they carry the hold's stamps,
 the first-token hold (producer sampled token 0 -> the router sent it) is split the same
 way: -> the producer's gRPC process handed it to the router's stream
-(``hold_producer_ms``), and the rest (that stream, the router's loop).
+(``hold_producer_ms``), and the rest (that stream, the router's loop). Where token 0 came on
+the producer's Outputs stream, the rest splits again: -> that stream's writer took it
+(``hold_writer_ms``), -> the router read it (``hold_wire_ms``), -> the router sent it
+(``hold_router_ms``); and the slowest 1% of holds are shown by their parts' means, since
+the parts' own p99s may come from different requests.
 
     python bench/itl_split.py RESULT.json [...]   # `pdserve bench --result-json` files
 """
@@ -76,10 +80,19 @@ def hold_line(recs: list[dict]) -> str:
     """The first-token hold's parts (module docstring)."""
     hold = np.array([r["hold_ms"] for r in recs])
     prod = np.array([r["hold_producer_ms"] for r in recs])
-    parts = {"whole": hold, "sampled -> producer sent": prod,
-             "-> router sent": hold - prod}
-    return "; ".join(f"{name} p50 {np.median(v):.2f} p99 {np.percentile(v, 99):.2f}"
+    parts = {"whole": hold, "sampled -> producer sent": prod}
+    if all(r.get(k) is not None for r in recs
+           for k in ("hold_writer_ms", "hold_wire_ms", "hold_router_ms")):
+        parts["-> writer took"] = np.array([r["hold_writer_ms"] for r in recs])
+        parts["-> router read"] = np.array([r["hold_wire_ms"] for r in recs])
+        parts["-> router sent"] = np.array([r["hold_router_ms"] for r in recs])
+    else:
+        parts["-> router sent"] = hold - prod
+    line = "; ".join(f"{name} p50 {np.median(v):.2f} p99 {np.percentile(v, 99):.2f}"
                      for name, v in parts.items()) + f" ms ({len(recs)} requests)"
+    slow = hold >= np.percentile(hold, 99)
+    tail = ", ".join(f"{name} {v[slow].mean():.2f}" for name, v in parts.items())
+    return line + f"; slowest 1% ({int(slow.sum())}), mean ms: {tail}"
 
 
 if __name__ == "__main__":

@@ -113,6 +113,10 @@ class Subscriber:
         batch = self.pending
         self.pending = worker_pb2.OutputBatch()
         self._queued = False
+        if batch.token0s:  # a producer's: the hold's split between this wait and the wire
+            now = time.time_ns()
+            for t0 in batch.token0s:
+                t0.taken_ns = now
         return batch
 
     def _queue_pending(self) -> int:

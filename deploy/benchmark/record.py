@@ -24,6 +24,11 @@ class RequestRecord:
     # its first part: the producer's gRPC process handed token 0 to the router's stream -
     # sampled (the engine -> gRPC process hop); the rest is that stream and the router
     hold_producer_ms: float | None = None
+    # ... then the producer's Outputs writer took it (None on the Prefill stream), the router
+    # read it (the wire, and the router's loop reaching the read), the router sent it
+    hold_writer_ms: float | None = None
+    hold_wire_ms: float | None = None
+    hold_router_ms: float | None = None
     kv_transfer_ms: float | None = None  # producer's first push to the consumer's ack
     prefill_ms: float | None = None  # producer received the request -> sampled token 0
     # The P/D handoff, the first inter-token gap's server side: the router sent token 0 ->
@@ -80,6 +85,8 @@ class RequestRecord:
                 "output_tokens": self.output_tokens, "ttft_ms": ms(self.ttft),
                 "ttst_ms": ms(self.ttst), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
                 "hold_ms": self.hold_ms, "hold_producer_ms": self.hold_producer_ms,
+                "hold_writer_ms": self.hold_writer_ms, "hold_wire_ms": self.hold_wire_ms,
+                "hold_router_ms": self.hold_router_ms,
                 "kv_transfer_ms": self.kv_transfer_ms,
                 "prefill_ms": self.prefill_ms, "kv_ready_ms": self.kv_ready_ms,
                 "first_step_wait_ms": self.first_step_wait_ms,

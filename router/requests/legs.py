@@ -187,7 +187,7 @@ class ProducerLeg(Leg):
                 kind = out.WhichOneof("kind")
                 if kind == "token0":
                     self._unroute()
-                    self._report_event(Token0Read(out.token0))
+                    self._report_event(Token0Read(out.token0, time.time_ns()))
                 elif kind == "transfer":
                     if out.transfer.token0_routed:
                         await self._after_token0()
@@ -217,9 +217,9 @@ class ProducerLeg(Leg):
             await self._token0_came.wait()
 
     # Route: what the producer's Outputs stream calls
-    def on_token0(self, token0: worker_pb2.Token0) -> None:
+    def on_token0(self, token0: worker_pb2.Token0, read_ns: int) -> None:
         self._unroute()
-        self._report_event(Token0Read(token0))
+        self._report_event(Token0Read(token0, read_ns))
         assert self._token0_came is not None
         self._token0_came.set()
 
@@ -325,7 +325,7 @@ class DecodeLeg(Leg):
         await super().linger(bound_s)
 
     # Route: what the worker's Outputs stream calls
-    def on_token0(self, token0: worker_pb2.Token0) -> None:
+    def on_token0(self, token0: worker_pb2.Token0, read_ns: int) -> None:
         pass  # a producer's; a consumer or colocated worker sends none
 
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None:

@@ -15,9 +15,10 @@ from router.control.registry import WorkerInfo
 
 @dataclass(frozen=True)
 class Token0Read:
-    """The producer's token 0."""
+    """The producer's token 0, and when the router read the message carrying it (Unix ns)."""
 
     token0: worker_pb2.Token0
+    read_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ class RunOutput:
     def request_id(self) -> str:
         return self.prep.request_id
 
-    def token0(self, t0: worker_pb2.Token0) -> router_pb2.GenerateResponse:
-        """Token 0 from the producer; the caller finishes it when ``t0.finish_reason``."""
+    def token0(self, t0: worker_pb2.Token0, read_ns: int = 0) -> router_pb2.GenerateResponse:
+        """Token 0 from the producer, which the router read at ``read_ns``; the caller
+        finishes it when ``t0.finish_reason``."""
         resp = router_pb2.GenerateResponse(request_id=self.request_id,
                                            token_ids=[t0.token_id], text=t0.text)
         if t0.HasField("logprob"):
@@ -45,6 +46,8 @@ class RunOutput:
             self.timing.producer_received_ns = t0.received_ns
             self.timing.producer_token0_sampled_ns = t0.sampled_ns
             self.timing.producer_token0_sent_ns = t0.sent_ns
+            self.timing.producer_token0_taken_ns = t0.taken_ns
+            self.timing.router_token0_read_ns = read_ns
             self.timing.router_token0_sent_ns = time.time_ns()
         self.completion_tokens += 1
         self.token_ids.append(t0.token_id)

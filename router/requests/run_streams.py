@@ -121,8 +121,8 @@ async def disaggregated_stream(run: StreamedRun
         match ev:
             case Reserved():
                 run.advance(RunPhase.PAIRED)  # the run sent the blocks on to the producer
-            case Token0Read(token0=t0):
-                resp = out.token0(t0)
+            case Token0Read(token0=t0, read_ns=read_ns):
+                resp = out.token0(t0, read_ns)
                 run.advance(RunPhase.TOKEN0)
                 if t0.finish_reason:
                     yield out.final(resp, t0.finish_reason, t0.stop_reason)

@@ -37,6 +37,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import time
 import uuid
 from typing import Any, Protocol
 
@@ -80,7 +81,7 @@ class State(enum.Enum):
 class Route(Protocol):
     """What a leg gives the stream: where its tokens go, and what to do if it breaks."""
 
-    def on_token0(self, token0: worker_pb2.Token0) -> None: ...
+    def on_token0(self, token0: worker_pb2.Token0, read_ns: int) -> None: ...
 
     def on_tokens(self, tokens: worker_pb2.Tokens) -> None: ...
 
@@ -154,9 +155,11 @@ class WorkerOutputs:
                 # producers' token 0s first: each is a client's first token, the one the
                 # first-token hold measures (a token 0 of a run torn down is dropped: its
                 # Prefill call was cancelled, which ends the request on the producer)
-                for t0 in batch.token0s:
-                    if (leg := self._routes.get(t0.request_id)) is not None:
-                        leg.on_token0(t0)
+                if batch.token0s:
+                    read_ns = time.time_ns()  # the router's part of the hold starts here
+                    for t0 in batch.token0s:
+                        if (leg := self._routes.get(t0.request_id)) is not None:
+                            leg.on_token0(t0, read_ns)
                 for r in batch.reserved:  # before any token of the same request
                     if (leg := self._routes.get(r.request_id)) is not None:
                         leg.on_reserved(r)

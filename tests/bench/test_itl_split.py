@@ -48,7 +48,21 @@ def test_the_hold_is_split_at_the_producer_s_send():
     recs = [{"hold_ms": 3.0, "hold_producer_ms": 0.5} for _ in range(5)]
     line = hold_line(recs)
     assert line.startswith("whole p50 3.00 p99 3.00; sampled -> producer sent p50 0.50")
-    assert "-> router sent p50 2.50 p99 2.50" in line and line.endswith("(5 requests)")
+    assert "-> router sent p50 2.50 p99 2.50" in line and "(5 requests)" in line
+
+
+def test_the_hold_s_tail_is_named_by_its_parts():
+    from itl_split import hold_line
+    # 99 holds of 2 ms spent on the wire, one of 20 ms spent in the router after its read
+    fast = {"hold_ms": 2.0, "hold_producer_ms": 0.5, "hold_writer_ms": 0.2,
+            "hold_wire_ms": 1.0, "hold_router_ms": 0.3}
+    slow = {"hold_ms": 20.0, "hold_producer_ms": 0.5, "hold_writer_ms": 0.2,
+            "hold_wire_ms": 1.0, "hold_router_ms": 18.3}
+    line = hold_line([fast] * 99 + [slow])
+    assert "-> writer took p50 0.20" in line and "-> router read p50 1.00" in line
+    assert "-> router sent p50 0.30" in line
+    assert line.endswith("slowest 1% (1), mean ms: whole 20.00, sampled -> producer sent "
+                         "0.50, -> writer took 0.20, -> router read 1.00, -> router sent 18.30")
 
 
 def test_a_point_with_hold_stamps_gets_a_hold_line(tmp_path):

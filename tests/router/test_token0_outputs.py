@@ -26,6 +26,8 @@ def test_token0_comes_on_the_producers_outputs_stream() -> None:
                 assert resps[-1].finish_reason == LENGTH and not resps[-1].error
                 t = resps[-1].timing
                 assert 0 < t.producer_token0_sampled_ns <= t.router_token0_sent_ns
+                # read off the Outputs stream before it was sent on
+                assert 0 < t.router_token0_read_ns <= t.router_token0_sent_ns
             subs = {r.subscriber_id for r in p.prefill_requests}
             assert len(subs) == 1 and "" not in subs  # one stream, named by every request
 

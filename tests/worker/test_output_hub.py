@@ -272,6 +272,8 @@ def test_a_steps_token0s_leave_in_one_batch_and_detach_their_requests() -> None:
         assert e.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
         assert e.logprob.token_id == 8 and e.logprob.top[0].logprob == -0.5
         assert e.sent_ns >= e.sampled_ns
+        # stamped when the reader took the batch: one moment for the whole batch
+        assert batch.token0s[0].taken_ns == e.taken_ns >= e.sent_ns
 
     asyncio.run(main())
 
