@@ -37,6 +37,7 @@ FP8 and as the same weights dequantized to bf16 (the same routings, in one run).
     python bench/moe_bench.py --shape v2lite --batches 1,8 --variants \
         "kernels.pdl.ENABLED=False;kernels.triton_mla_decode.FEW_PROGRAMS_MIN_SPLIT_TOKENS=256" \
         --out $OUT/moe_v2lite_variants.json   # the decode step per setting, interleaved
+    python bench/moe_bench.py --shape v2lite --batches "" --out $OUT/p.json  # prefill only
     python bench/moe_bench.py --tune   # tile candidates (bench/moe_tune.py) for moe_configs.json
     python bench/moe_bench.py --tune --quantization fp8   # FP8 experts' ("<device> fp8")
 
@@ -359,9 +360,9 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = build_engine(EngineConfig(
         model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy",
-        max_num_seqs=max(batches), max_model_len=max(max(contexts) + args.steps
-                                                     * args.repeats + 64,
-                                                     args.prefill_tokens + 8),
+        max_num_seqs=max(batches, default=1),
+        max_model_len=max(max(contexts, default=0) + args.steps * args.repeats + 64,
+                          args.prefill_tokens + 8),
         max_num_batched_tokens=max(2048, args.prefill_tokens), gpu_memory_utilization=0.9,
         quantization="fp8" if args.quantization == "fp8" else None))
     result["engine_build_s"] = round(time.perf_counter() - t0, 1)

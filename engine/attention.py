@@ -57,6 +57,8 @@ class KernelSet:
     # absorbed-form decode (kernels.ref_mla_decode.mla_decode_ref)
     store_latent: Callable[..., Any] | None = None
     mla_decode: Callable[..., Any] | None = None
+    # MLA prefill on the decompressed context (kernels.ref_mla_prefill.mla_prefill_ref)
+    mla_prefill: Callable[..., Any] | None = None
     # RMSNorm and SiLU x mul that quantize their output per row for an FP8 x FP8
     # projection (kernels.ref_norm.rms_norm_quant_ref, ref_act.silu_and_mul_quant_ref;
     # engine/quant/fp8_input.py); None: the projection quantizes its input itself
@@ -75,6 +77,7 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         from kernels.triton_act import silu_and_mul, silu_and_mul_quant
         from kernels.triton_decode_attention import decode_attention
         from kernels.triton_mla_decode import mla_decode
+        from kernels.triton_mla_prefill import mla_prefill
         from kernels.triton_moe import fused_moe
         from kernels.triton_moe_route import moe_route
         from kernels.triton_norm import rms_norm, rms_norm_quant, rope
@@ -87,12 +90,14 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
         return KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
                          silu_and_mul, sample_simple=sample_simple, rope_store_kv=rope_store_kv,
                          fused_moe=fused_moe, moe_route=moe_route, store_latent=store_latent,
-                         mla_decode=mla_decode, rms_norm_quant=rms_norm_quant,
+                         mla_decode=mla_decode, mla_prefill=mla_prefill,
+                         rms_norm_quant=rms_norm_quant,
                          silu_and_mul_quant=silu_and_mul_quant, router_logits=router_logits)
     from kernels.ref_act import silu_and_mul_quant_ref, silu_and_mul_ref
     from kernels.ref_attention import decode_attention_ref, prefill_attention_ref
     from kernels.ref_kv import store_kv_ref, store_latent_ref
     from kernels.ref_mla_decode import mla_decode_ref
+    from kernels.ref_mla_prefill import mla_prefill_ref
     from kernels.ref_moe import fused_moe_ref, moe_route_ref, router_logits_ref
     from kernels.ref_norm import rms_norm_quant_ref, rms_norm_ref, rope_ref
     from kernels.ref_rope_kv import rope_store_kv_ref
@@ -103,6 +108,7 @@ def kernels_for(device: torch.device, force_reference: bool = False) -> KernelSe
                      sample_simple=sample_simple_ref, rope_store_kv=rope_store_kv_ref,
                      fused_moe=fused_moe_ref, moe_route=moe_route_ref,
                      store_latent=store_latent_ref, mla_decode=mla_decode_ref,
+                     mla_prefill=mla_prefill_ref,
                      rms_norm_quant=rms_norm_quant_ref,
                      silu_and_mul_quant=silu_and_mul_quant_ref, router_logits=router_logits_ref)
 

@@ -7,11 +7,12 @@ come from ``c`` through kv_b_proj, whose weight is, per head, W_UK [Dn, C] (the 
 non-rotated part) stacked on W_UV [Dv, C] (the value).
 
 - Prefill (requests with more than one query in the step) decompresses the context's
-  latent rows, prior chunks' included, into per-head K [Dn | R] and V and runs the dense
-  paged prefill attention on them: its FLOPs are those of ordinary attention, and a
-  chunk needs no latent-specific kernel. In a mixed step (planned on the host, so the
-  lengths are host lists) only the prefilling requests' own blocks are decompressed; the
-  requests decoding beside them take the absorbed path. Without host lengths every block
+  latent rows, prior chunks' included, into per-head k_nope and V (kv_b_proj) and runs
+  MLA prefill attention (kernels/triton_mla_prefill.py) on them and the latent's shared
+  k_pe: the FLOPs of ordinary attention at MLA's own head dims, nothing padded. In a
+  mixed step (planned on the host, so the lengths are host lists) only the prefilling
+  requests' own blocks are decompressed; the requests decoding beside them take the
+  absorbed path. Without host lengths every block
   the tables name is decompressed (correct, and bounded by the tables' size).
 - Decode runs in the absorbed form: q_nope goes through W_UK onto the latent, attention
   is multi-query over the latent rows themselves (kernels/triton_mla_decode.py), and the
@@ -92,9 +93,6 @@ class MLAAttention(nn.Module):
         scaling = dict(cfg.rope_scaling) if cfg.rope_scaling else None
         # YaRN's mscale correction (transformers' yarn_apply_mscale)
         self.scale = qk ** -0.5 * softmax_mscale(scaling)
-        # the dense prefill kernel's head dim: K [Dn | R] and V zero-padded to one power of
-        # two (zeros add nothing to q.k, and V's padding columns are cut off after)
-        self.pad_dim = max(16, 1 << (max(qk, self.dv) - 1).bit_length())
         self.kv_scale = 1.0  # a float8 cache's latent scale for this layer
         self.latent_store = latent_store_for(kernels)
         # finish_load: q_proj's (or q_a_proj's) rows and kv_a_proj_with_mqa's in one weight,
@@ -215,36 +213,30 @@ class MLAAttention(nn.Module):
                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  seq_lens: torch.Tensor,
                  tables: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
-        """Decompresses the blocks `block_tables` names into a dense paged K/V of this rank's
-        heads and runs the dense paged prefill attention on it. block_tables: [B, W] (every
-        entry is decompressed, padding too: no host sync) with tables None, or the flat
-        [Nb] blocks that `tables` [B, W'] indexes."""
+        """Decompresses the blocks `block_tables` names (this rank's heads) and runs MLA
+        prefill attention on them. block_tables: [B, W] (every entry is decompressed,
+        padding too: no host sync) with tables None, or the flat [Nb] blocks that `tables`
+        [B, W'] indexes, each request's a run of consecutive entries (``_split_of``)."""
         bt = block_tables
         bs = kv_layer.shape[2]
         lat = take(kv_layer, (bt.reshape(-1).long(), 0, slice(None), 0))  # [Nb, BS, C + R]
         lat = from_cache(lat, self.kv_scale, q_nope.dtype)  # a float8 cache's rows, scaled
-        nb = lat.shape[0]
-        kv = self.kv_b_proj(lat[..., :self.c])  # [Nb, BS, H * (Dn + Dv)]
-        kv = kv.view(nb, bs, self.h, self.dn + self.dv)
-        d = self.pad_dim
-        paged = kv.new_zeros(nb, 2, bs, self.h, d)  # [Nb, 2, BS, H, D]
-        paged[:, 0, :, :, :self.dn] = kv[..., :self.dn]
-        paged[:, 0, :, :, self.dn:self.dn + self.r] = lat[:, :, None, self.c:]
-        paged[:, 1, :, :, :self.dv] = kv[..., self.dn:]
-        t = q_nope.shape[0]
-        q = q_nope.new_zeros(t, self.h, d)
-        q[..., :self.dn] = q_nope
-        q[..., self.dn:self.dn + self.r] = q_pe
-        if tables is None:  # block (b, j) of the step's tables is row b * W + j of paged
-            tables = torch.arange(nb, dtype=torch.int32, device=bt.device).view(bt.shape)
-        o = self.k.prefill_attention(q, paged, tables, cu_seqlens_q, seq_lens,
-                                     self.scale)  # [T, H, D]
-        return o[..., :self.dv]
+        lat = lat.reshape(-1, self.c + self.r)  # [Nb * BS, C + R]: context rows, in order
+        # [Nb * BS, H, Dn + Dv]: per head k_nope then v, read in place by the kernel (no
+        # padded copy: k_pe stays one row per token in the latent)
+        kv = self.kv_b_proj(lat[:, :self.c]).view(lat.shape[0], self.h, self.dn + self.dv)
+        if tables is None:  # request b's blocks are rows b * W .. of the decompression
+            starts = torch.arange(bt.shape[0], device=bt.device) * (bt.shape[1] * bs)
+        else:
+            starts = tables[:, 0].long() * bs
+        assert self.k.mla_prefill is not None
+        return self.k.mla_prefill(q_nope, q_pe, kv, lat[:, self.c:], starts, cu_seqlens_q,
+                                  seq_lens, self.scale)
 
 
 # Context tokens one decompression holds at most (more only for a single request whose
 # context alone is longer): bounds the dense K/V workspace of a step that prefills several
-# long requests, H x pad_dim x 2 values per token (V2-Lite: 16 KiB a token in bf16).
+# long requests, H x (Dn + Dv) values per token (V2-Lite: 8 KiB a token in bf16).
 PREFILL_GROUP_TOKENS = 16384
 
 

@@ -1,5 +1,5 @@
-"""The DeepSeek model with every Triton kernel it uses (latent store, rope, RMSNorm, paged
-prefill, MLA decode and its per-head products, fused MoE, router logits) under the
+"""The DeepSeek model with every Triton kernel it uses (latent store, rope, RMSNorm,
+MLA prefill, MLA decode and its per-head products, fused MoE, router logits) under the
 interpreter: logits equal transformers' through
 chunked prefill and an absorbed decode step. On a GPU machine the engine test
 tests/engine/test_deepseek.py::test_cuda_triton_and_graphs_equal_transformers covers this
@@ -24,6 +24,7 @@ def test_triton_kernels_give_transformers_logits(name, tmp_path, monkeypatch):
     from kernels.triton_act import silu_and_mul
     from kernels.triton_decode_attention import decode_attention
     from kernels.triton_mla_decode import mla_decode
+    from kernels.triton_mla_prefill import mla_prefill
     from kernels.triton_moe import fused_moe
     from kernels.triton_norm import rms_norm, rope
     from kernels.triton_prefill_attention import prefill_attention
@@ -32,7 +33,8 @@ def test_triton_kernels_give_transformers_logits(name, tmp_path, monkeypatch):
 
     tri = KernelSet(store_kv, prefill_attention, decode_attention, rms_norm, rope, "triton",
                     silu_and_mul, fused_moe=fused_moe, store_latent=store_latent,
-                    mla_decode=mla_decode, router_logits=router_logits)
+                    mla_decode=mla_decode, mla_prefill=mla_prefill,
+                    router_logits=router_logits)
     monkeypatch.setattr(att, "kernels_for", lambda device, force_reference=False: tri)
     version, kw = MODELS[name]
     path = make_tiny_deepseek(str(tmp_path / name), version, **kw)
