@@ -18,12 +18,18 @@ CANDIDATES = [(16, 64, 128, 8, 3), (16, 32, 128, 4, 3), (16, 64, 64, 4, 4),
               (16, 32, 256, 4, 3), (16, 64, 256, 8, 2), (16, 128, 128, 8, 3)]
 # ... and for prefill-sized calls (more than PREFILL_TOKENS tokens), where the kernel is
 # compute-bound: wide row tiles feed the tensor cores; each expert's rows pad to BLOCK_M, so
-# 128-row tiles waste more on experts with few rows (timing decides)
+# 128-row tiles waste more on experts with few rows (timing decides). (BLOCK_M, BLOCK_N,
+# BLOCK_K, BLOCK_N_DOWN, BLOCK_K_DOWN, warps, stages): the down GEMM holds one accumulator
+# where gate/up holds two, so its tile may be wider. Register spills on sm_90 (ptxas,
+# gate/up + down bytes) noted where not zero: 128-row tiles at 128 columns spill.
 PREFILL_TOKENS = 1024
-PREFILL_CANDIDATES = [(64, 128, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 8, 4),
-                      (64, 256, 64, 8, 3), (64, 128, 128, 8, 3), (64, 64, 128, 4, 3),
-                      (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
-                      (128, 256, 64, 8, 3), (128, 64, 64, 4, 3), (128, 128, 128, 8, 2)]
+PREFILL_CANDIDATES = [(64, 128, 64, 128, 64, 8, 3),  # the default table's 8192 bucket
+                      (128, 64, 64, 64, 64, 8, 3),  # 44 + 0
+                      (128, 64, 32, 64, 64, 8, 4),
+                      (128, 32, 64, 64, 64, 8, 3),
+                      (128, 64, 64, 128, 64, 8, 3),  # 44 + 376
+                      (64, 128, 64, 256, 64, 8, 3),  # 0 + 180
+                      (128, 128, 64, 128, 64, 8, 3)]  # 452 + 376: session 24's fastest
 
 
 def tune_mla(model: Any, hbm: float, points: list[tuple[int, int]]) -> dict[str, Any]:
@@ -59,10 +65,11 @@ def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
     best: dict[str, Any] = {}
     for b in batches:
         rows = []
-        for bm, bn, bk, warps, stages in (PREFILL_CANDIDATES if b > PREFILL_TOKENS
-                                          else CANDIDATES):
-            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn,
-                   "BLOCK_K_DOWN": bk, "num_warps": warps, "num_stages": stages}
+        cands = (PREFILL_CANDIDATES if b > PREFILL_TOKENS
+                 else [(bm, bn, bk, bn, bk, w, st) for bm, bn, bk, w, st in CANDIDATES])
+        for bm, bn, bk, bn2, bk2, warps, stages in cands:
+            cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "BLOCK_N_DOWN": bn2,
+                   "BLOCK_K_DOWN": bk2, "num_warps": warps, "num_stages": stages}
             try:
                 p = kernel_point(model, b, hbm, cfg)
             except Exception as e:  # a config that does not fit: skip it

@@ -28,13 +28,15 @@ WEIGHTS = {"": ("*bf16", dict(SCALED=False, GROUP_K=1, ONE_GROUP=True)),
            "fp8/": ("*fp8e4nv", dict(SCALED=True, GROUP_K=1, ONE_GROUP=True)),
            "fp8_block/": ("*fp8e4nv", dict(SCALED=True, GROUP_K=128, ONE_GROUP=False))}
 table = json.load(open(m.CONFIG_FILE))["configs"]
-for bucket, c in [(f"{dev}/{b}", c) for dev in ("default", "NVIDIA H200")
-                  for b, c in table[dev].items()]:
-    opts = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
+for dev, b in [(dev, b) for dev in ("default", "NVIDIA H200") for b in table[dev]]:
+    bucket = f"{dev}/{b}"
     # one token's tiles (PER_PAIR: no align step) come from the smallest bucket too
-    smallest = bucket.endswith("/" + min(table[bucket.split("/")[0]], key=int))
+    smallest = b == min(table[dev], key=int)
     for (kind, (wty, scaled)), pp in [(w, pp) for w in WEIGHTS.items()
                                       for pp in ((False, True) if smallest else (False,))]:
+        # FP8 experts read the device's "<name> fp8" entry where it has one (tile_config)
+        c = table.get(f"{dev} fp8", table[dev])[b] if kind else table[dev][b]
+        opts = dict(num_warps=c["num_warps"], num_stages=c["num_stages"])
         base = dict(BLOCK_M=c["BLOCK_M"], DOT_DTYPE=tl.bfloat16, IEEE=False, EVEN_K=True,
                     PDL=True, PER_PAIR=pp, **scaled)
         bn = c["BLOCK_N"]
@@ -72,6 +74,9 @@ out["router_logits"] = spills(rl._router_logits_kernel, {
 # the H200's decode tiles (BLOCK_N 128 x BLOCK_K 128) spill this little (bytes, per kernel)
 # and are still the fastest measured there (kernels/moe_configs.json); more is a regression
 H200_ACCEPTED = {"gate_up": 128, "down": 32}
+# ... and its 16-bit prefill tile (128 x 128 x 64), 12% faster than the spill-free 64-row
+# one on DeepSeek-V2-Lite's 4,096-token experts (bench/RESULTS.md), spills this much
+H200_PREFILL_ACCEPTED = {"gate_up/NVIDIA H200/8192": 452, "down/NVIDIA H200/8192": 376}
 # the per-channel FP8 epilogue's scale row at the 32 x 64 tile (the same kernel without
 # the scale multiply spills none): bytes, measured
 FP8_ACCEPTED = {"down/fp8/default/256": 8}
@@ -81,7 +86,12 @@ FP8_ACCEPTED = {"down/fp8/default/256": 8}
 def test_moe_kernels_compile_for_sm90_without_spills() -> None:
     spills = spill_bytes(BODY)
     assert len(spills) == 3 * 20 + 3 * 4 + 4, sorted(spills)  # 3 * 4: per-pair tiles
-    over = {k: v for k, v in spills.items()
-            if v > (H200_ACCEPTED[k.split("/")[0]] if "NVIDIA H200" in k
-                    else FP8_ACCEPTED.get(k, 0))}
+    def bound(k: str) -> int:
+        if k in H200_PREFILL_ACCEPTED:
+            return H200_PREFILL_ACCEPTED[k]
+        if "NVIDIA H200" in k:
+            return H200_ACCEPTED[k.split("/")[0]]
+        return FP8_ACCEPTED.get(k, 0)
+
+    over = {k: v for k, v in spills.items() if v > bound(k)}
     assert over == {}, spills
