@@ -38,6 +38,7 @@ import asyncio
 import itertools
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdserve.v1 import worker_pb2
 
@@ -74,6 +75,17 @@ class SubscriberFailed(Exception):
     """The worker ended every Outputs stream with this error (``OutputHub.fail``)."""
 
 
+class Sink(Protocol):
+    """A stream that can take a batch at once, inside the hub's flush (the plain Outputs
+    port's socket: worker/outputs_port.py), instead of waking its writer task for it."""
+
+    def ready(self) -> bool:
+        """It would write now (not closing, not past its backpressure mark)."""
+        ...
+
+    def write(self, batch: worker_pb2.OutputBatch) -> None: ...
+
+
 class Subscriber:
     """One router's Outputs stream: the batch its reader takes next.
 
@@ -94,6 +106,10 @@ class Subscriber:
         self.failed = ""  # set: the stream ends with this error once its queue is empty
         self._queued = False  # pending holds queued steps the reader has not taken
         self._ready = asyncio.Event()
+        # Set by a reader parked in next_batch whose stream can write synchronously: a
+        # queued step then leaves inside the flush that queued it, with no task wake-up
+        # between (the first-token hold's "writer took" part; a step's CPU on both ends)
+        self.sink: Sink | None = None
 
     @property
     def has_queued(self) -> bool:
@@ -108,6 +124,9 @@ class Subscriber:
                 raise SubscriberFailed(self.failed)
             self._ready.clear()
             await self._ready.wait()
+        return self._take()
+
+    def _take(self) -> worker_pb2.OutputBatch:
         # steps write and queue in one synchronous pass (EngineBridge._drain), so the
         # message taken here never holds part of a step
         batch = self.pending
@@ -124,7 +143,11 @@ class Subscriber:
         self.pending.seq = self.seq
         self._queued = True
         self.npending = 0
-        self._ready.set()
+        sink = self.sink
+        if sink is not None and sink.ready():
+            sink.write(self._take())  # the parked reader stays parked
+        else:
+            self._ready.set()
         return self.seq
 
     def _drop_pending(self) -> None:

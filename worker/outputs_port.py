@@ -7,8 +7,9 @@ this process per engine step (the step's message from the engine, then the write
 completion), and at a consumer's step rates each wake-up, not the Python around it, is most
 of the process's CPU per token (bench/RESULTS.md, "The consumer's gRPC process on CPU";
 ``bench/probes/wake_cost_probe.py`` measures a grpc.aio stream against this one). Here a
-batch is one ``transport.write`` inside the step message's own wake-up: the socket takes it
-at once, and nothing comes back to wake the loop.
+batch is one ``transport.write`` inside the step message's own wake-up (the hub's flush
+writes it through ``DirectSink`` while the stream's task is parked): the socket takes it at
+once, and nothing comes back to wake the loop.
 
 Two listeners serve the one protocol below through the same code: the TCP port any router
 can reach, and (Linux) an abstract Unix socket whose name has an unguessable random part.
@@ -97,6 +98,22 @@ def end_frame(code: grpc.StatusCode, message: str) -> bytes:
     body = worker_pb2.OutputsFrame(end=worker_pb2.OutputsEnd(
         code=code.value[0], message=message)).SerializeToString()
     return _LEN.pack(len(body)) + body
+
+
+class DirectSink:
+    """A stream's socket as the hub's ``Sink``: a batch is one ``transport.write``, taken
+    while the buffer is at or under HIGH_WATER (past it the writer task waits for the
+    drain, and the hub merges the steps that come meanwhile)."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.transport = writer.transport
+
+    def ready(self) -> bool:
+        t = self.transport
+        return not t.is_closing() and t.get_write_buffer_size() <= HIGH_WATER
+
+    def write(self, batch: worker_pb2.OutputBatch) -> None:
+        self.transport.write(batch_frame(batch))
 
 
 class HelloRefused(Exception):
@@ -245,14 +262,21 @@ class OutputsPort:
 
         closed.add_done_callback(on_closed)
         self.live[me] = (sub, writer)
+        sink = DirectSink(writer)
         try:
             writer.write(batch_frame(worker_pb2.OutputBatch(seq=0)))
             while True:
+                # Parked: the hub writes each step's batch itself, inside the flush that
+                # queued it; this task wakes only for what the sink declined (a socket
+                # past HIGH_WATER) and for the hub's failure.
+                sub.sink = sink
                 try:
                     batch = await sub.next_batch()
                 except SubscriberFailed as e:  # every request on it ended with this
                     writer.write(end_frame(grpc.StatusCode.UNAVAILABLE, str(e)))
                     return
+                finally:
+                    sub.sink = None
                 writer.write(batch_frame(batch))
                 await writer.drain()  # waits only past HIGH_WATER (the transport's limit)
         except asyncio.CancelledError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, worker_pb2
 
 from engine.request import LogprobRow
 from worker.messages import ReservedEvent, Token0Event
@@ -292,5 +292,59 @@ def test_a_token0_whose_subscriber_left_goes_on_its_prefill_stream() -> None:
         hub.attach_token0("p2", b)
         hub.fail("engine process failed")
         assert not hub.add_token0(t0("p2")) and not hub.add_token0(t0("p3"))
+
+    asyncio.run(main())
+
+
+class FakeSink:
+    def __init__(self, ready: bool) -> None:
+        self.is_ready = ready
+        self.written: list[worker_pb2.OutputBatch] = []
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def write(self, batch: worker_pb2.OutputBatch) -> None:
+        self.written.append(batch)
+
+
+def test_a_parked_readers_sink_takes_each_step_in_the_flush() -> None:
+    """With a sink set (a reader parked on a stream that writes synchronously), flush hands
+    it the step's batch and queues nothing; a sink that is not ready (backpressure) leaves
+    the batch queued, and the next step merges into it for the reader."""
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        hub.attach("r1", a)
+        sink = FakeSink(ready=True)
+        a.sink = sink
+        hub.add(TokensEvent("r1", (1,), "a", (), None))
+        hub.flush()
+        assert [b.seq for b in sink.written] == [1] and not a.has_queued
+        assert [list(t.token_ids) for t in sink.written[0].tokens] == [[1]]
+        sink.is_ready = False  # past the socket's mark: the reader's task takes over
+        hub.add(TokensEvent("r1", (2,), "b", (), None))
+        hub.flush()
+        hub.add(TokensEvent("r1", (3,), "c", (), None))
+        hub.flush()
+        assert len(sink.written) == 1 and a.has_queued
+        a.sink = None  # the reader resumes
+        batch = await a.next_batch()
+        assert batch.seq == 3 and [list(t.token_ids) for t in batch.tokens] == [[2], [3]]
+
+    asyncio.run(main())
+
+
+def test_token0s_written_by_the_sink_carry_when_they_left() -> None:
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        sink = FakeSink(ready=True)
+        a.sink = sink
+        hub.attach_token0("p1", a)
+        assert hub.add_token0(t0("p1"))
+        hub.flush()
+        (e,) = sink.written[0].token0s
+        assert e.request_id == "p1" and e.taken_ns >= e.sent_ns > 0
 
     asyncio.run(main())

@@ -3,11 +3,13 @@ router/requests/outputs_plain.py, both real, over real sockets, each case over b
 listeners: TCP and the abstract Unix socket): the batches arrive as the hub queued them and a
 router that leaves hands its requests back; a failed hub ends the stream with UNAVAILABLE
 after what was queued, a failed engine refuses new streams; a router that does not read gets
-the steps merged, losslessly; a stop writes what was queued before ending the streams."""
+the steps merged, losslessly; a stop writes what was queued before ending the streams; a
+step leaves inside the flush that queued it."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -138,3 +140,41 @@ async def test_stop_writes_what_was_queued_before_ending_the_streams(transport: 
     with pytest.raises(PlainOutputsEnded) as e:
         await anext(it)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _recv_frame(s: socket.socket) -> worker_pb2.OutputsFrame:
+    """One frame off a blocking socket (its timeout bounds the wait)."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = s.recv(n - len(data))
+            assert chunk, "the worker closed the connection"
+            data += chunk
+        return data
+    (n,) = _LEN.unpack(exactly(4))
+    return worker_pb2.OutputsFrame.FromString(exactly(n))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@run_async
+async def test_a_step_leaves_inside_the_flush_that_queued_it(transport: str) -> None:
+    """The stream's task is parked: the hub's flush writes the step's batch to the socket
+    itself, so the router can read it before this process's loop runs again (no task
+    wake-up per step). A blocking read right after the flush, with no await in between,
+    finds it; with the batch left for the task, it would time out."""
+    async with Port() as p:
+        s = p.raw_socket(transport)
+        hello = worker_pb2.OutputsRequest(subscriber_id="router-1",
+                                          cluster_token=TOKEN).SerializeToString()
+        s.sendall(_LEN.pack(len(hello)) + hello)
+        await wait_until(lambda: "router-1" in p.hub.subscribers)
+        s.settimeout(5)
+        assert _recv_frame(s).batch.seq == 0  # subscribed
+        await asyncio.sleep(0.05)  # the stream's task parks, waiting for a step
+        p.hub.attach("a", p.hub.subscribers["router-1"])
+        p.step(["a"], 7)  # the engine's message for one step, then the hub's flush
+        s.settimeout(0.5)
+        frame = _recv_frame(s)  # no await since the flush: the loop has not run
+        assert frame.batch.seq == 1
+        assert [(t.request_id, list(t.token_ids)) for t in frame.batch.tokens] == [("a", [7])]
+        s.close()
