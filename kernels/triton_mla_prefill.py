@@ -18,13 +18,11 @@ caller decompresses whole block-table rows in order, so no block table is read h
 Query ``j`` of request ``b``'s chunk (``n_q`` queries, ``cu`` offsets) sits at position
 ``lens[b] - n_q + j`` and sees keys ``0 ..`` that position.
 
-Grid: (head, query-tile slot). Request ``b``'s tiles take the slots
-``cu[b] // BLOCK_M + b ...`` (they never overlap and fit in ``T // BLOCK_M + B`` slots),
-each program finds its request by binary search over ``cu``, and slots run last-first so
-the longest causal tiles start first. A request's spare slot exits at once. There is no
-split over keys: a prefill step has ``T / BLOCK_M`` tiles per head, enough programs for the
-chunk sizes a step runs (a short chunk after a long cached context runs on few programs;
-it is correct, not fast).
+Grid: (head, query-tile slot), the slots laid out as the GQA prefill kernel's
+(kernels/triton_query_tiles.py), run last-first so the longest causal tiles start first.
+There is no split over keys: a prefill step has ``T / BLOCK_M`` tiles per head, enough
+programs for the chunk sizes a step runs (a short chunk after a long cached context runs
+on few programs; it is correct, not fast).
 
 Host syncs: none (the grid comes from shapes).
 """
@@ -44,6 +42,7 @@ from kernels.triton_common import (
     check_shape,
     compute_dtype,
 )
+from kernels.triton_query_tiles import request_of_slot
 
 LOG2E = 1.4426950408889634
 
@@ -129,17 +128,8 @@ def _mla_prefill_kernel(
 ):
     h = tl.program_id(0)  # fastest: a tile's heads run together and share k_pe in L2
     slot = tl.num_programs(1) - 1 - tl.program_id(1)  # last requests' last tiles first
-    lo = 0
-    hi = num_reqs
-    for _ in range(search_steps):  # the largest b with cu[b] // BLOCK_M + b <= slot
-        mid = (lo + hi) // 2
-        owns = tl.load(cu_ptr + mid) // BLOCK_M + mid <= slot
-        lo = tl.where(owns, mid, lo)
-        hi = tl.where(owns, hi, mid)
-    b = lo
-    q_start = tl.load(cu_ptr + b)
-    n_q = tl.load(cu_ptr + b + 1) - q_start
-    mt = slot - (q_start // BLOCK_M + b)  # query tile within the request's chunk
+    # the request owning this slot, and the slot's query tile within its chunk
+    b, q_start, n_q, mt = request_of_slot(cu_ptr, slot, num_reqs, search_steps, BLOCK_M)
     if mt * BLOCK_M >= n_q:
         return
     seq_len = tl.load(lens_ptr + b)

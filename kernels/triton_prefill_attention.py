@@ -58,6 +58,7 @@ from kernels.triton_prefill_split import (
     merge_splits,
     partials,
 )
+from kernels.triton_query_tiles import request_of_slot
 
 LOG2E = 1.4426950408889634
 
@@ -144,18 +145,8 @@ def _prefill_kernel(
 ):
     hq = tl.program_id(0)  # fastest: the heads of one tile run together and share KV in L2
     slot = tl.num_programs(1) - 1 - tl.program_id(1)  # last requests' last tiles first
-    # Find the request owning this slot: the largest b with cu[b] // BLOCK_M + b <= slot.
-    lo = 0
-    hi = num_reqs
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        owns = tl.load(cu_ptr + mid) // BLOCK_M + mid <= slot
-        lo = tl.where(owns, mid, lo)
-        hi = tl.where(owns, hi, mid)
-    b = lo
-    q_start = tl.load(cu_ptr + b)
-    n_q = tl.load(cu_ptr + b + 1) - q_start
-    mt = slot - (q_start // BLOCK_M + b)  # query tile within the request's chunk
+    # the request owning this slot, and the slot's query tile within its chunk
+    b, q_start, n_q, mt = request_of_slot(cu_ptr, slot, num_reqs, search_steps, BLOCK_M)
     if FIXED:
         # rows this program writes: the last request's run on to row T - 1 (padding)
         n_rows = tl.where(b == num_reqs - 1, num_tokens - q_start, n_q)
