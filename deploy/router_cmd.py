@@ -90,6 +90,8 @@ def add_router_parser(sub: Any) -> None:
                         "streamed tokens/s than one process gives; one keeps the workers' "
                         "registry, the others mirror it (needs a fixed --grpc-port)")
     f.add_argument("--primary", default="", help=argparse.SUPPRESS)  # set in mirrors only
+    # the primary's pid, in mirrors only: a mirror ends with it (die_with_primary)
+    f.add_argument("--primary-pid", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--event-loop", default="auto", choices=EVENT_LOOPS,
                    help="the process's event loop: uvloop costs less CPU per streamed "
                         "message; auto: uvloop when installed, else asyncio's")
@@ -119,6 +121,8 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
 
 def run_router(args: argparse.Namespace) -> int:
+    if args.primary_pid:  # first: before this process starts any thread
+        die_with_primary(args.primary_pid)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = router_config(args)
@@ -168,20 +172,33 @@ async def _serve(cfg: RouterConfig) -> int:
 
 def start_mirrors(cfg: RouterConfig, server: Any) -> list[subprocess.Popen[bytes]]:
     """The other frontends (router/control/frontends.py): this command again, on the ports this
-    process bound, told where the primary's registry is. Each dies with this process."""
+    process bound, told where the primary's registry is. Each dies with this process, which
+    it arranges itself (``die_with_primary``): no Python runs between fork and exec here,
+    so the child is started with vfork and exec at once. A ``preexec_fn`` meant a fork of
+    this process while its gRPC threads ran (gRPC's log: "Other threads are currently
+    calling into gRPC, skipping fork() handlers") and Python in the child before exec;
+    twice in five full CPU suites the mirror was found dead at start-up (sessions 25 and
+    27, tests/e2e/test_frontends.py), the second time with that line in its log."""
     argv = [*sys.argv[1:], "--frontends", "1", "--primary", server.internal_address,
-            "--grpc-port", str(server.port)]
+            "--primary-pid", str(os.getpid()), "--grpc-port", str(server.port)]
     if server.http_port:
         argv += ["--http-port", str(server.http_port)]
     if server.grpc_stream_port:
         argv += ["--grpc-stream-port", str(server.grpc_stream_port)]
-    return [subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv],
-                             preexec_fn=_die_with_parent)
+    return [subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv])
             for _ in range(cfg.frontends - 1)]
 
 
-def _die_with_parent() -> None:
-    import ctypes
+def die_with_primary(primary_pid: int) -> None:
+    """A mirror gets SIGTERM when the primary's main thread (the one that started it) ends,
+    and exits now if the primary already has: its sockets would serve a registry that no
+    longer exists."""
+    if sys.platform == "linux":
+        import ctypes
 
-    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != primary_pid:  # it died before the line above (we were reparented)
+        print(f"pdserve router: the primary router (pid {primary_pid}) is gone; this mirror "
+              "frontend exits", file=sys.stderr, flush=True)
+        sys.exit(1)
