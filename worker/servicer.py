@@ -210,8 +210,9 @@ class EngineBridge:
         """The pass's batches go out; the requests that finished in them are counted."""
         done = self.hub.flush()
         # The Prefill streams of the token 0s that left on an Outputs stream learn only now:
-        # the batches' writers were woken first, so those token 0s go out before the
-        # streams' own work (each sends the transfer's go-ahead to the engine).
+        # the flush wrote their batches (or woke the batches' writers) first, so those token
+        # 0s go out before the streams' own work (each sends the transfer's go-ahead to the
+        # engine).
         if self._routed_token0s:
             for ev in self._routed_token0s:
                 if (q := self.queues.get(ev.rid)) is not None:

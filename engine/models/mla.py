@@ -12,8 +12,8 @@ non-rotated part) stacked on W_UV [Dv, C] (the value).
   k_pe: the FLOPs of ordinary attention at MLA's own head dims, nothing padded. In a
   mixed step (planned on the host, so the lengths are host lists) only the prefilling
   requests' own blocks are decompressed; the requests decoding beside them take the
-  absorbed path. Without host lengths every block
-  the tables name is decompressed (correct, and bounded by the tables' size).
+  absorbed path. Without host lengths every block the tables name is decompressed
+  (correct, and bounded by the tables' size).
 - Decode runs in the absorbed form: q_nope goes through W_UK onto the latent, attention
   is multi-query over the latent rows themselves (kernels/triton_mla_decode.py), and the
   result goes through W_UV. A step then reads C + R values per token instead of
@@ -206,17 +206,18 @@ class MLAAttention(nn.Module):
         for g in sp.groups:  # their own blocks only, a bounded number of tokens at a time
             blocks = meta.block_tables.reshape(-1)[g.blocks]  # [Nb]
             o[g.rows] = self._prefill(q_nope[g.rows], q_pe[g.rows], kv_layer, blocks, g.cu,
-                                      g.lens, g.tables)
+                                      g.lens, g.starts)
         return o
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  seq_lens: torch.Tensor,
-                 tables: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
+                 starts: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
         """Decompresses the blocks `block_tables` names (this rank's heads) and runs MLA
         prefill attention on them. block_tables: [B, W] (every entry is decompressed,
-        padding too: no host sync) with tables None, or the flat [Nb] blocks that `tables`
-        [B, W'] indexes, each request's a run of consecutive entries (``_split_of``)."""
+        padding too: no host sync) with starts None, or the flat [Nb] blocks of a prefill
+        group, each request's a run of consecutive entries whose first decompressed row is
+        `starts` [B] (``_split_of``)."""
         bt = block_tables
         bs = kv_layer.shape[2]
         lat = take(kv_layer, (bt.reshape(-1).long(), 0, slice(None), 0))  # [Nb, BS, C + R]
@@ -225,10 +226,8 @@ class MLAAttention(nn.Module):
         # [Nb * BS, H, Dn + Dv]: per head k_nope then v, read in place by the kernel (no
         # padded copy: k_pe stays one row per token in the latent)
         kv = self.kv_b_proj(lat[:, :self.c]).view(lat.shape[0], self.h, self.dn + self.dv)
-        if tables is None:  # request b's blocks are rows b * W .. of the decompression
+        if starts is None:  # request b's blocks are rows b * W .. of the decompression
             starts = torch.arange(bt.shape[0], device=bt.device) * (bt.shape[1] * bs)
-        else:
-            starts = tables[:, 0].long() * bs
         assert self.k.mla_prefill is not None
         return self.k.mla_prefill(q_nope, q_pe, kv, lat[:, self.c:], starts, cu_seqlens_q,
                                   seq_lens, self.scale)
@@ -246,7 +245,7 @@ class _PrefillGroup:
 
     rows: torch.Tensor  # [Tp] int64: every token row of these requests
     blocks: torch.Tensor  # [Nb] int64: flat indices into block_tables of their blocks
-    tables: torch.Tensor  # [Bp, W'] int32: request p's blocks among those Nb
+    starts: torch.Tensor  # [Bp] int64: request p's first row of their decompression
     cu: torch.Tensor  # [Bp + 1] int32: their queries among the Tp rows
     lens: torch.Tensor  # [Bp] int32
 
@@ -289,18 +288,17 @@ def _split_of(meta: AttentionMetadata, block_size: int) -> _Split:
     for batch in batches:
         rows: list[int] = []
         flat: list[int] = []
-        tables: list[list[int]] = []
+        starts: list[int] = []
         group_cu = [0]
         for b in batch:
             rows.extend(range(cu[b], cu[b + 1]))
             group_cu.append(len(rows))
             n = -(-lens[b] // block_size)
-            tables.append(list(range(len(flat), len(flat) + n)))
+            starts.append(len(flat) * block_size)
             flat.extend(range(b * width, b * width + n))
-        w = max(len(t) for t in tables)
         groups.append(_PrefillGroup(
             rows=tensor(rows, torch.int64), blocks=tensor(flat, torch.int64),
-            tables=tensor([t + [0] * (w - len(t)) for t in tables], torch.int32),
+            starts=tensor(starts, torch.int64),
             cu=tensor(group_cu, torch.int32), lens=tensor([lens[b] for b in batch],
                                                           torch.int32)))
     split = _Split(
