@@ -82,6 +82,9 @@ async def drain(bridge: EngineBridge, gate: DrainGate, registration: Registratio
 
     deregister=False when the router already stopped placing work here (it ordered a role
     change: the worker is draining in its registry since the order)."""
+    # counted before the deregistration and its in-transit grace: a short request may end
+    # inside those, and the count then shows what the drain found running when it began
+    log.info("draining (%s): %d request(s) in flight at the start", reason, bridge.in_flight)
     if registration is not None:
         told = await registration.deregister(reason) if deregister else True
         registration.draining = True
