@@ -3,22 +3,28 @@
 Four steps, none of which reads a device value on the host, so a decode step that runs
 them can be captured in a CUDA graph (every size below comes from shapes alone):
 
-1. align (kernels/triton_moe_align.py; one Triton program for decode-sized calls): the
-   T*k (token, slot) pairs are sorted by expert and each expert's run is padded to a
-   multiple of BLOCK_M, so a BLOCK_M-row tile holds pairs of one expert only. Its output
-   is `sorted_ids` (pair index per padded row; N = T*k marks padding) and `block_expert`
-   (the local expert of each tile; -1 past the last tile). The tile count is bounded from
-   shapes: an expert with c pairs needs ceil(c / BM) tiles, at most min(N, E_local)
-   experts are non-empty, so N + min(N, E_local) * (BM - 1) rows. At one token the step
-   is skipped (PER_PAIR_MAX_TOKENS): tile i is pair i, its expert read from topk_ids.
+1. align (kernels/triton_moe_align.py: one Triton program for decode-sized calls, a
+   counting sort in three grid launches for prefill-sized ones): the T*k (token, slot)
+   pairs are sorted by expert and each expert's run is padded to a multiple of BLOCK_M, so
+   a BLOCK_M-row tile holds pairs of one expert only. Its output is `sorted_ids` (pair
+   index per padded row; N = T*k marks padding) and `block_expert` (the local expert of
+   each tile; -1 past the last tile). The tile count is bounded from shapes: an expert
+   with c pairs needs ceil(c / BM) tiles, at most min(N, E_local) experts are non-empty,
+   so N + min(N, E_local) * (BM - 1) rows. At one token the step is skipped
+   (PER_PAIR_MAX_TOKENS): tile i is pair i, its expert read from topk_ids.
 2. gate/up (`_gate_up_kernel`): a grouped GEMM, tile (m, n) computes rows m of one
    expert against columns n of that expert's gate and of its up projection, and stores
    silu(gate) * up: the [T*k, 2I] product never reaches memory.
-3. down (`_down_kernel`): the same grouped GEMM over w2, with the router's weight of each
-   pair applied in the epilogue; one output row per pair.
-4. sum (`_sum_topk_kernel`): each token's k rows added in float32, in slot order (the
-   result is deterministic, unlike atomics), and pairs routed to another rank's experts
-   skipped.
+3. down (`_down_kernel`): the same grouped GEMM over w2; its epilogue rounds each pair's
+   row to the model's dtype (as HF's expert MLP returns it) and stores it so, one row per
+   pair.
+4. sum (`_sum_topk_kernel`): each token's k rows times their router weights, added in
+   float32 in slot order (the result is deterministic, unlike atomics); pairs routed to
+   another rank's experts skipped. The weight is applied here, not in the down epilogue:
+   HF multiplies the *rounded* expert output by the float32 weight, so a weighted row is
+   float32 and would cost twice the bytes of the rounded one between the two kernels (a
+   4,096-token V2-Lite prefill writes and reads 32,768 rows of 2,048 per layer), for the
+   same arithmetic.
 
 FP8 experts (float8_e4m3fn w13/w2 with float32 per-row scales, per output channel or per
 row and K group of a block-scaled checkpoint): both GEMMs widen the weight tile to the
@@ -44,7 +50,7 @@ import triton.language as tl
 
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
-from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align, moe_align_triton
+from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
 
 FP8 = torch.float8_e4m3fn
 # Most BLOCK_M x BLOCK_N outputs of a gate/up tile with block-scaled FP8 weights.
@@ -188,7 +194,7 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, tw_ptr, sc_ptr, ids_ptr,
+    a_ptr, w_ptr, out_ptr, sorted_ptr, bexp_ptr, sc_ptr, ids_ptr,
     N, H, INTER, expert_start, num_local,
     s_a, s_we, s_wn, s_o,  # act row; w2 expert, w2 row; out row
     s_se, s_sn,  # w2_scale expert, row (FP8 weights only)
@@ -238,17 +244,15 @@ def _down_kernel(
     if SCALED and ONE_GROUP:  # offsets made here, not kept through the K loop
         acc = acc * tl.load(sc_ptr + e * s_se + (cols % H) * s_sn)[None, :]
     pair64 = safe.to(tl.int64)
-    # the router weight applied to the expert's rounded output, as HF does
-    wt = tl.load(tw_ptr + pair64, mask=row_ok, other=0.0)  # [BM] float32
-    y = acc.to(a_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]
-    tl.store(out_ptr + pair64[:, None] * s_o + cols[None, :], y,
+    # the expert's output rounded as HF's returns it; _sum_topk_kernel weights it
+    tl.store(out_ptr + pair64[:, None] * s_o + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
-def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K, expert_start, num_local,
+def _sum_topk_kernel(y_ptr, ids_ptr, tw_ptr, out_ptr, H, TOP_K, expert_start, num_local,
                      s_y, s_o, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the weighted rows are the kernel before's output (kernels/pdl.py)
+    if PDL:  # the experts' rows are the kernel before's output (kernels/pdl.py)
         follow()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -257,7 +261,9 @@ def _sum_topk_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K, expert_start, num_local,
     for j in range(0, TOP_K):
         e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
         if (e >= 0) & (e < num_local):  # another rank's pair wrote no row
-            acc += tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=mask, other=0.0)
+            wt = tl.load(tw_ptr + t * TOP_K + j)  # float32: HF's weight times rounded row
+            row = tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=mask, other=0.0)
+            acc += row.to(tl.float32) * wt
     tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -322,7 +328,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         sorted_ids = block_expert = ids
         tiles_m = n
     else:
-        align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align
+        align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align_multi
         sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
         tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)
@@ -342,13 +348,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
         SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
         PER_PAIR=per_pair, launch_pdl=pdl, **launch)
-    y = torch.empty(n, h, dtype=torch.float32, device=x.device)  # [T*k, H] weighted rows
+    y = torch.empty(n, h, dtype=x.dtype, device=x.device)  # [T*k, H] rows, unweighted
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     if g2 > 1:
         bk2 = min(bk2, gk2)
     s2 = w2_scale if w2_scale is not None else x
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
-        act, w2, y, sorted_ids, block_expert, weights, s2, ids, n, h, inter, expert_start,
+        act, w2, y, sorted_ids, block_expert, s2, ids, n, h, inter, expert_start,
         e_local,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
@@ -357,7 +363,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         PDL=pdl, PER_PAIR=per_pair, launch_pdl=pdl, **launch)
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
-        y, ids, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
+        y, ids, weights, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
         BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
 

@@ -1,10 +1,17 @@
 """The align step of the fused MoE kernel (kernels/triton_moe.py, step 1): the (token,
 expert) pairs of a call sorted by expert, each expert's run padded to the row tile.
 
-`moe_align` is torch ops (any size; a dozen small kernels); `moe_align_triton` is one
-Triton program with the same result, for decode-sized calls, where those launches would
-cost more than the GEMMs'. Neither reads a device value on the host: every size is a bound
-from shapes, so both can run inside a CUDA graph.
+Three implementations of one result (bit-identical, stable order within an expert):
+* `moe_align`: torch ops, any size. The plain-torch reference, and the one the others are
+  tested against; on a GPU it is a dozen+ small kernels (a radix sort among them).
+* `moe_align_triton`: one Triton program, for decode-sized calls, where those launches
+  would cost more than the GEMMs'. One program walks every pair, so it does not scale.
+* `moe_align_multi`: a counting sort in three grid launches (count per chunk of pairs,
+  prefix over chunks per expert, place), for prefill-sized calls: there the torch ops
+  were ~25 launches a layer, ~1.5 ms of an H200's time in a 26-layer 4,096-token x 8-pair
+  prefill, their host time showing as gaps between kernels.
+None reads a device value on the host: every size is a bound from shapes, so all can run
+inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
 
 # Up to this many (token, expert) pairs the align step is one Triton program (one launch in
 # place of the dozen small torch ops, which at decode would cost more than the GEMMs' own
-# launches); past it, the torch ops, whose launches a prefill's GEMMs amortize.
+# launches); past it, moe_align_multi's three grids (one program walking every pair of a
+# prefill would be serial work the size of the call).
 ALIGN_KERNEL_MAX_PAIRS = 2048
 ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_local]
 
@@ -115,4 +123,137 @@ def moe_align_triton(topk_ids: torch.Tensor, block_m: int, expert_start: int,
         topk_ids.reshape(-1), sorted_ids, block_expert, n, p, p // block_m, expert_start,
         num_local, BLOCK_E=triton.next_power_of_2(num_local), CHUNK=ALIGN_CHUNK,
         BLOCK_M=block_m, BLOCK_T=64, PDL=pdl, num_warps=8, launch_pdl=pdl)
+    return sorted_ids, block_expert
+
+
+# moe_align_multi: a program's one-hot of its chunk is [CHUNK, BLOCK_E] int32, as the single
+# program's is [ALIGN_CHUNK, BLOCK_E]; this many elements at 8 warps is the single program's
+# 64 x 256, which ptxas fits without spills (tests/kernels/test_moe_align_sm90.py). Wider
+# chunks for fewer experts make fewer chunks for the scan to walk.
+MULTI_ONEHOT = 64 * 256
+MULTI_CHUNK_MIN, MULTI_CHUNK_MAX = 16, 128
+SCAN_E = 32  # experts per program of the scan: 258 experts (DeepSeek-V3's + 2) are 9
+SCAN_C = 128  # chunks per step of the scan's loop: [SCAN_C, SCAN_E] per step
+FILL_ROWS = 1024  # padding rows per store of the count kernel's fill
+PLACE_T = 16  # tiles per step of the place kernel's block_expert loop
+
+
+def multi_chunk(num_local: int) -> int:
+    """Pairs per program of moe_align_multi's count and place kernels."""
+    return max(MULTI_CHUNK_MIN, min(MULTI_CHUNK_MAX,
+                                    MULTI_ONEHOT // triton.next_power_of_2(num_local)))
+
+
+@triton.jit
+def _local_experts(ids_ptr, offs, N, expert_start, num_local, BLOCK_E: tl.constexpr):
+    """Each pair's local expert; BLOCK_E (no expert's column) for another rank's or past N."""
+    e = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int32) - expert_start
+    return tl.where((offs < N) & (e >= 0) & (e < num_local), e, BLOCK_E)
+
+
+@triton.jit
+def _multi_count_kernel(ids_ptr, counts_ptr, sorted_ptr, N, P, expert_start, num_local,
+                        BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Launch 1 of 3: chunk c's pairs per local expert, counts[c, :]; and every sorted row
+    padding (N), which launch 3 overwrites with the pairs: a separate launch, so the fill
+    has landed before any pair's store (with PDL too: launch 3 waits for launch 2 to
+    complete, and launch 2 waited for this one)."""
+    if PDL:  # the routing's ids are the kernel before's output (kernels/pdl.py)
+        follow()
+    c = tl.program_id(0)
+    es = tl.arange(0, BLOCK_E)
+    e = _local_experts(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), N, expert_start, num_local,
+                       BLOCK_E)
+    counts = tl.sum((e[:, None] == es[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + c * num_local + es, counts, mask=es < num_local)
+    for r0 in range(c * FILL, P, tl.num_programs(0) * FILL):
+        rows = r0 + tl.arange(0, FILL)
+        tl.store(sorted_ptr + rows, tl.full([FILL], 0, tl.int32) + N, mask=rows < P)
+
+
+@triton.jit
+def _multi_scan_kernel(counts_ptr, base_ptr, total_ptr, num_chunks, num_local,
+                       SCAN_E: tl.constexpr, SCAN_C: tl.constexpr, PDL: tl.constexpr):
+    """Launch 2 of 3, a program per SCAN_E experts: base[c, e], the pairs of expert e in
+    chunks before c (where chunk c's pairs start within e's run), and total[e]. A loop
+    over chunk blocks: no [num_chunks, E] tile, whatever the call's size."""
+    if PDL:
+        follow()
+    es = tl.program_id(0) * SCAN_E + tl.arange(0, SCAN_E)
+    running = tl.zeros([SCAN_E], dtype=tl.int32)
+    for c0 in range(0, num_chunks, SCAN_C):
+        cs = c0 + tl.arange(0, SCAN_C)
+        ok = (cs < num_chunks)[:, None] & (es < num_local)[None, :]
+        at = cs[:, None] * num_local + es[None, :]
+        cnt = tl.load(counts_ptr + at, mask=ok, other=0)
+        tl.store(base_ptr + at, running[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=ok)
+        running += tl.sum(cnt, axis=0)
+    tl.store(total_ptr + es, running, mask=es < num_local)
+
+
+@triton.jit
+def _multi_place_kernel(ids_ptr, base_ptr, total_ptr, sorted_ptr, bexp_ptr, N, NUM_TILES,
+                        expert_start, num_local, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+    """Launch 3 of 3: each pair of chunk c to its row, its expert's padded run start +
+    base[c, e] + same-expert pairs earlier in the chunk (stable: earlier pairs first);
+    and a share of the tiles' experts. Every program lays out the runs from the totals
+    itself (E values), which saves a launch for it."""
+    if PDL:
+        follow()
+    c = tl.program_id(0)
+    es = tl.arange(0, BLOCK_E)
+    count = tl.load(total_ptr + es, mask=es < num_local, other=0)  # pairs per expert
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [BE]
+    pad_end = tl.cumsum(padded, axis=0)
+    total = tl.sum(padded, axis=0)
+    base = tl.load(base_ptr + c * num_local + es, mask=es < num_local, other=0)
+    start = pad_end - padded + base  # [BE] chunk c's first row in each expert's run
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    e = _local_experts(ids_ptr, offs, N, expert_start, num_local, BLOCK_E)
+    onehot = (e[:, None] == es[None, :]).to(tl.int32)  # [C, BE]
+    before = tl.cumsum(onehot, axis=0) - onehot
+    pos = tl.sum((start[None, :] + before) * onehot, axis=1)  # [C]
+    tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=e < BLOCK_E)
+    for t0 in range(c * BLOCK_T, NUM_TILES, tl.num_programs(0) * BLOCK_T):
+        tiles = t0 + tl.arange(0, BLOCK_T)
+        starts = tiles * BLOCK_M
+        # the expert whose padded run holds the tile's first row: runs ending at or before
+        ended = (pad_end[None, :] <= starts[:, None]) & (es[None, :] < num_local)
+        ex = tl.sum(ended.to(tl.int32), axis=1)
+        ex = tl.where(starts < total, ex, -1)
+        tl.store(bexp_ptr + tiles, ex, mask=tiles < NUM_TILES)
+
+
+def moe_align_multi(topk_ids: torch.Tensor, block_m: int, expert_start: int,
+                    num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_align's result as a counting sort in three grid launches (any size; for
+    prefill-sized calls)."""
+    n = topk_ids.numel()
+    dev = topk_ids.device
+    p = max_sorted_rows(n, num_local, block_m)
+    sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(p // block_m, dtype=torch.int32, device=dev)
+    if n == 0:  # no chunks: a grid of none
+        return sorted_ids, block_expert
+    block_e = triton.next_power_of_2(num_local)
+    chunk = multi_chunk(num_local)
+    chunks = triton.cdiv(n, chunk)
+    # one allocation: counts, then base, [chunks, E] each, then total [E]
+    work = torch.empty(2 * chunks * num_local + num_local, dtype=torch.int32, device=dev)
+    counts, base = work[:chunks * num_local], work[chunks * num_local:2 * chunks * num_local]
+    total = work[2 * chunks * num_local:]
+    ids = topk_ids.reshape(-1)
+    pdl = pdl_for(topk_ids)
+    _multi_count_kernel[(chunks,)](
+        ids, counts, sorted_ids, n, p, expert_start, num_local, BLOCK_E=block_e,
+        CHUNK=chunk, FILL=FILL_ROWS, PDL=pdl, num_warps=8, launch_pdl=pdl)
+    _multi_scan_kernel[(triton.cdiv(num_local, SCAN_E),)](
+        counts, base, total, chunks, num_local, SCAN_E=SCAN_E, SCAN_C=SCAN_C, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
+    _multi_place_kernel[(chunks,)](
+        ids, base, total, sorted_ids, block_expert, n, p // block_m, expert_start,
+        num_local, BLOCK_E=block_e, CHUNK=chunk, BLOCK_M=block_m, BLOCK_T=PLACE_T, PDL=pdl,
+        num_warps=8, launch_pdl=pdl)
     return sorted_ids, block_expert

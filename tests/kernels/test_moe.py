@@ -94,7 +94,7 @@ def test_fused_moe_one_token_needs_no_align_step(start, e_local, gen, device, cl
         raise AssertionError("align ran for one token")
 
     monkeypatch.setattr(m, "moe_align_triton", no_align)
-    monkeypatch.setattr(m, "moe_align", no_align)
+    monkeypatch.setattr(m, "moe_align_multi", no_align)
     _case(1, 32, 48, 8, 3, torch.float32, gen, device, close, e_local=e_local,
           start=start)
     monkeypatch.setattr(m, "PER_PAIR_MAX_TOKENS", 0)

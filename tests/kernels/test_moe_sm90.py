@@ -19,8 +19,8 @@ GU = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i3
       "bexp_ptr": "*i32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32", "H": "i32",
       "INTER": "i32", "TOP_K": "i32", "expert_start": "i32", "num_local": "i32",
       "s_x": "i32", "s_we": "i32", "s_wn": "i32", "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
-DN = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "sorted_ptr": "*i32",
-      "bexp_ptr": "*i32", "tw_ptr": "*fp32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32",
+DN = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i32",
+      "bexp_ptr": "*i32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32",
       "H": "i32", "INTER": "i32", "expert_start": "i32", "num_local": "i32", "s_a": "i32",
       "s_we": "i32", "s_wn": "i32", "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
 # weights: bf16; FP8 with per-channel scales; FP8 with 128-column block scales
@@ -61,8 +61,8 @@ out["route/256"] = spills(rt._route_kernel, {
          RENORM=True, ROUND=True, ROUND_DTYPE=tl.bfloat16, N_GROUP=8, TOPK_GROUP=4,
          GROUP_SIZE=32, BLOCK_G=8, PDL=True), num_warps=4)
 out["sum"] = spills(m._sum_topk_kernel, {
-    "y_ptr": "*fp32", "ids_ptr": "*i64", "out_ptr": "*bf16", "H": "i32", "TOP_K": "i32",
-    "expert_start": "i32", "num_local": "i32", "s_y": "i32", "s_o": "i32"},
+    "y_ptr": "*bf16", "ids_ptr": "*i64", "tw_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
+    "TOP_K": "i32", "expert_start": "i32", "num_local": "i32", "s_y": "i32", "s_o": "i32"},
     dict(BLOCK_H=1024, PDL=True), num_warps=4)
 out["router_logits"] = spills(rl._router_logits_kernel, {
     "x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "E": "i32", "H": "i32",
@@ -75,11 +75,9 @@ out["router_logits"] = spills(rl._router_logits_kernel, {
 # and are still the fastest measured there (kernels/moe_configs.json); more is a regression
 H200_ACCEPTED = {"gate_up": 128, "down": 32}
 # ... and its 16-bit prefill tile (128 x 128 x 64), 12% faster than the spill-free 64-row
-# one on DeepSeek-V2-Lite's 4,096-token experts (bench/RESULTS.md), spills this much
-H200_PREFILL_ACCEPTED = {"gate_up/NVIDIA H200/8192": 452, "down/NVIDIA H200/8192": 376}
-# the per-channel FP8 epilogue's scale row at the 32 x 64 tile (the same kernel without
-# the scale multiply spills none): bytes, measured
-FP8_ACCEPTED = {"down/fp8/default/256": 8}
+# one on DeepSeek-V2-Lite's 4,096-token experts (bench/RESULTS.md), spills this much (the
+# down kernel 376 bytes while its epilogue still weighted and stored float32 rows)
+H200_PREFILL_ACCEPTED = {"gate_up/NVIDIA H200/8192": 452, "down/NVIDIA H200/8192": 244}
 
 
 @pytest.mark.slow
@@ -91,7 +89,7 @@ def test_moe_kernels_compile_for_sm90_without_spills() -> None:
             return H200_PREFILL_ACCEPTED[k]
         if "NVIDIA H200" in k:
             return H200_ACCEPTED[k.split("/")[0]]
-        return FP8_ACCEPTED.get(k, 0)
+        return 0
 
     over = {k: v for k, v in spills.items() if v > bound(k)}
     assert over == {}, spills
