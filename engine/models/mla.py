@@ -205,19 +205,25 @@ class MLAAttention(nn.Module):
                 meta.block_tables[sp.dec_reqs], meta.seq_lens[sp.dec_reqs], sp.dec_max_len)
         for g in sp.groups:  # their own blocks only, a bounded number of tokens at a time
             blocks = meta.block_tables.reshape(-1)[g.blocks]  # [Nb]
-            o[g.rows] = self._prefill(q_nope[g.rows], q_pe[g.rows], kv_layer, blocks, g.cu,
-                                      g.lens, g.starts)
+            if g.rows is None:  # one run of rows: views in, the kernel writes o itself
+                r0, r1 = g.span
+                self._prefill(q_nope[r0:r1], q_pe[r0:r1], kv_layer, blocks, g.cu, g.lens,
+                              g.starts, out=o[r0:r1])
+            else:
+                o[g.rows] = self._prefill(q_nope[g.rows], q_pe[g.rows], kv_layer, blocks,
+                                          g.cu, g.lens, g.starts)
         return o
 
     def _prefill(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                  block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 seq_lens: torch.Tensor,
-                 starts: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
+                 seq_lens: torch.Tensor, starts: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, Dv]
         """Decompresses the blocks `block_tables` names (this rank's heads) and runs MLA
         prefill attention on them. block_tables: [B, W] (every entry is decompressed,
         padding too: no host sync) with starts None, or the flat [Nb] blocks of a prefill
         group, each request's a run of consecutive entries whose first decompressed row is
-        `starts` [B] (``_split_of``)."""
+        `starts` [B] (``_split_of``). out: where the result goes (a view of the step's
+        output), else a new tensor."""
         bt = block_tables
         bs = kv_layer.shape[2]
         lat = take(kv_layer, (bt.reshape(-1).long(), 0, slice(None), 0))  # [Nb, BS, C + R]
@@ -230,7 +236,7 @@ class MLAAttention(nn.Module):
             starts = torch.arange(bt.shape[0], device=bt.device) * (bt.shape[1] * bs)
         assert self.k.mla_prefill is not None
         return self.k.mla_prefill(q_nope, q_pe, kv, lat[:, self.c:], starts, cu_seqlens_q,
-                                  seq_lens, self.scale)
+                                  seq_lens, self.scale, out)
 
 
 # Context tokens one decompression holds at most (more only for a single request whose
@@ -243,7 +249,12 @@ PREFILL_GROUP_TOKENS = 16384
 class _PrefillGroup:
     """Prefilling requests decompressed together, as device index tensors."""
 
-    rows: torch.Tensor  # [Tp] int64: every token row of these requests
+    # [Tp] int64: every token row of these requests; None where they are one run of rows,
+    # `span` (a prefill-only step's, or prefills after the decoding rows): the queries are
+    # then views and the kernel writes the output in place, where gathering them and
+    # scattering the output back cost three copies of [Tp, H, D] a layer
+    rows: torch.Tensor | None
+    span: tuple[int, int]  # [first row, end) of the group's rows when they are one run
     blocks: torch.Tensor  # [Nb] int64: flat indices into block_tables of their blocks
     starts: torch.Tensor  # [Bp] int64: request p's first row of their decompression
     cu: torch.Tensor  # [Bp + 1] int32: their queries among the Tp rows
@@ -296,8 +307,10 @@ def _split_of(meta: AttentionMetadata, block_size: int) -> _Split:
             n = -(-lens[b] // block_size)
             starts.append(len(flat) * block_size)
             flat.extend(range(b * width, b * width + n))
+        run = rows[-1] - rows[0] + 1 == len(rows)  # rows ascend: a run iff no gap
         groups.append(_PrefillGroup(
-            rows=tensor(rows, torch.int64), blocks=tensor(flat, torch.int64),
+            rows=None if run else tensor(rows, torch.int64), span=(rows[0], rows[-1] + 1),
+            blocks=tensor(flat, torch.int64),
             starts=tensor(starts, torch.int64),
             cu=tensor(group_cu, torch.int32), lens=tensor([lens[b] for b in batch],
                                                           torch.int32)))

@@ -112,6 +112,51 @@ def test_prefill_groups_bound_the_decompressed_context(ds_models, make_llm, monk
     assert first == (16, 50, 17), first
 
 
+def test_prefill_groups_of_one_run_of_rows_need_no_row_index():
+    # rows [decode, prefill 4, prefill 3]: the prefills are rows 1-7, one run (views in, the
+    # output written in place); [prefill 4, decode, prefill 3]: rows 0-3 and 5-7, gathered
+    import engine.models.mla as mla
+    from engine.attention import AttentionMetadata
+
+    def split(cu: list[int], lens: list[int]) -> mla._Split:
+        meta = AttentionMetadata(
+            slot_mapping=torch.zeros(cu[-1], dtype=torch.int64),
+            block_tables=torch.zeros(len(lens), 4, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+            seq_lens=torch.tensor(lens, dtype=torch.int32), decode_only=False,
+            cu_seqlens_q_host=cu, seq_lens_host=lens)
+        return mla._split_of(meta, 4)
+
+    (run,) = split([0, 1, 5, 8], [9, 4, 3]).groups
+    assert run.rows is None and run.span == (1, 8)
+    (gap,) = split([0, 4, 5, 8], [4, 9, 3]).groups
+    assert gap.rows is not None and gap.rows.tolist() == [0, 1, 2, 3, 5, 6, 7]
+
+
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_prefill_run_in_place_equals_gathered_rows(ds_models, monkeypatch, name):
+    # the same chunked prefill with every group's rows gathered and scattered back, as a
+    # group whose rows have a gap is: identical logits
+    import dataclasses
+
+    import engine.models.mla as mla
+
+    path, prompt = ds_models[name], list(range(10, 33))
+    in_place = engine_logits(path, prompt, chunk=7, host=True)
+    split_of, gathered = mla._split_of, []
+
+    def gather_all(meta, block_size):  # type: ignore[no-untyped-def]
+        sp = split_of(meta, block_size)
+        groups = tuple(dataclasses.replace(g, rows=torch.arange(*g.span))
+                       for g in sp.groups)
+        gathered.extend(groups)
+        return dataclasses.replace(sp, groups=groups)
+
+    monkeypatch.setattr(mla, "_split_of", gather_all)
+    assert torch.equal(engine_logits(path, prompt, chunk=7, host=True), in_place)
+    assert gathered  # the prefill chunks took the gathered path
+
+
 def test_prefix_cache_hits_read_the_cached_latent(ds_models, make_llm):
     # a second prompt sharing 40 tokens with the first prefills only past its cached blocks;
     # its chunk attends to the cached latent: transformers' tokens
