@@ -1,4 +1,4 @@
-"""Kernels per layer of a DeepSeek decode step, counted on CPU.
+"""Kernels per layer of a DeepSeek decode step (or of a prefill step), counted on CPU.
 
 At batch 1 in a CUDA graph every kernel costs a few microseconds however little it does,
 so a layer's step time follows its kernel count. This runs one decode step of a small
@@ -13,7 +13,13 @@ engine's CUDA kernel set executing under Triton's interpreter, and counts per la
 Their sum per layer is the number to cut. The layout the counts come from is the engine's
 real CUDA path (kernels_for(cuda)), only run by the interpreter instead of a GPU.
 
+`--prefill N` counts one request's N-token prefill instead, planned on the host as the
+engine's eager prefill steps are (MLA then decompresses the request's own blocks). A
+prefill is not graphed: each launch there also costs the host its Python launch path,
+which shows as gaps between the kernels where the host falls behind.
+
     python bench/decode_op_count.py --version v2 --batch 1
+    python bench/decode_op_count.py --version v2 --prefill 600
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ VERSIONS: dict[str, dict[str, Any]] = {
 
 # aten operators that launch no kernel: allocation, and bookkeeping that stays on the host
 _NO_KERNEL = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided",
-              "detach", "lift_fresh", "sym_size", "sym_stride", "sym_numel",
+              "detach", "detach_", "lift_fresh", "sym_size", "sym_stride", "sym_numel",
               "sym_storage_offset", "is_same_size", "_to_copy_noop"}
 
 
@@ -159,6 +165,12 @@ def count_decode_step(config_json: str, batch: int = 1, context: int = 9,
         seq_lens=torch.full((batch,), context, dtype=torch.int32), decode_only=True,
         max_seq_len=None)  # as in a CUDA graph: no host lengths
     ids = torch.randint(3, cfg.vocab_size, (batch,))
+    return _count_forward(model, ids, pos, kv, meta)
+
+
+def _count_forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor,
+                   meta: Any) -> dict[str, LayerCount]:
+    """The kernels of one forward and its logits, by layer."""
     counter = _Counter()
 
     def enter(i: int) -> Any:
@@ -178,6 +190,31 @@ def count_decode_step(config_json: str, batch: int = 1, context: int = 9,
     return dict(counter.counts)
 
 
+def count_prefill_step(config_json: str, tokens: int,
+                       block_size: int = 16) -> dict[str, LayerCount]:
+    """Kernels per layer of one request's `tokens`-token prefill (no cached prefix), with the
+    host lengths an eager planned step carries, dummy weights in float32."""
+    from engine.attention import AttentionMetadata, kernels_for
+    from engine.weights import build_model, read_model_config
+
+    cfg = read_model_config(config_json)
+    cpu = torch.device("cpu")
+    kernels = kernels_for(torch.device("cuda"))
+    model = build_model(config_json, cfg, kernels, cpu, "float32", "dummy", 64)
+    nb = -(-tokens // block_size)
+    kv = torch.zeros(nb + 1, cfg.num_layers, 1, block_size, 1,
+                     cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    table = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
+    pos = torch.arange(tokens)
+    meta = AttentionMetadata(
+        slot_mapping=pos + block_size, block_tables=table,
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+        seq_lens=torch.tensor([tokens], dtype=torch.int32), decode_only=False,
+        max_seq_len=tokens, cu_seqlens_q_host=[0, tokens], seq_lens_host=[tokens])
+    ids = torch.randint(3, cfg.vocab_size, (tokens,))
+    return _count_forward(model, ids, pos, kv, meta)
+
+
 def summary(counts: dict[str, LayerCount]) -> dict[str, Any]:
     return {where: {"total": c.total, "triton": dict(sorted(c.triton.items())),
                     "aten": dict(sorted(c.aten.items()))} for where, c in counts.items()}
@@ -187,11 +224,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", choices=sorted(VERSIONS), default="v2")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="count one request's prefill of this many tokens instead")
     ap.add_argument("--json", action="store_true", help="print the counts as JSON")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        counts = count_decode_step(write_config(os.path.join(d, "config.json"), args.version),
-                                   batch=args.batch)
+        config = write_config(os.path.join(d, "config.json"), args.version)
+        counts = (count_prefill_step(config, args.prefill) if args.prefill
+                  else count_decode_step(config, batch=args.batch))
     if args.json:
         print(json.dumps(summary(counts), indent=1))
         return

@@ -1,7 +1,8 @@
-"""Kernels per layer of a DeepSeek decode step (bench/decode_op_count.py: the CUDA kernel
-set run by Triton's interpreter, aten operators counted beside the Triton launches). At
-batch 1 in a CUDA graph each kernel costs a few microseconds whatever its size, so these
-bounds fail a change that adds launches to a layer."""
+"""Kernels per layer of a DeepSeek decode step, and of an eager prefill step
+(bench/decode_op_count.py: the CUDA kernel set run by Triton's interpreter, aten operators
+counted beside the Triton launches). At batch 1 in a CUDA graph each kernel costs a few
+microseconds whatever its size; in an eager prefill each costs the host its launch path.
+So these bounds fail a change that adds launches to a layer."""
 
 from __future__ import annotations
 
@@ -53,3 +54,31 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
         assert ("_align_kernel" in c.triton) == (batch > PER_PAIR_MAX_TOKENS)
     # the step's ends: the embedding, then the final norm and the head
     assert counts["embed"].total == 1 and counts["head"].total == 2
+
+
+# kernels per MoE layer of an eager prefill at most: the decode layer's, with the two
+# projections MLA's prefill adds (kv_b_proj's decompression, and gathering the request's
+# latent rows: its block ids, then the rows), the align step's three launches past
+# ALIGN_KERNEL_MAX_PAIRS, the router's float32 GEMM and its input's cast. The torch align
+# ops (a dozen and more, a sort among them) and the queries' gathers and the output's
+# scatter of a prefill group were 34 more (bench/RESULTS.md).
+PREFILL_MOE_BOUND = 18
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
+def test_prefill_step_kernels_per_layer(tmp_path, monkeypatch):
+    import kernels.triton_moe as m
+    from bench.decode_op_count import count_prefill_step, write_config
+
+    # a prefill's pair count on a small model: 24 tokens x 4 pairs take the prefill align
+    monkeypatch.setattr(m, "ALIGN_KERNEL_MAX_PAIRS", 16)
+    counts = count_prefill_step(write_config(str(tmp_path / "config.json"), "v2"), 24)
+    for layer in ("layer.1", "layer.2"):
+        c = counts[layer]
+        assert c.total <= PREFILL_MOE_BOUND, (layer, c)
+        assert {k: c.triton[k] for k in ("_multi_count_kernel", "_multi_scan_kernel",
+                                          "_multi_place_kernel")} == dict.fromkeys(
+            ("_multi_count_kernel", "_multi_scan_kernel", "_multi_place_kernel"), 1)
+        # one run of rows: no gather of the queries, no scatter of the output
+        assert "index_put_" not in c.aten and c.aten["index"] <= 2
+        assert "sort" not in c.aten
