@@ -9,14 +9,26 @@ and admitted the request (``kv_ready_ms``: the transfer, the producer's notice, 
 admission); -> its first decode step launched (``first_step_wait_ms``: the consumer's step
 boundary); and the rest of the gap (that step and the deferred read of its token, the
 consumer -> router -> client path). p50 and p99 of each part are over the requests; the
-parts of one percentile need not add up to the gap's. Where they carry the hold's stamps,
-the first-token hold (producer sampled token 0 -> the router sent it) is split the same
-way: -> the producer's gRPC process handed it to the router's stream
-(``hold_producer_ms``), and the rest (that stream, the router's loop). Where token 0 came on
-the producer's Outputs stream, the rest splits again: -> that stream's writer took it
-(``hold_writer_ms``), -> the router read it (``hold_wire_ms``), -> the router sent it
-(``hold_router_ms``); and the slowest 1% of holds are shown by their parts' means, since
-the parts' own p99s may come from different requests.
+parts of one percentile need not add up to the gap's.
+
+Where they also carry the KV-ready part's stamps, a further line ("KV ready") splits
+``kv_ready_ms`` per request: -> the producer handed the final notice to its KV sender
+(``notice_sent_ms``; negative where the router sent token 0 after that, the sign kept);
+-> the consumer's receiver read it (``notice_wire_ms``: the sender's queue, behind the
+request's pushes, the wire, the receiver's I/O thread getting to it); -> the receiver knew
+every KV block had landed (``kv_copy_ms``: the copies still running, for the planes where
+the consumer pulls; the last bytes, where the producer pushes); -> the consumer admitted
+the request (``kv_poll_ms``: the wait for its engine loop's next poll of the receiver,
+after each step and before a paced launch). The slowest 1% of ``kv_ready_ms`` are shown
+by their parts' means.
+
+Where they carry the hold's stamps, the first-token hold (producer sampled token 0 -> the
+router sent it) is split the same way: -> the producer's gRPC process handed it to the
+router's stream (``hold_producer_ms``), and the rest (that stream, the router's loop).
+Where token 0 came on the producer's Outputs stream, the rest splits again: -> that
+stream's writer took it (``hold_writer_ms``), -> the router read it (``hold_wire_ms``), ->
+the router sent it (``hold_router_ms``); and the slowest 1% of holds are shown by their
+parts' means, since the parts' own p99s may come from different requests.
 
     python bench/itl_split.py RESULT.json [...]   # `pdserve bench --result-json` files
 """
@@ -27,6 +39,11 @@ import json
 import sys
 
 import numpy as np
+
+# kv_ready_ms's parts as the records name them (deploy/benchmark/record.py), and here
+KV_READY_PARTS = ("notice_sent_ms", "notice_wire_ms", "kv_copy_ms", "kv_poll_ms")
+KV_READY_NAMES = ("token 0 sent -> notice sent", "-> notice seen", "-> KV done",
+                  "-> admitted")
 
 
 def split(path: str) -> list[str]:
@@ -58,6 +75,9 @@ def split(path: str) -> list[str]:
                        and r.get("first_step_wait_ms") is not None]
             if handoff:
                 lines.append("  first gap, " + handoff_line(handoff))
+            parted = [r for r in handoff if all(r.get(k) is not None for k in KV_READY_PARTS)]
+            if parted:
+                lines.append("  KV ready, " + kv_ready_line(parted))
             held = [r for r in p["requests"] if r.get("hold_ms") is not None
                     and r.get("hold_producer_ms") is not None]
             if held:
@@ -74,6 +94,19 @@ def handoff_line(recs: list[dict]) -> str:
              "-> first step": wait, "first step -> token 1 at the client": gap - ready - wait}
     return "; ".join(f"{name} p50 {np.median(v):.1f} p99 {np.percentile(v, 99):.1f}"
                      for name, v in parts.items()) + f" ms ({len(recs)} requests)"
+
+
+def kv_ready_line(recs: list[dict]) -> str:
+    """The KV-ready part of the first gap in its parts (module docstring)."""
+    ready = np.array([r["kv_ready_ms"] for r in recs])
+    parts = {"whole": ready}
+    for name, key in zip(KV_READY_NAMES, KV_READY_PARTS, strict=True):
+        parts[name] = np.array([r[key] for r in recs])
+    line = "; ".join(f"{name} p50 {np.median(v):.2f} p99 {np.percentile(v, 99):.2f}"
+                     for name, v in parts.items()) + f" ms ({len(recs)} requests)"
+    slow = ready >= np.percentile(ready, 99)
+    tail = ", ".join(f"{name} {v[slow].mean():.2f}" for name, v in parts.items())
+    return line + f"; slowest 1% ({int(slow.sum())}), mean ms: {tail}"
 
 
 def hold_line(recs: list[dict]) -> str:

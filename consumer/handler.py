@@ -34,6 +34,7 @@ from worker.messages import (
 )
 from worker.orphans import exhausted_by_orphans
 from worker.role import Emit, RoleHandler, error_event, now_ns, tokens_batch
+from worker.token_batch import Handoff
 
 log = logging.getLogger("pdserve.consumer")
 S = RequestState
@@ -53,10 +54,10 @@ class ConsumerHandler(RoleHandler):
         # reserved, not yet ready (take_ready): rid -> (blocks, leading cached blocks)
         self.unannounced: dict[str, tuple[list[int], int]] = {}
         self.reused: dict[str, int] = {}  # rid -> leading reserved blocks from the cache
-        # Timing for the first decode step's metrics, not state: rid -> when the KV landed,
-        # then (landed, first step launched) ns.
-        self.kv_ready: dict[str, int] = {}
-        self.first_step: dict[str, tuple[int, int]] = {}
+        # Timing for the first decode step's metrics, not state: rid -> the handoff's
+        # stamps up to the KV landing (admission), then with its first step launched too.
+        self.kv_ready: dict[str, Handoff] = {}
+        self.first_step: dict[str, Handoff] = {}
         # The receiver's deadline for a reservation: its request may queue behind other
         # prompts on the producer first, so this is not the (short) transfer timeout.
         self.reservation_s = reservation_s
@@ -187,11 +188,14 @@ class ConsumerHandler(RoleHandler):
             self.engine.abort(u.request_id, S.FINISHED_ERROR)
             self.emit(error_event(u.request_id, "error", str(e)))
             return
-        self.kv_ready[u.request_id] = now_ns()
+        # the receiver's stamps say where the time to here went: the notice's way over,
+        # the copies after it, and the wait for this loop turn's poll
+        self.kv_ready[u.request_id] = Handoff(
+            u.notice.sent_ns, u.notice_seen_ns, u.kv_done_ns, kv_ready_ns=now_ns())
 
     def before_step(self, now_ns: int) -> None:
         for rid, ready in self.kv_ready.items():
-            self.first_step[rid] = (ready, now_ns)
+            self.first_step[rid] = dataclasses.replace(ready, first_step_ns=now_ns)
         self.kv_ready.clear()
 
     def on_outputs(self, step: StepResult, step_end_ns: int) -> None:

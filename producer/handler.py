@@ -52,7 +52,7 @@ from worker.messages import (
     TransferResultEvent,
 )
 from worker.orphans import exhausted_by_orphans
-from worker.role import Emit, RoleHandler, stop_text
+from worker.role import Emit, RoleHandler, now_ns, stop_text
 
 log = logging.getLogger("pdserve.producer")
 # How long the engine loop holds the next step for a Token0SentCmd (see command_wait_ms):
@@ -241,7 +241,9 @@ class ProducerHandler(RoleHandler):
                 o.pushed = upto
             if o.phase is TransferPhase.RELEASED:
                 assert o.notice is not None  # built with token 0
-                self.sender.finish(o.rid, o.notice)
+                # stamped as it is handed over: the consumer splits the handoff from here
+                # (the sender's queue and the wire, its copies, its engine loop's poll)
+                self.sender.finish(o.rid, replace(o.notice, sent_ns=now_ns()))
                 o.move(TransferPhase.NOTIFIED)  # DONE comes with the consumer's ack
                 o.lease_until = time.monotonic() + self.cfg.transfer_timeout_s
         except TransferError as e:

@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.kv_layout import KVLayout
 from transfer import handshake, tp_plan
@@ -51,6 +51,7 @@ class _Rec:
     source_tp: int = 1  # receiver: the producer's TP size
     sources: frozenset[int] = frozenset()  # receiver: producer ranks of the plan
     finished: dict[int, TransferNotice] = field(default_factory=dict)  # receiver: by rank
+    seen_ns: int = 0  # receiver: the last producer rank's finish (Unix ns, for timing)
 
 
 class _FakeSide:
@@ -67,7 +68,10 @@ class _FakeSide:
         if not rec.status.terminal:
             rec.status = st
             notice = rec.notice if st == S.DONE else None
-            self._updates.append(TransferUpdate(rec.request_id, st, notice, error))
+            u = TransferUpdate(rec.request_id, st, notice, error)
+            if st == S.DONE and rec.seen_ns:  # a receiver's: the bytes moved at push time
+                u = replace(u, notice_seen_ns=rec.seen_ns, kv_done_ns=time.time_ns())
+            self._updates.append(u)
 
     def _end_both(self, rec: _Rec, st: TransferStatus, error: str, peer_st: TransferStatus,
                   peer_error: str) -> None:
@@ -175,13 +179,16 @@ class FakeReceiver(_FakeSide, KVReceiver):
     def land(self, rrec: _Rec, rank: int, notice: TransferNotice) -> None:
         """A producer rank finished; DONE (and its senders' DONE) once all of them did."""
         rrec.finished[rank] = notice
+        rrec.seen_ns = time.time_ns()
         if set(rrec.finished) != set(rrec.sources):
             return
         if len(set(rrec.finished.values())) > 1:
             self._end_both(rrec, S.FAILED, f"{rrec.request_id}: producer ranks sent different "
                            "notices (token 0)", S.FAILED, "consumer refused: notices differ")
             return
-        rrec.notice = rrec.finished[min(rrec.finished)]
+        # as the network receiver: the notice that left last
+        rrec.notice = replace(rrec.finished[min(rrec.finished)],
+                              sent_ns=max(n.sent_ns for n in rrec.finished.values()))
         self._end(rrec, S.DONE, None)
         for tx in rrec.links:
             trec = tx.recs.get(rrec.request_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -32,6 +33,7 @@ from transfer.types import (
     TransferConfig,
     TransferError,
     TransferStatus,
+    TransferUpdate,
 )
 from transfer.wire import Kind, MalformedMessage
 
@@ -43,6 +45,7 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
         self.peers: dict[bytes, Peer] = {}
         self._address = ""
         self._outbox: dict[bytes, list[wire.Message]] = {}  # per producer, sent at end of turn
+        self._read_ns = 0  # when the frame being handled was read off the socket (Unix ns)
         self.handlers = {Kind.HELLO: self._on_rehello, Kind.PUSH: self._on_push,
                          Kind.FINISH: self._on_finish, Kind.CANCEL: self._on_cancel,
                          Kind.PING: lambda peer, m: None}  # any valid frame counts as alive
@@ -113,6 +116,8 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
             except zmq.Again:
                 return
             self.run_calls()
+            # when the frame was read, for the handoff's timing (a FINISH's notice_seen_ns)
+            self._read_ns = time.time_ns()
             ident = bytes(frames[0].bytes)
             peer = self.peers.get(ident)
             who = (f"producer {peer.name!r} at {peer.where}" if peer is not None
@@ -260,7 +265,7 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
                 self.end(rec, TransferStatus.FAILED, error, notify=True)
                 self._send(peer.ident, wire.Error(m.rid, error))
                 return
-            part.total, part.notice = m.total, m.notice
+            part.total, part.notice, part.seen_ns = m.total, m.notice, self._read_ns
 
     def _on_cancel(self, peer: Peer, m: wire.Cancel) -> None:
         rec = self.recs.get(m.rid)
@@ -295,7 +300,13 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
                      f"different notices (token 0): {sorted(map(str, notices))[:2]}",
                      notify=True)
             return
-        rec.total, rec.notice = rec.runs, parts[min(parts)].notice
+        # the handoff's stamps: the notice that left last and the FINISH read last (with
+        # several producer ranks the KV is whole only once every one of them sent its part)
+        first = parts[min(parts)].notice
+        assert first is not None  # set with its part's total, by its FINISH
+        sent = max(p.notice.sent_ns if p.notice is not None else 0 for p in parts.values())
+        rec.total, rec.notice = rec.runs, replace(first, sent_ns=sent)
+        rec.notice_seen_ns = max(p.seen_ns for p in parts.values())
         self.finalize(rec, TransferStatus.DONE, None)
         for p in parts.values():
             self._send(p.peer.ident, wire.Ack(rec.request_id))
@@ -314,6 +325,14 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
 
     def counts_landing(self) -> bool:
         return True
+
+    def outcome(self, rec: RecvRecord, st: TransferStatus,
+                error: str | None) -> TransferUpdate:
+        u = super().outcome(rec, st, error)
+        if st != TransferStatus.DONE:
+            return u
+        # DONE becomes pollable right now: every run landed and the notice is here
+        return replace(u, notice_seen_ns=rec.notice_seen_ns, kv_done_ns=time.time_ns())
 
     def finalize(self, rec: RecvRecord, st: TransferStatus, error: str | None) -> None:
         super().finalize(rec, st, error)

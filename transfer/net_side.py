@@ -263,8 +263,12 @@ class NetSide(IOLoop, Generic[R]):
     def finalize(self, rec: R, st: TransferStatus, error: str | None) -> None:
         rec.ops.clear()
         self.set_status(rec, st)
+        self.report(self.outcome(rec, st, error))
+
+    def outcome(self, rec: R, st: TransferStatus, error: str | None) -> TransferUpdate:
+        """The terminal update ``poll`` hands out for ``rec``."""
         notice = rec.notice if st == TransferStatus.DONE else None
-        self.report(TransferUpdate(rec.request_id, st, notice, error))
+        return TransferUpdate(rec.request_id, st, notice, error)
 
     def step_record(self, rec: R, now: float) -> bool:
         """Tests ``rec``'s ops and ends it on error/deadline; True if it stays undrained

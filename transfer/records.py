@@ -136,6 +136,7 @@ class RecvPart:
     total: int | None = None  # runs in its share, known at its FINISH
     notice: TransferNotice | None = None
     quiet: bool = False  # it ended the request itself (or is gone): no CANCEL to it
+    seen_ns: int = 0  # when the frame carrying its FINISH was read (Unix ns, for timing)
 
 
 @dataclass
@@ -145,6 +146,7 @@ class RecvRecord(Record[Peer]):
     sources: dict[int, Part] = field(default_factory=dict)  # producer rank -> its heads
     parts: dict[int, RecvPart] = field(default_factory=dict)  # producer rank -> progress
     stop_to: list[Peer] = field(default_factory=list)  # told STOPPED once our reads drained
+    notice_seen_ns: int = 0  # the last part's FINISH read (Unix ns), set when all landed
 
     def peers(self) -> list[Peer]:
         return [p.peer for p in self.parts.values()]

@@ -21,7 +21,7 @@ ranks that take its heads. A one-rank consumer's address is a plain address, as 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -101,6 +101,18 @@ class _Rec:
     combined: TransferUpdate | None = None  # reported by poll(); release() may follow
 
 
+def _all_done(first: TransferUpdate, every: Iterable[TransferUpdate]) -> TransferUpdate:
+    """The DONE of a request whose every rank is DONE: the first rank's, with the handoff's
+    stamps of the rank that got there last (the KV is whole only then)."""
+    us = list(every)
+    sent = max(u.notice.sent_ns if u.notice is not None else 0 for u in us)
+    return dataclasses.replace(
+        first, notice=None if first.notice is None else dataclasses.replace(
+            first.notice, sent_ns=sent),
+        notice_seen_ns=max(u.notice_seen_ns for u in us),
+        kv_done_ns=max(u.kv_done_ns for u in us))
+
+
 class TPEndpoints:
     """What the TP sender and receiver share: records, combining, cancel and release."""
 
@@ -132,7 +144,8 @@ class TPEndpoints:
                 rep: FromRank = FROM_RANK.decode(body)
                 if isinstance(rep, UpdateReport):
                     feed.append((rank, TransferUpdate(rep.rid, rep.status, rep.notice,
-                                                      rep.error)))
+                                                      rep.error, rep.notice_seen_ns,
+                                                      rep.kv_done_ns)))
                 else:
                     self._on_report(rank, rep)
         for rank, u in feed:
@@ -155,7 +168,7 @@ class TPEndpoints:
         if rec.first_bad is not None:
             rec.combined = rec.first_bad
         else:
-            rec.combined = rec.got[min(rec.ranks)]
+            rec.combined = _all_done(rec.got[min(rec.ranks)], rec.got.values())
         self._ended(u.request_id)
         return rec.combined
 

@@ -94,6 +94,8 @@ class UpdateReport:
     status: TransferStatus
     notice: TransferNotice | None
     error: str | None
+    notice_seen_ns: int = 0  # TransferUpdate's handoff stamps (consumer rank, DONE only)
+    kv_done_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,8 @@ class TransferRankSide:
 
     def poll(self) -> list[bytes]:
         for u in self.side.poll():
-            self.out.append(UpdateReport(u.request_id, u.status, u.notice, u.error))
+            self.out.append(UpdateReport(u.request_id, u.status, u.notice, u.error,
+                                         u.notice_seen_ns, u.kv_done_ns))
         st = self.side.stats()
         counters = (st.malformed_messages, st.rejected_handshakes, st.payload_bytes)
         if counters != self.last_stats:  # rank 0 sums every rank's counters for /metrics

@@ -133,7 +133,8 @@ class TPReceiver(TPEndpoints, KVReceiver):
             except Exception as e:  # noqa: BLE001 - a rank is gone: this request fails
                 u = dataclasses.replace(u, status=TransferStatus.FAILED, notice=None,
                                         error=f"copying the latent from rank {ranks[0]} to "
-                                              f"ranks {list(ranks[1:])}: {e}")
+                                              f"ranks {list(ranks[1:])}: {e}",
+                                        notice_seen_ns=0, kv_done_ns=0)  # DONE's only
                 self.recs[u.request_id].combined = u
                 ends[i] = u
         return ends

@@ -43,8 +43,14 @@ class TransferNotice:
     num_prompt_tokens: int  # KV positions the pushed blocks hold
     seed: int | None = None  # per-request sampling seed (randomness is f(seed, position))
     logprobs: tuple[tuple[int, float], ...] | None = None  # token 0 first, then top-k alternatives
+    # When the producer handed this notice to its sender (Unix ns, 0: unknown), for the
+    # handoff's timing. Not content: producer ranks agree on token 0, not on the moment
+    # each let it go, so it takes no part in comparing notices. On the wire it travels
+    # beside the notice (``transfer.wire``: FINISH's optional ``notice_sent_ns``).
+    sent_ns: int = field(default=0, compare=False)
 
     def to_wire(self) -> list[Any]:
+        """The notice's content (``sent_ns`` is a stamp: FINISH carries it beside)."""
         lp = None if self.logprobs is None else [list(x) for x in self.logprobs]
         return [self.request_id, self.first_token, self.finished, self.num_prompt_tokens,
                 self.seed, lp]
@@ -63,6 +69,11 @@ class TransferUpdate:
     status: TransferStatus
     notice: TransferNotice | None = None  # receiver side, DONE only
     error: str | None = None  # what failed / why cancelled; None when DONE
+    # Receiver side, DONE only (Unix ns, 0: unknown), for the handoff's timing: when the
+    # receiver read the notice (the last of them when several producer ranks sent one),
+    # and when it knew every run had landed, i.e. when this update became pollable.
+    notice_seen_ns: int = 0
+    kv_done_ns: int = 0
 
 
 @dataclass(frozen=True)

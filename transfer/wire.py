@@ -11,7 +11,7 @@ ids inside a reservation, tags that only move forward) live with the handlers.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, NamedTuple
 
 import msgpack
@@ -40,7 +40,7 @@ class Kind(enum.StrEnum):
     WELCOME = "WELCOME"  # consumer: handshake accepted
     REJECT = "REJECT"  # consumer: handshake refused, or a message before one
     PUSH = "PUSH"  # producer: runs on their way into reserved blocks
-    FINISH = "FINISH"  # producer: the run count and token 0's notice
+    FINISH = "FINISH"  # producer: the run count and token 0's notice (and when it left)
     CANCEL = "CANCEL"  # either side: stop this request
     ACK = "ACK"  # consumer: everything landed
     STOPPED = "STOPPED"  # consumer: nothing of ours reads the cancelled request's blocks now
@@ -158,7 +158,12 @@ def body_of(m: Message) -> dict[str, Any]:
     if isinstance(m, Push):
         return {"rid": m.rid, "runs": [list(r) for r in m.runs]}
     if isinstance(m, Finish):
-        return {"rid": m.rid, "total": m.total, "notice": m.notice.to_wire()}
+        out = {"rid": m.rid, "total": m.total, "notice": m.notice.to_wire()}
+        if m.notice.sent_ns:
+            # a key beside the notice, not a 7th field in it: a consumer of before the
+            # stamp checks the notice's length but ignores keys it does not know
+            out["notice_sent_ns"] = m.notice.sent_ns
+        return out
     if isinstance(m, Ping):
         return {}
     return dict(vars(m))  # Reject, Cancel, Ack, Stopped, Error: plain string fields
@@ -253,7 +258,10 @@ def _one(kind_s: str, b: dict[str, Any], accept: frozenset[Kind]) -> Message:
     if kind == Kind.PUSH:
         return Push(rid, _runs(b, k))
     if kind == Kind.FINISH:
-        return Finish(rid, _int(b, "total", k, 0, I64), _notice(b, rid, k))
+        total, notice = _int(b, "total", k, 0, I64), _notice(b, rid, k)
+        if "notice_sent_ns" in b:  # optional: a producer of before the stamp sends none
+            notice = replace(notice, sent_ns=_int(b, "notice_sent_ns", k, 0, I64))
+        return Finish(rid, total, notice)
     if kind == Kind.CANCEL:
         return Cancel(rid, _text(b, "reason", k, MAX_TEXT_LEN))
     if kind == Kind.ERROR:

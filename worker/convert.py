@@ -116,6 +116,7 @@ def add_tokens(into: Any, ev: TokensEvent) -> worker_pb2.Tokens:
         t.error = ev.error
     if ev.kv_ready_ns:
         t.kv_ready_ns = ev.kv_ready_ns
+        _handoff(t, ev)
     if ev.first_step_ns:
         t.first_step_ns = ev.first_step_ns
     if ev.cached_tokens:
@@ -123,9 +124,20 @@ def add_tokens(into: Any, ev: TokensEvent) -> worker_pb2.Tokens:
     return t
 
 
+def _handoff(t: worker_pb2.Tokens, ev: TokensEvent) -> None:
+    """The KV-ready part's stamps (a first message only: they come with kv_ready_ns)."""
+    if ev.notice_sent_ns:
+        t.notice_sent_ns = ev.notice_sent_ns
+    if ev.notice_seen_ns:
+        t.notice_seen_ns = ev.notice_seen_ns
+    if ev.kv_done_ns:
+        t.kv_done_ns = ev.kv_done_ns
+
+
 def tokens_pb(ev: TokensEvent) -> worker_pb2.Tokens:
     return worker_pb2.Tokens(
         token_ids=ev.ids, text=ev.text, logprobs=[token_logprob(r) for r in ev.logprobs],
         finish_reason=_FINISH[ev.finish], stop_reason=ev.stop_reason, error=ev.error,
         kv_ready_ns=ev.kv_ready_ns, first_step_ns=ev.first_step_ns,
-        cached_tokens=ev.cached_tokens)
+        cached_tokens=ev.cached_tokens, notice_sent_ns=ev.notice_sent_ns,
+        notice_seen_ns=ev.notice_seen_ns, kv_done_ns=ev.kv_done_ns)

@@ -327,8 +327,9 @@ class OutputHub:
             if text := texts[i]:
                 t.text = text
             entries.append(t)
-        for i, kv_ready, first_step, cached in zip(b.timed, b.kv_ready_ns, b.first_step_ns,
-                                                   b.cached_tokens, strict=True):
+        for i, kv_ready, first_step, cached, sent, seen, done in zip(
+                b.timed, b.kv_ready_ns, b.first_step_ns, b.cached_tokens, b.notice_sent_ns,
+                b.notice_seen_ns, b.kv_done_ns, strict=True):
             if (t := entries[i]) is not None:
                 if kv_ready:
                     t.kv_ready_ns = kv_ready
@@ -336,6 +337,12 @@ class OutputHub:
                     t.first_step_ns = first_step
                 if cached:
                     t.cached_tokens = cached
+                if sent:
+                    t.notice_sent_ns = sent
+                if seen:
+                    t.notice_seen_ns = seen
+                if done:
+                    t.kv_done_ns = done
         if b.lp_counts:
             for t, rows in zip(entries, b.logprob_rows(), strict=True):
                 if t is not None and rows:

@@ -69,4 +69,7 @@ def _merge(a: TokensEvent, b: TokensEvent) -> TokensEvent:
     return replace(a, ids=a.ids + b.ids, text=a.text + b.text, logprobs=a.logprobs + b.logprobs,
                    finish=b.finish, stop_reason=b.stop_reason, error=b.error,
                    kv_ready_ns=a.kv_ready_ns or b.kv_ready_ns,
-                   first_step_ns=a.first_step_ns or b.first_step_ns)
+                   first_step_ns=a.first_step_ns or b.first_step_ns,
+                   notice_sent_ns=a.notice_sent_ns or b.notice_sent_ns,
+                   notice_seen_ns=a.notice_seen_ns or b.notice_seen_ns,
+                   kv_done_ns=a.kv_done_ns or b.kv_done_ns)

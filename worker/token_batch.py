@@ -26,6 +26,24 @@ class TokensEvent:
     kv_ready_ns: int = 0  # consumer: when the KV landed and the request was admitted
     first_step_ns: int = 0  # consumer: when its first decode step was launched
     cached_tokens: int = 0  # prompt tokens the request's prefill found cached
+    # consumer, P/D: the KV-ready part of the handoff split (``Handoff``)
+    notice_sent_ns: int = 0
+    notice_seen_ns: int = 0
+    kv_done_ns: int = 0
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A P/D request's handoff as the consumer stamped it (Unix ns, 0: unknown), sent once,
+    with its first tokens: the producer handed the final notice to its sender, the
+    consumer's receiver read it, then knew every KV block had landed (its DONE pollable),
+    the consumer admitted the request (KV ready), and launched its first decode step."""
+
+    notice_sent_ns: int = 0
+    notice_seen_ns: int = 0
+    kv_done_ns: int = 0
+    kv_ready_ns: int = 0
+    first_step_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -39,10 +57,10 @@ class TokensBatchEvent:
     Request ``i`` is ``rids[i]``; its tokens are the next ``counts[i]`` of ``ids`` and its
     text ``texts[i]``. The fields most steps do not have travel sparse, by index into
     ``rids``: ``ended`` (finish reason, stop reason, error: the request's last message),
-    ``timed`` (a consumer's first-message timestamps and the prompt's cached tokens). With
-    logprobs (any request of the step asked), ``lp_counts[i]`` rows belong to request ``i``;
-    row ``r`` is token ``lp_ids[r]`` at ``lp_values[r]`` with ``top_counts[r]`` alternatives
-    from ``top_ids`` / ``top_values``.
+    ``timed`` (a consumer's first-message timestamps, ``Handoff``'s, and the prompt's cached
+    tokens). With logprobs (any request of the step asked), ``lp_counts[i]`` rows belong to
+    request ``i``; row ``r`` is token ``lp_ids[r]`` at ``lp_values[r]`` with
+    ``top_counts[r]`` alternatives from ``top_ids`` / ``top_values``.
     """
 
     KIND: ClassVar[str] = "batch"
@@ -64,6 +82,10 @@ class TokensBatchEvent:
     top_counts: list[int] = field(default_factory=list)
     top_ids: list[int] = field(default_factory=list)
     top_values: list[float] = field(default_factory=list)
+    # the rest of the ``timed`` group: ``Handoff``'s stamps, kept only with kv_ready_ns
+    notice_sent_ns: list[int] = field(default_factory=list)
+    notice_seen_ns: list[int] = field(default_factory=list)
+    kv_done_ns: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # The codec reports a ValueError("field: why") as "batch.field: why". Each column
@@ -79,11 +101,15 @@ class TokensBatchEvent:
                       ("stop_reasons", self.stop_reasons), ("errors", self.errors))
             if not set(self.finishes) <= FINISHES:
                 raise ValueError(f"finishes: each one of {sorted(FINISHES)}")
-        if self.timed or self.kv_ready_ns or self.first_step_ns or self.cached_tokens:
+        if self.timed or self.kv_ready_ns or self.first_step_ns or self.cached_tokens \
+                or self.notice_sent_ns or self.notice_seen_ns or self.kv_done_ns:
             _indices("timed", self.timed, n)
             _same_len(len(self.timed), ("kv_ready_ns", self.kv_ready_ns),
                       ("first_step_ns", self.first_step_ns),
-                      ("cached_tokens", self.cached_tokens))
+                      ("cached_tokens", self.cached_tokens),
+                      ("notice_sent_ns", self.notice_sent_ns),
+                      ("notice_seen_ns", self.notice_seen_ns),
+                      ("kv_done_ns", self.kv_done_ns))
         if self.lp_counts or self.lp_ids or self.lp_values or self.top_counts \
                 or self.top_ids or self.top_values:
             _same_len(n, ("lp_counts", self.lp_counts))
@@ -101,7 +127,8 @@ class TokensBatchEvent:
         b = TokensBatchBuilder()
         for ev in events:
             b.add(ev.rid, ev.ids, ev.text, ev.logprobs, ev.finish, ev.stop_reason, ev.error,
-                  ev.kv_ready_ns, ev.first_step_ns, ev.cached_tokens)
+                  ev.kv_ready_ns, ev.first_step_ns, ev.cached_tokens, ev.notice_sent_ns,
+                  ev.notice_seen_ns, ev.kv_done_ns)
         return b.build()
 
     def logprob_rows(self) -> list[tuple[LogprobRow, ...]]:
@@ -126,17 +153,18 @@ class TokensBatchEvent:
         """The step as one ``TokensEvent`` per request, in order (only: those indices)."""
         ends = {i: (f or None, s, e) for i, f, s, e in zip(
             self.ended, self.finishes, self.stop_reasons, self.errors, strict=True)}
-        times = {i: (k, f, c) for i, k, f, c in zip(
-            self.timed, self.kv_ready_ns, self.first_step_ns, self.cached_tokens, strict=True)}
+        times = {i: t for i, *t in zip(
+            self.timed, self.kv_ready_ns, self.first_step_ns, self.cached_tokens,
+            self.notice_sent_ns, self.notice_seen_ns, self.kv_done_ns, strict=True)}
         rows = self.logprob_rows()
         starts = [0, *itertools.accumulate(self.counts)]
         out = []
         for i in range(len(self.rids)) if only is None else only:
             n, o = self.counts[i], starts[i]
             finish, stop, error = ends.get(i, (None, "", ""))
-            kv, first, cached = times.get(i, (0, 0, 0))
+            stamps = times.get(i, _UNTIMED)
             out.append(TokensEvent(self.rids[i], tuple(self.ids[o:o + n]), self.texts[i],
-                                   rows[i], finish, stop, error, kv, first, cached))
+                                   rows[i], finish, stop, error, *stamps))
         return tuple(out)
 
 
@@ -157,6 +185,9 @@ class TokensBatchBuilder:
         self.kv_ready_ns: list[int] = []
         self.first_step_ns: list[int] = []
         self.cached_tokens: list[int] = []
+        self.notice_sent_ns: list[int] = []
+        self.notice_seen_ns: list[int] = []
+        self.kv_done_ns: list[int] = []
         self.lp_counts: list[int] = []  # filled from the first request with logprobs on
         self.lp_ids: list[int] = []
         self.lp_values: list[float] = []
@@ -170,7 +201,8 @@ class TokensBatchBuilder:
     def add(self, rid: str, ids: Sequence[int], text: str,
             logprobs: Sequence[LogprobRow] = (), finish: str | None = None,
             stop_reason: str = "", error: str = "", kv_ready_ns: int = 0,
-            first_step_ns: int = 0, cached_tokens: int = 0) -> None:
+            first_step_ns: int = 0, cached_tokens: int = 0, notice_sent_ns: int = 0,
+            notice_seen_ns: int = 0, kv_done_ns: int = 0) -> None:
         i = len(self.rids)
         self.rids.append(rid)
         self.counts.append(len(ids))
@@ -181,11 +213,16 @@ class TokensBatchBuilder:
             self.finishes.append(finish or "")
             self.stop_reasons.append(stop_reason)
             self.errors.append(error)
+        # Handoff's other stamps are kept only with kv_ready_ns, stamped with them at the
+        # consumer's admission: testing them too would cost every token of every step
         if kv_ready_ns or first_step_ns or cached_tokens:
             self.timed.append(i)
             self.kv_ready_ns.append(kv_ready_ns)
             self.first_step_ns.append(first_step_ns)
             self.cached_tokens.append(cached_tokens)
+            self.notice_sent_ns.append(notice_sent_ns)
+            self.notice_seen_ns.append(notice_seen_ns)
+            self.kv_done_ns.append(kv_done_ns)
         if logprobs and not self.lp_counts:
             self.lp_counts = [0] * i  # the requests before this one had none
         if self.lp_counts or logprobs:
@@ -203,9 +240,11 @@ class TokensBatchBuilder:
             self.rids, self.counts, self.ids, self.texts, self.ended, self.finishes,
             self.stop_reasons, self.errors, self.timed, self.kv_ready_ns, self.first_step_ns,
             self.cached_tokens, self.lp_counts, self.lp_ids, self.lp_values, self.top_counts,
-            self.top_ids, self.top_values)
+            self.top_ids, self.top_values, self.notice_sent_ns, self.notice_seen_ns,
+            self.kv_done_ns)
 
 
+_UNTIMED = (0, 0, 0, 0, 0, 0)  # a request without first-message stamps in a step
 FINISHES = frozenset({"", "stop", "length", "abort", "error"})  # "": not finished
 _TOKEN_ID_LIMIT = 2**32  # the wire's token ids are uint32
 

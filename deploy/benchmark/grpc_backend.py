@@ -37,6 +37,14 @@ def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
     # the handoff (record.py); negative where a busy router sent token 0 after the KV landed
     rec.kv_ready_ms = _delta_ms(t.consumer_kv_ready_ns, t.router_token0_sent_ns)
     rec.first_step_wait_ms = _delta_ms(t.consumer_first_step_ns, t.consumer_kv_ready_ns)
+    # kv_ready_ms in its parts (record.py), only where every stamp came: parts of one
+    # request's stamps add up to kv_ready_ms, and a missing one would shift its time into
+    # a neighbour
+    marks = (t.router_token0_sent_ns, t.producer_notice_sent_ns, t.consumer_notice_seen_ns,
+             t.consumer_kv_done_ns, t.consumer_kv_ready_ns)
+    if all(marks):
+        rec.notice_sent_ms, rec.notice_wire_ms, rec.kv_copy_ms, rec.kv_poll_ms = (
+            (b - a) / 1e6 for a, b in zip(marks, marks[1:], strict=False))
 
 
 class GrpcBackend(Backend):

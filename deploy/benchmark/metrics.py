@@ -10,7 +10,8 @@
 * Goodput: successful requests that meet every SLO given, per second.
 * Percentiles use numpy's linear interpolation, like vLLM.
 Additions for P/D: time to second token, first-token hold and KV transfer time (server
-timing), and the producer's prefill time (received -> token 0 sampled).
+timing), the producer's prefill time (received -> token 0 sampled), and the first gap's
+handoff (token 0 sent -> KV ready, in its parts, -> the first decode step).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from deploy.benchmark.record import RequestRecord
+from deploy.benchmark.record import KV_READY_PARTS, RequestRecord
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 SLO_KEYS = ("ttft", "tpot", "e2el")  # the metrics --goodput may bound (ms), as in vLLM
@@ -127,7 +128,9 @@ def summarize(records: Sequence[RequestRecord], ctx: PointContext,
               "prefill_ms": [r.prefill_ms for r in ok if r.prefill_ms is not None],
               "kv_ready_ms": [r.kv_ready_ms for r in ok if r.kv_ready_ms is not None],
               "first_step_wait_ms": [r.first_step_wait_ms for r in ok
-                                     if r.first_step_wait_ms is not None]}
+                                     if r.first_step_wait_ms is not None],
+              **{name: [v for r in ok if (v := getattr(r, name)) is not None]
+                 for name in KV_READY_PARTS}}
     for name, values in series.items():
         m[name] = distribution(values, percentiles)
     return m

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# kv_ready_ms's parts, in their order (RequestRecord)
+KV_READY_PARTS = ("notice_sent_ms", "notice_wire_ms", "kv_copy_ms", "kv_poll_ms")
+
 
 @dataclass
 class RequestRecord:
@@ -37,6 +40,15 @@ class RequestRecord:
     # (waiting for the consumer's step boundary). Wall clocks of one host, or synchronized.
     kv_ready_ms: float | None = None
     first_step_wait_ms: float | None = None
+    # kv_ready_ms in its parts (None unless every stamp came): the router sent token 0 ->
+    # the producer handed the final notice to its KV sender (negative where the router sent
+    # token 0 after that: the sign is kept), -> the consumer's receiver read it (the
+    # sender's queue, the wire), -> it knew every KV block had landed (the copies), -> the
+    # consumer admitted the request (its engine loop's next poll of the receiver)
+    notice_sent_ms: float | None = None
+    notice_wire_ms: float | None = None
+    kv_copy_ms: float | None = None
+    kv_poll_ms: float | None = None
     cached_tokens: int = 0  # usage: prompt tokens a worker's prefix cache held
     ideal_cached: int = 0  # what an infinite cache would have held (the workload's ideal)
 
@@ -90,5 +102,7 @@ class RequestRecord:
                 "kv_transfer_ms": self.kv_transfer_ms,
                 "prefill_ms": self.prefill_ms, "kv_ready_ms": self.kv_ready_ms,
                 "first_step_wait_ms": self.first_step_wait_ms,
+                "notice_sent_ms": self.notice_sent_ms, "notice_wire_ms": self.notice_wire_ms,
+                "kv_copy_ms": self.kv_copy_ms, "kv_poll_ms": self.kv_poll_ms,
                 "cached_tokens": self.cached_tokens,
                 "ideal_cached": self.ideal_cached, "itl_ms": [ms(g) for g in self.itl]}

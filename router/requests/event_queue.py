@@ -150,5 +150,9 @@ def _append(into: worker_pb2.Tokens, t: worker_pb2.Tokens) -> None:
     into.stop_reason = t.stop_reason
     into.error = t.error
     # timing stamps belong to the first message that carried them
-    into.kv_ready_ns = into.kv_ready_ns or t.kv_ready_ns
     into.first_step_ns = into.first_step_ns or t.first_step_ns
+    if t.kv_ready_ns and not into.kv_ready_ns:  # the handoff's other stamps come with it
+        into.kv_ready_ns = t.kv_ready_ns
+        into.notice_sent_ns = t.notice_sent_ns
+        into.notice_seen_ns = t.notice_seen_ns
+        into.kv_done_ns = t.kv_done_ns

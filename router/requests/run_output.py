@@ -94,6 +94,10 @@ class RunOutput:
         t = self.timing
         if tokens.kv_ready_ns and not t.consumer_kv_ready_ns:
             t.consumer_kv_ready_ns = tokens.kv_ready_ns
+            # the stamps before it come with it (a P/D consumer's; 0 where unknown)
+            t.producer_notice_sent_ns = tokens.notice_sent_ns
+            t.consumer_notice_seen_ns = tokens.notice_seen_ns
+            t.consumer_kv_done_ns = tokens.kv_done_ns
         if tokens.first_step_ns and not t.consumer_first_step_ns:
             t.consumer_first_step_ns = tokens.first_step_ns
         # the consumer sends both with its first step's tokens; once set, they stay

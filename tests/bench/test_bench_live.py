@@ -56,6 +56,13 @@ def test_cli_sweep_json(cluster, tmp_path) -> None:  # type: ignore[no-untyped-d
         handed = [r for r in reqs if r["kv_transfer_ms"] is not None]
         assert handed and all(r["first_step_wait_ms"] is not None and r["kv_ready_ms"]
                               is not None and r["first_step_wait_ms"] >= 0 for r in handed)
+        # and kv_ready_ms in its parts: after the notice left, each follows the one before,
+        # and together they are the whole (notice_sent_ms may be negative: a late router)
+        for r in handed:
+            parts = [r[k] for k in ("notice_sent_ms", "notice_wire_ms", "kv_copy_ms",
+                                    "kv_poll_ms")]
+            assert None not in parts and min(parts[1:]) >= 0, r
+            assert sum(parts) == pytest.approx(r["kv_ready_ms"], abs=1e-3), r
         assert m["itl_ms"]["count"] >= 5 * (6 - 2)  # tokens may share a message
         assert m["ttft_ms"]["p50"] <= m["ttst_ms"]["p50"] <= m["e2el_ms"]["p50"]
         assert m["output_throughput_per_worker"] == pytest.approx(m["output_throughput"] / 2)

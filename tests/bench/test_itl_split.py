@@ -73,3 +73,40 @@ def test_a_point_with_hold_stamps_gets_a_hold_line(tmp_path):
                                                           "requests": recs}]}]}))
     lines = split(str(path))
     assert len(lines) == 3 and lines[2].startswith("  hold, whole p50 2.00")
+
+
+def _parted(ready: float, parts: tuple[float, float, float, float]) -> dict:
+    return {**_rec(40.0, [10.0] * 5, ready, 5.0),
+            **dict(zip(("notice_sent_ms", "notice_wire_ms", "kv_copy_ms", "kv_poll_ms"), parts,
+                       strict=True))}
+
+
+def test_kv_ready_is_split_into_its_stamped_parts():
+    from itl_split import kv_ready_line
+    # 99 requests: 25 ms to KV ready = -1 (the router sent token 0 late) + 0.5 on the wire
+    # + 3.5 of copies + 22 waiting for the consumer's poll; one of 70 ms lost in its copies
+    fast = _parted(25.0, (-1.0, 0.5, 3.5, 22.0))
+    slow = _parted(70.0, (-1.0, 0.5, 48.5, 22.0))
+    line = kv_ready_line([fast] * 99 + [slow])
+    assert line.startswith("whole p50 25.00 p99 ")
+    assert "; token 0 sent -> notice sent p50 -1.00 p99 -1.00; -> notice seen p50 0.50 " \
+        "p99 0.50; -> KV done p50 3.50 p99 " in line
+    assert "; -> admitted p50 22.00 p99 22.00 ms (100 requests)" in line
+    assert line.endswith("slowest 1% (1), mean ms: whole 70.00, token 0 sent -> notice sent "
+                         "-1.00, -> notice seen 0.50, -> KV done 48.50, -> admitted 22.00")
+
+
+def test_a_result_file_gets_the_kv_ready_line_only_where_every_part_came(tmp_path):
+    parted = [_parted(25.0, (-1.0, 0.5, 3.5, 22.0)) for _ in range(4)]
+    older = [_rec(40.0, [10.0] * 5, 25.0, 5.0) for _ in range(4)]  # a server without them
+    doc = {"configs": [{"points": [{"concurrency": 4, "requests": parted},
+                                   {"concurrency": 8, "requests": older}]}]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    lines = split(str(path))
+    assert len(lines) == 5
+    assert lines[1].startswith("  first gap, whole p50 40.0")
+    assert lines[2].startswith("  KV ready, whole p50 25.00 p99 25.00; token 0 sent -> "
+                               "notice sent p50 -1.00")
+    assert "(4 requests)" in lines[2]
+    assert "c=8:" in lines[3] and lines[4].startswith("  first gap, ")

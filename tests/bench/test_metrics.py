@@ -80,6 +80,42 @@ def test_server_timing_distributions() -> None:
     assert m["kv_transfer_ms"]["mean"] == pytest.approx(3.0)
 
 
+def test_kv_ready_splits_into_its_parts_only_with_every_stamp() -> None:
+    from pdserve.v1 import router_pb2
+
+    from deploy.benchmark.grpc_backend import apply_timing
+
+    ms = 1_000_000
+    base = 1_700_000_000_000 * ms
+    # the router sent token 0 1 ms after the producer let the notice go (a busy router):
+    # that part is negative, the others follow in order, and together they are kv_ready_ms
+    t = router_pb2.ServerTiming(router_token0_sent_ns=base + 1 * ms,
+                                producer_notice_sent_ns=base,
+                                consumer_notice_seen_ns=base + ms // 2,
+                                consumer_kv_done_ns=base + 3 * ms,
+                                consumer_kv_ready_ns=base + 10 * ms,
+                                consumer_first_step_ns=base + 12 * ms)
+    r = rec(0, 0.0, [(0.1, 1)], 0.1)
+    apply_timing(r, t)
+    assert (r.notice_sent_ms, r.notice_wire_ms, r.kv_copy_ms, r.kv_poll_ms) == pytest.approx(
+        (-1.0, 0.5, 2.5, 7.0))
+    assert r.kv_ready_ms == pytest.approx(9.0) == pytest.approx(
+        r.notice_sent_ms + r.notice_wire_ms + r.kv_copy_ms + r.kv_poll_ms)
+    row = r.to_json()
+    assert row["notice_sent_ms"] == pytest.approx(-1.0) and row["kv_poll_ms"] == 7.0
+    # a consumer (or producer) that sends no stamp: no parts, the whole still there
+    older = rec(1, 0.0, [(0.1, 1)], 0.1)
+    t.ClearField("consumer_notice_seen_ns")
+    apply_timing(older, t)
+    assert older.kv_ready_ms == pytest.approx(9.0)
+    assert (older.notice_sent_ms, older.notice_wire_ms, older.kv_copy_ms,
+            older.kv_poll_ms) == (None, None, None, None)
+    m = summarize([r, older], PointContext(1.0))
+    assert m["kv_copy_ms"]["count"] == 1 and m["kv_copy_ms"]["p50"] == pytest.approx(2.5)
+    assert m["notice_sent_ms"]["p50"] == pytest.approx(-1.0)
+    assert m["kv_ready_ms"]["count"] == 2
+
+
 def test_percentiles_linear_and_monotonic() -> None:
     d = distribution([float(v) for v in range(1, 101)])
     assert d["p50"] == pytest.approx(50.5) and d["p99"] == pytest.approx(99.01)

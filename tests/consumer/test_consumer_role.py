@@ -32,6 +32,19 @@ def test_pd_in_one_process_equals_colocated(tiny_llama):
     assert pd.p.whole() and pd.c.whole()
 
 
+def test_the_first_tokens_carry_the_handoff_s_stamps_in_their_order(tiny_llama):
+    # the producer stamps the notice as it hands it to its sender, the receiver when it
+    # read it and when the KV was whole, the consumer when it admitted the request
+    pd = PD(tiny_llama)
+    pd.submit("r", PROMPTS[1], GREEDY)
+    pd.run(lambda: pd.finished("r"))
+    first, *rest = [e for e in pd.c.of("r", TokensEvent) if e.ids]
+    assert 0 < first.notice_sent_ns <= first.notice_seen_ns <= first.kv_done_ns \
+        <= first.kv_ready_ns <= time.time_ns()
+    assert rest and all(e.notice_sent_ns == e.notice_seen_ns == e.kv_done_ns
+                        == e.kv_ready_ns == 0 for e in rest)  # the first message only
+
+
 def test_reservation_waits_behind_a_full_pool_and_is_admitted_when_blocks_free(tiny_llama):
     # 14 blocks of 4: "a" (50 tokens) takes 13 for its prompt, so "b" (11 tokens, 3 blocks)
     # must wait in RESERVING until "a" finishes and frees them.

@@ -96,6 +96,11 @@ def test_token0_reaches_the_client_before_the_consumer_decodes(cluster_1p1d):
             assert t.producer_token0_sampled_ns < t.producer_token0_sent_ns \
                 <= t.router_token0_sent_ns
             assert t.producer_token0_sent_ns < t.consumer_kv_ready_ns <= t.consumer_first_step_ns
+            # the KV-ready part in its stamped parts (one host's clock): the producer let the
+            # final notice go (after token 0), the consumer's receiver read it, knew the KV
+            # whole, and the consumer's loop admitted the request
+            assert t.producer_token0_sent_ns <= t.producer_notice_sent_ns \
+                <= t.consumer_notice_seen_ns <= t.consumer_kv_done_ns <= t.consumer_kv_ready_ns
 
 
 def test_chat_input_is_tokenized_once_with_the_template(cluster_1p1d, colocated_llm):

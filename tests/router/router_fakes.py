@@ -103,7 +103,9 @@ async def decode_ok(w: FakeWorker, req: worker_pb2.DecodeRequest
     else:
         yield reserved()
         await asyncio.sleep(0.02)  # "KV landing"
-        yield tokens([101, 102], "BC", kv_ready_ns=now(), first_step_ns=now())
+        ready = now()  # and the handoff's stamps before the admission, in their order
+        yield tokens([101, 102], "BC", notice_sent_ns=ready - 3_000, notice_seen_ns=ready - 2_000,
+                     kv_done_ns=ready - 1_000, kv_ready_ns=ready, first_step_ns=now())
     yield tokens([103], "D", LENGTH)
 
 

@@ -64,6 +64,10 @@ def test_pd_flow_token0_first_then_consumer_tokens(tokenizer: Any) -> None:
             assert 0 < t.producer_received_ns < t.producer_token0_sampled_ns \
                 < t.producer_token0_sent_ns <= t.router_token0_sent_ns
             assert t.consumer_kv_ready_ns and t.consumer_first_step_ns
+            # the consumer's stamps up to the admission, as its first tokens carried them
+            assert (t.producer_notice_sent_ns, t.consumer_notice_seen_ns,
+                    t.consumer_kv_done_ns) == tuple(t.consumer_kv_ready_ns - d
+                                                    for d in (3_000, 2_000, 1_000))
             assert t.kv_transfer_ms == 1.5
             # a successful request aborts nothing and cancels no stream
             await asyncio.sleep(0.1)

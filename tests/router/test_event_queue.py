@@ -39,6 +39,22 @@ def test_waiting_token_messages_leave_as_one() -> None:
     asyncio.run(main())
 
 
+def test_folded_messages_keep_the_stamps_of_the_first_that_carried_them() -> None:
+    async def main() -> None:
+        q = EventQueue()
+        q.put_nowait(toks([0]))
+        q.put_nowait(toks([1], kv_ready_ns=5, notice_sent_ns=2, notice_seen_ns=3,
+                          kv_done_ns=4))
+        q.put_nowait(toks([2], kv_ready_ns=50, notice_sent_ns=20, notice_seen_ns=30,
+                          kv_done_ns=40))
+        ev = await q.get()
+        assert isinstance(ev, TokensRead) and list(ev.tokens.token_ids) == [0, 1, 2]
+        t = ev.tokens
+        assert (t.notice_sent_ns, t.notice_seen_ns, t.kv_done_ns, t.kv_ready_ns) == (2, 3, 4, 5)
+
+    asyncio.run(main())
+
+
 def test_errors_and_other_events_stay_apart() -> None:
     async def main() -> None:
         q = EventQueue()

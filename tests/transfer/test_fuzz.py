@@ -22,10 +22,12 @@ SCALARS = (st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | 
            | st.text(max_size=8) | st.binary(max_size=8))
 VALUES = st.recursive(SCALARS, lambda c: st.lists(c, max_size=4)
                       | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=8)
-FIELDS = ["rid", "runs", "total", "notice", "reason", "error", "msgs", "version", "backend",
-          "layout", "fingerprint", "plane", "name", "token"]
+FIELDS = ["rid", "runs", "total", "notice", "notice_sent_ns", "reason", "error", "msgs",
+          "version", "backend", "layout", "fingerprint", "plane", "name", "token"]
 VALID = [frame("PUSH", {"rid": "x", "runs": [[9, 1, 1, 1]]}), frame("PING", {}),
          frame("FINISH", {"rid": "x", "total": 1, "notice": ["x", 1, False, 3, None, None]}),
+         frame("FINISH", {"rid": "x", "total": 1, "notice": ["x", 1, False, 3, None, None],
+                          "notice_sent_ns": 1_700_000_000_000_000_000}),
          frame("CANCEL", {"rid": "x", "reason": "r"}),
          frame("BATCH", {"msgs": [["PING", {}], ["CANCEL", {"rid": "y", "reason": ""}]]})]
 

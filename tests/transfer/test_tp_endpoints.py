@@ -10,6 +10,8 @@ over ucx and ipc.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import pytest
@@ -18,7 +20,14 @@ from pipe_followers import PipeFollowers
 from xfer_helpers import until_terminal
 
 from engine.kv_layout import KVLayout
-from transfer import TransferConfig, TransferNotice, TransferStatus, make_receiver, make_sender
+from transfer import (
+    TransferConfig,
+    TransferNotice,
+    TransferStatus,
+    TransferUpdate,
+    make_receiver,
+    make_sender,
+)
 from transfer.tp_endpoints import split_addresses
 from transfer.tp_messages import TO_RANK, PushCmd
 from transfer.tp_receiver import TPReceiver, tp_receiver
@@ -75,10 +84,13 @@ def test_every_consumer_rank_gets_its_heads_and_both_sides_end_as_one(a, b, head
         w.tx.connect(w.rx.address)
         for i in range(0, len(src), 4):  # chunk by chunk, as chunked prefill pushes
             w.tx.push("r1", w.rx.address, src[i:i + 4], dst[i:i + 4])
-        notice = TransferNotice("r1", 42, False, 36, seed=7)
+        notice = TransferNotice("r1", 42, False, 36, seed=7, sent_ns=time.time_ns())
         w.tx.finish("r1", notice)
         up = until_terminal(w.rx, "r1")
         assert (up.status, up.notice) == (S.DONE, notice)
+        # the handoff's stamps, through every rank (a follower's in its UpdateReport)
+        assert up.notice.sent_ns == notice.sent_ns
+        assert notice.sent_ns <= up.notice_seen_ns <= up.kv_done_ns <= time.time_ns()
         assert until_terminal(w.tx, "r1").status == S.DONE
         for c, lay in enumerate(w.dst_lay):
             want = w.ref[..., lay.head_start:lay.head_start + lay.head_count, :]
@@ -146,3 +158,15 @@ def test_a_follower_that_cannot_reach_the_consumer_fails_the_request_not_the_ran
         assert until_terminal(w.rx, "r4").status == S.DONE
     finally:
         w.close()
+
+
+def test_a_request_done_on_every_rank_takes_the_last_rank_s_stamps():
+    # the KV is whole only once the last rank's part landed: each stamp is the latest rank's
+    from transfer.tp_endpoints import _all_done
+
+    n = TransferNotice("r", 1, False, 4)
+    ups = [TransferUpdate("r", S.DONE, dataclasses.replace(n, sent_ns=sent), None, seen, done)
+           for sent, seen, done in ((5, 7, 9), (6, 8, 8), (4, 10, 11))]
+    got = _all_done(ups[0], ups)
+    assert got.notice is not None and got.notice == n
+    assert (got.notice.sent_ns, got.notice_seen_ns, got.kv_done_ns) == (6, 10, 11)

@@ -21,11 +21,15 @@ NOTICE = TransferNotice("r1", 42, False, 36, seed=7, logprobs=((42, -0.5), (3, -
 TO = [t.RankSideArgs("consumer", "c0", LAYOUT, TransferConfig(backend="fake"), 7000),
       t.PushCmd("r1", ("tcp://a:1", "tcp://b:2"), (0, 1), (5, 6), 12.5),
       t.PushCmd("r2", (), (), (), None), t.FinishCmd("r1", NOTICE),
+      t.FinishCmd("r1", dataclasses.replace(NOTICE, sent_ns=11)),  # stamped: it goes along
       t.FinishCmd("r2", TransferNotice("r2", 1, True, 4)), t.CancelCmd("r1", "aborted"),
       t.ReleaseCmd("r1"), t.ExpectCmd("r1", (5, 6), 3.0, 2), t.ExpectCmd("r1", (), None, None)]
 FROM = [t.RankSideInfo("tcp://127.0.0.1:5000"), t.UpdateReport("r1", TransferStatus.DONE,
                                                                NOTICE, None),
         t.UpdateReport("r1", TransferStatus.FAILED, None, "peer gone"), t.ExpectedReport("r1"),
+        # a consumer rank's DONE with the handoff's stamps, the notice's own included
+        t.UpdateReport("r1", TransferStatus.DONE, dataclasses.replace(NOTICE, sent_ns=11),
+                       None, 12, 13),
         t.StatsReport(1, 2, 4096)]
 
 
@@ -36,13 +40,19 @@ def test_every_message_type_is_sampled() -> None:
 
 @pytest.mark.parametrize("msg", TO, ids=lambda s: type(s).__name__)
 def test_to_rank_round_trips(msg: object) -> None:
-    assert t.TO_RANK.decode(t.TO_RANK.encode(msg)) == msg
+    back = t.TO_RANK.decode(t.TO_RANK.encode(msg))
+    assert back == msg
+    if isinstance(back, t.FinishCmd):  # == leaves the notice's stamp out
+        assert isinstance(msg, t.FinishCmd) and back.notice.sent_ns == msg.notice.sent_ns
 
 
 @pytest.mark.parametrize("msg", FROM, ids=lambda s: type(s).__name__)
 def test_from_rank_round_trips(msg: object) -> None:
     back = t.FROM_RANK.decode(t.FROM_RANK.encode(msg))
     assert back == msg
+    if isinstance(back, t.UpdateReport) and back.notice is not None:  # == leaves it out
+        assert isinstance(msg, t.UpdateReport) and msg.notice is not None
+        assert back.notice.sent_ns == msg.notice.sent_ns
     if isinstance(back, t.UpdateReport):
         assert type(back.status) is TransferStatus
 

@@ -150,7 +150,8 @@ def test_a_batch_entry_carries_every_field_of_its_tokens_event() -> None:
         events = [
             TokensEvent("r1", (5, 6), "xy", (LogprobRow(5, -0.5, ((5, -0.5), (7, -1.5))),
                                               LogprobRow(6, -0.25, ())), None,
-                        kv_ready_ns=11, first_step_ns=12, cached_tokens=16),
+                        kv_ready_ns=11, first_step_ns=12, cached_tokens=16, notice_sent_ns=8,
+                        notice_seen_ns=9, kv_done_ns=10),
             TokensEvent("r2", (), "", (), "error", error="kv transfer failed"),
             TokensEvent("r3", (9,), "z", (), "stop", stop_reason="z"),
             TokensEvent("r4", (1,), "a", (), None),
@@ -165,6 +166,10 @@ def test_a_batch_entry_carries_every_field_of_its_tokens_event() -> None:
             want = tokens_pb(ev)
             want.request_id = ev.rid
             assert got == want, (got, want)
+        first = batch.tokens[0]  # the handoff's stamps, the first message's only
+        assert (first.notice_sent_ns, first.notice_seen_ns, first.kv_done_ns,
+                first.kv_ready_ns, first.first_step_ns) == (8, 9, 10, 11, 12)
+        assert not batch.tokens[3].notice_sent_ns and not batch.tokens[3].kv_done_ns
 
     asyncio.run(main())
 
@@ -185,7 +190,8 @@ def test_a_columnar_step_builds_the_same_entries_as_its_events() -> None:
         events = [
             TokensEvent("r1", (5, 6), "xy", (LogprobRow(5, -0.5, ((5, -0.5), (7, -1.5))),
                                               LogprobRow(6, -0.25, ())), None,
-                        kv_ready_ns=11, first_step_ns=12, cached_tokens=16),
+                        kv_ready_ns=11, first_step_ns=12, cached_tokens=16, notice_sent_ns=8,
+                        notice_seen_ns=9, kv_done_ns=10),
             TokensEvent("inline", (8,), "p", (), None),
             TokensEvent("r2", (), "", (), "error", error="kv transfer failed"),
             TokensEvent("r3", (9,), "z", (), "stop", stop_reason="z"),
@@ -206,6 +212,7 @@ def test_a_columnar_step_builds_the_same_entries_as_its_events() -> None:
             want = tokens_pb(ev)
             want.request_id = ev.rid
             assert entry == want, (entry, want)
+        assert (got[0].notice_sent_ns, got[0].notice_seen_ns, got[0].kv_done_ns) == (8, 9, 10)
         assert step.events([1]) == (events[1],)
         # the common decode step: one token for each request
         step = TokensBatchEvent.of([tok("r1", (3,)), tok("inline", (4,)),

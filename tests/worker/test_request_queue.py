@@ -37,6 +37,24 @@ def test_a_lagging_reader_gets_merged_token_events_and_loses_nothing() -> None:
     asyncio.run(main())
 
 
+def test_merged_token_events_keep_the_first_message_s_stamps() -> None:
+    async def main() -> None:
+        q = RequestQueue("r", max_events=2)
+        q.put_nowait(ReservedEvent("r", "addr", (1,)))
+        q.put_nowait(TokensEvent("r", (1,), "a", (), None, kv_ready_ns=5, first_step_ns=6,
+                                 notice_sent_ns=2, notice_seen_ns=3, kv_done_ns=4))
+        q.put_nowait(TokensEvent("r", (2,), "b", (), None, kv_ready_ns=50, first_step_ns=60,
+                                 notice_sent_ns=20, notice_seen_ns=30, kv_done_ns=40))
+        q.put_nowait(TokensEvent("r", (3,), "c", (), "length"))
+        assert isinstance(await q.get(), ReservedEvent)
+        ev = await q.get()
+        assert isinstance(ev, TokensEvent) and ev.ids == (1, 2, 3) and q.merged == 2
+        assert (ev.notice_sent_ns, ev.notice_seen_ns, ev.kv_done_ns, ev.kv_ready_ns,
+                ev.first_step_ns) == (2, 3, 4, 5, 6)
+
+    asyncio.run(main())
+
+
 def test_overflow_that_cannot_merge_fails_the_request_loudly() -> None:
     async def main() -> None:
         q = RequestQueue("r", max_events=2)

@@ -294,7 +294,7 @@ class Reserved(_message.Message):
     def __init__(self, kv_address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., cached_blocks: _Optional[int] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "error", "kv_ready_ns", "first_step_ns", "request_id", "cached_tokens")
+    __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "stop_reason", "error", "kv_ready_ns", "first_step_ns", "request_id", "cached_tokens", "notice_sent_ns", "notice_seen_ns", "kv_done_ns")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +305,9 @@ class Tokens(_message.Message):
     FIRST_STEP_NS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    NOTICE_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    KV_DONE_NS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
@@ -315,7 +318,10 @@ class Tokens(_message.Message):
     first_step_ns: int
     request_id: str
     cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_ready_ns: _Optional[int] = ..., first_step_ns: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    notice_sent_ns: int
+    notice_seen_ns: int
+    kv_done_ns: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., error: _Optional[str] = ..., kv_ready_ns: _Optional[int] = ..., first_step_ns: _Optional[int] = ..., request_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., notice_sent_ns: _Optional[int] = ..., notice_seen_ns: _Optional[int] = ..., kv_done_ns: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
