@@ -141,6 +141,12 @@ class ProducerLeg(Leg):
         super().__init__(worker, call, report, outputs)  # call: grpc.aio.StreamStreamCall
         self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
         self._closed_writing = False
+        # set once the request was written (or never will be): every later write waits for
+        # it. The reading task writes the request, and a task runs only at the loop's next
+        # turn, while a destination sent right after start() (a retried producer, whose
+        # consumer had reserved already) took the free lock at once: the producer got the
+        # destination and the stream's half-close before any request
+        self._request_sent = asyncio.Event()
         self._holding: asyncio.Task[None] | None = None  # hold_until_reserved, kept alive
         # set once token 0 came from the Outputs stream, or that stream broke first;
         # None: token 0 comes on the Prefill stream
@@ -165,17 +171,21 @@ class ProducerLeg(Leg):
 
     def cancel(self) -> None:
         self._unroute()
+        self._request_sent.set()  # nothing waits for a request that will not be written
         super().cancel()
 
     async def _read(self, request: worker_pb2.PrefillRequest) -> None:
         try:
             # The request is the stream's first message: a hold or the destination waits
-            # for the lock this task takes first (it runs before they are made).
-            async with self._write_lock:
-                if self._outputs is not None:
-                    await self._route(request, self._outputs)
-                if not self._closed_writing:
-                    await self.call.write(worker_pb2.PrefillInput(request=request))
+            # for it (_request_sent), then for the lock.
+            try:
+                async with self._write_lock:
+                    if self._outputs is not None:
+                        await self._route(request, self._outputs)
+                    if not self._closed_writing:
+                        await self.call.write(worker_pb2.PrefillInput(request=request))
+            finally:
+                self._request_sent.set()
             while True:
                 out = await self.call.read()
                 if out is grpc.aio.EOF:
@@ -254,12 +264,14 @@ class ProducerLeg(Leg):
             queued=worker_pb2.ReservationQueued(consumer_id=consumer_id)))
 
     async def half_close(self) -> None:
+        await self._request_sent.wait()
         async with self._write_lock:
             if not self._closed_writing and not self.call.done():
                 self._closed_writing = True
                 await self.call.done_writing()
 
     async def _write(self, msg: worker_pb2.PrefillInput) -> None:
+        await self._request_sent.wait()
         async with self._write_lock:
             if self._closed_writing:
                 return
