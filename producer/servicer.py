@@ -76,10 +76,12 @@ class ProducerServicer(WorkerServicer):
                         yield out
                     # Only now may the final transfer notice leave for the consumer: token 0
                     # is ahead of the consumer's first decode step on every path. (On an
-                    # Outputs stream it is queued, not yet written; the consumer's tokens
+                    # Outputs stream it is queued, not yet written, and the bridge's pass
+                    # that routed it has sent Token0SentCmd already; the consumer's tokens
                     # come a KV notice and a decode step later, and the router holds any
                     # that overtake it: router/requests/run_streams.py.)
-                    self.bridge.send(Token0SentCmd(rid))
+                    if not routed:
+                        self.bridge.send(Token0SentCmd(rid))
                     done = bool(t0ev.finish)
                     outcome = str(t0ev.finish or outcome)
                 elif isinstance(msg, TransferResultEvent):

@@ -34,6 +34,7 @@ from worker.messages import (
     ReservedEvent,
     StatsEvent,
     Token0Event,
+    Token0SentCmd,
     decode,
     encode,
     rid_of,
@@ -209,13 +210,17 @@ class EngineBridge:
     def _flush(self) -> None:
         """The pass's batches go out; the requests that finished in them are counted."""
         done = self.hub.flush()
-        # The Prefill streams of the token 0s that left on an Outputs stream learn only now:
-        # the flush wrote their batches (or woke the batches' writers) first, so those token
-        # 0s go out before the streams' own work (each sends the transfer's go-ahead to the
-        # engine).
+        # The token 0s that left on an Outputs stream: the flush wrote their batches (or
+        # woke the batches' writers) first, so each is ahead of its consumer's first decode
+        # step, and the engine may let the transfer's final notice go (Token0SentCmd). It
+        # is sent here, in the pass that routed them, not by each request's Prefill stream
+        # task: the engine holds its next prefill step up to TOKEN0_SENT_WAIT_S for it, and
+        # a task's wake-up on a busy loop missed that window (then the notice waited out a
+        # whole prefill step: the first gap's tail, bench/itl_split.py's KV-ready parts).
         if self._routed_token0s:
             for ev in self._routed_token0s:
                 if (q := self.queues.get(ev.rid)) is not None:
+                    self.send(Token0SentCmd(ev.rid))
                     q.put_nowait(Token0Routed(ev))
             self._routed_token0s.clear()
         if self.on_done is not None:

@@ -131,10 +131,10 @@ def test_a_steps_reservation_and_tokens_leave_in_one_outputs_batch() -> None:
 
 
 def test_a_passes_token0s_leave_in_one_batch_before_their_streams_hear() -> None:
-    """A pass's token 0s of requests that named a subscriber go in one batch (token0s); each
-    request's own stream hears of it (Token0Routed) only after the batch was queued, its
-    writer woken first. One that ends its request, or has no subscriber, goes to its
-    stream as the event itself."""
+    """A pass's token 0s of requests that named a subscriber go in one batch (token0s); the
+    pass tells the engine they are out (Token0SentCmd) and each request's own stream hears
+    of it (Token0Routed) only after the batch was queued, its writer woken first. One that
+    ends its request, or has no subscriber, goes to its stream as the event itself."""
     async def main() -> None:
         async with live_bridge() as (bridge, push, pump):
             sub, _ = bridge.hub.subscribe("router-a")
@@ -154,6 +154,13 @@ def test_a_passes_token0s_leave_in_one_batch_before_their_streams_hear() -> None
                 order.append(rid)
                 return got
 
+            sent = bridge.send
+
+            def send(cmd: Any) -> None:  # the commands still go to the engine's socket
+                order.append(f"{type(cmd).__name__}:{cmd.rid}")
+                sent(cmd)
+
+            bridge.send = send  # type: ignore[method-assign]
             w = asyncio.create_task(writer())
             readers = {rid: asyncio.create_task(stream(rid)) for rid in queues}
             await asyncio.sleep(0)  # every reader waits before the pass
@@ -169,5 +176,10 @@ def test_a_passes_token0s_leave_in_one_batch_before_their_streams_hear() -> None
             # the batch's writer ran before the routed requests' streams
             assert order.index("batch") < order.index("p1")
             assert order.index("batch") < order.index("p2")
+            # the pass itself told the engine that the routed token 0s are out, before
+            # their streams' tasks ran; the others' streams send it themselves
+            cmds = [o for o in order if o.startswith("Token0SentCmd")]
+            assert cmds == ["Token0SentCmd:p1", "Token0SentCmd:p2"]
+            assert order.index("Token0SentCmd:p2") < min(order.index("p1"), order.index("p2"))
 
     asyncio.run(main())
