@@ -20,7 +20,10 @@ every KV block had landed (``kv_copy_ms``: the copies still running, for the pla
 the consumer pulls; the last bytes, where the producer pushes); -> the consumer admitted
 the request (``kv_poll_ms``: the wait for its engine loop's next poll of the receiver,
 after each step and before a paced launch). The slowest 1% of ``kv_ready_ms`` are shown
-by their parts' means.
+by their parts' means. Where the records carry ``dest_after_token0_ms`` (the router sent
+the consumer's reservation to the producer that long after token 0 was sampled), the line
+ends with how many requests' destinations came after token 0, and how late: the producer
+pushes and sends its final notice only once the destination is in.
 
 Where they carry the hold's stamps, the first-token hold (producer sampled token 0 -> the
 router sent it) is split the same way: -> the producer's gRPC process handed it to the
@@ -106,7 +109,18 @@ def kv_ready_line(recs: list[dict]) -> str:
                      for name, v in parts.items()) + f" ms ({len(recs)} requests)"
     slow = ready >= np.percentile(ready, 99)
     tail = ", ".join(f"{name} {v[slow].mean():.2f}" for name, v in parts.items())
-    return line + f"; slowest 1% ({int(slow.sum())}), mean ms: {tail}"
+    line += f"; slowest 1% ({int(slow.sum())}), mean ms: {tail}"
+    late = np.array([r.get("dest_after_token0_ms") for r in recs
+                     if r.get("dest_after_token0_ms") is not None])
+    if late.size:  # a destination after token 0 holds the notice back: how often, how long
+        after = late[late > 0]
+        line += (f"; destination after token 0 for {after.size} of {late.size}"
+                 + (f", by p50 {np.median(after):.2f} p99 {np.percentile(after, 99):.2f} ms"
+                    if after.size else ""))
+        tail_late = [r.get("dest_after_token0_ms") or 0.0
+                     for r, s in zip(recs, slow, strict=True) if s]
+        line += f" (the slowest 1%: {np.mean(tail_late):.2f} ms mean)"
+    return line
 
 
 def hold_line(recs: list[dict]) -> str:

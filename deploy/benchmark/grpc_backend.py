@@ -45,6 +45,9 @@ def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
     if all(marks):
         rec.notice_sent_ms, rec.notice_wire_ms, rec.kv_copy_ms, rec.kv_poll_ms = (
             (b - a) / 1e6 for a, b in zip(marks, marks[1:], strict=False))
+    if t.router_destination_sent_ns and t.producer_token0_sampled_ns:
+        rec.dest_after_token0_ms = (t.router_destination_sent_ns
+                                    - t.producer_token0_sampled_ns) / 1e6
 
 
 class GrpcBackend(Backend):

@@ -130,7 +130,7 @@ def summarize(records: Sequence[RequestRecord], ctx: PointContext,
               "first_step_wait_ms": [r.first_step_wait_ms for r in ok
                                      if r.first_step_wait_ms is not None],
               **{name: [v for r in ok if (v := getattr(r, name)) is not None]
-                 for name in KV_READY_PARTS}}
+                 for name in (*KV_READY_PARTS, "dest_after_token0_ms")}}
     for name, values in series.items():
         m[name] = distribution(values, percentiles)
     return m

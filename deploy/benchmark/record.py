@@ -49,6 +49,10 @@ class RequestRecord:
     notice_wire_ms: float | None = None
     kv_copy_ms: float | None = None
     kv_poll_ms: float | None = None
+    # router sent the KV destination - producer sampled token 0: positive where the
+    # consumer's reservation reached the producer after token 0, which then holds the final
+    # notice (notice_sent_ms) until the destination is in
+    dest_after_token0_ms: float | None = None
     cached_tokens: int = 0  # usage: prompt tokens a worker's prefix cache held
     ideal_cached: int = 0  # what an infinite cache would have held (the workload's ideal)
 
@@ -104,5 +108,6 @@ class RequestRecord:
                 "first_step_wait_ms": self.first_step_wait_ms,
                 "notice_sent_ms": self.notice_sent_ms, "notice_wire_ms": self.notice_wire_ms,
                 "kv_copy_ms": self.kv_copy_ms, "kv_poll_ms": self.kv_poll_ms,
+                "dest_after_token0_ms": self.dest_after_token0_ms,
                 "cached_tokens": self.cached_tokens,
                 "ideal_cached": self.ideal_cached, "itl_ms": [ms(g) for g in self.itl]}

@@ -279,6 +279,8 @@ class RequestRun:
         """Tells the producer where the consumer's blocks are, then half-closes its input."""
         assert self.producer is not None
         await self.producer.send_destination(dest)
+        # the handoff's timing: a destination later than token 0 holds the notice back
+        self.out.timing.router_destination_sent_ns = time.time_ns()
 
     # -- the client's stream ---------------------------------------------------------------
 

@@ -110,3 +110,17 @@ def test_a_result_file_gets_the_kv_ready_line_only_where_every_part_came(tmp_pat
                                "notice sent p50 -1.00")
     assert "(4 requests)" in lines[2]
     assert "c=8:" in lines[3] and lines[4].startswith("  first gap, ")
+
+
+def test_the_kv_ready_line_counts_destinations_that_came_after_token0():
+    from itl_split import kv_ready_line
+    # 98 requests whose destination went 30 ms before token 0; two whose went 10 and 50 ms
+    # after it, the slower of them the slowest KV ready
+    early = {**_parted(25.0, (1.0, 0.5, 3.5, 20.0)), "dest_after_token0_ms": -30.0}
+    late = {**_parted(40.0, (16.0, 0.5, 3.5, 20.0)), "dest_after_token0_ms": 10.0}
+    later = {**_parted(80.0, (56.0, 0.5, 3.5, 20.0)), "dest_after_token0_ms": 50.0}
+    line = kv_ready_line([early] * 98 + [late, later])
+    assert line.endswith("; destination after token 0 for 2 of 100, by p50 30.00 p99 49.60 "
+                         "ms (the slowest 1%: 50.00 ms mean)")
+    # records without the stamp (an older router): no destination clause
+    assert "destination" not in kv_ready_line([_parted(25.0, (1.0, 0.5, 3.5, 20.0))] * 4)

@@ -101,6 +101,9 @@ def test_token0_reaches_the_client_before_the_consumer_decodes(cluster_1p1d):
             # whole, and the consumer's loop admitted the request
             assert t.producer_token0_sent_ns <= t.producer_notice_sent_ns \
                 <= t.consumer_notice_seen_ns <= t.consumer_kv_done_ns <= t.consumer_kv_ready_ns
+            # the router sent the consumer's reservation to the producer once it had it (its
+            # stamp follows the write's await, which the notice may beat on a busy loop)
+            assert t.router_received_ns < t.router_destination_sent_ns < t.consumer_kv_ready_ns
 
 
 def test_chat_input_is_tokenized_once_with_the_template(cluster_1p1d, colocated_llm):
