@@ -70,6 +70,20 @@ ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_lo
 
 
 @triton.jit
+def _store_tile_experts(bexp_ptr, t0, NUM_TILES, pad_end, total, es, num_local,
+                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr):
+    """block_expert for tiles t0 .. t0 + BLOCK_T: the local expert whose padded run holds
+    each tile's first row (the runs ending at or before it, counted), -1 past the runs.
+    pad_end [BLOCK_E]: each expert's padded run end; total: where the runs end."""
+    tiles = t0 + tl.arange(0, BLOCK_T)
+    starts = tiles * BLOCK_M
+    ended = (pad_end[None, :] <= starts[:, None]) & (es[None, :] < num_local)
+    ex = tl.sum(ended.to(tl.int32), axis=1)
+    ex = tl.where(starts < total, ex, -1)
+    tl.store(bexp_ptr + tiles, ex, mask=tiles < NUM_TILES)
+
+
+@triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, P, NUM_TILES, expert_start, num_local,
                   BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_T: tl.constexpr, PDL: tl.constexpr):
@@ -102,13 +116,8 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, P, NUM_TILES, expert_start, 
         tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=ok)
         cursor += tl.sum(onehot, axis=0)
     for t0 in range(0, NUM_TILES, BLOCK_T):
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        starts = tiles * BLOCK_M
-        # the expert whose padded run holds the tile's first row: runs ending at or before
-        ended = (pad_end[None, :] <= starts[:, None]) & (es[None, :] < num_local)
-        ex = tl.sum(ended.to(tl.int32), axis=1)
-        ex = tl.where(starts < total, ex, -1)
-        tl.store(bexp_ptr + tiles, ex, mask=tiles < NUM_TILES)
+        _store_tile_experts(bexp_ptr, t0, NUM_TILES, pad_end, total, es, num_local, BLOCK_M,
+                            BLOCK_T)
 
 
 def moe_align_triton(topk_ids: torch.Tensor, block_m: int, expert_start: int,
@@ -217,13 +226,8 @@ def _multi_place_kernel(ids_ptr, base_ptr, total_ptr, sorted_ptr, bexp_ptr, N, N
     pos = tl.sum((start[None, :] + before) * onehot, axis=1)  # [C]
     tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=e < BLOCK_E)
     for t0 in range(c * BLOCK_T, NUM_TILES, tl.num_programs(0) * BLOCK_T):
-        tiles = t0 + tl.arange(0, BLOCK_T)
-        starts = tiles * BLOCK_M
-        # the expert whose padded run holds the tile's first row: runs ending at or before
-        ended = (pad_end[None, :] <= starts[:, None]) & (es[None, :] < num_local)
-        ex = tl.sum(ended.to(tl.int32), axis=1)
-        ex = tl.where(starts < total, ex, -1)
-        tl.store(bexp_ptr + tiles, ex, mask=tiles < NUM_TILES)
+        _store_tile_experts(bexp_ptr, t0, NUM_TILES, pad_end, total, es, num_local, BLOCK_M,
+                            BLOCK_T)
 
 
 def moe_align_multi(topk_ids: torch.Tensor, block_m: int, expert_start: int,
