@@ -229,6 +229,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 if not r.known:
                     await self.register(token)
 
+    def stop_heartbeats(self) -> None:
+        """As a worker that deregistered (done) and exits: none follows, not even one that
+        was on its way (its answer, unknown, would register the worker again)."""
+        self.heartbeating = False
+        if self._hb is not None:
+            self._hb.cancel()
+
     async def kill(self) -> None:
         """Like a crashed process: the server goes away, streams break, heartbeats stop."""
         self.heartbeating = False

@@ -174,6 +174,9 @@ def test_deregister_stops_new_work_and_done_forgets_the_worker() -> None:
             for _ in range(4):
                 await cl.generate(max_tokens=2, temperature=0)
             assert len(p0.prefill_requests) == 0 and len(p1.prefill_requests) == 4
+            # a worker that said done exits: no heartbeat follows (the fake's would find p0
+            # unknown and register it again, as a restarted worker does; the suite saw it)
+            p0.stop_heartbeats()
             await mem.Deregister(router_pb2.DeregisterRequest(
                 worker_id="p0", cluster_token="tok", done=True))
             st = await cl.router.ClusterStatus(router_pb2.ClusterStatusRequest())
