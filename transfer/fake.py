@@ -187,8 +187,7 @@ class FakeReceiver(_FakeSide, KVReceiver):
                            "notices (token 0)", S.FAILED, "consumer refused: notices differ")
             return
         # as the network receiver: the notice that left last
-        rrec.notice = replace(rrec.finished[min(rrec.finished)],
-                              sent_ns=max(n.sent_ns for n in rrec.finished.values()))
+        rrec.notice = rrec.finished[min(rrec.finished)].sent_last(rrec.finished.values())
         self._end(rrec, S.DONE, None)
         for tx in rrec.links:
             trec = tx.recs.get(rrec.request_id)

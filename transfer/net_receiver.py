@@ -304,8 +304,8 @@ class NetReceiver(NetSide[RecvRecord], KVReceiver):
         # several producer ranks the KV is whole only once every one of them sent its part)
         first = parts[min(parts)].notice
         assert first is not None  # set with its part's total, by its FINISH
-        sent = max(p.notice.sent_ns if p.notice is not None else 0 for p in parts.values())
-        rec.total, rec.notice = rec.runs, replace(first, sent_ns=sent)
+        rec.total = rec.runs
+        rec.notice = first.sent_last(p.notice for p in parts.values())
         rec.notice_seen_ns = max(p.seen_ns for p in parts.values())
         self.finalize(rec, TransferStatus.DONE, None)
         for p in parts.values():

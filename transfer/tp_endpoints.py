@@ -105,10 +105,9 @@ def _all_done(first: TransferUpdate, every: Iterable[TransferUpdate]) -> Transfe
     """The DONE of a request whose every rank is DONE: the first rank's, with the handoff's
     stamps of the rank that got there last (the KV is whole only then)."""
     us = list(every)
-    sent = max(u.notice.sent_ns if u.notice is not None else 0 for u in us)
     return dataclasses.replace(
-        first, notice=None if first.notice is None else dataclasses.replace(
-            first.notice, sent_ns=sent),
+        first, notice=None if first.notice is None else first.notice.sent_last(
+            u.notice for u in us),
         notice_seen_ns=max(u.notice_seen_ns for u in us),
         kv_done_ns=max(u.kv_done_ns for u in us))
 

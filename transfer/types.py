@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Bumped whenever a control message changes shape; peers with another version refuse.
@@ -48,6 +49,12 @@ class TransferNotice:
     # each let it go, so it takes no part in comparing notices. On the wire it travels
     # beside the notice (``transfer.wire``: FINISH's optional ``notice_sent_ns``).
     sent_ns: int = field(default=0, compare=False)
+
+    def sent_last(self, notices: Iterable[TransferNotice | None]) -> TransferNotice:
+        """This notice stamped with the latest ``sent_ns`` among ``notices`` (the same
+        notice from several producer ranks: the KV is whole only once the last one left)."""
+        return replace(self, sent_ns=max((n.sent_ns for n in notices if n is not None),
+                                         default=self.sent_ns))
 
     def to_wire(self) -> list[Any]:
         """The notice's content (``sent_ns`` is a stamp: FINISH carries it beside)."""

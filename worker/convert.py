@@ -114,24 +114,16 @@ def add_tokens(into: Any, ev: TokensEvent) -> worker_pb2.Tokens:
         t.stop_reason = ev.stop_reason
     if ev.error:
         t.error = ev.error
-    if ev.kv_ready_ns:
+    if ev.kv_ready_ns:  # the handoff's other stamps come with it (0s serialize as nothing)
         t.kv_ready_ns = ev.kv_ready_ns
-        _handoff(t, ev)
+        t.notice_sent_ns = ev.notice_sent_ns
+        t.notice_seen_ns = ev.notice_seen_ns
+        t.kv_done_ns = ev.kv_done_ns
     if ev.first_step_ns:
         t.first_step_ns = ev.first_step_ns
     if ev.cached_tokens:
         t.cached_tokens = ev.cached_tokens
     return t
-
-
-def _handoff(t: worker_pb2.Tokens, ev: TokensEvent) -> None:
-    """The KV-ready part's stamps (a first message only: they come with kv_ready_ns)."""
-    if ev.notice_sent_ns:
-        t.notice_sent_ns = ev.notice_sent_ns
-    if ev.notice_seen_ns:
-        t.notice_seen_ns = ev.notice_seen_ns
-    if ev.kv_done_ns:
-        t.kv_done_ns = ev.kv_done_ns
 
 
 def tokens_pb(ev: TokensEvent) -> worker_pb2.Tokens:

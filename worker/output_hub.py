@@ -331,18 +331,13 @@ class OutputHub:
                 b.timed, b.kv_ready_ns, b.first_step_ns, b.cached_tokens, b.notice_sent_ns,
                 b.notice_seen_ns, b.kv_done_ns, strict=True):
             if (t := entries[i]) is not None:
-                if kv_ready:
+                if kv_ready:  # the handoff's other stamps come with it
                     t.kv_ready_ns = kv_ready
+                    t.notice_sent_ns, t.notice_seen_ns, t.kv_done_ns = sent, seen, done
                 if first_step:
                     t.first_step_ns = first_step
                 if cached:
                     t.cached_tokens = cached
-                if sent:
-                    t.notice_sent_ns = sent
-                if seen:
-                    t.notice_seen_ns = seen
-                if done:
-                    t.kv_done_ns = done
         if b.lp_counts:
             for t, rows in zip(entries, b.logprob_rows(), strict=True):
                 if t is not None and rows:

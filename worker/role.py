@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING
 from engine.outputs import RequestOutput, StepResult
 from worker.load_report import DPRankLoad, LoadReport, PrefixCacheLoad
 from worker.messages import Command, Event, ReadyInfo
-from worker.token_batch import Handoff, TokensBatchBuilder, TokensBatchEvent, TokensEvent
+from worker.token_batch import (
+    NO_HANDOFF,
+    Handoff,
+    TokensBatchBuilder,
+    TokensBatchEvent,
+    TokensEvent,
+)
 
 if TYPE_CHECKING:  # the engine (torch) loads in the engine process only, never the gRPC one
     from engine.llm_engine import LLMEngine
@@ -29,16 +35,11 @@ def tokens_batch(outputs: Iterable[RequestOutput],
     step (consumer): only a request's first message carries them."""
     b = TokensBatchBuilder()
     for out in outputs:
-        h = first_steps.pop(out.request_id, None) if first_steps else None
-        if h is None:
-            b.add(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs,
-                  out.finish_reason, stop_text(out.stop_reason), "", 0, 0,
-                  out.num_cached_tokens)
-        else:
-            b.add(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs,
-                  out.finish_reason, stop_text(out.stop_reason), "", h.kv_ready_ns,
-                  h.first_step_ns, out.num_cached_tokens, h.notice_sent_ns,
-                  h.notice_seen_ns, h.kv_done_ns)
+        h = (first_steps.pop(out.request_id, None) if first_steps else None) or NO_HANDOFF
+        b.add(out.request_id, out.new_token_ids, out.new_text, out.new_logprobs,
+              out.finish_reason, stop_text(out.stop_reason), "", h.kv_ready_ns,
+              h.first_step_ns, out.num_cached_tokens, h.notice_sent_ns, h.notice_seen_ns,
+              h.kv_done_ns)
     return b.build()
 
 

@@ -214,9 +214,8 @@ class EngineBridge:
         # woke the batches' writers) first, so each is ahead of its consumer's first decode
         # step, and the engine may let the transfer's final notice go (Token0SentCmd). It
         # is sent here, in the pass that routed them, not by each request's Prefill stream
-        # task: the engine holds its next prefill step up to TOKEN0_SENT_WAIT_S for it, and
-        # a task's wake-up on a busy loop missed that window (then the notice waited out a
-        # whole prefill step: the first gap's tail, bench/itl_split.py's KV-ready parts).
+        # task once it wakes: the engine holds its next prefill step (up to
+        # TOKEN0_SENT_WAIT_S) for it, and a busy loop's task wake-up is one hop more.
         if self._routed_token0s:
             for ev in self._routed_token0s:
                 if (q := self.queues.get(ev.rid)) is not None:

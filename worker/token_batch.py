@@ -46,6 +46,9 @@ class Handoff:
     first_step_ns: int = 0
 
 
+NO_HANDOFF = Handoff()  # a request's message after its first, or any but a consumer's
+
+
 @dataclass(frozen=True)
 class TokensBatchEvent:
     """One engine step's tokens for every request that got some, as parallel columns: one

@@ -50,7 +50,7 @@ class RequestRecord:
     kv_copy_ms: float | None = None
     kv_poll_ms: float | None = None
     # router sent the KV destination - producer sampled token 0: positive where the
-    # consumer's reservation reached the producer after token 0, which then holds the final
+    # consumer's reservation left the router after token 0; the producer holds the final
     # notice (notice_sent_ms) until the destination is in
     dest_after_token0_ms: float | None = None
     cached_tokens: int = 0  # usage: prompt tokens a worker's prefix cache held
