@@ -20,6 +20,9 @@
 # ROUTER_ARGS / DOOR: extra router flags, and the port the clients use (default 50051, the
 # grpc.aio door), e.g. ROUTER_ARGS="--grpc-stream-port 50052" DOOR=50052 for the
 # hand-framed gRPC door (about half the router's CPU per token), or "--frontends 4"
+# WORKER_ARGS: extra flags for every worker, e.g. "--simulate-step-ms 10
+# --simulate-prefill-us-per-token 20" for simulated engines (the host free while a step
+# "runs", as on a GPU: a CPU dry run of what the GPU's step overlap changes)
 # CONSUMER_ARGS: extra consumer flags, e.g. "--no-launch-pacing" (the launch at once, as
 # before worker/launch_pacer.py)
 set -uo pipefail
@@ -35,6 +38,8 @@ python3 -m deploy.benchmark.dummy_model "$M" --preset "$preset" || exit 1
 common=(--model "$M" --load-format dummy --device "$dev" --max-model-len 4096
         --max-num-batched-tokens 2048 --max-num-seqs 512)
 [ "$dev" = cpu ] || common+=(--dtype bfloat16)
+# shellcheck disable=SC2206 # WORKER_ARGS: several flags
+common+=(${WORKER_ARGS:-})
 n() { if [ "$NUM" -gt 0 ] && [ "$NUM" -lt "$1" ]; then echo "$NUM"; else echo "$1"; fi; }
 
 start_router() {

@@ -99,6 +99,12 @@ class LLMEngine(PrefixCacheQueries):
         # (worker/launch_pacer.py): when it was entered and its step launched (0: none was),
         # and when the step it read was launched and read (0: none was).
         self.timing = StepTiming()
+        # Called over and over while a step that is read at once (a producer's: the engine
+        # does not defer) still runs on the device, in place of blocking in the read, with
+        # the seconds left when known (0: not): the worker's loop takes the router's
+        # commands meanwhile (WorkerLoop.during_step). It must not add requests or change
+        # this step's.
+        self.device_wait: Callable[[float], None] | None = None
 
     @property
     def defers_output(self) -> bool:
@@ -328,6 +334,9 @@ class LLMEngine(PrefixCacheQueries):
             self._unread[self._step_id] = {c.request.request_id: (c.request, c.start + c.num_tokens)
                                            for c in sched.chunks}
         if not self.defers_output:
+            if launched is not None and self.device_wait is not None:
+                while not launched.out.ready():
+                    self.device_wait(launched.out.left_s())
             outputs = self._process(launched) if launched else []
         else:
             outputs = self._process(self._inflight) if self._inflight else []

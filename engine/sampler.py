@@ -74,6 +74,15 @@ class SamplerOutput:
         self._ready = torch.cuda.Event()
         self._ready.record()
 
+    def ready(self) -> bool:
+        """True once reading the fields would not wait: the step and its copies are done
+        (always on CPU, where the forward ran on the host)."""
+        return self._ready is None or self._ready.query()
+
+    def left_s(self) -> float:
+        """Seconds until ``ready`` when known ahead (a simulated step's); 0: not known."""
+        return 0.0
+
     def _get(self, name: str) -> torch.Tensor | None:
         if self._host is None:
             return self._dev[name]

@@ -83,6 +83,12 @@ class SimOutput(SamplerOutput):
         super().__init__(token_ids, logprobs, top_ids, top_logprobs)
         self.done_at = done_at  # time.monotonic() when the step's "forward" ends
 
+    def ready(self) -> bool:
+        return time.monotonic() >= self.done_at and super().ready()
+
+    def left_s(self) -> float:
+        return max(0.0, self.done_at - time.monotonic())
+
     def _get(self, name: str) -> torch.Tensor | None:
         wait = self.done_at - time.monotonic()
         if wait > 0:  # the host sync of a step still running

@@ -205,6 +205,11 @@ class ProducerHandler(RoleHandler):
             o.token0_at = time.monotonic()
             self._push_ready(o)
 
+    def takes_during_step(self, cmd: Command) -> bool:
+        """A destination, a hold or a token-0 confirmation only moves a transfer on (pushes
+        blocks final before the step, sends a notice): none touches the step's requests."""
+        return isinstance(cmd, DestinationCmd | HoldCmd | Token0SentCmd)
+
     def command_wait_ms(self) -> int:
         """The final notice of a request whose blocks are all pushed waits only for its
         Token0SentCmd, a round trip through the gRPC process (about a millisecond). Waiting

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import multiprocessing
 import os
 import signal
@@ -24,6 +25,7 @@ from worker.kv_forward import KVEventForwarder
 from worker.launch_pacer import LaunchPacer
 from worker.load_report import HeldRow, LoadReport
 from worker.messages import (
+    Command,
     Event,
     FatalEvent,
     MessageError,
@@ -45,6 +47,10 @@ log = logging.getLogger("pdserve.worker")
 # every half second keeps what a heartbeat carries at most that old; each one costs the
 # engine a report of every held request and the gRPC process its decode, idle or not.
 STATS_INTERVAL_S = 0.5
+# How long the loop sleeps between looks at the command socket and the device while a
+# step that is read at once runs (WorkerLoop.during_step): what it may add to the step's
+# end. A sleep leaves the GIL to the transfer threads, as the blocking read would.
+DURING_STEP_POLL_S = 50e-6
 # Rows of held requests per load report (GET /debug/requests); the oldest first, since
 # those are the ones an operator looks for.
 MAX_LISTED_REQUESTS = 500
@@ -92,30 +98,77 @@ class WorkerLoop:
         handler.flush_events = self.outbox.flush
         self.kv_events = KVEventForwarder(self.engine, self.outbox.emit)
         self.gc = gc_pauses()
+        # commands read during a step that wait for its end, in the order they came
+        self._held: list[Command] = []
+        if not self.engine.defers_output:
+            self.engine.device_wait = self.during_step
+
+    def during_step(self, left_s: float) -> None:
+        """While the device runs a step the engine reads at once (a producer's), applies
+        the commands the role takes then: a destination that came after token 0's step
+        otherwise waited for the whole next prefill step before its final notice could
+        leave. Everything else is held, in order, for the next drain. left_s: when the
+        device knows how long it still runs (a simulated one), the loop sleeps in the
+        poll until a command comes or about then, not in short naps."""
+        if left_s > 2 * DURING_STEP_POLL_S:
+            self.poller.poll(max(0, math.floor(left_s * 1e3)))
+        applied = False
+        while True:
+            try:
+                data = self.commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self._decode(data)
+            if msg is None:
+                continue
+            if self._held or isinstance(msg, StopCmd) or not self.handler.takes_during_step(msg):
+                self._held.append(msg)
+            else:
+                self.handler.on_command(msg)
+                applied = True
+        if applied:
+            self.outbox.flush()  # e.g. a failed destination's answer
+        time.sleep(DURING_STEP_POLL_S)
+
+    def _decode(self, data: bytes) -> Command | None:
+        try:
+            msg = decode(data)
+        except MessageError as e:  # one bad message must not stop every request
+            log.error("dropped a bad command: %s", e)
+            return None
+        if isinstance(msg, Event):
+            log.error("dropped a bad command: %s is an event", type(msg).KIND)
+            return None
+        return msg
+
+    def _apply(self, msg: Command) -> None:
+        if isinstance(msg, StopCmd):
+            self.running = False
+        else:
+            self.handler.on_command(msg)
 
     def _drain_commands(self, timeout_ms: int) -> bool:
         """Applies every queued command, waiting up to timeout_ms for the first; False when
         none came."""
         self.outbox.flush()  # what earlier commands emitted does not wait for the next
-        if not self.poller.poll(timeout_ms):
+        if self._held:  # read during the last step: they came first
+            held, self._held = self._held, []
+            for cmd in held:
+                self._apply(cmd)
+                if not self.running:
+                    return True
+        elif not self.poller.poll(timeout_ms):
             return False
         while True:
             try:
                 data = self.commands.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return True
-            try:
-                msg = decode(data)
-            except MessageError as e:  # one bad message must not stop every request
-                log.error("dropped a bad command: %s", e)
+            if (msg := self._decode(data)) is None:
                 continue
-            if isinstance(msg, StopCmd):
-                self.running = False
+            self._apply(msg)
+            if not self.running:
                 return True
-            if isinstance(msg, Event):
-                log.error("dropped a bad command: %s is an event", type(msg).KIND)
-                continue
-            self.handler.on_command(msg)
 
     def turn(self) -> None:
         busy = self.engine.has_unfinished()

@@ -78,6 +78,13 @@ class RoleHandler(abc.ABC):
     def after_step(self) -> None:  # noqa: B027 - optional hook
         """Runs after every loop turn: transfers, leases, queued reservations."""
 
+    def takes_during_step(self, cmd: Command) -> bool:
+        """True for a command the role applies while its engine's step still runs on the
+        device (LLMEngine.device_wait), rather than after it. Such a command must touch
+        neither the engine's requests nor the running step; every command queued behind
+        one that waits waits too, so they still apply in the order sent."""
+        return False
+
     def command_wait_ms(self) -> int:
         """How long the loop should wait for a command before launching the next step (a
         reply the role expects within moments that would otherwise wait a whole step)."""

@@ -204,3 +204,28 @@ def test_every_command_passes_the_flag(model_dir):
                                       "--simulate-prefill-us-per-token", "2"])
     with pytest.raises(ValueError, match="^--simulate-prefill-us-per-token: needs"):
         build_targets(args)
+
+
+def test_a_producer_step_lets_the_caller_work_until_the_simulated_device_is_done(model_dir):
+    """A producer reads each step at once; while the simulated step still "runs" the engine
+    calls ``device_wait`` (the worker's loop takes commands then) instead of blocking."""
+    eng = sim_llm(model_dir, step_ms=50, role="producer").engine
+    assert not eng.defers_output
+    looks: list[float] = []
+    lefts: list[float] = []
+
+    def look(left_s: float) -> None:
+        looks.append(time.monotonic())
+        lefts.append(left_s)
+        time.sleep(0.001)
+
+    eng.device_wait = look
+    eng.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4))
+    t0 = time.monotonic()
+    step = eng.step()
+    took = time.monotonic() - t0
+    assert [o.request_id for o in step.outputs] == ["r"]  # token 0, read once done
+    assert took >= 0.05
+    assert len(looks) >= 10 and looks[-1] - t0 >= 0.04  # called throughout the step
+    # with the simulated device's own count of what is left, falling to the end
+    assert 0.03 < lefts[0] <= 0.05 and lefts == sorted(lefts, reverse=True)

@@ -21,6 +21,7 @@ from worker.token_batch import TokensEvent
 class RecordingRole:
     def __init__(self) -> None:
         self.engine = SimpleNamespace(has_unfinished=lambda: False, held_requests=lambda: [],
+                                      defers_output=True,
                                       drain_kv_events=lambda: [])
         self.commands: list[Command] = []
 
@@ -90,6 +91,7 @@ class WaitingRole(RecordingRole):
         super().__init__()
         self.order: list[str] = []
         self.engine = SimpleNamespace(has_unfinished=lambda: True, held_requests=lambda: [],
+                                      defers_output=True,
                                       step=lambda: self.order.append("step") or StepResult(),
                                       drain_kv_events=lambda: [])
 

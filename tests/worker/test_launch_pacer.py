@@ -88,6 +88,7 @@ class Device:
         self.launches = 0
         self.held_requests = list
         self.drain_kv_events = list
+        self.defers_output = True  # a consumer's: the paced kind
 
     @property
     def has_inflight(self) -> bool:

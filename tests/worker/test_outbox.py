@@ -39,6 +39,7 @@ class PhasedRole:
     def __init__(self, outbox: EventOutbox) -> None:
         self.emit = outbox.emit
         self.engine = SimpleNamespace(has_unfinished=lambda: True, held_requests=lambda: [],
+                                      defers_output=True,
                                       step=lambda: StepResult(), drain_kv_events=lambda: [])
 
     def on_command(self, cmd: Command) -> None:
