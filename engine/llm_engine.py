@@ -319,9 +319,13 @@ class LLMEngine(PrefixCacheQueries):
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         launched: InflightStep | None = None
+        written: torch.cuda.Event | None = None
         if sched.chunks:
             self._step_id += 1
             samplers, out = self.runner.execute(sched.chunks, self._inflight)
+            if self.device.type == "cuda" and not self.defers_output:  # a producer's pushes
+                written = torch.cuda.Event()
+                written.record()
             self.scheduler.commit(sched)
             if self.trace:
                 self.trace("launch", self._step_id)
@@ -341,10 +345,11 @@ class LLMEngine(PrefixCacheQueries):
         else:
             outputs = self._process(self._inflight) if self._inflight else []
             self._inflight = launched
-        return self._result(outputs, sched)
+        return self._result(outputs, sched, written)
 
-    def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput) -> StepResult:
-        res = StepResult(outputs)
+    def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput,
+                kv_written: object | None = None) -> StepResult:
+        res = StepResult(outputs, kv_written=kv_written)
         res.reserved = {r.request_id: list(r.block_ids) for r in sched.reserved}
         res.reserved_cached = {r.request_id: r.num_registered_blocks for r in sched.reserved
                                if r.num_registered_blocks}

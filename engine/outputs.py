@@ -51,6 +51,11 @@ class StepResult:
     # preemption); all of them once token 0 is out
     final_blocks: dict[str, int] = field(default_factory=dict)
     finished: list[str] = field(default_factory=list)  # requests whose last output was here
+    # A CUDA event recorded right after this step's kernels (None on CPU, or without a
+    # step): the KV the step wrote, final_blocks' included, is complete once it has. A
+    # producer's pushes wait for it rather than for the stream's work so far, which, for a
+    # push made while the next step runs (LLMEngine.device_wait), is that step too.
+    kv_written: object | None = None
 
 
 @dataclass(frozen=True)

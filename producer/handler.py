@@ -104,6 +104,9 @@ class ProducerHandler(RoleHandler):
         # step this turn, so it did just before after_step); what leases are judged at
         self._listened_at = 0.0
         self._judged_at = 0.0  # the time the last after_step judged leases at
+        # The last step's StepResult.kv_written: every block counted final so far is written
+        # once it has, and a push made during the next step waits for it alone.
+        self._kv_written: object | None = None
         self.lease_expiries = 0
         # Cumulative counters for the worker's /metrics (sent with every load report).
         self.kv_bytes_sent = 0
@@ -168,6 +171,7 @@ class ProducerHandler(RoleHandler):
     # ---- engine outputs -----------------------------------------------------------------
 
     def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
+        self._kv_written = step.kv_written
         for rid, n in step.final_blocks.items():
             if (o := self.out.get(rid)) is not None:
                 o.final = n
@@ -241,7 +245,7 @@ class ProducerHandler(RoleHandler):
                                  # set by the first push and not moved: it must also
                                  # cover the chunks still to compute and a late ack
                                  deadline=time.monotonic() + self.lease_s
-                                 + self.cfg.transfer_timeout_s)
+                                 + self.cfg.transfer_timeout_s, after=self._kv_written)
                 self.kv_bytes_sent += (upto - o.pushed) * self.engine.layout.block_nbytes
                 o.pushed = upto
             if o.phase is TransferPhase.RELEASED:

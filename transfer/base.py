@@ -98,7 +98,8 @@ class KVSender(_Side):
 
     @abc.abstractmethod
     def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             after: object | None = None) -> None:
         """Queues src blocks -> dst blocks (one message per contiguous run).
 
         Between workers of different TP each rank pushes to every consumer rank
@@ -107,7 +108,10 @@ class KVSender(_Side):
 
         The first push of a request creates its record with ``deadline`` (a
         ``time.monotonic()`` value; default now + config.transfer_timeout_s). On CUDA the
-        current stream's work on the source blocks is awaited before bytes move."""
+        current stream's work on the source blocks is awaited before bytes move: all of it
+        so far, or, given ``after`` (a torch.cuda.Event recorded after the kernels that
+        wrote them), only that, so a push made while a later step runs need not wait for
+        it (StepResult.kv_written)."""
 
     @abc.abstractmethod
     def finish(self, request_id: str, notice: TransferNotice) -> None:

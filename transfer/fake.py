@@ -211,7 +211,8 @@ class FakeSender(_FakeSide, KVSender):
             rx.peers.add(self)
 
     def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             after: object | None = None) -> None:
         self.pool.check_ids(src_block_ids, "src_block_ids")
         runs = block_runs(src_block_ids, dst_block_ids)
         with _LOCK:

@@ -89,14 +89,15 @@ class NetSender(SenderConnections, KVSender):
             raise TransferError(f"connect {address}: no handshake reply in {timeout} s") from None
 
     def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             after: object | None = None) -> None:
         self.pool.check_ids(src_block_ids, "src_block_ids")
         runs = block_runs(src_block_ids, dst_block_ids)
         prev = self._mirror_new(request_id)
         if prev is not None and prev.terminal:
             raise TransferError(f"push({request_id!r}): transfer already {prev.name}")
         dl = deadline if deadline is not None else time.monotonic() + self.config.transfer_timeout_s
-        self._enqueue(lambda: self._push(request_id, peer, runs, dl))
+        self._enqueue(lambda: self._push(request_id, peer, runs, dl), after=after)
 
     def finish(self, request_id: str, notice: TransferNotice) -> None:
         if notice.request_id != request_id:
@@ -114,15 +115,19 @@ class NetSender(SenderConnections, KVSender):
 
         return self.call_sync(count, timeout=10.0)  # type: ignore[no-any-return]
 
-    def _enqueue(self, fn: Callable[[], None], moves_bytes: bool = True) -> None:
+    def _enqueue(self, fn: Callable[[], None], moves_bytes: bool = True,
+                 after: object | None = None) -> None:
         """Runs ``fn`` on the I/O thread after everything queued before it; a push also
-        waits for the caller's CUDA work so far (the kernels that wrote its blocks)."""
-        event = None
+        waits for the kernels that wrote its blocks: ``after``, or the caller's CUDA work
+        so far."""
+        event: Any = None
         if self.pool.is_cuda and moves_bytes:
-            import torch
+            event = after
+            if event is None:
+                import torch
 
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.pool.tensor.device))
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.pool.tensor.device))
 
         def queue() -> None:
             self._queue.append((event, fn))

@@ -83,7 +83,10 @@ class TPSender(TPEndpoints, KVSender):
             self.sender.connect(a, timeout)
 
     def push(self, request_id: str, peer: str, src_block_ids: Sequence[int],
-             dst_block_ids: Sequence[int], deadline: float | None = None) -> None:
+             dst_block_ids: Sequence[int], deadline: float | None = None,
+             after: object | None = None) -> None:
+        """``after`` is rank 0's event: the other ranks' pushes wait for their own
+        stream's work so far."""
         addresses = split_addresses(peer)
         rec = self.recs.get(request_id)
         new = rec is None
@@ -97,7 +100,8 @@ class TPSender(TPEndpoints, KVSender):
                 for a in self._targets(0, addresses, request_id):
                     if self.data_parallel:  # idempotent: a handshake only the first time
                         self.sender.connect(a)
-                    self.sender.push(request_id, a, src_block_ids, dst_block_ids, deadline)
+                    self.sender.push(request_id, a, src_block_ids, dst_block_ids, deadline,
+                                     after)
         except BaseException:
             if new:  # nothing else went out: no record anywhere
                 del self.recs[request_id]

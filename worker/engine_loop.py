@@ -100,6 +100,9 @@ class WorkerLoop:
         self.gc = gc_pauses()
         # commands read during a step that wait for its end, in the order they came
         self._held: list[Command] = []
+        # for the log's window line: looks at a running step, and commands taken then
+        self.device_looks = self.taken_during_steps = 0
+        self._logged = (0, 0)
         if not self.engine.defers_output:
             self.engine.device_wait = self.during_step
 
@@ -110,6 +113,7 @@ class WorkerLoop:
         leave. Everything else is held, in order, for the next drain. left_s: when the
         device knows how long it still runs (a simulated one), the loop sleeps in the
         poll until a command comes or about then, not in short naps."""
+        self.device_looks += 1
         if left_s > 2 * DURING_STEP_POLL_S:
             self.poller.poll(max(0, math.floor(left_s * 1e3)))
         applied = False
@@ -125,6 +129,7 @@ class WorkerLoop:
                 self._held.append(msg)
             else:
                 self.handler.on_command(msg)
+                self.taken_during_steps += 1
                 applied = True
         if applied:
             self.outbox.flush()  # e.g. a failed destination's answer
@@ -198,6 +203,11 @@ class WorkerLoop:
             self.outbox.emit(StatsEvent(load_report(self.handler, self.steps)))
             if (line := self.steps.window_line(gc_pause_s=self.gc.max_s)) is not None:
                 self.gc.take_max()
+                if self.engine.device_wait is not None:
+                    looks, taken = self._logged
+                    self._logged = (self.device_looks, self.taken_during_steps)
+                    line += (f", {self.device_looks - looks} looks at running steps, "
+                             f"{self.taken_during_steps - taken} commands taken during them")
                 log.info("%s", line)
         # the step's tokens and ends, what after_step polled, the cache events and the
         # load report: one message

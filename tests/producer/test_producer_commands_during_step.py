@@ -156,7 +156,8 @@ def test_a_destination_sent_during_a_step_releases_the_notice_before_the_step_en
     start = time.monotonic()
     p.loop.turn()
     assert time.monotonic() - start >= BUSY_S  # the step did wait for the "device"
-    assert p.looks > 1
+    assert p.looks > 1 and p.loop.device_looks == p.looks - 1  # the last look: ready
+    assert p.loop.taken_during_steps == 1
     # the notice left while the step was still running, not after it
     assert seen == {"phase": TransferPhase.NOTIFIED, "other": RequestState.PREFILLING}
     # and the request decodes on the consumer exactly as colocated
@@ -185,6 +186,7 @@ def test_commands_behind_one_that_waits_keep_their_order(producer, tiny_llama, c
     with caplog.at_level(logging.ERROR, "pdserve.worker"):
         p.loop.turn()
     assert seen == {"phase": TransferPhase.RELEASED_AWAITING_DEST, "queued": False}
+    assert p.loop.taken_during_steps == 0
     assert "dropped a bad command" in caplog.text
     p.loop.turn()  # the next drain applies both, in order
     assert "queued" in p.engine.requests
