@@ -29,8 +29,9 @@ from engine.prefix_queries import PrefixCacheQueries
 from engine.request import PLACEHOLDER, LogprobRow, Request
 from engine.request_intake import check_new, check_prior, resume_after
 from engine.request_state import RequestState
+from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 from engine.sim_runner import make_runner
 from engine.step_timing import StepTiming
 from engine.stop_check import check_stop, streamable_len
@@ -105,6 +106,10 @@ class LLMEngine(PrefixCacheQueries):
         # commands meanwhile (WorkerLoop.during_step). It must not add requests or change
         # this step's.
         self.device_wait: Callable[[float], None] | None = None
+        # ... and between the decoder layers of such a step's eager forward, whose host
+        # launches take longer than its kernels (bench/RESULTS.md, "The short cached
+        # prefill on one H200"): the same commands, taken without waiting.
+        self.between_launches: Callable[[], None] | None = None
 
     @property
     def defers_output(self) -> bool:
@@ -322,7 +327,7 @@ class LLMEngine(PrefixCacheQueries):
         written: torch.cuda.Event | None = None
         if sched.chunks:
             self._step_id += 1
-            samplers, out = self.runner.execute(sched.chunks, self._inflight)
+            samplers, out = self._execute(sched.chunks)
             if self.device.type == "cuda" and not self.defers_output:  # a producer's pushes
                 written = torch.cuda.Event()
                 written.record()
@@ -346,6 +351,17 @@ class LLMEngine(PrefixCacheQueries):
             outputs = self._process(self._inflight) if self._inflight else []
             self._inflight = launched
         return self._result(outputs, sched, written)
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput]:
+        model = getattr(self.runner, "model", None)  # a simulated engine has none
+        hook = self.between_launches if not self.defers_output else None
+        if hook is None or model is None:
+            return self.runner.execute(chunks, self._inflight)
+        model.between_layers = hook
+        try:
+            return self.runner.execute(chunks, self._inflight)
+        finally:
+            model.between_layers = None
 
     def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput,
                 kv_written: object | None = None) -> StepResult:

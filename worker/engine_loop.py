@@ -105,6 +105,7 @@ class WorkerLoop:
         self._logged = (0, 0)
         if not self.engine.defers_output:
             self.engine.device_wait = self.during_step
+            self.engine.between_launches = self.take_commands
 
     def during_step(self, left_s: float) -> None:
         """While the device runs a step the engine reads at once (a producer's), applies
@@ -116,6 +117,14 @@ class WorkerLoop:
         self.device_looks += 1
         if left_s > 2 * DURING_STEP_POLL_S:
             self.poller.poll(max(0, math.floor(left_s * 1e3)))
+        self.take_commands()
+        time.sleep(DURING_STEP_POLL_S)
+
+    def take_commands(self) -> None:
+        """The commands queued now, as ``during_step`` takes them, without waiting: also
+        called between the decoder layers of a step's eager launch."""
+        if not int(self.commands.get(zmq.EVENTS)) & zmq.POLLIN:  # type: ignore[arg-type]
+            return  # the common case, per layer: one flag read
         applied = False
         while True:
             try:
@@ -133,7 +142,6 @@ class WorkerLoop:
                 applied = True
         if applied:
             self.outbox.flush()  # e.g. a failed destination's answer
-        time.sleep(DURING_STEP_POLL_S)
 
     def _decode(self, data: bytes) -> Command | None:
         try:

@@ -52,6 +52,7 @@ class _DeepseekDense(LlamaForCausalLM):
         self.dp_step = DPForward()
         self.followers = None
         self.quant = None  # an FP8 checkpoint's scheme while it loads (as LlamaForCausalLM)
+        self.between_layers = None  # the producer's command hook (as LlamaForCausalLM)
         self.embed_tokens = VocabParallelEmbedding(sh, cfg.vocab_size, cfg.hidden_size, g)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, kernels, sh, g, self.make_mlp(i),

@@ -3,7 +3,7 @@ SmolLM2. Tokens of every request in a step are packed into one flat [T, hidden] 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -174,6 +174,11 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(
             "cos_sin", cos_sin_table(cfg.head_dim, max_positions, cfg.rope_theta, scaling),
             persistent=False)
+        # Called after each decoder layer's launches in an eager forward (LLMEngine sets it
+        # for a producer's step alone, never while graphs capture): the host's launches are
+        # most of an eager prefill step, and the worker loop takes the router's commands
+        # between them rather than after the whole step.
+        self.between_layers: Callable[[], None] | None = None
 
     def make_mlp(self, layer: int) -> nn.Module | None:
         """Layer `layer`'s MLP; None: the dense one. A family with other MLPs (MoE)
@@ -189,8 +194,11 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [T]; kv_cache: [NB, L, 2, BS, Hkv, D]. Returns [T, hidden]."""
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
+        between = self.between_layers
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, self.cos_sin, kv_cache[:, i], meta)
+            if between is not None:
+                between()
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -204,3 +204,39 @@ def test_a_stop_during_a_step_ends_the_loop_after_it(producer):
     assert p.of("one", Token0Event)  # the step's token 0 went out
     p.loop.turn()
     assert not p.loop.running
+
+
+def test_a_destination_sent_while_the_step_launches_is_taken_between_layers(producer,
+                                                                            tiny_llama):
+    """An eager forward's host launches are most of a producer's step on a GPU (and all of
+    it on CPU): the loop also takes commands between decoder layers, not only once the
+    launch has returned."""
+    p = producer
+    _token0_out(p, "late")
+    _c, r = _reservation(tiny_llama, "late")
+    layer0 = p.engine.runner.model.layers[0]
+    real_forward = layer0.forward
+    sent: list[bool] = []
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        out = real_forward(*a, **kw)
+        if not sent:  # the router sends while this step launches (a long layer)
+            sent.append(True)
+            p.send(DestinationCmd("late", "c0", r.kv_address, r.block_ids))
+            time.sleep(0.2)
+        return out
+
+    layer0.forward = forward
+    seen: dict[str, Any] = {}
+    real_outputs = p.handler.on_outputs
+
+    def on_outputs(*a: Any, **kw: Any) -> None:
+        seen.setdefault("phase", p.handler.out["late"].phase)  # as the step ends
+        real_outputs(*a, **kw)
+
+    p.handler.on_outputs = on_outputs  # type: ignore[method-assign]
+    p.send(PrefillCmd("other", tuple(OTHER), SamplingParams(max_tokens=1), 0))
+    p.loop.turn()
+    assert sent and seen == {"phase": TransferPhase.NOTIFIED}
+    assert p.loop.taken_during_steps == 1 and p.loop.device_looks == 0  # CPU: no wait
+    assert p.engine.runner.model.between_layers is None  # set for the step alone
