@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import zmq
 from tiny_models import make_tiny_model
 
 from consumer.handler import ConsumerHandler
@@ -19,7 +20,10 @@ from engine.llm_engine import LLMEngine
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
 from producer.handler import ProducerHandler
+from worker import ipc
+from worker.engine_loop import WorkerLoop
 from worker.messages import (
+    Command,
     DecodeCmd,
     DestinationCmd,
     Event,
@@ -28,6 +32,7 @@ from worker.messages import (
     Token0Event,
     Token0SentCmd,
     TransferResultEvent,
+    encode,
 )
 from worker.role import RoleHandler
 from worker.token_batch import TokensBatchEvent, TokensEvent
@@ -152,3 +157,41 @@ class PD:
         """Closes both sides' transfer endpoints (a real backend's threads and ports)."""
         self.producer.close()
         self.consumer.close()
+
+
+class LoopProducer:
+    """A producer's engine process without the process: the real ``WorkerLoop`` and its ZMQ
+    command socket, a real engine, the fake transfer. ``send`` is what its gRPC process does
+    with the router's messages."""
+
+    def __init__(self, path: str, lease_s: float, **engine_kw: Any) -> None:
+        self.paths = ipc.IpcPaths.fresh()
+        self.ctx = zmq.Context()
+        pull = ipc.bind_pull(self.ctx, self.paths.commands)
+        self.push = ipc.connect_push(self.ctx, self.paths.commands)
+        ipc.bind_pull(self.ctx, self.paths.events)  # takes the loop's load reports
+        reports = ipc.connect_push(self.ctx, self.paths.events)
+        self.events: list[Event] = []
+        self.engine = engine(path, "producer", **engine_kw)
+        self.handler = ProducerHandler(self.engine, self.events.append, FAKE, lease_s)
+        self.loop = WorkerLoop(self.handler, pull, reports)
+
+    def send(self, cmd: Command | bytes) -> None:
+        self.push.send(cmd if isinstance(cmd, bytes) else encode(cmd))
+
+    def of(self, rid: str, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind) and e.rid == rid]
+
+    def close(self) -> None:
+        self.handler.close()
+        self.ctx.destroy(linger=0)
+        self.paths.cleanup()
+
+
+def until(cond: Callable[[], bool], *turns: Callable[[], None], limit_s: float = 60) -> None:
+    """Runs the turns in order until ``cond()``; fails past limit_s."""
+    end = time.monotonic() + limit_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached"
+        for turn in turns:
+            turn()

@@ -17,8 +17,6 @@ import argparse
 import os
 import sys
 import time
-import traceback
-import warnings
 from typing import Any
 
 import torch
@@ -26,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.prefix_step_bench import producer_engine  # noqa: E402
+from bench.probes.sync_watch import syncs_in  # noqa: E402
 from engine.request_state import RequestState  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -86,21 +85,9 @@ def main() -> None:
             f"looks {r['looks']}, launch returned {r['launch_ms']:.2f} ms, "
             f"step {r['step_ms']:.2f} ms"
             for r in rows))
-    syncs: list[str] = []
-
-    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-        frames = [f"{fr.filename.split('/work/')[-1]}:{fr.lineno} {fr.name}"
-                  for fr in traceback.extract_stack()[:-1]
-                  if "/engine/" in fr.filename or "/kernels/" in fr.filename]
-        syncs.append(f"{str(message)[:80]} <- " + " | ".join(frames[-5:]))
-
-    warnings.showwarning = show
-    warnings.simplefilter("always")
     for name, (n, length) in SHAPES.items():
-        syncs.clear()
-        torch.cuda.set_sync_debug_mode("warn")
-        _steps(engine, n, length, f"sync{name}", gen)
-        torch.cuda.set_sync_debug_mode(0)
+        syncs = syncs_in(lambda n=n, length=length, name=name: _steps(
+            engine, n, length, f"sync{name}", gen), frames=5)
         lines.append(f"\n==== {name}: host<->device syncs ({len(syncs)})")
         lines += syncs[:40]
     text = "\n".join(lines) + "\n"

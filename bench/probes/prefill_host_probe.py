@@ -18,8 +18,6 @@ import io
 import os
 import pstats
 import sys
-import traceback
-import warnings
 
 import torch
 
@@ -32,6 +30,7 @@ from bench.prefix_step_bench import (  # noqa: E402
     _tokens,
     producer_engine,
 )
+from bench.probes.sync_watch import syncs_in  # noqa: E402
 
 
 def main() -> None:
@@ -61,19 +60,7 @@ def main() -> None:
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats(key).print_stats(45)
         out.write(f"\n==== by {key}\n{s.getvalue()}")
-    syncs: list[str] = []
-
-    def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-        frames = [f"{fr.filename.split('/work/')[-1]}:{fr.lineno} {fr.name}"
-                  for fr in traceback.extract_stack()[:-1]
-                  if "/engine/" in fr.filename or "/kernels/" in fr.filename]
-        syncs.append(f"{str(message)[:80]} <- " + " | ".join(frames[-4:]))
-
-    warnings.showwarning = show
-    warnings.simplefilter("always")
-    torch.cuda.set_sync_debug_mode("warn")
-    run()
-    torch.cuda.set_sync_debug_mode(0)
+    syncs = syncs_in(run)
     out.write(f"\n==== host<->device syncs in one cached step ({len(syncs)})\n")
     for line in syncs:
         out.write(line + "\n")

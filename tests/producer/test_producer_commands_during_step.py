@@ -20,30 +20,24 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import zmq
-from role_harness import FAKE, Side, engine
+from role_harness import FAKE, LoopProducer, Side, engine, until
 from tiny_models import PROMPTS
 
 from consumer.handler import ConsumerHandler
 from engine.llm import LLM
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from producer.handler import ProducerHandler
 from producer.transfer_phase import TransferPhase
-from worker import ipc
-from worker.engine_loop import WorkerLoop
 from worker.messages import (
     Command,
     DecodeCmd,
     DestinationCmd,
-    Event,
     PrefillCmd,
     ReservedEvent,
     StopCmd,
     Token0Event,
     Token0SentCmd,
     TransferResultEvent,
-    encode,
 )
 from worker.token_batch import TokensEvent
 
@@ -52,24 +46,12 @@ BUSY_S = 0.5  # how long each stretched step's ids stay unread on the "device"
 OTHER = list(range(10, 34))  # 24 tokens: another request, whose step the commands come in
 
 
-class Producer:
-    """A producer's engine process without the process: the real loop and command socket."""
+class Producer(LoopProducer):
+    """Whose next step the test can keep "running" on a busy device."""
 
     def __init__(self, path: str) -> None:
-        self.paths = ipc.IpcPaths.fresh()
-        self.ctx = zmq.Context()
-        pull = ipc.bind_pull(self.ctx, self.paths.commands)
-        self.push = ipc.connect_push(self.ctx, self.paths.commands)
-        ipc.bind_pull(self.ctx, self.paths.events)  # takes the loop's load reports
-        reports = ipc.connect_push(self.ctx, self.paths.events)
-        self.events: list[Event] = []
-        self.engine = engine(path, "producer", max_num_batched_tokens=32)
-        self.handler = ProducerHandler(self.engine, self.events.append, FAKE, 30.0)
-        self.loop = WorkerLoop(self.handler, pull, reports)
+        super().__init__(path, 30.0, max_num_batched_tokens=32)
         self.looks = 0  # device_wait calls during stretched steps
-
-    def send(self, cmd: Command | bytes) -> None:
-        self.push.send(cmd if isinstance(cmd, bytes) else encode(cmd))
 
     def busy_device(self, during: list[Command | bytes],
                     at_end: Callable[[], None]) -> None:
@@ -97,14 +79,6 @@ class Producer:
 
         runner.execute = execute  # type: ignore[method-assign]
 
-    def of(self, rid: str, kind: type) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind) and e.rid == rid]
-
-    def close(self) -> None:
-        self.handler.close()
-        self.ctx.destroy(linger=0)
-        self.paths.cleanup()
-
 
 @pytest.fixture
 def producer(tiny_llama: str):  # type: ignore[no-untyped-def]
@@ -113,28 +87,19 @@ def producer(tiny_llama: str):  # type: ignore[no-untyped-def]
     p.close()
 
 
-def _until(cond: Callable[[], bool], *turns: Callable[[], None], limit_s: float = 60) -> None:
-    end = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        for turn in turns:
-            turn()
-
-
-def _token0_out(p: Producer, rid: str) -> None:
-    """rid's prompt prefilled and its token 0 out and confirmed: it waits for a destination."""
+def _awaiting_destination(p: Producer, tiny_llama: str) -> tuple[Side, ReservedEvent]:
+    """Request "late": its prompt prefilled, its token 0 out and confirmed, waiting for a
+    destination; and a consumer's reservation for it that the router has yet to send."""
+    rid = "late"
     p.send(PrefillCmd(rid, tuple(PROMPTS[0]), GREEDY, 0))
-    _until(lambda: p.engine.state_of(rid) == RequestState.TRANSFERRING, p.loop.turn)
+    until(lambda: p.engine.state_of(rid) == RequestState.TRANSFERRING, p.loop.turn)
     p.send(Token0SentCmd(rid))
     p.loop.turn()
     assert p.handler.out[rid].phase is TransferPhase.RELEASED_AWAITING_DEST
-
-
-def _reservation(tiny_llama: str, rid: str) -> tuple[Side, ReservedEvent]:
     c_eng = engine(tiny_llama, "consumer")
     c = Side(lambda emit: ConsumerHandler(c_eng, emit, FAKE))
     c.handler.on_command(DecodeCmd(rid, tuple(PROMPTS[0]), GREEDY, False))
-    _until(lambda: bool(c.of(rid, ReservedEvent)), c.turn)
+    until(lambda: bool(c.of(rid, ReservedEvent)), c.turn)
     (r,) = c.of(rid, ReservedEvent)
     return c, r
 
@@ -142,8 +107,7 @@ def _reservation(tiny_llama: str, rid: str) -> tuple[Side, ReservedEvent]:
 def test_a_destination_sent_during_a_step_releases_the_notice_before_the_step_ends(
         producer, tiny_llama):
     p = producer
-    _token0_out(p, "late")
-    c, r = _reservation(tiny_llama, "late")
+    c, r = _awaiting_destination(p, tiny_llama)
     seen: dict[str, Any] = {}
 
     def at_end() -> None:
@@ -161,7 +125,7 @@ def test_a_destination_sent_during_a_step_releases_the_notice_before_the_step_en
     # the notice left while the step was still running, not after it
     assert seen == {"phase": TransferPhase.NOTIFIED, "other": RequestState.PREFILLING}
     # and the request decodes on the consumer exactly as colocated
-    _until(lambda: any(e.finish for e in c.of("late", TokensEvent)), p.loop.turn, c.turn)
+    until(lambda: any(e.finish for e in c.of("late", TokensEvent)), p.loop.turn, c.turn)
     ref = LLM(tiny_llama, block_size=4).generate([PROMPTS[0]], GREEDY)[0]
     tokens = [p.of("late", Token0Event)[0].token_id]
     tokens += [t for e in c.of("late", TokensEvent) for t in e.ids]
@@ -172,8 +136,7 @@ def test_commands_behind_one_that_waits_keep_their_order(producer, tiny_llama, c
     """A prefill must not join the running step, and a destination sent after it waits
     with it (it could name that very request); a bad message is dropped on the way."""
     p = producer
-    _token0_out(p, "late")
-    _c, r = _reservation(tiny_llama, "late")
+    _c, r = _awaiting_destination(p, tiny_llama)
     seen: dict[str, Any] = {}
 
     def at_end() -> None:
@@ -190,7 +153,7 @@ def test_commands_behind_one_that_waits_keep_their_order(producer, tiny_llama, c
     assert "dropped a bad command" in caplog.text
     p.loop.turn()  # the next drain applies both, in order
     assert "queued" in p.engine.requests
-    _until(lambda: bool(p.of("late", TransferResultEvent)), p.loop.turn)
+    until(lambda: bool(p.of("late", TransferResultEvent)), p.loop.turn)
     assert [e.ok for e in p.of("late", TransferResultEvent)] == [True]
 
 
@@ -212,8 +175,7 @@ def test_a_destination_sent_while_the_step_launches_is_taken_between_layers(prod
     it on CPU): the loop also takes commands between decoder layers, not only once the
     launch has returned."""
     p = producer
-    _token0_out(p, "late")
-    _c, r = _reservation(tiny_llama, "late")
+    _c, r = _awaiting_destination(p, tiny_llama)
     layer0 = p.engine.runner.model.layers[0]
     real_forward = layer0.forward
     sent: list[bool] = []

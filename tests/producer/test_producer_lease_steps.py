@@ -16,29 +16,23 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import zmq
-from role_harness import FAKE, Side, engine
+from role_harness import FAKE, LoopProducer, Side, engine, until
 from tiny_models import PROMPTS
 
 from consumer.handler import ConsumerHandler
 from engine.llm import LLM
 from engine.request_state import RequestState
 from engine.sampling_params import SamplingParams
-from producer.handler import ProducerHandler
-from worker import ipc
-from worker.engine_loop import WorkerLoop
 from worker.messages import (
     Command,
     DecodeCmd,
     DestinationCmd,
-    Event,
     HoldCmd,
     PrefillCmd,
     ReservedEvent,
     Token0Event,
     Token0SentCmd,
     TransferResultEvent,
-    encode,
 )
 from worker.token_batch import TokensEvent
 
@@ -49,26 +43,13 @@ SLOW_S = 3 * LEASE_S  # every producer step while stretched: three leases
 BUSY = list(range(10, 34))  # 24 tokens: three 8-token prefill chunks, so three steps
 
 
-class LoopProducer:
-    """A producer's engine process without the process: the real loop and command socket.
-    ``send`` is what its gRPC process does with the router's messages."""
+class StretchedProducer(LoopProducer):
+    """Whose steps the test stretches while the "router" keeps sending."""
 
     def __init__(self, path: str) -> None:
-        self.paths = ipc.IpcPaths.fresh()
-        self.ctx = zmq.Context()
-        pull = ipc.bind_pull(self.ctx, self.paths.commands)
-        self.push = ipc.connect_push(self.ctx, self.paths.commands)
-        ipc.bind_pull(self.ctx, self.paths.events)  # takes the loop's load reports
-        reports = ipc.connect_push(self.ctx, self.paths.events)
-        self.events: list[Event] = []
-        self.engine = engine(path, "producer", max_num_batched_tokens=8)
-        self.handler = ProducerHandler(self.engine, self.events.append, FAKE, LEASE_S)
-        self.loop = WorkerLoop(self.handler, pull, reports)
+        super().__init__(path, LEASE_S, max_num_batched_tokens=8)
         self._real_step = self.engine.step
         self._confirmed: set[str] = set()
-
-    def send(self, cmd: Command) -> None:
-        self.push.send(encode(cmd))
 
     def stretch_steps(self, router: Callable[[], list[Command]]) -> None:
         """From now on each step takes SLOW_S; every LEASE_S / 4 meanwhile the router sends
@@ -90,33 +71,16 @@ class LoopProducer:
                 self._confirmed.add(e.rid)
                 self.send(Token0SentCmd(e.rid))
 
-    def of(self, rid: str, kind: type) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind) and e.rid == rid]
-
-    def close(self) -> None:
-        self.handler.close()
-        self.ctx.destroy(linger=0)
-        self.paths.cleanup()
-
-
 @pytest.fixture
 def producer(tiny_llama: str):  # type: ignore[no-untyped-def]
-    p = LoopProducer(tiny_llama)
+    p = StretchedProducer(tiny_llama)
     yield p
     p.close()
 
 
-def _until(cond: Callable[[], bool], *turns: Callable[[], None], limit_s: float = 60) -> None:
-    end = time.monotonic() + limit_s
-    while not cond():
-        assert time.monotonic() < end, "condition not reached"
-        for turn in turns:
-            turn()
-
-
-def _transferring(p: LoopProducer, rid: str) -> None:
+def _transferring(p: StretchedProducer, rid: str) -> None:
     p.send(PrefillCmd(rid, tuple(PROMPTS[0]), GREEDY, 0))
-    _until(lambda: p.engine.state_of(rid) == S.TRANSFERRING, p.turn)
+    until(lambda: p.engine.state_of(rid) == S.TRANSFERRING, p.turn)
 
 
 def test_holds_that_arrive_during_a_step_longer_than_the_lease_keep_the_blocks(producer,
@@ -138,13 +102,13 @@ def test_holds_that_arrive_during_a_step_longer_than_the_lease_keep_the_blocks(p
     # the router goes quiet (its consumer was dropped): the lease still frees the blocks
     p.stretch_steps(lambda: [])
     quiet = time.monotonic()
-    _until(lambda: bool(p.of("held", TransferResultEvent)), p.turn)
+    until(lambda: bool(p.of("held", TransferResultEvent)), p.turn)
     (res,) = p.of("held", TransferResultEvent)
     assert not res.ok and "lease expired" in res.error and "no destination" in res.error
     assert LEASE_S <= time.monotonic() - quiet < LEASE_S + SLOW_S + 2.0
-    _until(lambda: bool(p.of("busy", TransferResultEvent)), p.turn)
+    until(lambda: bool(p.of("busy", TransferResultEvent)), p.turn)
     assert p.handler.lease_expiries == 2
-    _until(lambda: p.engine.block_accounting().free == p.engine.block_accounting().total,
+    until(lambda: p.engine.block_accounting().free == p.engine.block_accounting().total,
            p.turn)
 
 
@@ -154,7 +118,7 @@ def test_a_destination_that_arrives_during_a_long_step_is_used(producer, tiny_ll
     c = Side(lambda emit: ConsumerHandler(c_eng, emit, FAKE))
     _transferring(p, "held")
     c.handler.on_command(DecodeCmd("held", tuple(PROMPTS[0]), GREEDY, False))
-    _until(lambda: bool(c.of("held", ReservedEvent)), c.turn)
+    until(lambda: bool(c.of("held", ReservedEvent)), c.turn)
     (r,) = c.of("held", ReservedEvent)
     # the router holds until it forwards the reservation, during the first long step, and
     # then sends nothing more (paired)
@@ -164,7 +128,7 @@ def test_a_destination_that_arrives_during_a_long_step_is_used(producer, tiny_ll
     p.send(HoldCmd("held", "c0"))
     # one token: token 0 ends "busy", so it never waits for a consumer of its own
     p.send(PrefillCmd("busy", tuple(BUSY), SamplingParams(max_tokens=1), 0))
-    _until(lambda: any(e.finish for e in c.of("held", TokensEvent))
+    until(lambda: any(e.finish for e in c.of("held", TokensEvent))
            or any(not e.ok for e in p.of("held", TransferResultEvent)), p.turn, c.turn)
     assert p.handler.lease_expiries == 0
     (res,) = p.of("held", TransferResultEvent)
@@ -181,7 +145,7 @@ def test_a_long_prefill_is_no_orphan(producer):
     p = producer
     p.stretch_steps(lambda: [])
     p.send(PrefillCmd("busy", tuple(BUSY), GREEDY, 0))
-    _until(lambda: p.engine.state_of("busy") == S.PREFILLING, p.turn)
+    until(lambda: p.engine.state_of("busy") == S.PREFILLING, p.turn)
     start = time.monotonic()
     while time.monotonic() - start < 2 * LEASE_S:
         p.turn()
