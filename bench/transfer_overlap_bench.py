@@ -181,9 +181,10 @@ def _record_calls(h: ProducerHandler, log: list[tuple[str, int, int, int]]) -> N
     """Wraps the handler's sender: each push / finish logs (kind, t_ns, blocks, call ns)."""
     tx, push, finish = h.sender, h.sender.push, h.sender.finish
 
-    def rec_push(rid: str, peer: str, src: Any, dst: Any, deadline: float | None = None) -> None:
+    def rec_push(rid: str, peer: str, src: Any, dst: Any, deadline: float | None = None,
+                 after: object | None = None) -> None:
         t = time.monotonic_ns()
-        push(rid, peer, src, dst, deadline=deadline)
+        push(rid, peer, src, dst, deadline=deadline, after=after)
         log.append(("push", t, len(src), time.monotonic_ns() - t))
 
     def rec_finish(rid: str, notice: Any) -> None:
