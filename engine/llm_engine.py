@@ -106,9 +106,10 @@ class LLMEngine(PrefixCacheQueries):
         # commands meanwhile (WorkerLoop.during_step). It must not add requests or change
         # this step's.
         self.device_wait: Callable[[float], None] | None = None
-        # ... and between the decoder layers of such a step's eager forward, whose host
-        # launches take longer than its kernels (bench/RESULTS.md, "The short cached
-        # prefill on one H200"): the same commands, taken without waiting.
+        # ... and between the decoder layers of a step's eager forward, whose host launches
+        # take longer than its kernels (bench/RESULTS.md, "The short cached prefill on one
+        # H200"): the same commands, taken without waiting. Set (by the worker) only where
+        # device_wait is, for the model's forward during step() alone.
         self.between_launches: Callable[[], None] | None = None
 
     @property
@@ -354,10 +355,9 @@ class LLMEngine(PrefixCacheQueries):
 
     def _execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput]:
         model = getattr(self.runner, "model", None)  # a simulated engine has none
-        hook = self.between_launches if not self.defers_output else None
-        if hook is None or model is None:
+        if self.between_launches is None or model is None:
             return self.runner.execute(chunks, self._inflight)
-        model.between_layers = hook
+        model.between_layers = self.between_launches
         try:
             return self.runner.execute(chunks, self._inflight)
         finally:

@@ -12,7 +12,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -126,14 +126,7 @@ class WorkerLoop:
         if not int(self.commands.get(zmq.EVENTS)) & zmq.POLLIN:  # type: ignore[arg-type]
             return  # the common case, per layer: one flag read
         applied = False
-        while True:
-            try:
-                data = self.commands.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            msg = self._decode(data)
-            if msg is None:
-                continue
+        for msg in self._queued():
             if self._held or isinstance(msg, StopCmd) or not self.handler.takes_during_step(msg):
                 self._held.append(msg)
             else:
@@ -143,16 +136,23 @@ class WorkerLoop:
         if applied:
             self.outbox.flush()  # e.g. a failed destination's answer
 
-    def _decode(self, data: bytes) -> Command | None:
-        try:
-            msg = decode(data)
-        except MessageError as e:  # one bad message must not stop every request
-            log.error("dropped a bad command: %s", e)
-            return None
-        if isinstance(msg, Event):
-            log.error("dropped a bad command: %s is an event", type(msg).KIND)
-            return None
-        return msg
+    def _queued(self) -> Iterator[Command]:
+        """The commands queued on the socket now, in order, without waiting; bad ones are
+        logged and dropped (one bad message must not stop every request)."""
+        while True:
+            try:
+                data = self.commands.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
+            except MessageError as e:
+                log.error("dropped a bad command: %s", e)
+                continue
+            if isinstance(msg, Event):
+                log.error("dropped a bad command: %s is an event", type(msg).KIND)
+                continue
+            yield msg
 
     def _apply(self, msg: Command) -> None:
         if isinstance(msg, StopCmd):
@@ -172,16 +172,11 @@ class WorkerLoop:
                     return True
         elif not self.poller.poll(timeout_ms):
             return False
-        while True:
-            try:
-                data = self.commands.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            if (msg := self._decode(data)) is None:
-                continue
+        for msg in self._queued():
             self._apply(msg)
             if not self.running:
-                return True
+                break  # the rest stays queued: the loop stops
+        return True
 
     def turn(self) -> None:
         busy = self.engine.has_unfinished()

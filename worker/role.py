@@ -80,9 +80,10 @@ class RoleHandler(abc.ABC):
 
     def takes_during_step(self, cmd: Command) -> bool:
         """True for a command the role applies while its engine's step still runs on the
-        device (LLMEngine.device_wait), rather than after it. Such a command must touch
-        neither the engine's requests nor the running step; every command queued behind
-        one that waits waits too, so they still apply in the order sent."""
+        device or is being launched (LLMEngine.device_wait, between_launches), rather than
+        after it. Such a command must touch neither the engine's requests nor the running
+        step; every command queued behind one that waits waits too, so they still apply in
+        the order sent."""
         return False
 
     def command_wait_ms(self) -> int:
