@@ -79,6 +79,10 @@ def add_engine_args(p: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> N
                         "step")
     g.add_argument("--simulate-eos-prob", type=float, default=0.0, metavar="P",
                    help="with --simulate-step-ms: chance that a token (past min_tokens) is EOS")
+    g.add_argument("--simulate-prefill-launch-ms", type=float, default=0.0, metavar="MS",
+                   help="with --simulate-step-ms: host time of launching a step with prompt "
+                        "tokens, spent in small torch calls as a GPU host's eager prefill "
+                        "launch is (the device's time runs beside it)")
 
 
     p.set_defaults(engine_dests=tuple(g.dests))
@@ -140,11 +144,12 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
 
 def simulate_config(args: argparse.Namespace) -> SimConfig | None:
     if args.simulate_step_ms is None:
-        for flag in ("prefill_us_per_token", "eos_prob"):
+        for flag in ("prefill_us_per_token", "eos_prob", "prefill_launch_ms"):
             if getattr(args, f"simulate_{flag}"):
                 raise ValueError(f"--simulate-{flag.replace('_', '-')}: needs "
                                  "--simulate-step-ms")
         return None
     return SimConfig(step_ms=args.simulate_step_ms,
                      prefill_us_per_token=args.simulate_prefill_us_per_token,
-                     eos_prob=args.simulate_eos_prob)
+                     eos_prob=args.simulate_eos_prob,
+                     prefill_launch_ms=args.simulate_prefill_launch_ms)

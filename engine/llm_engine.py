@@ -32,7 +32,7 @@ from engine.request_state import RequestState
 from engine.sampler import SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from engine.sim_runner import make_runner
+from engine.sim_runner import SimRunner, make_runner
 from engine.step_timing import StepTiming
 from engine.stop_check import check_stop, streamable_len
 
@@ -354,14 +354,15 @@ class LLMEngine(PrefixCacheQueries):
         return self._result(outputs, sched, written)
 
     def _execute(self, chunks: list[ScheduledChunk]) -> tuple[list[Request], SamplerOutput]:
-        model = getattr(self.runner, "model", None)  # a simulated engine has none
-        if self.between_launches is None or model is None:
+        if self.between_launches is None:
             return self.runner.execute(chunks, self._inflight)
-        model.between_layers = self.between_launches
+        # whose launch calls between_layers: the model's forward, or a simulated engine's
+        launcher = self.runner if isinstance(self.runner, SimRunner) else self.runner.model
+        launcher.between_layers = self.between_launches
         try:
             return self.runner.execute(chunks, self._inflight)
         finally:
-            model.between_layers = None
+            launcher.between_layers = None
 
     def _result(self, outputs: list[RequestOutput], sched: SchedulerOutput,
                 kv_written: object | None = None) -> StepResult:

@@ -23,6 +23,10 @@ class SimConfig:
     prefill_us_per_token: float = 0.0
     # chance that a token past min_tokens is EOS (0: never, so outputs run to max_tokens)
     eos_prob: float = 0.0
+    # host time of launching a step that computes prompt tokens: on a GPU host an eager
+    # prefill launch is thousands of small torch calls, ~18-24 ms for an 8B model, during
+    # which the engine thread holds the GIL but for microsecond gaps (sim_runner.py)
+    prefill_launch_ms: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -30,6 +34,8 @@ class SimConfig:
             ("simulate_prefill_us_per_token", self.prefill_us_per_token,
              0 <= self.prefill_us_per_token < math.inf, ">= 0"),
             ("simulate_eos_prob", self.eos_prob, 0 <= self.eos_prob <= 1, "in [0, 1]"),
+            ("simulate_prefill_launch_ms", self.prefill_launch_ms,
+             0 <= self.prefill_launch_ms < math.inf, ">= 0"),
         ]
         for flag, value, ok, why in checks:
             if not ok:  # a NaN fails too

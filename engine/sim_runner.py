@@ -9,6 +9,11 @@ freed, outputs are detokenized with the served model's tokenizer and streamed. O
   is free (launched at once, like a GPU launch). Reading its ids is the host sync, so it
   waits until the step is done, and deferred output overlaps the host's work with the next
   step exactly as on a GPU.
+* host: with ``prefill_launch_ms`` a step with prompt tokens first spends that long on the
+  host in small torch calls (each drops the GIL for microseconds, as a CUDA launch's
+  does), in ``SIM_LAYERS`` slices with the engine's between-layer hook called after each,
+  as a GPU host's eager prefill launch of a decoder stack; the device's time runs beside
+  it, and the step ends when both are done.
 * tokens: the token at position p of a request with seed s is ``token_for(s, p)``, a pure
   function, so a P/D pair (token 0 on the producer, the rest on the consumer) and a
   colocated engine give the same tokens, in any batch. It is never EOS or a special token
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +48,10 @@ if TYPE_CHECKING:
 
 _M64 = (1 << 64) - 1
 _EOS_SALT = 0x5EED_E05
+
+
+# the decoder layers a simulated eager launch is cut into (its between_layers calls)
+SIM_LAYERS = 32
 
 
 def _mix(x: int) -> int:
@@ -107,6 +117,8 @@ class SimRunner:
         self._plain_at = {t: i for i, t in enumerate(self.plain)}  # logprobs' alternatives
         self.eos = min(eos_token_ids) if eos_token_ids else None
         self.busy_until = 0.0  # when the simulated device finishes its last launched step
+        # set by the engine for a launch whose layers should hear commands (a producer's)
+        self.between_layers: Callable[[], None] | None = None
 
     def token_for(self, seed: int, position: int, may_stop: bool) -> int:
         """The token a request of ``seed`` samples at ``position`` (pure)."""
@@ -123,6 +135,9 @@ class SimRunner:
         prefill = sum(c.num_tokens for c in chunks
                       if not (c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens))
         self.busy_until = max(time.monotonic(), self.busy_until) + self.sim.step_s(prefill)
+        if prefill and self.sim.prefill_launch_ms:
+            self._launch(self.sim.prefill_launch_ms * 1e-3)
+            self.busy_until = max(self.busy_until, time.monotonic())
         samplers = [c.request for c in chunks if c.samples]
         # the new token's position is the request's length before its placeholder lands
         ids = [self.token_for(r.seed, r.num_tokens,
@@ -133,6 +148,20 @@ class SimRunner:
         if not wants:
             return samplers, SimOutput(tokens, self.busy_until)
         return samplers, self._with_logprobs(tokens, max(wants))
+
+    def _launch(self, host_s: float) -> None:
+        """Holds the host for host_s as an eager launch does: small torch calls back to
+        back, the between-layer hook after each of SIM_LAYERS slices."""
+        x = torch.zeros(4)
+        one = torch.ones(4)
+        start = time.monotonic()
+        for layer in range(1, SIM_LAYERS + 1):
+            until = start + host_s * layer / SIM_LAYERS
+            while time.monotonic() < until:
+                for _ in range(20):
+                    x = x.add(one)
+            if self.between_layers is not None:
+                self.between_layers()
 
     def _with_logprobs(self, tokens: torch.Tensor, top_n: int) -> SimOutput:
         """Made-up logprobs of the right shape: the sampled token best (-1), then the next

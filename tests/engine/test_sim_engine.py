@@ -29,8 +29,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def sim_llm(model: str, step_ms: float = 0.0, **kw: object) -> LLM:
-    sim = SimConfig(step_ms=step_ms, **{k: kw.pop(k) for k in ("prefill_us_per_token",
-                                                                "eos_prob") if k in kw})
+    sim = SimConfig(step_ms=step_ms, **{k: kw.pop(k) for k in (
+        "prefill_us_per_token", "eos_prob", "prefill_launch_ms") if k in kw})
     return LLM(model, simulate=sim, **kw)
 
 
@@ -156,14 +156,19 @@ def _args(*argv: str) -> argparse.Namespace:
 def test_flags():
     assert engine_config(_args()).simulate is None
     cfg = engine_config(_args("--simulate-step-ms", "12.5", "--simulate-prefill-us-per-token",
-                              "3", "--simulate-eos-prob", "0.01"))
-    assert cfg.simulate == SimConfig(step_ms=12.5, prefill_us_per_token=3, eos_prob=0.01)
+                              "3", "--simulate-eos-prob", "0.01",
+                              "--simulate-prefill-launch-ms", "18"))
+    assert cfg.simulate == SimConfig(step_ms=12.5, prefill_us_per_token=3, eos_prob=0.01,
+                                     prefill_launch_ms=18)
     with pytest.raises(ValueError, match="^--simulate-eos-prob: needs --simulate-step-ms"):
         engine_config(_args("--simulate-eos-prob", "0.5"))
+    with pytest.raises(ValueError, match="^--simulate-prefill-launch-ms: needs --simulate-s"):
+        engine_config(_args("--simulate-prefill-launch-ms", "5"))
     for bad, flag in ((dict(step_ms=-1), "simulate_step_ms"),
                       (dict(step_ms=float("nan")), "simulate_step_ms"),
                       (dict(step_ms=1, prefill_us_per_token=-2), "simulate_prefill_us_per_token"),
-                      (dict(step_ms=1, eos_prob=1.5), "simulate_eos_prob")):
+                      (dict(step_ms=1, eos_prob=1.5), "simulate_eos_prob"),
+                      (dict(step_ms=1, prefill_launch_ms=-1), "simulate_prefill_launch_ms")):
         with pytest.raises(ValueError, match=f"^{flag}:"):
             SimConfig(**bad)  # type: ignore[arg-type]
 
@@ -229,3 +234,34 @@ def test_a_producer_step_lets_the_caller_work_until_the_simulated_device_is_done
     assert len(looks) >= 10 and looks[-1] - t0 >= 0.04  # called throughout the step
     # with the simulated device's own count of what is left, falling to the end
     assert 0.03 < lefts[0] <= 0.05 and lefts == sorted(lefts, reverse=True)
+
+
+def test_a_prefill_launch_holds_the_host_and_calls_the_layer_hook(model_dir):
+    """--simulate-prefill-launch-ms: a step with prompt tokens spends that long launching on
+    the host, the between-layer hook called after each simulated layer (a producer's
+    commands are taken there); decode steps launch at once; the step ends when both the
+    launch and the device's time are done."""
+    from engine.sim_runner import SIM_LAYERS
+
+    eng = sim_llm(model_dir, step_ms=5, prefill_launch_ms=40, role="producer").engine
+    layers: list[float] = []
+    eng.between_launches = lambda: layers.append(time.monotonic())
+    eng.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4))
+    t0 = time.monotonic()
+    step = eng.step()
+    took = time.monotonic() - t0
+    assert [o.request_id for o in step.outputs] == ["r"]
+    assert took >= 0.04  # the launch's 40 ms, beside which the 5 ms device time ran
+    assert len(layers) == SIM_LAYERS
+    gaps = [b - a for a, b in zip([t0, *layers], layers, strict=False)]
+    assert max(gaps) < 0.02, gaps  # spread along the launch, not bunched at its end
+    assert eng.runner.between_layers is None  # the hook is the producer step's alone
+    eng.release("r")
+
+    # a decoder launches at once: its steps take the device's time only
+    dec = sim_llm(model_dir, step_ms=5, prefill_launch_ms=40).engine
+    dec.add_request("d", PROMPTS[0], SamplingParams(max_tokens=12))
+    t1 = time.monotonic()
+    while dec.has_unfinished():
+        dec.step()
+    assert time.monotonic() - t1 < 0.04 + 12 * 0.005 + 0.25  # one prefill launch, not 12
