@@ -177,7 +177,11 @@ class LoopProducer:
         self.loop = WorkerLoop(self.handler, pull, reports)
 
     def send(self, cmd: Command | bytes) -> None:
+        """Sends, and returns once the loop's socket has a message to read: a turn right
+        after it reads it, however slowly this machine delivers (a loaded CI host missed
+        the loop's 1 ms poll)."""
         self.push.send(cmd if isinstance(cmd, bytes) else encode(cmd))
+        assert self.loop.commands.poll(10_000, zmq.POLLIN), "the command never arrived"
 
     def of(self, rid: str, kind: type) -> list[Any]:
         return [e for e in self.events if isinstance(e, kind) and e.rid == rid]
