@@ -250,8 +250,9 @@ class ProducerHandler(RoleHandler):
                 o.pushed = upto
             if o.phase is TransferPhase.RELEASED:
                 assert o.notice is not None  # built with token 0
-                # stamped as it is handed over: the consumer splits the handoff from here
-                # (the sender's queue and the wire, its copies, its engine loop's poll)
+                # stamped as it is handed over (a network sender stamps it again as it
+                # goes on the wire): the consumer splits the handoff from there (the
+                # wire and its read, its copies, its engine loop's poll)
                 self.sender.finish(o.rid, replace(o.notice, sent_ns=now_ns()))
                 o.move(TransferPhase.NOTIFIED)  # DONE comes with the consumer's ack
                 o.lease_until = time.monotonic() + self.cfg.transfer_timeout_s

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any
 
 import zmq
@@ -270,6 +271,9 @@ class NetSender(SenderConnections, KVSender):
             self._later(leg.conn, rec, lambda: self._finish_leg(rec, leg, notice))
             return
         rec.total = rec.runs
+        if notice.sent_ns:  # timed: re-stamped as it goes on the wire (this turn's end), so
+            # the handoff's parts split this side's queue from the wire and the consumer
+            notice = replace(notice, sent_ns=time.time_ns())
         leg.conn.outbox.append(wire.Finish(rec.request_id, leg.runs, notice))
 
     def notify_cancel(self, rec: SendRecord, reason: str) -> None:

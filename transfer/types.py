@@ -44,10 +44,11 @@ class TransferNotice:
     num_prompt_tokens: int  # KV positions the pushed blocks hold
     seed: int | None = None  # per-request sampling seed (randomness is f(seed, position))
     logprobs: tuple[tuple[int, float], ...] | None = None  # token 0 first, then top-k alternatives
-    # When the producer handed this notice to its sender (Unix ns, 0: unknown), for the
-    # handoff's timing. Not content: producer ranks agree on token 0, not on the moment
-    # each let it go, so it takes no part in comparing notices. On the wire it travels
-    # beside the notice (``transfer.wire``: FINISH's optional ``notice_sent_ns``).
+    # When the producer handed this notice to its sender, re-stamped by a network sender
+    # as the FINISH goes on the wire (Unix ns, 0: unknown), for the handoff's timing. Not
+    # content: producer ranks agree on token 0, not on the moment each let it go, so it
+    # takes no part in comparing notices. On the wire it travels beside the notice
+    # (``transfer.wire``: FINISH's optional ``notice_sent_ns``).
     sent_ns: int = field(default=0, compare=False)
 
     def sent_last(self, notices: Iterable[TransferNotice | None]) -> TransferNotice:

@@ -1,5 +1,5 @@
-"""The P/D handoff's stamps on the KV wire and through real receivers: when the producer
-handed the final notice to its sender (``TransferNotice.sent_ns``, beside the notice in
+"""The P/D handoff's stamps on the KV wire and through real receivers: when the producer's
+sender put the final notice on the wire (``TransferNotice.sent_ns``, beside the notice in
 FINISH as the optional ``notice_sent_ns``), when the consumer's receiver read it and when
 it knew every block had landed (``TransferUpdate.notice_seen_ns`` / ``kv_done_ns``)."""
 
@@ -80,8 +80,11 @@ def test_a_receiver_stamps_reading_the_notice_and_the_kv_being_whole(pair: Pair)
     pair.tx.finish("r", TransferNotice("r", 42, False, 160, sent_ns=sent))
     got = pair.rx.wait("r", 10)
     assert got.status == S.DONE, got
-    assert got.notice is not None and got.notice.sent_ns == sent  # the producer's, carried
-    assert sent <= got.notice_seen_ns <= got.kv_done_ns <= time.time_ns()
+    # the producer's, carried: a network sender's I/O thread stamps it again as the FINISH
+    # leaves, so its own queue counts as the producer's part (the fake has no wire)
+    assert got.notice is not None
+    assert got.notice.sent_ns == sent if pair.backend == "fake" else sent < got.notice.sent_ns
+    assert got.notice.sent_ns <= got.notice_seen_ns <= got.kv_done_ns <= time.time_ns()
     for s, d in zip(src, dst, strict=True):  # and DONE meant it: every block is there
         assert torch.equal(pair.dst[d], pair.src[s]), (s, d)
     tx = pair.tx.wait("r", 10)
