@@ -13,8 +13,8 @@ ops on CPU tensors drop and retake the GIL the same way as CUDA launches do), or
 Python loop (a scheduler), or sleeps; a second process sends stamped messages at random
 times over a ZMQ socket, and a thread blocked in a ZMQ poll (as transfer/io_loop.py's is)
 records when its Python code runs again. For each switch interval it prints the wake-up
-latency (p50 / p99 / max) and the main thread's work rate, which is what a shorter
-interval costs the launch.
+latency (p50 / p99 / max) and the main thread's work rate; then what a shorter interval
+costs the Python loop when an I/O thread with copies in flight wakes every millisecond.
 
     python bench/probes/gil_wait_probe.py [--intervals-ms 5,1,0.5,0.2] [--n 400]
 """
@@ -124,6 +124,38 @@ def measure(kind: str, interval_s: float, n: int, gap_s: float, seed: int) -> di
             "ops_per_s": ops / wall}
 
 
+def busy_io(stop: threading.Event, period_s: float, work_s: float, turns: list[int]) -> None:
+    """A transfer I/O thread with copies in flight: it wakes every period_s (the I/O loop's
+    BUSY_POLL_MS) and runs work_s of Python each time."""
+    while not stop.is_set():
+        time.sleep(period_s)
+        end = time.perf_counter() + work_s
+        while time.perf_counter() < end:
+            pass
+        turns[0] += 1
+
+
+def io_cost(interval_s: float, seconds: float, period_s: float, work_s: float,
+            with_io: bool) -> tuple[float, float]:
+    """The Python loop's rate beside a busy I/O thread (or alone), and the thread's turns a
+    second: what a shorter switch interval costs the engine thread."""
+    sys.setswitchinterval(interval_s)
+    stop = threading.Event()
+    turns = [0]
+    t = threading.Thread(target=busy_io, args=(stop, period_s, work_s, turns), daemon=True)
+    if with_io:
+        t.start()
+    timer = threading.Timer(seconds, stop.set)
+    timer.start()
+    t0 = time.perf_counter()
+    ops = python_work(stop)
+    wall = time.perf_counter() - t0
+    if with_io:
+        t.join()
+    sys.setswitchinterval(0.005)
+    return ops / wall, turns[0] / wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--intervals-ms", default="5,1,0.5,0.2")
@@ -131,6 +163,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=400, help="messages per point")
     ap.add_argument("--gap-ms", type=float, default=4.0, help="mean time between messages")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--io-period-ms", type=float, default=1.0)
+    ap.add_argument("--io-work-us", type=float, default=30.0)
+    ap.add_argument("--seconds", type=float, default=3.0)
     args = ap.parse_args()
     torch.set_num_threads(1)
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}; {args.n} wake-ups "
@@ -143,6 +178,16 @@ def main() -> None:
             rate = f"{r['ops_per_s']:,.0f}" if kind != "idle" else "-"
             print(f"| {kind} | {ms:g} | {r['p50']:.0f} | {r['p99']:.0f} | {r['max']:.0f} "
                   f"| {rate} |", flush=True)
+    print(f"\nThe Python loop beside an I/O thread that wakes every {args.io_period_ms} ms and "
+          f"runs {args.io_work_us} µs of Python (copies in flight), {args.seconds} s a point:")
+    print("| switch interval ms | loop ops/s alone | loop ops/s beside it | cost | I/O turns/s |")
+    print("|---|---|---|---|---|")
+    for ms in (float(v) for v in args.intervals_ms.split(",")):
+        alone, _ = io_cost(ms / 1e3, args.seconds, 0, 0, with_io=False)
+        beside, turns = io_cost(ms / 1e3, args.seconds, args.io_period_ms / 1e3,
+                                args.io_work_us / 1e6, with_io=True)
+        print(f"| {ms:g} | {alone:,.0f} | {beside:,.0f} | {1 - beside / alone:.1%} "
+              f"| {turns:,.0f} |", flush=True)
 
 
 if __name__ == "__main__":
