@@ -9,6 +9,7 @@
 # Each run starts in its tree's root: `python -m` puts the working directory first on
 # sys.path, so a run started elsewhere would import that directory's code. Rounds
 # alternate the order (old new, new old, ...). Prints bench/hold_summary.py's table.
+# AB_ONLY: the points (default "pd_hold pd_hold256 pd_seeds"); AB_TIMEOUT: seconds a run.
 set -uo pipefail
 out=${1:?OUT_DIR}; old=$(cd "${2:?OLD_TREE}" && pwd); rounds=${3:-3}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -18,7 +19,7 @@ for r in $(seq 1 "$rounds"); do
   for t in $order; do
     if [ "$t" = old ]; then root=$old; else root=$repo; fi
     echo "$(date -u +%T) round $r $t"
-    (cd "$root" && ONLY="pd_hold pd_hold256 pd_seeds" timeout 160 \
+    (cd "$root" && ONLY="${AB_ONLY:-pd_hold pd_hold256 pd_seeds}" timeout "${AB_TIMEOUT:-160}" \
       bash bench/serving_path_gpu.sh "$out/$t$r" llama3-8b cuda:0 76000 > "$out/$t$r.log" 2>&1)
   done
 done
