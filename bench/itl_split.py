@@ -12,10 +12,12 @@ consumer -> router -> client path). p50 and p99 of each part are over the reques
 parts of one percentile need not add up to the gap's.
 
 Where they also carry the KV-ready part's stamps, a further line ("KV ready") splits
-``kv_ready_ms`` per request: -> the producer handed the final notice to its KV sender
-(``notice_sent_ms``; negative where the router sent token 0 after that, the sign kept);
--> the consumer's receiver read it (``notice_wire_ms``: the sender's queue, behind the
-request's pushes, the wire, the receiver's I/O thread getting to it); -> the receiver knew
+``kv_ready_ms`` per request: -> the producer's KV sender put the final notice on the
+wire (``notice_sent_ms``: the handler, then the sender's queue behind the request's pushes
+and its I/O thread; negative where the router sent token 0 after that, the sign kept;
+records of before session 30 stamped the hand-over to the sender instead); -> the
+consumer's receiver read it (``notice_wire_ms``: the wire, the receiver's I/O thread
+getting to it); -> the receiver knew
 every KV block had landed (``kv_copy_ms``: the copies still running, for the planes where
 the consumer pulls; the last bytes, where the producer pushes); -> the consumer admitted
 the request (``kv_poll_ms``: the wait for its engine loop's next poll of the receiver,

@@ -41,10 +41,11 @@ class RequestRecord:
     kv_ready_ms: float | None = None
     first_step_wait_ms: float | None = None
     # kv_ready_ms in its parts (None unless every stamp came): the router sent token 0 ->
-    # the producer handed the final notice to its KV sender (negative where the router sent
-    # token 0 after that: the sign is kept), -> the consumer's receiver read it (the
-    # sender's queue, the wire), -> it knew every KV block had landed (the copies), -> the
-    # consumer admitted the request (its engine loop's next poll of the receiver)
+    # the producer's KV sender put the final notice on the wire (its queue included;
+    # negative where the router sent token 0 after that: the sign is kept), -> the
+    # consumer's receiver read it (the wire, its I/O thread), -> it knew every KV block
+    # had landed (the copies), -> the consumer admitted the request (its engine loop's
+    # next poll of the receiver)
     notice_sent_ms: float | None = None
     notice_wire_ms: float | None = None
     kv_copy_ms: float | None = None
