@@ -56,8 +56,9 @@ DURING_STEP_POLL_S = 50e-6
 # which the engine thread holds through its pure-Python stretches (scheduling a batch,
 # reading a step's outputs). CPython makes a waiting thread ask for it only after the
 # switch interval, 5 ms by default: a FINISH or a landed copy then waited up to 5 ms per
-# wake-up (bench/probes/gil_wait_probe.py: 5.1 ms p50 behind a Python loop at 5 ms, 0.36 ms
-# at 0.2 ms, the loop's own rate unchanged). Torch calls drop the GIL and are not affected.
+# wake-up (bench/probes/gil_wait_probe.py: 5.1 ms p50 behind a Python loop at 5 ms, 0.35 ms
+# at 0.2 ms; an I/O thread with copies in flight got 688 rather than 159 of its ~970 turns a
+# second, for ~2% of the loop's rate). Torch calls drop the GIL and are not affected.
 GIL_SWITCH_INTERVAL_S = 0.2e-3
 # Rows of held requests per load report (GET /debug/requests); the oldest first, since
 # those are the ones an operator looks for.
