@@ -3,10 +3,8 @@ and reports events, without ever waiting on the gRPC process."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import multiprocessing
 import os
 import signal
 import sys
@@ -36,6 +34,7 @@ from worker.messages import (
     encode,
 )
 from worker.outbox import EventOutbox
+from worker.parent_death import die_with_parent
 from worker.role import Emit, RoleHandler
 from worker.step_stats import StepStats
 
@@ -265,22 +264,6 @@ def make_handler(spec: EngineSpec, emit: Emit) -> RoleHandler:
     return spec.handler_factory(engine, emit, spec)
 
 
-def _die_with_parent() -> None:
-    """A worker killed outright (SIGKILL, the OOM killer) must not leave its engine behind
-    holding the model, the KV pool and its ports: nothing else would ever stop it, since it
-    only waits for commands from the dead process."""
-    parent = multiprocessing.parent_process()
-    if sys.platform != "linux" or parent is None:
-        return
-    # the kernel signals when the *thread* that started us ends: WorkerServer.start runs on
-    # the worker's main thread, which lives as long as the worker
-    PR_SET_PDEATHSIG = 1  # noqa: N806 - the kernel's name
-    # SIGKILL: the engine ignores SIGTERM (engine_process_main)
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent.pid:  # it died before the line above
-        os._exit(1)
-
-
 def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
     """Entry point of the spawned engine process."""
     # A SIGTERM sent to the whole process group (scancel, `kill -- -PGID`, a launcher's
@@ -288,7 +271,7 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
     # Dying here at once would end the requests the drain is meant to finish.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     logging.basicConfig(level=logging.INFO, format=f"[{spec.role}-engine] %(message)s")
     if spec.threads:

@@ -4,7 +4,7 @@ The role handler builds it (``RoleHandler.load``: the engine's queues, pool and 
 a producer or consumer adds its transfer counters with ``dataclasses.replace``), the engine
 loop adds the held-request rows and its step counters (``worker.engine_loop.load_report``),
 and it crosses to the gRPC process as ``StatsEvent.load`` through the worker's checked codec.
-There three readers take it by attribute: the heartbeat (``worker.registration.load_pb``:
+There three readers take it by attribute: the heartbeat (``worker.loop_watch.load_pb``:
 the router's ``WorkerLoad``), ``/metrics`` and ``/debug/requests``
 (``worker.metrics_server``).
 

@@ -171,7 +171,7 @@ class WorkerServer:
     async def stop(self) -> None:
         for t in self.tasks:
             t.cancel()
-        if self.registration is not None:  # its heartbeat thread and channel
+        if self.registration is not None:  # its heartbeat process and channel
             await self.registration.close()
         if self.kv_publisher is not None:
             await self.kv_publisher.close()

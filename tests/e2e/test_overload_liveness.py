@@ -7,15 +7,19 @@ pinned to one CPU at nice 10, against 8 busy-loop processes at nice 0 on that CP
 leaves it about 1.3% of the CPU (at nice 5, 4%, the service process now keeps up: it
 sends one message per engine step). Competing processes rather than a cgroup CPU quota: they
 need no root and no writable cgroup hierarchy, so the test runs the same on CI and on a
-laptop. That share is enough for the heartbeat thread's few milliseconds a second, but
-not for the event loop's token work, which falls behind (as a loop saturated by 256
-streams does on a GPU host). The engine process keeps decoding.
+laptop. The event loop's token work falls behind (as a loop saturated by 256 streams does
+on a GPU host); the engine process keeps decoding, and so does the worker's heartbeat
+process (worker/heartbeat_process.py), which reads the loop's lag from the board the loop
+writes. While the heartbeats left from a thread of the starved process, they needed that
+process's GIL handed over several times a beat, each handover waiting for its threads to be
+scheduled at ~1% of a CPU: 1-3 s a heartbeat, and on a slowed CI host the router dropped the
+consumer (2026-12-05).
 
 Then: the consumer is never dropped (the router hears from its heartbeats that it is
 behind: busy); the requests streaming through it finish with all their tokens; new
 requests are queued (placed before the router heard it was busy) or refused with
-RESOURCE_EXHAUSTED naming the busy consumer; none fails mid-stream. Before, heartbeats ran
-on the starved loop: the router dropped the consumer after 3 s and failed all its requests
+RESOURCE_EXHAUSTED naming the busy consumer; none fails mid-stream. When heartbeats ran on
+the starved loop, the router dropped the consumer after 3 s and failed all its requests
 (seen with this setup). A worker that is really stuck (SIGSTOPped past the timeout) is
 still dropped and its requests migrate: tests/e2e/test_pd_migration.py.
 """

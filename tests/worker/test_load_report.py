@@ -36,9 +36,10 @@ from worker.load_report import (
     StepCounters,
     TransferLoad,
 )
+from worker.loop_watch import load_pb
 from worker.messages import ReadyInfo
 from worker.metrics_server import MetricsServer, ServingCounters, WorkerMetrics
-from worker.registration import Registration, load_pb
+from worker.registration import Registration
 
 BASE = LoadReport(
     waiting=3, running=5, kv_blocks_free=70, kv_blocks_total=96, transfers_in_flight=2,

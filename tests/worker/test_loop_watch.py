@@ -1,4 +1,4 @@
-"""worker/registration.LoopWatch: the loop's lag as the heartbeat thread reads it, ticked by
+"""worker/loop_watch.LoopWatch: the loop's lag as the heartbeat process reads it, ticked by
 a timer when the loop is idle and by the loop's own work (``poke``) when it is busy, so a
 busy loop is not woken by the watch as well."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from worker.registration import LoopWatch
+from worker.loop_watch import LoopWatch
 
 TICK_S = 0.1
 

@@ -1,30 +1,35 @@
-"""A worker whose gRPC event loop is blocked keeps heartbeating.
+"""A worker whose gRPC process is blocked keeps heartbeating.
 
-The worker's heartbeats leave from their own thread (worker/registration.py), so a loop
-saturated by token streams, here blocked outright for 4 s (4x the router's heartbeat
+The worker's heartbeats leave from their own process (worker/heartbeat_process.py), so a
+loop saturated by token streams, here blocked outright for 4 s (4x the router's heartbeat
 timeout), delays none of them: the router keeps the worker, and hears from the same
 heartbeats how far behind the loop is (busy, not dead). Before, the heartbeats ran on that
 loop: the router dropped the worker after 1 s and failed every request on it.
 
-Real parts: the worker's ``Registration`` (its thread, its sync channel, the loop's ticker)
-and a real ``RouterServer`` (registry, sweep) on its own loop in another thread.
+Real parts: the worker's ``Registration`` (its heartbeat process, the loop's ticker and the
+shared board) and a real ``RouterServer`` (registry, sweep) on its own loop in another
+thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
 import pytest
-from pdserve.v1 import common_pb2
+from pdserve.v1 import common_pb2, worker_pb2
 
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import RouterServer
+from worker.heartbeat_process import Heartbeater, HeartbeatSpec, router_channel
 from worker.load_report import LoadReport
 from worker.messages import ReadyInfo
 from worker.registration import Registration
@@ -111,7 +116,7 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
                 during = router.beats[n:]
                 assert router.dropped == []  # before: dropped after 1 s, requests failed
                 assert router.call(registry.get, "worker-1") is first
-                assert len(during) >= 10, len(during)  # the thread went on every 0.2 s
+                assert len(during) >= 10, len(during)  # the beats went on every 0.2 s
                 # ... saying how far behind the loop was: the router saw it busy
                 lags = [b.loop_lag_s for b in during]
                 assert max(lags) > 3.0 and lags == sorted(lags), lags
@@ -128,7 +133,7 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
                 await _until(lambda: first.load.engine_report_age_s > 1.0, timeout_s=5)
                 assert first.busy_reason(1.0, 1.0).startswith("its engine's last load report is")
                 assert router.beats[-1].loop_lag_s < 1.0
-                # orders from the router still reach the loop (from the thread)
+                # orders from the router still reach the loop (over the process's pipe)
                 router.call(registry.order_role_change, "worker-1", common_pb2.ROLE_PRODUCER)
                 await asyncio.wait_for(reg.ordered.wait(), 5)
                 assert reg.change_role == common_pb2.ROLE_PRODUCER
@@ -137,13 +142,14 @@ def test_a_blocked_worker_loop_is_busy_not_dead() -> None:
                 reports.cancel()
                 task.cancel()
                 await reg.close()
-            assert not reg._thread or not reg._thread.is_alive()  # closed: the thread ended
+            assert reg._proc is not None and reg._proc.exitcode == 0  # closed: it ended
 
         asyncio.run(main())
 
 
 def test_a_refused_worker_raises_from_run() -> None:
-    """The thread's verdict reaches the loop: run() raises the router's refusal."""
+    """The heartbeat process's verdict reaches the loop: run() raises the router's
+    refusal."""
     with RouterThread() as router:
         async def main() -> None:
             reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
@@ -157,37 +163,108 @@ def test_a_refused_worker_raises_from_run() -> None:
         asyncio.run(main())
 
 
-@pytest.mark.slow
 def test_slow_heartbeats_keep_their_cadence() -> None:
-    """A heartbeat that takes most of an interval to send (a process starved of CPU) does
-    not push the next one back by its own duration: beats start every interval, so the
-    router's gaps stay near the interval, not interval + call."""
+    """A heartbeat that takes most of an interval to send (a router or a network under load)
+    does not push the next one back by its own duration: beats start every interval, so the
+    router's gaps stay near the interval, not interval + call. ``Heartbeater`` (the heartbeat
+    process's loop) on a thread, with a load that is slow to build."""
     with RouterThread() as router:
         registry = router.server.registry
         assert registry is not None
+        slow = 0.75 * INTERVAL_S
 
-        async def main() -> None:
-            reg = Registration(router.server.address, "worker-1", "consumer", "127.0.0.1:1",
-                               INFO, lambda: LoadReport(0, 0, kv_blocks_free=10,
-                                                        kv_blocks_total=10))
-            build = reg._load_pb
-            slow = 0.75 * INTERVAL_S
+        def slow_load() -> common_pb2.WorkerLoad:
+            time.sleep(slow)
+            return common_pb2.WorkerLoad(kv_blocks_free=10, kv_blocks_total=10)
 
-            def slow_build() -> common_pb2.WorkerLoad:  # runs on the heartbeat thread
-                time.sleep(slow)
-                return build()
+        told: list[tuple[Any, ...]] = []
+        stop = threading.Event()
+        channel = router_channel(router.server.address, "")
+        spec = HeartbeatSpec(router.server.address, "", "worker-1", "consumer", "",
+                             worker_pb2.RegisterRequest(
+                                 worker_id="worker-1", role=common_pb2.ROLE_CONSUMER,
+                                 address="127.0.0.1:1", kv_address=INFO.kv_address,
+                                 model=INFO.model, kv_fingerprint=INFO.kv_fingerprint,
+                                 max_model_len=INFO.max_model_len).SerializeToString())
+        hb = Heartbeater(channel, spec, slow_load, told.append)
+        beats = threading.Thread(target=hb.run, args=(stop.wait,), daemon=True)
+        beats.start()
+        try:
+            end = time.monotonic() + 10
+            while router.call(registry.get, "worker-1") is None:
+                assert time.monotonic() < end, (told, "never registered")
+                time.sleep(0.02)
+            assert told == [("registered", INTERVAL_S)]
+            n = len(router.beats)
+            time.sleep(12 * INTERVAL_S)
+            got = len(router.beats) - n
+            # on the interval's cadence ~12; one interval after each call ended, ~7
+            assert got >= 10, got
+        finally:
+            stop.set()
+            beats.join(10)
+            channel.close()
+        assert not beats.is_alive()
 
-            reg._load_pb = slow_build  # type: ignore[method-assign]
-            task = asyncio.create_task(reg.run())
-            try:
-                await _until(lambda: router.call(registry.get, "worker-1") is not None)
-                n = len(router.beats)
-                await asyncio.sleep(12 * INTERVAL_S)
-                beats = len(router.beats) - n
-                # on the interval's cadence ~12; one interval after each call ended, ~7
-                assert beats >= 10, beats
-            finally:
-                task.cancel()
-                await reg.close()
 
-        asyncio.run(main())
+
+WORKER = """
+import asyncio, sys
+from worker.messages import ReadyInfo
+from worker.registration import Registration
+
+async def main():
+    reg = Registration(sys.argv[1], "worker-1", "consumer", "127.0.0.1:1",
+                       ReadyInfo("smollm2", "fp", 256, kv_address="tcp://127.0.0.1:1"),
+                       lambda: None)
+    task = asyncio.create_task(reg.run())
+    while reg._proc is None:
+        await asyncio.sleep(0.01)
+    print(reg._proc.pid, flush=True)
+    await task
+
+asyncio.run(main())
+"""
+
+
+def test_a_killed_worker_takes_its_heartbeat_process_along() -> None:
+    """SIGKILL to the worker's gRPC process alone (the OOM killer): its heartbeat process
+    dies with it (parent-death signal) and the router drops the worker at its timeout. A
+    heartbeat process left behind would tell the router, for good, that a dead worker
+    lives."""
+    with RouterThread() as router:
+        registry = router.server.registry
+        assert registry is not None
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        worker = subprocess.Popen([sys.executable, "-c", WORKER, router.server.address],
+                                  stdout=subprocess.PIPE, env=env, text=True)
+        try:
+            assert worker.stdout is not None
+            beats_pid = int(worker.stdout.readline())
+            end = time.monotonic() + 20
+            while router.call(registry.get, "worker-1") is None:
+                assert time.monotonic() < end, "never registered"
+                time.sleep(0.02)
+            assert _alive(beats_pid)
+            worker.kill()
+            worker.wait(10)
+            end = time.monotonic() + 5
+            while _alive(beats_pid):
+                assert time.monotonic() < end, "the heartbeat process outlived its worker"
+                time.sleep(0.02)
+            end = time.monotonic() + 5 * TIMEOUT_S
+            while router.call(registry.get, "worker-1") is not None:
+                assert time.monotonic() < end, "the router still has the dead worker"
+                time.sleep(0.05)
+            assert router.dropped and "stopped heartbeating" in router.dropped[0]
+        finally:
+            worker.kill()
+            worker.wait(10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
