@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from pdserve.v1 import common_pb2
 
-from worker.load_board import LoadBoard, new_raw
+from worker.load_board import LOAD_MAX, LoadBoard, new_raw
 from worker.load_report import LoadReport
 
 # The loop's ticker period: the resolution of the reported lag, at ten cheap wakeups a second.
@@ -29,6 +29,17 @@ def load_pb(r: LoadReport | None) -> common_pb2.WorkerLoad:
                                         kv_blocks_free=d.kv_blocks_free,
                                         kv_blocks_total=d.kv_blocks_total)
                   for d in r.dp_ranks])
+
+
+def _fitting(pb: common_pb2.WorkerLoad) -> bytes:
+    """The report as the board can hold it: a worker of thousands of data-parallel groups
+    (none today) would lose its per-group rows, not its ticks (a tick that raised would end
+    the ticker, and the router would see the loop stuck)."""
+    raw = pb.SerializeToString()
+    if len(raw) > LOAD_MAX:
+        del pb.dp_ranks[:]
+        raw = pb.SerializeToString()
+    return raw
 
 
 class LoopWatch:
@@ -103,7 +114,7 @@ class LoopWatch:
         fresh: bytes | None = None
         if load is not self._seen:  # a new report (each one is a new object)
             self._seen, self._seen_at = load, now
-            fresh = load_pb(load).SerializeToString()
+            fresh = _fitting(load_pb(load))
         else:  # the reports waiting behind a stalled loop are not the engine's delay
             self._seen_at = min(now, self._seen_at + late)
         self.engine_age = now - self._seen_at
