@@ -20,7 +20,7 @@ for r in $(seq 1 "$rounds"); do
     if [ "$t" = old ]; then root=$old; else root=$repo; fi
     echo "$(date -u +%T) round $r $t"
     (cd "$root" && ONLY="${AB_ONLY:-pd_hold pd_hold256 pd_seeds}" timeout "${AB_TIMEOUT:-160}" \
-      bash bench/serving_path_gpu.sh "$out/$t$r" llama3-8b cuda:0 76000 > "$out/$t$r.log" 2>&1)
+      bash bench/serving_path_gpu.sh "$out/$t$r" llama3-8b cuda:0 "${CONSUMER_KV_MIB:-}" > "$out/$t$r.log" 2>&1)
   done
 done
 python3 "$repo/bench/hold_summary.py" "$out"

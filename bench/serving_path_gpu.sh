@@ -27,6 +27,18 @@
 # before worker/launch_pacer.py)
 set -uo pipefail
 out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
+# The default consumer pool is sized for an H200 (141 GB beside two 8B models and the
+# producer's pool): on a smaller card the consumer's engine fails at start-up, after the
+# model is built, and every point of the run is lost (session 31 burnt 9 device minutes so
+# on an H100). Refuse at once instead; a smaller card takes an explicit CONSUMER_KV_MIB.
+if [ -z "${4:-}" ] && [ "$dev" != cpu ] && command -v nvidia-smi >/dev/null; then
+  mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -1)
+  if [ "${mib:-0}" -lt 130000 ]; then
+    echo "serving_path_gpu.sh: the default consumer KV pool (76000 MiB) needs an H200; this" \
+         "GPU has ${mib} MiB: pass CONSUMER_KV_MIB (the 4th argument), e.g. 15000" >&2
+    exit 2
+  fi
+fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
