@@ -82,6 +82,7 @@ class Registration:
         self._told_failed = False
         self._proc: Any = None  # the heartbeat process (a spawn context's Process)
         self._conn: Any = None  # our end of its pipe
+        self._reading: tuple[asyncio.AbstractEventLoop, int] | None = None  # its reader
 
     @property
     def draining(self) -> bool:
@@ -127,12 +128,11 @@ class Registration:
         self._told_failed = False
         self._check_failed()
         loop.add_reader(ours.fileno(), self._on_message, refused)
+        self._reading = (loop, ours.fileno())
         ticker = asyncio.create_task(self.watch.run())
         try:
             await refused
         finally:
-            with contextlib.suppress(ValueError, OSError):
-                loop.remove_reader(ours.fileno())
             ticker.cancel()
             self._end()
 
@@ -151,7 +151,7 @@ class Registration:
                 elif msg[0] == "error":
                     _fail(refused, f"the heartbeat process failed: {msg[1]}")
         except (EOFError, OSError):  # it exited: a worker nobody hears must not go on
-            asyncio.get_running_loop().remove_reader(conn.fileno())
+            self._unwatch()
             code = self._proc.exitcode if self._proc is not None else None
             _fail(refused, f"the heartbeat process exited (exit code {code})")
 
@@ -168,8 +168,19 @@ class Registration:
             with contextlib.suppress(OSError, ValueError):  # it ended already
                 self._conn.send(msg)
 
+    def _unwatch(self) -> None:
+        # By the number taken when it was added, and before the pipe closes: a closed
+        # Connection has no fileno() to remove by, and a reader left on a closed fd number
+        # is inherited by the next socket to get that number (a role change's new listener
+        # then failed with EEXIST from the selector).
+        if self._reading is not None:
+            loop, fd = self._reading
+            self._reading = None
+            loop.remove_reader(fd)
+
     def _end(self) -> None:
         """Tells the heartbeat process to stop (no more beats after run() ends)."""
+        self._unwatch()
         if self._conn is not None:
             self._send(("stop",))
             self._conn.close()

@@ -23,8 +23,9 @@ from deploy.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 
-ROUTER_ARGS = ("--heartbeat-timeout", "2", "--token0-timeout", "40", "--token-timeout", "20",
-               "--max-migrations", "3", "--prefill-retries", "3")
+HEARTBEAT_TIMEOUT_S = 2
+ROUTER_ARGS = ("--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S), "--token0-timeout", "40",
+               "--token-timeout", "20", "--max-migrations", "3", "--prefill-retries", "3")
 
 
 def test_link_faults_2p2d(tmp_path, chaos_cases):
@@ -46,9 +47,14 @@ def test_link_faults_2p2d(tmp_path, chaos_cases):
             assert set(record["faults_injected"]) == set(LINK_KINDS), record
             assert all(f["undone_at"] > f["at"] for f in record["faults"]), record["faults"]
             assert record["requests_ok"] >= 4, record
-            # the cuts were real: the router lost each cut-off worker's heartbeats
+            # the cuts were real: the router lost each cut-off worker's heartbeats. Only cuts
+            # that outlasted the heartbeat timeout: the run's end undoes the faults still in
+            # effect, and one injected just before it may last a fraction of a second (seen:
+            # 0.13 s of a 5.7 s partition, and the router rightly kept the worker)
             log = router_log(c)
             for f in record["faults"]:
+                if f["undone_at"] - f["at"] < HEARTBEAT_TIMEOUT_S + 1.0:
+                    continue
                 if f["kind"] == "link_down" or f["detail"].endswith("router cut"):
                     w = f["workers"][0]
                     assert f"dropped {c.started_as[w]} {w} " in log, (f, log[-3000:])

@@ -268,3 +268,44 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
     except FileNotFoundError:
         return False
+
+
+def test_a_closed_registration_leaves_the_loop_clean_for_the_next() -> None:
+    """A role change closes the worker's registration and starts the next role's servers on
+    the same loop. The pipe to the heartbeat process was once closed before its reader was
+    removed: the loop kept a reader on a dead fd number, the next listener to get that
+    number failed ("the handler is closed"; EEXIST from the selector), and the worker never
+    came back in its new role."""
+    async def role(loop: asyncio.AbstractEventLoop) -> None:
+        reg = Registration("127.0.0.1:1", "worker-1", "consumer", "127.0.0.1:1", INFO,
+                           lambda: None)
+        task = asyncio.create_task(reg.run())
+        await _until(lambda: reg._conn is not None)
+        fd = reg._conn.fileno()
+        task.cancel()  # as WorkerServer.stop: the tasks first, then close()
+        await reg.close()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert fd not in loop._selector.get_map()  # type: ignore[attr-defined]
+        # the next role's listener, likely on the same fd number, serves
+        got: list[bytes] = []
+
+        async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            got.append(await r.read(2))
+            w.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"hi")
+        await w.drain()
+        await _until(lambda: got == [b"hi"], timeout_s=5)
+        w.close()
+        server.close()
+        await server.wait_closed()
+
+    async def main() -> None:
+        for _ in range(2):  # a role change, then another
+            await role(asyncio.get_running_loop())
+
+    asyncio.run(main())
