@@ -51,14 +51,29 @@ def group_pids(pgid: int) -> list[int]:
     return sorted(out)
 
 
+def proc_comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+# worker/heartbeat_process.py's PROCESS_NAME (not imported: this module stays free of the
+# worker's gRPC imports)
+HEARTBEAT_COMM = "pdserve-hbeat"
+
+
 def role_of(pid: int, leader: int, name: str) -> str:
     """Which part of a cluster process a pid is: the router, a worker's service (its gRPC
-    process, the group leader), its engine (spawned ranks), a transfer data-plane process,
-    or a helper."""
+    process, the group leader), its heartbeat process, its engine (spawned ranks), a
+    transfer data-plane process, or a helper."""
     if name.startswith("router"):  # "router", or a front door started apart ("router-1")
         return "router"
     if pid == leader:
         return "service"
+    if proc_comm(pid) == HEARTBEAT_COMM:
+        return "heartbeat"
     cmd = proc_cmdline(pid)
     if "resource_tracker" in cmd or "forkserver" in cmd:
         return "helper"
@@ -72,7 +87,7 @@ class CpuSnapshot:
     at: float  # time.monotonic()
     cpu: dict[int, float]  # pid -> cpu seconds
     # pid -> "router" (its processes, frontends included) | "router-N" | "<worker>/service" |
-    # "<worker>/engine" | "<worker>/transfer" | "<worker>/helper"
+    # "<worker>/heartbeat" | "<worker>/engine" | "<worker>/transfer" | "<worker>/helper"
     part: dict[int, str]
 
 

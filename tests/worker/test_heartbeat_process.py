@@ -25,11 +25,12 @@ from typing import Any
 import pytest
 from pdserve.v1 import common_pb2, worker_pb2
 
+from deploy.benchmark.proc_cpu import HEARTBEAT_COMM, role_of
 from engine.model_source import resolve_model
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import RouterServer
-from worker.heartbeat_process import Heartbeater, HeartbeatSpec, router_channel
+from worker.heartbeat_process import PROCESS_NAME, Heartbeater, HeartbeatSpec, router_channel
 from worker.load_report import LoadReport
 from worker.messages import ReadyInfo
 from worker.registration import Registration
@@ -246,6 +247,9 @@ def test_a_killed_worker_takes_its_heartbeat_process_along() -> None:
                 assert time.monotonic() < end, "never registered"
                 time.sleep(0.02)
             assert _alive(beats_pid)
+            # named, so the serving bench's CPU meter (and ps) tell it from the engine
+            assert role_of(beats_pid, worker.pid, "worker-1") == "heartbeat"
+            assert HEARTBEAT_COMM == PROCESS_NAME.decode()
             worker.kill()
             worker.wait(10)
             end = time.monotonic() + 5
