@@ -20,8 +20,7 @@ small tuple a message:
   to here:   ("draining",)   no registering again (the router is told by the worker itself)
              ("failed", why) the engine failed: leave the router for good, beat no more
              ("stop",)       end (so does the pipe's end: the parent is gone)
-  from here: ("registered", heartbeat interval s)
-             ("order", role) a role change the router ordered (once)
+  from here: ("order", role) a role change the router ordered (once)
              ("refused", details)  the router will not have this worker: the worker exits
              ("error", text) this process failed
 """
@@ -165,7 +164,6 @@ class Heartbeater:
         req.load.CopyFrom(self.load())
         resp = self.stub.Register(req, timeout=10)
         self.interval = resp.heartbeat_interval_s or 1.0
-        self.tell(("registered", self.interval))
         log.info("registered with the router as %s (%s)", self.spec.worker_id, self.spec.role)
 
     def _order(self, role: int) -> None:

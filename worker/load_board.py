@@ -33,9 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 _HEAD = struct.Struct("=QddddQI")  # the whole header, as the reader takes it
-_WRITER = struct.Struct("=Qdddd")  # seq, tick_s, ticked, peak, engine_age: the loop's
+_TICK = struct.Struct("=dddd")  # tick_s, ticked, peak, engine_age: the loop's, after seq
 _U64, _U32 = struct.Struct("=Q"), struct.Struct("=I")
-_GEN_AT, _LEN_AT, _LOAD_AT = 40, 48, 56
+_TICK_AT, _GEN_AT, _LEN_AT, _LOAD_AT = 8, 40, 48, 56
 # A WorkerLoad is a few dozen bytes plus ~15 a data-parallel rank: far under this.
 SIZE = 64 * 1024
 LOAD_MAX = SIZE - _LOAD_AT
@@ -70,7 +70,7 @@ class LoadBoard:
         if load is not None and len(load) > LOAD_MAX:
             raise ValueError(f"load report of {len(load)} bytes; the board holds {LOAD_MAX}")
         _U64.pack_into(mem, 0, seq + 1)
-        _WRITER.pack_into(mem, 0, seq + 1, tick_s, ticked, self._peak, engine_age)
+        _TICK.pack_into(mem, _TICK_AT, tick_s, ticked, self._peak, engine_age)
         if load is not None:
             _U32.pack_into(mem, _LEN_AT, len(load))
             mem[_LOAD_AT:_LOAD_AT + len(load)] = load
@@ -89,7 +89,5 @@ class LoadBoard:
                 break
             time.sleep(0)  # the loop is mid-write: a few stores, then it is done
         _U64.pack_into(mem, _GEN_AT, gen + 1)
-        if ticked == 0.0:  # the loop has not ticked yet: nothing to say about it
-            return 0.0, 0.0, load
         lag = max(0.0, self._clock() - ticked - tick_s, peak)
         return lag, age, load

@@ -71,7 +71,6 @@ class Registration:
         self.address = address
         self.info = info
         self.token = cluster_token
-        self.interval = 1.0  # the router's heartbeat interval, once registered
         self.change_role = 0  # common_pb2.Role the router ordered (0: none)
         self.ordered = asyncio.Event()  # set when change_role is
         self.failed = failed  # why the engine failed (None while it serves)
@@ -144,8 +143,6 @@ class Registration:
                 if msg[0] == "order":
                     self.change_role = int(msg[1])
                     self.ordered.set()
-                elif msg[0] == "registered":
-                    self.interval = float(msg[1])
                 elif msg[0] == "refused":
                     _fail(refused, f"the router refused this worker: {msg[1]}")
                 elif msg[0] == "error":
