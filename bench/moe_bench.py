@@ -269,8 +269,6 @@ def fp8_vs_bf16_one_layer(block: Any, x: torch.Tensor, w: torch.Tensor,
 def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     from engine.sampling_params import SamplingParams
 
-    cfg = engine.model_cfg
-    model = engine.runner.model
     times = []
     for r in range(3):  # the first run compiles the prefill shapes
         # a new first token each run: no block of it is in the prefix cache
@@ -283,10 +281,20 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
     ms = sorted(times[1:])[0]
+    tflops = prefill_flops(engine, tokens) / (ms * 1e-3) / 1e12
+    return {"tokens": tokens, "prefill_ms": round(ms, 2), "tflops": round(tflops, 1),
+            "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
+
+
+def prefill_flops(engine: Any, tokens: int) -> float:
+    """The matmul FLOPs of one `tokens`-token prefill: a token's active weights (every
+    non-expert matrix but the embedding and the head, plus top-k routed experts per MoE
+    layer: shared experts and dense layers are non-expert), causal attention, and the head
+    for one row."""
+    cfg = engine.model_cfg
+    model = engine.runner.model
     moe = cfg.moe
     assert moe is not None
-    # a token's weights: every non-expert matrix but the embedding and the head, plus top-k
-    # routed experts per MoE layer (shared experts and dense layers are non-expert)
     blocks = moe_blocks(model)
     head = cfg.vocab_size * cfg.hidden_size
     active = (dense_weight_params(model) - head
@@ -294,11 +302,8 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     # causal QK^T and PV: T^2/2 query-key pairs, 2 FLOPs per multiply-add, per dim
     qk_pv = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim if cfg.is_mla
              else 2 * cfg.head_dim)
-    flops = 2 * tokens * active + cfg.num_layers * cfg.num_heads * qk_pv * tokens * tokens \
-        + 2 * head  # the head for 1 row
-    tflops = flops / (ms * 1e-3) / 1e12
-    return {"tokens": tokens, "prefill_ms": round(ms, 2), "tflops": round(tflops, 1),
-            "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
+    return float(2 * tokens * active + cfg.num_layers * cfg.num_heads * qk_pv * tokens * tokens
+                 + 2 * head)
 
 
 def main() -> None:
@@ -325,13 +330,21 @@ def main() -> None:
                     help="';'-separated variants, each ','-joined module.NAME=value settings: "
                          "only the decode step under each, interleaved with the defaults over "
                          "--repeats rounds (bench/moe_variants.py)")
+    ap.add_argument("--tune-tma", action="store_true",
+                    help="time the tensor-memory form's tile candidates (kernels/"
+                         "triton_moe_tma.py) at each --batches token count, against the "
+                         "decode form's table tile in the same run")
+    ap.add_argument("--prefill-variants", default="",
+                    help="';'-separated variants as --variants: only the --prefill-tokens "
+                         "prefill under each, interleaved with the defaults over --repeats "
+                         "rounds")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
     if args.quantization and args.tune_mla:
         ap.error("--tune-mla: MLA reads bf16 weights; leave out --quantization")
     from decode_bench import hbm_read_tbps, hf_generate_ms
     from moe_profile import prefill_kernels, profile_table
-    from moe_tune import tune, tune_mla
+    from moe_tune import tune, tune_mla, tune_tma
 
     from engine.config import EngineConfig
     from engine.llm import build_engine
@@ -376,6 +389,15 @@ def main() -> None:
             engine, [v for v in args.variants.split(";") if v], batches, contexts,
             args.steps, args.repeats)
         print(json.dumps(result["variants"], indent=1))
+    elif args.prefill_variants:
+        from moe_variants import prefill_variants_section
+        result["prefill_variants"] = prefill_variants_section(
+            engine, [v for v in args.prefill_variants.split(";") if v], args.prefill_tokens,
+            mm, args.repeats)
+        print(json.dumps(result["prefill_variants"], indent=1))
+    elif args.tune_tma:
+        result["tuned_tma"] = tune_tma(model, hbm, batches)
+        print(json.dumps(result["tuned_tma"], indent=1))
     elif args.profile:
         result["decode_profile"] = profile_table(engine, batches, contexts, args.steps)
         if args.prefill_tokens:

@@ -80,3 +80,54 @@ def tune(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
         rows.sort(key=lambda r: r[0])
         best[str(b)] = rows[0][1]
     return {torch.cuda.get_device_name(): best}
+
+
+# --tune-tma candidates (kernels/triton_moe_tma.py): gate/up (BLOCK_M, BLOCK_N, BLOCK_K,
+# warps, stages), down (BLOCK_N_DOWN, BLOCK_K_DOWN, warps, stages). None spills compiled for
+# sm_90 (ptxas -v; 128-row tiles at 256 columns do, at 8 warps, and 16 warps cap a thread
+# at 128 registers); the first is the module's default.
+TMA_CANDIDATES = [((128, 128, 64, 8, 3), (128, 64, 8, 3)),
+                  ((128, 128, 64, 8, 4), (128, 64, 8, 4)),
+                  ((128, 128, 64, 16, 3), (256, 64, 16, 3)),
+                  ((128, 128, 128, 8, 2), (128, 128, 8, 2)),
+                  ((64, 128, 64, 4, 3), (256, 64, 8, 3)),
+                  ((128, 64, 64, 4, 4), (128, 64, 8, 4)),
+                  ((64, 128, 64, 4, 4), (128, 64, 4, 4))]
+
+
+def tune_tma(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
+    """Times the tensor-memory form under each candidate per token count, and the decode
+    form's table tile (kernels/moe_configs.json) in the same run; returns every timing."""
+    import kernels.triton_moe_tma as tma
+    from kernels.triton_moe import tile_config
+
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "NUM_WARPS", "NUM_STAGES",
+             "BLOCK_N_DOWN", "BLOCK_K_DOWN", "NUM_WARPS_DOWN", "NUM_STAGES_DOWN")
+    saved = {n: getattr(tma, n) for n in ("MIN_TOKENS", *names)}
+    out: dict[str, Any] = {}
+    try:
+        for b in batches:
+            table = tile_config(b, torch.device("cuda"))
+            ref = kernel_point(model, b, hbm, dict(table))  # a config: the decode form
+            rows = [{"form": "decode", **table, "ms": ref["kernel_ms_all_layers"],
+                     "tflops": ref["tflops"]}]
+            print("tune-tma", b, rows[-1], flush=True)
+            tma.MIN_TOKENS = 1
+            for gu, dn in TMA_CANDIDATES:
+                for n, v in zip(names, (*gu, *dn), strict=True):
+                    setattr(tma, n, v)
+                try:
+                    p = kernel_point(model, b, hbm)
+                except Exception as e:  # a tile that does not fit: skip it
+                    print("tune-tma", b, gu, dn, repr(e)[:120], flush=True)
+                    continue
+                rows.append({"form": "tma", "gate_up": gu, "down": dn,
+                             "ms": p["kernel_ms_all_layers"], "tflops": p["tflops"]})
+                print("tune-tma", b, rows[-1], flush=True)
+            tma.MIN_TOKENS = saved["MIN_TOKENS"]
+            rows.sort(key=lambda r: r["ms"])
+            out[str(b)] = rows
+    finally:
+        for n, v in saved.items():
+            setattr(tma, n, v)
+    return out

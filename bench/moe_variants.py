@@ -1,4 +1,5 @@
-"""``moe_bench.py --variants``: the MoE model's decode step under module settings, interleaved.
+"""``moe_bench.py --variants``: the MoE model's decode step under module settings, interleaved
+(``--prefill-variants``: its prefill).
 
 Each variant is a ';'-free list of ``package.module.NAME=value`` settings joined by ','
 (the empty variant is the tree's defaults); a round times every (batch, context) point under
@@ -46,3 +47,32 @@ def variants_section(engine: Any, variants: list[str], batches: list[int],
             v: round(min(x for x in r[v] if isinstance(x, float)) / base, 3)
             for v in variants if any(isinstance(x, float) for x in r[v])}
     return out
+
+
+def prefill_variants_section(engine: Any, variants: list[str], tokens: int, mm_tflops: float,
+                             rounds: int) -> dict[str, Any]:
+    """The --prefill-tokens prefill (moe_bench.prefill_point: best of its 2 timed runs after
+    a compiling one) under the defaults and each variant, rounds alternating; per variant
+    its ms per round and its best against the defaults' best."""
+    from moe_bench import prefill_point
+
+    runs: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for v in ["", *variants]:
+            with settings(v):
+                p = prefill_point(engine, tokens, mm_tflops)
+            runs.setdefault(v or "defaults", []).append(p["prefill_ms"])
+            print("prefill", v or "defaults", p, flush=True)
+    base = min(runs["defaults"])
+    return {"tokens": tokens, "ms": runs,
+            "best_over_defaults": {v: round(min(runs[v]) / base, 3) for v in variants},
+            "best_fraction_of_matmul_rate": {
+                v: round(prefill_point_fraction(engine, tokens, min(ms), mm_tflops), 3)
+                for v, ms in runs.items()}}
+
+
+def prefill_point_fraction(engine: Any, tokens: int, ms: float, mm_tflops: float) -> float:
+    """The fraction of the matmul rate a prefill of `ms` reaches (prefill_point's FLOPs)."""
+    from moe_bench import prefill_flops
+
+    return prefill_flops(engine, tokens) / (ms * 1e-3) / 1e12 / mm_tflops

@@ -32,6 +32,10 @@ activation dtype after its load and multiply the accumulator's columns by the sc
 channel once after the K loop; per group each K tile), so activations stay in the model's
 dtype and the weight stream, decode's cost, is one byte per weight.
 
+Prefill-sized calls of 16-bit experts on sm_90+ may take the tensor-memory form of steps
+1-3 instead (kernels/triton_moe_tma.py, from its MIN_TOKENS tokens): the same rows, its
+operand tiles copied whole by the copy engine where these kernels gather them.
+
 Decode reads each touched expert's weights once: a tile's weights are one expert's, and at
 few tokens per expert there is one row tile per expert. Tile sizes come from
 kernels/moe_configs.json, keyed by device name and token-count bucket.
@@ -51,6 +55,8 @@ import triton.language as tl
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
+from kernels.triton_moe_tma import applies as tma_applies
+from kernels.triton_moe_tma import expert_rows
 
 FP8 = torch.float8_e4m3fn
 # Most BLOCK_M x BLOCK_N outputs of a gate/up tile with block-scaled FP8 weights.
@@ -316,12 +322,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
+    ids = topk_ids.contiguous()
+    weights = topk_weights.contiguous()
+    if config is None and tma_applies(x, w13, w2, fp8, t):  # prefill: kernels/triton_moe_tma.py
+        _sum_topk(expert_rows(x, w13, w2, ids, expert_start), ids, weights, out,
+                  expert_start, e_local, pdl=False)
+        return out
     cfg = config or tile_config(t, x.device, w13.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     launch = {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 2)}
     n = t * k
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
     pdl = pdl_for(x)
     per_pair = t <= PER_PAIR_MAX_TOKENS
     if per_pair:  # tile i is pair i (the kernels read ids; these two are not read)
@@ -361,11 +371,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, IEEE=ieee,
         EVEN_K=inter % bk2 == 0, SCALED=fp8, GROUP_K=gk2 if g2 > 1 else 1, ONE_GROUP=g2 == 1,
         PDL=pdl, PER_PAIR=per_pair, launch_pdl=pdl, **launch)
+    _sum_topk(y, ids, weights, out, expert_start, e_local, pdl)
+    return out
+
+
+def _sum_topk(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+              expert_start: int, e_local: int, pdl: bool) -> None:
+    """Step 4: out[t] = sum over j of weights[t, j] * y[t * k + j] (this rank's pairs)."""
+    t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
-        y, ids, weights, out, h, k, expert_start, e_local, y.stride(0), out.stride(0),
-        BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return out
+        y, ids, weights, out, h, ids.shape[1], expert_start, e_local, y.stride(0),
+        out.stride(0), BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
 
 
 def _check_scale(name: str, scale: torch.Tensor, w: torch.Tensor) -> int:
