@@ -41,6 +41,12 @@ TP_FLAG = "--tensor-parallel-size"
 # kernel where a float32 router was a cast, cuBLAS's float32 GEMV and its reduction per MoE
 # layer; past it, the linear (a GEMM's launches amortized over its rows).
 ROUTER_LOGITS_MAX_TOKENS = 16
+# From this many tokens (a prefill) the folded shared experts run as dense GEMMs (cuBLAS)
+# beside the routed ones, not as rows of the fused kernel: every token reads them, so they
+# are a full-height GEMM, which cuBLAS runs faster than the grouped kernel's tiles; at
+# decode, one kernel for both saves launches. None: always folded. The stacked weights
+# serve both (SparseMoeBlock._shared_dense).
+SHARED_DENSE_MIN_TOKENS: int | None = None
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
@@ -267,9 +273,11 @@ class SparseMoeBlock(nn.Module):
         self.shared_experts = None
         self.folded_shared = s
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, with_shared: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights [T, k + S] float32, topk_ids [T, k + S]); S: the
-        shared experts folded into the stack (0 if none), weight 1 each."""
+        shared experts folded into the stack (0 if none or not with_shared), weight 1
+        each."""
         c = self.cfg
         w = self.gate.weight
         out_dtype = torch.float32 if c.router_fp32 else x.dtype
@@ -284,17 +292,35 @@ class SparseMoeBlock(nn.Module):
         route = self.k.moe_route if self.k.moe_route is not None else moe_route_ref
         out: tuple[torch.Tensor, torch.Tensor] = route(
             logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor, bias,
-            round_dtype=round_to, num_shared=self.folded_shared, n_group=c.n_group,
+            round_dtype=round_to, num_shared=self.folded_shared if with_shared else 0,
+            n_group=c.n_group,
             topk_group=c.topk_group)
         return out
+
+    def _shared_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The folded shared experts as dense GEMMs on their rows of the stack: one GEMM
+        for every shared expert's gate and up ([T, S * 2I], expert s's [gate | up]
+        columns), the activation on [T * S, 2I], and one batched GEMM for the S down
+        projections, their outputs added."""
+        ex, s = self.experts, self.folded_shared
+        e, i = ex.num_experts, ex.inter
+        t, h = x.shape
+        gate_up = F.linear(x, ex.w13[e:].reshape(s * 2 * i, h))  # [T, S * 2I]
+        act = self.k.silu_and_mul(gate_up.view(t * s, 2 * i)).view(t, s, i)
+        down = torch.bmm(act.transpose(0, 1), ex.w2[e:].transpose(1, 2))  # [S, T, H]
+        return down[0] if s == 1 else down.sum(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""
         n = x.shape[0]
         if self.exchange is not None:
             x = self.exchange.dispatch(x)  # [ranks * m, H]: every rank's tokens
-        weights, ids = self.route(x)
+        dense = (self.folded_shared > 0 and SHARED_DENSE_MIN_TOKENS is not None
+                 and x.shape[0] >= SHARED_DENSE_MIN_TOKENS)
+        weights, ids = self.route(x, with_shared=not dense)
         out = self.experts(x, weights, ids)
+        if dense:  # as HF's block: the routed sum, rounded, plus the shared MLP's output
+            out = out + self._shared_dense(x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.exchange is not None:

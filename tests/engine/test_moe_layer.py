@@ -291,6 +291,45 @@ def test_deepseek_block_matches_transformers(arch, kw, tp, fold):
     torch.testing.assert_close(total, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_folded_shared_experts_as_dense_gemms_from_min_tokens(arch, monkeypatch):
+    """From SHARED_DENSE_MIN_TOKENS tokens the folded shared experts run as dense GEMMs on
+    their rows of the stack (routing leaves them out); below it they stay in the fused
+    kernel. Both equal transformers' block."""
+    import engine.models.moe as moe_mod
+    from engine.config import moe_config_from_hf
+
+    hf, cfg = _hf_deepseek_block(arch)
+    moe = moe_config_from_hf(cfg, arch)
+    assert moe is not None
+    sd = hf.state_dict()
+    block = SparseMoeBlock(moe, 32, KERNELS, None)
+    block.experts.load_expert(-1, "gate_up", sd["experts.gate_up_proj"])
+    block.experts.load_expert(-1, "down", sd["experts.down_proj"])
+    assert block.shared_experts is not None
+    for proj in ("gate", "up", "down"):
+        block.shared_experts.load(proj, sd[f"shared_experts.{proj}_proj.weight"])
+    with torch.no_grad():
+        block.gate.weight.copy_(sd["gate.weight"])
+        if arch == "deepseek_v3":
+            block.gate.e_score_correction_bias.copy_(sd["gate.e_score_correction_bias"])
+    block.finish_load()
+    assert block.folded_shared == 2
+    seen = []
+    real = block.experts.forward
+    monkeypatch.setattr(block.experts, "forward",
+                        lambda x, w, ids: seen.append(ids.shape[1]) or real(x, w, ids))
+    monkeypatch.setattr(moe_mod, "SHARED_DENSE_MIN_TOKENS", 8)
+    for n, routed_cols in ((13, 4), (5, 4 + 2)):  # 13 >= 8: dense; 5: folded
+        x = torch.randn(n, 32)
+        seen.clear()
+        out = block(x)
+        assert seen == [routed_cols]
+        with torch.no_grad():
+            ref = hf(x.unsqueeze(0))[0]
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch,field,value", [
     ("deepseek_v2", "topk_method", "noaux_tc"),
     ("deepseek_v2", "norm_topk_prob", True),
