@@ -46,7 +46,7 @@ ROUTER_LOGITS_MAX_TOKENS = 16
 # are a full-height GEMM, which cuBLAS runs faster than the grouped kernel's tiles; at
 # decode, one kernel for both saves launches. None: always folded. The stacked weights
 # serve both (SparseMoeBlock._shared_dense).
-SHARED_DENSE_MIN_TOKENS: int | None = None
+SHARED_DENSE_MIN_TOKENS: int | None = 1024
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "softmax",
