@@ -37,22 +37,26 @@ from kernels.triton_common import check, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
 
 # Calls with at least this many tokens take this form; None: none does (the decode form
-# serves every call).
+# serves every call). Off: timed on an H100 (bench/RESULTS.md, "The experts' prefill GEMMs
+# with tensor-memory loads"), its best tiles ran V2-Lite's 4,096-token experts 3% faster
+# than the decode form's untuned default tile, and the whole prefill 2-4% slower (the
+# gather), where the H200's tuned decode tile is 12% faster than that default.
 MIN_TOKENS: int | None = None
 
 
 # The tiles (module constants, so a benchmark variant can set each one): BLOCK_M is the
 # expert-sorted row tile of both GEMMs; gate/up holds two [BLOCK_M, BLOCK_N] accumulators
-# (gate and up), down one [BLOCK_M, BLOCK_N_DOWN]. Compiled for sm_90 none of these spills
-# (tests/kernels/test_moe_tma_sm90.py); they are a first choice by shape, not yet timed.
+# (gate and up), down one [BLOCK_M, BLOCK_N_DOWN]. The fastest of bench/moe_tune.py's
+# TMA_CANDIDATES on an H100 (16 warps: four warpgroups share each tile's accumulators);
+# compiled for sm_90 they do not spill (tests/kernels/test_moe_tma_sm90.py).
 BLOCK_M = 128
 BLOCK_N = 128
 BLOCK_K = 64
-NUM_WARPS = 8
+NUM_WARPS = 16
 NUM_STAGES = 3
-BLOCK_N_DOWN = 128
+BLOCK_N_DOWN = 256
 BLOCK_K_DOWN = 64
-NUM_WARPS_DOWN = 8
+NUM_WARPS_DOWN = 16
 NUM_STAGES_DOWN = 3
 
 
