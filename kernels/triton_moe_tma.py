@@ -4,10 +4,9 @@
 Why a second form of the same GEMMs: at prefill the experts are most of a DeepSeek-V2-Lite
 step (4,096 tokens: ~36 of ~57 ms of kernels on an H200, bench/RESULTS.md), and the
 decode-shaped kernels run them at ~325 TFLOP/s, 42% of the bf16 matmul rate. They load
-their row tiles through a gather (each row's token, 64-bit-free int32 offset tiles) and keep
-two [128, 128] float32 accumulators: ptxas spills 450 bytes there. Here every operand tile
-is one rectangle of a 2-D tensor, loaded by the copy engine into shared memory (a
-descriptor per operand, no address registers per element):
+their row tiles through a gather (each row's token, int32 offset tiles into x). Here every
+operand tile is one rectangle of a 2-D tensor, loaded by the copy engine into shared memory
+(a descriptor per operand, no address registers per element):
 1. align (as the decode form; kernels/triton_moe_align.py), then `_gather_kernel` copies
    each sorted row's token row of x into `xs` [P, H] (padding rows zero, tiles past the
    experts' runs untouched), so a row tile of one expert is rows [m * BM, (m + 1) * BM);

@@ -50,10 +50,15 @@ class Ptxas:
         return self.spilled
 
 
-def spills(fn, sig, const, **opts):
+def spills(fn, sig, const, divisible=(), **opts):
+    """divisible: argument names a real launch sees as multiples of 16 (16-byte aligned
+    pointers, sizes and strides): the JIT specializes on that, and without it the
+    compiler can neither vectorize nor pipeline those loads, a different kernel from the
+    one that runs."""
     sig = dict(sig, **{k: "constexpr" for k in const})
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TARGET,
-                       options=opts)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                       target=TARGET, options=opts)
     while len(running) >= PARALLEL:
         running.pop(0).result()
     running.append(Ptxas(k.asm["ptx"]))

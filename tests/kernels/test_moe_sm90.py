@@ -1,5 +1,5 @@
-"""The fused MoE kernels compile for an H200 (sm_90) without a GPU, and the tile table's
-default configs need no register spills (the H200's tuned ones at most a measured few):
+"""The fused MoE kernels compile for an H200 (sm_90) without a GPU, and none of the tile
+table's configs needs register spills:
 ptxas from Triton's wheel, in a child process (the kernel tests' conftest runs Triton in
 its interpreter, which compiles nothing). The interpreter tests check values; this
 catches what only the compiler sees."""
@@ -23,6 +23,14 @@ DN = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sorted_ptr": "*i3
       "bexp_ptr": "*i32", "sc_ptr": "*fp32", "ids_ptr": "*i64", "N": "i32",
       "H": "i32", "INTER": "i32", "expert_start": "i32", "num_local": "i32", "s_a": "i32",
       "s_we": "i32", "s_wn": "i32", "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
+# What a launch at the supported models' shapes specializes on (hidden and intermediate
+# sizes are multiples of 16: V2-Lite 2048/1408, Qwen3-30B-A3B 2048/768, Mixtral,
+# DeepSeek-V3; fresh tensors are 16-byte aligned): without it the loads are neither
+# vectorized nor pipelined, and ptxas reports spills of a kernel that never runs.
+DIV_GU = ("x_ptr", "w_ptr", "out_ptr", "sorted_ptr", "bexp_ptr", "sc_ptr", "ids_ptr", "H",
+          "INTER", "s_x", "s_we", "s_wn", "s_o")
+DIV_DN = ("a_ptr", "w_ptr", "out_ptr", "sorted_ptr", "bexp_ptr", "sc_ptr", "ids_ptr", "H",
+          "INTER", "s_a", "s_we", "s_wn", "s_o")
 # weights: bf16; FP8 with per-channel scales; FP8 with 128-column block scales
 WEIGHTS = {"": ("*bf16", dict(SCALED=False, GROUP_K=1, ONE_GROUP=True)),
            "fp8/": ("*fp8e4nv", dict(SCALED=True, GROUP_K=1, ONE_GROUP=True)),
@@ -44,10 +52,10 @@ for dev, b in [(dev, b) for dev in ("default", "NVIDIA H200") for b in table[dev
             bn = min(bn, max(16, m.BLOCK_SCALED_GATE_UP_TILE // c["BLOCK_M"]))
         tag = f"{kind}{bucket}{'/per_pair' if pp else ''}"
         out[f"gate_up/{tag}"] = spills(m._gate_up_kernel, dict(GU, w_ptr=wty), dict(
-            base, BLOCK_N=bn, BLOCK_K=c["BLOCK_K"]), **opts)
+            base, BLOCK_N=bn, BLOCK_K=c["BLOCK_K"]), divisible=DIV_GU, **opts)
         out[f"down/{tag}"] = spills(m._down_kernel, dict(DN, w_ptr=wty), dict(
             base, BLOCK_N=c.get("BLOCK_N_DOWN", c["BLOCK_N"]),
-            BLOCK_K=c.get("BLOCK_K_DOWN", c["BLOCK_K"])), **opts)
+            BLOCK_K=c.get("BLOCK_K_DOWN", c["BLOCK_K"])), divisible=DIV_DN, **opts)
 out["align/256"] = spills(al._align_kernel, {
     "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "N": "i32", "P": "i32",
     "NUM_TILES": "i32", "expert_start": "i32", "num_local": "i32"},
@@ -71,25 +79,11 @@ out["router_logits"] = spills(rl._router_logits_kernel, {
 '''
 
 
-# the H200's decode tiles (BLOCK_N 128 x BLOCK_K 128) spill this little (bytes, per kernel)
-# and are still the fastest measured there (kernels/moe_configs.json); more is a regression
-H200_ACCEPTED = {"gate_up": 128, "down": 32}
-# ... and its 16-bit prefill tile (128 x 128 x 64), 12% faster than the spill-free 64-row
-# one on DeepSeek-V2-Lite's 4,096-token experts (bench/RESULTS.md), spills this much (the
-# down kernel 376 bytes while its epilogue still weighted and stored float32 rows)
-H200_PREFILL_ACCEPTED = {"gate_up/NVIDIA H200/8192": 452, "down/NVIDIA H200/8192": 244}
-
-
 @pytest.mark.slow
 def test_moe_kernels_compile_for_sm90_without_spills() -> None:
+    # Every tile of the table, the H200's tuned ones included, compiles without spills as
+    # launched (the divisibility above). Compiled without it, the H200's prefill tile
+    # showed 452 bytes in gate/up: an unpipelined kernel that no launch at these shapes runs.
     spills = spill_bytes(BODY)
     assert len(spills) == 3 * 20 + 3 * 4 + 4, sorted(spills)  # 3 * 4: per-pair tiles
-    def bound(k: str) -> int:
-        if k in H200_PREFILL_ACCEPTED:
-            return H200_PREFILL_ACCEPTED[k]
-        if "NVIDIA H200" in k:
-            return H200_ACCEPTED[k.split("/")[0]]
-        return 0
-
-    over = {k: v for k, v in spills.items() if v > bound(k)}
-    assert over == {}, spills
+    assert {k: v for k, v in spills.items() if v} == {}, spills

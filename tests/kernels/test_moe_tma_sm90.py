@@ -1,7 +1,7 @@
 """The fused MoE kernel's tensor-memory form compiles for an H200 (sm_90) without a GPU: at
-its default tiles no register spills (the decode form's 128-row prefill tile spills 452
-bytes in gate/up), and its operand tiles really are tensor-memory copies feeding wgmma
-(what the form exists for: a fallback to per-element loads would compile and run, slower)."""
+its default tiles no register spills, and its operand tiles really are tensor-memory copies
+feeding wgmma (what the form exists for: a fallback to per-element loads would compile and
+run, slower). Compiled as launched: 16-divisible pointers, sizes and strides."""
 
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ class Found:
         return self.value
 
 
-def compiled(fn, sig, const, **opts):
+def compiled(fn, sig, const, divisible=(), **opts):
     sig = dict(sig, **{k: "constexpr" for k in const})
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=TARGET,
-                          options=opts)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=TARGET, options=opts)
 
 
 bm, bn, bk = m.BLOCK_M, m.BLOCK_N, m.BLOCK_K
@@ -36,17 +37,20 @@ DN = {"act_desc": f"tensordesc<bf16[{bm}, {bk2}]>", "w_desc": f"tensordesc<bf16[
 for name, fn, sig, const, opts in [
         ("gate_up", m._gate_up_kernel, GU,
          dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=tl.bfloat16),
-         dict(num_warps=m.NUM_WARPS, num_stages=m.NUM_STAGES)),
+         dict(num_warps=m.NUM_WARPS, num_stages=m.NUM_STAGES,
+              divisible=("act_ptr", "bexp_ptr", "INTER", "H", "s_o"))),
         ("down", m._down_kernel, DN,
          dict(BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=tl.bfloat16),
-         dict(num_warps=m.NUM_WARPS_DOWN, num_stages=m.NUM_STAGES_DOWN))]:
+         dict(num_warps=m.NUM_WARPS_DOWN, num_stages=m.NUM_STAGES_DOWN,
+              divisible=("y_ptr", "sorted_ptr", "bexp_ptr", "H", "INTER", "s_y")))]:
     out[name] = spills(fn, sig, const, **opts)
     out[name + "/tma_wgmma"] = Found(compiled(fn, sig, const, **opts).asm["ptx"],
                                      "cp.async.bulk.tensor", "wgmma.mma_async")
 out["gather"] = spills(m._gather_kernel, {
     "x_ptr": "*bf16", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "xs_ptr": "*bf16", "N": "i32",
     "H": "i32", "TOP_K": "i32", "s_x": "i32", "s_xs": "i32"},
-    dict(BLOCK_M=bm, BLOCK_R=m.GATHER_ROWS, BLOCK_H=m.GATHER_COLS), num_warps=4)
+    dict(BLOCK_M=bm, BLOCK_R=m.GATHER_ROWS, BLOCK_H=m.GATHER_COLS),
+    divisible=("x_ptr", "sorted_ptr", "bexp_ptr", "xs_ptr", "H", "s_x", "s_xs"), num_warps=4)
 '''
 
 
