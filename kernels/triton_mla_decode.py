@@ -46,10 +46,11 @@ LOG2E = 1.4426950408889634
 
 BLOCK_N = 32  # latent rows per inner-loop tile (a [32, 512] bf16 tile is 32 KiB)
 NUM_STAGES = 2
-# Warps per program by heads per program. At 4 warps a 16-head block spills 120 bytes of
-# registers (ptxas, sm_90) and is still the fastest measured on an H200: batch 32 x 4096
-# tokens 1.69 ms for 27 layers against 2.99 ms at 8 warps (with the split count below);
-# 32 heads keep 8 warps, which do not spill (tests/kernels/test_mla_sm90.py).
+# Warps per program by heads per program. A 16-head block at 4 warps is the fastest measured
+# on an H200: batch 32 x 4096 tokens 1.69 ms for 27 layers against 2.99 ms at 8 warps (with
+# the split count below); 32 heads keep 8 warps. Neither spills compiled as launched
+# (tests/kernels/test_mla_sm90.py; the 120 bytes once reported at 4 warps came from a
+# compile without the launch's 16-divisible pointers and strides).
 NUM_WARPS = {16: 4, 32: 8}
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # ... except when the whole call is a few programs' worth of (request, head block) pairs: at

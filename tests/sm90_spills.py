@@ -50,11 +50,16 @@ class Ptxas:
         return self.spilled
 
 
-def spills(fn, sig, const, divisible=(), **opts):
+def spills(fn, sig, const, divisible=None, **opts):
     """divisible: argument names a real launch sees as multiples of 16 (16-byte aligned
-    pointers, sizes and strides): the JIT specializes on that, and without it the
-    compiler can neither vectorize nor pipeline those loads, a different kernel from the
-    one that runs."""
+    pointers, sizes and strides). The JIT specializes on that, and without it the compiler
+    can neither vectorize nor pipeline those loads: a different kernel from the one that
+    runs, which spilled where the launched one does not. None: every pointer and every
+    integer stride named s_* but the block tables' row stride s_btb (a table is as wide as
+    the longest request's blocks, any number)."""
+    if divisible is None:
+        divisible = [k for k, v in sig.items()
+                     if v.startswith("*") or (k.startswith("s_") and k != "s_btb")]
     sig = dict(sig, **{k: "constexpr" for k in const})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),

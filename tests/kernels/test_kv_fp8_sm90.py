@@ -86,7 +86,10 @@ for block_h in (16, 32):
 '''
 
 
-FP8_DECODE_SPILL_MAX = 352  # measured 288 / 316 (unsplit / split) with the launcher's tiles
+# Compiled as launched (sm90_spills: 16-divisible pointers and strides). Without that
+# specialization the float8 decode kernels showed 288 / 316 bytes and the MLA 16-head block
+# 124: loads neither vectorized nor pipelined, a kernel no launch at these shapes runs.
+FP8_DECODE_SPILL_MAX = 0
 
 
 @pytest.mark.slow
@@ -94,9 +97,9 @@ def test_fp8_kv_kernels_compile_for_sm90_without_spills() -> None:
     found = spill_bytes(BODY)
     assert len(found) == 14, sorted(found)
     paired = {k: found.pop(k) for k in list(found) if k.startswith(("decode/", "prefill/"))}
-    # the MLA decode's 16-head block at 4 warps spills a little in bf16 too and is still the
-    # fastest measured on an H200 (kernels/triton_mla_decode.py NUM_WARPS)
-    accepted = {"mla/h16": 128}
+    # the MLA decode's 16-head block at 4 warps over a float8 cache: 8 bytes (bf16: none),
+    # the fastest tiles measured on an H200 (kernels/triton_mla_decode.py NUM_WARPS)
+    accepted = {"mla/h16": 8}
     assert {k: v for k, v in found.items() if v > accepted.get(k, 0)} == {}, found
     fp8_decode = {k: v for k, v in paired.items() if k.startswith("decode/*fp8e4nv")}
     assert max(fp8_decode.values()) <= FP8_DECODE_SPILL_MAX, fp8_decode

@@ -71,14 +71,11 @@ for heads in (16, 128):  # V2-Lite's and V3's query heads on one rank
 '''
 
 
-# 16 heads at 4 warps spill this much and are still the fastest tiles measured on an H200
-# (kernels/triton_mla_decode.py NUM_WARPS); anything more is a regression to look at
-ACCEPTED = {"decode/h16/split0": 128, "decode/h16/split1": 128, "prefill/bf16": 160}
-
-
 @pytest.mark.slow
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
+    # compiled as launched (sm90_spills: 16-divisible pointers and strides) none spills;
+    # without that specialization the 16-head decode at 4 warps showed 120 bytes and the
+    # bf16 prefill 160, in loads neither vectorized nor pipelined
     found = spill_bytes(BODY)
     assert len(found) == 12
-    over = {k: v for k, v in found.items() if v > ACCEPTED.get(k, 0)}
-    assert over == {}, found
+    assert {k: v for k, v in found.items() if v} == {}, found
