@@ -13,11 +13,9 @@ with the engine frames that asked for it.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import json
 import os
-import pstats
 import sys
 import tempfile
 import time
@@ -27,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench.moe_bench import SHAPES  # noqa: E402
+from bench.probes.host_profile import profiled  # noqa: E402
 from bench.probes.sync_watch import syncs_in  # noqa: E402
 
 
@@ -67,15 +66,7 @@ def main() -> None:
     syncs = syncs_in(run, frames=6)
     out.write(f"==== host<->device syncs in one prefill ({len(syncs)})\n")
     out.write("\n".join(syncs[:60]) + "\n\n")
-    prof = cProfile.Profile()
-    prof.enable()
-    wall = run()
-    prof.disable()
-    out.write(f"under cProfile: {wall:.2f} ms\n")
-    for key in ("tottime", "cumulative"):
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(45)
-        out.write(f"\n==== by {key}\n{s.getvalue()}")
+    out.write(profiled(run))
     with open(args.out, "w") as f:
         f.write(out.getvalue())
     print(out.getvalue()[:12000])

@@ -13,10 +13,8 @@ engine frames that asked for it.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import io
 import os
-import pstats
 import sys
 
 import torch
@@ -30,6 +28,7 @@ from bench.prefix_step_bench import (  # noqa: E402
     _tokens,
     producer_engine,
 )
+from bench.probes.host_profile import profiled  # noqa: E402
 from bench.probes.sync_watch import syncs_in  # noqa: E402
 
 
@@ -51,15 +50,7 @@ def main() -> None:
     walls = [run() for _ in range(5)]
     out = io.StringIO()
     out.write(f"cached-prefix token 0, wall ms (no profiler): {walls}\n\n")
-    prof = cProfile.Profile()
-    prof.enable()
-    wall = run()
-    prof.disable()
-    out.write(f"under cProfile: {wall:.2f} ms\n")
-    for key in ("tottime", "cumulative"):
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats(key).print_stats(45)
-        out.write(f"\n==== by {key}\n{s.getvalue()}")
+    out.write(profiled(run))
     syncs = syncs_in(run)
     out.write(f"\n==== host<->device syncs in one cached step ({len(syncs)})\n")
     for line in syncs:

@@ -245,6 +245,22 @@ def _hf_deepseek_block(arch: str, **kw: object):  # type: ignore[no-untyped-def]
     return hf.eval(), cfg.to_dict()
 
 
+def _deepseek_block_from(moe: MoEConfig, sd: dict, arch: str, rank: int,
+                         size: int) -> SparseMoeBlock:
+    """Rank `rank` of `size`'s block, loaded from transformers' block state dict `sd`."""
+    block = SparseMoeBlock(moe, 32, KERNELS, None, rank=rank, size=size)
+    block.experts.load_expert(-1, "gate_up", sd["experts.gate_up_proj"])
+    block.experts.load_expert(-1, "down", sd["experts.down_proj"])
+    assert block.shared_experts is not None
+    for proj in ("gate", "up", "down"):
+        block.shared_experts.load(proj, sd[f"shared_experts.{proj}_proj.weight"])
+    with torch.no_grad():
+        block.gate.weight.copy_(sd["gate.weight"])
+        if arch == "deepseek_v3":
+            block.gate.e_score_correction_bias.copy_(sd["gate.e_score_correction_bias"])
+    return block
+
+
 @pytest.mark.parametrize("arch,kw", [
     ("deepseek_v2", dict(topk_method="greedy", routed_scaling_factor=1.0)),
     ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=4, topk_group=2,
@@ -267,16 +283,7 @@ def test_deepseek_block_matches_transformers(arch, kw, tp, fold):
     x = torch.randn(13, 32)
     total = torch.zeros(13, 32)
     for rank in range(tp):
-        block = SparseMoeBlock(moe, 32, KERNELS, None, rank=rank, size=tp)
-        block.experts.load_expert(-1, "gate_up", sd["experts.gate_up_proj"])
-        block.experts.load_expert(-1, "down", sd["experts.down_proj"])
-        assert block.shared_experts is not None
-        for proj in ("gate", "up", "down"):
-            block.shared_experts.load(proj, sd[f"shared_experts.{proj}_proj.weight"])
-        with torch.no_grad():
-            block.gate.weight.copy_(sd["gate.weight"])
-            if arch == "deepseek_v3":
-                block.gate.e_score_correction_bias.copy_(sd["gate.e_score_correction_bias"])
+        block = _deepseek_block_from(moe, sd, arch, rank, tp)
         if fold:
             block.finish_load()
             folded = tp == 1
@@ -303,16 +310,7 @@ def test_folded_shared_experts_as_dense_gemms_from_min_tokens(arch, monkeypatch)
     moe = moe_config_from_hf(cfg, arch)
     assert moe is not None
     sd = hf.state_dict()
-    block = SparseMoeBlock(moe, 32, KERNELS, None)
-    block.experts.load_expert(-1, "gate_up", sd["experts.gate_up_proj"])
-    block.experts.load_expert(-1, "down", sd["experts.down_proj"])
-    assert block.shared_experts is not None
-    for proj in ("gate", "up", "down"):
-        block.shared_experts.load(proj, sd[f"shared_experts.{proj}_proj.weight"])
-    with torch.no_grad():
-        block.gate.weight.copy_(sd["gate.weight"])
-        if arch == "deepseek_v3":
-            block.gate.e_score_correction_bias.copy_(sd["gate.e_score_correction_bias"])
+    block = _deepseek_block_from(moe, sd, arch, 0, 1)
     block.finish_load()
     assert block.folded_shared == 2
     seen = []
