@@ -38,8 +38,8 @@ from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, mo
 # Calls with at least this many tokens take this form; None: none does (the decode form
 # serves every call). Off: timed on an H100 (bench/RESULTS.md, "The experts' prefill GEMMs
 # with tensor-memory loads"), its best tiles ran V2-Lite's 4,096-token experts 3% faster
-# than the decode form's untuned default tile, and the whole prefill 2-4% slower (the
-# gather), where the H200's tuned decode tile is 12% faster than that default.
+# than the decode form's untuned default tile, where the H200's tuned decode tile is 12%
+# faster than that default; the whole prefill, at its first (8-warp) tiles, was 2-4% slower.
 MIN_TOKENS: int | None = None
 
 
