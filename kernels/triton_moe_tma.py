@@ -177,7 +177,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     """x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; ids [T, k] global expert ids.
     Returns y [T * k, H]: row t * k + j is expert ids[t, j]'s output for token t, rounded to
     x's dtype (rows of other ranks' experts unwritten): fused_moe's rows before its sum."""
-    tl_ = tiles or current_tiles()
+    tile = tiles or current_tiles()
     t, h = x.shape
     e_local, two_i, _ = w13.shape
     inter = two_i // 2
@@ -186,7 +186,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     check(w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1,
           "x, w13, w2: expected contiguous rows (the tensor-memory form)")
     check(ids.is_contiguous(), "topk_ids: expected contiguous")
-    bm = tl_.block_m
+    bm = tile.block_m
     check(bm % GATHER_ROWS == 0, f"block_m: {bm} is not a multiple of {GATHER_ROWS}")
     align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align_multi
     sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
@@ -198,19 +198,19 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
         BLOCK_R=GATHER_ROWS, BLOCK_H=min(GATHER_COLS, triton.next_power_of_2(h)), num_warps=4)
     dot = compute_dtype(x)
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
-    bn, bk = tl_.block_n, tl_.block_k
+    bn, bk = tile.block_n, tile.block_k
     _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
         TensorDescriptor(xs, [p, h], [h, 1], [bm, bk]),
         TensorDescriptor(w13, [e_local * two_i, h], [h, 1], [bn, bk]),
         act, block_expert, inter, h, act.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, num_warps=tl_.num_warps,
-        num_stages=tl_.num_stages)
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    bn2, bk2 = tl_.block_n_down, tl_.block_k_down
+    bn2, bk2 = tile.block_n_down, tile.block_k_down
     _down_kernel[(tiles_m, triton.cdiv(h, bn2))](
         TensorDescriptor(act, [p, inter], [inter, 1], [bm, bk2]),
         TensorDescriptor(w2, [e_local * h, inter], [inter, 1], [bn2, bk2]),
         y, sorted_ids, block_expert, n, h, inter, y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, num_warps=tl_.num_warps_down,
-        num_stages=tl_.num_stages_down)
+        BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, DOT_DTYPE=dot, num_warps=tile.num_warps_down,
+        num_stages=tile.num_stages_down)
     return y

@@ -61,13 +61,24 @@ def test_tma_form_row_tiles_span_several_experts_runs(gen, device):
         < INTERP_BF16_TOL
 
 
-def test_tma_form_is_off_by_default_and_never_for_fp8_or_float32(device):
+def test_tma_form_is_off_by_default():
     import kernels.triton_moe_tma as tma
 
-    x = torch.zeros(4096, 64, dtype=torch.bfloat16, device=device)
-    w13 = torch.zeros(4, 96, 64, dtype=torch.bfloat16, device=device)
-    w2 = torch.zeros(4, 64, 48, dtype=torch.bfloat16, device=device)
     assert tma.MIN_TOKENS is None or tma.MIN_TOKENS > 256  # decode sizes keep the graphs'
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_tma_form_applies_to_16_bit_prefills_only(monkeypatch):
+    import kernels.triton_moe_tma as tma
+
+    dev = torch.device("cuda")
+    x = torch.zeros(4096, 64, dtype=torch.bfloat16, device=dev)
+    w13 = torch.zeros(4, 96, 64, dtype=torch.bfloat16, device=dev)
+    w2 = torch.zeros(4, 64, 48, dtype=torch.bfloat16, device=dev)
+    monkeypatch.setattr(tma, "MIN_TOKENS", 1024)
+    assert tma.applies(x, w13, w2, False, 4096)
+    assert not tma.applies(x, w13, w2, False, 1000)  # under MIN_TOKENS
     assert not tma.applies(x, w13, w2, True, 4096)  # FP8 experts
     assert not tma.applies(x.float(), w13.float(), w2.float(), False, 4096)
 
