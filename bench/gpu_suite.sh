@@ -4,8 +4,11 @@
 # gguf). Only the folders that hold gpu tests are collected (the device lacks some of the
 # other suites' client packages, e.g. openai). Logs go to OUT; the summary lines are what bench/results/gpu_suite.txt records.
 # The tree plus the default wheels is over a run's 64 MiB carry: run bench/slim_wheels.sh
-# after wheels.sh (libucx 42 -> 18 MB), which also leaves room for gguf and llguidance
-# (wheels.sh gguf==0.19.0 ...), whose tests otherwise skip on the device.
+# after wheels.sh (libucx 42 -> 18 MB), which also leaves room for gguf, llguidance and
+# jsonschema, whose tests otherwise skip on the device (llguidance 1.9.1 is tagged
+# manylinux_2_31 and jsonschema needs attrs, jsonschema-specifications, referencing and
+# rpds-py, so fetch those with pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl ...).
 #   bash bench/gpu_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?OUT_DIR}
