@@ -166,10 +166,21 @@ def _row_sum(wf, x_ptrs, k_ok, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _silu_pairs(acc, ty: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] sums as (gate, up) pairs -> silu(gate) * up, [BLOCK_N // 2]. gate and up
+    are rounded to the output dtype first, as the unfused path stores them, so the result
+    is the same bits as silu_and_mul over this kernel's [gate | up] output."""
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_N // 2, 2)))
+    g = gate.to(ty).to(tl.float32)
+    u = up.to(ty).to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_om,
                  k_per_split, GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr,
                  EVEN_K: tl.constexpr, ROWS: tl.constexpr, EVICT_FIRST: tl.constexpr,
-                 PDL: tl.constexpr,
+                 PDL: tl.constexpr, GLU: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     # grid: (row groups, N tiles, K splits). Row groups vary fastest, so the programs that
     # share a weight tile run together and all but the first read it from L2.
@@ -177,11 +188,19 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_o
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     m0 = pid_m * ROWS
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    # Columns past N re-read row N - 1: every weight load is in bounds and unmasked along
-    # N, so the 16-byte vectors along K survive; those sums are not stored.
-    rn_ld = tl.minimum(rn, N - 1)
+    if GLU:
+        # w is [gate | up], N = 2 * inter; the output is silu(gate) * up, [M, inter]. Tile
+        # row 2c reads gate column c of this program's BLOCK_N // 2, row 2c + 1 up column c,
+        # so the epilogue pairs them by a reshape, and the tile is as many rows as before.
+        half = N // 2
+        rc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2
+        rn_ld = tl.minimum(rc, half - 1) + (tl.arange(0, BLOCK_N) % 2) * half
+    else:
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Columns past N re-read row N - 1: every weight load is in bounds and unmasked
+        # along N, so the 16-byte vectors along K survive; those sums are not stored.
+        rn_ld = tl.minimum(rn, N - 1)
     k0 = pid_s * k_per_split
     if PDL:  # x is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
@@ -237,9 +256,20 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_o
         acc1 = acc1 * sc
         acc2 = acc2 * sc
         acc3 = acc3 * sc
-    n_ok = rn < N
     ty = out_ptr.dtype.element_ty
-    o_ptrs = out_ptr + pid_s * s_os + m0.to(tl.int64) * s_om + rn
+    if GLU:
+        hc = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        n_ok = hc < half
+        o_ptrs = out_ptr + m0.to(tl.int64) * s_om + hc
+        acc0 = _silu_pairs(acc0, ty, BLOCK_N)
+        if ROWS > 1:
+            acc1 = _silu_pairs(acc1, ty, BLOCK_N)
+        if ROWS > 2:
+            acc2 = _silu_pairs(acc2, ty, BLOCK_N)
+            acc3 = _silu_pairs(acc3, ty, BLOCK_N)
+    else:
+        n_ok = rn < N
+        o_ptrs = out_ptr + pid_s * s_os + m0.to(tl.int64) * s_om + rn
     tl.store(o_ptrs, acc0.to(ty), mask=n_ok)
     if ROWS > 1:
         tl.store(o_ptrs + s_om, acc1.to(ty), mask=n_ok & (m0 + 1 < M))
@@ -333,7 +363,7 @@ def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         _gemv_kernel[grid](
             x, w, w_scale, out, m, n, x.stride(0), w.stride(0), w_scale.stride(0),
             out.stride(0), out.stride(1), kps, GROUP_K=gk, ONE_GROUP=g == 1,
-            EVEN_K=even_k, ROWS=rows, EVICT_FIRST=m <= rows, PDL=pdl,
+            EVEN_K=even_k, ROWS=rows, EVICT_FIRST=m <= rows, PDL=pdl, GLU=False,
             BLOCK_N=cfg.block_n, BLOCK_K=block_k, STAGES=cfg.num_stages,
             num_warps=cfg.num_warps, launch_pdl=pdl)
     else:
@@ -345,3 +375,59 @@ def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return out[0] if splits == 1 else out
+
+
+def glu_config(m: int, n: int, k: int, groups: int, sms: int) -> Config | None:
+    """The GEMV config that `fp8_weight_only_glu` runs [m, k] x [n, k] with, or None where
+    the product would not run as one unsplit GEMV (more rows than GEMV_MAX_M, or a grid
+    small enough that choose_splits cuts K: the activation needs whole sums)."""
+    cfg = config_for(m, n, k, groups)
+    if cfg.kind != "gemv" or n % 2 or choose_splits(m, n, k, groups, sms) != 1:
+        return None
+    return cfg
+
+
+def auto_glu_config(x: torch.Tensor, n: int, groups: int) -> Config | None:
+    """glu_config for x on its CUDA device."""
+    return glu_config(x.shape[0], n, x.shape[1], groups, _sm_count(x.device.index or 0))
+
+
+def fp8_weight_only_glu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, *,
+                        config: Config | None = None) -> torch.Tensor:
+    """silu(gate) * up of x @ (w * scale)^T, w = [gate | up] [2I, K] float8_e4m3fn ->
+    [M, I] in x's dtype: the GEMV with the activation in its epilogue, so the [M, 2I]
+    product is never stored and the MLP's activation launch goes. Equal, bit for bit, to
+    silu_and_mul(fp8_weight_only(x, w, w_scale)) with the same config (both round gate
+    and up to x's dtype first). config: a "gemv" Config (default `config_for`)."""
+    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
+          "x [M, K] and w [N, K] must share K")
+    check_float("x", x)
+    check(w.dtype == torch.float8_e4m3fn, f"w: expected float8_e4m3fn, got {w.dtype}")
+    m, k = x.shape
+    n = w.shape[0]
+    g = w_scale.shape[1]
+    check(n % 2 == 0, f"w: expected [2I, K] = [gate | up], got {n} rows")
+    check(w_scale.shape[0] == n and k % g == 0, "w_scale: expected [N, G] with G dividing K")
+    check(x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1,
+          "x, w, w_scale: rows must be contiguous")
+    cfg = config or config_for(m, n, k, g)
+    check(cfg.kind == "gemv", f"config.kind: the fused activation runs in the GEMV only, "
+          f"got {cfg.kind}")
+    check(cfg.block_n % 2 == 0, f"config.block_n: expected even, got {cfg.block_n}")
+    gk = k // g
+    block_k = cfg.block_k if g == 1 else min(cfg.block_k, gk)
+    check(g == 1 or gk % block_k == 0, f"scale groups of {gk} columns: not a multiple of "
+          f"{block_k}")
+    out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    pdl = pdl_for(x)
+    rows = _gemv_rows(m)
+    grid = (triton.cdiv(m, rows), triton.cdiv(n // 2, cfg.block_n // 2), 1)
+    _gemv_kernel[grid](
+        x, w, w_scale, out, m, n, x.stride(0), w.stride(0), w_scale.stride(0),
+        0, out.stride(0), k, GROUP_K=gk, ONE_GROUP=g == 1,
+        EVEN_K=cfg.even_k and k % block_k == 0, ROWS=rows, EVICT_FIRST=m <= rows, PDL=pdl,
+        GLU=True, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, launch_pdl=pdl)
+    return out

@@ -19,6 +19,7 @@ from engine.parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from engine.parallel.shards import TPShard, hf_slice, local_from_full, shard_for
 from engine.quant.checkpoint import copy_scale, is_scale, param_name, scale_cut
 from engine.quant.fp8_input import Fp8Input, wants_fp8_input
+from engine.quant.fp8_linear import Fp8Linear
 from engine.quant.scheme import Fp8Scheme
 from engine.rope import cos_sin_table
 
@@ -105,14 +106,17 @@ class MLP(nn.Module):
         self.k = kernels
 
     def forward(self, x: torch.Tensor | Fp8Input) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act: torch.Tensor | Fp8Input
-        quant = self.k.silu_and_mul_quant
-        if quant is not None and wants_fp8_input(self.down_proj, gate_up.shape[0], quant):
-            q, scale = quant(gate_up)
-            act = Fp8Input(q, scale, gate_up.dtype)
-        else:
-            act = self.k.silu_and_mul(gate_up)
+        act: torch.Tensor | Fp8Input | None = None
+        if isinstance(self.gate_up_proj, Fp8Linear):  # decode rows: activation in the GEMV
+            act = self.gate_up_proj.silu_glu(x)
+        if act is None:
+            gate_up = self.gate_up_proj(x)
+            quant = self.k.silu_and_mul_quant
+            if quant is not None and wants_fp8_input(self.down_proj, gate_up.shape[0], quant):
+                q, scale = quant(gate_up)
+                act = Fp8Input(q, scale, gate_up.dtype)
+            else:
+                act = self.k.silu_and_mul(gate_up)
         if self.group is not None:
             return self.group.all_reduce(self.down_proj(act))
         parts = split_k_linear(act, self.down_proj)  # [S, T, H] for the next norm to sum

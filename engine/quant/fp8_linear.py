@@ -58,6 +58,10 @@ SPLIT_GEMM_MAX_ROWS = 64
 # gemm and pdl, 2026-12-04).
 NARROW_SPLIT_MAX_ROWS = 128
 NARROW_OUT = 4096
+# Rows up to which a [gate | up] layer's weight-only GEMV also applies silu(gate) * up in
+# its epilogue (`silu_glu`), so the MLP's activation kernel and the [T, 2I] product's
+# round trip through memory go (0 turns it off, for the benchmark's A/B).
+GLU_MAX_ROWS = 4
 
 
 def split_gemm_max_rows(out_features: int) -> int:
@@ -145,6 +149,22 @@ class Fp8Linear(nn.Module):
         if s == 1:
             return None
         return fp8_weight_only(x, self.weight, self.weight_scale, splits=s)
+
+    def silu_glu(self, x: torch.Tensor | Fp8Input) -> torch.Tensor | None:
+        """silu(gate) * up, [T, N / 2], where this layer is an MLP's [gate | up] projection
+        and the GEMV computes it whole (kernels/triton_fp8_weight_only.fp8_weight_only_glu:
+        the same bits as the activation kernel over this layer's output); None where it
+        does not (CPU, a bias, more than GLU_MAX_ROWS rows, a grid that splits K)."""
+        if (isinstance(x, Fp8Input) or not x.is_cuda or self.bias is not None or x.dim() != 2
+                or x.shape[0] > GLU_MAX_ROWS or not self.weight_only(x.shape[0])
+                or x.stride(1) != 1):
+            return None
+        from kernels.triton_fp8_weight_only import auto_glu_config, fp8_weight_only_glu
+
+        cfg = auto_glu_config(x, self.out_features, self.groups)
+        if cfg is None:
+            return None
+        return fp8_weight_only_glu(x, self.weight, self.weight_scale, config=cfg)
 
     def _weight_only(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cuda:
