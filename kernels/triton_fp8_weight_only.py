@@ -50,9 +50,6 @@ GEMV_MAX_M = 4
 # [BLOCK_N, rows] accumulator makes Triton pick a layout that round-trips through shared
 # memory every tile). Larger M takes more programs, which re-read the tile from L2.
 GEMV_ROWS = 4
-# fp8_weight_only_glu's kernel: "pairs" (the GEMV's tile rows alternate gate and up, paired
-# by a reshape in the epilogue) or "tiles" (a gate tile and an up tile, two accumulators).
-GLU_FORM = "pairs"
 
 
 @dataclass(frozen=True)
@@ -281,97 +278,6 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_os, s_o
         tl.store(o_ptrs + 3 * s_om, acc3.to(ty), mask=n_ok & (m0 + 3 < M))
 
 
-@triton.jit
-def _glu_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, s_xm, s_wn, s_sn, s_om, K,
-                      GROUP_K: tl.constexpr, ONE_GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                      ROWS: tl.constexpr, EVICT_FIRST: tl.constexpr, PDL: tl.constexpr,
-                      BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """fp8_weight_only_glu's second form: a gate tile and an up tile of BLOCK_H rows each,
-    two accumulators per row, so the epilogue pairs them with no reshape (rows 1, 2, 4)."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m0 = pid_m * ROWS
-    half = N // 2
-    rk = tl.arange(0, BLOCK_K)
-    hc = pid_n * BLOCK_H + tl.arange(0, BLOCK_H)
-    g_ld = tl.minimum(hc, half - 1)
-    u_ld = g_ld + half
-    if PDL:
-        follow()
-    g_ptrs = w_ptr + g_ld[:, None].to(tl.int64) * s_wn + rk[None, :]
-    u_ptrs = w_ptr + u_ld[:, None].to(tl.int64) * s_wn + rk[None, :]
-    x_ptrs = x_ptr + m0.to(tl.int64) * s_xm + rk
-    s1 = tl.minimum(1, M - 1 - m0) * s_xm
-    s2 = tl.minimum(2, M - 1 - m0) * s_xm
-    s3 = tl.minimum(3, M - 1 - m0) * s_xm
-    g0 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    g1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    g2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    g3 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    u0 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    u1 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    u2 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    u3 = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for kk in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-        k_ok = kk + rk < K
-        if EVEN_K:
-            if EVICT_FIRST:
-                wg = tl.load(g_ptrs, eviction_policy="evict_first")
-                wu = tl.load(u_ptrs, eviction_policy="evict_first")
-            else:
-                wg = tl.load(g_ptrs)
-                wu = tl.load(u_ptrs)
-        else:
-            wg = tl.load(g_ptrs, mask=k_ok[None, :], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[None, :], other=0.0)
-        gf = wg.to(tl.float32)
-        uf = wu.to(tl.float32)
-        if ONE_GROUP:
-            sg = 1.0
-            su = 1.0
-        else:
-            sg = tl.load(s_ptr + g_ld * s_sn + kk // GROUP_K)
-            su = tl.load(s_ptr + u_ld * s_sn + kk // GROUP_K)
-        g0 += _row_sum(gf, x_ptrs, k_ok, EVEN_K) * sg
-        u0 += _row_sum(uf, x_ptrs, k_ok, EVEN_K) * su
-        if ROWS > 1:
-            g1 += _row_sum(gf, x_ptrs + s1, k_ok, EVEN_K) * sg
-            u1 += _row_sum(uf, x_ptrs + s1, k_ok, EVEN_K) * su
-        if ROWS > 2:
-            g2 += _row_sum(gf, x_ptrs + s2, k_ok, EVEN_K) * sg
-            u2 += _row_sum(uf, x_ptrs + s2, k_ok, EVEN_K) * su
-            g3 += _row_sum(gf, x_ptrs + s3, k_ok, EVEN_K) * sg
-            u3 += _row_sum(uf, x_ptrs + s3, k_ok, EVEN_K) * su
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    if ONE_GROUP:
-        sg = tl.load(s_ptr + g_ld * s_sn)
-        su = tl.load(s_ptr + u_ld * s_sn)
-    else:
-        sg = 1.0
-        su = 1.0
-    ty = out_ptr.dtype.element_ty
-    n_ok = hc < half
-    o_ptrs = out_ptr + m0.to(tl.int64) * s_om + hc
-    tl.store(o_ptrs, _silu_mul(g0 * sg, u0 * su, ty).to(ty), mask=n_ok)
-    if ROWS > 1:
-        tl.store(o_ptrs + s_om, _silu_mul(g1 * sg, u1 * su, ty).to(ty),
-                 mask=n_ok & (m0 + 1 < M))
-    if ROWS > 2:
-        tl.store(o_ptrs + 2 * s_om, _silu_mul(g2 * sg, u2 * su, ty).to(ty),
-                 mask=n_ok & (m0 + 2 < M))
-        tl.store(o_ptrs + 3 * s_om, _silu_mul(g3 * sg, u3 * su, ty).to(ty),
-                 mask=n_ok & (m0 + 3 < M))
-
-
-@triton.jit
-def _silu_mul(gate, up, ty: tl.constexpr):
-    g = gate.to(ty).to(tl.float32)
-    u = up.to(ty).to(tl.float32)
-    return g / (1.0 + tl.exp(-g)) * u
-
-
 @functools.cache
 def _sm_count(index: int) -> int:
     return int(torch.cuda.get_device_properties(index).multi_processor_count)
@@ -517,15 +423,6 @@ def fp8_weight_only_glu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         return out
     pdl = pdl_for(x)
     rows = _gemv_rows(m)
-    if GLU_FORM == "tiles":
-        bh = cfg.block_n // 2
-        _glu_tiles_kernel[(triton.cdiv(m, rows), triton.cdiv(n // 2, bh))](
-            x, w, w_scale, out, m, n, x.stride(0), w.stride(0), w_scale.stride(0),
-            out.stride(0), k, GROUP_K=gk, ONE_GROUP=g == 1,
-            EVEN_K=cfg.even_k and k % block_k == 0, ROWS=rows, EVICT_FIRST=m <= rows,
-            PDL=pdl, BLOCK_H=bh, BLOCK_K=block_k, STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps, launch_pdl=pdl)
-        return out
     grid = (triton.cdiv(m, rows), triton.cdiv(n // 2, cfg.block_n // 2), 1)
     _gemv_kernel[grid](
         x, w, w_scale, out, m, n, x.stride(0), w.stride(0), w_scale.stride(0),

@@ -58,9 +58,14 @@ SPLIT_GEMM_MAX_ROWS = 64
 # gemm and pdl, 2026-12-04).
 NARROW_SPLIT_MAX_ROWS = 128
 NARROW_OUT = 4096
-# Rows up to which a [gate | up] layer's weight-only GEMV also applies silu(gate) * up in
-# its epilogue (`silu_glu`), so the MLP's activation kernel and the [T, 2I] product's
-# round trip through memory go (0 turns it off, for the benchmark's A/B).
+# Rows from GLU_MIN_ROWS to GLU_MAX_ROWS at which a [gate | up] layer's weight-only GEMV
+# also applies silu(gate) * up in its epilogue (`silu_glu`): the MLP's activation launch and
+# the [T, 2I] product's round trip through memory go. Measured on an H100, 8B dummy, graphed
+# decode (bench/RESULTS.md, session 33): at 4 rows the step is 1.0-1.4% faster; at one row
+# 1.7% slower (the one-row GEMV alone is near the HBM rate, and the fused one reads gate and
+# up rows half the weight apart); 2 rows were not timed, so they stay unfused. 0 as the
+# maximum turns it off (the benchmark's A/B).
+GLU_MIN_ROWS = 3
 GLU_MAX_ROWS = 4
 
 
@@ -154,9 +159,11 @@ class Fp8Linear(nn.Module):
         """silu(gate) * up, [T, N / 2], where this layer is an MLP's [gate | up] projection
         and the GEMV computes it whole (kernels/triton_fp8_weight_only.fp8_weight_only_glu:
         the same bits as the activation kernel over this layer's output); None where it
-        does not (CPU, a bias, more than GLU_MAX_ROWS rows, a grid that splits K)."""
+        does not (CPU, a bias, rows outside GLU_MIN_ROWS..GLU_MAX_ROWS, a grid that splits
+        K)."""
         if (isinstance(x, Fp8Input) or not x.is_cuda or self.bias is not None or x.dim() != 2
-                or x.shape[0] > GLU_MAX_ROWS or not self.weight_only(x.shape[0])
+                or not GLU_MIN_ROWS <= x.shape[0] <= GLU_MAX_ROWS
+                or not self.weight_only(x.shape[0])
                 or x.stride(1) != 1):
             return None
         from kernels.triton_fp8_weight_only import auto_glu_config, fp8_weight_only_glu

@@ -13,9 +13,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("form", ["pairs", "tiles"])
-def test_fp8_decode_is_the_same_with_the_activation_fused(make_llm, tiny_models, monkeypatch,
-                                                          form):
+def test_fp8_decode_is_the_same_with_the_activation_fused(make_llm, tiny_models, monkeypatch):
     import engine.quant.fp8_linear as fl
     import kernels.triton_fp8_weight_only as wo
     from engine.sampling_params import SamplingParams
@@ -28,11 +26,12 @@ def test_fp8_decode_is_the_same_with_the_activation_fused(make_llm, tiny_models,
         return real(*a, **kw)
 
     monkeypatch.setattr(wo, "fp8_weight_only_glu", counted)
-    monkeypatch.setattr(wo, "GLU_FORM", form)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11] * 17]
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0, logprobs=2)
     outs = {}
-    for rows in (0, 4):
+    on = fl.GLU_MAX_ROWS
+    assert fl.GLU_MIN_ROWS <= 3 <= on  # the three prompts' decode takes the fused form
+    for rows in (0, on):
         monkeypatch.setattr(fl, "GLU_MAX_ROWS", rows)
         calls.clear()
         llm = make_llm(tiny_models["llama"], device="cuda", dtype="bfloat16", max_num_seqs=4,
@@ -40,7 +39,8 @@ def test_fp8_decode_is_the_same_with_the_activation_fused(make_llm, tiny_models,
         assert llm.engine.runner.graphs.use_graphs
         outs[rows] = [(o.token_ids, [r.logprob for r in o.logprobs])
                       for o in llm.generate(prompts, params)]
-        # off: never called; on: the graphs of one and two rows (and the padded ones) ran it
-        assert (not calls) if rows == 0 else {1, 2} <= set(calls), (rows, sorted(set(calls)))
-    assert all(len(toks) == 12 for toks, _ in outs[4])
-    assert outs[4] == outs[0]
+        # off: never called; on: only the graph of four rows (the three prompts' decode,
+        # padded), from GLU_MIN_ROWS
+        assert set(calls) == (set() if rows == 0 else {4}), (rows, sorted(set(calls)))
+    assert all(len(toks) == 12 for toks, _ in outs[0])
+    assert outs[on] == outs[0]

@@ -20,29 +20,20 @@ def _dtype() -> torch.dtype:
     return torch.bfloat16 if HAS_CUDA else torch.float32
 
 
-@pytest.fixture(params=["pairs", "tiles"])
-def form(request, monkeypatch) -> str:
-    """Both kernels of the fused form (kernels.triton_fp8_weight_only.GLU_FORM)."""
-    import kernels.triton_fp8_weight_only as wo
-
-    monkeypatch.setattr(wo, "GLU_FORM", request.param)
-    return request.param
-
-
 def _both(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, cfg) -> tuple[torch.Tensor,
                                                                           torch.Tensor]:
-    import kernels.triton_fp8_weight_only as wo
     from kernels.triton_act import silu_and_mul
+    from kernels.triton_fp8_weight_only import fp8_weight_only, fp8_weight_only_glu
 
-    fused = wo.fp8_weight_only_glu(x, w, s, config=cfg)
-    unfused = silu_and_mul(wo.fp8_weight_only(x, w, s, config=cfg))
+    fused = fp8_weight_only_glu(x, w, s, config=cfg)
+    unfused = silu_and_mul(fp8_weight_only(x, w, s, config=cfg))
     return fused, unfused
 
 
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n", [96, 80])  # inter 48: whole 16-column programs; 40: a tail
-def test_glu_equals_gemv_then_activation(m, n, groups, gen, device, form):
+def test_glu_equals_gemv_then_activation(m, n, groups, gen, device):
     from kernels.triton_fp8_weight_only import Config
 
     w, s = fp8_weight(n, 512, groups, gen, device)
@@ -55,7 +46,7 @@ def test_glu_equals_gemv_then_activation(m, n, groups, gen, device, form):
 
 
 @pytest.mark.parametrize("block_n,block_k,stages", [(16, 256, 1), (64, 128, 2)])
-def test_glu_tiles_and_masked_k(block_n, block_k, stages, gen, device, form):
+def test_glu_tiles_and_masked_k(block_n, block_k, stages, gen, device):
     """Other tiles (pipelined and not), and K = 320: the last K tile is masked."""
     from kernels.triton_fp8_weight_only import Config
 
@@ -66,18 +57,18 @@ def test_glu_tiles_and_masked_k(block_n, block_k, stages, gen, device, form):
         assert torch.equal(fused, unfused), (k, block_n)
 
 
-def test_glu_matches_the_activation_of_the_reference(gen, device, form):
+def test_glu_matches_the_activation_of_the_reference(gen, device):
     """Against the float reference, not the unfused kernels: silu(g) * u of
     ref_fp8.fp8_weight_only_ref's gate and up."""
-    import kernels.triton_fp8_weight_only as wo
     from kernels import ref_fp8
+    from kernels.triton_fp8_weight_only import fp8_weight_only_glu
 
     w, s = fp8_weight(128, 256, 1, gen, device)
     x = torch.randn(3, 256, generator=gen).to(device=device, dtype=_dtype())
     ref = ref_fp8.fp8_weight_only_ref(x.float(), w, s).float()
     g, u = ref[:, :64], ref[:, 64:]
     want = torch.nn.functional.silu(g) * u
-    got = wo.fp8_weight_only_glu(x, w, s).float()
+    got = fp8_weight_only_glu(x, w, s).float()
     err = float((got - want).norm() / want.norm())
     assert err < (2e-2 if x.dtype == torch.bfloat16 else 1e-5)
 
@@ -112,7 +103,7 @@ def test_glu_refuses_bad_shapes_naming_them(gen, device):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (the compiled kernel at an 8B shape)")
 @pytest.mark.parametrize("m", [1, 4])
-def test_glu_at_the_8b_gate_up_shape_on_the_gpu(m, gen, form):
+def test_glu_at_the_8b_gate_up_shape_on_the_gpu(m, gen):
     """Llama-3-8B's gate_up (N = 2 x 14336, K = 4096) in bf16 with the default tiles
     (pipelined, evict-first at one row) that the engine's decode runs."""
     from kernels.triton_fp8_weight_only import auto_glu_config
