@@ -325,11 +325,9 @@ def _block_m(m: int) -> int:
     return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(m)))
 
 
-def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                    splits: int = 1, *, config: Config | None = None) -> torch.Tensor:
-    """x [M, K], w [N, K] float8_e4m3fn, w_scale [N, G] float32 -> [M, N] in x's dtype
-    (splits == 1) or [splits, M, N] float32 partial sums over K / splits columns each.
-    config: the kernel and tiles (default `config_for`; the sweep passes its own)."""
+def _operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
+              ) -> tuple[int, int, int, int]:
+    """Checks x [M, K], w [N, K] float8_e4m3fn and w_scale [N, G]; returns (M, K, N, G)."""
     check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
           "x [M, K] and w [N, K] must share K")
     check_float("x", x)
@@ -340,6 +338,15 @@ def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     check(w_scale.shape[0] == n and k % g == 0, "w_scale: expected [N, G] with G dividing K")
     check(x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1,
           "x, w, w_scale: rows must be contiguous")
+    return m, k, n, g
+
+
+def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    splits: int = 1, *, config: Config | None = None) -> torch.Tensor:
+    """x [M, K], w [N, K] float8_e4m3fn, w_scale [N, G] float32 -> [M, N] in x's dtype
+    (splits == 1) or [splits, M, N] float32 partial sums over K / splits columns each.
+    config: the kernel and tiles (default `config_for`; the sweep passes its own)."""
+    m, k, n, g = _operands(x, w, w_scale)
     cfg = config or config_for(m, n, k, g)
     check(cfg.kind in ("gemv", "dot"), f"config.kind: expected 'gemv' or 'dot', got {cfg.kind}")
     gk = k // g
@@ -399,17 +406,8 @@ def fp8_weight_only_glu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     product is never stored and the MLP's activation launch goes. Equal, bit for bit, to
     silu_and_mul(fp8_weight_only(x, w, w_scale)) with the same config (both round gate
     and up to x's dtype first). config: a "gemv" Config (default `config_for`)."""
-    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
-          "x [M, K] and w [N, K] must share K")
-    check_float("x", x)
-    check(w.dtype == torch.float8_e4m3fn, f"w: expected float8_e4m3fn, got {w.dtype}")
-    m, k = x.shape
-    n = w.shape[0]
-    g = w_scale.shape[1]
+    m, k, n, g = _operands(x, w, w_scale)
     check(n % 2 == 0, f"w: expected [2I, K] = [gate | up], got {n} rows")
-    check(w_scale.shape[0] == n and k % g == 0, "w_scale: expected [N, G] with G dividing K")
-    check(x.stride(1) == 1 and w.stride(1) == 1 and w_scale.stride(1) == 1,
-          "x, w, w_scale: rows must be contiguous")
     cfg = config or config_for(m, n, k, g)
     check(cfg.kind == "gemv", f"config.kind: the fused activation runs in the GEMV only, "
           f"got {cfg.kind}")
