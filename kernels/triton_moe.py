@@ -52,6 +52,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_grouped_gemm import applies as grouped_applies
+from kernels.moe_grouped_gemm import expert_rows_grouped
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
@@ -256,8 +258,9 @@ def _down_kernel(
 
 
 @triton.jit
-def _sum_topk_kernel(y_ptr, ids_ptr, tw_ptr, out_ptr, H, TOP_K, expert_start, num_local,
-                     s_y, s_o, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def _sum_topk_kernel(y_ptr, ids_ptr, tw_ptr, out_ptr, map_ptr, H, TOP_K, expert_start,
+                     num_local, s_y, s_o, BLOCK_H: tl.constexpr, HAS_MAP: tl.constexpr,
+                     PDL: tl.constexpr):
     if PDL:  # the experts' rows are the kernel before's output (kernels/pdl.py)
         follow()
     t = tl.program_id(0).to(tl.int64)
@@ -268,7 +271,11 @@ def _sum_topk_kernel(y_ptr, ids_ptr, tw_ptr, out_ptr, H, TOP_K, expert_start, nu
         e = tl.load(ids_ptr + t * TOP_K + j) - expert_start
         if (e >= 0) & (e < num_local):  # another rank's pair wrote no row
             wt = tl.load(tw_ptr + t * TOP_K + j)  # float32: HF's weight times rounded row
-            row = tl.load(y_ptr + (t * TOP_K + j) * s_y + cols, mask=mask, other=0.0)
+            if HAS_MAP:  # the rows in another order (kernels/moe_grouped_gemm.py)
+                r = tl.load(map_ptr + t * TOP_K + j).to(tl.int64)
+            else:
+                r = t * TOP_K + j
+            row = tl.load(y_ptr + r * s_y + cols, mask=mask, other=0.0)
             acc += row.to(tl.float32) * wt
     tl.store(out_ptr + t * s_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -324,6 +331,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return out
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
+    if config is None and grouped_applies(x, w13, w2, fp8, t):  # kernels/moe_grouped_gemm.py
+        ys, row_of_pair = expert_rows_grouped(x, w13, w2, ids, expert_start)
+        _sum_topk(ys, ids, weights, out, expert_start, e_local, pdl=False,
+                  row_of_pair=row_of_pair)
+        return out
     if config is None and tma_applies(x, w13, w2, fp8, t):  # prefill: kernels/triton_moe_tma.py
         _sum_topk(expert_rows(x, w13, w2, ids, expert_start), ids, weights, out,
                   expert_start, e_local, pdl=False)
@@ -376,13 +388,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def _sum_topk(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
-              expert_start: int, e_local: int, pdl: bool) -> None:
-    """Step 4: out[t] = sum over j of weights[t, j] * y[t * k + j] (this rank's pairs)."""
+              expert_start: int, e_local: int, pdl: bool,
+              row_of_pair: torch.Tensor | None = None) -> None:
+    """Step 4: out[t] = sum over j of weights[t, j] * y[t * k + j] (this rank's pairs), or
+    of y[row_of_pair[t * k + j]] where the rows are in another order."""
     t, h = out.shape
     block_h = min(1024, triton.next_power_of_2(h))
+    rmap = row_of_pair if row_of_pair is not None else ids  # an unread pointer without one
     _sum_topk_kernel[(t, triton.cdiv(h, block_h))](
-        y, ids, weights, out, h, ids.shape[1], expert_start, e_local, y.stride(0),
-        out.stride(0), BLOCK_H=block_h, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        y, ids, weights, out, rmap, h, ids.shape[1], expert_start, e_local, y.stride(0),
+        out.stride(0), BLOCK_H=block_h, HAS_MAP=row_of_pair is not None, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
 
 
 def _check_scale(name: str, scale: torch.Tensor, w: torch.Tensor) -> int:

@@ -172,6 +172,21 @@ def _down_kernel(act_desc, w_desc, y_ptr, sorted_ptr, bexp_ptr, N, H, INTER, s_y
              acc.to(y_ptr.dtype.element_ty), mask=ok[:, None] & (cols < H)[None, :])
 
 
+def gather_sorted_rows(x: torch.Tensor, sorted_ids: torch.Tensor, block_expert: torch.Tensor,
+                       top_k: int, block_m: int) -> torch.Tensor:
+    """xs [P, H]: row r is x[sorted_ids[r] // top_k], zero where the row is padding; rows
+    of tiles past the experts' runs (block_expert -1) are left unwritten. The align step's
+    layout (kernels/triton_moe_align.py) with block_m a multiple of GATHER_ROWS."""
+    check(block_m % GATHER_ROWS == 0, f"block_m: {block_m} is not a multiple of {GATHER_ROWS}")
+    p, h = sorted_ids.shape[0], x.shape[1]
+    xs = torch.empty(p, h, dtype=x.dtype, device=x.device)
+    _gather_kernel[(p // GATHER_ROWS,)](
+        x, sorted_ids, block_expert, xs, x.shape[0] * top_k, h, top_k, x.stride(0),
+        xs.stride(0), BLOCK_M=block_m, BLOCK_R=GATHER_ROWS,
+        BLOCK_H=min(GATHER_COLS, triton.next_power_of_2(h)), num_warps=4)
+    return xs
+
+
 def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                 expert_start: int, tiles: Tiles | None = None) -> torch.Tensor:
     """x [T, H]; w13 [E_local, 2I, H]; w2 [E_local, H, I]; ids [T, k] global expert ids.
@@ -192,10 +207,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
     p = sorted_ids.shape[0]
     tiles_m = block_expert.shape[0]
-    xs = torch.empty(p, h, dtype=x.dtype, device=x.device)
-    _gather_kernel[(p // GATHER_ROWS,)](
-        x, sorted_ids, block_expert, xs, n, h, k, x.stride(0), xs.stride(0), BLOCK_M=bm,
-        BLOCK_R=GATHER_ROWS, BLOCK_H=min(GATHER_COLS, triton.next_power_of_2(h)), num_warps=4)
+    xs = gather_sorted_rows(x, sorted_ids, block_expert, k, bm)
     dot = compute_dtype(x)
     act = torch.empty(p, inter, dtype=x.dtype, device=x.device)
     bn, bk = tile.block_n, tile.block_k
