@@ -99,6 +99,7 @@ TMA_CANDIDATES = [((128, 128, 64, 8, 3), (128, 64, 8, 3)),
 def tune_tma(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
     """Times the tensor-memory form under each candidate per token count, and the decode
     form's table tile (kernels/moe_configs.json) in the same run; returns every timing."""
+    import kernels.moe_grouped_gemm as grouped
     import kernels.triton_moe_tma as tma
     from kernels.triton_moe import tile_config
 
@@ -114,6 +115,7 @@ def tune_tma(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
                      "tflops": ref["tflops"]}]
             print("tune-tma", b, rows[-1], flush=True)
             tma.MIN_TOKENS = 1
+            grouped_min, grouped.MIN_TOKENS = grouped.MIN_TOKENS, None  # fused_moe's first pick
             for gu, dn in TMA_CANDIDATES:
                 for n, v in zip(names, (*gu, *dn), strict=True):
                     setattr(tma, n, v)
@@ -126,6 +128,7 @@ def tune_tma(model: Any, hbm: float, batches: list[int]) -> dict[str, Any]:
                              "ms": p["kernel_ms_all_layers"], "tflops": p["tflops"]})
                 print("tune-tma", b, rows[-1], flush=True)
             tma.MIN_TOKENS = saved["MIN_TOKENS"]
+            grouped.MIN_TOKENS = grouped_min
             rows.sort(key=lambda r: r["ms"])
             out[str(b)] = rows
     finally:

@@ -14,7 +14,9 @@ expert instead of per-tile expert ids, so the rows must be contiguous per expert
    (kernels/triton_act.py);
 3. down: one grouped GEMM of the activation against w2, rows of xs's order;
 and `row_of_pair`, each pair's row in that order, for fused_moe's sum step, which reads
-the rows through it (no scatter of the [T * k, H] rows back into pair order).
+the rows through it (no scatter of the [T * k, H] rows back into pair order). Rows past the
+last run are neither written by the GEMMs nor read: the activation of them is garbage
+nobody reads.
 
 Taken for bf16 experts on sm_90+ from MIN_TOKENS tokens; FP8 experts and decode-sized
 calls (which a CUDA graph captures) keep the Triton kernels.
@@ -31,8 +33,11 @@ from kernels.triton_common import check
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
 from kernels.triton_moe_tma import GATHER_ROWS, gather_sorted_rows
 
-# Calls with at least this many tokens take this form; None: none does.
-MIN_TOKENS: int | None = None
+# Calls with at least this many tokens take this form; None: none does. On an H100
+# (bench/RESULTS.md, session 33), 4,096-token prefills with it from 1,024 tokens: V2-Lite's
+# routed experts 1.46 -> 1.06 ms a layer, the whole prefill 63.2-64.0 -> 53.6-54.1 ms;
+# Qwen3-30B-A3B's 93.0-93.2 -> 84.7 ms. Steps of 1,024-4,095 tokens were not timed.
+MIN_TOKENS: int | None = 1024
 # Each expert's run is padded to this many rows (the gather's program rows); the grouped
 # GEMM itself takes any run length.
 ALIGN_ROWS = GATHER_ROWS

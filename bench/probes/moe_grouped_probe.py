@@ -53,19 +53,21 @@ def point(shape: str, t: int) -> dict[str, object]:
     cfg = tile_config(t, dev)
     forms["decode_form"] = lambda: fused_moe(x, w13, w2, wts, ids, 0, config=dict(cfg))
 
-    def with_min(mod, fn):  # type: ignore[no-untyped-def]
+    def form(tma_min, grouped_min):  # type: ignore[no-untyped-def]
+        """fused_moe with the two forms' thresholds set for the call (grouped is its first
+        pick, then the tensor-memory form)."""
         def run():  # type: ignore[no-untyped-def]
-            old = mod.MIN_TOKENS
-            mod.MIN_TOKENS = 1
+            old = tma.MIN_TOKENS, g.MIN_TOKENS
+            tma.MIN_TOKENS, g.MIN_TOKENS = tma_min, grouped_min
             try:
-                return fn()
+                return fused_moe(x, w13, w2, wts, ids, 0)
             finally:
-                mod.MIN_TOKENS = old
+                tma.MIN_TOKENS, g.MIN_TOKENS = old
         return run
 
-    forms["tma_form"] = with_min(tma, lambda: fused_moe(x, w13, w2, wts, ids, 0))
+    forms["tma_form"] = form(1, None)
     if g.available():
-        forms["grouped_form"] = with_min(g, lambda: fused_moe(x, w13, w2, wts, ids, 0))
+        forms["grouped_form"] = form(None, 1)
     results = {}
     for name, fn in forms.items():
         try:

@@ -69,7 +69,7 @@ def test_expert_offsets_end_each_padded_run(device):
     assert offs.tolist() == [32, 32, 48, 96]
 
 
-def test_grouped_form_is_off_by_default():
+def test_grouped_form_is_for_prefill_sizes_only():
     import kernels.moe_grouped_gemm as g
 
     assert g.MIN_TOKENS is None or g.MIN_TOKENS > 256  # decode sizes keep the graphs'

@@ -89,9 +89,11 @@ def test_tma_form_applies_to_16_bit_prefills_only(monkeypatch):
 def test_fused_moe_takes_tma_form_past_min_tokens(start, e_local, gen, close, monkeypatch):
     """DeepSeek-V2-Lite's experts (2 shared folded in: 66) at a prefill size, through
     fused_moe with MIN_TOKENS set: the same values as the decode form and the reference."""
+    import kernels.moe_grouped_gemm as grouped
     import kernels.triton_moe as m
     import kernels.triton_moe_tma as tma
 
+    monkeypatch.setattr(grouped, "MIN_TOKENS", None)  # the form fused_moe would take first
     dev = torch.device("cuda")
     x, w13, w2, weights, ids = _inputs(1100, 2048, 1408, 66, 6, torch.bfloat16, gen, dev,
                                        e_local=e_local)
