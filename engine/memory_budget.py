@@ -15,13 +15,18 @@ def activation_bytes(cfg: ModelConfig, tokens: int, sample_rows: int, elem: int)
     (layers run one after another) plus float32 logits and the sampler's copies of them."""
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
     per_token = 4 * cfg.hidden_size + qkv + cfg.num_heads * cfg.head_dim + 3 * cfg.intermediate_size
-    moe = 0
+    moe = padding = 0
     if cfg.moe is not None:  # the fused MoE kernel's rows per (token, expert) pair:
-        # activation [I] in the model dtype, weighted output [H] float32, ids and weights
+        # activation [I] in the model dtype, weighted output [H] float32, ids and weights;
+        # or, in a prefill's grouped-GEMM form (kernels/moe_grouped_gemm.py), at its peak
+        # the gathered row [H] and gate/up [2I] in the model dtype and the row map, with
+        # each expert's run padded by up to 15 rows and the total to a multiple of 16
         m = cfg.moe
-        moe = m.top_k * (m.intermediate_size * elem + cfg.hidden_size * 4 + 16) \
-            + m.num_experts * 4  # router logits
-    return tokens * (per_token * elem + moe) + 4 * sample_rows * cfg.vocab_size * 4
+        h, inter = cfg.hidden_size, m.intermediate_size
+        per_pair = max(inter * elem + h * 4 + 16, (h + 2 * inter) * elem + 4)
+        moe = m.top_k * per_pair + m.num_experts * 4  # router logits
+        padding = (m.num_experts + 1) * 16 * per_pair
+    return tokens * (per_token * elem + moe) + padding + 4 * sample_rows * cfg.vocab_size * 4
 
 
 def graph_bytes(config: EngineConfig, cfg: ModelConfig, elem: int) -> int:

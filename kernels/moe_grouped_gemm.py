@@ -100,9 +100,15 @@ def expert_rows_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     p = sorted_ids.shape[0]
     xs = gather_sorted_rows(x, sorted_ids, block_expert, k, ALIGN_ROWS)
     offs = expert_offsets(block_expert, e_local, ALIGN_ROWS)
-    # rows past offs[-1] are neither read nor written by the GEMMs (nor mapped)
+    # rows past offs[-1] are neither read nor written by the GEMMs (nor mapped). Each
+    # operand is dropped once read: the peak is xs and gate_up, [P, H + 2I], which
+    # engine/memory_budget.py's activation estimate covers.
     gate_up = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I]
-    ys = torch._grouped_mm(silu_and_mul(gate_up), w2.transpose(1, 2), offs=offs)  # [P, H]
+    del xs
+    act = silu_and_mul(gate_up)
+    del gate_up
+    ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [P, H]
+    del act
     row_of_pair = torch.empty(n, dtype=torch.int32, device=x.device)
     _row_map_kernel[(triton.cdiv(p, MAP_ROWS),)](sorted_ids, row_of_pair, n, p,
                                                  BLOCK=MAP_ROWS, num_warps=4)
