@@ -68,10 +68,12 @@ out["route/256"] = spills(rt._route_kernel, {
     dict(TOP_K=8, NUM_SHARED=1, BLOCK_E=256, BLOCK_K=16, SIGMOID=True, HAS_BIAS=True,
          RENORM=True, ROUND=True, ROUND_DTYPE=tl.bfloat16, N_GROUP=8, TOPK_GROUP=4,
          GROUP_SIZE=32, BLOCK_G=8, PDL=True), num_warps=4)
-out["sum"] = spills(m._sum_topk_kernel, {
-    "y_ptr": "*bf16", "ids_ptr": "*i64", "tw_ptr": "*fp32", "out_ptr": "*bf16", "H": "i32",
-    "TOP_K": "i32", "expert_start": "i32", "num_local": "i32", "s_y": "i32", "s_o": "i32"},
-    dict(BLOCK_H=1024, PDL=True), num_warps=4)
+for has_map in (False, True):  # the grouped-GEMM form's rows read through the row map
+    out[f"sum_map{int(has_map)}"] = spills(m._sum_topk_kernel, {
+        "y_ptr": "*bf16", "ids_ptr": "*i64", "tw_ptr": "*fp32", "out_ptr": "*bf16",
+        "map_ptr": "*i32", "H": "i32", "TOP_K": "i32", "expert_start": "i32",
+        "num_local": "i32", "s_y": "i32", "s_o": "i32"},
+        dict(BLOCK_H=1024, HAS_MAP=has_map, PDL=not has_map), num_warps=4)
 out["router_logits"] = spills(rl._router_logits_kernel, {
     "x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "E": "i32", "H": "i32",
     "s_x": "i32", "s_w": "i32", "s_o": "i32"},
@@ -85,5 +87,6 @@ def test_moe_kernels_compile_for_sm90_without_spills() -> None:
     # launched (the divisibility above). Compiled without it, the H200's prefill tile
     # showed 452 bytes in gate/up: an unpipelined kernel that no launch at these shapes runs.
     spills = spill_bytes(BODY)
-    assert len(spills) == 3 * 20 + 3 * 4 + 4, sorted(spills)  # 3 * 4: per-pair tiles
+    # 3 * 4: per-pair tiles; then align, route, the sum with and without the row map, router
+    assert len(spills) == 3 * 20 + 3 * 4 + 5, sorted(spills)
     assert {k: v for k, v in spills.items() if v} == {}, spills
