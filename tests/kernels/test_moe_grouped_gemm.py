@@ -69,55 +69,73 @@ def test_expert_offsets_end_each_padded_run(device):
     assert offs.tolist() == [32, 32, 48, 96]
 
 
-def test_grouped_form_is_for_prefill_sizes_only():
-    import kernels.moe_grouped_gemm as g
+# The prefill forms fused_moe may take, and the activation dtype each refuses beside FP8
+FORMS = [("kernels.moe_grouped_gemm", torch.float16), ("kernels.triton_moe_tma", torch.float32)]
 
-    assert g.MIN_TOKENS is None or g.MIN_TOKENS > 256  # decode sizes keep the graphs'
+
+@pytest.mark.parametrize("name", [f for f, _ in FORMS])
+def test_prefill_forms_are_for_prefill_sizes_only(name):
+    import importlib
+
+    mod = importlib.import_module(name)
+    assert mod.MIN_TOKENS is None or mod.MIN_TOKENS > 256  # decode sizes keep the graphs'
 
 
 @pytest.mark.gpu
 @needs_cuda
-def test_grouped_form_applies_to_bf16_prefills_only(monkeypatch):
-    import kernels.moe_grouped_gemm as g
+@pytest.mark.parametrize("name,refused", FORMS)
+def test_prefill_forms_apply_to_their_dtypes_past_min_tokens(name, refused, monkeypatch):
+    import importlib
 
+    mod = importlib.import_module(name)
     dev = torch.device("cuda")
     x = torch.zeros(4096, 64, dtype=torch.bfloat16, device=dev)
     w13 = torch.zeros(4, 96, 64, dtype=torch.bfloat16, device=dev)
     w2 = torch.zeros(4, 64, 48, dtype=torch.bfloat16, device=dev)
-    monkeypatch.setattr(g, "MIN_TOKENS", 1024)
-    assert g.applies(x, w13, w2, False, 4096) == g.available()
-    assert not g.applies(x, w13, w2, False, 1000)  # under MIN_TOKENS
-    assert not g.applies(x, w13, w2, True, 4096)  # FP8 experts
-    assert not g.applies(x.half(), w13.half(), w2.half(), False, 4096)
+    monkeypatch.setattr(mod, "MIN_TOKENS", 1024)
+    assert mod.applies(x, w13, w2, False, 4096) == getattr(mod, "available", lambda: True)()
+    assert not mod.applies(x, w13, w2, False, 1000)  # under MIN_TOKENS
+    assert not mod.applies(x, w13, w2, True, 4096)  # FP8 experts
+    assert not mod.applies(x.to(refused), w13.to(refused), w2.to(refused), False, 4096)
+
+
+# each form's entry point in kernels/triton_moe, and the other form, turned off for the test
+PICKS = [("kernels.moe_grouped_gemm", "expert_rows_grouped", "kernels.triton_moe_tma"),
+         ("kernels.triton_moe_tma", "expert_rows", "kernels.moe_grouped_gemm")]
 
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_grouped_mm
 @pytest.mark.parametrize("start,e_local", [(0, 66), (32, 32)])
-def test_fused_moe_takes_grouped_form_past_min_tokens(start, e_local, gen, close, monkeypatch):
+@pytest.mark.parametrize("name,entry,other", PICKS)
+def test_fused_moe_takes_each_prefill_form_past_min_tokens(name, entry, other, start, e_local,
+                                                          gen, close, monkeypatch):
     """DeepSeek-V2-Lite's experts (2 shared folded in: 66) at a prefill size, through
-    fused_moe with MIN_TOKENS set: the reference's values, and the decode form's up to
-    accumulation order (both round gate, up and the activation at the same points)."""
-    import kernels.moe_grouped_gemm as g
+    fused_moe with the form's MIN_TOKENS set: the reference's values, and the decode form's
+    up to accumulation order (all round gate, up and the activation at the same points)."""
+    import importlib
+
     import kernels.triton_moe as m
 
+    if name == "kernels.moe_grouped_gemm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("this torch has no torch._grouped_mm")
+    form = importlib.import_module(name)
+    monkeypatch.setattr(importlib.import_module(other), "MIN_TOKENS", None)
     dev = torch.device("cuda")
     x, w13, w2, weights, ids = _inputs(1100, 2048, 1408, 66, 6, torch.bfloat16, gen, dev,
                                        e_local=e_local)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
     decode_form = m.fused_moe(x, w13, w2, weights, ids, start,
                               config=m.tile_config(1100, dev))
-    monkeypatch.setattr(g, "MIN_TOKENS", 1024)
+    monkeypatch.setattr(form, "MIN_TOKENS", 1024)
     calls = []
-    real = m.expert_rows_grouped
-    monkeypatch.setattr(m, "expert_rows_grouped",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = getattr(m, entry)
+    monkeypatch.setattr(m, entry, lambda *a, **kw: calls.append(1) or real(*a, **kw))
     out = m.fused_moe(x, w13, w2, weights, ids, start)
     assert calls == [1]
     close(out, ref.to(torch.bfloat16), torch.bfloat16)
     assert _err(out, decode_form.float()) < 1e-2
-    monkeypatch.setattr(g, "MIN_TOKENS", 2048)
+    monkeypatch.setattr(form, "MIN_TOKENS", 2048)
     calls.clear()
     m.fused_moe(x, w13, w2, weights, ids, start)
     assert calls == []

@@ -1,6 +1,7 @@
 """The fused MoE kernel's tensor-memory form (kernels/triton_moe_tma.py) against the torch
 reference: its expert rows summed as fused_moe sums them (interpreter on CPU, GPU with -m
-gpu), and on the GPU fused_moe's choice of it."""
+gpu). fused_moe's choice of it is tested with the grouped-GEMM form's, in
+test_moe_grouped_gemm.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from kernels.ref_moe import fused_moe_ref
 from tests.kernels.test_moe import INTERP_BF16_TOL, _inputs
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # the interpreter's small tiles: BLOCK_M a multiple of the gather's 16 rows; the down GEMM's
 # own N and K tiles differ from gate/up's
@@ -59,57 +59,3 @@ def test_tma_form_row_tiles_span_several_experts_runs(gen, device):
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 0)
     assert _err(_rows_summed(x, w13, w2, weights, ids, 0, Tiles(*SMALL)), ref) \
         < INTERP_BF16_TOL
-
-
-def test_tma_form_is_off_by_default():
-    import kernels.triton_moe_tma as tma
-
-    assert tma.MIN_TOKENS is None or tma.MIN_TOKENS > 256  # decode sizes keep the graphs'
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_tma_form_applies_to_16_bit_prefills_only(monkeypatch):
-    import kernels.triton_moe_tma as tma
-
-    dev = torch.device("cuda")
-    x = torch.zeros(4096, 64, dtype=torch.bfloat16, device=dev)
-    w13 = torch.zeros(4, 96, 64, dtype=torch.bfloat16, device=dev)
-    w2 = torch.zeros(4, 64, 48, dtype=torch.bfloat16, device=dev)
-    monkeypatch.setattr(tma, "MIN_TOKENS", 1024)
-    assert tma.applies(x, w13, w2, False, 4096)
-    assert not tma.applies(x, w13, w2, False, 1000)  # under MIN_TOKENS
-    assert not tma.applies(x, w13, w2, True, 4096)  # FP8 experts
-    assert not tma.applies(x.float(), w13.float(), w2.float(), False, 4096)
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("start,e_local", [(0, 66), (32, 32)])
-def test_fused_moe_takes_tma_form_past_min_tokens(start, e_local, gen, close, monkeypatch):
-    """DeepSeek-V2-Lite's experts (2 shared folded in: 66) at a prefill size, through
-    fused_moe with MIN_TOKENS set: the same values as the decode form and the reference."""
-    import kernels.moe_grouped_gemm as grouped
-    import kernels.triton_moe as m
-    import kernels.triton_moe_tma as tma
-
-    monkeypatch.setattr(grouped, "MIN_TOKENS", None)  # the form fused_moe would take first
-    dev = torch.device("cuda")
-    x, w13, w2, weights, ids = _inputs(1100, 2048, 1408, 66, 6, torch.bfloat16, gen, dev,
-                                       e_local=e_local)
-    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
-    decode_form = m.fused_moe(x, w13, w2, weights, ids, start,
-                              config=m.tile_config(1100, dev))
-    monkeypatch.setattr(tma, "MIN_TOKENS", 1024)
-    calls = []
-    real = m.expert_rows
-    monkeypatch.setattr(m, "expert_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    out = m.fused_moe(x, w13, w2, weights, ids, start)
-    assert calls == [1]
-    close(out, ref.to(torch.bfloat16), torch.bfloat16)
-    # the two forms round at the same points; they differ only by accumulation order
-    assert _err(out, decode_form.float()) < 1e-2
-    monkeypatch.setattr(tma, "MIN_TOKENS", 2048)
-    calls.clear()
-    m.fused_moe(x, w13, w2, weights, ids, start)
-    assert calls == []
