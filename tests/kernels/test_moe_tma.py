@@ -11,7 +11,6 @@ import torch
 from kernels.ref_moe import fused_moe_ref
 from tests.kernels.test_moe import INTERP_BF16_TOL, _inputs
 
-
 # the interpreter's small tiles: BLOCK_M a multiple of the gather's 16 rows; the down GEMM's
 # own N and K tiles differ from gate/up's
 SMALL = (16, 16, 16, 4, 1, 32, 16, 4, 1)
