@@ -18,7 +18,8 @@ the rows through it (no scatter of the [T * k, H] rows back into pair order). Ro
 last run are neither written by the GEMMs nor read: the activation of them is garbage
 nobody reads.
 
-Taken for bf16 experts on sm_90+ from MIN_TOKENS tokens; FP8 experts and decode-sized
+Taken for bf16 experts on sm_90 and sm_100 (the archs torch builds it for) from MIN_TOKENS
+tokens; FP8 experts and decode-sized
 calls (which a CUDA graph captures) keep the Triton kernels.
 """
 
@@ -53,9 +54,9 @@ def applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8: bool,
     """Whether fused_moe takes this form for the call."""
     if MIN_TOKENS is None or num_tokens < MIN_TOKENS or fp8 or not available():
         return False
-    if x.dtype != torch.bfloat16 or not x.is_cuda:  # the CUTLASS kernels are bf16, sm_90+
+    if x.dtype != torch.bfloat16 or not x.is_cuda:  # torch's CUTLASS kernels are bf16 ...
         return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+    if torch.cuda.get_device_capability(x.device)[0] not in (9, 10):  # ... for sm_90/sm_100
         return False
     # operand rows 16-byte aligned (H and I multiples of 8)
     return all(t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * 2) % 16 == 0
