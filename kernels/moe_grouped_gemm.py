@@ -19,8 +19,8 @@ last run are neither written by the GEMMs nor read: the activation of them is ga
 nobody reads.
 
 Taken for bf16 experts on sm_90 and sm_100 (the archs torch builds it for) from MIN_TOKENS
-tokens; FP8 experts and decode-sized
-calls (which a CUDA graph captures) keep the Triton kernels.
+tokens; FP8 experts and decode-sized calls (which a CUDA graph captures) keep the Triton
+kernels.
 """
 
 from __future__ import annotations
