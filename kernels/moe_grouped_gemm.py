@@ -88,11 +88,10 @@ def expert_rows_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     Returns (ys [P, H], row_of_pair [T * k] int32): ys[row_of_pair[t * k + j]] is expert
     ids[t, j]'s output for token t, rounded to x's dtype, for this rank's pairs (other
     ranks' pairs have no row; their map entries are unset)."""
-    check(hasattr(torch, "_grouped_mm"), "torch._grouped_mm: this torch has no grouped GEMM")
-    t, h = x.shape
-    e_local, two_i, _ = w13.shape
+    check(available(), "torch._grouped_mm: this torch has no grouped GEMM")
+    e_local = w13.shape[0]
     k = ids.shape[1]
-    n = t * k
+    n = x.shape[0] * k
     check(w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1,
           "x, w13, w2: expected contiguous rows (the grouped-GEMM form)")
     check(ids.is_contiguous(), "topk_ids: expected contiguous")

@@ -341,6 +341,16 @@ def _operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor
     return m, k, n, g
 
 
+def _k_tiles(cfg: Config, k: int, g: int) -> tuple[int, int]:
+    """(columns per scale group, the K tile): a block-scaled weight's K tile lies inside
+    one scale group."""
+    gk = k // g
+    block_k = cfg.block_k if g == 1 else min(cfg.block_k, gk)
+    check(g == 1 or gk % block_k == 0, f"scale groups of {gk} columns: not a multiple of "
+          f"{block_k}")
+    return gk, block_k
+
+
 def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                     splits: int = 1, *, config: Config | None = None) -> torch.Tensor:
     """x [M, K], w [N, K] float8_e4m3fn, w_scale [N, G] float32 -> [M, N] in x's dtype
@@ -349,10 +359,7 @@ def fp8_weight_only(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     m, k, n, g = _operands(x, w, w_scale)
     cfg = config or config_for(m, n, k, g)
     check(cfg.kind in ("gemv", "dot"), f"config.kind: expected 'gemv' or 'dot', got {cfg.kind}")
-    gk = k // g
-    block_k = cfg.block_k if g == 1 else min(cfg.block_k, gk)
-    check(g == 1 or gk % block_k == 0, f"scale groups of {gk} columns: not a multiple of "
-          f"{block_k}")
+    gk, block_k = _k_tiles(cfg, k, g)
     check(splits >= 1 and k % splits == 0, f"splits: {splits} does not divide K={k}")
     kps = k // splits
     check(g == 1 or kps % gk == 0, f"splits: {splits} cuts a scale group of {gk} columns")
@@ -412,10 +419,7 @@ def fp8_weight_only_glu(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     check(cfg.kind == "gemv", f"config.kind: the fused activation runs in the GEMV only, "
           f"got {cfg.kind}")
     check(cfg.block_n % 2 == 0, f"config.block_n: expected even, got {cfg.block_n}")
-    gk = k // g
-    block_k = cfg.block_k if g == 1 else min(cfg.block_k, gk)
-    check(g == 1 or gk % block_k == 0, f"scale groups of {gk} columns: not a multiple of "
-          f"{block_k}")
+    gk, block_k = _k_tiles(cfg, k, g)
     out = torch.empty(m, n // 2, dtype=x.dtype, device=x.device)
     if m == 0:
         return out

@@ -32,7 +32,7 @@ activation dtype after its load and multiply the accumulator's columns by the sc
 channel once after the K loop; per group each K tile), so activations stay in the model's
 dtype and the weight stream, decode's cost, is one byte per weight.
 
-Prefill-sized calls of bf16 experts on sm_90+ take the grouped-GEMM form of steps 1-3
+Prefill-sized calls of bf16 experts on sm_90/sm_100 take the grouped-GEMM form of steps 1-3
 (kernels/moe_grouped_gemm.py, from its MIN_TOKENS tokens: torch's CUTLASS grouped GEMM on
 the expert-sorted rows, the sum reading them through a row map). The tensor-memory form
 (kernels/triton_moe_tma.py, off by default) is the same rows with these kernels' products,
