@@ -32,10 +32,15 @@ pytestmark = [
 DEVICES = ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cuda:0")
 
 # 2 layers x (K, V) x 2 KV heads x 16 dims x 4 bytes x 16 tokens = 8 KiB a block: 48 blocks
-# hold 768 tokens, while 24 requests of up to ~330 tokens each want several times that.
+# hold 768 tokens, while 24 requests of up to ~400 tokens each want several times that.
+# The outputs are long so that the pressure does not hang on the two processes' relative
+# speed: with 32 tokens a request's decode (32 steps) barely outlasted the producer's
+# prefill of all 24 (~30 chunks of 128), and on a loaded GPU (the suite's -n 4) the
+# consumer kept up and never preempted. At 96 each decode lasts three times the arrivals,
+# so the running requests' growth passes the pool whatever the timing.
 BLOCKS = "48"
 N_REQUESTS = 24
-MAX_TOKENS = 32
+MAX_TOKENS = 96
 
 
 def _prompts() -> list[list[int]]:
