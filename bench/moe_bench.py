@@ -295,10 +295,13 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     finally:
         runner.execute = execute
     ms, launch_ms = sorted(times[1:])[0]
+    graphs = runner.prefill_graphs
+    replays = graphs.num_replays if graphs is not None else 0
     tflops = prefill_flops(engine, tokens) / (ms * 1e-3) / 1e12
     # host_launch_ms near prefill_ms: the step waits on the host's launches, not the GPU
     return {"tokens": tokens, "prefill_ms": round(ms, 2), "host_launch_ms": round(launch_ms, 2),
-            "tflops": round(tflops, 1), "fraction_of_matmul_rate": round(tflops / mm_tflops, 3)}
+            "tflops": round(tflops, 1), "fraction_of_matmul_rate": round(tflops / mm_tflops, 3),
+            "prefill_graph_replays": replays}
 
 
 def prefill_flops(engine: Any, tokens: int) -> float:
@@ -353,6 +356,9 @@ def main() -> None:
                     help="';'-separated variants as --variants: only the --prefill-tokens "
                          "prefill under each, interleaved with the defaults over --repeats "
                          "rounds")
+    ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
+                    help="the engine's prefill graphs up to this many tokens (default: the "
+                    "engine's own); MLA models build none")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
     if args.quantization and args.tune_mla:
@@ -392,9 +398,15 @@ def main() -> None:
         max_model_len=max(max(contexts, default=0) + args.steps * args.repeats + 64,
                           args.prefill_tokens + 8),
         max_num_batched_tokens=max(2048, args.prefill_tokens), gpu_memory_utilization=0.9,
-        quantization="fp8" if args.quantization == "fp8" else None))
+        quantization="fp8" if args.quantization == "fp8" else None,
+        **({} if args.prefill_graph_max_tokens is None
+           else {"prefill_graph_max_tokens": args.prefill_graph_max_tokens})))
     result["engine_build_s"] = round(time.perf_counter() - t0, 1)
     result["kv_blocks"] = engine.layout.num_blocks
+    pg = engine.runner.prefill_graphs
+    result["prefill_graphs"] = None if pg is None else {
+        "buckets": pg.buckets, "pool_mib": pg.pool_bytes >> 20,
+        "capture_s": round(pg.capture_s, 1)}
     model = engine.runner.model
     result["dense_weight_bytes"] = dense_weight_bytes(model)
     result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
