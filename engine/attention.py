@@ -132,17 +132,24 @@ class PagedAttention:
         positions: torch.Tensor,  # [T]
         cos_sin: torch.Tensor,  # [max_pos, D] float32
         out_dtype: torch.dtype | None = None,  # q, k, v: [S, T, H, D] float32 partial sums
+        qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,  # per-head RMSNorm
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Rotates q and k, stores k and v (one fused kernel), then attends."""
+        """Normalizes each head of q and k (qk_norm: their weights and eps), rotates them,
+        stores k and v (one fused kernel), then attends."""
         ks, vs = self.k_scale, self.v_scale
         if out_dtype is not None:  # a K-split qkv_proj's partials (engine/models/split_k)
             assert self.k.rope_store_kv is not None
             q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping,
-                                     out_dtype=out_dtype, k_scale=ks, v_scale=vs)
+                                     out_dtype=out_dtype, k_scale=ks, v_scale=vs,
+                                     qk_norm=qk_norm)
         elif self.k.rope_store_kv is not None:
             q = self.k.rope_store_kv(q, k, v, positions, cos_sin, kv_layer, meta.slot_mapping,
-                                     k_scale=ks, v_scale=vs)
+                                     k_scale=ks, v_scale=vs, qk_norm=qk_norm)
         else:
+            if qk_norm is not None:
+                qw, kw, eps = qk_norm
+                q = self.k.rms_norm(q.reshape(-1, q.shape[-1]), qw, eps)[0].view(q.shape)
+                k = self.k.rms_norm(k.reshape(-1, k.shape[-1]), kw, eps)[0].view(k.shape)
             q, k = self.k.rope(q, k, positions, cos_sin)
             self.k.store_kv(k, v, kv_layer, meta.slot_mapping, k_scale=ks, v_scale=vs)
         if meta.decode_only:

@@ -23,6 +23,11 @@ from engine.quant.fp8_linear import Fp8Linear
 from engine.quant.scheme import Fp8Scheme
 from engine.rope import cos_sin_table
 
+# Qwen3's per-head q/k RMSNorms inside the RoPE + KV store kernel (kernels/triton_rope_kv.py);
+# False runs them as their own launches on copies of q and k (what the kernel replaced; for
+# A/B runs: bench/moe_bench.py --prefill-variants "engine.models.llama.FUSED_QK_NORM=False").
+FUSED_QK_NORM = True
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, kernels: KernelSet) -> None:
@@ -82,10 +87,14 @@ class Attention(nn.Module):
             q = q.reshape(t, self.nq, self.d)
             k = k.reshape(t, self.nkv, self.d)
             v = v.reshape(t, self.nkv, self.d)
+            qk_norm = None
             if self.q_norm is not None and self.k_norm is not None:
-                q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
-                k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
-            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin)  # RoPE inside
+                if FUSED_QK_NORM:  # no norm launches, no copies of the strided q and k
+                    qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                else:
+                    q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
+                    k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
+            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin, qk_norm=qk_norm)
         o = o.reshape(t, self.nq * self.d)
         if self.group is not None:
             return self.group.all_reduce(self.o_proj(o))

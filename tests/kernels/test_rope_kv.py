@@ -13,10 +13,16 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def _case(t, hq, hkv, d, dtype, gen, device, close, nb=8, bs=16):
+def _case(t, hq, hkv, d, dtype, gen, device, close, nb=8, bs=16, qk_norm=False):
     from kernels.triton_rope_kv import rope_store_kv
 
     qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(dtype=dtype, device=device)
+    norm = None
+    if qk_norm:  # Qwen3's per-head norms; weights away from 1 so that they matter
+        qw = (1 + torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+        kw = (1 + torch.randn(d, generator=gen)).to(dtype=dtype, device=device)
+        norm = (qw, kw, 1e-6)
+        qkv = qkv * 7  # the norm's output does not depend on the scale; the input's does
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]  # strided, as the model's
     positions = torch.randint(0, 1000, (t,), generator=gen).to(device)
     cs = cos_sin_table(d, 1000, 10000.0, None).to(device)
@@ -26,8 +32,8 @@ def _case(t, hq, hkv, d, dtype, gen, device, close, nb=8, bs=16):
     # [NB, L, 2, BS, Hkv, D], layer 1 of 3: a strided layer view, as the engine's
     cache = torch.randn(nb, 3, 2, bs, hkv, d, generator=gen).to(dtype=dtype, device=device)
     expected = cache.clone()
-    q_ref = rope_store_kv_ref(q, k, v, positions, cs, expected[:, 1], slots)
-    q_out = rope_store_kv(q, k, v, positions, cs, cache[:, 1], slots)
+    q_ref = rope_store_kv_ref(q, k, v, positions, cs, expected[:, 1], slots, qk_norm=norm)
+    q_out = rope_store_kv(q, k, v, positions, cs, cache[:, 1], slots, qk_norm=norm)
     close(q_out, q_ref, dtype)
     close(cache, expected, dtype)
     written = torch.zeros(nb * bs, dtype=torch.bool)
@@ -46,6 +52,52 @@ def _case(t, hq, hkv, d, dtype, gen, device, close, nb=8, bs=16):
 @pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 128), (3, 1, 64)])
 def test_rope_store_kv(dtype, hq, hkv, d, gen, device, close):
     _case(9, hq, hkv, d, dtype, gen, device, close)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(4, 4, 64), (6, 2, 128)])
+def test_rope_store_kv_with_qk_norm(dtype, hq, hkv, d, gen, device, close):
+    _case(9, hq, hkv, d, dtype, gen, device, close, qk_norm=True)
+
+
+def test_qk_norm_changes_q_and_k_as_the_separate_norms_would(gen):
+    # the reference's qk_norm is exactly RMSNorm per head then the plain path: what the
+    # model ran before the norms moved into the kernel (engine/models/llama.Attention)
+    from kernels.ref_norm import rms_norm_ref
+
+    t, hq, hkv, d = 5, 4, 2, 64
+    qkv = torch.randn(t, hq + 2 * hkv, d, generator=gen).to(torch.bfloat16) * 3
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    qw = (1 + torch.randn(d, generator=gen)).bfloat16()
+    kw = torch.randn(d, generator=gen).bfloat16()
+    pos = torch.arange(t) * 3
+    cs = cos_sin_table(d, 64, 10000.0, None)
+    slots = torch.arange(t)
+    fused = torch.zeros(2, 2, 16, hkv, d, dtype=torch.bfloat16)
+    plain = torch.zeros_like(fused)
+    q_fused = rope_store_kv_ref(q, k, v, pos, cs, fused, slots, qk_norm=(qw, kw, 1e-6))
+    qn = rms_norm_ref(q.reshape(-1, d), qw, 1e-6)[0].view(t, hq, d)
+    kn = rms_norm_ref(k.reshape(-1, d), kw, 1e-6)[0].view(t, hkv, d)
+    q_plain = rope_store_kv_ref(qn, kn, v, pos, cs, plain, slots)
+    assert torch.equal(q_fused, q_plain) and torch.equal(fused, plain)
+    unnormed = torch.zeros_like(fused)
+    assert not torch.equal(rope_store_kv_ref(q, k, v, pos, cs, unnormed, slots), q_fused)
+
+
+def test_rope_store_kv_rejects_bad_qk_norm_weights(device):
+    from kernels.triton_rope_kv import rope_store_kv
+
+    q = torch.zeros(2, 4, 64, device=device)
+    k = torch.zeros(2, 2, 64, device=device)
+    cache = torch.zeros(4, 2, 16, 2, 64, device=device)
+    cs = torch.zeros(10, 64, device=device)
+    pos = torch.zeros(2, dtype=torch.int64, device=device)
+    w = torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="qk_norm k weight"):
+        rope_store_kv(q, k, k, pos, cs, cache, pos, qk_norm=(w, w[:32], 1e-6))
+    with pytest.raises(ValueError, match="qk_norm q weight"):
+        rope_store_kv(q, k, k, pos, cs, cache, pos,
+                      qk_norm=(torch.ones(64, dtype=torch.int32, device=device), w, 1e-6))
 
 
 def test_rope_store_kv_rejects_bad_shapes(device):
@@ -67,6 +119,15 @@ def test_rope_store_kv_rejects_bad_shapes(device):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_kv_gpu(dtype, gen, close):
     _case(1024, 32, 8, 128, dtype, gen, torch.device("cuda"), close, nb=128, bs=16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_kv_qk_norm_gpu(dtype, gen, close):
+    # Qwen3-30B-A3B's heads (32 q, 4 kv, 128 dims), a prefill-sized step
+    _case(1024, 32, 4, 128, dtype, gen, torch.device("cuda"), close, nb=128, bs=16,
+          qk_norm=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
