@@ -233,7 +233,7 @@ def test_triton_mla_fp8(gen, device):
     table = torch.tensor([[0, 2, 4], [5, 1, 3]], dtype=torch.int32, device=device)
     seq = torch.tensor([23, 9], dtype=torch.int32, device=device)
     ref = mla_decode_ref(q, cache, table, seq, 0.3, c, kv_scale=K_SCALE)
-    out = mla_decode(q, cache, table, seq, 0.3, c, kv_scale=K_SCALE, num_splits=2, block_n=8)
+    out = mla_decode(q, cache, table, seq, 0.3, c, kv_scale=K_SCALE, num_splits=2, block_n=16)
     assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
 
 
