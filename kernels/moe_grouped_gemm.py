@@ -14,9 +14,12 @@ expert instead of per-tile expert ids, so the rows must be contiguous per expert
    (kernels/triton_act.py);
 3. down: one grouped GEMM of the activation against w2, rows of xs's order;
 and `row_of_pair`, each pair's row in that order, for fused_moe's sum step, which reads
-the rows through it (no scatter of the [T * k, H] rows back into pair order). Rows past the
-last run are neither written by the GEMMs nor read: the activation of them is garbage
-nobody reads.
+the rows through it (no scatter of the [T * k, H] rows back into pair order). Past
+ALIGN_KERNEL_MAX_PAIRS (2,048) pairs, so at MIN_TOKENS for any top-3 or wider routing, the
+align's place kernel writes `offs` and `row_of_pair` as it places the pairs; below it they
+are computed from the one-program align's output (expert_offsets, the row-map kernel).
+Rows past the last run are neither written by the GEMMs nor read: the activation of them
+is garbage nobody reads.
 
 Taken for bf16 experts on sm_90 and sm_100 (the archs torch builds it for) from MIN_TOKENS
 tokens; FP8 experts and decode-sized calls (which a CUDA graph captures) keep the Triton
@@ -43,6 +46,10 @@ MIN_TOKENS: int | None = 1024
 # GEMM itself takes any run length.
 ALIGN_ROWS = GATHER_ROWS
 MAP_ROWS = 1024  # sorted rows per program of the row-map kernel
+# Past ALIGN_KERNEL_MAX_PAIRS pairs the align's place kernel writes the run ends and the row
+# map itself; False computes them afterwards as the one-program align's calls do (for A/B
+# runs: bench/moe_bench.py --prefill-variants "kernels.moe_grouped_gemm.RUNS_FROM_ALIGN=False").
+RUNS_FROM_ALIGN = True
 
 
 def available() -> bool:
@@ -95,11 +102,21 @@ def expert_rows_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     check(w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1,
           "x, w13, w2: expected contiguous rows (the grouped-GEMM form)")
     check(ids.is_contiguous(), "topk_ids: expected contiguous")
-    align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align_multi
-    sorted_ids, block_expert = align(ids, ALIGN_ROWS, expert_start, e_local)
-    p = sorted_ids.shape[0]
+    row_of_pair = torch.empty(n, dtype=torch.int32, device=x.device)
+    multi = n > ALIGN_KERNEL_MAX_PAIRS
+    if multi and RUNS_FROM_ALIGN:
+        # the place kernel writes the run ends and the row map as it places the pairs: ten
+        # fewer launches a layer than the torch ops and the map kernel below
+        offs = torch.empty(e_local, dtype=torch.int32, device=x.device)
+        sorted_ids, block_expert = moe_align_multi(ids, ALIGN_ROWS, expert_start, e_local,
+                                                   runs=(offs, row_of_pair))
+    else:
+        align = moe_align_multi if multi else moe_align_triton
+        sorted_ids, block_expert = align(ids, ALIGN_ROWS, expert_start, e_local)
+        offs = expert_offsets(block_expert, e_local, ALIGN_ROWS)
+        _row_map_kernel[(triton.cdiv(sorted_ids.shape[0], MAP_ROWS),)](
+            sorted_ids, row_of_pair, n, sorted_ids.shape[0], BLOCK=MAP_ROWS, num_warps=4)
     xs = gather_sorted_rows(x, sorted_ids, block_expert, k, ALIGN_ROWS)
-    offs = expert_offsets(block_expert, e_local, ALIGN_ROWS)
     # rows past offs[-1] are neither read nor written by the GEMMs (nor mapped). Each
     # operand is dropped once read: the peak is xs and gate_up, [P, H + 2I], which
     # engine/memory_budget.py's activation estimate covers.
@@ -109,7 +126,4 @@ def expert_rows_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     del gate_up
     ys = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs)  # [P, H]
     del act
-    row_of_pair = torch.empty(n, dtype=torch.int32, device=x.device)
-    _row_map_kernel[(triton.cdiv(p, MAP_ROWS),)](sorted_ids, row_of_pair, n, p,
-                                                 BLOCK=MAP_ROWS, num_warps=4)
     return ys, row_of_pair

@@ -202,13 +202,16 @@ def _multi_scan_kernel(counts_ptr, base_ptr, total_ptr, num_chunks, num_local,
 
 
 @triton.jit
-def _multi_place_kernel(ids_ptr, base_ptr, total_ptr, sorted_ptr, bexp_ptr, N, NUM_TILES,
-                        expert_start, num_local, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+def _multi_place_kernel(ids_ptr, base_ptr, total_ptr, sorted_ptr, bexp_ptr, ends_ptr, map_ptr,
+                        N, NUM_TILES, expert_start, num_local, BLOCK_E: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+                        RUNS: tl.constexpr, PDL: tl.constexpr):
     """Launch 3 of 3: each pair of chunk c to its row, its expert's padded run start +
     base[c, e] + same-expert pairs earlier in the chunk (stable: earlier pairs first);
     and a share of the tiles' experts. Every program lays out the runs from the totals
-    itself (E values), which saves a launch for it."""
+    itself (E values), which saves a launch for it. RUNS: also each local expert's run end
+    (ends [E_local], program 0) and each pair's row (map [N]; other ranks' pairs unset),
+    which the grouped-GEMM form (kernels/moe_grouped_gemm.py) takes as they are."""
     if PDL:
         follow()
     c = tl.program_id(0)
@@ -225,21 +228,35 @@ def _multi_place_kernel(ids_ptr, base_ptr, total_ptr, sorted_ptr, bexp_ptr, N, N
     before = tl.cumsum(onehot, axis=0) - onehot
     pos = tl.sum((start[None, :] + before) * onehot, axis=1)  # [C]
     tl.store(sorted_ptr + pos, offs.to(tl.int32), mask=e < BLOCK_E)
+    if RUNS:
+        tl.store(map_ptr + offs, pos, mask=e < BLOCK_E)
+        if c == 0:
+            tl.store(ends_ptr + es, pad_end, mask=es < num_local)
     for t0 in range(c * BLOCK_T, NUM_TILES, tl.num_programs(0) * BLOCK_T):
         _store_tile_experts(bexp_ptr, t0, NUM_TILES, pad_end, total, es, num_local, BLOCK_M,
                             BLOCK_T)
 
 
 def moe_align_multi(topk_ids: torch.Tensor, block_m: int, expert_start: int,
-                    num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    num_local: int, runs: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """moe_align's result as a counting sort in three grid launches (any size; for
-    prefill-sized calls)."""
+    prefill-sized calls). runs: (ends [E_local] int32, row_of_pair [N] int32) to fill as
+    well: each local expert's padded run end, and each local pair's row in sorted_ids
+    (another rank's pair's entry is left as it was)."""
     n = topk_ids.numel()
     dev = topk_ids.device
     p = max_sorted_rows(n, num_local, block_m)
     sorted_ids = torch.empty(p, dtype=torch.int32, device=dev)
     block_expert = torch.empty(p // block_m, dtype=torch.int32, device=dev)
+    if runs is not None:
+        ends, row_of_pair = runs
+        assert ends.shape == (num_local,) and ends.dtype == torch.int32, "runs: ends [E] int32"
+        assert row_of_pair.shape == (n,) and row_of_pair.dtype == torch.int32, (
+            "runs: row_of_pair [N] int32")
     if n == 0:  # no chunks: a grid of none
+        if runs is not None:
+            runs[0].zero_()
         return sorted_ids, block_expert
     block_e = triton.next_power_of_2(num_local)
     chunk = multi_chunk(num_local)
@@ -256,8 +273,9 @@ def moe_align_multi(topk_ids: torch.Tensor, block_m: int, expert_start: int,
     _multi_scan_kernel[(triton.cdiv(num_local, SCAN_E),)](
         counts, base, total, chunks, num_local, SCAN_E=SCAN_E, SCAN_C=SCAN_C, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
+    ends_arg, map_arg = runs if runs is not None else (total, total)  # unread without RUNS
     _multi_place_kernel[(chunks,)](
-        ids, base, total, sorted_ids, block_expert, n, p // block_m, expert_start,
-        num_local, BLOCK_E=block_e, CHUNK=chunk, BLOCK_M=block_m, BLOCK_T=PLACE_T, PDL=pdl,
-        num_warps=8, launch_pdl=pdl)
+        ids, base, total, sorted_ids, block_expert, ends_arg, map_arg, n, p // block_m,
+        expert_start, num_local, BLOCK_E=block_e, CHUNK=chunk, BLOCK_M=block_m,
+        BLOCK_T=PLACE_T, RUNS=runs is not None, PDL=pdl, num_warps=8, launch_pdl=pdl)
     return sorted_ids, block_expert

@@ -15,6 +15,27 @@ def _check(ids: torch.Tensor, bm: int, start: int, e_local: int) -> None:
     assert got[0].dtype == got[1].dtype == torch.int32
     assert got[0].tolist() == want[0].tolist()
     assert got[1].tolist() == want[1].tolist()
+    _check_runs(ids, bm, start, e_local, want[0], want[1])
+
+
+def _check_runs(ids: torch.Tensor, bm: int, start: int, e_local: int,
+                sorted_ids: torch.Tensor, block_expert: torch.Tensor) -> None:
+    """With runs=, the same layout, plus each expert's run end (what the grouped-GEMM
+    form's expert_offsets derives from the tiles) and each local pair's row; another
+    rank's pairs' entries are left as they were."""
+    from kernels.moe_grouped_gemm import expert_offsets
+    from kernels.triton_moe_align import moe_align_multi
+
+    n = ids.numel()
+    ends = torch.full((e_local,), -7, dtype=torch.int32, device=ids.device)
+    rows = torch.full((n,), -7, dtype=torch.int32, device=ids.device)
+    got = moe_align_multi(ids, bm, start, e_local, runs=(ends, rows))
+    assert got[0].tolist() == sorted_ids.tolist() and got[1].tolist() == block_expert.tolist()
+    assert ends.tolist() == expert_offsets(block_expert, e_local, bm).tolist()
+    local = ((ids.reshape(-1) - start >= 0) & (ids.reshape(-1) - start < e_local)).cpu()
+    rows, sorted_ids = rows.cpu(), sorted_ids.cpu()
+    assert sorted_ids[rows[local].long()].tolist() == torch.arange(n)[local].tolist()
+    assert (rows[~local] == -7).all()
 
 
 def _random_ids(t: int, k: int, e: int, seed: int) -> torch.Tensor:
@@ -74,6 +95,10 @@ def test_multi_no_pairs(device):
     sorted_ids, block_expert = moe_align_multi(
         torch.empty(0, 8, dtype=torch.int64, device=device), 16, 0, 8)
     assert sorted_ids.numel() == block_expert.numel() == 0
+    ends = torch.full((8,), -7, dtype=torch.int32, device=device)
+    moe_align_multi(torch.empty(0, 8, dtype=torch.int64, device=device), 16, 0, 8,
+                    runs=(ends, torch.empty(0, dtype=torch.int32, device=device)))
+    assert ends.tolist() == [0] * 8  # every run empty
 
 
 def test_multi_loops_past_one_step(monkeypatch, device):

@@ -17,13 +17,13 @@ for block_e in (8, 64, 128, 256, 512):
         "ids_ptr": "*i64", "counts_ptr": "*i32", "sorted_ptr": "*i32", "N": "i32", "P": "i32",
         "expert_start": "i32", "num_local": "i32"},
         dict(BLOCK_E=block_e, CHUNK=chunk, FILL=al.FILL_ROWS, PDL=True), num_warps=8)
-    for bm in (16, 128):
+    for bm, runs in ((16, True), (128, False)):  # the grouped form's 16 rows write the runs
         out[f"place/{block_e}/{bm}"] = spills(al._multi_place_kernel, {
             "ids_ptr": "*i64", "base_ptr": "*i32", "total_ptr": "*i32", "sorted_ptr": "*i32",
-            "bexp_ptr": "*i32", "N": "i32", "NUM_TILES": "i32", "expert_start": "i32",
-            "num_local": "i32"},
-            dict(BLOCK_E=block_e, CHUNK=chunk, BLOCK_M=bm, BLOCK_T=al.PLACE_T, PDL=True),
-            num_warps=8)
+            "bexp_ptr": "*i32", "ends_ptr": "*i32", "map_ptr": "*i32", "N": "i32",
+            "NUM_TILES": "i32", "expert_start": "i32", "num_local": "i32"},
+            dict(BLOCK_E=block_e, CHUNK=chunk, BLOCK_M=bm, BLOCK_T=al.PLACE_T, RUNS=runs,
+                 PDL=True), num_warps=8)
 out["scan"] = spills(al._multi_scan_kernel, {
     "counts_ptr": "*i32", "base_ptr": "*i32", "total_ptr": "*i32", "num_chunks": "i32",
     "num_local": "i32"}, dict(SCAN_E=al.SCAN_E, SCAN_C=al.SCAN_C, PDL=True), num_warps=4)

@@ -40,7 +40,17 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
     (50, 32, 32, 8, 3, 4, 4),  # this rank holds experts 4-7: the others' pairs skipped
     (50, 32, 32, 8, 3, 0, 4),
 ])
-def test_grouped_form_equals_reference(t, h, inter, e, k, start, e_local, gen, device):
+@pytest.mark.parametrize("align", ["single", "multi", "multi-then-offsets"])
+def test_grouped_form_equals_reference(t, h, inter, e, k, start, e_local, align, gen, device,
+                                       monkeypatch):
+    # "multi": the three-launch align, whose place kernel writes the run ends and the row
+    # map itself (past ALIGN_KERNEL_MAX_PAIRS pairs); "single": the one-program align, then
+    # expert_offsets and the row-map kernel; "multi-then-offsets": RUNS_FROM_ALIGN off
+    import kernels.moe_grouped_gemm as mg
+
+    if align != "single":
+        monkeypatch.setattr(mg, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setattr(mg, "RUNS_FROM_ALIGN", align == "multi")
     x, w13, w2, weights, ids = _inputs(t, h, inter, e, k, torch.bfloat16, gen, device, e_local)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
     out = _rows_summed(x, w13, w2, weights, ids, start)
@@ -49,9 +59,15 @@ def test_grouped_form_equals_reference(t, h, inter, e, k, start, e_local, gen, d
 
 
 @needs_grouped_mm
-def test_grouped_form_with_empty_experts(gen, device):
+@pytest.mark.parametrize("align", ["single", "multi", "multi-then-offsets"])
+def test_grouped_form_with_empty_experts(align, gen, device, monkeypatch):
     """Every pair routed to experts 1 and 4 of 6: the other experts' runs are empty (equal
     offsets), and the two runs span several gather tiles each."""
+    import kernels.moe_grouped_gemm as mg
+
+    if align != "single":
+        monkeypatch.setattr(mg, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setattr(mg, "RUNS_FROM_ALIGN", align == "multi")
     x, w13, w2, weights, _ = _inputs(45, 32, 32, 6, 2, torch.bfloat16, gen, device)
     ids = torch.tensor([[1, 4]] * 45, dtype=torch.int32, device=device)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 0)
