@@ -15,9 +15,10 @@ expert instead of per-tile expert ids, so the rows must be contiguous per expert
 3. down: one grouped GEMM of the activation against w2, rows of xs's order;
 and `row_of_pair`, each pair's row in that order, for fused_moe's sum step, which reads
 the rows through it (no scatter of the [T * k, H] rows back into pair order). Past
-ALIGN_KERNEL_MAX_PAIRS (2,048) pairs, so at MIN_TOKENS for any top-3 or wider routing, the
-align's place kernel writes `offs` and `row_of_pair` as it places the pairs; below it they
-are computed from the one-program align's output (expert_offsets, the row-map kernel).
+ALIGN_KERNEL_MAX_PAIRS (2,048) pairs, so at MIN_TOKENS for any top-3 or wider routing, and
+with RUNS_FROM_ALIGN, the align's place kernel writes `offs` and `row_of_pair` as it places
+the pairs; otherwise they are computed from the align's output (expert_offsets, the
+row-map kernel).
 Rows past the last run are neither written by the GEMMs nor read: the activation of them
 is garbage nobody reads.
 
@@ -46,10 +47,11 @@ MIN_TOKENS: int | None = 1024
 # GEMM itself takes any run length.
 ALIGN_ROWS = GATHER_ROWS
 MAP_ROWS = 1024  # sorted rows per program of the row-map kernel
-# Past ALIGN_KERNEL_MAX_PAIRS pairs the align's place kernel writes the run ends and the row
-# map itself; False computes them afterwards as the one-program align's calls do (for A/B
-# runs: bench/moe_bench.py --prefill-variants "kernels.moe_grouped_gemm.RUNS_FROM_ALIGN=False").
-RUNS_FROM_ALIGN = True
+# Past ALIGN_KERNEL_MAX_PAIRS pairs the align's place kernel can write the run ends and the
+# row map itself (True); False computes them afterwards as the one-program align's calls do.
+# Off until a GPU has compiled and timed it (session 34 had no device time left): the A/B is
+# bench/moe_bench.py --prefill-variants "kernels.moe_grouped_gemm.RUNS_FROM_ALIGN=True".
+RUNS_FROM_ALIGN = False
 
 
 def available() -> bool:
