@@ -132,12 +132,19 @@ def test_rope_store_kv_qk_norm_gpu(dtype, gen, close):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parts", [1, 2, 3])
-def test_rope_store_kv_sums_a_k_split_projections_partials(dtype, parts, gen, device, close):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_store_kv_sums_a_k_split_projections_partials(dtype, parts, qk_norm, gen, device,
+                                                           close):
     # q, k, v as views of [S, T, (Hq + 2 Hkv) D] float32 partials: the kernel sums them and
-    # rounds to the model's dtype, then does what it does for that projection's output.
+    # rounds to the model's dtype, then does what it does for that projection's output
+    # (with qk_norm: the heads' norms on the rounded sums).
     from kernels.triton_rope_kv import rope_store_kv
 
     t, hq, hkv, d = 3, 4, 2, 64
+    norm = None
+    if qk_norm:
+        norm = ((1 + torch.randn(d, generator=gen)).to(dtype=dtype, device=device),
+                (1 + torch.randn(d, generator=gen)).to(dtype=dtype, device=device), 1e-6)
     qkv_p = torch.randn(parts, t, (hq + 2 * hkv) * d, generator=gen).to(device)
     whole = qkv_p.sum(0).to(dtype).view(t, hq + 2 * hkv, d)
     views = qkv_p.view(parts, t, hq + 2 * hkv, d)
@@ -148,13 +155,14 @@ def test_rope_store_kv_sums_a_k_split_projections_partials(dtype, parts, gen, de
     cache = torch.zeros(4, 2, 16, hkv, d, dtype=dtype, device=device)
     expected = cache.clone()
     q_ref = rope_store_kv_ref(whole[:, :hq], whole[:, hq:hq + hkv], whole[:, hq + hkv:],
-                              positions, cs, expected, slots)
-    q_out = rope_store_kv(q, k, v, positions, cs, cache, slots, out_dtype=dtype)
+                              positions, cs, expected, slots, qk_norm=norm)
+    q_out = rope_store_kv(q, k, v, positions, cs, cache, slots, out_dtype=dtype, qk_norm=norm)
     assert q_out.dtype == dtype
     close(q_out, q_ref, dtype)
     close(cache, expected, dtype)
     cache2 = torch.zeros_like(cache)
-    q_ref2 = rope_store_kv_ref(q, k, v, positions, cs, cache2, slots, out_dtype=dtype)
+    q_ref2 = rope_store_kv_ref(q, k, v, positions, cs, cache2, slots, out_dtype=dtype,
+                               qk_norm=norm)
     assert torch.equal(q_ref2, q_ref) and torch.equal(cache2, expected)
     with pytest.raises(ValueError, match="out_dtype"):
         rope_store_kv(q, k, v, positions, cs, cache, slots)
