@@ -84,22 +84,6 @@ def test_qk_norm_changes_q_and_k_as_the_separate_norms_would(gen):
     assert not torch.equal(rope_store_kv_ref(q, k, v, pos, cs, unnormed, slots), q_fused)
 
 
-def test_rope_store_kv_rejects_bad_qk_norm_weights(device):
-    from kernels.triton_rope_kv import rope_store_kv
-
-    q = torch.zeros(2, 4, 64, device=device)
-    k = torch.zeros(2, 2, 64, device=device)
-    cache = torch.zeros(4, 2, 16, 2, 64, device=device)
-    cs = torch.zeros(10, 64, device=device)
-    pos = torch.zeros(2, dtype=torch.int64, device=device)
-    w = torch.ones(64, device=device)
-    with pytest.raises(ValueError, match="qk_norm k weight"):
-        rope_store_kv(q, k, k, pos, cs, cache, pos, qk_norm=(w, w[:32], 1e-6))
-    with pytest.raises(ValueError, match="qk_norm q weight"):
-        rope_store_kv(q, k, k, pos, cs, cache, pos,
-                      qk_norm=(torch.ones(64, dtype=torch.int32, device=device), w, 1e-6))
-
-
 def test_rope_store_kv_rejects_bad_shapes(device):
     from kernels.triton_rope_kv import rope_store_kv
 
@@ -112,6 +96,12 @@ def test_rope_store_kv_rejects_bad_shapes(device):
         rope_store_kv(q, k, k, pos, cs, cache, pos[:1])
     with pytest.raises(ValueError, match="v"):
         rope_store_kv(q, k, q, pos, cs, cache, pos)
+    w = torch.ones(64, device=device)
+    with pytest.raises(ValueError, match="qk_norm k weight"):
+        rope_store_kv(q, k, k, pos, cs, cache, pos, qk_norm=(w, w[:32], 1e-6))
+    with pytest.raises(ValueError, match="qk_norm q weight"):
+        rope_store_kv(q, k, k, pos, cs, cache, pos,
+                      qk_norm=(torch.ones(64, dtype=torch.int32, device=device), w, 1e-6))
 
 
 @pytest.mark.gpu
