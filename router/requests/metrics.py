@@ -210,7 +210,12 @@ class _ClusterCollector(Collector):
         }
         fams = {k: GaugeMetricFamily(f"pdserve_worker_{k}", f"{doc} (last heartbeat)",
                                      labels=["worker", "role"]) for k, doc in fields.items()}
+        indexed = GaugeMetricFamily(
+            "pdserve_worker_kv_index_blocks",
+            "Prefix-cache blocks the router's index holds for the worker (from its KV events: "
+            "what cache-aware placement sees of it)", labels=["worker", "role"])
         for w in self.registry.all():
+            indexed.add_metric([w.worker_id, w.role_name], self.dispatcher.kv_index.size(w))
             counts[(w.role_name, "true" if w.healthy else "false")] += 1
             load = w.load
             vals = {"waiting": load.waiting, "running": load.running,
@@ -228,3 +233,4 @@ class _ClusterCollector(Collector):
         yield healthy
         yield busy
         yield from fams.values()
+        yield indexed

@@ -28,13 +28,15 @@ DETAIL = (" I ordered it last week from the online shop, paid by card, and chose
 QUESTIONS = [q + DETAIL for q in ("Where is my parcel?", "How do I change the address?",
                                   "Can I pick it up myself?", "What does 'in transit' mean?")]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
-SETTLE_S = 1.5  # the workers publish KV events at most every 0.2 s; a loaded CPU host lags
+SETTLE_S = 1.5  # the workers' load reports (their counters) go out every 0.5 s
+INDEX_WAIT_S = 60.0  # for the router's index to show a worker's new blocks (a loaded host)
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
+    # the HTTP door serves the router's /metrics (the index per worker)
     c = start_cluster(tmp_path_factory, "prefix2p2d", producers=2, consumers=2,
-                      policy="cache_aware", cluster_token=TOKEN,
+                      policy="cache_aware", cluster_token=TOKEN, http_port=0,
                       router_args=("--local-prefill-max-tokens", "24"),
                       worker_args=("--max-num-batched-tokens", "128", "--kv-cache-mib", "64"))
     yield c
@@ -52,6 +54,45 @@ def _received(cluster, name: str) -> float:  # type: ignore[no-untyped-def]
     """A consumer's received KV bytes, once its engine's next load report is out."""
     time.sleep(SETTLE_S)
     return _counter(cluster.metrics_ports[name], "pdserve_worker_kv_transfer_received_bytes_total")
+
+
+def _router_view(cluster) -> dict[tuple[str, str], float]:  # type: ignore[no-untyped-def]
+    """The router's per-worker gauges: (metric, worker id) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{cluster.http_port}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("pdserve_worker_") and 'worker="' in line:
+            labels, value = line.rsplit(" ", 1)
+            name = labels.split("{", 1)[0]
+            out[(name, labels.split('worker="', 1)[1].split('"', 1)[0])] = float(value)
+    return out
+
+
+def _indexed(cluster, worker_id: str) -> float:  # type: ignore[no-untyped-def]
+    return _router_view(cluster).get(("pdserve_worker_kv_index_blocks", worker_id), 0.0)
+
+
+IDLE = ("pdserve_worker_waiting", "pdserve_worker_running", "pdserve_worker_inflight",
+        "pdserve_worker_transfers_in_flight")
+
+
+def _wait_router_sees(cluster, worker_id: str, indexed: float) -> None:  # type: ignore[no-untyped-def]
+    """Until the router's index holds ``indexed`` blocks of worker_id and its last report
+    shows the worker idle: a cache-aware placement then weighs what the last request left
+    there, not a stale load (a request's worth of load outweighs 512 cached tokens). A
+    fixed 1.5 s sleep was too short once, on a loaded 2-core host: the next turn went to
+    the other consumer, P/D."""
+    end = time.monotonic() + INDEX_WAIT_S
+    while True:
+        view = _router_view(cluster)
+        seen = view.get(("pdserve_worker_kv_index_blocks", worker_id), 0.0)
+        busy = {m: view.get((m, worker_id)) for m in IDLE if view.get((m, worker_id), 0.0)}
+        if seen >= indexed and not busy:
+            return
+        assert time.monotonic() < end, (worker_id, seen, indexed, busy, dump_logs(cluster))
+        time.sleep(0.05)
 
 
 def _ref(llm, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
@@ -79,10 +120,14 @@ def test_shared_prefix_follows_the_cache_and_only_the_tail_moves(cluster, coloca
     prompts = [system + tok.encode(" " + q) for q in QUESTIONS]
     ch, stub = stub_for(cluster.router_address)
     with ch:
+        before = {w.worker_id: _indexed(cluster, w.worker_id) for w in
+                  stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers}
         first = generate(stub, GREEDY, prompt_token_ids=router_pb2.TokenIds(ids=prompts[0]))
         assert first.error == "" and first.token_ids == _ref(colocated_llm, prompts[0])
         p0, c0 = first.timing.producer, first.timing.consumer
         assert p0 and c0
+        for w in (p0, c0):  # both hold the system prompt, as the router sees it
+            _wait_router_sees(cluster, w, before[w] + len(prompts[0]) // BS)
         cname = _wid(cluster, c0)
         blocks0 = -(-len(prompts[0]) // BS)
         # the first request moved every block: that gives the bytes of one block
@@ -111,9 +156,12 @@ def test_a_short_tail_is_prefilled_on_the_consumer_holding_the_rest(cluster, col
                       "list what to pack for rain.")
     ch, stub = stub_for(cluster.router_address)
     with ch:
+        before = {w.worker_id: _indexed(cluster, w.worker_id) for w in
+                  stub.ClusterStatus(router_pb2.ClusterStatusRequest()).workers}
         r0 = generate(stub, GREEDY, prompt_token_ids=router_pb2.TokenIds(ids=base))
         assert r0.error == "" and r0.timing.consumer and r0.timing.producer
-        time.sleep(SETTLE_S)
+        c0 = r0.timing.consumer
+        _wait_router_sees(cluster, c0, before[c0] + len(base) // BS)
         follow = base + r0.token_ids[:4]  # the next turn: a few tokens more
         r1 = generate(stub, GREEDY, prompt_token_ids=router_pb2.TokenIds(ids=follow))
         assert r1.error == "" and r1.token_ids == _ref(colocated_llm, follow)
