@@ -59,16 +59,18 @@ out["store_kv"] = spills(st._store_kv_kernel, {
     "s_cb": "i64", "s_ckv": "i32", "s_cs": "i32", "s_ch": "i32", "s_cd": "i32",
     "k_scale": "fp32", "v_scale": "fp32"},
     dict(HKV=8, D=128, BS=16, BLOCK_H=8, BLOCK_D=128, FP8=True), num_warps=4)
-for parts in (0, 2):  # plain, and a K-split qkv_proj's float32 partials
-    out[f"rope_store_kv/parts{parts}"] = spills(rk._rope_store_kv_kernel, {
+# plain, a K-split qkv_proj's float32 partials, and Qwen3's q/k norms (32 q, 4 kv heads)
+for parts, norm in ((0, False), (2, False), (0, True)):
+    out[f"rope_store_kv/parts{parts}/norm{int(norm)}"] = spills(rk._rope_store_kv_kernel, {
         "q_ptr": "*fp32" if parts else "*bf16", "k_ptr": "*fp32" if parts else "*bf16",
         "v_ptr": "*fp32" if parts else "*bf16", "qo_ptr": "*bf16", "kv_ptr": F8,
-        "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "s_qt": "i32",
+        "pos_ptr": "*i64", "cs_ptr": "*fp32", "slot_ptr": "*i64", "qw_ptr": "*bf16",
+        "kw_ptr": "*bf16", "eps": "fp32", "s_qt": "i32",
         "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_vt": "i32", "s_vh": "i32",
         "s_qot": "i32", "s_qoh": "i32", "s_cs": "i32", "s_cb": "i64", "s_ckv": "i32",
         "s_cs2": "i32", "s_ch": "i32", "s_part": "i32", "k_scale": "fp32", "v_scale": "fp32"},
-        dict(HQ=32, HKV=8, HALF=64, BS=16, BLOCK_HQ=32, BLOCK_HKV=8, PARTS=parts, FP8=True,
-             PDL=True),
+        dict(HQ=32, HKV=4 if norm else 8, HALF=64, BS=16, BLOCK_HQ=32,
+             BLOCK_HKV=4 if norm else 8, PARTS=parts, FP8=True, NORM=norm, PDL=True),
         num_warps=4)
 out["store_latent"] = spills(st._store_latent_kernel, {
     "src_ptr": "*bf16", "kv_ptr": F8, "slot_ptr": "*i64", "s_t": "i32", "s_cb": "i64",
@@ -95,7 +97,7 @@ FP8_DECODE_SPILL_MAX = 0
 @pytest.mark.slow
 def test_fp8_kv_kernels_compile_for_sm90_without_spills() -> None:
     found = spill_bytes(BODY)
-    assert len(found) == 14, sorted(found)
+    assert len(found) == 15, sorted(found)
     paired = {k: found.pop(k) for k in list(found) if k.startswith(("decode/", "prefill/"))}
     # the MLA decode's 16-head block at 4 warps over a float8 cache: 8 bytes (bf16: none),
     # the fastest tiles measured on an H200 (kernels/triton_mla_decode.py NUM_WARPS)
