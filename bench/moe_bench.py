@@ -279,6 +279,8 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
         launched.append(time.perf_counter())
         return out
 
+    graphs = runner.prefill_graphs
+    replayed = graphs.num_replays if graphs is not None else 0  # the warm-up's, before these
     runner.execute = timed_execute  # when the host has launched the step's last kernel
     try:
         for r in range(3):  # the first run compiles the prefill shapes
@@ -295,8 +297,8 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     finally:
         runner.execute = execute
     ms, launch_ms = sorted(times[1:])[0]
-    graphs = runner.prefill_graphs
-    replays = graphs.num_replays if graphs is not None else 0
+    # steps of these three runs replayed as prefill graphs (0: all eager)
+    replays = graphs.num_replays - replayed if graphs is not None else 0
     tflops = prefill_flops(engine, tokens) / (ms * 1e-3) / 1e12
     # host_launch_ms near prefill_ms: the step waits on the host's launches, not the GPU
     return {"tokens": tokens, "prefill_ms": round(ms, 2), "host_launch_ms": round(launch_ms, 2),

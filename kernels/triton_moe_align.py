@@ -256,7 +256,7 @@ def moe_align_multi(topk_ids: torch.Tensor, block_m: int, expert_start: int,
             "runs: row_of_pair [N] int32")
     if n == 0:  # no chunks: a grid of none
         if runs is not None:
-            runs[0].zero_()
+            runs[0].zero_()  # every run empty
         return sorted_ids, block_expert
     block_e = triton.next_power_of_2(num_local)
     chunk = multi_chunk(num_local)
