@@ -5,6 +5,8 @@ experts' columns, the ids and weights kernels/triton_moe.fused_moe takes."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -14,19 +16,24 @@ from kernels.triton_common import check, check_device, check_float
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
-                  TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                  BLOCK_K: tl.constexpr,
-                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
-                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
-                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                  BLOCK_G: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # the router's logits are the kernel before's output (kernels/pdl.py)
-        follow()
-    t = tl.program_id(0).to(tl.int64)
+def route_token(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale, t,
+                TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_K: tl.constexpr,
+                SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                BLOCK_G: tl.constexpr, L2_LOGITS: tl.constexpr):
+    """Token t's routing: its logits row in, its TOP_K + NUM_SHARED weights and ids out.
+    The body of _route_kernel and of kernels/triton_router_route.py's fused kernel (Triton
+    inlines it into both). L2_LOGITS: other programs of the same launch wrote the logits,
+    so they are read from L2 (.cg): this SM's L1 is not coherent with their stores."""
     es = tl.arange(0, BLOCK_E)
     ok = es < E
-    x = tl.load(logits_ptr + t * s_l + es, mask=ok, other=float("-inf")).to(tl.float32)
+    if L2_LOGITS:
+        x = tl.load(logits_ptr + t * s_l + es, mask=ok, other=float("-inf"),
+                    cache_modifier=".cg").to(tl.float32)
+    else:
+        x = tl.load(logits_ptr + t * s_l + es, mask=ok, other=float("-inf")).to(tl.float32)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-x))
     else:
@@ -90,7 +97,51 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
     tl.store(ids_ptr + t * row + ks, picked_ids, mask=kmask)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
+                  TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_K: tl.constexpr,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                  N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                  BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # the router's logits are the kernel before's output (kernels/pdl.py)
+        follow()
+    route_token(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale,
+                tl.program_id(0).to(tl.int64), TOP_K, NUM_SHARED, BLOCK_E, BLOCK_K, SIGMOID,
+                HAS_BIAS, RENORM, ROUND, ROUND_DTYPE, N_GROUP, TOPK_GROUP, GROUP_SIZE,
+                BLOCK_G, False)
+
+
 _ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def route_constexprs(e: int, top_k: int, scoring_func: str, renormalize: bool,
+                     bias: torch.Tensor | None, round_dtype: torch.dtype | None,
+                     num_shared: int, n_group: int | None,
+                     topk_group: int | None) -> dict[str, Any]:
+    """Checks the routing arguments of E experts and returns route_token's constexprs
+    (moe_route's, and kernels/triton_router_route.py's fused launcher's)."""
+    check(scoring_func in ("softmax", "sigmoid"),
+          f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
+    check(1 <= top_k <= e, f"top_k: must be in [1, {e}], got {top_k}")
+    if bias is not None:
+        check(tuple(bias.shape) == (e,), f"e_score_correction_bias: expected shape ({e},)")
+    check(num_shared >= 0, f"num_shared: must be >= 0, got {num_shared}")
+    groups = n_group if n_group is not None and topk_group is not None and n_group > 1 else 1
+    if groups > 1:
+        assert topk_group is not None
+        check(e % groups == 0, f"n_group: {groups} does not divide the {e} experts")
+        check(1 <= topk_group <= groups, f"topk_group: must be in [1, {groups}], got "
+              f"{topk_group}")
+    rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
+    return dict(
+        TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=triton.next_power_of_2(e),
+        BLOCK_K=triton.next_power_of_2(top_k + num_shared), SIGMOID=scoring_func == "sigmoid",
+        HAS_BIAS=bias is not None, RENORM=renormalize, ROUND=rnd is not None,
+        ROUND_DTYPE=rnd if rnd is not None else tl.float32, N_GROUP=groups,
+        TOPK_GROUP=topk_group if groups > 1 else 1, GROUP_SIZE=e // groups,
+        BLOCK_G=triton.next_power_of_2(groups))
 
 
 def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: bool,
@@ -106,35 +157,19 @@ def moe_route(logits: torch.Tensor, top_k: int, scoring_func: str, renormalize: 
     check(logits.dim() == 2, "logits: expected [T, E]")
     check_float("logits", logits)
     check(logits.stride(1) == 1, "logits: rows must be contiguous")
-    check(scoring_func in ("softmax", "sigmoid"),
-          f"scoring_func: must be 'softmax' or 'sigmoid', got {scoring_func!r}")
     t, e = logits.shape
-    check(1 <= top_k <= e, f"top_k: must be in [1, {e}], got {top_k}")
     if e_score_correction_bias is not None:
-        check(tuple(e_score_correction_bias.shape) == (e,), "e_score_correction_bias: "
-              f"expected shape ({e},)")
         check_device(logits, e_score_correction_bias)
-    check(num_shared >= 0, f"num_shared: must be >= 0, got {num_shared}")
-    groups = n_group if n_group is not None and topk_group is not None and n_group > 1 else 1
-    if groups > 1:
-        assert topk_group is not None
-        check(e % groups == 0, f"n_group: {groups} does not divide the {e} experts")
-        check(1 <= topk_group <= groups, f"topk_group: must be in [1, {groups}], got "
-              f"{topk_group}")
+    const = route_constexprs(e, top_k, scoring_func, renormalize, e_score_correction_bias,
+                             round_dtype, num_shared, n_group, topk_group)
     row = top_k + num_shared
     weights = torch.empty(t, row, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, row, dtype=torch.int64, device=logits.device)
     if t == 0:
         return weights, ids
-    rnd = _ROUND.get(round_dtype) if round_dtype is not None else None
     pdl = pdl_for(logits)
     _route_kernel[(t,)](
         logits, e_score_correction_bias if e_score_correction_bias is not None else logits,
-        weights, ids, e, logits.stride(0), float(routed_scaling_factor),
-        TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(row), SIGMOID=scoring_func == "sigmoid",
-        HAS_BIAS=e_score_correction_bias is not None, RENORM=renormalize,
-        ROUND=rnd is not None, ROUND_DTYPE=rnd if rnd is not None else tl.float32,
-        N_GROUP=groups, TOPK_GROUP=topk_group if groups > 1 else 1, GROUP_SIZE=e // groups,
-        BLOCK_G=triton.next_power_of_2(groups), PDL=pdl, num_warps=4, launch_pdl=pdl)
+        weights, ids, e, logits.stride(0), float(routed_scaling_factor), **const, PDL=pdl,
+        num_warps=4, launch_pdl=pdl)
     return weights, ids

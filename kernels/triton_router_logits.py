@@ -28,13 +28,11 @@ BLOCK_K = 256
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, H, s_x, s_w, s_o,
-                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # x is the kernel before's output (kernels/pdl.py)
-        follow()
-    pid_e = tl.program_id(0)
-    t = tl.program_id(1).to(tl.int64)
+def store_logits(x_ptr, w_ptr, out_ptr, E, H, s_x, s_w, s_o, pid_e, t,
+                 BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """Token t's logits of experts [pid_e * BLOCK_E, (pid_e + 1) * BLOCK_E), stored in
+    out's dtype: one program's work, here and in kernels/triton_router_route.py's fused
+    kernel (Triton inlines it into both)."""
     es = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
     emask = es < E
     ks = tl.arange(0, BLOCK_K)
@@ -53,14 +51,19 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, H, s_x, s_w, s_o,
     tl.store(out_ptr + t * s_o + es, logits.to(out_ptr.dtype.element_ty), mask=emask)
 
 
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, E, H, s_x, s_w, s_o,
+                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # x is the kernel before's output (kernels/pdl.py)
+        follow()
+    store_logits(x_ptr, w_ptr, out_ptr, E, H, s_x, s_w, s_o, tl.program_id(0),
+                 tl.program_id(1).to(tl.int64), BLOCK_E, BLOCK_K, EVEN_K)
+
+
 def router_logits(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """x [T, H] (float), w [E, H] (float) -> [T, E] of out_dtype, computed in float32."""
-    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
-          f"x, w: expected [T, H] and [E, H], got {tuple(x.shape)} and {tuple(w.shape)}")
-    check_float("x", x)
-    check_float("w", w)
-    check(x.stride(1) == 1 and w.stride(1) == 1, "x, w: rows must be contiguous")
-    check_device(x, w)
+    check_router_args(x, w)
     t, h = x.shape
     e = w.shape[0]
     out = torch.empty(t, e, dtype=out_dtype, device=x.device)
@@ -71,3 +74,13 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> t
         x, w, out, e, h, x.stride(0), w.stride(0), out.stride(0), BLOCK_E=BLOCK_E,
         BLOCK_K=BLOCK_K, EVEN_K=h % BLOCK_K == 0, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return out
+
+
+def check_router_args(x: torch.Tensor, w: torch.Tensor) -> None:
+    """router_logits's checks of x and w, which kernels/triton_router_route.py shares."""
+    check(x.dim() == 2 and w.dim() == 2 and x.shape[1] == w.shape[1],
+          f"x, w: expected [T, H] and [E, H], got {tuple(x.shape)} and {tuple(w.shape)}")
+    check_float("x", x)
+    check_float("w", w)
+    check(x.stride(1) == 1 and w.stride(1) == 1, "x, w: rows must be contiguous")
+    check_device(x, w)

@@ -41,6 +41,11 @@ TP_FLAG = "--tensor-parallel-size"
 # kernel where a float32 router was a cast, cuBLAS's float32 GEMV and its reduction per MoE
 # layer; past it, the linear (a GEMM's launches amortized over its rows).
 ROUTER_LOGITS_MAX_TOKENS = 16
+# Within that bound, beside the Triton kernel set: the router's logits and the routing as
+# one launch (kernels/triton_router_route.py) instead of two, a launch's fixed cost saved
+# per MoE layer at decode. Off until timed on a GPU: an A/B switch, `bench/moe_bench.py
+# --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True"`.
+ROUTER_ROUTE_FUSED = False
 # From this many tokens (a prefill) the folded shared experts run as dense GEMMs (cuBLAS)
 # beside the routed ones, not as rows of the fused kernel: every token reads them, so they
 # are a full-height GEMM, which cuBLAS runs faster than the grouped kernel's tiles; at
@@ -281,19 +286,27 @@ class SparseMoeBlock(nn.Module):
         c = self.cfg
         w = self.gate.weight
         out_dtype = torch.float32 if c.router_fp32 else x.dtype
-        if self.k.router_logits is not None and x.shape[0] <= ROUTER_LOGITS_MAX_TOKENS:
-            logits = self.k.router_logits(x, w, out_dtype)  # [T, E]: one kernel at decode
+        bias = getattr(self.gate, "e_score_correction_bias", None)
+        round_to = x.dtype if c.weights_in_model_dtype else None
+        shared = self.folded_shared if with_shared else 0
+        router_logits = (self.k.router_logits if x.shape[0] <= ROUTER_LOGITS_MAX_TOKENS
+                         else None)
+        if (router_logits is not None and ROUTER_ROUTE_FUSED and self.k.name == "triton"
+                and self.k.moe_route is not None):  # both kernels it replaces are Triton's
+            from kernels.triton_router_route import router_route
+            return router_route(x, w, out_dtype, c.top_k, c.scoring_func, c.renormalize,
+                                c.routed_scaling_factor, bias, round_dtype=round_to,
+                                num_shared=shared, n_group=c.n_group, topk_group=c.topk_group)
+        if router_logits is not None:
+            logits = router_logits(x, w, out_dtype)  # [T, E]: one kernel at decode
         elif c.router_fp32:
             logits = F.linear(x.float(), w.float())
         else:
             logits = F.linear(x, w)
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        round_to = x.dtype if c.weights_in_model_dtype else None
         route = self.k.moe_route if self.k.moe_route is not None else moe_route_ref
         out: tuple[torch.Tensor, torch.Tensor] = route(
             logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor, bias,
-            round_dtype=round_to, num_shared=self.folded_shared if with_shared else 0,
-            n_group=c.n_group,
+            round_dtype=round_to, num_shared=shared, n_group=c.n_group,
             topk_group=c.topk_group)
         return out
 

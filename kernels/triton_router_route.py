@@ -1,0 +1,142 @@
+"""The router's logits and the top-k routing of a few tokens in one launch.
+
+At decode each MoE layer ran kernels/triton_router_logits.py (BLOCK_E experts' logits of
+one token per program) and then kernels/triton_moe_route.py (one program per token),
+back to back. In a CUDA graph at batch 1 a launch costs a few microseconds however
+little it does, so this kernel does both: its grid is the logits kernel's
+(cdiv(E, BLOCK_E) x T), and the last of a token's programs to finish its logits routes
+that token, the "last program done" pattern of CUDA's threadFenceReduction sample.
+
+Memory ordering, per token t (every program runs the same steps):
+1. it stores its experts' logits (in out_dtype, as router_logits does: a router in the
+   model's dtype rounds them, and the routing reads the rounded values);
+2. ``tl.debug_barrier()``: every thread of the program has made its stores (the
+   increment below is one thread's);
+3. ``atomic_add(count[t], 1)`` with acq_rel semantics at gpu scope. Its release half
+   publishes this program's logits (the barrier put every thread's stores before it);
+   its acquire half makes every program that incremented before visible to this one;
+4. the program that read count == programs per token - 1 is the last: all the others
+   released their logits before their increments, which it acquired. It resets
+   count[t] to 0 and routes t, reading the logits from L2 (``.cg``: L1 is per SM and
+   not coherent with other SMs' stores). Its other threads read after the acquire too:
+   Triton hands the one thread's atomic result to all through shared memory behind a
+   barrier (tests/kernels/test_router_route_sm90.py checks this order in the PTX).
+No program waits for another, so there is no deadlock however the programs are
+scheduled.
+
+The counters: int32 zeros, one per token, one buffer per device shared by every layer
+and every launch (``counters``). Self-reset is what makes that graph-safe: a launch
+leaves its counters as it found them (0), so the next layer, the next step and the next
+replay of a captured graph need no memset launch. Sharing across layers needs stream
+order only: a later launch's programs start counting after this launch has completed
+(every kernel in the chain waits for the one before to complete, kernels/pdl.py, or
+runs in plain stream order), and this launch completes only after each token's last
+program has reset its counter. Two launches in flight at once on two streams of one
+device would share counters and break this: the engine runs a device's forwards in one
+stream order (graphs are captured on a side stream the current one then waits for).
+
+Reference: router_logits + moe_route (kernels/triton_router_logits.py,
+kernels/triton_moe_route.py), whose results these are exactly: the same arithmetic, in
+the same jit helpers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.pdl import follow, pdl_for
+from kernels.triton_common import check_device
+from kernels.triton_moe_route import route_constexprs, route_token
+from kernels.triton_router_logits import BLOCK_E, BLOCK_K, check_router_args, store_logits
+
+# Counters allocated on a device's first launch, whatever its token count: as many tokens
+# as the engine routes through this kernel (engine.models.moe.ROUTER_LOGITS_MAX_TOKENS),
+# so that a graph captured later never needs a larger buffer.
+MIN_COUNTERS = 16
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> [>= T] int32, all zero at rest
+# Buffers a larger one replaced: a graph captured with one keeps its address, so it is
+# never freed (a few bytes each).
+_RETIRED: list[torch.Tensor] = []
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, rw_ptr, logits_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr,
+                         E, H, s_x, s_rw, s_l, scale,
+                         TILE_E: tl.constexpr, TILE_K: tl.constexpr, EVEN_K: tl.constexpr,
+                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                         ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
+                         N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                         GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+    # TILE_E, TILE_K: the logits' tile (router_logits's BLOCK_E, BLOCK_K); BLOCK_E, BLOCK_K
+    # and the rest: route_token's, as moe_route passes them
+    if PDL:  # x is the kernel before's output; and the counters' stream order (above)
+        follow()
+    t = tl.program_id(1).to(tl.int64)
+    store_logits(x_ptr, rw_ptr, logits_ptr, E, H, s_x, s_rw, s_l, tl.program_id(0), t,
+                 TILE_E, TILE_K, EVEN_K)
+    tl.debug_barrier()  # every thread's logits stored before the one-thread release below
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:  # the token's last program: all logits acquired
+        tl.store(count_ptr + t, 0)  # no program of this launch touches count[t] again
+        route_token(logits_ptr, bias_ptr, w_ptr, ids_ptr, E, s_l, scale, t, TOP_K,
+                    NUM_SHARED, BLOCK_E, BLOCK_K, SIGMOID, HAS_BIAS, RENORM, ROUND,
+                    ROUND_DTYPE, N_GROUP, TOPK_GROUP, GROUP_SIZE, BLOCK_G, True)
+
+
+def counters(device: torch.device, tokens: int) -> torch.Tensor:
+    """The device's counters, at least `tokens` of them (all zero between launches).
+    Allocated outside CUDA-graph capture only: during one, the buffer would come from the
+    graph's private pool and its memset would become a node of the graph, the launch this
+    kernel exists to save; so a capture that finds too few raises instead."""
+    buf = _COUNTERS.get(device)
+    if buf is not None and buf.numel() >= tokens:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        have = 0 if buf is None else buf.numel()
+        raise RuntimeError(
+            f"router_route: {tokens} tokens need {tokens} counters on {device}, {have} "
+            "were allocated before this CUDA-graph capture; run the launch once uncaptured "
+            "first (a warm-up) at the largest token count")
+    if buf is not None:
+        _RETIRED.append(buf)
+    buf = torch.zeros(max(tokens, MIN_COUNTERS), dtype=torch.int32, device=device)
+    _COUNTERS[device] = buf
+    return buf
+
+
+def router_route(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, top_k: int,
+                 scoring_func: str, renormalize: bool, routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: torch.Tensor | None = None,
+                 round_dtype: torch.dtype | None = None, num_shared: int = 0,
+                 n_group: int | None = None,
+                 topk_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """moe_route(router_logits(x, w, out_dtype), top_k, ...) in one launch: x [T, H]
+    (float), w [E, H] (float) -> (weights [T, k + S] float32, ids [T, k + S] int64).
+    The arguments after out_dtype are moe_route's."""
+    check_router_args(x, w)
+    t, h = x.shape
+    e = w.shape[0]
+    if e_score_correction_bias is not None:
+        check_device(x, e_score_correction_bias)
+    const = route_constexprs(e, top_k, scoring_func, renormalize, e_score_correction_bias,
+                             round_dtype, num_shared, n_group, topk_group)
+    row = top_k + num_shared
+    weights = torch.empty(t, row, dtype=torch.float32, device=x.device)
+    ids = torch.empty(t, row, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    logits = torch.empty(t, e, dtype=out_dtype, device=x.device)  # [T, E]
+    count = counters(x.device, t)
+    pdl = pdl_for(x)
+    _router_route_kernel[(triton.cdiv(e, BLOCK_E), t)](
+        x, w, logits, count,
+        e_score_correction_bias if e_score_correction_bias is not None else logits,
+        weights, ids, e, h, x.stride(0), w.stride(0), logits.stride(0),
+        float(routed_scaling_factor), TILE_E=BLOCK_E, TILE_K=BLOCK_K, EVEN_K=h % BLOCK_K == 0,
+        **const, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return weights, ids
