@@ -25,6 +25,9 @@ them can be captured in a CUDA graph (every size below comes from shapes alone):
    float32 and would cost twice the bytes of the rounded one between the two kernels (a
    4,096-token V2-Lite prefill writes and reads 32,768 rows of 2,048 per layer), for the
    same arithmetic.
+   Steps 3 and 4 can run as one launch at one token (DOWN_SUM_MAX_TOKENS,
+   kernels/triton_moe_down_sum.py: each program walks the token's pairs in slot order, a
+   pair's rounded row weighted and added in registers, the same arithmetic again).
 
 FP8 experts (float8_e4m3fn w13/w2 with float32 per-row scales, per output channel or per
 row and K group of a block-scaled checkpoint): both GEMMs widen the weight tile to the
@@ -59,6 +62,7 @@ from kernels.moe_grouped_gemm import expert_rows_grouped
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
+from kernels.triton_moe_down_sum import down_sum
 from kernels.triton_moe_tma import applies as tma_applies
 from kernels.triton_moe_tma import expert_rows
 
@@ -73,6 +77,14 @@ BLOCK_SCALED_GATE_UP_TILE = 64 * 64
 # DeepSeek-V2-Lite at batch 1: bench/RESULTS.md). Past one token a shared or popular expert
 # would be read once per pair routed to it.
 PER_PAIR_MAX_TOKENS = 1
+# Up to this many tokens (in the per-pair layout) down and sum are one kernel,
+# kernels/triton_moe_down_sum.py: at batch 1 in a CUDA graph a launch costs a few µs
+# whatever it does, and the sum kernel is one of ~350 in a V2-Lite decode step. 0 (off)
+# until it is timed on a GPU: an A/B switch, the fused kernel's dot-free weight stream
+# against _down_kernel's tensor-core tiles plus the sum's launch (bench/moe_bench.py
+# --shape v2lite --batches 1 --variants "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1", its
+# --quantization fp8 runs for FP8 experts). 1: the fused kernel at one token.
+DOWN_SUM_MAX_TOKENS = 0
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
 
@@ -372,6 +384,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
         SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
         PER_PAIR=per_pair, launch_pdl=pdl, **launch)
+    if per_pair and t <= DOWN_SUM_MAX_TOKENS:  # steps 3 and 4 in one launch, no row buffer
+        down_sum(act, w2, ids, weights, out, expert_start, w2_scale, pdl)
+        return out
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)  # [T*k, H] rows, unweighted
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     if g2 > 1:

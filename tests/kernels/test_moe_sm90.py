@@ -12,6 +12,7 @@ from sm90_spills import spill_bytes
 BODY = r'''
 import kernels.triton_moe as m
 import kernels.triton_moe_align as al
+import kernels.triton_moe_down_sum as ds
 import kernels.triton_moe_route as rt
 import kernels.triton_router_logits as rl
 
@@ -56,6 +57,23 @@ for dev, b in [(dev, b) for dev in ("default", "NVIDIA H200") for b in table[dev
         out[f"down/{tag}"] = spills(m._down_kernel, dict(DN, w_ptr=wty), dict(
             base, BLOCK_N=c.get("BLOCK_N_DOWN", c["BLOCK_N"]),
             BLOCK_K=c.get("BLOCK_K_DOWN", c["BLOCK_K"])), divisible=DIV_DN, **opts)
+# down + sum in one launch at one token, with its module's tiles: I a whole number of K
+# tiles (Qwen3-30B-A3B's 768) or not (V2-Lite's 1408: the last tile moved back); block
+# scales make I whole tiles of a group
+DS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
+      "tw_ptr": "*fp32", "sc_ptr": "*fp32", "H": "i32", "INTER": "i32", "TOP_K": "i32",
+      "expert_start": "i32", "num_local": "i32", "s_a": "i32", "s_we": "i32", "s_wn": "i32",
+      "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
+DIV_DS = ("a_ptr", "w_ptr", "out_ptr", "ids_ptr", "tw_ptr", "sc_ptr", "H", "INTER", "s_a",
+          "s_we", "s_wn", "s_o")
+for kind, (wty, scaled) in WEIGHTS.items():
+    gk = scaled["GROUP_K"]
+    for even in (True, False) if gk == 1 else (True,):
+        out[f"down_sum/{kind}even{int(even)}"] = spills(ds._down_sum_kernel, dict(
+            DS, w_ptr=wty), dict(BLOCK_N=ds.BLOCK_N, BLOCK_K=min(ds.BLOCK_K, gk) if gk > 1
+                                 else ds.BLOCK_K, EVEN_K=even, PDL=True,
+                                 STAGES=ds.NUM_STAGES, **scaled),
+            divisible=DIV_DS, num_warps=ds.NUM_WARPS)
 out["align/256"] = spills(al._align_kernel, {
     "ids_ptr": "*i64", "sorted_ptr": "*i32", "bexp_ptr": "*i32", "N": "i32", "P": "i32",
     "NUM_TILES": "i32", "expert_start": "i32", "num_local": "i32"},
@@ -87,6 +105,8 @@ def test_moe_kernels_compile_for_sm90_without_spills() -> None:
     # launched (the divisibility above). Compiled without it, the H200's prefill tile
     # showed 452 bytes in gate/up: an unpipelined kernel that no launch at these shapes runs.
     spills = spill_bytes(BODY)
-    # 3 * 4: per-pair tiles; then align, route, the sum with and without the row map, router
-    assert len(spills) == 3 * 20 + 3 * 4 + 5, sorted(spills)
+    # 3 * 4: per-pair tiles; 5: down + sum (bf16 and FP8 per channel, each with and
+    # without whole K tiles; FP8 block scales); then align, route, the sum with and without
+    # the row map, router
+    assert len(spills) == 3 * 20 + 3 * 4 + 5 + 5, sorted(spills)
     assert {k: v for k, v in spills.items() if v} == {}, spills
