@@ -15,6 +15,8 @@ Reference: the torch.bmm calls in engine/models/mla.py (same math, another summa
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +27,9 @@ from kernels.triton_common import check, check_device, check_float
 ROWS = 4  # rows of the activation one program multiplies its weight tile by (the most)
 BLOCK_C = 128  # latent columns per program of the absorb product
 BLOCK_D = 32  # value columns per program of the up product
+# the absorb product's warps: at DeepSeek's Dn 128 a program's [128, 128] float32 weight tile
+# is 64 values a thread at 8 warps (128 at 4)
+NUM_WARPS = 8
 
 
 @triton.jit
@@ -34,9 +39,24 @@ def _absorb_kernel(q_ptr, w_ptr, out_ptr, B, s_qb, s_qh, s_wh, s_wd, s_ob, s_oh,
     """out[b, h, c] = sum_d q[b, h, d] * w[h, d, c]."""
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
-    h = tl.program_id(0).to(tl.int64)
-    cs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    b0 = tl.program_id(2) * ROWS
+    absorb_body(q_ptr, w_ptr, out_ptr, B, s_qb, s_qh, s_wh, s_wd, s_ob, s_oh,
+                tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+                D, C, DP, BLOCK_C, ROWS)
+
+
+@triton.jit
+def absorb_body(q_ptr, w_ptr, out_ptr, B, s_qb, s_qh, s_wh, s_wd, s_ob, s_oh,
+                h,  # int64: the head
+                cb,  # the block of BLOCK_C output columns
+                rg,  # the group of ROWS rows
+                D: tl.constexpr, C: tl.constexpr, DP: tl.constexpr, BLOCK_C: tl.constexpr,
+                ROWS: tl.constexpr):
+    """One program of _absorb_kernel, its place in the grid given as arguments so that
+    another kernel (kernels/triton_mla_latent_absorb.py) can run it on a part of its grid
+    (jit helpers are inlined). No PDL wait here: the calling kernel's first statement does
+    it."""
+    cs = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    b0 = rg * ROWS
     ds = tl.arange(0, DP)
     dmask = ds < D
     cmask = cs < C
@@ -82,8 +102,22 @@ def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     check(t.stride(-1) == 1, f"{name}: last dim must be contiguous")
 
 
-def mla_absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """q_nope [B, H, Dn] @ w_uk [H, Dn, C] per head -> out [B, H, C] (strided views fine)."""
+class AbsorbLaunch(NamedTuple):
+    """mla_absorb_q's arguments once checked: what a kernel running absorb_body launches
+    with (_absorb_kernel, or kernels/triton_mla_latent_absorb.py's)."""
+
+    rows: int  # B
+    heads: int  # H
+    col_blocks: int  # blocks of BLOCK_C latent columns
+    row_groups: int  # groups of ROWS rows
+    args: tuple[Any, ...]  # absorb_body's runtime arguments before its place in the grid
+    consts: dict[str, Any]  # its constexprs
+
+
+def absorb_q_launch(q_nope: torch.Tensor, w_uk: torch.Tensor,
+                    out: torch.Tensor) -> AbsorbLaunch:
+    """mla_absorb_q's argument checks (ValueError naming the argument), and the launch they
+    leave."""
     check(q_nope.dim() == 3 and w_uk.dim() == 3, "q_nope, w_uk: expected [B, H, Dn], [H, Dn, C]")
     b, h, d = q_nope.shape
     c = w_uk.shape[2]
@@ -92,13 +126,21 @@ def mla_absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, out: torch.Tensor) ->
     _check("out", out, (b, h, c))
     check_float("q_nope", q_nope)
     check_device(q_nope, w_uk, out)
-    if b == 0:
+    return AbsorbLaunch(
+        b, h, triton.cdiv(c, BLOCK_C), triton.cdiv(b, ROWS),
+        (q_nope, w_uk, out, b, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0),
+         w_uk.stride(1), out.stride(0), out.stride(1)),
+        dict(D=d, C=c, DP=triton.next_power_of_2(d), BLOCK_C=BLOCK_C, ROWS=ROWS))
+
+
+def mla_absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """q_nope [B, H, Dn] @ w_uk [H, Dn, C] per head -> out [B, H, C] (strided views fine)."""
+    a = absorb_q_launch(q_nope, w_uk, out)
+    if a.rows == 0:
         return out
     pdl = pdl_for(q_nope)
-    _absorb_kernel[(h, triton.cdiv(c, BLOCK_C), triton.cdiv(b, ROWS))](
-        q_nope, w_uk, out, b, q_nope.stride(0), q_nope.stride(1), w_uk.stride(0),
-        w_uk.stride(1), out.stride(0), out.stride(1), D=d, C=c, DP=triton.next_power_of_2(d),
-        BLOCK_C=BLOCK_C, ROWS=ROWS, PDL=pdl, num_warps=8, launch_pdl=pdl)
+    _absorb_kernel[(a.heads, a.col_blocks, a.row_groups)](
+        *a.args, **a.consts, PDL=pdl, num_warps=NUM_WARPS, launch_pdl=pdl)
     return out
 
 

@@ -24,8 +24,9 @@ A float8 cache (--kv-cache-dtype fp8) stores the latent divided by the layer's s
 prefill path multiplies the rows it decompresses back before kv_b_proj.
 
 One kernel (kernels/triton_mla_latent.py) normalizes the new latent, rotates its rope key
-and the queries' rope parts, and stores the row; after load (`finish_load`) the q (or q_a)
-and kv_a projections are one GEMM over a stacked weight.
+and the queries' rope parts, and stores the row (with FUSED_LATENT_ABSORB, at a decode of
+few rows, the same launch also runs the W_UK product); after load (`finish_load`) the q (or
+q_a) and kv_a projections are one GEMM over a stacked weight.
 
 Tensor parallelism: query heads (q_proj / q_b_proj rows, kv_b_proj rows, o_proj columns)
 split by head; q_a_proj, kv_a_proj_with_mqa and their norms are replicated, so every rank
@@ -53,6 +54,12 @@ from kernels.kv_fp8 import from_cache, take
 # run as Triton kernels (kernels/triton_mla_absorb.py: programmatic dependent launch, no
 # cuBLAS batched-GEMM launch per product); past it, torch.bmm.
 ABSORB_KERNEL_MAX_ROWS = 4
+# Where the absorb kernel runs (above) beside the Triton latent kernel, both in one launch
+# (kernels/triton_mla_latent_absorb.py: a launch less per layer, 27 a V2-Lite decode step).
+# Off until timed on a GPU: an A/B switch, `bench/moe_bench.py --variants
+# "engine.models.mla.FUSED_LATENT_ABSORB=True"` (read at every forward, so a variant's
+# recaptured graphs take it).
+FUSED_LATENT_ABSORB = False
 
 
 def latent_store_for(kernels: KernelSet) -> Callable[..., None]:
@@ -140,13 +147,23 @@ class MLAAttention(nn.Module):
         # DeepSeek's interleaved rope pairs were de-interleaved in the weights at load
         # (load_weights), so the rotate-half rotation applies.
         q_abs = q.new_empty(t, self.h, self.c + self.r) if meta.decode_only else None
-        self.latent_store(kv_a, q, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-                          positions, cos_sin, kv_layer, meta.slot_mapping, scale=self.kv_scale,
-                          q_pe_out=None if q_abs is None else q_abs[..., self.c:])
         q_nope, q_pe = q.split([self.dn, self.r], dim=-1)  # [T, H, Dn], [T, H, R]
+        fused = q_abs is not None and self._fused_latent_absorb(t)
+        if fused:  # that kernel and q_nope @ W_UK (into q_abs's first C columns) as one
+            from kernels.triton_mla_latent_absorb import mla_latent_absorb
+            assert q_abs is not None
+            mla_latent_absorb(kv_a, q, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                              positions, cos_sin, kv_layer, meta.slot_mapping, q_nope,
+                              self._w_uk_uv()[0], q_abs[..., :self.c], scale=self.kv_scale,
+                              q_pe_out=q_abs[..., self.c:])
+        else:
+            self.latent_store(kv_a, q, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                              positions, cos_sin, kv_layer, meta.slot_mapping,
+                              scale=self.kv_scale,
+                              q_pe_out=None if q_abs is None else q_abs[..., self.c:])
         if q_abs is not None:
             o = self._decode(q_nope, None, kv_layer, meta.block_tables, meta.seq_lens,
-                             meta.max_seq_len, q_abs)
+                             meta.max_seq_len, q_abs, absorbed=fused)
         elif meta.cu_seqlens_q_host is not None and meta.seq_lens_host is not None:
             o = self._mixed(q_nope, q_pe, kv_layer, meta, _split_of(meta, kv_layer.shape[2]))
         else:
@@ -162,23 +179,25 @@ class MLAAttention(nn.Module):
 
     def _decode(self, q_nope: torch.Tensor, q_pe: torch.Tensor | None,
                 kv_layer: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                max_seq_len: int | None,
-                q: torch.Tensor | None = None) -> torch.Tensor:  # [B, H, Dv]
+                max_seq_len: int | None, q: torch.Tensor | None = None,
+                absorbed: bool = False) -> torch.Tensor:  # [B, H, Dv]
         """One query per request, in the absorbed form. q: the absorbed query [B, H, C + R]
         whose rope columns already hold the rotated q_pe (q_pe is then None); the W_UK
-        product is written into its first C columns, so no concatenation runs. The W_UV
-        product is written in [B, H, Dv] order for o_proj (no copy at B > 1)."""
+        product is written into its first C columns, so no concatenation runs (absorbed:
+        it is there already, the fused latent kernel wrote it). The W_UV product is
+        written in [B, H, Dv] order for o_proj (no copy at B > 1)."""
         w_uk, w_uv = self._w_uk_uv()
         b = q_nope.shape[0]
         if q is None:
             assert q_pe is not None
             q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe],
                           dim=-1)  # [B, H, C + R]
-        elif self._absorb_kernels(b):
-            from kernels.triton_mla_absorb import mla_absorb_q
-            mla_absorb_q(q_nope, w_uk, q[..., :self.c])
-        else:
-            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :self.c])
+        elif not absorbed:
+            if self._absorb_kernels(b):
+                from kernels.triton_mla_absorb import mla_absorb_q
+                mla_absorb_q(q_nope, w_uk, q[..., :self.c])
+            else:
+                torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :self.c])
         assert self.k.mla_decode is not None
         o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
                                   max_seq_len=max_seq_len, kv_scale=self.kv_scale)  # [B, H, C]
@@ -193,6 +212,16 @@ class MLAAttention(nn.Module):
     def _absorb_kernels(self, rows: int) -> bool:
         """The per-head products as Triton kernels (few rows, beside Triton kernels)."""
         return self.k.name == "triton" and rows <= ABSORB_KERNEL_MAX_ROWS
+
+    def _fused_latent_absorb(self, rows: int) -> bool:
+        """The latent kernel and the W_UK product in one launch (FUSED_LATENT_ABSORB): where
+        the product runs as a Triton kernel and the latent kernel is the Triton one, which
+        the fused kernel's latent part is (a float8 cache included: its scale goes along).
+        Else (the switch off, more rows, the torch references) the two run apart."""
+        if not (FUSED_LATENT_ABSORB and self._absorb_kernels(rows)):
+            return False
+        from kernels.triton_mla_latent import mla_latent_store
+        return self.latent_store is mla_latent_store
 
     def _mixed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_layer: torch.Tensor,
                meta: AttentionMetadata, sp: _Split) -> torch.Tensor:  # [T, H, Dv]

@@ -1,7 +1,8 @@
-"""The MLA decode, merge, prefill, latent-store and latent (norm + RoPE + store) kernels compile for
-an H200 (sm_90) without a GPU, at DeepSeek's latent (512 + 64, bf16) and the launcher's
-default tiles, with no register spills past the measured exception below: ptxas from
-Triton's wheel, in a child process (the kernel tests' conftest runs Triton in its
+"""The MLA decode, merge, prefill, latent-store and latent (norm + RoPE + store) kernels, and
+the latent kernel fused with the W_UK product, compile for an H200 (sm_90) without a GPU, at
+DeepSeek's latent (512 + 64, bf16; a float8 cache for the latent kernels too) and the
+launcher's default tiles, with no register spills past the measured exception below: ptxas
+from Triton's wheel, in a child process (the kernel tests' conftest runs Triton in its
 interpreter, which compiles nothing). The interpreter tests check values; this catches
 what only the compiler sees."""
 
@@ -14,6 +15,7 @@ BODY = r'''
 import kernels.triton_mla_absorb as ab
 import kernels.triton_mla_decode as m
 import kernels.triton_mla_latent as lat
+import kernels.triton_mla_latent_absorb as la
 import kernels.triton_mla_prefill as pf
 import kernels.triton_store_kv as s
 
@@ -44,7 +46,8 @@ LAT = {"kva_ptr": "*bf16", "q_ptr": "*bf16", "qo_ptr": "*bf16", "w_ptr": "*bf16"
 out["absorb"] = spills(ab._absorb_kernel, {
     "q_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "B": "i32", "s_qb": "i32",
     "s_qh": "i32", "s_wh": "i32", "s_wd": "i32", "s_ob": "i32", "s_oh": "i32"},
-    dict(D=128, C=512, DP=128, BLOCK_C=ab.BLOCK_C, ROWS=ab.ROWS, PDL=True), num_warps=8)
+    dict(D=128, C=512, DP=128, BLOCK_C=ab.BLOCK_C, ROWS=ab.ROWS, PDL=True),
+    num_warps=ab.NUM_WARPS)
 out["up"] = spills(ab._up_kernel, {
     "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "B": "i32", "s_xb": "i32",
     "s_xh": "i32", "s_wh": "i32", "s_wd": "i32", "s_ob": "i32", "s_oh": "i32"},
@@ -66,8 +69,20 @@ for dt, ty, t in (("bf16", tl.bfloat16, pf.Tiles(pf.BLOCK_M, pf.BLOCK_N, pf.NUM_
         num_warps=t.num_warps, num_stages=t.num_stages)
 for heads in (16, 128):  # V2-Lite's and V3's query heads on one rank
     out[f"latent/h{heads}"] = spills(lat._mla_latent_kernel, LAT, dict(
-        C=512, HALF=32, H=heads, BS=64, BLOCK_C=512, BLOCK_H=heads, FP8=False, PDL=True),
-        num_warps=4)
+        C=512, HALF=32, H=heads, BS=64, CP=512, BLOCK_H=heads, FP8=False, PDL=True),
+        num_warps=lat.NUM_WARPS)
+FP8_CACHE = dict(LAT, kv_ptr="*fp8e4nv")
+out["latent/h16/fp8"] = spills(lat._mla_latent_kernel, FP8_CACHE, dict(
+    C=512, HALF=32, H=16, BS=64, CP=512, BLOCK_H=16, FP8=True, PDL=True),
+    num_warps=lat.NUM_WARPS)
+# the two in one launch at V2-Lite's decode (16 heads, nope 128, rope 64, latent 512), with
+# a bf16 and a float8 cache
+ABS = {"qn_ptr": "*bf16", "wuk_ptr": "*bf16", "qa_ptr": "*bf16", "B": "i32", "s_nb": "i32",
+       "s_nh": "i32", "s_wh": "i32", "s_wd": "i32", "s_ab": "i32", "s_ah": "i32"}
+for name, sig, fp8 in (("", LAT, False), ("/fp8", FP8_CACHE, True)):
+    out["latent_absorb/h16" + name] = spills(la._latent_absorb_kernel, {**ABS, **sig}, dict(
+        D=128, C=512, DP=128, BLOCK_C=ab.BLOCK_C, ROWS=ab.ROWS, HALF=32, H=16, BS=64, CP=512,
+        BLOCK_H=16, FP8=fp8, PDL=True), num_warps=la.NUM_WARPS)
 '''
 
 
@@ -77,5 +92,9 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     # without that specialization the 16-head decode at 4 warps showed 120 bytes and the
     # bf16 prefill 160, in loads neither vectorized nor pipelined
     found = spill_bytes(BODY)
-    assert len(found) == 12
+    assert len(found) == 15
     assert {k: v for k, v in found.items() if v} == {}, found
+    # the fused kernel spills no more than the larger of the two it replaces (none, today)
+    for cache in ("", "/fp8"):
+        assert found["latent_absorb/h16" + cache] <= max(found["absorb"],
+                                                          found["latent/h16" + cache])
