@@ -152,7 +152,8 @@ def count_decode_step(config_json: str, batch: int = 1, context: int = 9,
     cpu = torch.device("cpu")
     # the CUDA kernel set, its Triton kernels run by the interpreter on CPU tensors
     kernels = kernels_for(torch.device("cuda"))
-    model = build_model(config_json, cfg, kernels, cpu, "float32", "dummy", 64)
+    # the rope table must reach the new token's position (context - 1)
+    model = build_model(config_json, cfg, kernels, cpu, "float32", "dummy", max(64, context))
     per_req = -(-context // block_size)
     kv = torch.randn(batch * per_req + 1, cfg.num_layers, 1, block_size, 1,
                      cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 0.1

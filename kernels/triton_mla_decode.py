@@ -25,6 +25,8 @@ bench/results/mla_tune_h200.json).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -155,27 +157,20 @@ def _mla_decode_kernel(
 
 
 @triton.jit
-def _mla_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr,
-    s_ob, s_oh,
-    split_len,  # as the decode kernel's (DYN: the least tokens per split)
-    num_splits,
-    C: tl.constexpr, CP: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
-    DYN: tl.constexpr, PDL: tl.constexpr,
-):
-    """Merges one (request, head)'s splits, MERGE_S at a time with an online log-sum-exp:
-    a [splits, C] tile at once spills registers past a few splits (ptxas, sm_90)."""
-    if PDL:  # the partials are the decode kernel's output (kernels/pdl.py)
-        follow()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def _merge_row(part_o_ptr, part_lse_ptr, lens_ptr, b, h, H, split_len, num_splits,
+               CP: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+               DYN: tl.constexpr):
+    """One (request, head)'s splits merged, MERGE_S at a time with an online log-sum-exp
+    (a [splits, C] tile at once spills registers past a few splits, ptxas sm_90): its
+    [CP] float32 output, unrounded. The merge kernel stores it; the W_UV product of
+    kernels/triton_mla_up_merge.py multiplies it without a store between."""
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     if DYN:
         split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
     sp = tl.arange(0, MERGE_S)
     c = tl.arange(0, CP)
-    base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
+    base = (b * H + h).to(tl.int64) * num_splits
     mx = tl.full([1], float("-inf"), tl.float32)
     wsum = tl.zeros([1], tl.float32)
     acc = tl.zeros([CP], tl.float32)
@@ -190,7 +185,26 @@ def _mla_merge_kernel(
         wsum = wsum * scale + tl.sum(w, axis=0)
         acc = acc * scale + tl.sum(o * w[:, None], axis=0)
         mx = mx_new
-    res = acc / tl.where(wsum > 0.0, wsum, 1.0)  # no context (used 0): zeros
+    return acc / tl.where(wsum > 0.0, wsum, 1.0)  # no context (used 0): zeros
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr,
+    s_ob, s_oh,
+    split_len,  # as the decode kernel's (DYN: the least tokens per split)
+    num_splits,
+    C: tl.constexpr, CP: tl.constexpr, MERGE_S: tl.constexpr, BLOCK_N: tl.constexpr,
+    DYN: tl.constexpr, PDL: tl.constexpr,
+):
+    """Merges one (request, head)'s splits (_merge_row) into out."""
+    if PDL:  # the partials are the decode kernel's output (kernels/pdl.py)
+        follow()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    res = _merge_row(part_o_ptr, part_lse_ptr, lens_ptr, b, h, tl.num_programs(1), split_len,
+                     num_splits, CP, MERGE_S, BLOCK_N, DYN)
+    c = tl.arange(0, CP)
     tl.store(out_ptr + b * s_ob + h * s_oh + c, res.to(out_ptr.dtype.element_ty), mask=c < C)
 
 
@@ -217,7 +231,28 @@ def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int,
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, least)))
 
 
-def mla_decode(
+@dataclass(frozen=True)
+class UnmergedDecode:
+    """What the decode kernel left: ``out`` holds the result when the context was not split;
+    otherwise the splits' partials wait for a merge (``mla_decode``'s merge kernel, or the
+    W_UV product that merges as it loads: kernels/triton_mla_up_merge.py)."""
+
+    out: torch.Tensor  # [B, H, C]
+    part_o: torch.Tensor | None  # [B, H, S, CP] float32 partial outputs (None: not split)
+    part_lse: torch.Tensor  # [B, H, S] float32, their log2-sum-exp (out when not split)
+    split_len: int  # as the kernel's (DYN: the least tokens per split)
+    num_splits: int
+    block_n: int
+    dyn: bool  # each request sizes its splits from its own length
+    cp: int  # C padded to a power of two: the partials' row width
+
+    @property
+    def merge_s(self) -> int:
+        """Splits a merge holds in registers at once."""
+        return min(MERGE_CHUNK, triton.next_power_of_2(self.num_splits))
+
+
+def mla_decode_unmerged(
     q: torch.Tensor,  # [B, H, C + R]: [q_nope @ W_UK | roped q_pe] per head
     kv_layer: torch.Tensor,  # [NB, 1, BS, 1, C + R]
     block_tables: torch.Tensor,  # [B, max_blocks] int32
@@ -233,7 +268,9 @@ def mla_decode(
     num_warps: int | None = None,  # None: NUM_WARPS for the head block
     num_stages: int = NUM_STAGES,
     kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
-) -> torch.Tensor:
+) -> UnmergedDecode:
+    """The decode kernel alone: the result in ``out`` when one split holds the context, else
+    the splits' partials for a merge (``mla_decode`` takes both steps)."""
     check(q.dim() == 3, "q: expected [B, H, C + R]")
     bsz, heads, width = q.shape
     c = kv_lora_rank
@@ -256,7 +293,7 @@ def mla_decode(
     check(out.stride(2) == 1, "out: last dim must be contiguous")
     check_device(q, kv_layer, block_tables, seq_lens, out)
     if bsz == 0:
-        return out
+        return UnmergedDecode(out, None, out, 0, 1, block_n, False, c)
     bs = kv_layer.shape[2]
     if block_h is None:
         block_h = 16 if heads <= 16 else 32
@@ -296,10 +333,28 @@ def mla_decode(
         DYN=dyn and split, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         launch_pdl=pdl,
     )
-    if split:
-        _mla_merge_kernel[(bsz, heads)](
-            part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
-            num_splits, C=c, CP=cp, MERGE_S=min(MERGE_CHUNK, triton.next_power_of_2(num_splits)),
-            BLOCK_N=block_n, DYN=dyn, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    return UnmergedDecode(out, part_o if split else None, part_lse, split_len, num_splits,
+                          block_n, dyn and split, cp)
+
+
+def mla_decode(
+    q: torch.Tensor,  # [B, H, C + R]: [q_nope @ W_UK | roped q_pe] per head
+    kv_layer: torch.Tensor,  # [NB, 1, BS, 1, C + R]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32: context length including this token (0: none)
+    scale: float,
+    kv_lora_rank: int,  # C
+    out: torch.Tensor | None = None,  # [B, H, C]
+    **options: Any,  # mla_decode_unmerged's keyword options (max_seq_len, tiles, kv_scale)
+) -> torch.Tensor:
+    """Paged MLA decode: the decode kernel, then the merge of its splits where it split."""
+    d = mla_decode_unmerged(q, kv_layer, block_tables, seq_lens, scale, kv_lora_rank, out,
+                            **options)
+    if d.part_o is not None:
+        pdl = pdl_for(q)
+        _mla_merge_kernel[(d.out.shape[0], d.out.shape[1])](
+            d.part_o, d.part_lse, d.out, seq_lens, d.out.stride(0), d.out.stride(1),
+            d.split_len, d.num_splits, C=kv_lora_rank, CP=d.cp, MERGE_S=d.merge_s,
+            BLOCK_N=d.block_n, DYN=d.dyn, PDL=pdl, num_warps=4, launch_pdl=pdl,
         )
-    return out
+    return d.out

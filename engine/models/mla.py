@@ -60,6 +60,11 @@ ABSORB_KERNEL_MAX_ROWS = 4
 # "engine.models.mla.FUSED_LATENT_ABSORB=True"` (read at every forward, so a variant's
 # recaptured graphs take it).
 FUSED_LATENT_ABSORB = False
+# Where the W_UV product runs as a Triton kernel (above), MLA decode's split merge inside it
+# (kernels/triton_mla_up_merge.py: the merge's launch and o_lat's round trip go, 27 launches
+# a V2-Lite decode step at batch 1, whose short contexts split). Off until timed on a GPU:
+# an A/B switch, `bench/moe_bench.py --variants "engine.models.mla.FUSED_UP_MERGE=True"`.
+FUSED_UP_MERGE = False
 
 
 def latent_store_for(kernels: KernelSet) -> Callable[..., None]:
@@ -199,6 +204,12 @@ class MLAAttention(nn.Module):
             else:
                 torch.bmm(q_nope.transpose(0, 1), w_uk, out=q.transpose(0, 1)[..., :self.c])
         assert self.k.mla_decode is not None
+        if FUSED_UP_MERGE and self._absorb_kernels(b):  # the Triton set: its mla_decode
+            from kernels.triton_mla_decode import mla_decode_unmerged
+            from kernels.triton_mla_up_merge import mla_up_v_merged
+            d = mla_decode_unmerged(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
+                                    max_seq_len=max_seq_len, kv_scale=self.kv_scale)
+            return mla_up_v_merged(d, seq_lens, w_uv, q.new_empty(b, self.h, self.dv))
         o_lat = self.k.mla_decode(q, kv_layer, block_tables, seq_lens, self.scale, self.c,
                                   max_seq_len=max_seq_len, kv_scale=self.kv_scale)  # [B, H, C]
         o = o_lat.new_empty(b, self.h, self.dv)

@@ -17,6 +17,7 @@ import kernels.triton_mla_decode as m
 import kernels.triton_mla_latent as lat
 import kernels.triton_mla_latent_absorb as la
 import kernels.triton_mla_prefill as pf
+import kernels.triton_mla_up_merge as um
 import kernels.triton_store_kv as s
 
 DEC = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "lens_ptr": "*i64",
@@ -52,6 +53,13 @@ out["up"] = spills(ab._up_kernel, {
     "x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "B": "i32", "s_xb": "i32",
     "s_xh": "i32", "s_wh": "i32", "s_wd": "i32", "s_ob": "i32", "s_oh": "i32"},
     dict(C=512, DV=128, CP=512, BLOCK_D=ab.BLOCK_D, ROWS=ab.ROWS, PDL=True), num_warps=8)
+# the W_UV product merging the splits as it loads them (graph mode: DYN)
+out["up_merge"] = spills(um._up_merge_kernel, {
+    "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "lens_ptr": "*i32", "w_ptr": "*bf16",
+    "out_ptr": "*bf16", "B": "i32", "H": "i32", "split_len": "i32", "num_splits": "i32",
+    "s_wh": "i32", "s_wd": "i32", "s_ob": "i32", "s_oh": "i32"},
+    dict(C=512, DV=128, CP=512, BLOCK_D=ab.BLOCK_D, ROWS=ab.ROWS, MERGE_S=m.MERGE_CHUNK,
+         BLOCK_N=m.BLOCK_N, DYN=True, PDL=True), num_warps=8)
 # prefill on the decompressed context at DeepSeek's dims (nope 128, rope 64, value 128),
 # the launcher's bf16 tiles and its float32 ones
 for dt, ty, t in (("bf16", tl.bfloat16, pf.Tiles(pf.BLOCK_M, pf.BLOCK_N, pf.NUM_STAGES,
@@ -92,7 +100,7 @@ def test_mla_kernels_compile_for_sm90_without_spills() -> None:
     # without that specialization the 16-head decode at 4 warps showed 120 bytes and the
     # bf16 prefill 160, in loads neither vectorized nor pipelined
     found = spill_bytes(BODY)
-    assert len(found) == 15
+    assert len(found) == 16
     assert {k: v for k, v in found.items() if v} == {}, found
     # the fused kernel spills no more than the larger of the two it replaces (none, today)
     for cache in ("", "/fp8"):
