@@ -317,6 +317,37 @@ def test_cuda_triton_and_graphs_equal_transformers(ds_models, name):
         assert res.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (name, prompt)
 
 
+# The small-batch decode fusions, off by default until timed on a GPU (bench/RESULTS.md)
+FUSIONS = (("engine.models.moe", "ROUTER_ROUTE_FUSED", True),
+           ("engine.models.mla", "FUSED_LATENT_ABSORB", True),
+           ("engine.models.mla", "FUSED_UP_MERGE", True),
+           ("kernels.triton_moe", "DOWN_SUM_MAX_TOKENS", 1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["v2", "v3"])
+def test_cuda_decode_fusions_equal_transformers(ds_models, name, monkeypatch):
+    """All four on, inside CUDA graphs: each prompt alone (batch 1, where down and sum are
+    one kernel) and all together; the 50-token prompt's context splits, so the merge runs
+    inside the W_UV product. fp32: greedy tokens equal transformers'."""
+    import importlib
+
+    from engine.llm import LLM
+
+    for module, name_, value in FUSIONS:
+        monkeypatch.setattr(importlib.import_module(module), name_, value)
+    path = ds_models[name]
+    with LLM(path, device="cuda", dtype="float32", block_size=16,
+             max_num_batched_tokens=32) as llm:
+        alone = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+        together = llm.generate(PROMPTS, GREEDY)
+        assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.num_replays
+    for prompt, a, b in zip(PROMPTS, alone, together, strict=True):
+        assert a.token_ids == b.token_ids == hf_greedy(path, prompt, GREEDY.max_tokens), (
+            name, prompt)
+
+
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_stacked_weights_equal_the_separate_projections(ds_models, name, monkeypatch):
     """finish_load's stacks (shared experts among the routed ones, q and kv_a as one GEMM)

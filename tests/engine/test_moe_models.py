@@ -183,6 +183,22 @@ def test_moe_decode_graphs_equal_eager_and_transformers_on_gpu(moe_models, make_
         assert a.token_ids == b.token_ids == hf_greedy(path, prompt, N)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_moe_decode_fusions_on_gpu(moe_models, make_llm, monkeypatch):
+    """Router logits + routing as one launch and, at one token, down + sum as one (both off
+    by default until timed): each prompt alone in graphs, tokens equal transformers'."""
+    import engine.models.moe as moe
+    import kernels.triton_moe as tm
+
+    monkeypatch.setattr(moe, "ROUTER_ROUTE_FUSED", True)
+    monkeypatch.setattr(tm, "DOWN_SUM_MAX_TOKENS", 1)
+    path = moe_models["qwen3_moe"]
+    llm = make_llm(path, device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256)
+    for prompt in PROMPTS:
+        assert llm.generate([prompt], GREEDY)[0].token_ids == hf_greedy(path, prompt, N)
+
+
 def test_a_tp_rank_reads_and_stacks_only_its_experts(moe_models):
     """Rank 1 of 2 reads nothing of experts 0-1 (an empty slice), and stacks experts 2-3
     as [w1; w3] and w2, exactly the checkpoint's tensors."""
