@@ -12,9 +12,14 @@ their layer's scale first (kernels/kv_fp8.py).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kernels.kv_fp8 import from_cache, take
+
+if TYPE_CHECKING:  # the Triton module's result type only; this reference runs without it
+    from kernels.triton_mla_decode import UnmergedDecode
 
 
 def mla_decode_ref(
@@ -48,4 +53,38 @@ def mla_decode_ref(
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an empty row is all -inf: zeros
     out.copy_(torch.einsum("bhs,bsc->bhc", p, lat[..., :c]).to(out.dtype))
+    return out
+
+
+def mla_up_v_merged_ref(d: UnmergedDecode, seq_lens: torch.Tensor, w_uv: torch.Tensor,
+                        out: torch.Tensor) -> torch.Tensor:
+    """kernels/triton_mla_up_merge.mla_up_v_merged's contract: the decode kernel's splits
+    (d's float32 partials and their log2-sum-exps) merged per (request, head) over the
+    splits the request used, rounded to o_lat's dtype, then o_lat @ W_UV^T per head
+    (w_uv [H, Dv, C]; float32, rounded once) into out [B, H, Dv]. One split: d.out is
+    o_lat already."""
+    b, h, c = d.out.shape
+    if d.part_o is None:
+        o_lat = d.out.float()
+    else:
+        s = d.num_splits
+        lens = seq_lens.long()
+        split_len = torch.full_like(lens, d.split_len)
+        if d.dyn:  # each request spreads its context over the splits, at least split_len each
+            per_split = torch.div(lens + s - 1, s, rounding_mode="floor")
+            even = torch.div(per_split + d.block_n - 1, d.block_n,
+                             rounding_mode="floor") * d.block_n
+            split_len = torch.maximum(even, split_len)
+        used = torch.clamp(torch.div(lens + split_len - 1, split_len, rounding_mode="floor"),
+                           max=s)  # [B]
+        valid = (torch.arange(s, device=lens.device)[None, :] < used[:, None])[:, None, :]
+        part_o = d.part_o.view(b, h, s, d.cp)[..., :c]
+        lse = d.part_lse.view(b, h, s).masked_fill(~valid, float("-inf"))
+        top = lse.amax(dim=-1, keepdim=True).clamp_min(-1e30)  # a request without context
+        wts = torch.exp2(lse - top)  # [B, H, S]; splits never written weigh 0
+        merged = torch.where(valid[..., None], part_o, 0.0).mul(wts[..., None]).sum(2)
+        total = wts.sum(-1, keepdim=True)
+        o_lat = torch.where(total > 0, merged / total.clamp_min(1e-30), 0.0)
+        o_lat = o_lat.to(d.out.dtype).float()
+    out.copy_(torch.einsum("bhc,hdc->bhd", o_lat, w_uv.float()).to(out.dtype))
     return out

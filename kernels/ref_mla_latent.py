@@ -35,3 +35,22 @@ def mla_latent_store_ref(
     (q[..., dn:] if q_pe_out is None else q_pe_out).copy_(q_pe)
     store_latent_ref(torch.cat([normed, k_pe.view(t, r)], dim=-1), kv_layer, slot_mapping,
                      scale=scale)
+
+
+def mla_latent_absorb_ref(
+    kv_a: torch.Tensor, q: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    positions: torch.Tensor, cos_sin: torch.Tensor, kv_layer: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_nope: torch.Tensor,  # [T, H, Dn]
+    w_uk: torch.Tensor,  # [H, Dn, C]
+    out: torch.Tensor,  # [T, H, C]: q_nope @ W_UK per head
+    *,
+    scale: float = 1.0,
+    q_pe_out: torch.Tensor | None = None,
+) -> None:
+    """kernels/triton_mla_latent_absorb.mla_latent_absorb's contract: the latent store above
+    and the queries onto the latent (q_nope @ W_UK, summed in float32, rounded once)."""
+    mla_latent_store_ref(kv_a, q, norm_weight, eps, positions, cos_sin, kv_layer,
+                         slot_mapping, scale=scale, q_pe_out=q_pe_out)
+    prod = torch.bmm(q_nope.float().transpose(0, 1), w_uk.float()).transpose(0, 1)
+    out.copy_(prod.to(out.dtype))

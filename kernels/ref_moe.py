@@ -122,3 +122,41 @@ def append_shared(weights: torch.Tensor, ids: torch.Tensor, first: int,
     shared = torch.arange(first, first + num_shared, dtype=ids.dtype, device=ids.device)
     return (torch.cat([weights, weights.new_ones(t, num_shared)], dim=1),
             torch.cat([ids, shared.expand(t, num_shared)], dim=1))
+
+
+def router_route_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, top_k: int,
+                     scoring_func: str, renormalize: bool, routed_scaling_factor: float = 1.0,
+                     e_score_correction_bias: torch.Tensor | None = None,
+                     round_dtype: torch.dtype | None = None, num_shared: int = 0,
+                     n_group: int | None = None,
+                     topk_group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/triton_router_route.router_route's contract: the router's logits (rounded to
+    out_dtype), then the top-k routing of them; the arguments after out_dtype are
+    moe_route_ref's."""
+    return moe_route_ref(router_logits_ref(x, w, out_dtype), top_k, scoring_func, renormalize,
+                         routed_scaling_factor, e_score_correction_bias, round_dtype,
+                         num_shared, n_group, topk_group)
+
+
+def down_sum_ref(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor, out: torch.Tensor, expert_start: int = 0,
+                 w2_scale: torch.Tensor | None = None, pdl: bool = False) -> None:
+    """kernels/triton_moe_down_sum.down_sum's contract: out[t] = the sum over slots j, in
+    order, of topk_weights[t, j] times pair t * k + j's down projection (act's row through
+    its expert's w2, rounded to act's dtype as HF's expert returns it), in float32 and
+    rounded once; pairs of another rank's experts add nothing. pdl: the kernel's launch
+    option, unused here."""
+    t, k = topk_ids.shape
+    local = topk_ids.long() - expert_start  # [T, k]
+    rows = act.view(t, k, act.shape[1])
+    total = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=act.device)
+    for i in range(t):
+        for j in range(k):
+            e = int(local[i, j])
+            if not 0 <= e < w2.shape[0]:
+                continue
+            a = rows[i, j][None]  # [1, I]
+            y = (F.linear(a, w2[e]) if w2_scale is None
+                 else fp8_weight_only_ref(a, w2[e], w2_scale[e]))  # [1, H], act's dtype
+            total[i] += y[0].float() * topk_weights[i, j].float()
+    out.copy_(total.to(out.dtype))
