@@ -1,8 +1,8 @@
-"""Kernels per layer of a DeepSeek decode step (or of a prefill step), counted on CPU.
+"""Kernels per layer of a DeepSeek or Qwen3-MoE decode (or prefill) step, counted on CPU.
 
 At batch 1 in a CUDA graph every kernel costs a few microseconds however little it does,
 so a layer's step time follows its kernel count. This runs one decode step of a small
-DeepSeek-V2/V3 model (made from transformers' config class, dummy weights) with the
+DeepSeek-V2/V3 or Qwen3-MoE model (transformers' config class, dummy weights) with the
 engine's CUDA kernel set executing under Triton's interpreter, and counts per layer:
 
 - `triton`: Triton kernel launches (every launch, named by its kernel function);
@@ -20,6 +20,7 @@ which shows as gaps between the kernels where the host falls behind.
 
     python bench/decode_op_count.py --version v2 --batch 1
     python bench/decode_op_count.py --version v2 --prefill 600
+    python bench/decode_op_count.py --version qwen3 --batch 1   # Qwen3-MoE's GQA layout
 """
 
 from __future__ import annotations
@@ -51,10 +52,19 @@ SMALL: dict[str, Any] = dict(
     qk_rope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=8,
     num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2,
     tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+# Qwen3-MoE's layout at the same small size: GQA with per-head q/k norms, 8 experts top-2,
+# renormalized, every layer MoE, no shared experts
+QWEN3: dict[str, Any] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, bos_token_id=1,
+    eos_token_id=2, pad_token_id=0)
 VERSIONS: dict[str, dict[str, Any]] = {
     "v2": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1),
     "v3": dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1,
                routed_scaling_factor=2.5, norm_topk_prob=True),
+    "qwen3": {},  # QWEN3 above
 }
 
 # aten operators that launch no kernel: allocation, and bookkeeping that stays on the host
@@ -131,9 +141,14 @@ def _count_launches(counter: _Counter) -> Iterator[None]:
 
 
 def write_config(path: str, version: str, **overrides: Any) -> str:
-    """config.json of a small DeepSeek model, written by transformers' config class."""
+    """config.json of a small DeepSeek (or Qwen3-MoE) model, written by transformers' config
+    class."""
     import transformers as tf
 
+    if version == "qwen3":
+        tf.Qwen3MoeConfig(**{**QWEN3, **overrides},
+                          architectures=["Qwen3MoeForCausalLM"]).to_json_file(path)
+        return path
     cls = tf.DeepseekV2Config if version == "v2" else tf.DeepseekV3Config
     arch = "DeepseekV2ForCausalLM" if version == "v2" else "DeepseekV3ForCausalLM"
     cls(**{**SMALL, **VERSIONS[version], **overrides},
@@ -155,8 +170,7 @@ def count_decode_step(config_json: str, batch: int = 1, context: int = 9,
     # the rope table must reach the new token's position (context - 1)
     model = build_model(config_json, cfg, kernels, cpu, "float32", "dummy", max(64, context))
     per_req = -(-context // block_size)
-    kv = torch.randn(batch * per_req + 1, cfg.num_layers, 1, block_size, 1,
-                     cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 0.1
+    kv = torch.randn(batch * per_req + 1, *_block_shape(cfg, block_size)) * 0.1
     tables = torch.arange(1, batch * per_req + 1, dtype=torch.int32).view(batch, per_req)
     pos = torch.full((batch,), context - 1, dtype=torch.int64)
     slots = tables[:, (context - 1) // block_size].long() * block_size + (context - 1) % block_size
@@ -203,8 +217,7 @@ def count_prefill_step(config_json: str, tokens: int,
     kernels = kernels_for(torch.device("cuda"))
     model = build_model(config_json, cfg, kernels, cpu, "float32", "dummy", 64)
     nb = -(-tokens // block_size)
-    kv = torch.zeros(nb + 1, cfg.num_layers, 1, block_size, 1,
-                     cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    kv = torch.zeros(nb + 1, *_block_shape(cfg, block_size))
     table = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
     pos = torch.arange(tokens)
     meta = AttentionMetadata(
@@ -214,6 +227,14 @@ def count_prefill_step(config_json: str, tokens: int,
         max_seq_len=tokens, cu_seqlens_q_host=[0, tokens], seq_lens_host=[tokens])
     ids = torch.randint(3, cfg.vocab_size, (tokens,))
     return _count_forward(model, ids, pos, kv, meta)
+
+
+def _block_shape(cfg: Any, block_size: int) -> tuple[int, ...]:
+    """One cache block: [layers, planes, block_size, heads, width] (MLA: one latent head)."""
+    from engine.kv_layout import kv_shape_of
+
+    kv = kv_shape_of(cfg)
+    return (cfg.num_layers, kv["planes"], block_size, kv["num_kv_heads"], kv["head_dim"])
 
 
 def summary(counts: dict[str, LayerCount]) -> dict[str, Any]:

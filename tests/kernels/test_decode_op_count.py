@@ -82,3 +82,18 @@ def test_prefill_step_kernels_per_layer(tmp_path, monkeypatch):
         # one run of rows: no gather of the queries, no scatter of the output
         assert "index_put_" not in c.aten and c.aten["index"] <= 2
         assert "sort" not in c.aten
+
+
+def test_qwen3_moe_layout_counts(tmp_path):
+    # the GQA cache ([layers, 2, block, kv heads, head dim] a block) and Qwen3's per-head
+    # q/k norms inside the RoPE + KV store kernel: every layer is an MoE layer
+    from bench.decode_op_count import count_decode_step, write_config
+
+    counts = count_decode_step(write_config(str(tmp_path / "config.json"), "qwen3"))
+    layers = [k for k in counts if k.startswith("layer.")]
+    assert len(layers) == 3
+    for layer in layers:
+        c = counts[layer]
+        assert c.triton["_rope_store_kv_kernel"] == 1 and c.triton["_decode_kernel"] == 1
+        assert c.triton["_router_logits_kernel"] == c.triton["_gate_up_kernel"] == 1
+        assert c.triton["_rms_norm_kernel"] == 2  # no separate q/k norm launches
