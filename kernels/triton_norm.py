@@ -20,6 +20,34 @@ from kernels.triton_common import check, check_device, check_float, check_int, c
 COLS_PER_WARP = 256
 
 
+def norm_warps(block_h: int) -> int:
+    """Warps of a program that holds a BLOCK_H-wide row: _rms_norm_kernel's, and
+    kernels/triton_router_route.py's prenorm launch's. The same count gives the row the
+    same register layout, so the sum of squares adds in the same order on a GPU: the
+    same rstd bits (the interpreter sums in one order whatever the warps)."""
+    return min(16, max(1, block_h // COLS_PER_WARP))
+
+
+@triton.jit
+def add_residual(x, r):
+    """x + r rounded to x's dtype, as the reference's x + residual: the new residual, and
+    the row the norm reads."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_norm_row(x, w_ptr, cols, mask, H, eps):
+    """weight * round(x * rstd) in float32 (the caller rounds it to its output), for one
+    row x [BLOCK_H] in its dtype, zero past H. With add_residual, the arithmetic of
+    _rms_norm_kernel and of kernels/triton_router_route.py's prenorm (Triton inlines both
+    into each): one copy, so the two give the same bits."""
+    xf = x.to(tl.float32)  # [BLOCK_H]
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    return normed * w
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr,
@@ -45,25 +73,19 @@ def _rms_norm_kernel(
     else:
         x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
     if HAS_RES:
-        r = tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0)
-        # Round the sum to the input dtype before using it, as the reference's x + residual.
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        x = add_residual(x, tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0))
         tl.store(new_res_ptr + row * s_nr + cols, x, mask=mask)
-    xf = x.to(tl.float32)  # [BLOCK_H]
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    y = rms_norm_row(x, w_ptr, cols, mask, H, eps)  # [BLOCK_H] float32
     if QUANT:
         # The row as the unfused kernel would store it (rounded to x's dtype), then exactly
         # kernels/triton_fp8_gemm.quant_rows' arithmetic on it: the same FP8 bytes and scale.
-        y = (normed * w).to(x.dtype).to(tl.float32)
+        y = y.to(x.dtype).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(y), axis=0) / 448.0, 1e-12)
         q = tl.minimum(tl.maximum(y / scale, -448.0), 448.0)
         tl.store(out_ptr + row * s_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(scale_ptr + row, scale)
     else:
-        tl.store(out_ptr + row * s_o + cols, (normed * w).to(out_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(out_ptr + row * s_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -132,7 +154,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         hidden, eps,
         HAS_RES=residual is not None, BLOCK_H=block_h, PARTS=parts, PDL=pdl,
         QUANT=quant,
-        num_warps=min(16, max(1, block_h // COLS_PER_WARP)), launch_pdl=pdl,
+        num_warps=norm_warps(block_h), launch_pdl=pdl,
     )
     return out, new_res, scale
 

@@ -35,9 +35,24 @@ program has reset its counter. Two launches in flight at once on two streams of 
 device would share counters and break this: the engine runs a device's forwards in one
 stream order (graphs are captured on a side stream the current one then waits for).
 
+PRENORM (``router_route_prenorm``): the layer's post-attention residual add + RMSNorm in
+the same launch, one more launch saved per MoE layer at decode. Every program of token t
+computes the whole normed row of t (H values, from the attention output and the
+residual) with kernels/triton_norm.py's helpers, at _rms_norm_kernel's warps (so its
+register layout and order of additions: rms_norm's bits), and stores it to normed[t];
+program 0 of t stores the new residual. Then ``tl.debug_barrier()``, so that every
+thread of the program sees its own program's stores, and the logits read the row back
+from normed[t] as they read x above (store_logits streams it across H). The experts read
+normed in the next kernel (stream order). The programs of t store to normed[t] at the
+same time, but the same bytes: the same code on the same inputs, deterministic. So
+whichever store a byte ends up from, and whichever a program's load sees (never earlier
+than its own, after its barrier), it is the same value: the race is benign. A scratch
+row per program would need a [T, E / BLOCK_E, H] buffer beside normed (which the experts
+read) to avoid a race that changes nothing.
+
 Reference: router_logits + moe_route (kernels/triton_router_logits.py,
 kernels/triton_moe_route.py), whose results these are exactly: the same arithmetic, in
-the same jit helpers.
+the same jit helpers; with PRENORM, rms_norm (kernels/triton_norm.py) before them.
 """
 
 from __future__ import annotations
@@ -47,8 +62,9 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import follow, pdl_for
-from kernels.triton_common import check_device
+from kernels.triton_common import check, check_device, check_float, check_shape
 from kernels.triton_moe_route import route_constexprs, route_token
+from kernels.triton_norm import add_residual, norm_warps, rms_norm_row
 from kernels.triton_router_logits import BLOCK_E, BLOCK_K, check_router_args, store_logits
 
 # Counters allocated on a device's first launch, whatever its token count: as many tokens
@@ -64,19 +80,33 @@ _RETIRED: list[torch.Tensor] = []
 
 @triton.jit
 def _router_route_kernel(x_ptr, rw_ptr, logits_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr,
-                         E, H, s_x, s_rw, s_l, scale,
+                         a_ptr, res_ptr, nw_ptr, new_res_ptr,
+                         E, H, s_x, s_rw, s_l, s_a, s_r, s_nr, scale, eps,
                          TILE_E: tl.constexpr, TILE_K: tl.constexpr, EVEN_K: tl.constexpr,
                          TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
                          ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                         GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr):
+                         GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
+                         PRENORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # TILE_E, TILE_K: the logits' tile (router_logits's BLOCK_E, BLOCK_K); BLOCK_E, BLOCK_K
-    # and the rest: route_token's, as moe_route passes them
-    if PDL:  # x is the kernel before's output; and the counters' stream order (above)
+    # and the rest: route_token's, as moe_route passes them. PRENORM: x is written here
+    # first, rms_norm(a + res, nw) (BLOCK_H: H's power of two); without it a_ptr .. s_nr,
+    # eps and BLOCK_H are unused
+    if PDL:  # x (a, res) is the kernel before's output; and the counters' stream order
         follow()
     t = tl.program_id(1).to(tl.int64)
+    if PRENORM:  # rms_norm's kernel body for row t, in each of t's programs (above)
+        cols = tl.arange(0, BLOCK_H)
+        mask = cols < H
+        row = add_residual(tl.load(a_ptr + t * s_a + cols, mask=mask, other=0.0),
+                           tl.load(res_ptr + t * s_r + cols, mask=mask, other=0.0))
+        if tl.program_id(0) == 0:  # one program writes the new residual (every one could)
+            tl.store(new_res_ptr + t * s_nr + cols, row, mask=mask)
+        y = rms_norm_row(row, nw_ptr, cols, mask, H, eps)  # [BLOCK_H] float32
+        tl.store(x_ptr + t * s_x + cols, y.to(x_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()  # the program's stores of x[t] before any of its threads reads
     store_logits(x_ptr, rw_ptr, logits_ptr, E, H, s_x, s_rw, s_l, tl.program_id(0), t,
                  TILE_E, TILE_K, EVEN_K)
     tl.debug_barrier()  # every thread's logits stored before the one-thread release below
@@ -119,6 +149,51 @@ def router_route(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, top_k
     (float), w [E, H] (float) -> (weights [T, k + S] float32, ids [T, k + S] int64).
     The arguments after out_dtype are moe_route's."""
     check_router_args(x, w)
+    return _launch(x, w, out_dtype, None, top_k, scoring_func, renormalize,
+                   routed_scaling_factor, e_score_correction_bias, round_dtype, num_shared,
+                   n_group, topk_group)
+
+
+def router_route_prenorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         eps: float, w: torch.Tensor, out_dtype: torch.dtype, top_k: int,
+                         scoring_func: str, renormalize: bool,
+                         routed_scaling_factor: float = 1.0,
+                         e_score_correction_bias: torch.Tensor | None = None,
+                         round_dtype: torch.dtype | None = None, num_shared: int = 0,
+                         n_group: int | None = None, topk_group: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """normed, new_residual = rms_norm(x, norm_weight, eps, residual), then
+    router_route(normed, w, out_dtype, top_k, ...), in one launch: x, residual [T, H]
+    (float, one dtype), norm_weight [H] -> (weights, ids, normed [T, H] and new_residual
+    [T, H] in x's dtype). Inputs are not modified."""
+    check_router_args(x, w)
+    t, h = x.shape
+    check_shape("residual", residual, (t, h))
+    check(residual.dtype == x.dtype, "residual: dtype must match x")
+    check(residual.stride(1) == 1, "residual: rows must be contiguous")
+    check_shape("norm_weight", norm_weight, (h,))
+    check_float("norm_weight", norm_weight)
+    check(norm_weight.stride(0) == 1, "norm_weight: must be contiguous")
+    check_device(x, residual, norm_weight)
+    # new buffers both: the programs of a token read x and residual while its first one
+    # writes the new residual, and all of them read the normed row they write
+    normed = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    new_res = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    weights, ids = _launch(normed, w, out_dtype, (x, residual, norm_weight, new_res, eps),
+                           top_k, scoring_func, renormalize, routed_scaling_factor,
+                           e_score_correction_bias, round_dtype, num_shared, n_group,
+                           topk_group)
+    return weights, ids, normed, new_res
+
+
+def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
+            prenorm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+            | None, top_k: int, scoring_func: str, renormalize: bool,
+            routed_scaling_factor: float, e_score_correction_bias: torch.Tensor | None,
+            round_dtype: torch.dtype | None, num_shared: int, n_group: int | None,
+            topk_group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both launchers' launch, x and w checked. prenorm: (a, residual, norm_weight,
+    new_residual, eps), x then being the normed row's output."""
     t, h = x.shape
     e = w.shape[0]
     if e_score_correction_bias is not None:
@@ -133,10 +208,21 @@ def router_route(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, top_k
     logits = torch.empty(t, e, dtype=out_dtype, device=x.device)  # [T, E]
     count = counters(x.device, t)
     pdl = pdl_for(x)
+    if prenorm is None:
+        a, res, nw, new_res, eps = x, x, x, x, 0.0  # unused without PRENORM
+        block_h, warps = 1, 4
+    else:
+        a, res, nw, new_res, eps = prenorm
+        block_h = triton.next_power_of_2(h)
+        # rms_norm's warps for the row, so the same sum of squares (norm_warps); the
+        # logits' tile and the routing run at any count
+        warps = norm_warps(block_h)
     _router_route_kernel[(triton.cdiv(e, BLOCK_E), t)](
         x, w, logits, count,
         e_score_correction_bias if e_score_correction_bias is not None else logits,
-        weights, ids, e, h, x.stride(0), w.stride(0), logits.stride(0),
-        float(routed_scaling_factor), TILE_E=BLOCK_E, TILE_K=BLOCK_K, EVEN_K=h % BLOCK_K == 0,
-        **const, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        weights, ids, a, res, nw, new_res, e, h, x.stride(0), w.stride(0), logits.stride(0),
+        a.stride(0), res.stride(0), new_res.stride(0), float(routed_scaling_factor),
+        float(eps), TILE_E=BLOCK_E, TILE_K=BLOCK_K, EVEN_K=h % BLOCK_K == 0, **const,
+        PRENORM=prenorm is not None, BLOCK_H=block_h, PDL=pdl, num_warps=warps,
+        launch_pdl=pdl)
     return weights, ids

@@ -156,6 +156,19 @@ class DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(
             x, residual, self.self_attn.qkv_proj if self.attn_in else None)
         h = self.self_attn(h, positions, cos_sin, kv_layer, meta)
+        # An MLP that can run the norm in its own first launch (engine/models/moe.py's
+        # SparseMoeBlock.forward_prenorm) is asked first; None from it: it does not here.
+        # Looked up on the class, as duck typing: llama.py imports no family's MLP, and a
+        # miss on the type raises nothing (nn.Module's instance lookup would). Not while
+        # hooks watch the MLP (bench/moe_floor.py's routing census): they see its input
+        # only through its own call.
+        mlp = self.mlp
+        prenorm = getattr(type(mlp), "forward_prenorm", None)
+        if prenorm is not None and not (mlp._forward_hooks or mlp._forward_pre_hooks):
+            done: tuple[torch.Tensor, torch.Tensor] | None = prenorm(
+                mlp, h, residual, self.post_attention_layernorm)
+            if done is not None:
+                return done
         h, residual = self.post_attention_layernorm(
             h, residual, self.mlp.gate_up_proj if self.mlp_in else None)
         return self.mlp(h), residual

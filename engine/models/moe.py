@@ -25,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from engine.parallel.dp_exchange import ExpertExchange
 from engine.parallel.group import TPGroup
 from kernels.ref_moe import moe_route_ref
 
+if TYPE_CHECKING:  # llama.py's DecoderLayer calls forward_prenorm (it imports nothing here)
+    from engine.models.llama import RMSNorm
+
 TP_FLAG = "--tensor-parallel-size"
 # Up to this many tokens (decode) the router's logits come from KernelSet.router_logits: one
 # kernel where a float32 router was a cast, cuBLAS's float32 GEMV and its reduction per MoE
@@ -46,6 +50,12 @@ ROUTER_LOGITS_MAX_TOKENS = 16
 # per MoE layer at decode. Off until timed on a GPU: an A/B switch, `bench/moe_bench.py
 # --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True"`.
 ROUTER_ROUTE_FUSED = False
+# Where that fused launch runs: the decoder layer's post-attention residual add + RMSNorm
+# inside it too (kernels/triton_router_route.router_route_prenorm), the norm's launch saved
+# per MoE layer (SparseMoeBlock.forward_prenorm). Off until timed on a GPU: `bench/
+# moe_bench.py --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True,engine.models.moe.
+# ROUTER_PRENORM=True"`.
+ROUTER_PRENORM = False
 # From this many tokens (a prefill) the folded shared experts run as dense GEMMs (cuBLAS)
 # beside the routed ones, not as rows of the fused kernel: every token reads them, so they
 # are a full-height GEMM, which cuBLAS runs faster than the grouped kernel's tiles; at
@@ -285,30 +295,44 @@ class SparseMoeBlock(nn.Module):
         each."""
         c = self.cfg
         w = self.gate.weight
-        out_dtype = torch.float32 if c.router_fp32 else x.dtype
-        bias = getattr(self.gate, "e_score_correction_bias", None)
-        round_to = x.dtype if c.weights_in_model_dtype else None
-        shared = self.folded_shared if with_shared else 0
-        router_logits = (self.k.router_logits if x.shape[0] <= ROUTER_LOGITS_MAX_TOKENS
-                         else None)
-        if (router_logits is not None and ROUTER_ROUTE_FUSED and self.k.name == "triton"
-                and self.k.moe_route is not None):  # both kernels it replaces are Triton's
+        out_dtype, kw = self._route_args(x.dtype, with_shared)
+        if self._fused_route(x.shape[0]):
             from kernels.triton_router_route import router_route
             return router_route(x, w, out_dtype, c.top_k, c.scoring_func, c.renormalize,
-                                c.routed_scaling_factor, bias, round_dtype=round_to,
-                                num_shared=shared, n_group=c.n_group, topk_group=c.topk_group)
-        if router_logits is not None:
-            logits = router_logits(x, w, out_dtype)  # [T, E]: one kernel at decode
+                                c.routed_scaling_factor, **kw)
+        if self.k.router_logits is not None and x.shape[0] <= ROUTER_LOGITS_MAX_TOKENS:
+            logits = self.k.router_logits(x, w, out_dtype)  # [T, E]: one kernel at decode
         elif c.router_fp32:
             logits = F.linear(x.float(), w.float())
         else:
             logits = F.linear(x, w)
         route = self.k.moe_route if self.k.moe_route is not None else moe_route_ref
         out: tuple[torch.Tensor, torch.Tensor] = route(
-            logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor, bias,
-            round_dtype=round_to, num_shared=shared, n_group=c.n_group,
-            topk_group=c.topk_group)
+            logits, c.top_k, c.scoring_func, c.renormalize, c.routed_scaling_factor, **kw)
         return out
+
+    def _route_args(self, dtype: torch.dtype, with_shared: bool
+                    ) -> tuple[torch.dtype, dict[str, Any]]:
+        """The logits' dtype for a hidden state of `dtype`, and the routing's keyword
+        arguments (moe_route's, router_route's)."""
+        c = self.cfg
+        return (torch.float32 if c.router_fp32 else dtype), dict(
+            e_score_correction_bias=getattr(self.gate, "e_score_correction_bias", None),
+            round_dtype=dtype if c.weights_in_model_dtype else None,
+            num_shared=self.folded_shared if with_shared else 0, n_group=c.n_group,
+            topk_group=c.topk_group)
+
+    def _fused_route(self, tokens: int) -> bool:
+        """Whether `tokens` route in one launch (kernels/triton_router_route.py): the two
+        kernels it replaces are the Triton set's and run at this many tokens."""
+        return (ROUTER_ROUTE_FUSED and self.k.name == "triton"
+                and tokens <= ROUTER_LOGITS_MAX_TOKENS and self.k.router_logits is not None
+                and self.k.moe_route is not None)
+
+    def _dense(self, tokens: int) -> bool:
+        """Whether the folded shared experts run as dense GEMMs at this many tokens."""
+        return (self.folded_shared > 0 and SHARED_DENSE_MIN_TOKENS is not None
+                and tokens >= SHARED_DENSE_MIN_TOKENS)
 
     def _shared_dense(self, x: torch.Tensor) -> torch.Tensor:
         """The folded shared experts as dense GEMMs on their rows of the stack: one GEMM
@@ -328,9 +352,37 @@ class SparseMoeBlock(nn.Module):
         n = x.shape[0]
         if self.exchange is not None:
             x = self.exchange.dispatch(x)  # [ranks * m, H]: every rank's tokens
-        dense = (self.folded_shared > 0 and SHARED_DENSE_MIN_TOKENS is not None
-                 and x.shape[0] >= SHARED_DENSE_MIN_TOKENS)
+        dense = self._dense(x.shape[0])
         weights, ids = self.route(x, with_shared=not dense)
+        return self._experts(x, weights, ids, dense, n)
+
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward(h) after h, new_residual = norm(x, residual), with the norm inside the
+        router's launch (ROUTER_PRENORM): (out, new_residual), or None where that does not
+        apply and the caller runs the two. It applies where the fused routing does
+        (_fused_route), to a plain norm of a [T, H] hidden state (not a K-split
+        projection's partial sums, which rms_norm adds), and not under data-parallel
+        attention, whose exchange moves the tokens between the norm and the routing."""
+        t = x.shape[0]
+        if (not ROUTER_PRENORM or self.exchange is not None or not self._fused_route(t)
+                or x.dim() != 2 or norm.k.name != "triton" or residual.dtype != x.dtype):
+            return None
+        from kernels.triton_router_route import router_route_prenorm
+
+        c = self.cfg
+        dense = self._dense(t)
+        out_dtype, kw = self._route_args(x.dtype, with_shared=not dense)
+        weights, ids, h, new_residual = router_route_prenorm(
+            x, residual, norm.weight, norm.eps, self.gate.weight, out_dtype, c.top_k,
+            c.scoring_func, c.renormalize, c.routed_scaling_factor, **kw)
+        return self._experts(h, weights, ids, dense, t), new_residual
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 dense: bool, n: int) -> torch.Tensor:
+        """Everything after the routing: the experts on x [T, H] (the normed hidden state),
+        the shared ones not folded, and the sum over the ranks (or the exchange back to
+        this rank's n tokens)."""
         out = self.experts(x, weights, ids)
         if dense:  # as HF's block: the routed sum, rounded, plus the shared MLP's output
             out = out + self._shared_dense(x)
