@@ -36,6 +36,21 @@ def add_residual(x, r):
 
 
 @triton.jit
+def load_row(x_ptr, offs, mask, s_part, PARTS: tl.constexpr, DTYPE: tl.constexpr):
+    """A row (zero past the mask): x's own at offs, or (PARTS > 0) the sum of a split-K
+    projection's PARTS float32 partials s_part apart, rounded to DTYPE as the projection's
+    own output would be: this replaces the GEMM's separate reduce kernel. _rms_norm_kernel's
+    and kernels/triton_router_route.py's prenorm's (one copy, the same bits)."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if PARTS > 0:
+        xs = x.to(tl.float32)  # 0 + the first partial, exactly, as a zero-started sum
+        for p in tl.static_range(1, PARTS):
+            xs += tl.load(x_ptr + p * s_part + offs, mask=mask, other=0.0)
+        x = xs.to(DTYPE)
+    return x
+
+
+@triton.jit
 def rms_norm_row(x, w_ptr, cols, mask, H, eps):
     """weight * round(x * rstd) in float32 (the caller rounds it to its output), for one
     row x [BLOCK_H] in its dtype, zero past H. With add_residual, the arithmetic of
@@ -63,15 +78,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    if PARTS > 0:
-        # x = the sum of a split-K projection's partials, rounded as the projection's
-        # own output would be: this replaces the GEMM's separate reduce kernel.
-        xs = tl.zeros([BLOCK_H], tl.float32)
-        for p in tl.static_range(PARTS):
-            xs += tl.load(x_ptr + p * s_part + row * s_x + cols, mask=mask, other=0.0)
-        x = xs.to(res_ptr.dtype.element_ty)
-    else:
-        x = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0)
+    x = load_row(x_ptr, row * s_x + cols, mask, s_part, PARTS, res_ptr.dtype.element_ty)
     if HAS_RES:
         x = add_residual(x, tl.load(res_ptr + row * s_r + cols, mask=mask, other=0.0))
         tl.store(new_res_ptr + row * s_nr + cols, x, mask=mask)

@@ -64,7 +64,7 @@ import triton.language as tl
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_shape
 from kernels.triton_moe_route import route_constexprs, route_token
-from kernels.triton_norm import add_residual, norm_warps, rms_norm_row
+from kernels.triton_norm import add_residual, load_row, norm_warps, rms_norm_row
 from kernels.triton_router_logits import BLOCK_E, BLOCK_K, check_router_args, store_logits
 
 # Counters allocated on a device's first launch, whatever its token count: as many tokens
@@ -81,7 +81,7 @@ _RETIRED: list[torch.Tensor] = []
 @triton.jit
 def _router_route_kernel(x_ptr, rw_ptr, logits_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr,
                          a_ptr, res_ptr, nw_ptr, new_res_ptr,
-                         E, H, s_x, s_rw, s_l, s_a, s_r, s_nr, scale, eps,
+                         E, H, s_x, s_rw, s_l, s_a, s_r, s_nr, s_part, scale, eps,
                          TILE_E: tl.constexpr, TILE_K: tl.constexpr, EVEN_K: tl.constexpr,
                          TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -89,19 +89,21 @@ def _router_route_kernel(x_ptr, rw_ptr, logits_ptr, count_ptr, bias_ptr, w_ptr, 
                          ROUND: tl.constexpr, ROUND_DTYPE: tl.constexpr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                          GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                         PRENORM: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+                         PRENORM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         PARTS: tl.constexpr, PDL: tl.constexpr):
     # TILE_E, TILE_K: the logits' tile (router_logits's BLOCK_E, BLOCK_K); BLOCK_E, BLOCK_K
     # and the rest: route_token's, as moe_route passes them. PRENORM: x is written here
-    # first, rms_norm(a + res, nw) (BLOCK_H: H's power of two); without it a_ptr .. s_nr,
-    # eps and BLOCK_H are unused
+    # first, rms_norm(a + res, nw) (BLOCK_H: H's power of two; PARTS > 0: a is a split-K
+    # projection's float32 partial sums, s_part apart); without it a_ptr .. s_part, eps,
+    # BLOCK_H and PARTS are unused
     if PDL:  # x (a, res) is the kernel before's output; and the counters' stream order
         follow()
     t = tl.program_id(1).to(tl.int64)
     if PRENORM:  # rms_norm's kernel body for row t, in each of t's programs (above)
         cols = tl.arange(0, BLOCK_H)
         mask = cols < H
-        row = add_residual(tl.load(a_ptr + t * s_a + cols, mask=mask, other=0.0),
-                           tl.load(res_ptr + t * s_r + cols, mask=mask, other=0.0))
+        a = load_row(a_ptr, t * s_a + cols, mask, s_part, PARTS, res_ptr.dtype.element_ty)
+        row = add_residual(a, tl.load(res_ptr + t * s_r + cols, mask=mask, other=0.0))
         if tl.program_id(0) == 0:  # one program writes the new residual (every one could)
             tl.store(new_res_ptr + t * s_nr + cols, row, mask=mask)
         y = rms_norm_row(row, nw_ptr, cols, mask, H, eps)  # [BLOCK_H] float32
@@ -164,12 +166,18 @@ def router_route_prenorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: t
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """normed, new_residual = rms_norm(x, norm_weight, eps, residual), then
     router_route(normed, w, out_dtype, top_k, ...), in one launch: x, residual [T, H]
-    (float, one dtype), norm_weight [H] -> (weights, ids, normed [T, H] and new_residual
-    [T, H] in x's dtype). Inputs are not modified."""
-    check_router_args(x, w)
-    t, h = x.shape
+    (float, one dtype), or x [S, T, H] float32 partial sums of a split-K projection
+    (engine/models/split_k.py: summed and rounded to residual's dtype first, as rms_norm
+    does); norm_weight [H] -> (weights, ids, normed [T, H] and new_residual [T, H] in
+    residual's dtype). Inputs are not modified."""
+    parts = x.shape[0] if x.dim() == 3 else 0
+    check_router_args(x[0] if parts else x, w)
+    t, h = x.shape[-2:]
     check_shape("residual", residual, (t, h))
-    check(residual.dtype == x.dtype, "residual: dtype must match x")
+    if parts:
+        check(x.dtype == torch.float32, "x: partial sums must be float32")
+    else:
+        check(residual.dtype == x.dtype, "residual: dtype must match x")
     check(residual.stride(1) == 1, "residual: rows must be contiguous")
     check_shape("norm_weight", norm_weight, (h,))
     check_float("norm_weight", norm_weight)
@@ -177,9 +185,10 @@ def router_route_prenorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: t
     check_device(x, residual, norm_weight)
     # new buffers both: the programs of a token read x and residual while its first one
     # writes the new residual, and all of them read the normed row they write
-    normed = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    new_res = torch.empty(t, h, dtype=x.dtype, device=x.device)
-    weights, ids = _launch(normed, w, out_dtype, (x, residual, norm_weight, new_res, eps),
+    normed = torch.empty(t, h, dtype=residual.dtype, device=x.device)
+    new_res = torch.empty(t, h, dtype=residual.dtype, device=x.device)
+    weights, ids = _launch(normed, w, out_dtype,
+                           (x, residual, norm_weight, new_res, eps, parts),
                            top_k, scoring_func, renormalize, routed_scaling_factor,
                            e_score_correction_bias, round_dtype, num_shared, n_group,
                            topk_group)
@@ -187,13 +196,14 @@ def router_route_prenorm(x: torch.Tensor, residual: torch.Tensor, norm_weight: t
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
-            prenorm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]
+            prenorm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int]
             | None, top_k: int, scoring_func: str, renormalize: bool,
             routed_scaling_factor: float, e_score_correction_bias: torch.Tensor | None,
             round_dtype: torch.dtype | None, num_shared: int, n_group: int | None,
             topk_group: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both launchers' launch, x and w checked. prenorm: (a, residual, norm_weight,
-    new_residual, eps), x then being the normed row's output."""
+    new_residual, eps, parts), x then being the normed row's output (parts > 0: a holds
+    that many partial sums)."""
     t, h = x.shape
     e = w.shape[0]
     if e_score_correction_bias is not None:
@@ -209,10 +219,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
     count = counters(x.device, t)
     pdl = pdl_for(x)
     if prenorm is None:
-        a, res, nw, new_res, eps = x, x, x, x, 0.0  # unused without PRENORM
+        a, res, nw, new_res, eps, parts = x, x, x, x, 0.0, 0  # unused without PRENORM
         block_h, warps = 1, 4
     else:
-        a, res, nw, new_res, eps = prenorm
+        a, res, nw, new_res, eps, parts = prenorm
         block_h = triton.next_power_of_2(h)
         # rms_norm's warps for the row, so the same sum of squares (norm_warps); the
         # logits' tile and the routing run at any count
@@ -221,8 +231,9 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype,
         x, w, logits, count,
         e_score_correction_bias if e_score_correction_bias is not None else logits,
         weights, ids, a, res, nw, new_res, e, h, x.stride(0), w.stride(0), logits.stride(0),
-        a.stride(0), res.stride(0), new_res.stride(0), float(routed_scaling_factor),
+        a.stride(-2), res.stride(0), new_res.stride(0), a.stride(0) if parts else 0,
+        float(routed_scaling_factor),
         float(eps), TILE_E=BLOCK_E, TILE_K=BLOCK_K, EVEN_K=h % BLOCK_K == 0, **const,
-        PRENORM=prenorm is not None, BLOCK_H=block_h, PDL=pdl, num_warps=warps,
+        PRENORM=prenorm is not None, BLOCK_H=block_h, PARTS=parts, PDL=pdl, num_warps=warps,
         launch_pdl=pdl)
     return weights, ids

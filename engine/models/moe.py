@@ -361,18 +361,22 @@ class SparseMoeBlock(nn.Module):
         """forward(h) after h, new_residual = norm(x, residual), with the norm inside the
         router's launch (ROUTER_PRENORM): (out, new_residual), or None where that does not
         apply and the caller runs the two. It applies where the fused routing does
-        (_fused_route), to a plain norm of a [T, H] hidden state (not a K-split
-        projection's partial sums, which rms_norm adds), and not under data-parallel
-        attention, whose exchange moves the tokens between the norm and the routing."""
-        t = x.shape[0]
+        (_fused_route), to a plain norm of a [T, H] hidden state in the residual's dtype or
+        of a K-split projection's [S, T, H] float32 partial sums (engine/models/split_k.py:
+        Qwen3-MoE's o_proj at few rows; the launch adds them as rms_norm would), and not
+        under data-parallel attention, whose exchange moves the tokens between the norm
+        and the routing."""
+        t = residual.shape[0]
+        parts = x.dim() == 3 and x.dtype == torch.float32
         if (not ROUTER_PRENORM or self.exchange is not None or not self._fused_route(t)
-                or x.dim() != 2 or norm.k.name != "triton" or residual.dtype != x.dtype):
+                or norm.k.name != "triton"
+                or not (parts or (x.dim() == 2 and residual.dtype == x.dtype))):
             return None
         from kernels.triton_router_route import router_route_prenorm
 
         c = self.cfg
         dense = self._dense(t)
-        out_dtype, kw = self._route_args(x.dtype, with_shared=not dense)
+        out_dtype, kw = self._route_args(residual.dtype, with_shared=not dense)
         weights, ids, h, new_residual = router_route_prenorm(
             x, residual, norm.weight, norm.eps, self.gate.weight, out_dtype, c.top_k,
             c.scoring_func, c.renormalize, c.routed_scaling_factor, **kw)

@@ -319,6 +319,7 @@ def test_cuda_triton_and_graphs_equal_transformers(ds_models, name):
 
 # The small-batch decode fusions, off by default until timed on a GPU (bench/RESULTS.md)
 FUSIONS = (("engine.models.moe", "ROUTER_ROUTE_FUSED", True),
+           ("engine.models.moe", "ROUTER_PRENORM", True),
            ("engine.models.mla", "FUSED_LATENT_ABSORB", True),
            ("engine.models.mla", "FUSED_UP_MERGE", True),
            ("kernels.triton_moe", "DOWN_SUM_MAX_TOKENS", 1))
@@ -328,7 +329,7 @@ FUSIONS = (("engine.models.moe", "ROUTER_ROUTE_FUSED", True),
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_cuda_decode_fusions_equal_transformers(ds_models, name, monkeypatch):
-    """All four on, inside CUDA graphs: each prompt alone (batch 1, where down and sum are
+    """All five on, inside CUDA graphs: each prompt alone (batch 1, where down and sum are
     one kernel) and all together; the 50-token prompt's context splits, so the merge runs
     inside the W_UV product. fp32: greedy tokens equal transformers'."""
     import importlib

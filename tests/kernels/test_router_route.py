@@ -192,6 +192,26 @@ def test_prenorm_equals_rms_norm_then_router_route(routing, dtypes, t, gen, devi
     assert not counters(device, t).any()
 
 
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("dtypes", sorted(PRENORM_DTYPES))
+def test_prenorm_sums_a_split_k_projections_partials(dtypes, t, gen, device):
+    # Qwen3-MoE's o_proj at few rows on one CUDA rank leaves [S, T, H] float32 partial
+    # sums (engine/models/split_k.py) that rms_norm adds: the prenorm launch adds them too
+    from kernels.triton_router_route import counters, router_route_prenorm
+
+    x, res, nw, eps, w, od, kw = _prenorm_inputs("qwen3", dtypes, t, gen, device)
+    parts = torch.randn(2, t, x.shape[1], generator=gen).to(device)
+    got = router_route_prenorm(parts, res, nw, eps, w, od, **kw)
+    want = _norm_then_route(parts, res, nw, eps, w, od, kw)
+    for name, a, b in zip(("weights", "ids", "normed", "new_residual"), got, want,
+                          strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got[2].dtype == res.dtype
+    assert not counters(device, t).any()
+    with pytest.raises(ValueError, match="x: partial sums must be float32"):
+        router_route_prenorm(parts.half(), res, nw, eps, w, od, **kw)
+
+
 def test_prenorm_no_tokens_and_bad_arguments(device):
     from kernels.triton_router_route import router_route_prenorm
 
@@ -362,7 +382,7 @@ def test_engine_prenorm_on_qwen3_moe(tmp_path, monkeypatch):
 
 def test_prenorm_is_refused_where_it_does_not_apply(monkeypatch):
     """forward_prenorm's None (the layer then runs the norm and the block): the switch
-    off, the torch-reference kernel set, too many tokens, K-split partial sums, an
+    off, the torch-reference kernel set, too many tokens, partial sums not in float32, an
     exchange (data-parallel attention)."""
     import engine.models.moe as moe
     from engine.attention import kernels_for
@@ -376,7 +396,8 @@ def test_prenorm_is_refused_where_it_does_not_apply(monkeypatch):
     x = torch.randn(2, 32)
     _switches(monkeypatch, True, True)
     assert block._fused_route(2)
-    assert block.forward_prenorm(torch.randn(2, 2, 32), x, norm) is None  # partial sums
+    # partial sums that are not float32 (a split-K projection's are)
+    assert block.forward_prenorm(torch.randn(2, 2, 32).bfloat16(), x.bfloat16(), norm) is None
     assert block.forward_prenorm(torch.randn(moe.ROUTER_LOGITS_MAX_TOKENS + 1, 32),
                                  torch.randn(moe.ROUTER_LOGITS_MAX_TOKENS + 1, 32),
                                  norm) is None

@@ -23,11 +23,11 @@ SIG = {"x_ptr": "*bf16", "rw_ptr": "*fp32", "logits_ptr": "*fp32", "count_ptr": 
        "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64", "a_ptr": "*bf16",
        "res_ptr": "*bf16", "nw_ptr": "*bf16", "new_res_ptr": "*bf16", "E": "i32", "H": "i32",
        "s_x": "i32", "s_rw": "i32", "s_l": "i32", "s_a": "i32", "s_r": "i32", "s_nr": "i32",
-       "scale": "fp32", "eps": "fp32"}
+       "s_part": "i32", "scale": "fp32", "eps": "fp32"}
 NORM_SIG = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
             "new_res_ptr": "*bf16", "scale_ptr": "*fp32", "s_x": "i32", "s_r": "i32",
             "s_o": "i32", "s_nr": "i32", "s_part": "i32", "H": "i32", "eps": "fp32"}
-BASE = dict(TILE_E=rl.BLOCK_E, TILE_K=rl.BLOCK_K, EVEN_K=True, PDL=True)
+BASE = dict(TILE_E=rl.BLOCK_E, TILE_K=rl.BLOCK_K, EVEN_K=True, PDL=True, PARTS=0)
 HIDDEN = {"v2_lite": 2048, "v3": 7168}
 SHAPES = {
     # V2-Lite: 64 experts, softmax, top-6, its 2 shared experts as columns 7 and 8
@@ -111,6 +111,10 @@ for name, shape in SHAPES.items():
                                  QUANT=False), warps)
             mine, theirs = row_reduces(k, block_h), row_reduces(norm, block_h)
             out[f"{key}/row_reduce_as_norm"] = Found(int(len(mine) == 1 and mine == theirs))
+            # a split-K o_proj's two float32 partials as the row's input (Qwen3-MoE's)
+            out[f"{key}/parts"] = spills(rr._router_route_kernel, dict(SIG, a_ptr="*fp32"),
+                                         dict(const, PARTS=2), divisible(SIG),
+                                         num_warps=warps)
 '''
 
 
@@ -125,5 +129,6 @@ def test_router_route_compiles_for_sm90_without_spills() -> None:
         assert found[f"{name}/barrier_after_atom"] == 1, found
         assert found[f"{name}/cg_loads"] >= 1, found
     for name in ("v2_lite/prenorm", "v3/prenorm"):
+        assert found[f"{name}/parts"] == 0, found
         assert found[f"{name}/barrier_after_row"] == 1, found
         assert found[f"{name}/row_reduce_as_norm"] == 1, found
