@@ -74,32 +74,37 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         parts = None
-        if (split_k.QKV and self.group is None and self.q_norm is None
-                and self.k.rope_store_kv is not None):
+        norms = self._qk_norm()
+        if (split_k.QKV and self.group is None and self.k.rope_store_kv is not None
+                and (self.q_norm is None or (split_k.QK_NORM and norms is not None))):
             parts = split_k_linear(x, self.qkv_proj)  # [S, T, (Hq + 2 Hkv) D], summed by RoPE
         if parts is not None:
             heads = parts.unflatten(-1, (self.nq + 2 * self.nkv, self.d))
             q, k, v = heads.split([self.nq, self.nkv, self.nkv], dim=2)
-            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin, out_dtype=x.dtype)
+            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin, out_dtype=x.dtype,
+                          qk_norm=norms)
         else:
             qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) D]
             q, k, v = qkv.split([self.nq * self.d, self.nkv * self.d, self.nkv * self.d], -1)
             q = q.reshape(t, self.nq, self.d)
             k = k.reshape(t, self.nkv, self.d)
             v = v.reshape(t, self.nkv, self.d)
-            qk_norm = None
-            if self.q_norm is not None and self.k_norm is not None:
-                if FUSED_QK_NORM:  # no norm launches, no copies of the strided q and k
-                    qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-                else:
-                    q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
-                    k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
-            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin, qk_norm=qk_norm)
+            if norms is None and self.q_norm is not None and self.k_norm is not None:
+                q = self.q_norm(q.reshape(-1, self.d))[0].reshape(t, self.nq, self.d)
+                k = self.k_norm(k.reshape(-1, self.d))[0].reshape(t, self.nkv, self.d)
+            o = self.attn(q, k, v, kv_layer, meta, positions, cos_sin, qk_norm=norms)
         o = o.reshape(t, self.nq * self.d)
         if self.group is not None:
             return self.group.all_reduce(self.o_proj(o))
         parts = split_k_linear(o, self.o_proj)  # [S, T, H] for the next norm to sum
         return self.o_proj(o) if parts is None else parts
+
+    def _qk_norm(self) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """The per-head q/k norms for the RoPE + KV store kernel to apply (FUSED_QK_NORM:
+        no norm launches, no copies of the strided q and k); None: none, or run apart."""
+        if self.q_norm is None or self.k_norm is None or not FUSED_QK_NORM:
+            return None
+        return (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class MLP(nn.Module):

@@ -48,3 +48,22 @@ def test_fused_qk_norm_on_the_gpu(make_llm, tiny_models, monkeypatch, dtype):
     if dtype == "float32":
         for prompt, (toks, _) in zip(PROMPTS[:3], on, strict=True):
             assert toks == hf_greedy(path, prompt, 12), prompt
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_split_k_qkv_with_qk_norms_on_the_gpu(make_llm, tiny_models, monkeypatch):
+    # engine.models.split_k.QK_NORM (off until timed): qkv_proj's float32 partial sums at
+    # few rows, added by the RoPE + KV store kernel before the q/k norms it applies
+    import engine.models.split_k as split_k
+
+    path = tiny_models["qwen3"]
+    monkeypatch.setattr(split_k, "QK_NORM", True)
+    on = _run(make_llm, path, True, monkeypatch, device="cuda", dtype="float32")
+    monkeypatch.setattr(split_k, "QK_NORM", False)
+    off = _run(make_llm, path, True, monkeypatch, device="cuda", dtype="float32")
+    assert [t for t, _ in on] == [t for t, _ in off]
+    for (_, lp_on), (_, lp_off) in zip(on, off, strict=True):
+        assert max(abs(a - b) for a, b in zip(lp_on, lp_off, strict=True)) < 1e-4
+    for prompt, (toks, _) in zip(PROMPTS[:3], on, strict=True):
+        assert toks == hf_greedy(path, prompt, 12), prompt
