@@ -85,6 +85,14 @@ PER_PAIR_MAX_TOKENS = 1
 # --shape v2lite --batches 1 --variants "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1", its
 # --quantization fp8 runs for FP8 experts). 1: the fused kernel at one token.
 DOWN_SUM_MAX_TOKENS = 0
+# The gate/up tile's width in the per-pair layout (None: the table's; the down kernel's too
+# where the table gives no BLOCK_N_DOWN). At one token the
+# table's H200 tile (128 columns) gives V2-Lite's eight experts 8 x 11 = 88 programs, fewer
+# than the GPU's 132 SMs, each streaming 1 MB; 64 or 32 columns give 176 or 352. An A/B
+# switch until timed on a GPU (bench/moe_bench.py --variants
+# "kernels.triton_moe.PER_PAIR_BLOCK_N=64"), where the table's tuning predates the
+# per-pair layout (it ran with the align step's tiles).
+PER_PAIR_BLOCK_N: int | None = None
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
 
@@ -360,6 +368,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * k
     pdl = pdl_for(x)
     per_pair = t <= PER_PAIR_MAX_TOKENS
+    if per_pair and config is None and PER_PAIR_BLOCK_N is not None:
+        bn = PER_PAIR_BLOCK_N
     if per_pair:  # tile i is pair i (the kernels read ids; these two are not read)
         sorted_ids = block_expert = ids
         tiles_m = n

@@ -102,6 +102,28 @@ def test_fused_moe_one_token_needs_no_align_step(start, e_local, gen, device, cl
         _case(1, 32, 48, 8, 3, torch.float32, gen, device, close)
 
 
+@pytest.mark.parametrize("width", [16, 64])
+def test_per_pair_gate_up_width(width, gen, device, close, monkeypatch):
+    # PER_PAIR_BLOCK_N (an A/B switch): one token's gate/up grid with narrower or wider
+    # column tiles than the table's, the same values (a tile past I, 48, is masked)
+    import kernels.triton_moe as m
+
+    grids: list[tuple[int, int]] = []
+    kernel = m._gate_up_kernel
+
+    class Grid:
+        def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(m, "_gate_up_kernel", Grid())
+    monkeypatch.setattr(m, "PER_PAIR_BLOCK_N", width)
+    _case(1, 32, 48, 8, 3, torch.float32, gen, device, close)
+    _case(2, 32, 48, 8, 3, torch.float32, gen, device, close)  # two tokens: the table's
+    table = m.tile_config(2, device)["BLOCK_N"]
+    assert grids[0] == (3, -(-48 // width)) and grids[1][1] == -(-48 // table)
+
+
 def test_fused_moe_wide_tiles(gen, device, close):
     cfg = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "BLOCK_N_DOWN": 32,
            "BLOCK_K_DOWN": 16, "num_warps": 4, "num_stages": 1}
