@@ -14,7 +14,10 @@ them can be captured in a CUDA graph (every size below comes from shapes alone):
    (PER_PAIR_MAX_TOKENS): tile i is pair i, its expert read from topk_ids.
 2. gate/up (`_gate_up_kernel`): a grouped GEMM, tile (m, n) computes rows m of one
    expert against columns n of that expert's gate and of its up projection, and stores
-   silu(gate) * up: the [T*k, 2I] product never reaches memory.
+   silu(gate) * up: the [T*k, 2I] product never reaches memory. At one token it can be a
+   dot-free kernel instead (GATE_UP_GEMV_MAX_TOKENS, kernels/triton_moe_gate_up_gemv.py:
+   narrow column tiles of one pair each, more programs than a 16-row dot tile with one
+   real row gives, the same arithmetic).
 3. down (`_down_kernel`): the same grouped GEMM over w2; its epilogue rounds each pair's
    row to the model's dtype (as HF's expert MLP returns it) and stores it so, one row per
    pair.
@@ -63,6 +66,7 @@ from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
 from kernels.triton_moe_down_sum import down_sum
+from kernels.triton_moe_gate_up_gemv import gate_up_gemv
 from kernels.triton_moe_tma import applies as tma_applies
 from kernels.triton_moe_tma import expert_rows
 
@@ -85,6 +89,13 @@ PER_PAIR_MAX_TOKENS = 1
 # --shape v2lite --batches 1 --variants "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1", its
 # --quantization fp8 runs for FP8 experts). 1: the fused kernel at one token.
 DOWN_SUM_MAX_TOKENS = 0
+# Up to this many tokens (in the per-pair layout, no config given) gate/up is the dot-free
+# kernel of kernels/triton_moe_gate_up_gemv.py: 16-column programs, 704 at V2-Lite where
+# the table's 128-column dot tiles give 88 programs for 132 SMs. 0 (off) until it is timed
+# on a GPU: an A/B switch against _gate_up_kernel (bench/moe_bench.py --shape v2lite
+# --batches 1 --variants "kernels.triton_moe.GATE_UP_GEMV_MAX_TOKENS=1", its
+# --quantization fp8 runs for FP8 experts). 1: the dot-free kernel at one token.
+GATE_UP_GEMV_MAX_TOKENS = 0
 # The gate/up tile's width in the per-pair layout (None: the table's; the down kernel's too
 # where the table gives no BLOCK_N_DOWN). At one token the
 # table's H200 tile (128 columns) gives V2-Lite's eight experts 8 x 11 = 88 programs, fewer
@@ -387,13 +398,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         bn = min(bn, max(16, BLOCK_SCALED_GATE_UP_TILE // bm))
     s13 = w13_scale if w13_scale is not None else x  # an unread pointer without scales
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)  # [T*k, I], by pair
-    _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
-        x, w13, act, sorted_ids, block_expert, s13, ids, n, h, inter, k, expert_start, e_local,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
-        SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
-        PER_PAIR=per_pair, launch_pdl=pdl, **launch)
+    if per_pair and config is None and t <= GATE_UP_GEMV_MAX_TOKENS:
+        # a given config names _gate_up_kernel's tiles: it keeps that kernel
+        gate_up_gemv(x, w13, act, ids, expert_start, w13_scale, pdl)
+    else:
+        _gate_up_kernel[(tiles_m, triton.cdiv(inter, bn))](
+            x, w13, act, sorted_ids, block_expert, s13, ids, n, h, inter, k, expert_start,
+            e_local, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            s13.stride(0) if fp8 else 0, s13.stride(1) if fp8 else 0,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, DOT_DTYPE=dot, IEEE=ieee, EVEN_K=h % bk == 0,
+            SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
+            PER_PAIR=per_pair, launch_pdl=pdl, **launch)
     if per_pair and t <= DOWN_SUM_MAX_TOKENS:  # steps 3 and 4 in one launch, no row buffer
         down_sum(act, w2, ids, weights, out, expert_start, w2_scale, pdl)
         return out
