@@ -322,16 +322,18 @@ FUSIONS = (("engine.models.moe", "ROUTER_ROUTE_FUSED", True),
            ("engine.models.moe", "ROUTER_PRENORM", True),
            ("engine.models.mla", "FUSED_LATENT_ABSORB", True),
            ("engine.models.mla", "FUSED_UP_MERGE", True),
-           ("kernels.triton_moe", "DOWN_SUM_MAX_TOKENS", 1))
+           ("kernels.triton_moe", "DOWN_SUM_MAX_TOKENS", 1),
+           ("kernels.triton_moe", "GATE_UP_GEMV_MAX_TOKENS", 1))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_cuda_decode_fusions_equal_transformers(ds_models, name, monkeypatch):
-    """All five on, inside CUDA graphs: each prompt alone (batch 1, where down and sum are
-    one kernel) and all together; the 50-token prompt's context splits, so the merge runs
-    inside the W_UV product. fp32: greedy tokens equal transformers'."""
+    """All of them on, inside CUDA graphs: each prompt alone (batch 1, where gate/up is the
+    GEMV and down and sum are one kernel) and all together; the 50-token prompt's context
+    splits, so the merge runs inside the W_UV product. fp32: greedy tokens equal
+    transformers'."""
     import importlib
 
     from engine.llm import LLM
