@@ -62,6 +62,7 @@ import triton.language as tl
 
 from kernels.moe_grouped_gemm import applies as grouped_applies
 from kernels.moe_grouped_gemm import expert_rows_grouped
+from kernels.moe_scales import scale_groups
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
 from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
@@ -353,8 +354,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     check_device(x, w13, w2, topk_weights, topk_ids)
     for name, ten in (("x", x), ("w13", w13), ("w2", w2)):
         check(ten.stride(-1) == 1, f"{name}: rows must be contiguous")
-    g13 = _check_scale("w13_scale", w13_scale, w13) if w13_scale is not None else 1
-    g2 = _check_scale("w2_scale", w2_scale, w2) if w2_scale is not None else 1
+    g13 = scale_groups("w13_scale", w13_scale, w13) if w13_scale is not None else 1
+    g2 = scale_groups("w2_scale", w2_scale, w2) if w2_scale is not None else 1
     k = topk_ids.shape[1]
     # the GEMMs' int32 offsets: token rows of x, pair rows of the activation, one expert
     check(t * x.stride(0) < 2**31 and t * k * inter < 2**31 and w13.stride(0) < 2**31
@@ -441,19 +442,3 @@ def _sum_topk(y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: to
         y, ids, weights, out, rmap, h, ids.shape[1], expert_start, e_local, y.stride(0),
         out.stride(0), BLOCK_H=block_h, HAS_MAP=row_of_pair is not None, PDL=pdl,
         num_warps=4, launch_pdl=pdl)
-
-
-def _check_scale(name: str, scale: torch.Tensor, w: torch.Tensor) -> int:
-    """An FP8 stack's scales [E, N, G] (float32, rows of G contiguous); returns G."""
-    e, n, kk = w.shape
-    check(scale.dim() == 3 and tuple(scale.shape[:2]) == (e, n),
-          f"{name}: expected [{e}, {n}, G], got {tuple(scale.shape)}")
-    check(scale.dtype == torch.float32, f"{name}: expected float32, got {scale.dtype}")
-    check(scale.stride(2) == 1, f"{name}: rows must be contiguous")
-    check_device(w, scale)
-    g = scale.shape[2]
-    gk = kk // g if g else 0
-    # grouped scales: a K tile (a power of two >= 16) must lie inside one group
-    check(g >= 1 and kk % g == 0 and (g == 1 or (gk >= 16 and gk & (gk - 1) == 0)),
-          f"{name}: {g} scale groups do not cut K={kk} into power-of-two groups >= 16")
-    return int(g)

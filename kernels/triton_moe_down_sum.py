@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_scales import scale_groups
 from kernels.pdl import follow
 from kernels.triton_common import check, check_device, check_float, check_int
 
@@ -148,7 +149,7 @@ def down_sum(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
     groups = 1
     if w2_scale is not None:
         check(w2.dtype == FP8, f"w2: w2_scale given, expected float8_e4m3fn, got {w2.dtype}")
-        groups = _scale_groups(w2_scale, w2)
+        groups = scale_groups("w2_scale", w2_scale, w2)
     else:
         check(w2.dtype == act.dtype, f"w2: expected act's dtype {act.dtype}, got {w2.dtype}")
     if t == 0 or h == 0:
@@ -167,19 +168,3 @@ def down_sum(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
         BLOCK_N=BLOCK_N, BLOCK_K=bk, EVEN_K=inter % bk == 0, SCALED=w2_scale is not None,
         GROUP_K=inter // groups if groups > 1 else 1, ONE_GROUP=groups == 1, PDL=pdl,
         STAGES=NUM_STAGES, num_warps=NUM_WARPS, launch_pdl=pdl)
-
-
-def _scale_groups(scale: torch.Tensor, w2: torch.Tensor) -> int:
-    """w2_scale [E, H, G] (float32, rows of G contiguous) of w2 [E, H, I]; returns G."""
-    e, h, inter = w2.shape
-    check(scale.dim() == 3 and tuple(scale.shape[:2]) == (e, h),
-          f"w2_scale: expected [{e}, {h}, G], got {tuple(scale.shape)}")
-    check(scale.dtype == torch.float32, f"w2_scale: expected float32, got {scale.dtype}")
-    check(scale.stride(2) == 1, "w2_scale: rows must be contiguous")
-    check_device(w2, scale)
-    g = scale.shape[2]
-    gk = inter // g if g else 0
-    # a K tile (a power of two) must lie inside one group
-    check(g >= 1 and inter % g == 0 and (g == 1 or (gk >= 16 and gk & (gk - 1) == 0)),
-          f"w2_scale: {g} scale groups do not cut I={inter} into power-of-two groups >= 16")
-    return int(g)

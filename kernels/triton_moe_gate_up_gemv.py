@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.moe_scales import scale_groups
 from kernels.pdl import follow
 from kernels.triton_common import check, check_device, check_float, check_int
 
@@ -152,7 +153,7 @@ def gate_up_gemv(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
     groups = 1
     if w13_scale is not None:
         check(w13.dtype == FP8, f"w13: w13_scale given, expected float8_e4m3fn, got {w13.dtype}")
-        groups = _scale_groups(w13_scale, w13)
+        groups = scale_groups("w13_scale", w13_scale, w13)
     else:
         check(w13.dtype == x.dtype, f"w13: expected x's dtype {x.dtype}, got {w13.dtype}")
     if t * k == 0 or inter == 0:
@@ -171,19 +172,3 @@ def gate_up_gemv(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
         BLOCK_N=BLOCK_N, BLOCK_K=bk, EVEN_K=h % bk == 0, SCALED=w13_scale is not None,
         GROUP_K=h // groups if groups > 1 else 1, ONE_GROUP=groups == 1, PDL=pdl,
         STAGES=NUM_STAGES, num_warps=NUM_WARPS, launch_pdl=pdl)
-
-
-def _scale_groups(scale: torch.Tensor, w13: torch.Tensor) -> int:
-    """w13_scale [E, 2I, G] (float32, rows of G contiguous) of w13 [E, 2I, H]; returns G."""
-    e, n, h = w13.shape
-    check(scale.dim() == 3 and tuple(scale.shape[:2]) == (e, n),
-          f"w13_scale: expected [{e}, {n}, G], got {tuple(scale.shape)}")
-    check(scale.dtype == torch.float32, f"w13_scale: expected float32, got {scale.dtype}")
-    check(scale.stride(2) == 1, "w13_scale: rows must be contiguous")
-    check_device(w13, scale)
-    g = scale.shape[2]
-    gk = h // g if g else 0
-    # a K tile (a power of two) must lie inside one group
-    check(g >= 1 and h % g == 0 and (g == 1 or (gk >= 16 and gk & (gk - 1) == 0)),
-          f"w13_scale: {g} scale groups do not cut H={h} into power-of-two groups >= 16")
-    return int(g)
