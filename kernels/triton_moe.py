@@ -327,6 +327,46 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     each row's scale per K / G columns, the rows of a block-scaled checkpoint's block
     repeating its scale). The weight tile is widened to x's dtype after its load and the
     scales multiply the accumulator (weight-only: x is never quantized)."""
+    out = _fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start, config, w13_scale,
+                     w2_scale, None)
+    assert isinstance(out, torch.Tensor)  # no next_norm: the MoE output
+    return out
+
+
+def down_sum_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, fp8: bool) -> bool:
+    """Whether fused_moe's call on x runs down and sum as one launch (DOWN_SUM_MAX_TOKENS:
+    the per-pair layout at few tokens, no prefill form taking the call first)."""
+    t = x.shape[0]
+    return (0 < t <= PER_PAIR_MAX_TOKENS and t <= DOWN_SUM_MAX_TOKENS
+            and not grouped_applies(x, w13, w2, fp8, t) and not tma_applies(x, w13, w2, fp8, t))
+
+
+def fused_moe_next_norm(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        expert_start: int, norm_weight: torch.Tensor, eps: float,
+                        residual: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                        w2_scale: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """rms_norm(fused_moe(x, ...), norm_weight, eps, residual) with the norm inside the
+    down + sum launch (kernels/triton_moe_down_sum.py's next_norm): (normed, new_residual)
+    [T, H] in x's dtype (residual's, which must match), or None, having launched nothing,
+    where that launch is not fused_moe's path for the call (down_sum_applies)."""
+    if not down_sum_applies(x, w13, w2, w2_scale is not None):
+        return None
+    out = _fused_moe(x, w13, w2, topk_weights, topk_ids, expert_start, None, w13_scale,
+                     w2_scale, (norm_weight, eps, residual))
+    assert isinstance(out, tuple)  # down_sum_applies: the down + sum launch ran
+    return out
+
+
+def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+               topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_start: int,
+               config: dict[str, Any] | None, w13_scale: torch.Tensor | None,
+               w2_scale: torch.Tensor | None,
+               next_norm: tuple[torch.Tensor, float, torch.Tensor] | None
+               ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fused_moe; next_norm (the caller has checked down_sum_applies): down_sum's, the
+    result then (normed, new_residual)."""
     check(x.dim() == 2, "x: expected [T, H]")
     check(w13.dim() == 3 and w2.dim() == 3, "w13, w2: expected [E, 2I, H], [E, H, I]")
     t, h = x.shape
@@ -411,8 +451,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             SCALED=fp8, GROUP_K=gk13 if g13 > 1 else 1, ONE_GROUP=g13 == 1, PDL=pdl,
             PER_PAIR=per_pair, launch_pdl=pdl, **launch)
     if per_pair and t <= DOWN_SUM_MAX_TOKENS:  # steps 3 and 4 in one launch, no row buffer
-        down_sum(act, w2, ids, weights, out, expert_start, w2_scale, pdl)
-        return out
+        normed = down_sum(act, w2, ids, weights, out, expert_start, w2_scale, pdl, next_norm)
+        return out if normed is None else normed
     y = torch.empty(n, h, dtype=x.dtype, device=x.device)  # [T*k, H] rows, unweighted
     bn2, bk2 = cfg.get("BLOCK_N_DOWN", bn), cfg.get("BLOCK_K_DOWN", bk)
     if g2 > 1:

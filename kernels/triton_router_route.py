@@ -25,15 +25,8 @@ No program waits for another, so there is no deadlock however the programs are
 scheduled.
 
 The counters: int32 zeros, one per token, one buffer per device shared by every layer
-and every launch (``counters``). Self-reset is what makes that graph-safe: a launch
-leaves its counters as it found them (0), so the next layer, the next step and the next
-replay of a captured graph need no memset launch. Sharing across layers needs stream
-order only: a later launch's programs start counting after this launch has completed
-(every kernel in the chain waits for the one before to complete, kernels/pdl.py, or
-runs in plain stream order), and this launch completes only after each token's last
-program has reset its counter. Two launches in flight at once on two streams of one
-device would share counters and break this: the engine runs a device's forwards in one
-stream order (graphs are captured on a side stream the current one then waits for).
+and every launch of this kernel (``counters``, kernels/last_program.py: why self-reset
+makes that graph-safe and stream order makes it race-free).
 
 PRENORM (``router_route_prenorm``): the layer's post-attention residual add + RMSNorm in
 the same launch, one more launch saved per MoE layer at decode. Every program of token t
@@ -61,21 +54,18 @@ import torch
 import triton
 import triton.language as tl
 
+# MIN_COUNTERS: the first launch's allocation, re-exported (what the engine's bound is held to)
+from kernels.last_program import MIN_COUNTERS as MIN_COUNTERS
+from kernels.last_program import CounterPool
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_shape
 from kernels.triton_moe_route import route_constexprs, route_token
 from kernels.triton_norm import add_residual, load_row, norm_warps, rms_norm_row
 from kernels.triton_router_logits import BLOCK_E, BLOCK_K, check_router_args, store_logits
 
-# Counters allocated on a device's first launch, whatever its token count: as many tokens
-# as the engine routes through this kernel (engine.models.moe.ROUTER_LOGITS_MAX_TOKENS),
-# so that a graph captured later never needs a larger buffer.
-MIN_COUNTERS = 16
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # device -> [>= T] int32, all zero at rest
-# Buffers a larger one replaced: a graph captured with one keeps its address, so it is
-# never freed (a few bytes each).
-_RETIRED: list[torch.Tensor] = []
+_POOL = CounterPool("router_route")
+_COUNTERS = _POOL.buffers  # device -> [>= T] int32, all zero at rest
+_RETIRED = _POOL.retired  # buffers a larger one replaced, kept for the graphs holding them
 
 
 @triton.jit
@@ -121,24 +111,9 @@ def _router_route_kernel(x_ptr, rw_ptr, logits_ptr, count_ptr, bias_ptr, w_ptr, 
 
 
 def counters(device: torch.device, tokens: int) -> torch.Tensor:
-    """The device's counters, at least `tokens` of them (all zero between launches).
-    Allocated outside CUDA-graph capture only: during one, the buffer would come from the
-    graph's private pool and its memset would become a node of the graph, the launch this
-    kernel exists to save; so a capture that finds too few raises instead."""
-    buf = _COUNTERS.get(device)
-    if buf is not None and buf.numel() >= tokens:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        have = 0 if buf is None else buf.numel()
-        raise RuntimeError(
-            f"router_route: {tokens} tokens need {tokens} counters on {device}, {have} "
-            "were allocated before this CUDA-graph capture; run the launch once uncaptured "
-            "first (a warm-up) at the largest token count")
-    if buf is not None:
-        _RETIRED.append(buf)
-    buf = torch.zeros(max(tokens, MIN_COUNTERS), dtype=torch.int32, device=device)
-    _COUNTERS[device] = buf
-    return buf
+    """The device's counters for this kernel, at least `tokens` of them (all zero between
+    launches; never allocated during a CUDA-graph capture: CounterPool.get)."""
+    return _POOL.get(device, tokens)
 
 
 def router_route(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, top_k: int,

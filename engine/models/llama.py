@@ -50,6 +50,11 @@ class RMSNorm(nn.Module):
                                                                   residual)
         return out
 
+    def as_next_norm(self) -> tuple[RMSNorm, nn.Module | None]:
+        """As the norm after the last decoder layer (DecoderLayer.forward's `after`): itself,
+        read by the LM head as it is."""
+        return self, None
+
 
 class Attention(nn.Module):
     """This rank's query and KV heads; o_proj is row-parallel (one all-reduce). On one CUDA
@@ -156,27 +161,53 @@ class DecoderLayer(nn.Module):
         self.mlp_in = mlp is None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos_sin: torch.Tensor, kv_layer: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(
-            x, residual, self.self_attn.qkv_proj if self.attn_in else None)
+                cos_sin: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                after: DecoderLayer | RMSNorm | None = None, normed: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(h, residual, whether h is already `after`'s norm of it). after: what follows
+        this layer, the next layer (its input_layernorm) or the model's final norm, for an
+        MLP that can run that norm in its own last launch (engine/models/moe.py's
+        NEXT_NORM_FUSED); None: nothing may. normed: x is already this layer's
+        input_layernorm output (the layer before ran it), residual the new residual."""
+        if normed:
+            assert residual is not None, "a layer's norm ran in the layer before"
+            h: torch.Tensor | Fp8Input = x
+        else:
+            h, residual = self.input_layernorm(
+                x, residual, self.self_attn.qkv_proj if self.attn_in else None)
         h = self.self_attn(h, positions, cos_sin, kv_layer, meta)
         # An MLP that can run the norm in its own first launch (engine/models/moe.py's
-        # SparseMoeBlock.forward_prenorm) is asked first; None from it: it does not here.
-        # Looked up on the class, as duck typing: llama.py imports no family's MLP, and a
-        # miss on the type raises nothing (nn.Module's instance lookup would). Not while
-        # hooks watch the MLP (bench/moe_floor.py's routing census): they see its input
-        # only through its own call.
+        # SparseMoeBlock.forward_prenorm), or the norm after it in its last
+        # (forward_next_norm), is asked first; None from it: it does not here. Looked up
+        # on the class, as duck typing: llama.py imports no family's MLP, and a miss on the
+        # type raises nothing (nn.Module's instance lookup would). Not while hooks watch
+        # the MLP (bench/moe_floor.py's routing census): they see its input only through
+        # its own call.
         mlp = self.mlp
-        prenorm = getattr(type(mlp), "forward_prenorm", None)
-        if prenorm is not None and not (mlp._forward_hooks or mlp._forward_pre_hooks):
-            done: tuple[torch.Tensor, torch.Tensor] | None = prenorm(
-                mlp, h, residual, self.post_attention_layernorm)
-            if done is not None:
-                return done
+        then = None
+        if not (mlp._forward_hooks or mlp._forward_pre_hooks):
+            prenorm = getattr(type(mlp), "forward_prenorm", None)
+            if prenorm is not None:
+                done: tuple[torch.Tensor, torch.Tensor, bool] | None = prenorm(
+                    mlp, h, residual, self.post_attention_layernorm, after)
+                if done is not None:
+                    return done
+            if after is not None:
+                then = getattr(type(mlp), "forward_next_norm", None)
         h, residual = self.post_attention_layernorm(
             h, residual, self.mlp.gate_up_proj if self.mlp_in else None)
-        return self.mlp(h), residual
+        if then is not None:
+            fused: tuple[torch.Tensor, torch.Tensor] | None = then(mlp, h, residual, after)
+            if fused is not None:
+                return fused[0], fused[1], True
+        return self.mlp(h), residual, False
+
+    def as_next_norm(self) -> tuple[RMSNorm, nn.Module | None]:
+        """The layer's input_layernorm and the projection that reads its output (its
+        `into`): the norm the layer before may run (forward's `after`)."""
+        qkv = self.self_attn.qkv_proj if self.attn_in else None
+        assert qkv is None or isinstance(qkv, nn.Module)
+        return self.input_layernorm, qkv
 
 
 class LlamaForCausalLM(nn.Module):
@@ -226,11 +257,20 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         between = self.between_layers
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.cos_sin, kv_cache[:, i], meta)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        # each layer is handed what follows it, whose norm its MLP may run
+        # (DecoderLayer.forward's `after`); the final norm not while hooks watch it
+        # (bench/decode_op_count.py attributes the head's launches by its pre-hook)
+        norm = self.norm
+        final = None if norm._forward_hooks or norm._forward_pre_hooks else norm
+        normed = False
+        for i, layer in enumerate(layers):
+            after = layers[i + 1] if i + 1 < len(layers) else final
+            x, residual, normed = layer(x, residual, positions, self.cos_sin, kv_cache[:, i],
+                                        meta, after, normed)
             if between is not None:
                 between()
-        return self.norm(x, residual)[0]
+        return x if normed else norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[S, hidden] -> [S, vocab] float32 (gathered over the ranks)."""

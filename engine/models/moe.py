@@ -35,10 +35,11 @@ from engine.attention import KernelSet
 from engine.config import MoEConfig
 from engine.parallel.dp_exchange import ExpertExchange
 from engine.parallel.group import TPGroup
+from engine.quant.fp8_input import wants_fp8_input
 from kernels.ref_moe import moe_route_ref
 
 if TYPE_CHECKING:  # llama.py's DecoderLayer calls forward_prenorm (it imports nothing here)
-    from engine.models.llama import RMSNorm
+    from engine.models.llama import DecoderLayer, RMSNorm
 
 TP_FLAG = "--tensor-parallel-size"
 # Up to this many tokens (decode) the router's logits come from KernelSet.router_logits: one
@@ -56,6 +57,15 @@ ROUTER_ROUTE_FUSED = False
 # moe_bench.py --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True,engine.models.moe.
 # ROUTER_PRENORM=True"`.
 ROUTER_PRENORM = False
+# At one token, where the routed experts' down projection and top-k sum are one launch
+# (kernels.triton_moe.DOWN_SUM_MAX_TOKENS), the norm after the MoE block (the next decoder
+# layer's input_layernorm, or the model's final norm) inside that launch too
+# (kernels/triton_moe_down_sum.py's next_norm; SparseMoeBlock.forward_next_norm), the
+# norm's launch saved per MoE layer. Off until timed on a GPU: an A/B switch, `bench/
+# moe_bench.py --variants "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1,engine.models.moe.
+# NEXT_NORM_FUSED=True"` (the launch runs at the norm's warps: what that costs the weight
+# stream is what the A/B measures).
+NEXT_NORM_FUSED = False
 # From this many tokens (a prefill) the folded shared experts run as dense GEMMs (cuBLAS)
 # beside the routed ones, not as rows of the fused kernel: every token reads them, so they
 # are a full-height GEMM, which cuBLAS runs faster than the grouped kernel's tiles; at
@@ -356,16 +366,19 @@ class SparseMoeBlock(nn.Module):
         weights, ids = self.route(x, with_shared=not dense)
         return self._experts(x, weights, ids, dense, n)
 
-    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def forward_prenorm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                        after: DecoderLayer | RMSNorm | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
         """forward(h) after h, new_residual = norm(x, residual), with the norm inside the
-        router's launch (ROUTER_PRENORM): (out, new_residual), or None where that does not
-        apply and the caller runs the two. It applies where the fused routing does
+        router's launch (ROUTER_PRENORM): (out, new_residual, False), or None where that
+        does not apply and the caller runs the two. It applies where the fused routing does
         (_fused_route), to a plain norm of a [T, H] hidden state in the residual's dtype or
         of a K-split projection's [S, T, H] float32 partial sums (engine/models/split_k.py:
         Qwen3-MoE's o_proj at few rows; the launch adds them as rms_norm would), and not
         under data-parallel attention, whose exchange moves the tokens between the norm
-        and the routing."""
+        and the routing. after: what follows the decoder layer (DecoderLayer.forward's),
+        whose norm runs in the experts' last launch where forward_next_norm would run it:
+        the result is then that norm's (normed, its new residual, True)."""
         t = residual.shape[0]
         parts = x.dim() == 3 and x.dtype == torch.float32
         if (not ROUTER_PRENORM or self.exchange is not None or not self._fused_route(t)
@@ -380,7 +393,63 @@ class SparseMoeBlock(nn.Module):
         weights, ids, h, new_residual = router_route_prenorm(
             x, residual, norm.weight, norm.eps, self.gate.weight, out_dtype, c.top_k,
             c.scoring_func, c.renormalize, c.routed_scaling_factor, **kw)
-        return self._experts(h, weights, ids, dense, t), new_residual
+        then = self._next_norm(h, new_residual, after, dense)
+        if then is not None:
+            normed, next_residual = self._experts_next_norm(h, weights, ids, new_residual,
+                                                            then)
+            return normed, next_residual, True
+        return self._experts(h, weights, ids, dense, t), new_residual, False
+
+    def forward_next_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                          after: DecoderLayer | RMSNorm
+                          ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """norm(forward(x), residual) for `after`'s norm (the next layer's input_layernorm
+        or the final norm), the norm inside the experts' last launch (NEXT_NORM_FUSED:
+        kernels/triton_moe_down_sum.py's next_norm, where down and sum are one launch):
+        (normed, new_residual), or None, having launched nothing, where that does not
+        apply and the caller runs the two (_next_norm)."""
+        norm = self._next_norm(x, residual, after, self._dense(x.shape[0]))
+        if norm is None:
+            return None
+        weights, ids = self.route(x)
+        return self._experts_next_norm(x, weights, ids, residual, norm)
+
+    def _next_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                   after: DecoderLayer | RMSNorm | None, dense: bool) -> RMSNorm | None:
+        """after's norm where it may run in the experts' last launch, else None: the switch
+        on, the Triton kernels for both, the block's output the experts' alone (no
+        all-reduce or exchange after them, no shared experts added apart or densely), a
+        [T, H] input in the residual's dtype, and the norm's output not quantized for its
+        projection (RMSNorm's `into`, which the launch does not do), and down and sum one
+        launch for the call (kernels.triton_moe.down_sum_applies: one token,
+        DOWN_SUM_MAX_TOKENS). The switch first: decode's host runs this for every MoE
+        layer of every step."""
+        if not NEXT_NORM_FUSED or after is None:
+            return None
+        from kernels.triton_moe import down_sum_applies
+
+        norm, into = after.as_next_norm()
+        ex = self.experts
+        ok = (not dense and self.group is None and self.exchange is None
+              and self.shared_experts is None and self.k.name == "triton"
+              and norm.k.name == "triton" and x.dim() == 2 and residual.dtype == x.dtype
+              and (into is None or not wants_fp8_input(into, x.shape[0], norm.k.rms_norm_quant))
+              and down_sum_applies(x, ex.w13, ex.w2, ex.w2_scale is not None))
+        return norm if ok else None
+
+    def _experts_next_norm(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                           residual: torch.Tensor, norm: RMSNorm
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """norm(experts(x), residual) with the norm in the experts' last launch, where
+        _next_norm said it applies."""
+        from kernels.triton_moe import fused_moe_next_norm
+
+        ex = self.experts
+        done = fused_moe_next_norm(x, ex.w13, ex.w2, weights, ids, ex.shard.start,
+                                   norm.weight, norm.eps, residual, w13_scale=ex.w13_scale,
+                                   w2_scale=ex.w2_scale)
+        assert done is not None, "_next_norm checked down_sum_applies"
+        return done
 
     def _experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  dense: bool, n: int) -> torch.Tensor:

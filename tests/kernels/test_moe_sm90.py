@@ -62,19 +62,108 @@ for dev, b in [(dev, b) for dev in ("default", "NVIDIA H200") for b in table[dev
 # tiles (Qwen3-30B-A3B's 768) or not (V2-Lite's 1408: the last tile moved back); block
 # scales make I whole tiles of a group
 DS = {"a_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "ids_ptr": "*i64",
-      "tw_ptr": "*fp32", "sc_ptr": "*fp32", "H": "i32", "INTER": "i32", "TOP_K": "i32",
+      "tw_ptr": "*fp32", "sc_ptr": "*fp32", "res_ptr": "*bf16", "nw_ptr": "*bf16",
+      "normed_ptr": "*bf16", "count_ptr": "*i32", "H": "i32", "INTER": "i32", "TOP_K": "i32",
       "expert_start": "i32", "num_local": "i32", "s_a": "i32", "s_we": "i32", "s_wn": "i32",
-      "s_o": "i32", "s_se": "i32", "s_sn": "i32"}
-DIV_DS = ("a_ptr", "w_ptr", "out_ptr", "ids_ptr", "tw_ptr", "sc_ptr", "H", "INTER", "s_a",
-          "s_we", "s_wn", "s_o")
+      "s_o": "i32", "s_se": "i32", "s_sn": "i32", "s_r": "i32", "s_nm": "i32", "eps": "fp32"}
+DIV_DS = ("a_ptr", "w_ptr", "out_ptr", "ids_ptr", "tw_ptr", "sc_ptr", "res_ptr", "nw_ptr",
+          "normed_ptr", "count_ptr", "H", "INTER", "s_a", "s_we", "s_wn", "s_o", "s_r", "s_nm")
 for kind, (wty, scaled) in WEIGHTS.items():
     gk = scaled["GROUP_K"]
     for even in (True, False) if gk == 1 else (True,):
         out[f"down_sum/{kind}even{int(even)}"] = spills(ds._down_sum_kernel, dict(
             DS, w_ptr=wty), dict(BLOCK_N=ds.BLOCK_N, BLOCK_K=min(ds.BLOCK_K, gk) if gk > 1
                                  else ds.BLOCK_K, EVEN_K=even, PDL=True,
-                                 STAGES=ds.NUM_STAGES, **scaled),
+                                 STAGES=ds.NUM_STAGES, NEXT_NORM=False, BLOCK_H=1, **scaled),
             divisible=DIV_DS, num_warps=ds.NUM_WARPS)
+# with the next layer's norm (NEXT_NORM): bf16 and FP8 per channel at V2-Lite's H = 2048
+# (I = 1408: the moved-back last tile) and V3's 7168 (I = 2048), at rms_norm's warps for
+# the row as the launcher runs it (8 and 16). The PTX shows what the "last program done"
+# argument rests on (kernels/triton_router_route.py's, tests/kernels/
+# test_router_route_sm90.py): a barrier after the columns' stores, one gpu-scope acq_rel
+# atomic, a barrier between it and the last program's row loads from L2 (.cg); and the
+# row's sum of squares reduces in _rms_norm_kernel's register layout (the same order of
+# additions: the same rstd bits).
+import re
+import kernels.triton_norm as tn
+
+NORM_SIG = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16",
+            "new_res_ptr": "*bf16", "scale_ptr": "*fp32", "s_x": "i32", "s_r": "i32",
+            "s_o": "i32", "s_nr": "i32", "s_part": "i32", "H": "i32", "eps": "fp32"}
+
+
+class Found:  # a count read at the end like spills' results
+    def __init__(self, n):
+        self.n = n
+
+    def result(self):
+        return self.n
+
+
+def compiled(fn, sig, const, div, warps):
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div}
+    return triton.compile(ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in const}),
+                                    constexprs=const, attrs=attrs),
+                          target=TARGET, options=dict(num_warps=warps))
+
+
+def row_reduces(k, block_h):
+    """The layouts (their definitions) of a kernel's reductions over a [block_h] float32 row."""
+    ir = k.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, flags=re.M))
+    found = re.findall(r'"tt\.reduce"\(%\w+\).*?\}\) : \(tensor<' + str(block_h)
+                       + r'xf32, (#\w+)>\)', ir, flags=re.S)
+    return [layouts[f] for f in found]
+
+
+def tile_reduces(k, tile):
+    """The layouts of a kernel's reductions of `tile`, less their warps: a row's order of
+    additions (its elements a thread, lanes a row) is what they leave."""
+    ir = k.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ir, flags=re.M))
+    found = re.findall(r'"tt\.reduce"\(%\w+\).*?\}\) : \(' + tile + r', (#\w+)>\)', ir,
+                       flags=re.S)
+    return [re.sub(r"warpsPerCTA = \[[\d, ]+\], ", "", layouts[f]) for f in found]
+
+
+for h, inter in ((2048, 1408), (7168, 2048)):
+    block_h = triton.next_power_of_2(h)
+    warps = tn.norm_warps(block_h)
+    norm = compiled(tn._rms_norm_kernel, NORM_SIG, dict(HAS_RES=True, BLOCK_H=block_h,
+                    PARTS=0, PDL=True, QUANT=False),
+                    [k for k in NORM_SIG if NORM_SIG[k].startswith("*") or k.startswith("s_")
+                     or k == "H"], warps)
+    for kind in ("", "fp8/"):
+        wty, scaled = WEIGHTS[kind]
+        key = f"down_sum_norm/{kind}{h}"
+        const = dict(BLOCK_N=ds.BLOCK_N, BLOCK_K=ds.BLOCK_K, EVEN_K=inter % ds.BLOCK_K == 0,
+                     PDL=True, STAGES=ds.NUM_STAGES, NEXT_NORM=True, BLOCK_H=block_h,
+                     **scaled)
+        sig = dict(DS, w_ptr=wty)
+        out[key] = spills(ds._down_sum_kernel, sig, const, divisible=DIV_DS, num_warps=warps)
+        k = compiled(ds._down_sum_kernel, sig, const, DIV_DS, warps)
+        ptx = k.asm["ptx"]
+        atoms = re.findall(r"atom\.[\w.]+", ptx)
+        n_acq = sum(a in ("atom.global.gpu.acq_rel.add.u32", "atom.global.gpu.acq_rel.add.s32")
+                    for a in atoms)
+        out[f"{key}/acq_rel_gpu_atoms"] = Found(n_acq)
+        out[f"{key}/other_atoms"] = Found(len(atoms) - n_acq)
+        before = ptx[:ptx.index("atom.")]
+        out[f"{key}/barrier_before_atom"] = Found(int(
+            before.rfind("bar.sync") > before.rfind("st.global")))
+        after = ptx[ptx.index("atom."):]
+        out[f"{key}/cg_loads"] = Found(after.count("ld.global.cg"))
+        out[f"{key}/barrier_after_atom"] = Found(int(
+            -1 < after.find("bar.sync") < after.find("ld.global.cg")))
+        mine, theirs = row_reduces(k, block_h), row_reduces(norm, block_h)
+        out[f"{key}/row_reduce_as_norm"] = Found(int(len(mine) == 1 and mine == theirs))
+        # the weight tile's reduction over K in the layout of the 4-warp launch without
+        # the norm: the same MoE row bits (the module docstring's table)
+        plain = compiled(ds._down_sum_kernel, sig, dict(const, NEXT_NORM=False, BLOCK_H=1),
+                         DIV_DS, ds.NUM_WARPS)
+        tile = f"tensor<{ds.BLOCK_N}x{ds.BLOCK_K}xf32"
+        out[f"{key}/tile_reduce_as_plain"] = Found(int(
+            tile_reduces(k, tile) == tile_reduces(plain, tile) != []))
 # gate/up without tl.dot at one token, with its module's tiles: H a whole number of K
 # tiles (V2-Lite's and Qwen3-30B-A3B's 2048) or not (the last tile moved back: no
 # supported model's, compiled so a GPU run of one finds no spill either); block scales
@@ -126,6 +215,21 @@ def test_moe_kernels_compile_for_sm90_without_spills() -> None:
     spills = spill_bytes(BODY)
     # 3 * 4: per-pair tiles; 5 each: down + sum, and gate/up without tl.dot (bf16 and FP8
     # per channel, each with and without whole K tiles; FP8 block scales); then align,
-    # route, the sum with and without the row map, router
-    assert len(spills) == 3 * 20 + 3 * 4 + 5 + 5 + 5, sorted(spills)
-    assert {k: v for k, v in spills.items() if v} == {}, spills
+    # route, the sum with and without the row map, router; down + sum with the next norm
+    # (bf16 and FP8 per channel at H = 2048 and 7168), each with its 7 findings
+    norm = [k for k in spills if k.startswith("down_sum_norm/")]
+    assert len(spills) - len(norm) == 3 * 20 + 3 * 4 + 5 + 5 + 5, sorted(spills)
+    assert {k: v for k, v in spills.items() if v and k not in norm} == {}, spills
+    assert len(norm) == 4 * 8, sorted(norm)
+    for key in ("down_sum_norm/2048", "down_sum_norm/7168", "down_sum_norm/fp8/2048",
+                "down_sum_norm/fp8/7168"):
+        assert spills[key] == 0, (key, spills[key])
+        assert spills[f"{key}/acq_rel_gpu_atoms"] == 1, spills
+        assert spills[f"{key}/other_atoms"] == 0, spills
+        assert spills[f"{key}/barrier_before_atom"] == 1, spills
+        assert spills[f"{key}/barrier_after_atom"] == 1, spills
+        assert spills[f"{key}/cg_loads"] >= 1, spills
+        assert spills[f"{key}/row_reduce_as_norm"] == 1, spills
+        # at rms_norm's warps (8, 16) the tile keeps its 4-warp layout but FP8's at 16
+        assert spills[f"{key}/tile_reduce_as_plain"] == int(key != "down_sum_norm/fp8/7168"), (
+            key, spills)
