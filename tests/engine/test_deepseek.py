@@ -323,7 +323,8 @@ FUSIONS = (("engine.models.moe", "ROUTER_ROUTE_FUSED", True),
            ("engine.models.mla", "FUSED_LATENT_ABSORB", True),
            ("engine.models.mla", "FUSED_UP_MERGE", True),
            ("kernels.triton_moe", "DOWN_SUM_MAX_TOKENS", 1),
-           ("kernels.triton_moe", "GATE_UP_GEMV_MAX_TOKENS", 1))
+           ("kernels.triton_moe", "GATE_UP_GEMV_MAX_TOKENS", 1),
+           ("engine.models.moe", "NEXT_NORM_FUSED", True))
 
 
 @pytest.mark.gpu

@@ -188,8 +188,8 @@ def test_moe_decode_graphs_equal_eager_and_transformers_on_gpu(moe_models, make_
 def test_moe_decode_fusions_on_gpu(moe_models, make_llm, monkeypatch):
     """Router logits + routing as one launch, with the post-attention norm inside it (from
     o_proj's split-K partial sums at these rows) and, at one token, gate/up as the GEMV and
-    down + sum as one (all off by default until timed): each prompt alone in graphs,
-    tokens equal transformers'."""
+    down + sum + the next layer's norm as one (all off by default until timed): each prompt
+    alone in graphs, tokens equal transformers'."""
     import engine.models.moe as moe
     import kernels.triton_moe as tm
 
@@ -197,6 +197,7 @@ def test_moe_decode_fusions_on_gpu(moe_models, make_llm, monkeypatch):
     monkeypatch.setattr(moe, "ROUTER_PRENORM", True)
     monkeypatch.setattr(tm, "DOWN_SUM_MAX_TOKENS", 1)
     monkeypatch.setattr(tm, "GATE_UP_GEMV_MAX_TOKENS", 1)
+    monkeypatch.setattr(moe, "NEXT_NORM_FUSED", True)
     path = moe_models["qwen3_moe"]
     llm = make_llm(path, device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256)
     for prompt in PROMPTS:
