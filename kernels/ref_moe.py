@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.ref_fp8 import fp8_weight_only_ref
+from kernels.ref_norm import rms_norm_ref
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -140,12 +141,16 @@ def router_route_ref(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype, t
 
 def down_sum_ref(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor, out: torch.Tensor, expert_start: int = 0,
-                 w2_scale: torch.Tensor | None = None, pdl: bool = False) -> None:
+                 w2_scale: torch.Tensor | None = None, pdl: bool = False,
+                 next_norm: tuple[torch.Tensor, float, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """kernels/triton_moe_down_sum.down_sum's contract: out[t] = the sum over slots j, in
     order, of topk_weights[t, j] times pair t * k + j's down projection (act's row through
     its expert's w2, rounded to act's dtype as HF's expert returns it), in float32 and
     rounded once; pairs of another rank's experts add nothing. pdl: the kernel's launch
-    option, unused here."""
+    option, unused here. next_norm (weight, eps, residual): out receives the new residual
+    (that sum + residual) and the return is (rms_norm of it, out), as the next layer's
+    input_layernorm would give (kernels/ref_norm.rms_norm_ref)."""
     t, k = topk_ids.shape
     local = topk_ids.long() - expert_start  # [T, k]
     rows = act.view(t, k, act.shape[1])
@@ -160,3 +165,49 @@ def down_sum_ref(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                  else fp8_weight_only_ref(a, w2[e], w2_scale[e]))  # [1, H], act's dtype
             total[i] += y[0].float() * topk_weights[i, j].float()
     out.copy_(total.to(out.dtype))
+    if next_norm is None:
+        return None
+    weight, eps, residual = next_norm
+    normed, new_residual = rms_norm_ref(out.clone(), weight, eps, residual)
+    out.copy_(new_residual)
+    return normed, out
+
+
+def gate_up_gemv_ref(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
+                     topk_ids: torch.Tensor, expert_start: int = 0,
+                     w13_scale: torch.Tensor | None = None, pdl: bool = False) -> None:
+    """kernels/triton_moe_gate_up_gemv.gate_up_gemv's contract: act[t * k + j] =
+    silu(gate) * up for token t through its slot-j expert's w13 ([gate | up] rows), gate
+    and up each rounded to x's dtype as the unfused linear returns them, the product
+    rounded once; rows of another rank's experts are not written. pdl: unused here."""
+    t, k = topk_ids.shape
+    inter = w13.shape[1] // 2
+    local = topk_ids.long() - expert_start  # [T, k]
+    for i in range(t):
+        for j in range(k):
+            e = int(local[i, j])
+            if not 0 <= e < w13.shape[0]:
+                continue
+            a = x[i][None]  # [1, H]
+            y = (F.linear(a, w13[e]) if w13_scale is None
+                 else fp8_weight_only_ref(a, w13[e], w13_scale[e]))[0]  # [2I], x's dtype
+            gate, up = y[:inter].float(), y[inter:].float()
+            act[i * k + j] = (F.silu(gate) * up).to(act.dtype)
+
+
+def router_route_prenorm_ref(x: torch.Tensor, residual: torch.Tensor,
+                             norm_weight: torch.Tensor, eps: float, w: torch.Tensor,
+                             out_dtype: torch.dtype, top_k: int, scoring_func: str,
+                             renormalize: bool, routed_scaling_factor: float = 1.0,
+                             e_score_correction_bias: torch.Tensor | None = None,
+                             round_dtype: torch.dtype | None = None, num_shared: int = 0,
+                             n_group: int | None = None, topk_group: int | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels/triton_router_route.router_route_prenorm's contract: normed, new_residual =
+    rms_norm(x, norm_weight, eps, residual) (x [T, H], or [S, T, H] float32 partial sums),
+    then router_route_ref on normed: (weights, ids, normed, new_residual)."""
+    normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
+    weights, ids = router_route_ref(normed, w, out_dtype, top_k, scoring_func, renormalize,
+                                    routed_scaling_factor, e_score_correction_bias,
+                                    round_dtype, num_shared, n_group, topk_group)
+    return weights, ids, normed, new_residual

@@ -102,3 +102,67 @@ def test_mla_up_v_merged_ref(kw, gen, device, close):
     want = mla_up_v_merged_ref(d, seq_lens, w_uv, torch.empty(3, 4, 20, device=device))
     close(got, want, torch.float32)
     assert torch.equal(want[1], torch.zeros_like(want[1]))
+
+
+@pytest.mark.parametrize("parts", [0, 2])
+def test_router_route_prenorm_ref(parts, gen, device, close):
+    # the residual add + RMSNorm before the routing, from a row or split-K partial sums
+    from kernels.ref_moe import router_route_prenorm_ref
+    from kernels.triton_router_route import router_route_prenorm
+
+    t, e, h = 3, 20, 96
+    x = (torch.randn(parts, t, h, generator=gen) if parts
+         else torch.randn(t, h, generator=gen)).to(device)
+    res = torch.randn(t, h, generator=gen).to(device)
+    nw = (1 + 0.3 * torch.randn(h, generator=gen)).to(device)
+    w = (torch.randn(e, h, generator=gen) * 0.1).to(device)
+    args = (x, res, nw, 1e-6, w, torch.float32, 4, "softmax", True)
+    got, want = router_route_prenorm(*args), router_route_prenorm_ref(*args)
+    torch.testing.assert_close(_dense(*got[:2], e), _dense(*want[:2], e), rtol=1e-5,
+                               atol=1e-6)
+    close(got[2], want[2], torch.float32)
+    close(got[3], want[3], torch.float32)
+
+
+def test_down_sum_next_norm_ref(gen, device, close):
+    # the next layer's input norm in the same launch: out holds the new residual
+    from kernels.ref_moe import down_sum_ref
+    from kernels.triton_moe_down_sum import down_sum
+
+    t, k, e, h, inter = 1, 4, 6, 40, 48
+    act = torch.randn(t * k, inter, generator=gen).to(device)
+    w2 = (torch.randn(e, h, inter, generator=gen) * 0.1).to(device)
+    ids = torch.tensor([[0, 3, 5, 2]], device=device)
+    weights = torch.rand(t, k, generator=gen).to(device)
+    norm = ((1 + 0.3 * torch.randn(h, generator=gen)).to(device), 1e-6,
+            torch.randn(t, h, generator=gen).to(device))
+    got_out, want_out = torch.empty(t, h, device=device), torch.empty(t, h, device=device)
+    got = down_sum(act, w2, ids, weights, got_out, next_norm=norm)
+    want = down_sum_ref(act, w2, ids, weights, want_out, next_norm=norm)
+    assert got is not None and want is not None
+    close(got[0], want[0], torch.float32)
+    close(got_out, want_out, torch.float32)  # the new residual
+    assert got[1] is got_out and want[1] is want_out
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gate_up_gemv_ref(fp8, gen, device, close):
+    from kernels.ref_fp8 import quantize_stack
+    from kernels.ref_moe import gate_up_gemv_ref
+    from kernels.triton_moe_gate_up_gemv import gate_up_gemv
+
+    t, k, e, h, inter = 1, 3, 6, 40, 24
+    x = torch.randn(t, h, generator=gen).to(device)
+    w13 = (torch.randn(e, 2 * inter, h, generator=gen) * 0.1).to(device)
+    scale = None
+    if fp8:
+        w13, scale = quantize_stack(w13)
+    ids = torch.tensor([[3, 0, 5]], device=device)  # expert 0 is another rank's (start 1)
+    got = torch.full((t * k, inter), float("nan"), device=device)
+    want = got.clone()
+    gate_up_gemv(x, w13[1:], got, ids, expert_start=1,
+                 w13_scale=None if scale is None else scale[1:])
+    gate_up_gemv_ref(x, w13[1:], want, ids, expert_start=1,
+                     w13_scale=None if scale is None else scale[1:])
+    close(got[[0, 2]], want[[0, 2]], torch.float32)
+    assert got[1].isnan().all() and want[1].isnan().all()  # another rank's row: unwritten
