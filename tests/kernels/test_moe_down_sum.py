@@ -203,17 +203,24 @@ def test_down_sum_saves_the_sum_launch(gen, device, monkeypatch):
     assert sum(on.values()) == sum(off.values()) - 1
 
 
-def test_down_sum_past_one_token_keeps_the_unfused_path(gen, device, monkeypatch):
-    # two tokens take the align step's layout, where the switch does not apply
+# the one-token switches of kernels/triton_moe.py: (switch, its kernel, the one it replaces)
+ONE_TOKEN_SWITCHES = [("DOWN_SUM_MAX_TOKENS", "_down_sum_kernel", "_sum_topk_kernel"),
+                      ("GATE_UP_GEMV_MAX_TOKENS", "_gate_up_gemv_kernel", "_gate_up_kernel")]
+
+
+@pytest.mark.parametrize("switch,fused,kept", ONE_TOKEN_SWITCHES)
+def test_past_one_token_keeps_the_unfused_path(switch, fused, kept, gen, device,
+                                               monkeypatch):
+    # two tokens take the align step's layout, where neither switch applies
     import kernels.triton_moe as m
 
     args = _inputs(32, 32, 8, 2, 0, 8, 0, torch.float32, "none", gen, device)
     args.update(x=args["x"].repeat(2, 1), topk_ids=args["topk_ids"].repeat(2, 1),
                 topk_weights=args["topk_weights"].repeat(2, 1))
-    monkeypatch.setattr(m, "DOWN_SUM_MAX_TOKENS", 1)
+    monkeypatch.setattr(m, switch, 1)
     with _launches() as counts:
         m.fused_moe(**args)
-    assert counts["_sum_topk_kernel"] == 1 and "_down_sum_kernel" not in counts, counts
+    assert counts[kept] == 1 and fused not in counts, counts
 
 
 def test_down_sum_bad_arguments_are_refused(device):

@@ -193,17 +193,7 @@ def test_with_down_sum_the_experts_are_two_launches(dtype, gen, device, monkeypa
         close(on, off, dtype)
 
 
-def test_gate_up_gemv_past_one_token_keeps_the_dot_kernel(gen, device, monkeypatch):
-    # two tokens take the align step's layout, where the switch does not apply
-    import kernels.triton_moe as m
-
-    args = _inputs(32, 32, 8, 2, 0, 8, 0, torch.float32, "none", gen, device)
-    args.update(x=args["x"].repeat(2, 1), topk_ids=args["topk_ids"].repeat(2, 1),
-                topk_weights=args["topk_weights"].repeat(2, 1))
-    monkeypatch.setattr(m, "GATE_UP_GEMV_MAX_TOKENS", 1)
-    with _launches() as counts:
-        m.fused_moe(**args)
-    assert counts["_gate_up_kernel"] == 1 and "_gate_up_gemv_kernel" not in counts, counts
+# past one token: tests/kernels/test_moe_down_sum.py's test_past_one_token_keeps_the_unfused_path
 
 
 def test_gate_up_gemv_bad_arguments_are_refused(device):
