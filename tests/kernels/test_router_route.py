@@ -2,13 +2,11 @@
 kernels it replaces, router_logits then moe_route: the same weights and ids bit for bit
 (the same jit helpers do the arithmetic), its per-token counters back at zero after every
 launch, and, in the engine (engine.models.moe.ROUTER_ROUTE_FUSED), the same decode step
-with one kernel fewer per MoE layer. Its PRENORM variant (router_route_prenorm, the
-residual add + RMSNorm in the same launch) against kernels/triton_norm.rms_norm then
-router_route, and in the engine (engine.models.moe.ROUTER_PRENORM) one kernel fewer
-again."""
+with one kernel fewer per MoE layer. The PRENORM variant: test_router_route_prenorm.py."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -141,105 +139,6 @@ def test_no_tokens_and_bad_arguments(device):
                      e_score_correction_bias=torch.zeros(7, device=device))
 
 
-# (x and residual dtype, router dtype, logits dtype, H): H a power of two nowhere, a
-# multiple of the logits' 256-wide K tile once (768)
-PRENORM_DTYPES = {"fp32": (torch.float32, torch.float32, torch.float32, 200),
-                  "bf16_fp32_router": (torch.bfloat16, torch.float32, torch.float32, 768),
-                  "bf16": (torch.bfloat16, torch.bfloat16, torch.bfloat16, 200)}
-
-
-def _prenorm_inputs(routing: str, dtypes: str, t: int, gen: torch.Generator,
-                    device: torch.device) -> tuple[Any, ...]:
-    scoring, bias, renorm, scale, rnd, shared, ng, tg, e, k = ROUTINGS[routing]
-    xd, wd, od, h = PRENORM_DTYPES[dtypes]
-    x = torch.randn(t, h, generator=gen).to(device=device, dtype=xd)  # attention's output
-    res = (torch.randn(t, h, generator=gen) * 4).to(device=device, dtype=xd)
-    nw = (1 + 0.3 * torch.randn(h, generator=gen)).to(device=device, dtype=xd)
-    w = (torch.randn(e, h, generator=gen) * 0.1).to(device=device, dtype=wd)
-    b = torch.randn(e, generator=gen).to(device) * 0.1 if bias else None
-    kw = dict(top_k=k, scoring_func=scoring, renormalize=renorm, routed_scaling_factor=scale,
-              e_score_correction_bias=b, round_dtype=rnd, num_shared=shared, n_group=ng,
-              topk_group=tg)
-    return x, res, nw, 1e-6, w, od, kw
-
-
-def _norm_then_route(x: torch.Tensor, res: torch.Tensor, nw: torch.Tensor, eps: float,
-                     w: torch.Tensor, od: torch.dtype, kw: dict[str, Any]
-                     ) -> tuple[torch.Tensor, ...]:
-    from kernels.triton_norm import rms_norm
-    from kernels.triton_router_route import router_route
-
-    normed, new_res = rms_norm(x, nw, eps, res)
-    return (*router_route(normed, w, od, **kw), normed, new_res)
-
-
-@pytest.mark.parametrize("t", [1, 3, 16])
-@pytest.mark.parametrize("dtypes", sorted(PRENORM_DTYPES))
-@pytest.mark.parametrize("routing", sorted(ROUTINGS))
-def test_prenorm_equals_rms_norm_then_router_route(routing, dtypes, t, gen, device):
-    from kernels.triton_router_route import counters, router_route_prenorm
-
-    x, res, nw, eps, w, od, kw = _prenorm_inputs(routing, dtypes, t, gen, device)
-    x0, res0 = x.clone(), res.clone()
-    got = router_route_prenorm(x, res, nw, eps, w, od, **kw)
-    want = _norm_then_route(x, res, nw, eps, w, od, kw)
-    names = ("weights", "ids", "normed", "new_residual")
-    for name, a, b in zip(names, got, want, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
-        assert torch.equal(a, b), name
-    assert got[2].dtype == x.dtype and got[3].dtype == x.dtype
-    assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs not modified
-    assert not counters(device, t).any()
-
-
-@pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("dtypes", sorted(PRENORM_DTYPES))
-def test_prenorm_sums_a_split_k_projections_partials(dtypes, t, gen, device):
-    # Qwen3-MoE's o_proj at few rows on one CUDA rank leaves [S, T, H] float32 partial
-    # sums (engine/models/split_k.py) that rms_norm adds: the prenorm launch adds them too
-    from kernels.triton_router_route import counters, router_route_prenorm
-
-    x, res, nw, eps, w, od, kw = _prenorm_inputs("qwen3", dtypes, t, gen, device)
-    parts = torch.randn(2, t, x.shape[1], generator=gen).to(device)
-    got = router_route_prenorm(parts, res, nw, eps, w, od, **kw)
-    want = _norm_then_route(parts, res, nw, eps, w, od, kw)
-    for name, a, b in zip(("weights", "ids", "normed", "new_residual"), got, want,
-                          strict=True):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
-    assert got[2].dtype == res.dtype
-    assert not counters(device, t).any()
-    with pytest.raises(ValueError, match="x: partial sums must be float32"):
-        router_route_prenorm(parts.half(), res, nw, eps, w, od, **kw)
-
-
-def test_prenorm_no_tokens_and_bad_arguments(device):
-    from kernels.triton_router_route import router_route_prenorm
-
-    h = 48
-    w = torch.randn(8, h, device=device)
-    x, res, nw = torch.randn(2, h, device=device), torch.randn(2, h, device=device), \
-        torch.ones(h, device=device)
-    empty = torch.empty(0, h, device=device)
-    weights, ids, normed, new_res = router_route_prenorm(empty, empty, nw, 1e-6, w,
-                                                         torch.float32, 2, "softmax", True)
-    assert weights.shape == ids.shape == (0, 2) and normed.shape == new_res.shape == (0, h)
-    args = (torch.float32, 2, "softmax", True)
-    with pytest.raises(ValueError, match="x, w: expected"):
-        router_route_prenorm(x, res, nw, 1e-6, torch.randn(8, h + 1, device=device), *args)
-    with pytest.raises(ValueError, match="residual: expected shape"):
-        router_route_prenorm(x, res[:1], nw, 1e-6, w, *args)
-    with pytest.raises(ValueError, match="residual: dtype"):
-        router_route_prenorm(x, res.double(), nw, 1e-6, w, *args)
-    with pytest.raises(ValueError, match="residual: rows"):
-        router_route_prenorm(x, torch.randn(h, 2, device=device).t(), nw, 1e-6, w, *args)
-    with pytest.raises(ValueError, match="norm_weight: expected shape"):
-        router_route_prenorm(x, res, nw[1:], 1e-6, w, *args)
-    with pytest.raises(ValueError, match="norm_weight: dtype"):
-        router_route_prenorm(x, res, nw.long(), 1e-6, w, *args)
-    with pytest.raises(ValueError, match="top_k"):
-        router_route_prenorm(x, res, nw, 1e-6, w, torch.float32, 9, "softmax", True)
-
-
 def _switches(monkeypatch, fused: bool, prenorm: bool = False) -> None:
     import engine.models.moe as moe
 
@@ -261,9 +160,10 @@ def _recording(model: Any, logits: list[torch.Tensor]) -> Any:
 
 
 def _decode_step(tmp_path, version: str, batch: int, fused: bool, monkeypatch,
-                 prenorm: bool = False) -> tuple[dict[str, Any], torch.Tensor]:
+                 prenorm: bool = False, **config: Any) -> tuple[dict[str, Any], torch.Tensor]:
     """bench/decode_op_count's decode step (the CUDA kernel set, interpreted) with the
-    switches set: its kernels per layer and its logits."""
+    switches set: its kernels per layer and its logits. config: overrides of the model's
+    config (decode_op_count.write_config's)."""
     import bench.decode_op_count as doc
     import engine.weights as weights
 
@@ -274,7 +174,7 @@ def _decode_step(tmp_path, version: str, batch: int, fused: bool, monkeypatch,
                         lambda *a, **kw: _recording(build(*a, **kw), logits))
     torch.manual_seed(0)  # the step's token ids and KV cache (the weights are seeded)
     counts = doc.count_decode_step(doc.write_config(str(tmp_path / f"{version}.json"),
-                                                    version), batch=batch)
+                                                    version, **config), batch=batch)
     assert len(logits) == 1
     return counts, logits[0]
 
@@ -300,204 +200,62 @@ def test_engine_switch_gives_the_same_step_with_one_kernel_fewer(version, batch,
         assert b.aten == a.aten
 
 
-def _qwen3_moe_step(path: str, batch: int, fused: bool, prenorm: bool, monkeypatch
-                    ) -> tuple[dict[str, Any], torch.Tensor]:
-    """A Qwen3-MoE decode step as _decode_step's (GQA attention, its K-split o_proj off
-    CUDA): its kernels per layer and its logits."""
-    import bench.decode_op_count as doc
-    from engine.attention import AttentionMetadata, kernels_for
-    from engine.weights import build_model, read_model_config
-
-    _switches(monkeypatch, fused, prenorm)
-    cfg = read_model_config(path)
-    logits: list[torch.Tensor] = []
-    model = _recording(build_model(path, cfg, kernels_for(torch.device("cuda")),
-                                   torch.device("cpu"), "float32", "dummy", 64), logits)
-    torch.manual_seed(0)
-    context, bs = 9, 4
-    per_req = -(-context // bs)
-    kv = torch.randn(batch * per_req + 1, cfg.num_layers, 2, bs, cfg.num_kv_heads,
-                     cfg.head_dim) * 0.1
-    tables = torch.arange(1, batch * per_req + 1, dtype=torch.int32).view(batch, per_req)
-    slots = tables[:, (context - 1) // bs].long() * bs + (context - 1) % bs
-    meta = AttentionMetadata(
-        slot_mapping=slots, block_tables=tables,
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32), decode_only=True)
-    ids = torch.randint(3, cfg.vocab_size, (batch,))
-    counts = doc._count_forward(model, ids, torch.full((batch,), context - 1), kv, meta)
-    assert len(logits) == 1
-    return counts, logits[0]
+# The GPU tests' routings (V2-Lite's and V3's) and graph check, shared with
+# test_router_route_prenorm.py
+def gpu_routing(routing: str, e: int, gen: torch.Generator, dev: torch.device
+                ) -> dict[str, Any]:
+    if routing == "v2_lite":
+        return dict(top_k=6, scoring_func="softmax", renormalize=False, num_shared=2)
+    return dict(top_k=8, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5,
+                e_score_correction_bias=torch.randn(e, generator=gen).to(dev) * 0.1,
+                round_dtype=torch.bfloat16, num_shared=1, n_group=8, topk_group=4)
 
 
-def _assert_prenorm_saves_the_norm(off: dict[str, Any], on: dict[str, Any],
-                                   moe_layers: tuple[str, ...]) -> None:
-    """on: each MoE layer's post-attention norm launch gone into its router's, all else
-    equal; the dense layer unchanged."""
-    assert on["layer.0"].total == off["layer.0"].total
-    for layer in moe_layers:
-        a, b = off[layer], on[layer]
-        assert b.total == a.total - 1, (layer, a, b)
-        assert b.triton["_rms_norm_kernel"] == a.triton["_rms_norm_kernel"] - 1, (layer, a, b)
-        assert a.triton["_router_route_kernel"] == b.triton["_router_route_kernel"] == 1
-        assert b.aten == a.aten
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="counts the interpreter's launches")
-@pytest.mark.parametrize("version,batch", [("v2", 1), ("v3", 1), ("v3", 3)])
-def test_engine_prenorm_gives_the_same_step_with_the_norm_launch_gone(version, batch,
-                                                                      tmp_path, monkeypatch):
-    from kernels.triton_router_route import MIN_COUNTERS, counters
-
-    counters(torch.device("cpu"), MIN_COUNTERS)  # allocated before counting: not a step's
-    off, off_logits = _decode_step(tmp_path, version, batch, True, monkeypatch)
-    on, on_logits = _decode_step(tmp_path, version, batch, True, monkeypatch, prenorm=True)
-    assert torch.equal(on_logits, off_logits)
-    _assert_prenorm_saves_the_norm(off, on, ("layer.1", "layer.2"))
-    # the MoE layer's norms: input_layernorm (and V3's q_a_layernorm) stay
-    assert on["layer.1"].triton["_rms_norm_kernel"] == (1 if version == "v2" else 2)
-    # without the fused routing there is no launch to hold the norm: the switch does nothing
-    plain, plain_logits = _decode_step(tmp_path, version, batch, False, monkeypatch,
-                                       prenorm=True)
-    assert torch.equal(plain_logits, off_logits)
-    assert plain["layer.1"].triton["_rms_norm_kernel"] == \
-        off["layer.1"].triton["_rms_norm_kernel"]
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="counts the interpreter's launches")
-def test_engine_prenorm_on_qwen3_moe(tmp_path, monkeypatch):
-    from tiny_models import make_tiny_model
-
-    from kernels.triton_router_route import MIN_COUNTERS, counters
-
-    counters(torch.device("cpu"), MIN_COUNTERS)
-    path = make_tiny_model(str(tmp_path / "qwen3_moe"), "qwen3_moe")
-    _qwen3_moe_step(path, 2, True, False, monkeypatch)  # the first step's one-off buffers
-    off, off_logits = _qwen3_moe_step(path, 2, True, False, monkeypatch)
-    on, on_logits = _qwen3_moe_step(path, 2, True, True, monkeypatch)
-    assert torch.equal(on_logits, off_logits)
-    _assert_prenorm_saves_the_norm(off, on, ("layer.1", "layer.2"))
-    assert on["layer.1"].triton["_rms_norm_kernel"] == 1  # input_layernorm
-
-
-def test_prenorm_is_refused_where_it_does_not_apply(monkeypatch):
-    """forward_prenorm's None (the layer then runs the norm and the block): the switch
-    off, the torch-reference kernel set, too many tokens, partial sums not in float32, an
-    exchange (data-parallel attention)."""
-    import engine.models.moe as moe
-    from engine.attention import kernels_for
-    from engine.config import MoEConfig
-    from engine.models.llama import RMSNorm
-
-    tri = kernels_for(torch.device("cuda"))
-    cfg = MoEConfig(num_experts=8, top_k=2, intermediate_size=16, layers=(0,), renormalize=True)
-    block = moe.SparseMoeBlock(cfg, 32, tri, None)
-    norm = RMSNorm(32, 1e-6, tri)
-    x = torch.randn(2, 32)
-    _switches(monkeypatch, True, True)
-    assert block._fused_route(2)
-    # partial sums that are not float32 (a split-K projection's are)
-    assert block.forward_prenorm(torch.randn(2, 2, 32).bfloat16(), x.bfloat16(), norm) is None
-    assert block.forward_prenorm(torch.randn(moe.ROUTER_LOGITS_MAX_TOKENS + 1, 32),
-                                 torch.randn(moe.ROUTER_LOGITS_MAX_TOKENS + 1, 32),
-                                 norm) is None
-    ref = moe.SparseMoeBlock(cfg, 32, kernels_for(torch.device("cpu")), None)
-    assert ref.forward_prenorm(x, x, norm) is None
-    block.exchange = object()  # type: ignore[assignment]
-    assert block.forward_prenorm(x, x, norm) is None
-    block.exchange = None
-    _switches(monkeypatch, True, False)
-    assert block.forward_prenorm(x, x, norm) is None
-    _switches(monkeypatch, False, True)
-    assert block.forward_prenorm(x, x, norm) is None
+def graph_replays_equal(launch: Callable[[int, int], tuple[torch.Tensor, ...]],
+                        unfused: Callable[[int, int], tuple[torch.Tensor, ...]],
+                        refresh: Callable[[], None], layers: int, t: int) -> None:
+    """The race itself, on hardware: `layers` launches (layer i, n tokens) back to back in
+    a captured graph per token count (t and 1), every "layer" sharing the counters,
+    replayed 50 times after refresh() drew fresh inputs; each output equal to the unfused
+    kernels' bit for bit."""
+    for n in (1, t):  # compile both token counts' specializations outside the capture
+        launch(0, n)
+        unfused(0, n)
+    outs: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+    graphs = {}
+    for n in (t, 1):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs[n] = [launch(i, n) for i in range(layers)]
+        graphs[n] = g
+    for step in range(50):
+        refresh()
+        for n in (t, 1):
+            graphs[n].replay()
+            for i in range(layers):
+                for j, (a, b) in enumerate(zip(outs[n][i], unfused(i, n), strict=True)):
+                    assert torch.equal(a, b), (step, n, i, j)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("routing,e,h", [("v2_lite", 64, 2048), ("v3", 256, 7168)])
 def test_gpu_graph_replays_equal_the_unfused_kernels(routing, e, h, gen):
-    """The race itself, on hardware: many launches of the fused kernel back to back in a
-    captured graph (every "layer" sharing the counters, launched with PDL where the GPU has
-    it), replayed with fresh inputs, each equal to router_logits + moe_route."""
+    """graph_replays_equal of the fused kernel against router_logits + moe_route, with PDL
+    where the GPU has it."""
     from kernels.triton_router_route import counters, router_route
 
     dev = torch.device("cuda")
-    kw: dict[str, Any] = (
-        dict(top_k=6, scoring_func="softmax", renormalize=False, num_shared=2)
-        if routing == "v2_lite" else
-        dict(top_k=8, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5,
-             e_score_correction_bias=torch.randn(e, generator=gen).to(dev) * 0.1,
-             round_dtype=torch.bfloat16, num_shared=1, n_group=8, topk_group=4))
+    kw = gpu_routing(routing, e, gen, dev)
     layers, t = 24, 16
     x = torch.randn(layers, t, h, generator=gen).to(dev, torch.bfloat16)
     w = (torch.randn(layers, e, h, generator=gen) * 0.02).to(dev)
-    for n in (1, t):  # compile both token counts' specializations outside the capture
-        router_route(x[0, :n], w[0], torch.float32, **kw)
-        _unfused(x[0, :n], w[0], torch.float32, kw)
-    outs: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    graphs = {}
-    for n in (t, 1):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs[n] = [router_route(x[i, :n], w[i], torch.float32, **kw)
-                       for i in range(layers)]
-        graphs[n] = g
-    for step in range(50):
+
+    def refresh() -> None:
         x.copy_(torch.randn(layers, t, h, generator=gen).to(dev, torch.bfloat16))
-        for n in (t, 1):
-            graphs[n].replay()
-            for i in range(layers):
-                want = _unfused(x[i, :n], w[i], torch.float32, kw)
-                got = outs[n][i]
-                assert torch.equal(got[1], want[1]), (step, n, i)
-                assert torch.equal(got[0], want[0]), (step, n, i)
-    torch.cuda.synchronize()
-    assert not counters(dev, t).any()
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("routing,e,h", [("v2_lite", 64, 2048), ("v3", 256, 7168)])
-def test_gpu_prenorm_graph_replays_equal_rms_norm_then_router_route(routing, e, h, gen):
-    """The prenorm variant on hardware, as above: in a captured graph of many launches, each
-    (weights, ids, normed, new_residual) equal to rms_norm then router_route bit for bit,
-    the norm's rstd included (same warps, same reduction order), at both token counts."""
-    from kernels.triton_router_route import counters, router_route_prenorm
-
-    dev = torch.device("cuda")
-    kw: dict[str, Any] = (
-        dict(top_k=6, scoring_func="softmax", renormalize=False, num_shared=2)
-        if routing == "v2_lite" else
-        dict(top_k=8, scoring_func="sigmoid", renormalize=True, routed_scaling_factor=2.5,
-             e_score_correction_bias=torch.randn(e, generator=gen).to(dev) * 0.1,
-             round_dtype=torch.bfloat16, num_shared=1, n_group=8, topk_group=4))
-    layers, t, eps = 24, 16, 1e-6
-    x = torch.randn(layers, t, h, generator=gen).to(dev, torch.bfloat16)
-    res = (torch.randn(layers, t, h, generator=gen) * 4).to(dev, torch.bfloat16)
-    nw = (1 + 0.3 * torch.randn(layers, h, generator=gen)).to(dev, torch.bfloat16)
-    w = (torch.randn(layers, e, h, generator=gen) * 0.02).to(dev)
-
-    def args(i: int, n: int) -> tuple[Any, ...]:
-        return x[i, :n], res[i, :n], nw[i], eps, w[i], torch.float32
-
-    for n in (1, t):  # compile both token counts' specializations outside the capture
-        router_route_prenorm(*args(0, n), **kw)
-        _norm_then_route(*args(0, n), kw)
-    outs: dict[int, list[tuple[torch.Tensor, ...]]] = {}
-    graphs = {}
-    for n in (t, 1):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs[n] = [router_route_prenorm(*args(i, n), **kw) for i in range(layers)]
-        graphs[n] = g
-    for step in range(50):
-        x.copy_(torch.randn(layers, t, h, generator=gen).to(dev, torch.bfloat16))
-        res.copy_((torch.randn(layers, t, h, generator=gen) * 4).to(dev, torch.bfloat16))
-        for n in (t, 1):
-            graphs[n].replay()
-            for i in range(layers):
-                want = _norm_then_route(*args(i, n), kw)
-                for j, (a, b) in enumerate(zip(outs[n][i], want, strict=True)):
-                    assert torch.equal(a, b), (step, n, i, j)
-    torch.cuda.synchronize()
+    graph_replays_equal(lambda i, n: router_route(x[i, :n], w[i], torch.float32, **kw),
+                        lambda i, n: _unfused(x[i, :n], w[i], torch.float32, kw),
+                        refresh, layers, t)
     assert not counters(dev, t).any()
