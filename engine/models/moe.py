@@ -408,6 +408,8 @@ class SparseMoeBlock(nn.Module):
         kernels/triton_moe_down_sum.py's next_norm, where down and sum are one launch):
         (normed, new_residual), or None, having launched nothing, where that does not
         apply and the caller runs the two (_next_norm)."""
+        if not NEXT_NORM_FUSED:  # decode's host asks this for every MoE layer of every step
+            return None
         norm = self._next_norm(x, residual, after, self._dense(x.shape[0]))
         if norm is None:
             return None

@@ -63,18 +63,23 @@ def _inputs(h: int, inter: int, e: int, k: int, shared: int, e_local: int, start
     return dict(x=x, **args)
 
 
-def _moe(args: dict[str, Any], fused: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+def _moe(args: dict[str, Any], fused: bool, monkeypatch: pytest.MonkeyPatch,
+         switch: str = "DOWN_SUM_MAX_TOKENS") -> torch.Tensor:
+    """fused_moe with one of kernels/triton_moe.py's one-token switches on (1) or off (0):
+    this file's, or test_moe_gate_up_gemv.py's GATE_UP_GEMV_MAX_TOKENS."""
     import kernels.triton_moe as m
 
-    monkeypatch.setattr(m, "DOWN_SUM_MAX_TOKENS", 1 if fused else 0)
+    monkeypatch.setattr(m, switch, 1 if fused else 0)
     return m.fused_moe(**args)
 
 
 def _check(args: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
-           close: Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]) -> None:
-    """The fused one-token path against the unfused one and the float32 reference."""
-    off = _moe(args, False, monkeypatch)
-    on = _moe(args, True, monkeypatch)
+           close: Callable[[torch.Tensor, torch.Tensor, torch.dtype], None],
+           switch: str = "DOWN_SUM_MAX_TOKENS") -> None:
+    """The switch's one-token path against the path without it and the float32
+    reference."""
+    off = _moe(args, False, monkeypatch, switch)
+    on = _moe(args, True, monkeypatch, switch)
     dtype = args["x"].dtype
     assert on.dtype == dtype and on.shape == off.shape
     assert torch.isfinite(on).all(), "non-finite output: an element was not written"

@@ -19,32 +19,22 @@ from tests.kernels.test_moe_down_sum import (
     _launches,
     _rel,
 )
+from tests.kernels.test_moe_down_sum import _check as check_switch
+from tests.kernels.test_moe_down_sum import _moe as switch_moe
+
+SWITCH = "GATE_UP_GEMV_MAX_TOKENS"
 
 
 def _moe(args: dict[str, Any], gemv: bool, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
-    import kernels.triton_moe as m
-
-    monkeypatch.setattr(m, "GATE_UP_GEMV_MAX_TOKENS", 1 if gemv else 0)
-    return m.fused_moe(**args)
+    return switch_moe(args, gemv, monkeypatch, SWITCH)
 
 
 def _check(args: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
            close: Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]) -> None:
-    """The switch on against the switch off (the float32 reference is test_moe.py's)."""
-    off = _moe(args, False, monkeypatch)
-    on = _moe(args, True, monkeypatch)
-    dtype = args["x"].dtype
-    assert on.dtype == dtype and on.shape == off.shape
-    assert torch.isfinite(on).all(), "non-finite output: an element was not written"
-    assert off.abs().sum() > 0  # some pair is this rank's
-    if dtype == torch.float32:
-        assert _rel(on, off) < F32_TOL, _rel(on, off)
-    else:
-        # gate and up are rounded to bf16 before the activation: a last-bit difference in
-        # a sum can flip one element's rounding (the close fixture's bound on the GPU)
-        close(on, off, dtype)
-        if not on.is_cuda:
-            assert _rel(on, off) < INTERP_BF16_SWITCH_TOL, _rel(on, off)
+    """The switch on against the switch off and the float32 reference (gate and up are
+    rounded to bf16 before the activation: a last-bit difference in a sum can flip one
+    element's rounding, within the close fixture's bound)."""
+    check_switch(args, monkeypatch, close, SWITCH)
 
 
 # (h, inter, e, k, shared, e_local, start): H off the K tile (the moved-back last tile),
