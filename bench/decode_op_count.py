@@ -21,6 +21,8 @@ which shows as gaps between the kernels where the host falls behind.
     python bench/decode_op_count.py --version v2 --batch 1
     python bench/decode_op_count.py --version v2 --prefill 600
     python bench/decode_op_count.py --version qwen3 --batch 1   # Qwen3-MoE's GQA layout
+    python bench/decode_op_count.py --version v2 --context 200 --block-size 16 \
+        --set engine.models.moe.ROUTER_ROUTE_FUSED=True   # a switch on (repeat --set)
 """
 
 from __future__ import annotations
@@ -248,12 +250,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prefill", type=int, default=0,
                     help="count one request's prefill of this many tokens instead")
+    ap.add_argument("--context", type=int, default=9,
+                    help="decode: each request's context after the step (MLA decode splits "
+                         "past 64 tokens at batch 1, as a 512-token context does on a GPU)")
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--set", action="append", default=[], metavar="module.NAME=value",
+                    help="a module setting for the count (repeatable), as moe_bench.py "
+                         "--variants takes them, e.g. engine.models.moe.ROUTER_ROUTE_FUSED=True")
     ap.add_argument("--json", action="store_true", help="print the counts as JSON")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as d:
+    from moe_variants import settings  # bench/ is the script's path
+
+    with tempfile.TemporaryDirectory() as d, settings(",".join(args.set)):
         config = write_config(os.path.join(d, "config.json"), args.version)
         counts = (count_prefill_step(config, args.prefill) if args.prefill
-                  else count_decode_step(config, batch=args.batch))
+                  else count_decode_step(config, batch=args.batch, context=args.context,
+                                         block_size=args.block_size))
     if args.json:
         print(json.dumps(summary(counts), indent=1))
         return
