@@ -206,7 +206,12 @@ class LocalCluster:
                 self.stop()
                 raise ClusterStartError(f"during start-up, {reason}")
             try:
-                if sum(w.healthy for w in self.status().workers) >= n:
+                workers = self.status().workers
+                # Ready means the router would place a request: a worker whose event loop
+                # is still behind from start-up (the engines' warm-up starves the gRPC
+                # processes on a small machine) is healthy yet refused as busy, so a
+                # first request sent at that moment fails with RESOURCE_EXHAUSTED.
+                if sum(w.healthy and not self._busy(w.load) for w in workers) >= n:
                     return
             except grpc.RpcError:
                 pass
@@ -214,6 +219,16 @@ class LocalCluster:
                 self.stop()
                 raise ClusterStartError(f"cluster not ready after {timeout:.0f} s")
             time.sleep(0.3)
+
+    def _busy(self, load: common_pb2.WorkerLoad) -> bool:
+        """The router's --busy-lag test (2 s unless router_args set it; 0 turns it off)."""
+        args, lag = self.spec.router_args, 2.0
+        for i, a in enumerate(args):
+            if a == "--busy-lag" and i + 1 < len(args):
+                lag = float(args[i + 1])
+            elif a.startswith("--busy-lag="):
+                lag = float(a.split("=", 1)[1])
+        return bool(lag) and load.loop_lag_s > lag
 
     def kill(self, name: str, sig: int = signal.SIGKILL, group: bool = True) -> None:
         """Kills one process group (a worker's gRPC process and its engine process), or
