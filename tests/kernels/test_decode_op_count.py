@@ -20,7 +20,9 @@ import torch
 # cuBLAS bmm; up to engine.models.moe.ROUTER_LOGITS_MAX_TOKENS the router's logits are one
 # Triton kernel (_router_logits_kernel) in place of a float32 GEMM. Up to
 # kernels.triton_moe.PER_PAIR_MAX_TOKENS tokens the experts run without the align step.
-BOUNDS = {("v2", 1): (11, 13), ("v2", 3): (11, 14), ("v2", 8): (11, 14), ("v3", 1): (13, 15)}
+# With FUSED_LATENT_ABSORB (on by default since session 36) the latent kernel and the W_UK
+# product are one launch, up to ABSORB_KERNEL_MAX_ROWS rows.
+BOUNDS = {("v2", 1): (10, 12), ("v2", 3): (10, 13), ("v2", 8): (11, 14), ("v3", 1): (12, 14)}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
@@ -30,7 +32,7 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
 
     counts = count_decode_step(write_config(str(tmp_path / "config.json"), version),
                                batch=batch)
-    from engine.models.mla import ABSORB_KERNEL_MAX_ROWS
+    from engine.models.mla import ABSORB_KERNEL_MAX_ROWS, FUSED_LATENT_ABSORB, FUSED_UP_MERGE
     from engine.models.moe import ROUTER_LOGITS_MAX_TOKENS
     from kernels.triton_moe import PER_PAIR_MAX_TOKENS
 
@@ -42,13 +44,20 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
         # the shared experts run inside the fused kernel: no separate MLP, no add
         assert c.triton["_gate_up_kernel"] == 1 and "_silu_and_mul_kernel" not in c.triton
         assert "add" not in c.aten
-        assert c.triton["_mla_latent_kernel"] == 1 and "_rope_kernel" not in c.triton
+        assert "_rope_kernel" not in c.triton
         assert c.triton["_route_kernel"] == 1 and "topk" not in c.aten
         assert "cat" not in c.aten
         if batch <= ABSORB_KERNEL_MAX_ROWS:
-            assert c.triton["_absorb_kernel"] == 1 and c.triton["_up_kernel"] == 1
+            # the latent kernel and the W_UK product: one launch with FUSED_LATENT_ABSORB
+            fused = FUSED_LATENT_ABSORB
+            assert c.triton["_latent_absorb_kernel"] == fused, c
+            assert c.triton["_mla_latent_kernel"] == c.triton["_absorb_kernel"] == (not fused)
+            # the W_UV product, with MLA decode's split merge where the context split
+            ups = c.triton["_up_kernel"] + c.triton["_up_merge_kernel"]
+            assert ups == 1 and ("_mla_merge_kernel" in c.triton) <= (not FUSED_UP_MERGE), c
             assert "bmm" not in c.aten
         else:
+            assert c.triton["_mla_latent_kernel"] == 1
             assert c.aten["bmm"] == 2 and "_absorb_kernel" not in c.triton
         assert c.triton["_router_logits_kernel"] == (batch <= ROUTER_LOGITS_MAX_TOKENS)
         assert ("_align_kernel" in c.triton) == (batch > PER_PAIR_MAX_TOKENS)

@@ -264,10 +264,10 @@ def test_gpu_graph_replays_equal_down_sum_then_rms_norm(h, inter, k, shared, fp8
         assert got is not None
         return got
 
-    def unfused(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def unfused(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = torch.empty(1, h, dtype=torch.bfloat16, device=dev)
         down_sum(act[i], w2, ids[i], wts[i], out, 0, scale, pdl)
-        return rms_norm(out, nw[i], eps, res[i])
+        return (*rms_norm(out, nw[i], eps, res[i]), out)
 
     fused(0)  # compiles, and allocates the counters outside the capture
     unfused(0)
@@ -285,8 +285,13 @@ def test_gpu_graph_replays_equal_down_sum_then_rms_norm(h, inter, k, shared, fp8
             if exact:
                 assert torch.equal(new_res, want[1]), (step, i)
                 assert torch.equal(normed, want[0]), (step, i)
-            else:  # one bf16 ulp of |new_res| at most, where a pair's row rounded otherwise
-                ulp = want[1].float().abs() * 2.0**-7 + 1e-30
+            else:
+                # Where a pair's row rounded otherwise, the MoE row differs in its last bf16
+                # bit, so new_res by an ulp of the addends (the MoE row and the residual),
+                # not of the sum: where they cancel, the sum's own ulp is far smaller (the
+                # H100 run of session 36 met such a column).
+                ulp = (want[2].float().abs() + res[i].float().abs()) * 2.0**-8
+                ulp = ulp + want[1].float().abs() * 2.0**-8  # the sum's own rounding
                 assert ((new_res.float() - want[1].float()).abs() <= 2 * ulp).all(), (step, i)
     torch.cuda.synchronize()
     assert not counters(dev, 1).any()
