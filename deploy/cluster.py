@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -199,6 +200,7 @@ class LocalCluster:
 
     def wait_ready(self, n: int, timeout: float) -> None:
         end = time.monotonic() + timeout
+        busy = self._router_busy_test()
         while True:
             dead = [name for name, p in self.procs.items() if p.poll() is not None]
             if dead:
@@ -211,7 +213,7 @@ class LocalCluster:
                 # is still behind from start-up (the engines' warm-up starves the gRPC
                 # processes on a small machine) is healthy yet refused as busy, so a
                 # first request sent at that moment fails with RESOURCE_EXHAUSTED.
-                if sum(w.healthy and not self._busy(w.load) for w in workers) >= n:
+                if sum(w.healthy and not busy(w.load) for w in workers) >= n:
                     return
             except grpc.RpcError:
                 pass
@@ -220,15 +222,19 @@ class LocalCluster:
                 raise ClusterStartError(f"cluster not ready after {timeout:.0f} s")
             time.sleep(0.3)
 
-    def _busy(self, load: common_pb2.WorkerLoad) -> bool:
-        """The router's --busy-lag test (2 s unless router_args set it; 0 turns it off)."""
-        args, lag = self.spec.router_args, 2.0
-        for i, a in enumerate(args):
-            if a == "--busy-lag" and i + 1 < len(args):
-                lag = float(args[i + 1])
-            elif a.startswith("--busy-lag="):
-                lag = float(a.split("=", 1)[1])
-        return bool(lag) and load.loop_lag_s > lag
+    def _router_busy_test(self) -> Callable[[common_pb2.WorkerLoad], bool]:
+        """The router's busy test (router/control/registry.busy_reason) at its thresholds
+        as this cluster's router_args set them, read by the router's own parser (its
+        defaults, its flags' spellings)."""
+        import argparse
+
+        from deploy.router_cmd import add_router_parser
+        from router.control.registry import busy_reason
+
+        parser = argparse.ArgumentParser()
+        add_router_parser(parser.add_subparsers())
+        args, _ = parser.parse_known_args(["router", *self.spec.router_args])
+        return lambda load: bool(busy_reason(load, args.busy_lag, args.busy_engine_age))
 
     def kill(self, name: str, sig: int = signal.SIGKILL, group: bool = True) -> None:
         """Kills one process group (a worker's gRPC process and its engine process), or

@@ -84,26 +84,28 @@ BLOCK_SCALED_GATE_UP_TILE = 64 * 64
 PER_PAIR_MAX_TOKENS = 1
 # Up to this many tokens (in the per-pair layout) down and sum are one kernel,
 # kernels/triton_moe_down_sum.py: at batch 1 in a CUDA graph a launch costs a few µs
-# whatever it does, and the sum kernel is one of ~350 in a V2-Lite decode step. 0 (off)
-# until it is timed on a GPU: an A/B switch, the fused kernel's dot-free weight stream
-# against _down_kernel's tensor-core tiles plus the sum's launch (bench/moe_bench.py
-# --shape v2lite --batches 1 --variants "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1", its
-# --quantization fp8 runs for FP8 experts). 1: the fused kernel at one token.
+# whatever it does, and the sum kernel is one of ~350 in a V2-Lite decode step. 0 (off):
+# on an H100 (session 36, bench/RESULTS.md) the step at batch 1 was 4.3% faster at
+# Qwen3-30B-A3B's shape and 2.4% slower at V2-Lite's, whose pairs stream twice the tiles
+# (bench/moe_bench.py --shape v2lite --batches 1 --variants
+# "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1", its --quantization fp8 runs for FP8 experts).
+# 1: the fused kernel at one token.
 DOWN_SUM_MAX_TOKENS = 0
 # Up to this many tokens (in the per-pair layout, no config given) gate/up is the dot-free
 # kernel of kernels/triton_moe_gate_up_gemv.py: 16-column programs, 704 at V2-Lite where
-# the table's 128-column dot tiles give 88 programs for 132 SMs. 0 (off) until it is timed
-# on a GPU: an A/B switch against _gate_up_kernel (bench/moe_bench.py --shape v2lite
-# --batches 1 --variants "kernels.triton_moe.GATE_UP_GEMV_MAX_TOKENS=1", its
+# the table's 128-column dot tiles give 88 programs for 132 SMs. 0 (off): on an H100
+# (session 36) 1.3% faster at V2-Lite's shape, 4.3% slower at Qwen3-30B-A3B's, and slower
+# with DOWN_SUM_MAX_TOKENS than either alone at V2-Lite's (bench/moe_bench.py --shape
+# v2lite --batches 1 --variants "kernels.triton_moe.GATE_UP_GEMV_MAX_TOKENS=1", its
 # --quantization fp8 runs for FP8 experts). 1: the dot-free kernel at one token.
 GATE_UP_GEMV_MAX_TOKENS = 0
 # The gate/up tile's width in the per-pair layout (None: the table's; the down kernel's too
 # where the table gives no BLOCK_N_DOWN). At one token the
 # table's H200 tile (128 columns) gives V2-Lite's eight experts 8 x 11 = 88 programs, fewer
-# than the GPU's 132 SMs, each streaming 1 MB; 64 or 32 columns give 176 or 352. An A/B
-# switch until timed on a GPU (bench/moe_bench.py --variants
-# "kernels.triton_moe.PER_PAIR_BLOCK_N=64"), where the table's tuning predates the
-# per-pair layout (it ran with the align step's tiles).
+# than the GPU's 132 SMs, each streaming 1 MB; 64 or 32 columns give 176 or 352. Off: 64
+# was within the runs' spread on an H100 (session 36: 0.5% and 0.3% at V2-Lite's and
+# Qwen3's shapes; bench/moe_bench.py --variants "kernels.triton_moe.PER_PAIR_BLOCK_N=64"),
+# though the table's tuning predates the per-pair layout (it ran with the align step's tiles).
 PER_PAIR_BLOCK_N: int | None = None
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 

@@ -58,12 +58,11 @@ import triton
 import triton.language as tl
 
 from kernels.last_program import CounterPool
-from kernels.moe_scales import scale_groups
+from kernels.moe_scales import k_tile, weight_groups
 from kernels.pdl import follow
 from kernels.triton_common import check, check_device, check_float, check_int, check_shape
 from kernels.triton_norm import add_residual, norm_warps, rms_norm_row
 
-FP8 = torch.float8_e4m3fn
 # Output columns per program: H = 2048 (V2-Lite, Qwen3-30B-A3B) gives 128 programs at one
 # token, about one per SM of an H100/H200 (132). K can't be split over more programs (a
 # pair's row is rounded whole before it is weighted), so the grid is H / BLOCK_N.
@@ -206,12 +205,7 @@ def down_sum(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
           "act, w2, out: rows must be contiguous")
     check(w2.stride(0) < 2**31, "w2: an expert too large for the kernel's int32 offsets")
     check_device(act, w2, topk_ids, topk_weights, out)
-    groups = 1
-    if w2_scale is not None:
-        check(w2.dtype == FP8, f"w2: w2_scale given, expected float8_e4m3fn, got {w2.dtype}")
-        groups = scale_groups("w2_scale", w2_scale, w2)
-    else:
-        check(w2.dtype == act.dtype, f"w2: expected act's dtype {act.dtype}, got {w2.dtype}")
+    groups = weight_groups("w2", w2, w2_scale, act.dtype, "act")
     res = nw = normed = count = out  # unread pointers without next_norm
     eps = 0.0
     if next_norm is not None:
@@ -227,11 +221,7 @@ def down_sum(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
         normed = torch.empty(t, h, dtype=out.dtype, device=out.device)
     if t == 0 or h == 0:
         return None if next_norm is None else (normed, out)
-    # A power of two no wider than I: the last tile moves back inside the row (the
-    # kernel's EVEN_K comment); block scales: inside one group, so I is whole tiles.
-    bk = min(BLOCK_K, 1 << (inter.bit_length() - 1)) if inter else BLOCK_K
-    if groups > 1:
-        bk = min(bk, inter // groups)
+    bk = k_tile(BLOCK_K, inter, groups)
     sc = w2_scale if w2_scale is not None else act  # an unread pointer without scales
     block_h, warps = 1, NUM_WARPS
     if next_norm is not None:

@@ -24,11 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.moe_scales import scale_groups
+from kernels.moe_scales import k_tile, weight_groups
 from kernels.pdl import follow
 from kernels.triton_common import check, check_device, check_float, check_int
 
-FP8 = torch.float8_e4m3fn
 # Output columns (of I) per program: 16 gives 8 pairs x 88 = 704 programs at V2-Lite
 # (I = 1408) and 8 x 48 = 384 at Qwen3-30B-A3B (I = 768), several per SM of an H100/H200
 # (132) where the table's 128-column dot tile gave 88 and 48. A program can't take fewer
@@ -150,19 +149,10 @@ def gate_up_gemv(x: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
           "x, w13, act: rows must be contiguous")
     check(w13.stride(0) < 2**31, "w13: an expert too large for the kernel's int32 offsets")
     check_device(x, w13, act, topk_ids)
-    groups = 1
-    if w13_scale is not None:
-        check(w13.dtype == FP8, f"w13: w13_scale given, expected float8_e4m3fn, got {w13.dtype}")
-        groups = scale_groups("w13_scale", w13_scale, w13)
-    else:
-        check(w13.dtype == x.dtype, f"w13: expected x's dtype {x.dtype}, got {w13.dtype}")
+    groups = weight_groups("w13", w13, w13_scale, x.dtype, "x")
     if t * k == 0 or inter == 0:
         return
-    # A power of two no wider than H: the last tile moves back inside the row (the kernel's
-    # EVEN_K comment); block scales: inside one group, so H is whole tiles.
-    bk = min(BLOCK_K, 1 << (h.bit_length() - 1)) if h else BLOCK_K
-    if groups > 1:
-        bk = min(bk, h // groups)
+    bk = k_tile(BLOCK_K, h, groups)
     sc = w13_scale if w13_scale is not None else x  # an unread pointer without scales
     _gate_up_gemv_kernel[(t * k, triton.cdiv(inter, BLOCK_N))](
         x, w13, act, topk_ids, sc, h, inter, k, expert_start, e_local,

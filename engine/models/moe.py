@@ -48,12 +48,14 @@ TP_FLAG = "--tensor-parallel-size"
 ROUTER_LOGITS_MAX_TOKENS = 16
 # Within that bound, beside the Triton kernel set: the router's logits and the routing as
 # one launch (kernels/triton_router_route.py) instead of two, a launch's fixed cost saved
-# per MoE layer at decode. Off until timed on a GPU: an A/B switch, `bench/moe_bench.py
-# --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True"`.
+# per MoE layer at decode. Off: no faster on an H100 (session 36, bench/RESULTS.md: even at
+# V2-Lite's shape, 1.9% slower at Qwen3's; the last program's top-k waits on the others),
+# `bench/moe_bench.py --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True"`.
 ROUTER_ROUTE_FUSED = False
 # Where that fused launch runs: the decoder layer's post-attention residual add + RMSNorm
 # inside it too (kernels/triton_router_route.router_route_prenorm), the norm's launch saved
-# per MoE layer (SparseMoeBlock.forward_prenorm). Off until timed on a GPU: `bench/
+# per MoE layer (SparseMoeBlock.forward_prenorm). Off: on an H100 (session 36) 1.2% slower
+# at V2-Lite's shape, even at Qwen3's, 0.7% faster at V2-Lite's batch 8; `bench/
 # moe_bench.py --variants "engine.models.moe.ROUTER_ROUTE_FUSED=True,engine.models.moe.
 # ROUTER_PRENORM=True"`.
 ROUTER_PRENORM = False
@@ -61,7 +63,8 @@ ROUTER_PRENORM = False
 # (kernels.triton_moe.DOWN_SUM_MAX_TOKENS), the norm after the MoE block (the next decoder
 # layer's input_layernorm, or the model's final norm) inside that launch too
 # (kernels/triton_moe_down_sum.py's next_norm; SparseMoeBlock.forward_next_norm), the
-# norm's launch saved per MoE layer. Off until timed on a GPU: an A/B switch, `bench/
+# norm's launch saved per MoE layer. Off: on an H100 (session 36) down + sum with it was
+# 12% slower than without at V2-Lite's shape and 9% at Qwen3's; `bench/
 # moe_bench.py --variants "kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1,engine.models.moe.
 # NEXT_NORM_FUSED=True"` (the launch runs at the norm's warps: what that costs the weight
 # stream is what the A/B measures).

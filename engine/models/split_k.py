@@ -38,9 +38,9 @@ def fp8_max_rows() -> int:
 # qkv_proj too (its partials summed by the RoPE + KV store kernel).
 QKV = True
 # ... for models with per-head q/k norms too (Qwen3's), whose norms the same kernel applies
-# after the sum (kernels/triton_rope_kv.py's PARTS with NORM, tested with partials). Off
-# until timed on a GPU: an A/B switch, `bench/moe_bench.py --shape qwen3 --variants
-# "engine.models.split_k.QK_NORM=True"`.
+# after the sum (kernels/triton_rope_kv.py's PARTS with NORM, tested with partials). Off:
+# even on an H100 (session 36: 0.4% slower, within the spread), `bench/moe_bench.py
+# --shape qwen3 --variants "engine.models.split_k.QK_NORM=True"`.
 QK_NORM = False
 # Partial sums per projection. Two measured best for Llama-3-8B's o_proj and down_proj
 # alone (bench/probes/fusion_probe.py: more partials made cuBLAS pick slower batched kernels).

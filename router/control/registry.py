@@ -46,6 +46,18 @@ class RegistrationError(Exception):
         self.precondition = precondition
 
 
+def busy_reason(load: common_pb2.WorkerLoad, loop_s: float, engine_s: float) -> str:
+    """Why a worker reporting ``load`` is behind: its event loop by more than ``loop_s``, or
+    its engine's last report older than ``engine_s`` ("" if neither; 0: that check is off).
+    Also what deploy/cluster.py's start-up waits out."""
+    if loop_s and load.loop_lag_s > loop_s:
+        return f"its event loop is {load.loop_lag_s:.1f} s behind (--busy-lag {loop_s:g} s)"
+    if engine_s and load.engine_report_age_s > engine_s:
+        return (f"its engine's last load report is {load.engine_report_age_s:.1f} s old "
+                f"(--busy-engine-age {engine_s:g} s)")
+    return ""
+
+
 @dataclass(eq=False)  # identity: a re-registered worker is a new incarnation
 class WorkerInfo:
     worker_id: str
@@ -100,15 +112,8 @@ class WorkerInfo:
         return not self.unhealthy_reason
 
     def busy_reason(self, loop_s: float, engine_s: float) -> str:
-        """Why the worker is behind: its event loop by more than ``loop_s``, or its engine's
-        last report older than ``engine_s`` ("" if neither; 0: that check is off)."""
-        load = self.load
-        if loop_s and load.loop_lag_s > loop_s:
-            return f"its event loop is {load.loop_lag_s:.1f} s behind (--busy-lag {loop_s:g} s)"
-        if engine_s and load.engine_report_age_s > engine_s:
-            return (f"its engine's last load report is {load.engine_report_age_s:.1f} s old "
-                    f"(--busy-engine-age {engine_s:g} s)")
-        return ""
+        """Why the worker is behind (busy_reason of its last load report)."""
+        return busy_reason(self.load, loop_s, engine_s)
 
 
 class Registry:

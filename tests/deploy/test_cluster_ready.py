@@ -11,10 +11,11 @@ from pdserve.v1 import common_pb2, router_pb2
 from deploy.cluster import ClusterSpec, LocalCluster
 
 
-def _status(*lags: float) -> router_pb2.ClusterStatusResponse:
+def _status(*lags: float, engine_age: float = 0.0) -> router_pb2.ClusterStatusResponse:
     return router_pb2.ClusterStatusResponse(workers=[
         router_pb2.WorkerStatus(worker_id=f"worker-{i}", healthy=True,
-                                load=common_pb2.WorkerLoad(loop_lag_s=lag))
+                                load=common_pb2.WorkerLoad(loop_lag_s=lag,
+                                                           engine_report_age_s=engine_age))
         for i, lag in enumerate(lags)])
 
 
@@ -48,3 +49,6 @@ def test_follows_the_routers_busy_lag(monkeypatch: pytest.MonkeyPatch) -> None:
     # 0 turns the router's check off, so lag never holds start-up back
     assert _ready_after(ClusterSpec(router_args=("--busy-lag", "0")),
                         [_status(9.0, 9.0)], monkeypatch) == 1
+    # the router's other test: an engine whose last load report is too old (10 s default)
+    assert _ready_after(ClusterSpec(), [_status(0, 0, engine_age=12.0), _status(0, 0)],
+                        monkeypatch) == 2

@@ -228,14 +228,18 @@ def test_past_one_token_keeps_the_unfused_path(switch, fused, kept, gen, device,
     assert counts[kept] == 1 and fused not in counts, counts
 
 
+def _valid_args(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """down_sum's act, w2, topk_ids, topk_weights and out for 2 tokens of 2 pairs (I = 32,
+    H = 16): arguments it accepts, for the refusal tests to spoil one at a time."""
+    return (torch.zeros(4, 32, device=device), torch.zeros(3, 16, 32, device=device),
+            torch.zeros(2, 2, dtype=torch.int64, device=device),
+            torch.zeros(2, 2, device=device), torch.empty(2, 16, device=device))
+
+
 def test_down_sum_bad_arguments_are_refused(device):
     from kernels.triton_moe_down_sum import down_sum
 
-    act = torch.zeros(4, 32, device=device)
-    w2 = torch.zeros(3, 16, 32, device=device)
-    ids = torch.zeros(2, 2, dtype=torch.int64, device=device)
-    wts = torch.zeros(2, 2, device=device)
-    out = torch.empty(2, 16, device=device)
+    act, w2, ids, wts, out = _valid_args(device)
     with pytest.raises(ValueError, match=r"act: expected \(4, 32\)"):
         down_sum(act[:3], w2, ids, wts, out)
     with pytest.raises(ValueError, match=r"out: expected \(2, 16\)"):

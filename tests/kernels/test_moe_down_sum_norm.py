@@ -191,12 +191,9 @@ def test_fused_moe_next_norm_declines_where_down_sum_does_not_run(gen, device, m
 
 def test_next_norm_bad_arguments_are_refused(device):
     from kernels.triton_moe_down_sum import down_sum
+    from tests.kernels.test_moe_down_sum import _valid_args
 
-    act = torch.zeros(4, 32, device=device)
-    w2 = torch.zeros(3, 16, 32, device=device)
-    ids = torch.zeros(2, 2, dtype=torch.int64, device=device)
-    wts = torch.zeros(2, 2, device=device)
-    out = torch.empty(2, 16, device=device)
+    act, w2, ids, wts, out = _valid_args(device)
     nw, res = torch.ones(16, device=device), torch.zeros(2, 16, device=device)
 
     def call(nw: torch.Tensor = nw, res: torch.Tensor = res) -> Any:
