@@ -21,6 +21,7 @@ Targets: fp8 attention <= 0.6x bf16 at batch >= 32, context >= 4k; capacity 2x.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -29,11 +30,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.decode_bench import LLAMA3_8B, engine_point, graph_time_ms, hbm_read_tbps  # noqa: E402
+from bench.fp8_bench import setting  # noqa: E402
 
 LAYERS, HKV, HQ, D, BS = 32, 8, 32, 128, 16
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -67,8 +70,24 @@ def sweep_tiles() -> list[Tile]:
     return sorted(grid, key=dist)[1:]  # the defaults themselves are always timed
 
 
+def variant_rounds(step: Callable[[], None], layers: int, variants: list[str],
+                   rounds: int = 2) -> dict[str, list[float]]:
+    """The float8 pool's default tiles under the tree's settings and each variant's
+    ('module.NAME=value' joined by ','), per layer ms, rounds alternating so that drift shows
+    as spread, not as a difference."""
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for v in ["", *variants]:
+            with contextlib.ExitStack() as stack:
+                for spec in (x for x in v.split(",") if x):
+                    stack.enter_context(setting(spec))
+                times.setdefault(v or "defaults", []).append(
+                    round(graph_time_ms(step) / layers, 4))
+    return times
+
+
 def attention_point(batch: int, context: int, fp8_tiles: list[Tile],
-                    hbm: float, budget_s: float = 0.0) -> dict:
+                    hbm: float, budget_s: float = 0.0, variants: list[str] | None = None) -> dict:
     """hbm: the measured HBM read rate, bytes/s (the floors' denominator)."""
     from kernels.triton_decode_attention import decode_attention
 
@@ -108,6 +127,17 @@ def attention_point(batch: int, context: int, fp8_tiles: list[Tile],
             else:
                 point.setdefault("fp8_tiles", []).append(
                     {**dict(zip(TILE_KEYS, tile, strict=False)), "ms": round(ms, 4)})
+        if name == "fp8" and variants:
+            def defaults_step(views: list = views) -> None:
+                for kv in views:
+                    decode_attention(q, kv, tables, lens, scale, out=out)
+
+            runs = variant_rounds(defaults_step, layers, variants)
+            base = min(runs["defaults"])
+            point["fp8_variants"] = {
+                v: {"ms": ms, "best_over_defaults": round(min(ms) / base, 3),
+                    "best_over_bf16": round(min(ms) / point["bf16_attention_ms"], 3)}
+                for v, ms in runs.items()}
         nbytes = batch * context * 2 * HKV * D * pool.element_size()
         point[f"{name}_floor_ms"] = round(nbytes / hbm * 1e3, 4)
         point[f"{name}_kv_bytes_per_layer"] = nbytes
@@ -160,6 +190,9 @@ def main() -> None:
     ap.add_argument("--fp8-tiles", default="",
                     help="block_n:num_warps[:num_stages[:programs_per_sm]] of KV tiles also "
                          "timed for the float8 pool (the launcher's defaults always are)")
+    ap.add_argument("--variants", default="",
+                    help="'module.NAME=value[,...]' settings separated by ';': the float8 "
+                         "pool's default tiles timed under each, alternating with the defaults")
     ap.add_argument("--sweep", action="store_true",
                     help="also time the float8 tile grid (sweep_tiles), --budget-s a point")
     ap.add_argument("--budget-s", type=float, default=60.0)
@@ -200,7 +233,8 @@ def main() -> None:
             json.dump(out, f, indent=1)
 
     for b, c in pts:
-        p = attention_point(b, c, tiles, hbm * 1e12, args.budget_s if args.sweep else 0.0)
+        p = attention_point(b, c, tiles, hbm * 1e12, args.budget_s if args.sweep else 0.0,
+                            [v for v in args.variants.split(";") if v])
         print(json.dumps(p), flush=True)
         out["attention"].append(p)
         save()
