@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8_widen import widen_e4m3_fp16
 from kernels.pdl import follow, pdl_for
 from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
@@ -63,11 +62,6 @@ FP8_BLOCK_N = 64
 FP8_NUM_WARPS = 2
 FP8_NUM_STAGES = 2
 FP8_PROGRAMS_PER_SM = 8
-# A float8 V widened to fp16 as read and staged through shared memory for the p @ V product
-# (kernels/fp8_widen.py), where Triton would otherwise read it a byte at a time: a third
-# fewer instructions in the loop, compiled offline. An A/B switch until an H200 times it:
-# `bench/fp8_kv_bench.py --variants "kernels.triton_decode_attention.FP8_V_IN_REGISTERS=True"`.
-FP8_V_IN_REGISTERS = False
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # ... except when there are very few (request, KV head) pairs: at batch 1 (8 KV heads) the
 # whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
@@ -115,7 +109,7 @@ def _decode_kernel(
     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, COMPUTE: tl.constexpr, IEEE: tl.constexpr,
     DYN: tl.constexpr, FUSED: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr,
-    ROUND: tl.constexpr, CLAMP_Q: tl.constexpr, PDL: tl.constexpr, V_WIDEN: tl.constexpr,
+    ROUND: tl.constexpr, CLAMP_Q: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
@@ -155,11 +149,8 @@ def _decode_kernel(
         blk = tl.load(bt_row + n // BS, mask=nmask, other=0).to(tl.int64)
         row = kv_head + blk * s_cb + (n % BS) * s_cs  # [BLOCK_N] pointers to each token's K
         k = tl.load(row[:, None] + d[None, :], mask=nmask[:, None], other=0.0).to(COMPUTE)
-        v = tl.load(row[:, None] + s_ckv + d[None, :], mask=nmask[:, None], other=0.0)
-        if V_WIDEN:  # float8 V widened as read, not a byte at a time (kernels/fp8_widen.py)
-            v = widen_e4m3_fp16(v)  # [BLOCK_N, D]
-        else:
-            v = v.to(COMPUTE)
+        v = tl.load(row[:, None] + s_ckv + d[None, :], mask=nmask[:, None],
+                    other=0.0).to(COMPUTE)  # [BLOCK_N, D]
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -390,8 +381,7 @@ def decode_attention(
             IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
             FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n,
             MERGE_S=min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits))),
-            PDL=pdl, V_WIDEN=fp16 and FP8_V_IN_REGISTERS,
-            num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
+            PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
         )
 
     # split_len is a multiple of block_n; shrinking halves block_n, so it still divides it.

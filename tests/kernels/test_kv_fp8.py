@@ -248,32 +248,6 @@ def test_decode_fp8_gpu(batch, max_len, gen):
     _decode_fp8(lens, 8, 4, 128, torch.bfloat16, gen, torch.device("cuda"), 1.2e-2)
 
 
-@pytest.mark.parametrize("batch,max_len", [(32, 4096), (5, 333), (1, 70)])
-@pytest.mark.gpu
-@needs_cuda
-def test_decode_fp8_gpu_v_widened_as_read_equals_the_cast(batch, max_len, gen, monkeypatch):
-    """kernels/fp8_widen.py's cast is the instruction Triton's own lowers to: the kernel
-    with V widened as read gives the same bits, at short tails (masked keys) and split or
-    not, and is as close to the reference."""
-    import kernels.triton_decode_attention as tda
-
-    dev = torch.device("cuda")
-    lens = torch.randint(1, max_len + 1, (batch,), generator=gen).tolist()
-    lens[0] = max_len
-    kv, table = fp8_kv(lens, 16, 8, 128, gen, dev)
-    q = torch.randn(batch, 32, 128, generator=gen).to(device=dev, dtype=torch.bfloat16)
-    seq = torch.tensor(lens, dtype=torch.int32, device=dev)
-    outs = []
-    for on in (False, True):
-        monkeypatch.setattr(tda, "FP8_V_IN_REGISTERS", on)
-        outs.append(tda.decode_attention(q, kv, table, seq, 128 ** -0.5, k_scale=K_SCALE,
-                                         v_scale=V_SCALE))
-    assert torch.equal(outs[0], outs[1])
-    ref = decode_attention_ref(q, kv, table, seq, 128 ** -0.5, k_scale=K_SCALE,
-                               v_scale=V_SCALE)
-    assert rel_err(outs[1], ref) < 1.2e-2, rel_err(outs[1], ref)
-
-
 @pytest.mark.gpu
 @needs_cuda
 def test_decode_fp8_gpu_query_past_fp16_range(gen):

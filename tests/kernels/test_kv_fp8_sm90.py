@@ -36,8 +36,7 @@ for kvt in ("*bf16", F8):
             dec._decode_kernel, dict(DEC, kv_ptr=kvt), dict(
                 G=4, BLOCK_G=16, D=128, BS=16, BLOCK_N=bn, SPLIT=split,
                 COMPUTE=tl.float16 if fp8 else tl.bfloat16, IEEE=False, DYN=split,
-                FUSED=split, G_PAD=4, MERGE_S=16, ROUND=bn, CLAMP_Q=fp8, PDL=True,
-                V_WIDEN=fp8 and dec.FP8_V_IN_REGISTERS),
+                FUSED=split, G_PAD=4, MERGE_S=16, ROUND=bn, CLAMP_Q=fp8, PDL=True),
             num_warps=dec.FP8_NUM_WARPS if fp8 else dec.NUM_WARPS,
             num_stages=dec.FP8_NUM_STAGES if fp8 else dec.NUM_STAGES)
 PRE_TILES = {False: dict(BLOCK_M=pre.BLOCK_M, num_warps=pre.NUM_WARPS),
