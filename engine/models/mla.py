@@ -56,18 +56,17 @@ from kernels.kv_fp8 import from_cache, take
 ABSORB_KERNEL_MAX_ROWS = 4
 # Where the absorb kernel runs (above) beside the Triton latent kernel, both in one launch
 # (kernels/triton_mla_latent_absorb.py: a launch less per layer, 27 a V2-Lite decode step).
-# V2-Lite's step at batch 1 1.2% faster with it on an H100 (session 36, bench/RESULTS.md;
-# `bench/moe_bench.py --variants "engine.models.mla.FUSED_LATENT_ABSORB=True"`, read at every
-# forward, so a variant's recaptured graphs take it). Still off: the whole -m gpu suite must
-# run on the tree that turns it on (float32 and FP8-KV models take it too), and no device
-# time was left.
-FUSED_LATENT_ABSORB = False
+# On since an H100 timed it (session 36: V2-Lite's step at batch 1 1.2% faster) and the
+# -m gpu suite ran with it on (session 37; `bench/moe_bench.py --variants
+# "engine.models.mla.FUSED_LATENT_ABSORB=False"` is the A/B; read at every forward, so a
+# variant's recaptured graphs take it).
+FUSED_LATENT_ABSORB = True
 # Where the W_UV product runs as a Triton kernel (above), MLA decode's split merge inside it
 # (kernels/triton_mla_up_merge.py: the merge's launch and o_lat's round trip go, 27 launches
-# a V2-Lite decode step at batch 1, whose short contexts split). Not slower on an H100
-# (session 36: 0.3% faster, within the runs' spread; `bench/moe_bench.py --variants
-# "engine.models.mla.FUSED_UP_MERGE=True"`). Off until the -m gpu suite runs with it on.
-FUSED_UP_MERGE = False
+# a V2-Lite decode step at batch 1, whose short contexts split). On since an H100 timed it
+# (session 36): not slower (V2-Lite at batch 1 0.3% faster, within the runs' spread), and
+# 27 launches fewer; `bench/moe_bench.py --variants "engine.models.mla.FUSED_UP_MERGE=False"`.
+FUSED_UP_MERGE = True
 
 
 def latent_store_for(kernels: KernelSet) -> Callable[..., None]:
