@@ -21,7 +21,6 @@ Targets: fp8 attention <= 0.6x bf16 at batch >= 32, context >= 4k; capacity 2x.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -35,8 +34,9 @@ from collections.abc import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # moe_variants' own imports
 from bench.decode_bench import LLAMA3_8B, engine_point, graph_time_ms, hbm_read_tbps  # noqa: E402
-from bench.fp8_bench import setting  # noqa: E402
+from bench.moe_variants import settings  # noqa: E402
 
 LAYERS, HKV, HQ, D, BS = 32, 8, 32, 128, 16
 DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -78,9 +78,7 @@ def variant_rounds(step: Callable[[], None], layers: int, variants: list[str],
     times: dict[str, list[float]] = {}
     for _ in range(rounds):
         for v in ["", *variants]:
-            with contextlib.ExitStack() as stack:
-                for spec in (x for x in v.split(",") if x):
-                    stack.enter_context(setting(spec))
+            with settings(v):
                 times.setdefault(v or "defaults", []).append(
                     round(graph_time_ms(step) / layers, 4))
     return times

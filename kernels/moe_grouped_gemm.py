@@ -49,9 +49,10 @@ ALIGN_ROWS = GATHER_ROWS
 MAP_ROWS = 1024  # sorted rows per program of the row-map kernel
 # Past ALIGN_KERNEL_MAX_PAIRS pairs the align's place kernel can write the run ends and the
 # row map itself (True); False computes them afterwards as the one-program align's calls do.
-# On since an H100 timed it (session 36, bench/RESULTS.md): the 4k-token prefill 1.4% faster
-# at V2-Lite's shape and 2.7% at Qwen3-30B-A3B's (bench/moe_bench.py --prefill-variants
-# "kernels.moe_grouped_gemm.RUNS_FROM_ALIGN=True"; False is the A/B's other side).
+# On since an H100 timed it (session 36, bench/RESULTS.md: the 4k-token prefill 1.4% faster
+# at V2-Lite's shape and 2.7% at Qwen3-30B-A3B's) and the -m gpu suite ran with it on
+# (session 37); bench/moe_bench.py --prefill-variants "kernels.moe_grouped_gemm.
+# RUNS_FROM_ALIGN=False" is the A/B.
 RUNS_FROM_ALIGN = True
 
 

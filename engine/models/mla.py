@@ -64,8 +64,9 @@ FUSED_LATENT_ABSORB = True
 # Where the W_UV product runs as a Triton kernel (above), MLA decode's split merge inside it
 # (kernels/triton_mla_up_merge.py: the merge's launch and o_lat's round trip go, 27 launches
 # a V2-Lite decode step at batch 1, whose short contexts split). On since an H100 timed it
-# (session 36): not slower (V2-Lite at batch 1 0.3% faster, within the runs' spread), and
-# 27 launches fewer; `bench/moe_bench.py --variants "engine.models.mla.FUSED_UP_MERGE=False"`.
+# (session 36: not slower, V2-Lite at batch 1 0.3% faster, within the runs' spread; 27
+# launches fewer) and the -m gpu suite ran with it on (session 37); `bench/moe_bench.py
+# --variants "engine.models.mla.FUSED_UP_MERGE=False"`.
 FUSED_UP_MERGE = True
 
 

@@ -20,7 +20,7 @@ import torch
 # cuBLAS bmm; up to engine.models.moe.ROUTER_LOGITS_MAX_TOKENS the router's logits are one
 # Triton kernel (_router_logits_kernel) in place of a float32 GEMM. Up to
 # kernels.triton_moe.PER_PAIR_MAX_TOKENS tokens the experts run without the align step.
-# With FUSED_LATENT_ABSORB (on by default since session 36) the latent kernel and the W_UK
+# With FUSED_LATENT_ABSORB (on by default since session 37) the latent kernel and the W_UK
 # product are one launch, up to ABSORB_KERNEL_MAX_ROWS rows.
 BOUNDS = {("v2", 1): (10, 12), ("v2", 3): (10, 13), ("v2", 8): (11, 14), ("v3", 1): (12, 14)}
 
