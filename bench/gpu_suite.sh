@@ -8,7 +8,9 @@
 # jsonschema, whose tests otherwise skip on the device (llguidance 1.9.1 is tagged
 # manylinux_2_31 and jsonschema needs attrs, jsonschema-specifications, referencing and
 # rpds-py, so fetch those with pip download --no-deps --only-binary=:all: --python-version 3.12
-# --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl ...).
+# --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl ...). Fetch
+# uvloop==0.23.0 the same way: the device's Python has none, and without it every serving
+# process there runs asyncio's loop, which a pip-installed pdserve would not.
 #   bash bench/gpu_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?OUT_DIR}

@@ -42,6 +42,10 @@ fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
+# pdserve installs uvloop and its processes run on it ("auto"); a Python without it (the GPU
+# machine's, unless the run carries the wheel) measures asyncio's loop instead: say so
+python3 -c "import uvloop" 2>/dev/null || echo "serving_path_gpu.sh: no uvloop here; the" \
+  "router and workers run asyncio's loop, which costs more per message (carry its wheel)" >&2
 work=$(mktemp -d)
 M=$work/model
 NUM=${NUM:-0}  # 0: the sizes above; N: every point at most N prompts (dry runs)

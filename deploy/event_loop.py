@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+log = logging.getLogger("pdserve.event_loop")
 T = TypeVar("T")
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
@@ -30,7 +32,12 @@ def resolve_event_loop(kind: str) -> str:
 
 def run_on(kind: str, main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` on the loop ``kind`` names (``resolve_event_loop``)."""
-    if resolve_event_loop(kind) == "uvloop":
+    resolved = resolve_event_loop(kind)
+    # said at start-up: "auto" quietly falls back to asyncio's loop where uvloop is missing
+    # (the GPU machine's Python had none until its runs carried the wheel), and that loop
+    # costs more per message on every serving path
+    log.info("event loop: %s (--event-loop %s)", resolved, kind)
+    if resolved == "uvloop":
         import uvloop
 
         return uvloop.run(main)

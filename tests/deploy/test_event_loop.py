@@ -32,3 +32,10 @@ def test_uvloop_and_auto_run_on_uvloop() -> None:
 def test_a_bad_choice_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--event-loop: 'tokio' is not one of"):
         resolve_event_loop("tokio")
+
+
+def test_the_loop_a_process_runs_on_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    # "auto" falls back to asyncio's loop where uvloop is missing; the log says which ran
+    with caplog.at_level("INFO", logger="pdserve.event_loop"):
+        run_on("asyncio", loop_module())
+    assert "event loop: asyncio (--event-loop asyncio)" in caplog.text
