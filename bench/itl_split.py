@@ -29,7 +29,9 @@ pushes and sends its final notice only once the destination is in.
 
 Where they carry the hold's stamps, the first-token hold (producer sampled token 0 -> the
 router sent it) is split the same way: -> the producer's gRPC process handed it to the
-router's stream (``hold_producer_ms``), and the rest (that stream, the router's loop).
+router's stream (``hold_producer_ms``; where the records carry ``hold_engine_ms``, in two:
+-> the producer's engine process emitted it, -> its gRPC process handed it on), and the
+rest (that stream, the router's loop).
 Where token 0 came on the producer's Outputs stream, the rest splits again: -> that
 stream's writer took it (``hold_writer_ms``), -> the router read it (``hold_wire_ms``), ->
 the router sent it (``hold_router_ms``); and the slowest 1% of holds are shown by their
@@ -129,7 +131,14 @@ def hold_line(recs: list[dict]) -> str:
     """The first-token hold's parts (module docstring)."""
     hold = np.array([r["hold_ms"] for r in recs])
     prod = np.array([r["hold_producer_ms"] for r in recs])
-    parts = {"whole": hold, "sampled -> producer sent": prod}
+    parts = {"whole": hold}
+    if all(r.get("hold_engine_ms") is not None for r in recs):
+        # the producer's half in two: its engine process's emit, then the hop to its gRPC one
+        engine = np.array([r["hold_engine_ms"] for r in recs])
+        parts["sampled -> engine emitted"] = engine
+        parts["-> producer sent"] = prod - engine
+    else:
+        parts["sampled -> producer sent"] = prod
     if all(r.get(k) is not None for r in recs
            for k in ("hold_writer_ms", "hold_wire_ms", "hold_router_ms")):
         parts["-> writer took"] = np.array([r["hold_writer_ms"] for r in recs])

@@ -183,7 +183,8 @@ class ProducerHandler(RoleHandler):
             row = out.new_logprobs[0] if out.new_logprobs else None
             self.emit(Token0Event(o.rid, out.new_token_ids[0], out.new_text, row,
                                   out.finish_reason, stop_text(out.stop_reason),
-                                  out.sampled_ns, o.received_ns, out.num_cached_tokens))
+                                  out.sampled_ns, o.received_ns, out.num_cached_tokens,
+                                  time.time_ns()))
             sampled.append((o, out, row))
         if sampled:
             # token 0 leaves now: the client's first token must not wait for this step's

@@ -96,6 +96,7 @@ def fill_token0(t0: worker_pb2.Token0, ev: Token0Event, sent_ns: int) -> worker_
     t0.sampled_ns = ev.sampled_ns
     t0.received_ns = ev.received_ns
     t0.sent_ns = sent_ns
+    t0.emitted_ns = ev.emitted_ns
     if ev.cached_tokens:
         t0.cached_tokens = ev.cached_tokens
     return t0

@@ -130,6 +130,9 @@ class Token0Event:
     sampled_ns: int
     received_ns: int
     cached_tokens: int = 0  # prompt tokens the prefill found in the prefix cache
+    # when the engine process emitted it, after the step's read-back (Unix ns): splits the
+    # producer's half of the first-token hold into the engine's part and the hop after it
+    emitted_ns: int = 0
 
 
 @dataclass(frozen=True)

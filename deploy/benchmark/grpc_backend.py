@@ -25,6 +25,9 @@ def _delta_ms(later_ns: int, earlier_ns: int) -> float | None:
 def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
     rec.hold_ms = _delta_ms(t.router_token0_sent_ns, t.producer_token0_sampled_ns)
     rec.hold_producer_ms = _delta_ms(t.producer_token0_sent_ns, t.producer_token0_sampled_ns)
+    # of which the engine process's own part, up to its emit (the rest: the hop to the
+    # gRPC process and its loop reaching the message)
+    rec.hold_engine_ms = _delta_ms(t.producer_token0_emitted_ns, t.producer_token0_sampled_ns)
     # the rest of the hold, in three parts when token 0 came on the producer's Outputs
     # stream: its writer's wait, the wire (and the router's read), the router's own part
     rec.hold_writer_ms = _delta_ms(t.producer_token0_taken_ns, t.producer_token0_sent_ns)

@@ -121,6 +121,7 @@ def summarize(records: Sequence[RequestRecord], ctx: PointContext,
               "hold_ms": [r.hold_ms for r in ok if r.hold_ms is not None],
               "hold_producer_ms": [r.hold_producer_ms for r in ok
                                    if r.hold_producer_ms is not None],
+              "hold_engine_ms": [r.hold_engine_ms for r in ok if r.hold_engine_ms is not None],
               "hold_writer_ms": [r.hold_writer_ms for r in ok if r.hold_writer_ms is not None],
               "hold_wire_ms": [r.hold_wire_ms for r in ok if r.hold_wire_ms is not None],
               "hold_router_ms": [r.hold_router_ms for r in ok if r.hold_router_ms is not None],

@@ -27,6 +27,8 @@ class RequestRecord:
     # its first part: the producer's gRPC process handed token 0 to the router's stream -
     # sampled (the engine -> gRPC process hop); the rest is that stream and the router
     hold_producer_ms: float | None = None
+    # of which: sampled -> the producer's engine process emitted it to its gRPC process
+    hold_engine_ms: float | None = None
     # ... then the producer's Outputs writer took it (None on the Prefill stream), the router
     # read it (the wire, and the router's loop reaching the read), the router sent it
     hold_writer_ms: float | None = None
@@ -102,6 +104,7 @@ class RequestRecord:
                 "output_tokens": self.output_tokens, "ttft_ms": ms(self.ttft),
                 "ttst_ms": ms(self.ttst), "tpot_ms": ms(self.tpot), "e2el_ms": ms(self.e2el),
                 "hold_ms": self.hold_ms, "hold_producer_ms": self.hold_producer_ms,
+                "hold_engine_ms": self.hold_engine_ms,
                 "hold_writer_ms": self.hold_writer_ms, "hold_wire_ms": self.hold_wire_ms,
                 "hold_router_ms": self.hold_router_ms,
                 "kv_transfer_ms": self.kv_transfer_ms,

@@ -45,6 +45,7 @@ class RunOutput:
             self.cached_tokens = t0.cached_tokens
             self.timing.producer_received_ns = t0.received_ns
             self.timing.producer_token0_sampled_ns = t0.sampled_ns
+            self.timing.producer_token0_emitted_ns = t0.emitted_ns
             self.timing.producer_token0_sent_ns = t0.sent_ns
             self.timing.producer_token0_taken_ns = t0.taken_ns
             self.timing.router_token0_read_ns = read_ns

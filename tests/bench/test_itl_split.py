@@ -51,6 +51,17 @@ def test_the_hold_is_split_at_the_producer_s_send():
     assert "-> router sent p50 2.50 p99 2.50" in line and "(5 requests)" in line
 
 
+def test_the_producer_s_half_splits_at_the_engine_s_emit():
+    from itl_split import hold_line
+    # producer half 0.9 ms: 0.2 ms in the engine process, 0.7 ms hop to its gRPC process
+    recs = [{"hold_ms": 3.0, "hold_producer_ms": 0.9, "hold_engine_ms": 0.2}
+            for _ in range(5)]
+    line = hold_line(recs)
+    assert line.startswith("whole p50 3.00 p99 3.00; sampled -> engine emitted p50 0.20 "
+                           "p99 0.20; -> producer sent p50 0.70")
+    assert "-> router sent p50 2.10" in line
+
+
 def test_the_hold_s_tail_is_named_by_its_parts():
     from itl_split import hold_line
     # 99 holds of 2 ms spent on the wire, one of 20 ms spent in the router after its read

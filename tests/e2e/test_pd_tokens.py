@@ -194,7 +194,9 @@ def test_token0s_travel_on_the_producers_outputs_stream(cluster_1p1d, colocated_
     for r in results:
         t = r.timing
         assert t.producer == "worker-0"
-        # the hold's stamps, in the order token 0 passed them: sampled, handed to the
-        # producer's Outputs stream, taken by its writer, read by the router, sent
-        assert 0 < t.producer_token0_sampled_ns < t.producer_token0_sent_ns \
-            <= t.producer_token0_taken_ns <= t.router_token0_read_ns <= t.router_token0_sent_ns
+        # the hold's stamps, in the order token 0 passed them: sampled, emitted by the
+        # producer's engine process, handed to its Outputs stream, taken by its writer,
+        # read by the router, sent
+        assert 0 < t.producer_token0_sampled_ns <= t.producer_token0_emitted_ns \
+            < t.producer_token0_sent_ns <= t.producer_token0_taken_ns \
+            <= t.router_token0_read_ns <= t.router_token0_sent_ns

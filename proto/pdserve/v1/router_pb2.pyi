@@ -136,7 +136,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ServerTiming(_message.Message):
-    __slots__ = ("router_received_ns", "producer_received_ns", "producer_token0_sampled_ns", "router_token0_sent_ns", "consumer_kv_ready_ns", "consumer_first_step_ns", "router_finished_ns", "kv_transfer_ms", "producer", "consumer", "colocated", "producer_token0_sent_ns", "producer_token0_taken_ns", "router_token0_read_ns", "producer_notice_sent_ns", "consumer_notice_seen_ns", "consumer_kv_done_ns", "router_destination_sent_ns")
+    __slots__ = ("router_received_ns", "producer_received_ns", "producer_token0_sampled_ns", "router_token0_sent_ns", "consumer_kv_ready_ns", "consumer_first_step_ns", "router_finished_ns", "kv_transfer_ms", "producer", "consumer", "colocated", "producer_token0_sent_ns", "producer_token0_taken_ns", "router_token0_read_ns", "producer_notice_sent_ns", "consumer_notice_seen_ns", "consumer_kv_done_ns", "router_destination_sent_ns", "producer_token0_emitted_ns")
     ROUTER_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_RECEIVED_NS_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_TOKEN0_SAMPLED_NS_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class ServerTiming(_message.Message):
     CONSUMER_NOTICE_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_KV_DONE_NS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_DESTINATION_SENT_NS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_TOKEN0_EMITTED_NS_FIELD_NUMBER: _ClassVar[int]
     router_received_ns: int
     producer_received_ns: int
     producer_token0_sampled_ns: int
@@ -173,7 +174,8 @@ class ServerTiming(_message.Message):
     consumer_notice_seen_ns: int
     consumer_kv_done_ns: int
     router_destination_sent_ns: int
-    def __init__(self, router_received_ns: _Optional[int] = ..., producer_received_ns: _Optional[int] = ..., producer_token0_sampled_ns: _Optional[int] = ..., router_token0_sent_ns: _Optional[int] = ..., consumer_kv_ready_ns: _Optional[int] = ..., consumer_first_step_ns: _Optional[int] = ..., router_finished_ns: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., producer_token0_sent_ns: _Optional[int] = ..., producer_token0_taken_ns: _Optional[int] = ..., router_token0_read_ns: _Optional[int] = ..., producer_notice_sent_ns: _Optional[int] = ..., consumer_notice_seen_ns: _Optional[int] = ..., consumer_kv_done_ns: _Optional[int] = ..., router_destination_sent_ns: _Optional[int] = ...) -> None: ...
+    producer_token0_emitted_ns: int
+    def __init__(self, router_received_ns: _Optional[int] = ..., producer_received_ns: _Optional[int] = ..., producer_token0_sampled_ns: _Optional[int] = ..., router_token0_sent_ns: _Optional[int] = ..., consumer_kv_ready_ns: _Optional[int] = ..., consumer_first_step_ns: _Optional[int] = ..., router_finished_ns: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., producer: _Optional[str] = ..., consumer: _Optional[str] = ..., colocated: _Optional[str] = ..., producer_token0_sent_ns: _Optional[int] = ..., producer_token0_taken_ns: _Optional[int] = ..., router_token0_read_ns: _Optional[int] = ..., producer_notice_sent_ns: _Optional[int] = ..., consumer_notice_seen_ns: _Optional[int] = ..., consumer_kv_done_ns: _Optional[int] = ..., router_destination_sent_ns: _Optional[int] = ..., producer_token0_emitted_ns: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -204,7 +204,7 @@ class PrefillOutput(_message.Message):
     def __init__(self, token0: _Optional[_Union[Token0, _Mapping]] = ..., transfer: _Optional[_Union[TransferResult, _Mapping]] = ...) -> None: ...
 
 class Token0(_message.Message):
-    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns", "cached_tokens", "request_id", "taken_ns")
+    __slots__ = ("token_id", "text", "logprob", "finish_reason", "stop_reason", "sampled_ns", "received_ns", "sent_ns", "cached_tokens", "request_id", "taken_ns", "emitted_ns")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +216,7 @@ class Token0(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TAKEN_NS_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_NS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     logprob: _common_pb2.TokenLogprob
@@ -227,7 +228,8 @@ class Token0(_message.Message):
     cached_tokens: int
     request_id: str
     taken_ns: int
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., taken_ns: _Optional[int] = ...) -> None: ...
+    emitted_ns: int
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., taken_ns: _Optional[int] = ..., emitted_ns: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
     __slots__ = ("ok", "error", "kv_transfer_ms", "busy", "token0_routed")
