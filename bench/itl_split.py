@@ -121,7 +121,9 @@ def kv_ready_line(recs: list[dict]) -> str:
         line += (f"; destination after token 0 for {after.size} of {late.size}"
                  + (f", by p50 {np.median(after):.2f} p99 {np.percentile(after, 99):.2f} ms"
                     if after.size else ""))
-        tail_late = [r.get("dest_after_token0_ms") or 0.0
+        # how late: a destination sent before token 0 was sampled is not late at all (its
+        # negative lead would pull the mean below zero)
+        tail_late = [max(0.0, r.get("dest_after_token0_ms") or 0.0)
                      for r, s in zip(recs, slow, strict=True) if s]
         line += f" (the slowest 1%: {np.mean(tail_late):.2f} ms mean)"
     return line

@@ -133,5 +133,9 @@ def test_the_kv_ready_line_counts_destinations_that_came_after_token0():
     line = kv_ready_line([early] * 98 + [late, later])
     assert line.endswith("; destination after token 0 for 2 of 100, by p50 30.00 p99 49.60 "
                          "ms (the slowest 1%: 50.00 ms mean)")
+    # the slowest ones had their destination 30 ms before token 0: none of them was late
+    slow_early = {**_parted(90.0, (1.0, 0.5, 3.5, 85.0)), "dest_after_token0_ms": -30.0}
+    line = kv_ready_line([early] * 99 + [slow_early])
+    assert line.endswith("for 0 of 100 (the slowest 1%: 0.00 ms mean)")
     # records without the stamp (an older router): no destination clause
     assert "destination" not in kv_ready_line([_parted(25.0, (1.0, 0.5, 3.5, 20.0))] * 4)
