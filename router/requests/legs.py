@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 
 
 Report = Callable[[Event], None]  # where a leg sends what it read
+
+
+def _dropped(ev: Event) -> None:
+    """A detached leg's reports (``Leg.detach``): the run they were for is over."""
 # A leg cancelled while its StartDecode was in flight aborts the request once it answers,
 # within this bound (the run's own Abort may have reached the worker first).
 ABORT_AFTER_START_S = 5.0
@@ -120,6 +124,16 @@ class Leg:
 
     def _start(self, coro: Coroutine[Any, Any, None]) -> None:
         self.task = asyncio.get_running_loop().create_task(coro)
+
+    def detach(self) -> None:
+        """The run is over (closed): what the leg still reads goes nowhere, as the run's
+        closed queue would have dropped it. Why: the leg's report calls back into the run,
+        which holds the leg, so every finished request was a reference cycle (run, legs,
+        their tasks and calls: ~100 objects) that only the cyclic collector frees. At c=256
+        on one router those cycles made its full collections 15-60 ms stalls of the loop,
+        the first-token hold's tail (bench/RESULTS.md, session 38); without the cycle the
+        objects go as soon as the last task lets them."""
+        self._report_event = _dropped
 
 
 class ProducerLeg(Leg):
@@ -329,6 +343,10 @@ class DecodeLeg(Leg):
             self._abort_when_started = True
             return
         super().cancel()
+
+    def detach(self) -> None:
+        super().detach()
+        self.direct = None  # the run's writer: it holds the run as well
 
     async def linger(self, bound_s: float) -> None:
         if self._routed:  # its outputs come from the worker's stream: nothing to close

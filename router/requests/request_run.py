@@ -381,6 +381,9 @@ class RequestRun:
         if self.decode is not None and self.slot is not None:  # legs of a placement started
             self._end_legs(self.legs_to_abort())
         self._unplace()
+        for leg in (self.decode, self.producer):  # no cycle back to the run (Leg.detach)
+            if leg is not None:
+                leg.detach()
 
     def _all_legs(self) -> list[WorkerInfo]:
         return self.slot.workers if self.slot is not None else []
