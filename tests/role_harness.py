@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import zmq
+from event_link_pair import events_pair
 from tiny_models import make_tiny_model
 
 from consumer.handler import ConsumerHandler
@@ -169,8 +170,8 @@ class LoopProducer:
         self.ctx = zmq.Context()
         pull = ipc.bind_pull(self.ctx, self.paths.commands)
         self.push = ipc.connect_push(self.ctx, self.paths.commands)
-        ipc.bind_pull(self.ctx, self.paths.events)  # takes the loop's load reports
-        reports = ipc.connect_push(self.ctx, self.paths.events)
+        # takes the loop's load reports
+        self.reports_end, reports = events_pair(self.paths.events)
         self.events: list[Event] = []
         self.engine = engine(path, "producer", **engine_kw)
         self.handler = ProducerHandler(self.engine, self.events.append, FAKE, lease_s)
@@ -189,6 +190,7 @@ class LoopProducer:
     def close(self) -> None:
         self.handler.close()
         self.ctx.destroy(linger=0)
+        self.reports_end.close()
         self.paths.cleanup()
 
 

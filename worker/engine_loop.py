@@ -18,6 +18,7 @@ import zmq
 
 from engine.config import EngineConfig
 from worker import ipc
+from worker.event_link import EventWriter
 from worker.heap import freeze_startup_heap, gc_pauses
 from worker.kv_forward import KVEventForwarder
 from worker.launch_pacer import LaunchPacer
@@ -33,7 +34,7 @@ from worker.messages import (
     decode,
     encode,
 )
-from worker.outbox import EventOutbox
+from worker.outbox import EventOutbox, EventSink
 from worker.parent_death import die_with_parent
 from worker.role import Emit, RoleHandler
 from worker.step_stats import StepStats
@@ -87,7 +88,7 @@ class EngineSpec:
 
 
 class WorkerLoop:
-    def __init__(self, handler: RoleHandler, commands: zmq.Socket, events: zmq.Socket,
+    def __init__(self, handler: RoleHandler, commands: zmq.Socket, events: EventSink,
                  outbox: EventOutbox | None = None, pacer: LaunchPacer | None = None) -> None:
         """outbox: where the handler emits (its events leave at the loop's flush points);
         None: the handler sends its own, and the loop's leave through a new outbox.
@@ -280,7 +281,7 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
         torch.set_num_threads(spec.threads)
     ctx = zmq.Context()
     commands = ipc.bind_pull(ctx, paths.commands)
-    events = ipc.connect_push(ctx, paths.events)
+    events = EventWriter(paths.events)
     handler = None
     outbox = EventOutbox(events)
     try:
@@ -298,11 +299,12 @@ def engine_process_main(spec: EngineSpec, paths: ipc.IpcPaths) -> None:
     except Exception as e:  # the gRPC process reports it and exits; nothing else can act
         log.error("engine process failed: %s", traceback.format_exc())
         # what the handler emitted before it failed, then the failure
+        # a stream socket: what was sent is read after this end closes too
         events.send_multipart([*outbox.parts, encode(FatalEvent(f"{type(e).__name__}: {e}"))])
-        time.sleep(0.2)  # let the event leave before the socket closes
     finally:
         if handler is not None:
             handler.close()
+        events.close()
         ctx.destroy(linger=200)
     # All this process holds is released above (the handler stops any tensor-parallel
     # ranks). The interpreter's own teardown after it (freeing the model, torch's modules)

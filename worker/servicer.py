@@ -19,6 +19,7 @@ from engine.request_limits import check_request_id
 from engine.sampling_params import SamplingParams
 from worker import ipc
 from worker.convert import ModelLimits, checked_request
+from worker.event_link import EventReader, LinkClosed, NothingQueued
 from worker.load_report import LoadReport
 from worker.messages import (
     AbortCmd,
@@ -68,10 +69,8 @@ class EngineBridge:
 
     def __init__(self, paths: ipc.IpcPaths) -> None:
         self.ctx = zmq.asyncio.Context()
-        # The events socket is a plain one, read by ``pump`` from a reader callback:
-        # zmq.asyncio costs a future and several enum operations per message received.
-        self._events_ctx = zmq.Context()
-        self.events = ipc.bind_pull(self._events_ctx, paths.events)
+        # read by ``pump`` from a reader callback on the loop (worker/event_link.py)
+        self.events = EventReader(paths.events)
         self.commands = self.ctx.socket(zmq.PUSH)
         self.commands.setsockopt(zmq.LINGER, 0)
         self.commands.setsockopt(zmq.SNDHWM, ipc.HWM)
@@ -81,6 +80,8 @@ class EngineBridge:
         self._routed_token0s: list[Token0Event] = []  # this pass's, on an Outputs stream
         self.load: LoadReport | None = None  # the engine process's latest report
         self.ready: asyncio.Future[ReadyInfo] = asyncio.get_event_loop().create_future()
+        # set when the events link ends (the engine process closed its end)
+        self._link_done: asyncio.Future[None] = asyncio.get_event_loop().create_future()
         self.fatal: str | None = None
         # where the engine's prefix-cache events go (worker/kv_publisher.py); None: nowhere
         self.on_kv: Callable[[KVEventsEvent | KVSnapshotEvent], None] | None = None
@@ -130,18 +131,22 @@ class EngineBridge:
 
     async def pump(self) -> None:
         """Routes the engine process's events until cancelled. A reader on the socket's
-        descriptor wakes ``_drain``, which takes every queued message with non-blocking
-        receives (ZMQ's descriptor is edge-triggered: it signals again only once the queue
-        was read empty)."""
+        descriptor wakes ``_drain``, which takes the whole messages there with non-blocking
+        receives. The link ends only with the engine process, whose exit ``WorkerServer``
+        handles; the pump then stops reading and waits to be cancelled."""
         loop = asyncio.get_running_loop()
-        fd = self.events.getsockopt(zmq.FD)
-        assert isinstance(fd, int)
+        await self.events.accept()
+        fd = self.events.fileno()
         loop.add_reader(fd, self._drain)
-        loop.call_soon(self._drain)  # what arrived before the reader was registered
         try:
+            await self._link_done  # the link ended
+            loop.remove_reader(fd)
+            fd = -1
+            self.events.close()
             await loop.create_future()  # until cancelled
         finally:
-            loop.remove_reader(fd)
+            if fd >= 0:
+                loop.remove_reader(fd)
 
     def _drain(self) -> None:
         """Routes what the engine sent; the Outputs batches leave once per pass. The engine
@@ -153,10 +158,13 @@ class EngineBridge:
         try:
             for _ in range(DRAIN_BATCH):
                 try:
-                    parts = recv(zmq.NOBLOCK)
-                except zmq.Again:
+                    parts = recv()
+                except NothingQueued:
                     return  # read empty: the descriptor signals the next arrival
-                except zmq.ZMQError:  # closed (shutdown)
+                except LinkClosed as e:
+                    if not self._link_done.done():
+                        log.info("the engine process's events link ended: %s", e)
+                        self._link_done.set_result(None)
                     return
                 for data in parts:
                     try:
@@ -236,7 +244,7 @@ class EngineBridge:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
-        self._events_ctx.destroy(linger=0)
+        self.events.close()
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):

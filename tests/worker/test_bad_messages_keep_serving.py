@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import zmq
+from event_link_pair import events_pair
 from live_bridge import live_bridge
 
 from engine.outputs import StepResult
@@ -49,8 +50,7 @@ def test_engine_loop_drops_bad_commands_and_keeps_running() -> None:
     try:
         pull = ipc.bind_pull(ctx, paths.commands)
         push = ipc.connect_push(ctx, paths.commands)
-        ipc.bind_pull(ctx, paths.events)  # takes the loop's load reports
-        events = ipc.connect_push(ctx, paths.events)
+        reports, events = events_pair(paths.events)  # takes the loop's load reports
         role = RecordingRole()
         loop = WorkerLoop(role, pull, events)  # type: ignore[arg-type]
         for data in (b"\xc1", encode(AbortCmd("a")), b"\x92\xa5abort",
@@ -65,6 +65,7 @@ def test_engine_loop_drops_bad_commands_and_keeps_running() -> None:
         assert not loop.running
     finally:
         ctx.destroy(linger=0)
+        reports.close()
         paths.cleanup()
 
 
@@ -119,8 +120,7 @@ def test_engine_loop_holds_the_next_step_for_a_command_the_role_awaits() -> None
     try:
         pull = ipc.bind_pull(ctx, paths.commands)
         push = ipc.connect_push(ctx, paths.commands)
-        ipc.bind_pull(ctx, paths.events)
-        events = ipc.connect_push(ctx, paths.events)
+        reports, events = events_pair(paths.events)
         role = WaitingRole()
         loop = WorkerLoop(role, pull, events)  # type: ignore[arg-type]
         later = threading.Timer(0.05, lambda: push.send(encode(AbortCmd("a"))))
@@ -130,4 +130,5 @@ def test_engine_loop_holds_the_next_step_for_a_command_the_role_awaits() -> None
         assert role.order == ["command", "step"]
     finally:
         ctx.destroy(linger=0)
+        reports.close()
         paths.cleanup()

@@ -1,4 +1,4 @@
-"""The gRPC process's pump of engine-process events, over real ZMQ sockets: a burst far
+"""The gRPC process's pump of engine-process events, over the real events link: a burst far
 larger than one drain turn, and a message after the queue went quiet, all arrive in order."""
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import zmq
+from event_link_pair import events_pair
 
 from engine.outputs import StepResult
 from engine.step_timing import StepTiming
@@ -162,14 +163,14 @@ def _paced_loop(pacing: bool) -> Iterator[tuple[WorkerLoop, Device, AwaitingRole
     ctx = zmq.Context()
     try:
         pull = ipc.bind_pull(ctx, paths.commands)
-        ipc.bind_pull(ctx, paths.events)
-        events = ipc.connect_push(ctx, paths.events)
+        reports, events = events_pair(paths.events)  # takes the loop's load reports
         dev = Device()
         role = AwaitingRole(dev)
         pacer = LaunchPacer(enabled=pacing)
         yield WorkerLoop(role, pull, events, pacer=pacer), dev, role, pacer  # type: ignore[arg-type]
     finally:
         ctx.destroy(linger=0)
+        reports.close()
         paths.cleanup()
 
 

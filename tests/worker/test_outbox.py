@@ -1,7 +1,7 @@
-"""The engine process's events leave as one multipart ZMQ message per phase of a loop turn
+"""The engine process's events leave as one message on the events link per phase of a loop turn
 (the commands' answers before the forward; the step's outputs, what after_step polled and
 the load report after it), and the gRPC process routes such a message in one pass: a
-step's reservation and tokens share one Outputs batch. Real ZMQ sockets, the real loop and
+step's reservation and tokens share one Outputs batch. Real sockets, the real loop and
 bridge; a recording role as the seam."""
 
 from __future__ import annotations
@@ -12,11 +12,13 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from event_link_pair import events_pair, received
 from live_bridge import live_bridge
 
 from engine.outputs import StepResult
 from worker import ipc
 from worker.engine_loop import WorkerLoop
+from worker.event_link import EventReader
 from worker.load_report import LoadReport
 from worker.messages import (
     AbortCmd,
@@ -65,11 +67,8 @@ class PhasedRole:
         return LoadReport(1, 2, 3, 4)
 
 
-def _received(sock: zmq.Socket) -> list[list[Message]]:
-    out = []
-    while sock.poll(200):
-        out.append([decode(p) for p in sock.recv_multipart()])
-    return out
+def _received(reader: EventReader) -> list[list[Message]]:
+    return [[decode(p) for p in parts] for parts in received(reader)]
 
 
 def test_a_turn_sends_one_message_before_the_forward_and_one_after() -> None:
@@ -81,8 +80,7 @@ def test_a_turn_sends_one_message_before_the_forward_and_one_after() -> None:
         # loaded machine, and the turn then took only the first)
         pull = ipc.bind_pull(ctx, "inproc://outbox-test-commands")
         push = ipc.connect_push(ctx, "inproc://outbox-test-commands")
-        ev_pull = ipc.bind_pull(ctx, paths.events)
-        events = ipc.connect_push(ctx, paths.events)
+        ev_pull, events = events_pair(paths.events)
         outbox = EventOutbox(events)
         loop = WorkerLoop(PhasedRole(outbox), pull, events, outbox)  # type: ignore[arg-type]
         push.send(encode(AbortCmd("r1")))
@@ -104,6 +102,7 @@ def test_a_turn_sends_one_message_before_the_forward_and_one_after() -> None:
         assert reserved_again == reserved
     finally:
         ctx.destroy(linger=0)
+        ev_pull.close()
         paths.cleanup()
 
 

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import zmq
+from event_link_pair import events_pair, received
 from tiny_models import make_tiny_model
 
 from consumer.colocated import ColocatedHandler
@@ -136,8 +137,7 @@ def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> N
     try:
         pull = ipc.bind_pull(ctx, paths.commands)
         push = ipc.connect_push(ctx, paths.commands)
-        ev_pull = ipc.bind_pull(ctx, paths.events)
-        events = ipc.connect_push(ctx, paths.events)
+        ev_pull, events = events_pair(paths.events)
         emitted: list[Event] = []
 
         def emit(ev: Event) -> None:
@@ -163,11 +163,11 @@ def test_a_real_engine_loop_counts_every_step_of_a_request(tiny_llama: str) -> N
         assert 0 < c.seconds and 0 < c.gap_seconds
         # what the loop sent: its load reports carry the same counters, as of then
         reports: list[LoadReport] = []
-        while ev_pull.poll(0):
-            msg = decode(ev_pull.recv())
+        for msg in (decode(p) for parts in received(ev_pull, 0.05) for p in parts):
             if isinstance(msg, StatsEvent):
                 reports.append(msg.load)
         assert reports and reports[0].steps.steps <= c.steps
     finally:
         ctx.destroy(linger=0)
+        ev_pull.close()
         paths.cleanup()
