@@ -192,30 +192,32 @@ class EventReader:
         """Moves every whole frame in the buffer to the queue; a frame that cannot be one
         ends the link (only the engine process writes here)."""
         buf, pos, n = self._buf, 0, len(self._buf)
-        while n - pos >= 4:
-            (size,) = _U32.unpack_from(buf, pos)
-            if not 4 <= size <= MAX_FRAME:
-                self._ended = f"a frame of {size} bytes: not a message"
-                break
-            if n - pos - 4 < size:
-                break
-            start = pos + 4
-            (count,) = _U32.unpack_from(buf, start)
-            if 4 * (count + 1) > size:
-                self._ended = f"a frame of {count} parts in {size} bytes"
-                break
-            lengths = struct.unpack_from(f"<{count}I", buf, start + 4)
-            at = start + 4 * (count + 1)
-            if at + sum(lengths) != start + size:
-                self._ended = "a frame whose parts do not add up to its length"
-                break
-            parts = []
-            for ln in lengths:
-                parts.append(bytes(buf[at:at + ln]))
-                at += ln
-            self._frames.append(parts)
-            pos = start + size
-        if pos:
+        # parts are copied out of a view: one copy each (a bytearray slice is a copy too)
+        with memoryview(buf) as view:
+            while n - pos >= 4:
+                (size,) = _U32.unpack_from(buf, pos)
+                if not 4 <= size <= MAX_FRAME:
+                    self._ended = f"a frame of {size} bytes: not a message"
+                    break
+                if n - pos - 4 < size:
+                    break
+                start = pos + 4
+                (count,) = _U32.unpack_from(buf, start)
+                if 4 * (count + 1) > size:
+                    self._ended = f"a frame of {count} parts in {size} bytes"
+                    break
+                lengths = struct.unpack_from(f"<{count}I", buf, start + 4)
+                at = start + 4 * (count + 1)
+                if at + sum(lengths) != start + size:
+                    self._ended = "a frame whose parts do not add up to its length"
+                    break
+                parts = []
+                for ln in lengths:
+                    parts.append(view[at:at + ln].tobytes())
+                    at += ln
+                self._frames.append(parts)
+                pos = start + size
+        if pos:  # the view is released: the buffer may shrink
             del buf[:pos]
 
     def _close_listener(self) -> None:

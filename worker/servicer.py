@@ -140,13 +140,10 @@ class EngineBridge:
         loop.add_reader(fd, self._drain)
         try:
             await self._link_done  # the link ended
-            loop.remove_reader(fd)
-            fd = -1
-            self.events.close()
-            await loop.create_future()  # until cancelled
         finally:
-            if fd >= 0:
-                loop.remove_reader(fd)
+            loop.remove_reader(fd)
+        self.events.close()
+        await loop.create_future()  # until cancelled
 
     def _drain(self) -> None:
         """Routes what the engine sent; the Outputs batches leave once per pass. The engine
