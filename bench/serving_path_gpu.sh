@@ -23,6 +23,8 @@
 # WORKER_ARGS: extra flags for every worker, e.g. "--simulate-step-ms 10
 # --simulate-prefill-us-per-token 20" for simulated engines (the host free while a step
 # "runs", as on a GPU: a CPU dry run of what the GPU's step overlap changes)
+# SERVE_PY: what runs the router and the workers (default python3), e.g.
+# "python3 bench/probes/gc_garbage_probe.py --save-all" for their collections and cyclic garbage
 # CONSUMER_ARGS: extra consumer flags, e.g. "--no-launch-pacing" (the launch at once, as
 # before worker/launch_pacer.py)
 set -uo pipefail
@@ -63,7 +65,7 @@ n() { if [ "$NUM" -gt 0 ] && [ "$NUM" -lt "$1" ]; then echo "$NUM"; else echo "$
 
 start_router() {
   # shellcheck disable=SC2086 # ROUTER_ARGS: several flags
-  python3 -m deploy.cli router --host 127.0.0.1 --grpc-port 50051 --model "$M" ${ROUTER_ARGS:-} \
+  ${SERVE_PY:-python3} -m deploy.cli router --host 127.0.0.1 --grpc-port 50051 --model "$M" ${ROUTER_ARGS:-} \
     > "$out/router_$1.log" 2>&1 &
   echo $! > "$work/router.pid"
 }
@@ -103,11 +105,11 @@ stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; s
 
 # ---- P/D, sharing the GPU ----
 start_router pd
-python3 -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" \
+${SERVE_PY:-python3} -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" \
   --max-num-batched-tokens "${P_TOKENS:-2048}" --kv-cache-mib 8000 \
   --metrics-port 9101 --worker-id worker-0 > "$out/producer.log" 2>&1 &
 # shellcheck disable=SC2086 # CONSUMER_ARGS: several flags
-python3 -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
+${SERVE_PY:-python3} -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
   --metrics-port 9102 --worker-id worker-1 ${CONSUMER_ARGS:-} > "$out/consumer.log" 2>&1 &
 if wait_workers 2; then
   bench pd_prefill1 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts "$(n 4)"
@@ -123,7 +125,7 @@ stop_all
 # ---- one colocated worker ----
 if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" co_long "* ]]; then rm -rf "$work"; exit 0; fi
 start_router co
-python3 -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
+${SERVE_PY:-python3} -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
   --max-num-batched-tokens "${CO_TOKENS:-2048}" \
   --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id worker-0 > "$out/colocated.log" 2>&1 &
 if wait_workers 1; then
