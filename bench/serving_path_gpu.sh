@@ -20,6 +20,8 @@
 # ROUTER_ARGS / DOOR: extra router flags, and the port the clients use (default 50051, the
 # grpc.aio door), e.g. ROUTER_ARGS="--grpc-stream-port 50052" DOOR=50052 for the
 # hand-framed gRPC door (about half the router's CPU per token), or "--frontends 4"
+# BENCH_ARGS: extra flags for every bench point, e.g. "--connections 8" beside
+# ROUTER_ARGS="--frontends 4" (one client connection reaches one frontend)
 # WORKER_ARGS: extra flags for every worker, e.g. "--simulate-step-ms 10
 # --simulate-prefill-us-per-token 20" for simulated engines (the host free while a step
 # "runs", as on a GPU: a CPU dry run of what the GPU's step overlap changes)
@@ -94,10 +96,11 @@ bench() {  # NAME, then pdserve bench flags
   # and the consumer's prefix cache serves them (local prefill, no producer, no hold)
   seed=$((seed + 1))
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  # shellcheck disable=SC2086 # BENCH_ARGS: several flags
   timeout 400 python3 -m deploy.cli bench --router "127.0.0.1:${DOOR:-50051}" \
     --status-router 127.0.0.1:50051 --model "$M" --ignore-eos \
     --request-timeout 300 --warmup 2 --seed "$seed" --result-json "$out/$name.json" \
-    --markdown "$out/$name.md" "$@" > "$out/$name.log" 2>&1
+    --markdown "$out/$name.md" ${BENCH_ARGS:-} "$@" > "$out/$name.log" 2>&1
   echo "bench $name exit $?"; tail -4 "$out/$name.md" 2>/dev/null
 }
 stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; sleep 5

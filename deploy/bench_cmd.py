@@ -37,6 +37,10 @@ def add_bench_parser(sub: Any) -> None:
     t.add_argument("--base-url", default=None,
                    help="OpenAI HTTP base URL, e.g. http://127.0.0.1:8000 (--backend openai)")
     add_router_client_args(t)
+    t.add_argument("--connections", type=int, default=1, metavar="N",
+                   help="gRPC connections the requests are dealt over in turn (default 1): a "
+                        "router's frontends (--frontends) share its port by SO_REUSEPORT, "
+                        "which spreads connections, so one connection reaches one frontend")
     t.add_argument("--launch", choices=("pd", "colocated"), default=None,
                    help="start a local cluster of this kind instead of using --router")
     t.add_argument("--policy", default="round_robin",
@@ -231,12 +235,22 @@ def sim_worker_args(args: argparse.Namespace) -> tuple[str, ...]:
 def backend_factory(args: argparse.Namespace) -> Any:
     from deploy.benchmark.backend import Backend
 
+    if args.connections < 1:
+        raise ValueError(f"--connections: must be at least 1, got {args.connections}")
+    if args.connections > 1 and args.backend != "grpc":
+        raise ValueError("--connections: only with --backend grpc (the HTTP client opens "
+                         "connections as its streams need them)")
+
     def make(target: Target) -> Backend:
         if args.backend == "grpc":
             from deploy.benchmark.grpc_backend import GrpcBackend
+            from deploy.benchmark.spread_backend import SpreadBackend
 
-            return GrpcBackend(target.address, args.api_key, args.router_ca,
-                               status_address=args.status_router)
+            backends: list[Backend] = [
+                GrpcBackend(target.address, args.api_key, args.router_ca,
+                            status_address=args.status_router)
+                for _ in range(args.connections)]
+            return backends[0] if len(backends) == 1 else SpreadBackend(backends)
         if not target.base_url:
             raise ValueError("--backend openai: needs --base-url (or a started cluster with "
                              "an HTTP port)")
@@ -278,6 +292,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from deploy.benchmark.report import ratios
     from deploy.benchmark.sweep import run_sweep
 
+    make_backend = backend_factory(args)  # its flags checked before any cluster starts
     plan = build_plan(args)
     targets = build_targets(args)
     doc: dict[str, Any] = {
@@ -301,7 +316,7 @@ def run_bench(args: argparse.Namespace) -> int:
             with open(args.result_json, "w") as f:
                 json.dump(doc, f, indent=1)
 
-    configs = run_sweep(targets, plan, backend_factory(args), on_target=save)
+    configs = run_sweep(targets, plan, make_backend, on_target=save)
     emit(doc, args)
     failed = sum(p["metrics"]["failed"] for c in configs for p in c["points"])
     return 1 if failed else 0

@@ -13,9 +13,13 @@ from deploy.benchmark.workload import RequestSpec
 from deploy.router_client import RouterError, aio_channel, auth_metadata, error_line
 
 FAILED_REASONS = {common_pb2.FINISH_REASON_ERROR, common_pb2.FINISH_REASON_ABORT}
-# Long prompts and many concurrent streams: lift gRPC's default message limits.
+# Long prompts and many concurrent streams: lift gRPC's default message limits. Each
+# backend its own connection: without a local subchannel pool, every channel of a process to
+# one address shares one TCP connection, so several backends (``--connections``, the CPU
+# bench's ``--connections-per-client``) would still reach only one of a router's frontends.
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
-                   ("grpc.max_send_message_length", 64 << 20)]
+                   ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.use_local_subchannel_pool", 1)]
 
 
 def _delta_ms(later_ns: int, earlier_ns: int) -> float | None:
