@@ -47,6 +47,11 @@ def line(run: str) -> str:
                 and r.get("hold_producer_ms") is not None]
         if held:  # where the hold's time goes, the tail's included (bench/itl_split.py)
             parts.append(f"  {name} hold: {hold_line(held)}")
+    try:  # the host's speed (bench/probes/host_speed.py): holds scale with it
+        with open(os.path.join(run, "host.txt")) as f:
+            parts += [f"  {ln.strip()}" for ln in f if ln.startswith("host speed")]
+    except OSError:
+        pass
     return "\n".join([" | ".join(cells), *parts])
 
 

@@ -50,7 +50,8 @@ mkdir -p "$out"
 # machine's, unless the run carries the wheel) measures asyncio's loop instead: say so
 # the host's CPU and load: the hold and the ITL tails are host time, and two machines with the
 # same GPU gave first-token holds 3x apart (bench/RESULTS.md, session 38)
-{ nproc; lscpu 2>/dev/null | grep -m1 "Model name"; uptime; } > "$out/host.txt" 2>&1
+{ nproc; lscpu 2>/dev/null | grep -m1 "Model name"; uptime
+  python3 bench/probes/host_speed.py; } > "$out/host.txt" 2>&1
 python3 -c "import uvloop" 2>/dev/null || echo "serving_path_gpu.sh: no uvloop here; the" \
   "router and workers run asyncio's loop, which costs more per message (carry its wheel)" >&2
 work=$(mktemp -d)

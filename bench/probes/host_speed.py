@@ -1,0 +1,86 @@
+"""How fast this host runs the serving path's kind of work, in one line for host.txt.
+
+Two GPU machines of one kind gave first-token holds 2x apart in every stage (bench/RESULTS.md,
+session 39), and ``lscpu`` named the same CPU model on both. The hold is Python on one core
+at a time: object churn, dict lookups, small protobuf messages and a wake-up through a
+socket. This times each of those (median of several rounds), so runs on different hosts
+can be told apart and scaled.
+
+    python bench/probes/host_speed.py
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "proto")]
+
+ROUNDS = 7
+
+
+def _median_ms(fn: object, rounds: int = ROUNDS) -> float:
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()  # type: ignore[operator]
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def python_work() -> None:
+    """Object churn and dict traffic, the shape of a router's per-token work."""
+    d: dict[str, list[int]] = {}
+    for i in range(100_000):
+        key = f"req-{i & 1023}"
+        d.setdefault(key, []).append(i)
+        if len(d[key]) > 8:
+            d[key] = d[key][-2:]
+
+
+def protobuf_work() -> None:
+    from pdserve.v1 import worker_pb2
+
+    for i in range(5_000):
+        b = worker_pb2.OutputBatch(seq=i)
+        t = b.tokens.add(request_id=f"req-{i}")
+        t.token_ids.extend((i, i + 1))
+        worker_pb2.OutputBatch.FromString(b.SerializeToString())
+
+
+def wake_us(n: int = 2_000) -> float:
+    """Median one-way time of a small message through a Unix socket pair to a thread
+    blocked in recv: a wake-up through the kernel, as between the serving processes."""
+    a, b = socket.socketpair()
+    got: list[int] = []
+
+    def reader() -> None:
+        for _ in range(n):
+            msg = b.recv(20, socket.MSG_WAITALL)  # one message, never two merged
+            got.append(time.perf_counter_ns() - int(msg))
+
+    th = threading.Thread(target=reader)
+    th.start()
+    for _ in range(n):
+        a.send(str(time.perf_counter_ns()).encode().ljust(20))
+        time.sleep(0.0002)
+    th.join()
+    a.close()
+    b.close()
+    return statistics.median(got) / 1e3
+
+
+def main() -> None:
+    py = _median_ms(python_work)
+    pb = _median_ms(protobuf_work)
+    print(f"host speed: python work {py:.1f} ms, protobuf work {pb:.1f} ms, "
+          f"socket wake-up {wake_us():.1f} us (medians; lower is faster)")
+
+
+if __name__ == "__main__":
+    main()
