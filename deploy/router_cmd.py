@@ -87,8 +87,9 @@ def add_router_parser(sub: Any) -> None:
                    help="seconds clients are told to wait after an overload refusal")
     f.add_argument("--frontends", type=int, default=1,
                    help="router processes serving the same ports (SO_REUSEPORT), for more "
-                        "streamed tokens/s than one process gives; one keeps the workers' "
-                        "registry, the others mirror it (needs a fixed --grpc-port)")
+                        "streamed tokens/s than one process gives and a shorter first-token "
+                        "tail at hundreds of streams; one keeps the workers' registry, the "
+                        "others mirror it (needs a fixed --grpc-port)")
     f.add_argument("--primary", default="", help=argparse.SUPPRESS)  # set in mirrors only
     # the primary's pid, in mirrors only: a mirror ends with it (die_with_primary)
     f.add_argument("--primary-pid", type=int, default=0, help=argparse.SUPPRESS)
