@@ -49,7 +49,7 @@ def line(run: str) -> str:
             parts.append(f"  {name} hold: {hold_line(held)}")
     try:  # the host's speed (bench/probes/host_speed.py): holds scale with it
         with open(os.path.join(run, "host.txt")) as f:
-            parts += [f"  {ln.strip()}" for ln in f if ln.startswith("host speed")]
+            parts += [f"  {ln.strip()}" for ln in f if ln.startswith(("host speed", "cpu busy"))]
     except OSError:
         pass
     return "\n".join([" | ".join(cells), *parts])

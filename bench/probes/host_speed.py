@@ -75,7 +75,30 @@ def wake_us(n: int = 2_000) -> float:
     return statistics.median(got) / 1e3
 
 
+def cpu_shares(window_s: float = 1.0) -> str:
+    """The host's CPUs over ``window_s`` from /proc/stat: busy (user, system, irq) and stolen
+    (taken by the hypervisor for other guests), in percent of all CPUs' time. A busy or
+    stolen host runs every stage of the hold slower."""
+    def sample() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:9]]
+
+    try:
+        a = sample()
+        time.sleep(window_s)
+        b = sample()
+    except OSError:
+        return "cpu shares: unknown"
+    d = [y - x for x, y in zip(a, b, strict=True)]
+    total = sum(d) or 1
+    # user nice system idle iowait irq softirq steal
+    busy = d[0] + d[1] + d[2] + d[5] + d[6]
+    return (f"cpu busy {100 * busy / total:.1f}%, stolen {100 * d[7] / total:.1f}% "
+            f"over {window_s:g} s")
+
+
 def main() -> None:
+    print(cpu_shares())  # before the timings: the host as the run found it
     py = _median_ms(python_work)
     pb = _median_ms(protobuf_work)
     print(f"host speed: python work {py:.1f} ms, protobuf work {pb:.1f} ms, "
