@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The open issues' H200 points, in two device calls of under 10 minutes each (one H200; the
+# wheels of bench/gpu_suite.sh carried in .whl, uvloop's among them):
+#   bash bench/h200_open_points.sh OUT_DIR serving   # issue 22: the whole serving path
+#   bash bench/h200_open_points.sh OUT_DIR kernels   # issue 27's batch-1 FP8 decode, issue 25's V2-Lite table
+# `serving` runs bench/serving_path_gpu.sh (P and D sharing the GPU, the hold points, the long
+# outputs at c=256/512, the seeds' load, one colocated worker, the decode_bench reference) with
+# two router frontends and the bench's requests over 8 connections: at c=256 one router loop
+# also holds new requests' token 0 behind its streams (bench/RESULTS.md, "The events link on a
+# GPU, and the hold with several frontends"). FRONTENDS=1 runs one. Each run's host.txt says
+# how fast the host's CPU ran: the hold is host time.
+# `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
+# and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, transformers'
+# generate at batches 1 and 8). Both refuse a card that is not an H200: the issues' targets
+# are H200 numbers, and other cards' runs belong in their own sections.
+set -uo pipefail
+out=${1:?OUT_DIR}; part=${2:?serving or kernels}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+mkdir -p "$out"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
+echo "$gpu" > "$out/gpu.txt"
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+case "$gpu" in
+  *H200*) ;;
+  *) echo "h200_open_points.sh: this is '${gpu:-no GPU}', not an H200" >&2; exit 3 ;;
+esac
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export UCX_WARN_UNUSED_ENV_VARS=n
+case $part in
+  serving)
+    fe=${FRONTENDS:-2}
+    ra="" ba=""
+    [ "$fe" -gt 1 ] && ra="--frontends $fe" ba="--connections 8"
+    ROUTER_ARGS="$ra ${ROUTER_ARGS:-}" BENCH_ARGS="$ba ${BENCH_ARGS:-}" timeout 570 \
+      bash bench/serving_path_gpu.sh "$out/serving" > "$out/serving.log" 2>&1
+    for f in "$out"/serving/*.json; do
+      python3 bench/itl_split.py "$f" > "${f%.json}.split.txt" 2>&1
+    done
+    PYTHONPATH="$PYTHONPATH:$repo/bench" python3 bench/hold_summary.py "$out" > "$out/hold_summary.txt" 2>&1
+    tail -30 "$out/serving.log"; cat "$out/hold_summary.txt" ;;
+  kernels)
+    timeout 130 python3 bench/fp8_bench.py --sections decode --batches 1,128 \
+      --quantization fp8-all --out "$out/fp8_decode.json" > "$out/fp8_decode.txt" 2>&1
+    tail -8 "$out/fp8_decode.txt"
+    timeout 330 python3 bench/moe_bench.py --shape v2lite --batches 1,8,32,128 \
+      --contexts 512,4096 --hf-batches 1,8 --repeats 2 --out "$out/v2lite.json" \
+      > "$out/v2lite.txt" 2>&1
+    tail -25 "$out/v2lite.txt" ;;
+  *) echo "h200_open_points.sh: the part is serving or kernels, not '$part'" >&2; exit 2 ;;
+esac
