@@ -208,7 +208,7 @@ class HttpFrontDoor:
         builder = ResponseBuilder(req, self.frontend.model_id, self.texts)
         # a stream's text chunks may be written from the worker's batch (sse_direct.py)
         stream = SseStream(builder) if req.stream else None
-        writer = DirectWrite(stream) if stream is not None else None
+        writer = DirectWrite(stream, takes_first=False) if stream is not None else None
         gen: AsyncGenerator[router_pb2.GenerateResponse, None] = self.frontend.generate(
             req.generate, received_ns, "http", fill_max_tokens=req.chat, direct=writer)
         async with contextlib.aclosing(gen):

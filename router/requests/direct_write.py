@@ -59,8 +59,12 @@ _HELD: Any = _Held()
 
 
 class DirectWrite:
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, *, takes_first: bool = True) -> None:
+        """takes_first: a direct write may be the stream's first message (token 0, written
+        from the producer's batch). Not for an SSE stream: its handler opens the HTTP
+        response with the first message (refusals before it are HTTP errors)."""
         self._context = context
+        self.takes_first = takes_first
         self._write_now: Callable[[Any], bool] | None = getattr(context, "write_now", None)
         self._coro: Coroutine[Any, Any, Any] | None = None  # the write in flight
         self._idle: asyncio.Future[None] | None = None  # the handler waits for the end

@@ -72,6 +72,8 @@ from router.requests.run_events import (
     Failed,
     Reserved,
     TimedOut,
+    Token0Read,
+    Token0Written,
     TokensRead,
 )
 from router.requests.run_output import RunOutput
@@ -253,6 +255,9 @@ class RequestRun:
         """
         if type(ev) is TokensRead and is_open(ev.tokens) and self._write_direct(ev.tokens):
             return
+        if type(ev) is Token0Read and self._write_token0_direct(ev):
+            self._queue.put_nowait(Token0Written())  # the loop catches up behind it
+            return
         if isinstance(ev, Reserved):
             if self.producer is None or self._closed:
                 return
@@ -273,6 +278,26 @@ class RequestRun:
         d.observe(n)
         d.start(resp)
         self._queue.touch()  # the loop's wait for the next token starts over
+        return True
+
+    def _write_token0_direct(self, ev: Token0Read) -> bool:
+        """Writes the producer's token 0 to the client's stream now, from the pass over the
+        producer's batch, when the client loop waits for it with nothing in hand; False: it
+        goes through the loop. Through the loop, it waits for the wake-up of the client's
+        task behind everything else ready: at hundreds of streams, the consumer's batch
+        just handed on (bench/RESULTS.md, the first-token hold's "router sent" part). Not a
+        token 0 that ends the request (the loop's final message), nor a migrated request's
+        (its client has tokens: the loop decides), nor on a stream whose first message is
+        its handler's (SSE)."""
+        d = self._direct
+        if (d is None or not d.takes_first or not d.idle or ev.token0.finish_reason
+                or self.phase not in (P.PLACED, P.PAIRED) or self.out.completion_tokens
+                or not self._queue.parked() or self._closed):
+            return False
+        resp = self.out.token0(ev.token0, ev.read_ns)
+        self.advance(P.TOKEN0)
+        d.observe(1)
+        d.start(resp)
         return True
 
     async def _pair(self, dest: worker_pb2.KVDestination) -> None:

@@ -22,6 +22,12 @@ class Token0Read:
 
 
 @dataclass(frozen=True)
+class Token0Written:
+    """Token 0 went to the client from the producer's batch (``RequestRun``'s direct
+    write): the client loop only catches up (tokens held for it go out next)."""
+
+
+@dataclass(frozen=True)
 class TransferRead:
     """The producer's KV transfer result: its part is done."""
 
@@ -104,7 +110,7 @@ class TimedOut:
     message: str
 
 
-Event = (Token0Read | TransferRead | ProducerEnded | Reserved | TokensRead | DecodeEnded
-         | LegFailed | Aborted | Dropped | Failed | TimedOut)
+Event = (Token0Read | Token0Written | TransferRead | ProducerEnded | Reserved | TokensRead
+         | DecodeEnded | LegFailed | Aborted | Dropped | Failed | TimedOut)
 # ended from outside: a queued run sees these at once (``RequestRun.stopped``)
 STOPS = (Aborted, Failed)

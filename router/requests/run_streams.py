@@ -37,6 +37,7 @@ from router.requests.run_events import (
     Reserved,
     TimedOut,
     Token0Read,
+    Token0Written,
     TokensRead,
     TransferRead,
 )
@@ -121,13 +122,15 @@ async def disaggregated_stream(run: StreamedRun
         match ev:
             case Reserved():
                 run.advance(RunPhase.PAIRED)  # the run sent the blocks on to the producer
-            case Token0Read(token0=t0, read_ns=read_ns):
-                resp = out.token0(t0, read_ns)
-                run.advance(RunPhase.TOKEN0)
-                if t0.finish_reason:
-                    yield out.final(resp, t0.finish_reason, t0.stop_reason)
-                    return
-                yield resp
+            case Token0Read() | Token0Written():
+                if isinstance(ev, Token0Read):  # else it went out from the producer's batch
+                    t0 = ev.token0
+                    resp = out.token0(t0, ev.read_ns)
+                    run.advance(RunPhase.TOKEN0)
+                    if t0.finish_reason:
+                        yield out.final(resp, t0.finish_reason, t0.stop_reason)
+                        return
+                    yield resp
                 if held:
                     run.advance(RunPhase.DECODING)
                 for tokens in held:

@@ -99,3 +99,30 @@ def test_a_client_leaving_mid_stream_aborts_the_request() -> None:
             await wait_until(lambda: not cl.server.dispatcher.requests(), timeout=10)
 
     run(main(), timeout=60)
+
+
+def test_token0_from_the_producers_batch_still_opens_the_stream_in_the_handler() -> None:
+    """Token 0 on the producer's Outputs stream with the client loop parked goes straight
+    to a gRPC client (tests/router/test_direct_write.py); an SSE stream's first message is
+    its handler's (it prepares the response and sends the role chunk first), so there it
+    goes through the loop and the stream starts as always."""
+    async def main() -> None:
+        async with Cluster(http_port=0) as cl:
+            p, c = await cl.pd(decode=steady_tokens)
+            p.outputs = c.outputs = True
+            p.token0_delay_s = 0.05  # the client loop is parked when it comes
+            url = f"http://127.0.0.1:{cl.server.http_port}/v1/chat/completions"
+            async with aiohttp.ClientSession() as s, s.post(url, json={
+                    "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "max_tokens": N + 1}) as r:
+                assert r.status == 200
+                body = await r.text()
+        events = [ln[6:] for ln in body.splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == "A" + "".join(f"<{i}>" for i in range(1, N + 1))
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+    run(main(), timeout=60)
