@@ -10,6 +10,9 @@
 # sys.path, so a run started elsewhere would import that directory's code. Rounds
 # alternate the order (old new, new old, ...). Prints bench/hold_summary.py's table.
 # AB_ONLY: the points (default "pd_hold pd_hold256 pd_seeds"); AB_TIMEOUT: seconds a run.
+# AB_PRESET / AB_DEVICE: the model preset and device (default llama3-8b on cuda:0); on this
+# CPU with simulated engines, e.g. AB_PRESET=tiny AB_DEVICE=cpu CONSUMER_KV_MIB=512
+# WORKER_ARGS="--simulate-step-ms 10 --simulate-prefill-us-per-token 20".
 set -uo pipefail
 out=${1:?OUT_DIR}; old=$(cd "${2:?OLD_TREE}" && pwd); rounds=${3:-3}
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -20,7 +23,8 @@ for r in $(seq 1 "$rounds"); do
     if [ "$t" = old ]; then root=$old; else root=$repo; fi
     echo "$(date -u +%T) round $r $t"
     (cd "$root" && ONLY="${AB_ONLY:-pd_hold pd_hold256 pd_seeds}" timeout "${AB_TIMEOUT:-160}" \
-      bash bench/serving_path_gpu.sh "$out/$t$r" llama3-8b cuda:0 "${CONSUMER_KV_MIB:-}" > "$out/$t$r.log" 2>&1)
+      bash bench/serving_path_gpu.sh "$out/$t$r" "${AB_PRESET:-llama3-8b}" "${AB_DEVICE:-cuda:0}" \
+        "${CONSUMER_KV_MIB:-}" > "$out/$t$r.log" 2>&1)
   done
 done
 python3 "$repo/bench/hold_summary.py" "$out"
