@@ -14,16 +14,10 @@
 #   bash bench/gpu_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?OUT_DIR}
-repo=$(cd "$(dirname "$0")/.." && pwd)
-cd "$repo"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export UCX_WARN_UNUSED_ENV_VARS=n
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+# shellcheck source=bench/device_env.sh
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpus.txt" 2>&1
 git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 # the graph tests alone: their --gpu-memory-utilization test sizes from memory in use,

@@ -15,23 +15,17 @@
 # are H200 numbers, and other cards' runs belong in their own sections.
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?serving or kernels}
-repo=$(cd "$(dirname "$0")/.." && pwd)
-cd "$repo"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
 echo "$gpu" > "$out/gpu.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
+git -C "$(dirname "$0")" rev-parse HEAD > "$out/commit.txt" 2>/dev/null || true
 case "$gpu" in
   *H200*) ;;
   *) echo "h200_open_points.sh: this is '${gpu:-no GPU}', not an H200" >&2; exit 3 ;;
 esac
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export UCX_WARN_UNUSED_ENV_VARS=n
+# shellcheck source=bench/device_env.sh
+source "$(dirname "$0")/device_env.sh"
 case $part in
   serving)
     fe=${FRONTENDS:-2}

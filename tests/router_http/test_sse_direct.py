@@ -36,6 +36,27 @@ async def steady_tokens(w: FakeWorker, req: worker_pb2.DecodeRequest
         yield tokens([i], f"<{i}>", LENGTH if i == N else 0)
 
 
+async def chat_stream(cl: Cluster) -> str:
+    """A streamed chat completion of N + 1 tokens: the SSE body, after checking its status."""
+    url = f"http://127.0.0.1:{cl.server.http_port}/v1/chat/completions"
+    async with aiohttp.ClientSession() as s, s.post(url, json={
+            "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "max_tokens": N + 1}) as r:
+        assert r.status == 200
+        return await r.text()
+
+
+def stream_text(body: str) -> str:
+    """The stream's text, after checking it opens with the role chunk, ends with [DONE] and
+    finishes on length."""
+    events = [ln[6:] for ln in body.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+
 def test_steady_tokens_leave_from_the_batch_exact_and_in_order(
         monkeypatch: pytest.MonkeyPatch) -> None:
     direct, synchronous = [], []
@@ -59,18 +80,9 @@ def test_steady_tokens_leave_from_the_batch_exact_and_in_order(
         async with Cluster(http_port=0) as cl:
             await cl.pd(decode=steady_tokens)
             cl.workers[1].outputs = True
-            url = f"http://127.0.0.1:{cl.server.http_port}/v1/chat/completions"
-            async with aiohttp.ClientSession() as s, s.post(url, json={
-                    "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                    "max_tokens": N + 1}) as r:
-                body = await r.text()
-        events = [ln[6:] for ln in body.splitlines() if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
-        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            body = await chat_stream(cl)
+        text = stream_text(body)
         assert text == "A" + "".join(f"<{i}>" for i in range(1, N + 1))
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         # token 0 and the last leave from the handler; the steady ones from the batch
         assert len(direct) >= N // 2, direct
         assert "".join(direct) in text
@@ -111,18 +123,7 @@ def test_token0_from_the_producers_batch_still_opens_the_stream_in_the_handler()
             p, c = await cl.pd(decode=steady_tokens)
             p.outputs = c.outputs = True
             p.token0_delay_s = 0.05  # the client loop is parked when it comes
-            url = f"http://127.0.0.1:{cl.server.http_port}/v1/chat/completions"
-            async with aiohttp.ClientSession() as s, s.post(url, json={
-                    "messages": [{"role": "user", "content": "hi"}], "stream": True,
-                    "max_tokens": N + 1}) as r:
-                assert r.status == 200
-                body = await r.text()
-        events = [ln[6:] for ln in body.splitlines() if ln.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        chunks = [json.loads(e) for e in events[:-1]]
-        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-        assert text == "A" + "".join(f"<{i}>" for i in range(1, N + 1))
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            body = await chat_stream(cl)
+        assert stream_text(body) == "A" + "".join(f"<{i}>" for i in range(1, N + 1))
 
     run(main(), timeout=60)
