@@ -7,9 +7,10 @@ socket. This times each of those (median of several rounds).
 
 One process's Python speed on these VMs is bimodal: on this 2-core VM successive processes
 took about 20 or about 40 ms for the same dict-and-string loop (protobuf alike, 10 or 19),
-steady within each process. With address-space randomization off (``setarch -R``) slow
-processes were rarer, not gone. So the timings run in several fresh processes, and the line
-gives their least, median and most: the least is the host, the spread is the processes'.
+steady within each process; how many drew the slow speed changed over time (cause not
+found; bench/RESULTS.md, session 39). So the timings run in several fresh processes, and
+the line gives their least, median and most: the least is the host, the spread is the
+processes'.
 
     python bench/probes/host_speed.py [--processes 5]
 """
