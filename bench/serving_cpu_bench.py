@@ -47,6 +47,7 @@ if ROOT not in sys.path:  # run as a script: the repository's packages come firs
 from deploy.benchmark.backend import SamplingChoice  # noqa: E402
 from deploy.benchmark.proc_cpu import cpu_between, snapshot  # noqa: E402
 from deploy.benchmark.record import RequestRecord  # noqa: E402
+from deploy.benchmark.spread_backend import SpreadBackend  # noqa: E402
 from deploy.benchmark.workload import LengthRange, RequestSpec, random_workload  # noqa: E402
 
 TINY_DUMMY = "tiny-dummy"
@@ -85,12 +86,12 @@ async def _client(job: ClientJob, ready: Any, go: Any) -> dict[str, Any]:
     # Several connections per client process: a router's frontends share their port by
     # SO_REUSEPORT, which balances connections, not streams, so a handful of multiplexed
     # connections would load the frontends unevenly (real traffic comes on many).
-    backends = [_backend(job) for _ in range(max(1, job.connections))]
-    for b in backends:
-        await b.open()
+    # (GrpcBackend opts out of gRPC's shared subchannel pool: each is its own connection)
+    spread = SpreadBackend([_backend(job) for _ in range(max(1, job.connections))])
+    await spread.open()
     try:
         warm = [job.specs[i % len(job.specs)][1] for i in range(job.warmup)]
-        for b in backends:
+        for b in spread.backends:
             for spec in warm:  # connections up, first-request costs paid
                 await b.send(spec, RequestRecord(-1, spec.prompt_len, spec.output_len),
                              job.sampling)
@@ -109,14 +110,12 @@ async def _client(job: ClientJob, ready: Any, go: Any) -> dict[str, Any]:
                     records[k].error, records[k].success = f"client: {e!r}", False
                     records[k].end = time.perf_counter()
 
-        await asyncio.gather(*(stream(backends[i % len(backends)])
-                               for i in range(job.concurrency)))
+        await asyncio.gather(*(stream(spread) for _ in range(job.concurrency)))
         t_end = os.times()
         cpu = (t_end.user - t_cpu.user) + (t_end.system - t_cpu.system)
         return {"records": records, "cpu_s": cpu, "pid": os.getpid()}
     finally:
-        for b in backends:
-            await b.close()
+        await spread.close()
 
 
 def client_main(job: ClientJob, ready: Any, go: Any, results: Any) -> None:

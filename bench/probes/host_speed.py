@@ -23,6 +23,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "proto")]
@@ -30,11 +31,11 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "proto")]
 ROUNDS = 7
 
 
-def _median_ms(fn: object, rounds: int = ROUNDS) -> float:
+def _median_ms(fn: Callable[[], None], rounds: int = ROUNDS) -> float:
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
-        fn()  # type: ignore[operator]
+        fn()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 

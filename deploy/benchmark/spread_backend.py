@@ -4,7 +4,8 @@ A router's frontends (``--frontends N``) share its port by SO_REUSEPORT, which s
 connections, not streams: a client on one connection reaches one frontend, however many
 run. gRPC multiplexes every stream of a process onto one connection, even over several
 channels (they share the process's subchannel pool; ``GrpcBackend`` opts out of it), so
-``pdserve bench --connections N`` opens N backends, each its own connection, and deals the
+``pdserve bench --connections N`` (and each client process of bench/serving_cpu_bench.py,
+``--connections-per-client``) opens N backends, each its own connection, and deals the
 requests over them in turn, as N clients would.
 """
 

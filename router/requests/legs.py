@@ -35,13 +35,13 @@ log = logging.getLogger(__name__)
 
 
 Report = Callable[[Event], None]  # where a leg sends what it read
+# A leg cancelled while its StartDecode was in flight aborts the request once it answers,
+# within this bound (the run's own Abort may have reached the worker first).
+ABORT_AFTER_START_S = 5.0
 
 
 def _dropped(ev: Event) -> None:
     """A detached leg's reports (``Leg.detach``): the run they were for is over."""
-# A leg cancelled while its StartDecode was in flight aborts the request once it answers,
-# within this bound (the run's own Abort may have reached the worker first).
-ABORT_AFTER_START_S = 5.0
 
 
 def describe_rpc_error(worker: WorkerInfo, e: BaseException) -> tuple[grpc.StatusCode | None, str]:
