@@ -350,6 +350,9 @@ def main() -> None:
                     help="';'-separated variants, each ','-joined module.NAME=value settings: "
                          "only the decode step under each, interleaved with the defaults over "
                          "--repeats rounds (bench/moe_variants.py)")
+    ap.add_argument("--kernel-variants", default="",
+                    help="';'-separated variants as --variants: only the fused MoE kernel "
+                         "(and MLA decode kernel) alone under each, rounds alternating")
     ap.add_argument("--tune-tma", action="store_true",
                     help="time the tensor-memory form's tile candidates (kernels/"
                          "triton_moe_tma.py) at each --batches token count, against the "
@@ -412,18 +415,9 @@ def main() -> None:
     model = engine.runner.model
     result["dense_weight_bytes"] = dense_weight_bytes(model)
     result["expert_bytes"] = expert_bytes(moe_blocks(model)[0])
-    if args.variants:
-        from moe_variants import variants_section
-        result["variants"] = variants_section(
-            engine, [v for v in args.variants.split(";") if v], batches, contexts,
-            args.steps, args.repeats)
-        print(json.dumps(result["variants"], indent=1))
-    elif args.prefill_variants:
-        from moe_variants import prefill_variants_section
-        result["prefill_variants"] = prefill_variants_section(
-            engine, [v for v in args.prefill_variants.split(";") if v], args.prefill_tokens,
-            mm, args.repeats)
-        print(json.dumps(result["prefill_variants"], indent=1))
+    from moe_variants import variant_sections
+    if sections := variant_sections(args, engine, model, hbm, mm, batches, contexts):
+        result.update(sections)  # --variants, --kernel-variants, --prefill-variants
     elif args.tune_tma:
         result["tuned_tma"] = tune_tma(model, hbm, batches)
         print(json.dumps(result["tuned_tma"], indent=1))

@@ -61,8 +61,12 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 # is decode attention's few-pairs rule (kernels/triton_decode_attention.FEW_PAIRS), for MLA.
 FEW_PROGRAMS = 8  # batch x head blocks at or under this count as few
 FEW_PROGRAMS_MIN_SPLIT_TOKENS = 64
-# Two programs per SM: more splits only add merge traffic (H200, 16 heads: batch 32 best
-# at 8 splits, 128 at 4; at 8 programs per SM the heuristic gave 16 and 9).
+# Programs an SM holds at once (BLOCK_N 32, 4 warps: two, by registers). The split count
+# fills them in one wave, rounding down: a grid a little past one wave runs a second wave
+# of stragglers as long as the first. H100, V2-Lite's 27 layers at 4,096 tokens: batch 128
+# at 3 splits (384 programs for 264 places) 7.51 ms, at 2 splits 6.05 (70% -> 87% of HBM
+# read); batch 32 at 9 splits (288) 2.20 ms (bench/RESULTS.md, "MLA decode splits that
+# fill one wave").
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
@@ -211,7 +215,9 @@ def _mla_merge_kernel(
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
-        return 4  # the interpreter: small, so CPU tests still exercise several splits
+        # the interpreter: small, so CPU tests still exercise several splits (up to batch
+        # 31: one wave of 32 programs)
+        return 16
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
@@ -224,9 +230,9 @@ def min_split_tokens(batch: int, head_blocks: int) -> int:
 
 def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int,
                       device: torch.device) -> int:
-    """Enough splits to give every SM PROGRAMS_PER_SM programs, none under
-    min_split_tokens, at most MAX_SPLITS."""
-    want = triton.cdiv(PROGRAMS_PER_SM * _num_sms(device), max(1, batch * head_blocks))
+    """The most splits whose programs fit one wave (PROGRAMS_PER_SM a SM), at least one,
+    none under min_split_tokens, at most MAX_SPLITS."""
+    want = max(1, PROGRAMS_PER_SM * _num_sms(device) // max(1, batch * head_blocks))
     least = min_split_tokens(batch, head_blocks)
     return max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, least)))
 
@@ -263,10 +269,10 @@ def mla_decode_unmerged(
     *,
     max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the splits
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,  # None: BLOCK_N (read at call time, as the other tiles)
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
     num_warps: int | None = None,  # None: NUM_WARPS for the head block
-    num_stages: int = NUM_STAGES,
+    num_stages: int | None = None,  # None: NUM_STAGES
     kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
 ) -> UnmergedDecode:
     """The decode kernel alone: the result in ``out`` when one split holds the context, else
@@ -292,6 +298,8 @@ def mla_decode_unmerged(
     check_shape("out", out, (bsz, heads, c))
     check(out.stride(2) == 1, "out: last dim must be contiguous")
     check_device(q, kv_layer, block_tables, seq_lens, out)
+    block_n = BLOCK_N if block_n is None else block_n
+    num_stages = NUM_STAGES if num_stages is None else num_stages
     if bsz == 0:
         return UnmergedDecode(out, None, out, 0, 1, block_n, False, c)
     bs = kv_layer.shape[2]
