@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The open issues' H200 points, in two device calls of under 10 minutes each (one H200; the
-# wheels of bench/gpu_suite.sh carried in .whl, uvloop's among them):
+# The open issues' H200 points, in three device calls of under 10 minutes each (one H200;
+# the wheels of bench/gpu_suite.sh carried in .whl, uvloop's among them):
 #   bash bench/h200_open_points.sh OUT_DIR serving   # issue 22: the whole serving path
 #   bash bench/h200_open_points.sh OUT_DIR kernels   # issue 27's batch-1 FP8 decode, issue 25's V2-Lite table
+#   bash bench/h200_open_points.sh OUT_DIR generate  # issue 25: V2-Lite against transformers' generate
 # `serving` runs bench/serving_path_gpu.sh (P and D sharing the GPU, the hold points, the long
 # outputs at c=256/512, the seeds' load, one colocated worker, the decode_bench reference) with
 # two router frontends and the bench's requests over 8 connections: at c=256 one router loop
@@ -10,11 +11,13 @@
 # GPU, and the hold with several frontends"). FRONTENDS=1 runs one. Each run's host.txt says
 # how fast the host's CPU ran: the hold is host time.
 # `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
-# and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, transformers'
-# generate at batches 1 and 8). Both refuse a card that is not an H200: the issues' targets
-# are H200 numbers, and other cards' runs belong in their own sections.
+# and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, the MoE and
+# MLA kernels alone, the 4k prefill); `generate` the V2-Lite step against transformers'
+# generate at batches 1 and 8 (its compile outlasted the kernels call's time once). All
+# refuse a card that is not an H200: the issues' targets are H200 numbers, and other cards'
+# runs belong in their own sections.
 set -uo pipefail
-out=${1:?OUT_DIR}; part=${2:?serving or kernels}
+out=${1:?OUT_DIR}; part=${2:?serving, kernels or generate}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
@@ -43,8 +46,14 @@ case $part in
       --quantization fp8-all --out "$out/fp8_decode.json" > "$out/fp8_decode.txt" 2>&1
     tail -8 "$out/fp8_decode.txt"
     timeout 330 python3 bench/moe_bench.py --shape v2lite --batches 1,8,32,128 \
-      --contexts 512,4096 --hf-batches 1,8 --repeats 2 --out "$out/v2lite.json" \
-      > "$out/v2lite.txt" 2>&1
+      --contexts 512,4096 --repeats 2 --out "$out/v2lite.json" > "$out/v2lite.txt" 2>&1
     tail -25 "$out/v2lite.txt" ;;
-  *) echo "h200_open_points.sh: the part is serving or kernels, not '$part'" >&2; exit 2 ;;
+  generate)
+    # transformers' generate compiles for minutes on a fresh machine: a call of its own
+    timeout 560 python3 bench/moe_bench.py --shape v2lite --batches 1,8 --contexts 512 \
+      --hf-batches 1,8 --repeats 2 --out "$out/v2lite_generate.json" \
+      > "$out/v2lite_generate.txt" 2>&1
+    tail -12 "$out/v2lite_generate.txt" ;;
+  *) echo "h200_open_points.sh: the part is serving, kernels or generate, not '$part'" >&2
+     exit 2 ;;
 esac

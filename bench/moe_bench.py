@@ -470,6 +470,7 @@ def main() -> None:
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()
+    save(result, args.out)  # again after each generate: a timeout keeps what was measured
     for b in [int(x) for x in args.hf_batches.split(",") if x]:
         try:
             ms = hf_generate_ms(cfg_dir, b, 512, max(args.steps, HF_STEPS))
@@ -483,10 +484,15 @@ def main() -> None:
                     p["speedup_vs_hf"] = round(ms / p["engine_step_ms"], 2)
         result.setdefault("hf_generate_static_step_ms", {})[str(b)] = round(ms, 3)
         print("hf", b, round(ms, 3), flush=True)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        save(result, args.out)
+    save(result, args.out)
     print(json.dumps(result, indent=1))
+
+
+def save(result: dict[str, Any], path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from kernels.triton_common import (
     kv_fp16_products,
     kv_ieee,
 )
+from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
 
@@ -62,6 +63,13 @@ FP8_BLOCK_N = 64
 FP8_NUM_WARPS = 2
 FP8_NUM_STAGES = 2
 FP8_PROGRAMS_PER_SM = 8
+# Programs an SM holds at once at the FP8 tiles (about 6: on an H100 at batch 32 x 4,096,
+# 256 pairs, 768 programs ran as one wave and 1,024 did not). With it, the FP8 split count
+# fills whole waves (kernels/waves.py) instead of following FP8_PROGRAMS_PER_SM: batch 32 x
+# 4,096 0.108 -> 0.100 ms a layer on that H100, 0.093 -> 0.087 on an H200, batches 64 and
+# 128 even (bench/RESULTS.md, "FP8 KV decode splits by waves"). 0: the programs-per-SM
+# rule, as for bf16 KV.
+FP8_RESIDENT_PER_SM = 6
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # ... except when there are very few (request, KV head) pairs: at batch 1 (8 KV heads) the
 # whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
@@ -285,6 +293,17 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
     return max(1, min(want, triton.cdiv(max_seq_len, min_split_tokens(batch, num_kv_heads))))
 
 
+def fp8_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
+                   device: torch.device) -> int:
+    """A float8 cache's split count: whole waves of FP8_RESIDENT_PER_SM programs a SM,
+    within the bounds choose_num_splits keeps (min_split_tokens, FEW_PAIRS_MAX_SPLITS)."""
+    pairs = max(1, batch * num_kv_heads)
+    most = triton.cdiv(max_seq_len, min_split_tokens(batch, num_kv_heads))
+    if FEW_PAIRS_MAX_SPLITS and pairs <= FEW_PAIRS:
+        most = min(most, FEW_PAIRS_MAX_SPLITS)
+    return wave_splits(pairs, FP8_RESIDENT_PER_SM * _num_sms(device), most, max_seq_len)
+
+
 def min_split_tokens(batch: int, num_kv_heads: int) -> int:
     """The least tokens a split holds (see FEW_PAIRS)."""
     return FEW_PAIRS_MIN_SPLIT_TOKENS if batch * num_kv_heads <= FEW_PAIRS else MIN_SPLIT_TOKENS
@@ -303,7 +322,7 @@ def decode_attention(
     block_n: int | None = None,  # None: the cache dtype's default (BLOCK_N or FP8_BLOCK_N)
     num_warps: int | None = None,
     num_stages: int | None = None,
-    programs_per_sm: int | None = None,  # None: PROGRAMS_PER_SM (FP8_PROGRAMS_PER_SM)
+    programs_per_sm: int | None = None,  # None: PROGRAMS_PER_SM (float8: fp8_num_splits)
     fused_merge: bool | None = None,  # None: when num_splits <= FUSED_MAX_SPLITS
     k_scale: float = 1.0,  # float8 cache: this layer's K and V scales
     v_scale: float = 1.0,
@@ -328,16 +347,19 @@ def decode_attention(
     # the cache dtype's defaults for what the caller left out
     defaults = ((FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES, FP8_PROGRAMS_PER_SM)
                 if is_fp8(kv_layer) else (BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM))
-    block_n, num_warps, num_stages, programs_per_sm = (
+    block_n, num_warps, num_stages = (
         d if v is None else v
-        for v, d in zip((block_n, num_warps, num_stages, programs_per_sm), defaults,
-                        strict=True))
+        for v, d in zip((block_n, num_warps, num_stages), defaults[:3], strict=True))
 
     dyn = max_seq_len is None
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device, programs_per_sm)
+        if is_fp8(kv_layer) and programs_per_sm is None and FP8_RESIDENT_PER_SM:
+            num_splits = fp8_num_splits(bsz, hkv, max_seq_len, q.device)
+        else:
+            num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device,
+                                           programs_per_sm or defaults[3])
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     if dyn and num_splits > 1:

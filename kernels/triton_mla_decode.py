@@ -43,6 +43,7 @@ from kernels.triton_common import (
     kv_compute_dtype,
     kv_ieee,
 )
+from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
 
@@ -62,11 +63,11 @@ MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallel
 FEW_PROGRAMS = 8  # batch x head blocks at or under this count as few
 FEW_PROGRAMS_MIN_SPLIT_TOKENS = 64
 # Programs an SM holds at once (BLOCK_N 32, 4 warps: two, by registers). The split count
-# fills them in one wave, rounding down: a grid a little past one wave runs a second wave
-# of stragglers as long as the first. H100, V2-Lite's 27 layers at 4,096 tokens: batch 128
-# at 3 splits (384 programs for 264 places) 7.51 ms, at 2 splits 6.05 (70% -> 87% of HBM
-# read); batch 32 at 9 splits (288) 2.20 ms (bench/RESULTS.md, "MLA decode splits that
-# fill one wave").
+# fills whole waves of them (kernels/waves.py): a grid a little past one wave runs a second
+# wave of stragglers as long as the first. H100, V2-Lite's 27 layers at 4,096 tokens: batch
+# 128 at 3 splits (384 programs for 264 places) 7.51 ms, at 2 splits 6.05 (70% -> 87% of
+# HBM read); batch 32 at 9 splits (288) 2.20 ms, at 8 1.84 (bench/RESULTS.md, "MLA decode
+# splits that fill one wave").
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
@@ -230,11 +231,12 @@ def min_split_tokens(batch: int, head_blocks: int) -> int:
 
 def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int,
                       device: torch.device) -> int:
-    """The most splits whose programs fit one wave (PROGRAMS_PER_SM a SM), at least one,
-    none under min_split_tokens, at most MAX_SPLITS."""
-    want = max(1, PROGRAMS_PER_SM * _num_sms(device) // max(1, batch * head_blocks))
+    """The split count whose grid best fills whole waves of PROGRAMS_PER_SM programs a SM
+    (kernels/waves.py), none under min_split_tokens, at most MAX_SPLITS."""
     least = min_split_tokens(batch, head_blocks)
-    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_seq_len, least)))
+    most = min(MAX_SPLITS, triton.cdiv(max_seq_len, least))
+    return wave_splits(max(1, batch * head_blocks), PROGRAMS_PER_SM * _num_sms(device), most,
+                       max_seq_len)
 
 
 @dataclass(frozen=True)
