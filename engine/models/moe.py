@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.attention import KernelSet
 from engine.config import MoEConfig
+from engine.models.moe_prefill import router_logits_fp32, shared_dense
 from engine.parallel.dp_exchange import ExpertExchange
 from engine.parallel.group import TPGroup
 from engine.quant.fp8_input import wants_fp8_input
@@ -73,7 +74,7 @@ NEXT_NORM_FUSED = False
 # beside the routed ones, not as rows of the fused kernel: every token reads them, so they
 # are a full-height GEMM, which cuBLAS runs faster than the grouped kernel's tiles; at
 # decode, one kernel for both saves launches. None: always folded. The stacked weights
-# serve both (SparseMoeBlock._shared_dense).
+# serve both (engine/models/moe_prefill.shared_dense).
 SHARED_DENSE_MIN_TOKENS: int | None = 1024
 
 
@@ -316,7 +317,7 @@ class SparseMoeBlock(nn.Module):
         if self.k.router_logits is not None and x.shape[0] <= ROUTER_LOGITS_MAX_TOKENS:
             logits = self.k.router_logits(x, w, out_dtype)  # [T, E]: one kernel at decode
         elif c.router_fp32:
-            logits = F.linear(x.float(), w.float())
+            logits = router_logits_fp32(self, x, w)
         else:
             logits = F.linear(x, w)
         route = self.k.moe_route if self.k.moe_route is not None else moe_route_ref
@@ -346,19 +347,6 @@ class SparseMoeBlock(nn.Module):
         """Whether the folded shared experts run as dense GEMMs at this many tokens."""
         return (self.folded_shared > 0 and SHARED_DENSE_MIN_TOKENS is not None
                 and tokens >= SHARED_DENSE_MIN_TOKENS)
-
-    def _shared_dense(self, x: torch.Tensor) -> torch.Tensor:
-        """The folded shared experts as dense GEMMs on their rows of the stack: one GEMM
-        for every shared expert's gate and up ([T, S * 2I], expert s's [gate | up]
-        columns), the activation on [T * S, 2I], and one batched GEMM for the S down
-        projections, their outputs added."""
-        ex, s = self.experts, self.folded_shared
-        e, i = ex.num_experts, ex.inter
-        t, h = x.shape
-        gate_up = F.linear(x, ex.w13[e:].reshape(s * 2 * i, h))  # [T, S * 2I]
-        act = self.k.silu_and_mul(gate_up.view(t * s, 2 * i)).view(t, s, i)
-        down = torch.bmm(act.transpose(0, 1), ex.w2[e:].transpose(1, 2))  # [S, T, H]
-        return down[0] if s == 1 else down.sum(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H], summed over the tensor-parallel ranks."""
@@ -463,7 +451,7 @@ class SparseMoeBlock(nn.Module):
         this rank's n tokens)."""
         out = self.experts(x, weights, ids)
         if dense:  # as HF's block: the routed sum, rounded, plus the shared MLP's output
-            out = out + self._shared_dense(x)
+            out = out + shared_dense(self, x)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if self.exchange is not None:

@@ -357,3 +357,77 @@ def test_qwen3_moe_block_in_bf16_rounds_weights_as_transformers():
     with torch.no_grad():
         out, ref = block(x).float(), hf(x.unsqueeze(0))[0].float()
     assert float((out - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_shared_down_as_one_gemm_is_hfs_weight(arch, monkeypatch):
+    """SHARED_DOWN_ONE_GEMM: the shared experts' down projections run as one GEMM on the
+    weight HF holds ([H, S * I], rebuilt bit for bit from the stack's rows), and the block
+    still equals transformers' (float32); off, the batched form does."""
+    import engine.models.moe as moe_mod
+    import engine.models.moe_prefill as mp
+    from engine.config import moe_config_from_hf
+
+    hf, cfg = _hf_deepseek_block(arch)
+    moe = moe_config_from_hf(cfg, arch)
+    assert moe is not None
+    block = _deepseek_block_from(moe, hf.state_dict(), arch, 0, 1)
+    block.finish_load()
+    monkeypatch.setattr(moe_mod, "SHARED_DENSE_MIN_TOKENS", 8)
+    x = torch.randn(13, 32)
+    with torch.no_grad():
+        ref = hf(x.unsqueeze(0))[0]
+    calls = []
+    real_bmm = torch.bmm
+    monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or real_bmm(*a, **k))
+    for on in (False, True):
+        monkeypatch.setattr(mp, "SHARED_DOWN_ONE_GEMM", on)
+        calls.clear()
+        torch.testing.assert_close(block(x), ref, rtol=1e-5, atol=1e-5)
+        assert calls == ([] if on else [1])
+    assert torch.equal(mp._shared_down(block), hf.shared_experts.down_proj.weight)
+
+
+def test_router_weight_in_16_bits_only_where_exact():
+    """ROUTER_MM_MIN_TOKENS takes a 16-bit copy of the float32 router weight only where it
+    converts exactly (a bf16 checkpoint's router), and off CUDA keeps the float32 GEMM."""
+    import engine.models.moe_prefill as mp
+
+    class Block:
+        pass
+
+    exact = torch.randn(8, 32).to(torch.bfloat16).float()
+    assert torch.equal(mp._router_weight(Block(), exact, torch.bfloat16).float(), exact)
+    inexact = exact + 1e-4
+    assert mp._router_weight(Block(), inexact, torch.bfloat16) is None
+    x = torch.randn(40, 32).to(torch.bfloat16)
+    old = mp.ROUTER_MM_MIN_TOKENS
+    try:
+        mp.ROUTER_MM_MIN_TOKENS = 16
+        got = mp.router_logits_fp32(Block(), x, exact)  # CPU: the float32 GEMM
+    finally:
+        mp.ROUTER_MM_MIN_TOKENS = old
+    assert got.dtype == torch.float32
+    assert torch.equal(got, torch.nn.functional.linear(x.float(), exact))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_router_logits_on_tensor_cores_match_the_float32_gemm(monkeypatch):
+    """On CUDA, a prefill's router logits from the bf16 GEMM with float32 output equal the
+    float32 GEMM's within float32 summation order, and route the same experts."""
+    import engine.models.moe_prefill as mp
+
+    class Block:
+        pass
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(64, 2048, device="cuda", generator=gen).to(torch.bfloat16).float()
+    x = torch.randn(4096, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), w)
+    monkeypatch.setattr(mp, "ROUTER_MM_MIN_TOKENS", 1024)
+    got = mp.router_logits_fp32(Block(), x, w)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    top_got, top_want = got.topk(6).indices, want.topk(6).indices
+    assert (top_got == top_want).float().mean() > 0.999
