@@ -64,8 +64,10 @@ def _shared_down(block: Any) -> torch.Tensor:
 
 def router_logits_fp32(block: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, H] (the model's dtype), w [E, H] float32 -> float32 logits [T, E]."""
+    # not while a CUDA graph captures: the weight's first use checks it on the host (a sync)
     if (ROUTER_MM_MIN_TOKENS is not None and x.shape[0] >= ROUTER_MM_MIN_TOKENS
-            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+            and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and not torch.cuda.is_current_stream_capturing()):
         w16 = _router_weight(block, w, x.dtype)
         if w16 is not None:
             return torch.mm(x, w16.t(), out_dtype=torch.float32)
