@@ -42,7 +42,9 @@ def shared_dense(block: Any, x: torch.Tensor) -> torch.Tensor:
     t, h = x.shape
     gate_up = F.linear(x, ex.w13[e:].reshape(s * 2 * i, h))  # [T, S * 2I]
     act = block.k.silu_and_mul(gate_up.view(t * s, 2 * i)).view(t, s, i)
-    if s > 1 and SHARED_DOWN_ONE_GEMM:
+    # (a graph's capture would record the weight's one-time copy: it takes the batched form)
+    if s > 1 and SHARED_DOWN_ONE_GEMM and not (x.is_cuda
+                                              and torch.cuda.is_current_stream_capturing()):
         return F.linear(act.view(t, s * i), _shared_down(block))
     down = torch.bmm(act.transpose(0, 1), ex.w2[e:].transpose(1, 2))  # [S, T, H]
     return down[0] if s == 1 else down.sum(0)
