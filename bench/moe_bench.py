@@ -485,7 +485,6 @@ def main() -> None:
         result.setdefault("hf_generate_static_step_ms", {})[str(b)] = round(ms, 3)
         print("hf", b, round(ms, 3), flush=True)
         save(result, args.out)
-    save(result, args.out)
     print(json.dumps(result, indent=1))
 
 

@@ -2,12 +2,13 @@
 (SparseMoeBlock at SHARED_DENSE_MIN_TOKENS tokens and up), and DeepSeek's float32 router
 logits from a 16-bit tensor-core GEMM.
 
-At a 4,096-token DeepSeek-V2-Lite prefill on an H100 (bench/RESULTS.md, "MLA decode splits
-that fill one wave", the profile of that call) these are, per MoE layer: the sum of the
-shared experts' [S, T, H] outputs 38 us, the router's float32 cast of the hidden state
-15 us and its float32 GEMM (FFMA, no tensor cores) 36 us, of ~1.85 ms. Both switches are
-off until a GPU A/B (`bench/moe_bench.py --shape v2lite --batches "" --prefill-variants
-"engine.models.moe_prefill.SHARED_DOWN_ONE_GEMM=True;engine.models.moe_prefill.
+At a 4,096-token DeepSeek-V2-Lite prefill on an H100 (bench/results/moe_h100_s40/
+v2_profile.json, `bench/moe_bench.py --shape v2lite --profile --batches 1 --contexts 512`)
+these are, per MoE layer: the sum of the shared experts' [S, T, H] outputs 38 us and the
+router's float32 GEMM (FFMA, no tensor cores, with its split-K reduce) 36 us, of ~1.85 ms;
+the float32 cast of the hidden state is among the step's copies (14 us each, 54 of them).
+Both switches are off until a GPU A/B (`bench/moe_bench.py --shape v2lite --batches ""
+--prefill-variants "engine.models.moe_prefill.SHARED_DOWN_ONE_GEMM=True;engine.models.moe_prefill.
 ROUTER_MM_MIN_TOKENS=1024"`).
 """
 
@@ -55,9 +56,8 @@ def _shared_down(block: Any) -> torch.Tensor:
     s * I), copied once from the stack's [S, H, I] rows on first use (S x H x I values a
     layer: 11.5 MB at DeepSeek-V2-Lite's shape)."""
     w = getattr(block, "_shared_down_hsi", None)
-    ex = block.experts
-    if w is None or w.device != ex.w2.device:
-        s, e = block.folded_shared, ex.num_experts
+    if w is None:
+        ex, s, e = block.experts, block.folded_shared, block.experts.num_experts
         h, i = ex.w2.shape[1], ex.w2.shape[2]
         w = ex.w2[e:].permute(1, 0, 2).reshape(h, s * i).contiguous()
         block._shared_down_hsi = w
