@@ -43,6 +43,7 @@ from kernels.triton_common import (
     kv_fp16_products,
     kv_ieee,
 )
+from kernels.triton_split_len import request_split_len
 from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
@@ -97,13 +98,6 @@ MERGE_CHUNK = 16
 
 
 @triton.jit
-def _request_split_len(seq_len, least, num_splits, BLOCK_N: tl.constexpr):
-    """A request's context evenly over the splits it needs, each at least `least` tokens."""
-    even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(even, least)
-
-
-@triton.jit
 def _decode_kernel(
     q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, cnt_ptr,
     s_qb, s_qh,  # q strides [B, Hq, D]; D is contiguous
@@ -126,7 +120,7 @@ def _decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     if DYN:  # ROUND, not BLOCK_N: the merge must size the splits the same way
-        split_len = _request_split_len(seq_len, split_len, num_splits, ROUND)
+        split_len = request_split_len(seq_len, split_len, num_splits, ROUND)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     g = tl.arange(0, BLOCK_G)
@@ -243,7 +237,7 @@ def _merge_kernel(
     h = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     if DYN:
-        split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)

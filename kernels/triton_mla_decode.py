@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_mla_decode_tma as tma_mod
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import (
     check,
@@ -43,6 +44,7 @@ from kernels.triton_common import (
     kv_compute_dtype,
     kv_ieee,
 )
+from kernels.triton_split_len import request_split_len, split_range
 from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
@@ -69,15 +71,11 @@ FEW_PROGRAMS_MIN_SPLIT_TOKENS = 64
 # HBM read); batch 32 at 9 splits (288) 2.20 ms, at 8 1.84 (bench/RESULTS.md, "MLA decode
 # splits that fill one wave").
 PROGRAMS_PER_SM = 2
+# Each KV page loaded by the copy engine (kernels/triton_mla_decode_tma.py) where the shapes
+# allow; read at call time. Off until an H200 A/B times it against this pointer form.
+TMA = False
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
-
-
-@triton.jit
-def _request_split_len(seq_len, least, num_splits, BLOCK_N: tl.constexpr):
-    """A request's context evenly over the splits, each at least `least` tokens."""
-    even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(even, least)
 
 
 @triton.jit
@@ -100,11 +98,7 @@ def _mla_decode_kernel(
     b = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    if DYN:
-        split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N, DYN)
     if SPLIT:
         if start >= seq_len:  # the merge reads only the splits this request used
             return
@@ -171,7 +165,7 @@ def _merge_row(part_o_ptr, part_lse_ptr, lens_ptr, b, h, H, split_len, num_split
     kernels/triton_mla_up_merge.py multiplies it without a store between."""
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     if DYN:
-        split_len = _request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
     sp = tl.arange(0, MERGE_S)
     c = tl.arange(0, CP)
@@ -230,12 +224,14 @@ def min_split_tokens(batch: int, head_blocks: int) -> int:
 
 
 def choose_num_splits(batch: int, head_blocks: int, max_seq_len: int,
-                      device: torch.device) -> int:
-    """The split count whose grid best fills whole waves of PROGRAMS_PER_SM programs a SM
-    (kernels/waves.py), none under min_split_tokens, at most MAX_SPLITS."""
+                      device: torch.device, programs_per_sm: int | None = None) -> int:
+    """The split count whose grid best fills whole waves of programs_per_sm (default
+    PROGRAMS_PER_SM) programs a SM (kernels/waves.py), none under min_split_tokens, at most
+    MAX_SPLITS."""
     least = min_split_tokens(batch, head_blocks)
     most = min(MAX_SPLITS, triton.cdiv(max_seq_len, least))
-    return wave_splits(max(1, batch * head_blocks), PROGRAMS_PER_SM * _num_sms(device), most,
+    per_sm = PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    return wave_splits(max(1, batch * head_blocks), per_sm * _num_sms(device), most,
                        max_seq_len)
 
 
@@ -276,6 +272,7 @@ def mla_decode_unmerged(
     num_warps: int | None = None,  # None: NUM_WARPS for the head block
     num_stages: int | None = None,  # None: NUM_STAGES
     kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
+    tma: bool | None = None,  # the copy-engine form where it fits (None: TMA)
 ) -> UnmergedDecode:
     """The decode kernel alone: the result in ``out`` when one split holds the context, else
     the splits' partials for a merge (``mla_decode`` takes both steps)."""
@@ -300,21 +297,23 @@ def mla_decode_unmerged(
     check_shape("out", out, (bsz, heads, c))
     check(out.stride(2) == 1, "out: last dim must be contiguous")
     check_device(q, kv_layer, block_tables, seq_lens, out)
-    block_n = BLOCK_N if block_n is None else block_n
-    num_stages = NUM_STAGES if num_stages is None else num_stages
+    bs = kv_layer.shape[2]
+    # the page-at-a-time form (its tile is the page; its own stages, warps, residency)
+    paged = (TMA if tma is None else tma) and block_n is None and tma_mod.tma_fits(q, kv_layer, c)
+    block_n = tma_mod.tile_rows(bs) if paged else BLOCK_N if block_n is None else block_n
     if bsz == 0:
         return UnmergedDecode(out, None, out, 0, 1, block_n, False, c)
-    bs = kv_layer.shape[2]
     if block_h is None:
         block_h = 16 if heads <= 16 else 32
     head_blocks = triton.cdiv(heads, block_h)
-    if num_warps is None:
+    if num_warps is None and not paged:
         num_warps = NUM_WARPS.get(block_h, 8)
     dyn = max_seq_len is None
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, head_blocks, max_seq_len, q.device)
+        num_splits = choose_num_splits(bsz, head_blocks, max_seq_len, q.device,
+                                       tma_mod.PROGRAMS_PER_SM if paged else None)
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     if dyn and num_splits > 1:
@@ -333,6 +332,13 @@ def mla_decode_unmerged(
     else:
         part_o = part_lse = out  # unused
     pdl = pdl_for(q)
+    if paged:
+        tma_mod.launch(q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+                       scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, c,
+                       block_h, split, dyn and split, kv_compute_dtype(q, kv_layer),
+                       kv_ieee(q, kv_layer), pdl, num_warps, num_stages)
+        return UnmergedDecode(out, part_o if split else None, part_lse, split_len,
+                              num_splits, block_n, dyn and split, cp)
     _mla_decode_kernel[(bsz, head_blocks, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2),
@@ -340,8 +346,8 @@ def mla_decode_unmerged(
         scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, heads,
         C=c, R=width - c, CP=cp, RP=rp, BLOCK_H=block_h, BS=bs, BLOCK_N=block_n,
         SPLIT=split, COMPUTE=kv_compute_dtype(q, kv_layer), IEEE=kv_ieee(q, kv_layer),
-        DYN=dyn and split, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        DYN=dyn and split, PDL=pdl, num_warps=num_warps,
+        num_stages=NUM_STAGES if num_stages is None else num_stages, launch_pdl=pdl,
     )
     return UnmergedDecode(out, part_o if split else None, part_lse, split_len, num_splits,
                           block_n, dyn and split, cp)

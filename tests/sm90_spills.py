@@ -70,6 +70,24 @@ def spills(fn, sig, const, divisible=None, **opts):
     return running[-1]
 
 
+def compiled(fn, sig, const, divisible=(), **opts):
+    """The kernel compiled as spills() compiles it, for a look at its PTX."""
+    sig = dict(sig, **{k: "constexpr" for k in const})
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=TARGET, options=opts)
+
+
+class Found:
+    """1 if every needle is in the PTX, else 0 (read with the spill counts)."""
+
+    def __init__(self, ptx, *needles):
+        self.value = int(all(n in ptx for n in needles))
+
+    def result(self):
+        return self.value
+
+
 out = {}
 '''
 

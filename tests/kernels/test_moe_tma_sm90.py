@@ -11,22 +11,6 @@ from sm90_spills import spill_bytes
 BODY = r'''
 import kernels.triton_moe_tma as m
 
-
-class Found:
-    def __init__(self, ptx, *needles):
-        self.value = int(all(n in ptx for n in needles))
-
-    def result(self):
-        return self.value
-
-
-def compiled(fn, sig, const, divisible=(), **opts):
-    sig = dict(sig, **{k: "constexpr" for k in const})
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in divisible}
-    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                          target=TARGET, options=opts)
-
-
 bm, bn, bk = m.BLOCK_M, m.BLOCK_N, m.BLOCK_K
 bn2, bk2 = m.BLOCK_N_DOWN, m.BLOCK_K_DOWN
 GU = {"xs_desc": f"tensordesc<bf16[{bm}, {bk}]>", "w_desc": f"tensordesc<bf16[{bn}, {bk}]>",

@@ -1,0 +1,29 @@
+"""How a split-K decode kernel spreads one request's context over its splits when the host
+does not know the lengths (a CUDA graph's grid is fixed at capture, sized for the block
+table's capacity): each program reads its request's length and takes an even share, in
+whole tiles, of at least the launch's least split size. The decode kernels and their merges
+call the same rule, so a merge finds exactly the splits its decode kernel wrote."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def request_split_len(seq_len, least, num_splits, BLOCK_N: tl.constexpr):
+    """A request's context evenly over the splits it needs, each at least `least` tokens."""
+    even = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(even, least)
+
+
+@triton.jit
+def split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N: tl.constexpr,
+                DYN: tl.constexpr):
+    """Request b's length and the [start, end) of its context that split `split` reads
+    (DYN: split_len is the least per split, and the request sizes its own)."""
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    if DYN:
+        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+    start = split * split_len
+    return seq_len, start, tl.minimum(start + split_len, seq_len)
