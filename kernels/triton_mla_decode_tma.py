@@ -40,13 +40,10 @@ NUM_WARPS = 4
 # 16 and 32 rows spill none).
 TILE_ROWS = 32
 PROGRAMS_PER_SM = 2
-# Columns of C per box, at most BOX_MAX; C takes one, two or four. Each box's part of the
-# score is its own product, summed after (``_tile``): at 16 query heads one product over all
-# of C is a chain of C / 16 dependent MMAs per warp, which the few warps an SM holds cannot
-# hide; four boxes are four chains a quarter as long.
-BOX_COLS = 256
-MAX_BOXES = 4
-SPLIT_SCORES = True  # False: the score as one chain of products over C and R
+# Columns of C per box (the copy engine's limit): C takes one box or two, each with its own
+# accumulator. (Four boxes of 128, and each box scored by its own product summed after
+# instead of one chain of products, were timed on an H100: no faster; bench/RESULTS.md.)
+MAX_BOXES = 2
 
 
 def _pow2(n: int) -> bool:
@@ -54,8 +51,8 @@ def _pow2(n: int) -> bool:
 
 
 def c_box(c: int) -> int:
-    """Columns of C per box: C itself up to BOX_COLS, else BOX_COLS (C a power of two)."""
-    return min(c, BOX_COLS)
+    """Columns of C per box: C itself up to BOX_MAX, else BOX_MAX (C a power of two)."""
+    return min(c, BOX_MAX)
 
 
 def tile_rows(bs: int) -> int:
@@ -92,11 +89,10 @@ def _box(desc, blk, row, col, nmask, BLOCK_N: tl.constexpr, W: tl.constexpr,
 
 
 @triton.jit
-def _tile(c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_c2, q_c3, q_r,
-          m, lsum, acc0, acc1, acc2, acc3,
+def _tile(c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_r, m, lsum, acc0, acc1,
           C: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, NBOX: tl.constexpr,
           BS: tl.constexpr, BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr,
-          PREC: tl.constexpr, SPLIT_SCORES: tl.constexpr, MASKED: tl.constexpr):
+          PREC: tl.constexpr, MASKED: tl.constexpr):
     """One tile of BLOCK_N tokens from position n0: its scores against every head, folded
     into the online softmax (m, lsum) and the boxes' accumulators."""
     blk = tl.load(bt_row + n0 // BS)
@@ -104,32 +100,12 @@ def _tile(c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_c2, q_c3, q_r
     nmask = n0 + tl.arange(0, BLOCK_N) < end
     lat0 = _box(c_desc, blk, row, 0, nmask, BLOCK_N, CB, COMPUTE, MASKED)
     kpe = _box(r_desc, blk, row, C, nmask, BLOCK_N, R, COMPUTE, MASKED)
+    s = tl.dot(q_c0, tl.trans(lat0), input_precision=PREC)  # [BLOCK_H, BLOCK_N]
     lat1 = lat0
-    lat2 = lat0
-    lat3 = lat0
     if NBOX > 1:
         lat1 = _box(c_desc, blk, row, CB, nmask, BLOCK_N, CB, COMPUTE, MASKED)
-    if NBOX > 2:
-        lat2 = _box(c_desc, blk, row, 2 * CB, nmask, BLOCK_N, CB, COMPUTE, MASKED)
-        lat3 = _box(c_desc, blk, row, 3 * CB, nmask, BLOCK_N, CB, COMPUTE, MASKED)
-    if SPLIT_SCORES:
-        # each product's own chain, scaled before the sum (a plain `s += dot` would become
-        # the next product's accumulator: one chain again)
-        s = tl.dot(q_r, tl.trans(kpe), input_precision=PREC) * qk_scale
-        s += tl.dot(q_c0, tl.trans(lat0), input_precision=PREC) * qk_scale
-        if NBOX > 1:
-            s += tl.dot(q_c1, tl.trans(lat1), input_precision=PREC) * qk_scale
-        if NBOX > 2:
-            s += tl.dot(q_c2, tl.trans(lat2), input_precision=PREC) * qk_scale
-            s += tl.dot(q_c3, tl.trans(lat3), input_precision=PREC) * qk_scale
-    else:  # one chain over all of C and R (the first form timed)
-        s = tl.dot(q_c0, tl.trans(lat0), input_precision=PREC)
-        if NBOX > 1:
-            s = tl.dot(q_c1, tl.trans(lat1), s, input_precision=PREC)
-        if NBOX > 2:
-            s = tl.dot(q_c2, tl.trans(lat2), s, input_precision=PREC)
-            s = tl.dot(q_c3, tl.trans(lat3), s, input_precision=PREC)
-        s = tl.dot(q_r, tl.trans(kpe), s, input_precision=PREC) * qk_scale
+        s = tl.dot(q_c1, tl.trans(lat1), s, input_precision=PREC)
+    s = tl.dot(q_r, tl.trans(kpe), s, input_precision=PREC) * qk_scale
     if MASKED:
         s = tl.where(nmask[None, :], s, float("-inf"))  # a valid token: n0 < end
     m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -140,10 +116,7 @@ def _tile(c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_c2, q_c3, q_r
     acc0 = acc0 * alpha[:, None] + tl.dot(pc, lat0, input_precision=PREC)
     if NBOX > 1:
         acc1 = acc1 * alpha[:, None] + tl.dot(pc, lat1, input_precision=PREC)
-    if NBOX > 2:
-        acc2 = acc2 * alpha[:, None] + tl.dot(pc, lat2, input_precision=PREC)
-        acc3 = acc3 * alpha[:, None] + tl.dot(pc, lat3, input_precision=PREC)
-    return m_new, lsum, acc0, acc1, acc2, acc3
+    return m_new, lsum, acc0, acc1
 
 
 @triton.jit
@@ -171,8 +144,7 @@ def _mla_decode_tma_kernel(
     num_splits, H,
     C: tl.constexpr, R: tl.constexpr, CB: tl.constexpr, NBOX: tl.constexpr,
     BLOCK_H: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    COMPUTE: tl.constexpr, PREC: tl.constexpr, SPLIT_SCORES: tl.constexpr, DYN: tl.constexpr,
-    PDL: tl.constexpr,
+    COMPUTE: tl.constexpr, PREC: tl.constexpr, DYN: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
@@ -190,13 +162,8 @@ def _mla_decode_tma_kernel(
     q_row = q_ptr + b.to(tl.int64) * s_qb + h[:, None] * s_qh + cc[None, :]
     q_c0 = tl.load(q_row, mask=hmask[:, None], other=0.0).to(COMPUTE)
     q_c1 = q_c0
-    q_c2 = q_c0
-    q_c3 = q_c0
     if NBOX > 1:
         q_c1 = tl.load(q_row + CB, mask=hmask[:, None], other=0.0).to(COMPUTE)
-    if NBOX > 2:
-        q_c2 = tl.load(q_row + 2 * CB, mask=hmask[:, None], other=0.0).to(COMPUTE)
-        q_c3 = tl.load(q_row + 3 * CB, mask=hmask[:, None], other=0.0).to(COMPUTE)
     r = tl.arange(0, R)
     q_r = tl.load(q_ptr + b.to(tl.int64) * s_qb + h[:, None] * s_qh + C + r[None, :],
                   mask=hmask[:, None], other=0.0).to(COMPUTE)
@@ -205,21 +172,17 @@ def _mla_decode_tma_kernel(
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc0 = tl.zeros([BLOCK_H, CB], tl.float32)
     acc1 = tl.zeros([BLOCK_H, CB], tl.float32)
-    acc2 = tl.zeros([BLOCK_H, CB], tl.float32)
-    acc3 = tl.zeros([BLOCK_H, CB], tl.float32)
     bt_row = bt_ptr + b.to(tl.int64) * s_btb
     for n0 in range(start, full_end, BLOCK_N):
-        m, lsum, acc0, acc1, acc2, acc3 = _tile(
-            c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_c2, q_c3, q_r,
-            m, lsum, acc0, acc1, acc2, acc3, C, R, CB, NBOX, BS, BLOCK_N, COMPUTE, PREC,
-            SPLIT_SCORES, False)
+        m, lsum, acc0, acc1 = _tile(c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_r,
+                                    m, lsum, acc0, acc1, C, R, CB, NBOX, BS, BLOCK_N, COMPUTE,
+                                    PREC, False)
     # the request's last, partial tile (or none), its rows past the context zeroed: a loop
     # of its own, not pipelined (as straight-line code after the loop it spilled 0.3 KB)
     for n0 in tl.range(full_end, end, BLOCK_N, num_stages=1):
-        m, lsum, acc0, acc1, acc2, acc3 = _tile(
-            c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_c2, q_c3, q_r,
-            m, lsum, acc0, acc1, acc2, acc3, C, R, CB, NBOX, BS, BLOCK_N, COMPUTE, PREC,
-            SPLIT_SCORES, True)
+        m, lsum, acc0, acc1 = _tile(c_desc, r_desc, bt_row, n0, end, qk_scale, q_c0, q_c1, q_r,
+                                    m, lsum, acc0, acc1, C, R, CB, NBOX, BS, BLOCK_N, COMPUTE,
+                                    PREC, True)
 
     inv = v_scale / tl.where(lsum > 0.0, lsum, 1.0)  # no context: zeros
     part = (b * H + h).to(tl.int64) * num_splits + split  # [BLOCK_H] (SPLIT)
@@ -227,9 +190,6 @@ def _mla_decode_tma_kernel(
     _store_box(part_o_ptr, out_ptr, o_row, part, acc0, inv, 0, hmask, C, CB, SPLIT)
     if NBOX > 1:
         _store_box(part_o_ptr, out_ptr, o_row, part, acc1, inv, CB, hmask, C, CB, SPLIT)
-    if NBOX > 2:
-        _store_box(part_o_ptr, out_ptr, o_row, part, acc2, inv, 2 * CB, hmask, C, CB, SPLIT)
-        _store_box(part_o_ptr, out_ptr, o_row, part, acc3, inv, 3 * CB, hmask, C, CB, SPLIT)
     if SPLIT:
         lse = tl.where(lsum > 0.0, m + tl.log2(tl.maximum(lsum, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=hmask)
@@ -258,8 +218,7 @@ def launch(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
         qk_scale, v_scale, split_len, num_splits, heads,
         C=c, R=width - c, CB=cb, NBOX=c // cb, BLOCK_H=block_h, BS=bs, BLOCK_N=block_n,
         SPLIT=split,
-        COMPUTE=compute, PREC="ieee" if ieee else None, SPLIT_SCORES=SPLIT_SCORES,
-        DYN=dyn, PDL=pdl,
+        COMPUTE=compute, PREC="ieee" if ieee else None, DYN=dyn, PDL=pdl,
         num_warps=NUM_WARPS if num_warps is None else num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages, launch_pdl=pdl,
     )

@@ -1,5 +1,5 @@
 """The copy-engine form of MLA decode compiles for an H200 (sm_90) without a GPU, at
-DeepSeek's latent (512 + 64 in BOX_COLS-column boxes and one 64-column box) over 16- and
+DeepSeek's latent (512 + 64 in two 256-column boxes and one 64-column box) over 16- and
 64-token pages (the latter in TILE_ROWS-row tiles), bf16 and float8 caches, at its default
 tiles: no register spills, and its page loads really are tensor-memory copies (a fallback
 to per-element loads would compile and run, slower: what the form exists to avoid)."""
@@ -23,8 +23,7 @@ for bs in (16, 64):
                "s_ob": "i32", "s_oh": "i32", "qk_scale": "fp32", "v_scale": "fp32",
                "split_len": "i32", "num_splits": "i32", "H": "i32"}
         const = dict(C=512, R=64, CB=cb, NBOX=512 // cb, BLOCK_H=16, BS=bs, BLOCK_N=bn, SPLIT=True,
-                     COMPUTE=tl.bfloat16, PREC=None, SPLIT_SCORES=m.SPLIT_SCORES, DYN=True,
-                     PDL=True)
+                     COMPUTE=tl.bfloat16, PREC=None, DYN=True, PDL=True)
         div = ("q_ptr", "bt_ptr", "lens_ptr", "out_ptr", "part_o_ptr", "part_lse_ptr",
                "s_qb", "s_qh", "s_ob", "s_oh")
         opts = dict(num_warps=m.NUM_WARPS, num_stages=m.NUM_STAGES)
