@@ -31,8 +31,12 @@ from kernels.pdl import follow
 from kernels.triton_split_len import split_range
 
 BOX_MAX = 256  # the copy engine's largest box dimension (elements)
-# Tiles (module constants so a benchmark variant can set each one). Pages in flight per
-# program, warps per program, and how many programs an SM holds for the split count.
+# Tiles (module constants so a benchmark variant can set each one). Pipeline stages, warps
+# per program, and how many programs an SM holds for the split count. Compiled for sm_90 at
+# 16-row tiles, stages 3-4 keep two tile buffers in shared memory (37 KB) and 5-6 three
+# (56 KB), the page's block number being a load of its own; at 223 registers a thread two
+# 4-warp programs fit an SM either way. Five stages timed best on an H100 (two buffers:
+# 7.8 ms against 6.1 at batch 128 x 4,096; bench/RESULTS.md).
 NUM_STAGES = 5
 NUM_WARPS = 4
 # Tokens per tile: a page, or a slice of one past this many (the products' operands sit in
