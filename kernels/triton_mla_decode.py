@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import triton_mla_decode_t as t_mod
 from kernels import triton_mla_decode_tma as tma_mod
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import (
@@ -41,6 +42,7 @@ from kernels.triton_common import (
     check_int,
     check_kv,
     check_shape,
+    is_fp8,
     kv_compute_dtype,
     kv_ieee,
 )
@@ -71,9 +73,12 @@ FEW_PROGRAMS_MIN_SPLIT_TOKENS = 64
 # HBM read); batch 32 at 9 splits (288) 2.20 ms, at 8 1.84 (bench/RESULTS.md, "MLA decode
 # splits that fill one wave").
 PROGRAMS_PER_SM = 2
-# Each KV page loaded by the copy engine (kernels/triton_mla_decode_tma.py) where the shapes
-# allow; read at call time. Off until an H200 A/B times it against this pointer form.
-TMA = False
+# Which form of the kernel runs, read at call time: "pointer" (this module's), "tma" (each
+# page's tile by the copy engine, kernels/triton_mla_decode_tma.py, where the shapes allow;
+# else this one) or "transposed" (tokens as the products' rows, so that they are warpgroup
+# MMAs: kernels/triton_mla_decode_t.py). The pointer form until an H200 A/B says otherwise.
+FORM = "pointer"
+FORMS = ("pointer", "tma", "transposed")
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
 
@@ -272,7 +277,7 @@ def mla_decode_unmerged(
     num_warps: int | None = None,  # None: NUM_WARPS for the head block
     num_stages: int | None = None,  # None: NUM_STAGES
     kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
-    tma: bool | None = None,  # the copy-engine form where it fits (None: TMA)
+    form: str | None = None,  # one of FORMS (None: FORM)
 ) -> UnmergedDecode:
     """The decode kernel alone: the result in ``out`` when one split holds the context, else
     the splits' partials for a merge (``mla_decode`` takes both steps)."""
@@ -298,22 +303,30 @@ def mla_decode_unmerged(
     check(out.stride(2) == 1, "out: last dim must be contiguous")
     check_device(q, kv_layer, block_tables, seq_lens, out)
     bs = kv_layer.shape[2]
-    # the page-at-a-time form (its tile is the page; its own stages, warps, residency)
-    paged = (TMA if tma is None else tma) and block_n is None and tma_mod.tma_fits(q, kv_layer, c)
-    block_n = tma_mod.tile_rows(bs) if paged else BLOCK_N if block_n is None else block_n
+    form = FORM if form is None else form
+    check(form in FORMS, f"form: {form!r} is not one of {FORMS}")
+    if form == "tma" and (block_n is not None or not tma_mod.tma_fits(q, kv_layer, c)):
+        form = "pointer"  # its tile is the page's (a given block_n is the pointer form's)
+    if form == "transposed" and is_fp8(kv_layer):
+        form = "pointer"  # widening float8 tiles in registers spilled there (ptxas sm_90)
+    if block_n is None:
+        block_n = {"pointer": BLOCK_N, "tma": tma_mod.tile_rows(bs),
+                   "transposed": t_mod.BLOCK_N}[form]
     if bsz == 0:
         return UnmergedDecode(out, None, out, 0, 1, block_n, False, c)
     if block_h is None:
         block_h = 16 if heads <= 16 else 32
     head_blocks = triton.cdiv(heads, block_h)
-    if num_warps is None and not paged:
+    if num_warps is None and form == "pointer":  # the other forms' own defaults otherwise
         num_warps = NUM_WARPS.get(block_h, 8)
     dyn = max_seq_len is None
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
-        num_splits = choose_num_splits(bsz, head_blocks, max_seq_len, q.device,
-                                       tma_mod.PROGRAMS_PER_SM if paged else None)
+        num_splits = choose_num_splits(
+            bsz, head_blocks, max_seq_len, q.device,
+            {"pointer": None, "tma": tma_mod.PROGRAMS_PER_SM,
+             "transposed": t_mod.PROGRAMS_PER_SM}[form])
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     if dyn and num_splits > 1:
@@ -332,13 +345,20 @@ def mla_decode_unmerged(
     else:
         part_o = part_lse = out  # unused
     pdl = pdl_for(q)
-    if paged:
+    done = UnmergedDecode(out, part_o if split else None, part_lse, split_len, num_splits,
+                          block_n, dyn and split, cp)
+    if form == "tma":
         tma_mod.launch(q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
                        scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, c,
                        block_h, split, dyn and split, kv_compute_dtype(q, kv_layer),
                        kv_ieee(q, kv_layer), pdl, num_warps, num_stages)
-        return UnmergedDecode(out, part_o if split else None, part_lse, split_len,
-                              num_splits, block_n, dyn and split, cp)
+        return done
+    if form == "transposed":
+        t_mod.launch(q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+                     scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, c, cp,
+                     rp, block_h, block_n, split, dyn and split, kv_compute_dtype(q, kv_layer),
+                     kv_ieee(q, kv_layer), pdl, num_warps, num_stages)
+        return done
     _mla_decode_kernel[(bsz, head_blocks, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(2),
@@ -349,8 +369,7 @@ def mla_decode_unmerged(
         DYN=dyn and split, PDL=pdl, num_warps=num_warps,
         num_stages=NUM_STAGES if num_stages is None else num_stages, launch_pdl=pdl,
     )
-    return UnmergedDecode(out, part_o if split else None, part_lse, split_len, num_splits,
-                          block_n, dyn and split, cp)
+    return done
 
 
 def mla_decode(

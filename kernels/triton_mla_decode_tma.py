@@ -1,6 +1,6 @@
 """Paged MLA decode with each KV page loaded by the tensor-memory engine (TMA): the same
 contract and split scheme as kernels/triton_mla_decode.py, whose pointer form it replaces
-where ``triton_mla_decode.TMA`` is on and the shapes allow (``tma_fits``).
+where ``triton_mla_decode.FORM`` is "tma" and the shapes allow (``tma_fits``).
 
 Why a second form: on an H200 the pointer form streams the latent cache at 58% (batch 32 x
 4,096) and 69% (batch 128) of the HBM read rate where an H100 reaches 71% and 87% with the

@@ -25,7 +25,7 @@ def _run(lens, bs, heads, c, r, dtype, gen, device, close, **kw):
     from kernels.triton_mla_decode_tma import tma_fits
     assert tma_fits(q, kv, c)
     out = torch.full((len(lens), heads, c), float("nan"), dtype=dtype, device=device)
-    res = mla_decode(q, kv, table, seq_lens, 0.13, c, out=out, tma=True, **kw)
+    res = mla_decode(q, kv, table, seq_lens, 0.13, c, out=out, form="tma", **kw)
     assert res is out
     close(out, ref, dtype)
     return out
@@ -72,7 +72,7 @@ def test_float8_cache(gen, device, close):
     kv8 = (kv / 2.0).to(torch.float8_e4m3fn)
     q = torch.randn(2, 4, 48, generator=gen).to(device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    got = mla_decode(q, kv8, table, seq_lens, 0.2, 32, kv_scale=2.0, num_splits=2, tma=True)
+    got = mla_decode(q, kv8, table, seq_lens, 0.2, 32, kv_scale=2.0, num_splits=2, form="tma")
     want = mla_decode_ref(q, kv8.to(torch.float32) * 2.0, table, seq_lens, 0.2, 32)
     close(got, want, torch.float32)
 
@@ -95,21 +95,23 @@ def test_which_calls_fit(device):
     assert not fits(16, 32, 8, torch.float8_e4m3fn)  # R of 8 bytes: under 16
 
 
-def test_switch_off_keeps_pointer_form(monkeypatch, gen, device):
-    # TMA off (the default) or an explicit block_n: the pointer form's tile, not the page
+def test_form_switch(monkeypatch, gen, device):
+    # FORM "pointer" (the default) or an explicit block_n: the pointer form's tile; "tma":
+    # the page's; an unknown form: refused, naming it
     import kernels.triton_mla_decode as m
     import kernels.triton_mla_decode_tma as t
     monkeypatch.setattr(t, "TILE_ROWS", 64)  # whole 64-token pages: unlike BLOCK_N
-    assert m.BLOCK_N != 64
-    monkeypatch.setattr(m, "TMA", False)
+    assert m.BLOCK_N != 64 and m.FORM == "pointer"
     lens = [40]
     kv, table = paged_latent(lens, 64, 48, torch.float32, gen, device)
     q = torch.randn(1, 4, 48, generator=gen).to(device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     assert m.mla_decode_unmerged(q, kv, table, seq_lens, 0.2, 32).block_n == m.BLOCK_N
-    monkeypatch.setattr(m, "TMA", True)
+    monkeypatch.setattr(m, "FORM", "tma")
     assert m.mla_decode_unmerged(q, kv, table, seq_lens, 0.2, 32).block_n == 64
     assert m.mla_decode_unmerged(q, kv, table, seq_lens, 0.2, 32, block_n=16).block_n == 16
+    with pytest.raises(ValueError, match="form: 'fast'"):
+        m.mla_decode_unmerged(q, kv, table, seq_lens, 0.2, 32, form="fast")
 
 
 @pytest.mark.gpu
