@@ -21,7 +21,7 @@
 # refuse a card that is not an H200: the issues' targets are H200 numbers, and other cards'
 # runs belong in their own sections.
 set -uo pipefail
-out=${1:?OUT_DIR}; part=${2:?serving, kernels or generate}
+out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels or generate}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)

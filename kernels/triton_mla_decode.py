@@ -272,10 +272,13 @@ def mla_decode_unmerged(
     *,
     max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the splits
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
-    block_n: int | None = None,  # None: BLOCK_N (read at call time, as the other tiles)
+    # tiles; None: the form's own defaults, read at call time (this module's BLOCK_N,
+    # NUM_WARPS, NUM_STAGES for the pointer form). A given block_n is the pointer or the
+    # transposed form's: the TMA form, whose tile is the page's, then gives way to pointers.
+    block_n: int | None = None,
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
-    num_warps: int | None = None,  # None: NUM_WARPS for the head block
-    num_stages: int | None = None,  # None: NUM_STAGES
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     kv_scale: float = 1.0,  # float8 cache: this layer's latent scale
     form: str | None = None,  # one of FORMS (None: FORM)
 ) -> UnmergedDecode:
@@ -309,9 +312,12 @@ def mla_decode_unmerged(
         form = "pointer"  # its tile is the page's (a given block_n is the pointer form's)
     if form == "transposed" and is_fp8(kv_layer):
         form = "pointer"  # widening float8 tiles in registers spilled there (ptxas sm_90)
+    # each form's tile and residency (programs an SM; None: PROGRAMS_PER_SM)
+    tile, per_sm = {"pointer": (BLOCK_N, None),
+                    "tma": (tma_mod.tile_rows(bs), tma_mod.PROGRAMS_PER_SM),
+                    "transposed": (t_mod.BLOCK_N, t_mod.PROGRAMS_PER_SM)}[form]
     if block_n is None:
-        block_n = {"pointer": BLOCK_N, "tma": tma_mod.tile_rows(bs),
-                   "transposed": t_mod.BLOCK_N}[form]
+        block_n = tile
     if bsz == 0:
         return UnmergedDecode(out, None, out, 0, 1, block_n, False, c)
     if block_h is None:
@@ -323,10 +329,7 @@ def mla_decode_unmerged(
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
-        num_splits = choose_num_splits(
-            bsz, head_blocks, max_seq_len, q.device,
-            {"pointer": None, "tma": tma_mod.PROGRAMS_PER_SM,
-             "transposed": t_mod.PROGRAMS_PER_SM}[form])
+        num_splits = choose_num_splits(bsz, head_blocks, max_seq_len, q.device, per_sm)
     split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_n) * block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), split_len)  # drop splits rounding emptied
     if dyn and num_splits > 1:
@@ -350,8 +353,9 @@ def mla_decode_unmerged(
     if form == "tma":
         tma_mod.launch(q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
                        scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, c,
-                       block_h, split, dyn and split, kv_compute_dtype(q, kv_layer),
-                       kv_ieee(q, kv_layer), pdl, num_warps, num_stages)
+                       cp, block_h, block_n, split, dyn and split,
+                       kv_compute_dtype(q, kv_layer), kv_ieee(q, kv_layer), pdl, num_warps,
+                       num_stages)
         return done
     if form == "transposed":
         t_mod.launch(q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
@@ -380,7 +384,7 @@ def mla_decode(
     scale: float,
     kv_lora_rank: int,  # C
     out: torch.Tensor | None = None,  # [B, H, C]
-    **options: Any,  # mla_decode_unmerged's keyword options (max_seq_len, tiles, kv_scale)
+    **options: Any,  # mla_decode_unmerged's options (max_seq_len, tiles, kv_scale, form)
 ) -> torch.Tensor:
     """Paged MLA decode: the decode kernel, then the merge of its splits where it split."""
     d = mla_decode_unmerged(q, kv_layer, block_tables, seq_lens, scale, kv_lora_rank, out,

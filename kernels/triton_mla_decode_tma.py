@@ -28,6 +28,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.pdl import follow
+from kernels.triton_common import check
 from kernels.triton_split_len import split_range
 
 BOX_MAX = 256  # the copy engine's largest box dimension (elements)
@@ -60,14 +61,18 @@ def c_box(c: int) -> int:
 
 
 def tile_rows(bs: int) -> int:
-    """Tokens per tile for pages of bs tokens: the page, or TILE_ROWS of it."""
+    """Tokens per tile for pages of bs tokens: the page, or TILE_ROWS of it (a power of two
+    of 16 or more, so that tiles divide pages and never cross one)."""
+    if not (_pow2(TILE_ROWS) and 16 <= TILE_ROWS <= BOX_MAX):
+        raise ValueError(f"TILE_ROWS: {TILE_ROWS} is not a power of two in [16, {BOX_MAX}]")
     return min(bs, TILE_ROWS)
 
 
 def tma_fits(q: torch.Tensor, kv_layer: torch.Tensor, c: int) -> bool:
     """Whether this call can take the TMA form: a CUDA device of sm_90 or later (or the
-    interpreter, for tests), a power-of-two page of 16-256 tokens, C a power of two in at
-    most MAX_BOXES boxes, R a power of two of 16 bytes or more, and the 16-byte alignment
+    interpreter, for tests), a power-of-two page of 16 tokens or more, C a power of two in
+    at most MAX_BOXES boxes, R a power of two of 16 or more (a product's least inner size;
+    the interpreter does not enforce it, Triton's compiler does), and the 16-byte alignment
     the copy engine needs of the base and of the block and token strides."""
     if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
         return False
@@ -75,9 +80,9 @@ def tma_fits(q: torch.Tensor, kv_layer: torch.Tensor, c: int) -> bool:
     r = width - c
     esz = kv_layer.element_size()
     cb = c_box(c)
-    return (_pow2(bs) and 16 <= bs <= BOX_MAX
+    return (_pow2(bs) and bs >= 16
             and _pow2(c) and 16 <= cb <= BOX_MAX and c // cb <= MAX_BOXES
-            and _pow2(r) and r * esz >= 16 and r <= BOX_MAX
+            and _pow2(r) and 16 <= r <= BOX_MAX and r * esz >= 16
             and kv_layer.data_ptr() % 16 == 0
             and (kv_layer.stride(0) * esz) % 16 == 0 and (kv_layer.stride(2) * esz) % 16 == 0)
 
@@ -202,17 +207,18 @@ def _mla_decode_tma_kernel(
 def launch(q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor,
            seq_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
            part_lse: torch.Tensor, qk_scale: float, v_scale: float, split_len: int,
-           num_splits: int, c: int, block_h: int, split: bool, dyn: bool, compute: object,
-           ieee: bool, pdl: bool, num_warps: int | None = None,
+           num_splits: int, c: int, cp: int, block_h: int, block_n: int, split: bool,
+           dyn: bool, compute: object, ieee: bool, pdl: bool, num_warps: int | None = None,
            num_stages: int | None = None) -> None:
     """Launches the kernel over (request, head block, split). The caller (mla_decode's
-    unmerged step) sized the splits in whole tiles (``tile_rows``) and checked
-    ``tma_fits``."""
+    unmerged step) checked ``tma_fits``, took block_n from ``tile_rows`` and sized the
+    splits in whole tiles of it; the merges read the partials' rows at its width cp."""
     nb, _, bs, _, width = kv_layer.shape
+    check(block_n == tile_rows(bs) and cp == c, f"block_n {block_n}, cp {cp}: the TMA "
+          f"form's tile is tile_rows({bs}) and its partials' rows are C ({c}) wide")
     cb = c_box(c)
     shape = [nb, bs, width]
     strides = [kv_layer.stride(0), kv_layer.stride(2), 1]
-    block_n = tile_rows(bs)
     c_desc = TensorDescriptor(kv_layer, shape, strides, [1, block_n, cb])
     r_desc = TensorDescriptor(kv_layer, shape, strides, [1, block_n, width - c])
     bsz, heads, _ = q.shape

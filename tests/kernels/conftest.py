@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -63,3 +64,22 @@ def gen() -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(int.from_bytes(os.urandom(4)) if os.environ.get("KERNEL_TEST_RANDOM") else 0)
     return g
+
+
+@pytest.fixture
+def count_launches(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], list[int]]:
+    """count_launches(module): the list each call of module.launch appends to, for the
+    tests of a kernel form that a dispatcher may pass over for another (whose values would
+    pass the same checks)."""
+    def count(mod: Any) -> list[int]:
+        calls: list[int] = []
+        real = mod.launch
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(mod, "launch", counted)
+        return calls
+
+    return count

@@ -30,6 +30,39 @@ def paged_latent(lens: list[int], bs: int, width: int, dtype: torch.dtype,
     return cache.to(device)[:, 1], table.to(device=device, dtype=torch.int32)
 
 
+def run_form(form, launches, lens, bs, heads, c, r, dtype, gen, device, close, **kw):
+    """mla_decode in the named form against the reference, on a cache whose token slots
+    past each request's context hold NaN (a form that reads whole pages and failed to zero
+    their tails would poison its output: 0 x NaN); launches: the form's launch calls
+    (conftest's count_launches), one more of which the call must make."""
+    kv, table = paged_latent(lens, bs, c + r, dtype, gen, device)
+    q = torch.randn(len(lens), heads, c + r, generator=gen).to(dtype=dtype, device=device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = mla_decode_ref(q, kv, table, seq_lens, 0.13, c)  # before the NaN: it reads pages
+    for i, n in enumerate(lens):
+        if n % bs:  # the request's last page (its own block): NaN past the context
+            kv[int(table[i, n // bs]), 0, n % bs:] = float("nan")
+    from kernels.triton_mla_decode import mla_decode
+    out = torch.full((len(lens), heads, c), float("nan"), dtype=dtype, device=device)
+    before = len(launches)
+    assert mla_decode(q, kv, table, seq_lens, 0.13, c, out=out, form=form, **kw) is out
+    assert len(launches) == before + 1, f"the {form} form did not run"
+    close(out, ref, dtype)
+    return out
+
+
+def float8_form(form, lens, gen, device):
+    """An e4m3 latent cache (scale 2) read in the named form, split in two: (output, the
+    reference on the cache's values times its scale)."""
+    from kernels.triton_mla_decode import mla_decode
+    kv, table = paged_latent(lens, 16, 48, torch.float32, gen, device)
+    kv8 = (kv / 2.0).to(torch.float8_e4m3fn)
+    q = torch.randn(len(lens), 4, 48, generator=gen).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    got = mla_decode(q, kv8, table, seq_lens, 0.2, 32, kv_scale=2.0, num_splits=2, form=form)
+    return got, mla_decode_ref(q, kv8.to(torch.float32) * 2.0, table, seq_lens, 0.2, 32)
+
+
 def _case(lens, bs, heads, c, r, dtype, gen, device, close, **kw):
     kv, table = paged_latent(lens, bs, c + r, dtype, gen, device)
     q = torch.randn(len(lens), heads, c + r, generator=gen).to(dtype=dtype, device=device)
@@ -151,3 +184,19 @@ def test_mla_decode_deepseek_sizes(heads, gen, device, close):
     lens = [4096, 1, 777, 3000]
     _case(lens, 64, heads, 512, 64, torch.bfloat16, gen, device, close)
     _case(lens, 64, heads, 512, 64, torch.bfloat16, gen, device, close, max_seq_len=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bs", [16, 64])
+@pytest.mark.parametrize("form", ["tma", "transposed"])
+def test_other_forms_at_deepseek_sizes(form, bs, count_launches, gen, device, close):
+    # the TMA and transposed forms (tests/kernels/test_mla_decode_tma.py, _t.py) compiled
+    # for the GPU: DeepSeek's latent (512 + 64), long contexts, host-sized and graph-style
+    # splits
+    import importlib
+    mod = {"tma": "kernels.triton_mla_decode_tma", "transposed": "kernels.triton_mla_decode_t"}
+    launches = count_launches(importlib.import_module(mod[form]))
+    lens = [4096, 1, 777, 3000]
+    for kw in ({}, {"max_seq_len": 4096}):
+        run_form(form, launches, lens, bs, 16, 512, 64, torch.bfloat16, gen, device, close, **kw)
