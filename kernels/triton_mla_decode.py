@@ -46,7 +46,7 @@ from kernels.triton_common import (
     kv_compute_dtype,
     kv_ieee,
 )
-from kernels.triton_split_len import request_split_len, split_range
+from kernels.triton_split_len import head_block_split, request_split_len
 from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
@@ -100,15 +100,11 @@ def _mla_decode_kernel(
 ):
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N, DYN)
+    b, split, seq_len, start, end, h, hmask = head_block_split(
+        lens_ptr, split_len, num_splits, H, BLOCK_H, BLOCK_N, DYN)  # h: [BLOCK_H] query heads
     if SPLIT:
         if start >= seq_len:  # the merge reads only the splits this request used
             return
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
-    hmask = h < H
     c = tl.arange(0, CP)
     cmask = c < C
     r = tl.arange(0, RP)

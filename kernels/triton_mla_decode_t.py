@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import follow
-from kernels.triton_split_len import split_range
+from kernels.triton_split_len import head_block_split
 
 # Tiles (module constants so a benchmark variant can set each one): tokens per tile (64:
 # a warpgroup MMA's least rows), warps, pipeline stages, and the programs an SM holds (one:
@@ -55,15 +55,11 @@ def _mla_decode_t_kernel(
 ):
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N, DYN)
+    b, split, seq_len, start, end, h, hmask = head_block_split(
+        lens_ptr, split_len, num_splits, H, BLOCK_H, BLOCK_N, DYN)  # h: [BLOCK_H] query heads
     if SPLIT:
         if start >= seq_len:  # the merge reads only the splits this request used
             return
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
-    hmask = h < H
     c = tl.arange(0, CP)
     cmask = c < C
     r = tl.arange(0, RP)

@@ -29,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.pdl import follow
 from kernels.triton_common import check
-from kernels.triton_split_len import split_range
+from kernels.triton_split_len import head_block_split
 
 BOX_MAX = 256  # the copy engine's largest box dimension (elements)
 # Tiles (module constants so a benchmark variant can set each one). Pipeline stages, warps
@@ -157,16 +157,12 @@ def _mla_decode_tma_kernel(
 ):
     if PDL:  # q is the kernel before's output; out may reuse its memory (kernels/pdl.py)
         follow()
-    b = tl.program_id(0)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N, DYN)
+    b, split, seq_len, start, end, h, hmask = head_block_split(
+        lens_ptr, split_len, num_splits, H, BLOCK_H, BLOCK_N, DYN)  # h: [BLOCK_H] query heads
     if SPLIT:
         if start >= seq_len:  # the merge reads only the splits this request used
             return
     full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N  # whole tiles
-    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] query heads
-    hmask = h < H
     cc = tl.arange(0, CB)
     q_row = q_ptr + b.to(tl.int64) * s_qb + h[:, None] * s_qh + cc[None, :]
     q_c0 = tl.load(q_row, mask=hmask[:, None], other=0.0).to(COMPUTE)

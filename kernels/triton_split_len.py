@@ -27,3 +27,16 @@ def split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N: tl.constexpr
         split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
     start = split * split_len
     return seq_len, start, tl.minimum(start + split_len, seq_len)
+
+
+@triton.jit
+def head_block_split(lens_ptr, split_len, num_splits, H, BLOCK_H: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DYN: tl.constexpr):
+    """A (request, head block, split) program's coordinates, as the MLA decode forms lay
+    out their grids: request b, split, the request's length and its split's [start, end),
+    and the block's query heads with their mask."""
+    b = tl.program_id(0)
+    split = tl.program_id(2)
+    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N, DYN)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return b, split, seq_len, start, end, h, h < H
