@@ -43,7 +43,7 @@ from kernels.triton_common import (
     kv_fp16_products,
     kv_ieee,
 )
-from kernels.triton_split_len import request_split_len
+from kernels.triton_split_len import request_split_len, split_range
 from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
@@ -118,11 +118,8 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    if DYN:  # ROUND, not BLOCK_N: the merge must size the splits the same way
-        split_len = request_split_len(seq_len, split_len, num_splits, ROUND)
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # ROUND, not BLOCK_N: the merge must size the splits the same way
+    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, ROUND, DYN)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     hq = kvh * G + g  # [BLOCK_G]: q heads sharing this KV head (SDPA's enable_gqa order)
@@ -282,20 +279,24 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                       device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
     """Enough splits to give every SM programs_per_sm programs, none under min_split_tokens."""
     want = triton.cdiv(programs_per_sm * _num_sms(device), max(1, batch * num_kv_heads))
-    if FEW_PAIRS_MAX_SPLITS and batch * num_kv_heads <= FEW_PAIRS:
-        want = min(want, FEW_PAIRS_MAX_SPLITS)
-    return max(1, min(want, triton.cdiv(max_seq_len, min_split_tokens(batch, num_kv_heads))))
+    return max(1, min(want, most_splits(batch, num_kv_heads, max_seq_len)))
 
 
 def fp8_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                    device: torch.device) -> int:
     """A float8 cache's split count: whole waves of FP8_RESIDENT_PER_SM programs a SM,
-    within the bounds choose_num_splits keeps (min_split_tokens, FEW_PAIRS_MAX_SPLITS)."""
-    pairs = max(1, batch * num_kv_heads)
+    within most_splits."""
+    return wave_splits(max(1, batch * num_kv_heads), FP8_RESIDENT_PER_SM * _num_sms(device),
+                       most_splits(batch, num_kv_heads, max_seq_len), max_seq_len)
+
+
+def most_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """The most splits a context takes: none under min_split_tokens, and at most
+    FEW_PAIRS_MAX_SPLITS where the pairs are few."""
     most = triton.cdiv(max_seq_len, min_split_tokens(batch, num_kv_heads))
-    if FEW_PAIRS_MAX_SPLITS and pairs <= FEW_PAIRS:
+    if FEW_PAIRS_MAX_SPLITS and batch * num_kv_heads <= FEW_PAIRS:
         most = min(most, FEW_PAIRS_MAX_SPLITS)
-    return wave_splits(pairs, FP8_RESIDENT_PER_SM * _num_sms(device), most, max_seq_len)
+    return most
 
 
 def min_split_tokens(batch: int, num_kv_heads: int) -> int:

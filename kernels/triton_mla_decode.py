@@ -308,10 +308,12 @@ def mla_decode_unmerged(
         form = "pointer"  # its tile is the page's (a given block_n is the pointer form's)
     if form == "transposed" and is_fp8(kv_layer):
         form = "pointer"  # widening float8 tiles in registers spilled there (ptxas sm_90)
-    # each form's tile and residency (programs an SM; None: PROGRAMS_PER_SM)
-    tile, per_sm = {"pointer": (BLOCK_N, None),
-                    "tma": (tma_mod.tile_rows(bs), tma_mod.PROGRAMS_PER_SM),
-                    "transposed": (t_mod.BLOCK_N, t_mod.PROGRAMS_PER_SM)}[form]
+    # the form's tile and residency (programs an SM; None: PROGRAMS_PER_SM)
+    tile, per_sm = BLOCK_N, None
+    if form == "tma":
+        tile, per_sm = tma_mod.tile_rows(bs), tma_mod.PROGRAMS_PER_SM
+    elif form == "transposed":
+        tile, per_sm = t_mod.BLOCK_N, t_mod.PROGRAMS_PER_SM
     if block_n is None:
         block_n = tile
     if bsz == 0:
