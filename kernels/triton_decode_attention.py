@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels.triton_decode_attention_t as dect
 from kernels.pdl import follow, pdl_for
 from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
@@ -43,7 +44,8 @@ from kernels.triton_common import (
     kv_fp16_products,
     kv_ieee,
 )
-from kernels.triton_split_len import request_split_len, split_range
+from kernels.triton_decode_merge import merge_if_last, merge_kernel
+from kernels.triton_split_len import split_range
 from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
@@ -71,6 +73,12 @@ FP8_PROGRAMS_PER_SM = 8
 # 128 even (bench/RESULTS.md, "FP8 KV decode splits by waves"). 0: the programs-per-SM
 # rule, as for bf16 KV.
 FP8_RESIDENT_PER_SM = 6
+# Which kernel reads a float8 cache: "pointer" (this module's) or "transposed"
+# (kernels/triton_decode_attention_t.py: tokens as the products' rows, so both are warpgroup
+# MMAs on Hopper). Read at each call; a call the transposed form does not fit (a group over
+# 16 query heads, or a block_n given) runs the pointer form.
+FP8_FORM = "pointer"
+FP8_FORMS = ("pointer", "transposed")
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # ... except when there are very few (request, KV head) pairs: at batch 1 (8 KV heads) the
 # whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
@@ -172,82 +180,12 @@ def _decode_kernel(
         lse = tl.where(lsum > 0.0, m + tl.log2(tl.maximum(lsum, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=gmask)
         if FUSED:
-            # The last of this (request, KV head)'s splits to finish merges them all, so no
-            # second kernel (its launch and the gap before it cost more than the merge at
-            # small batches). The barrier orders every thread's partial stores before the
-            # counter's release; the acquire orders the merger's loads after the others'.
-            tl.debug_barrier()
-            used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
-            cnt = cnt_ptr + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == used - 1:
-                tl.store(cnt, 0)  # zero again for the next launch (or graph replay)
-                _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kvh * G, s_ob, s_oh,
-                             num_splits, used, G, D, G_PAD, MERGE_S)
+            # the last of this (request, KV head)'s splits to finish merges them all
+            merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, b, kvh, seq_len,
+                          split_len, s_ob, s_oh, num_splits, G, D, G_PAD, MERGE_S)
     else:
         tl.store(out_ptr + b * s_ob + hq[:, None] * s_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-
-
-@triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, h0, s_ob, s_oh, num_splits, used,
-                 G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr):
-    """Merges the first `used` splits of q heads h0 .. h0+G-1 of request b, MERGE_S at a time
-    (an online log-sum-exp across chunks), into out. Loads bypass L1 (.cg): the other
-    programs' partials were written through L2."""
-    g = tl.arange(0, G_PAD)
-    sp = tl.arange(0, MERGE_S)
-    d = tl.arange(0, D)
-    rows = (b * tl.num_programs(1) * G + h0 + g).to(tl.int64) * num_splits  # [G_PAD]
-    mx = tl.full([G_PAD], float("-inf"), tl.float32)
-    wsum = tl.zeros([G_PAD], tl.float32)
-    acc = tl.zeros([G_PAD, D], tl.float32)
-    for s0 in range(0, used, MERGE_S):
-        idx = rows[:, None] + s0 + sp[None, :]  # [G_PAD, MERGE_S]
-        mask = (g[:, None] < G) & (s0 + sp[None, :] < used)
-        lse = tl.load(part_lse_ptr + idx, mask=mask, other=float("-inf"), cache_modifier=".cg")
-        o = tl.load(part_o_ptr + idx[:, :, None] * D + d[None, None, :], mask=mask[:, :, None],
-                    other=0.0, cache_modifier=".cg")  # [G_PAD, MERGE_S, D]
-        mx_new = tl.maximum(mx, tl.max(lse, axis=1))
-        safe = tl.where(mx_new == float("-inf"), 0.0, mx_new)  # padded head rows
-        scale = tl.exp2(mx - safe)
-        w = tl.exp2(lse - safe[:, None])  # [G_PAD, MERGE_S]; masked splits weigh 0
-        wsum = wsum * scale + tl.sum(w, axis=1)
-        acc = acc * scale[:, None] + tl.sum(o * w[:, :, None], axis=1)
-        mx = mx_new
-    res = acc / tl.where(wsum > 0.0, wsum, 1.0)[:, None]
-    tl.store(out_ptr + b * s_ob + (h0 + g)[:, None] * s_oh + d[None, :],
-             res.to(out_ptr.dtype.element_ty), mask=(g < G)[:, None])
-
-
-@triton.jit
-def _merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr,
-    s_ob, s_oh,
-    split_len,  # as the decode kernel's (DYN: the least tokens per split)
-    num_splits,
-    D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, DYN: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:
-        follow()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    if DYN:
-        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
-    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
-    sp = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, D)
-    smask = sp < used
-    base = (b * tl.num_programs(1) + h).to(tl.int64) * num_splits
-    lse = tl.load(part_lse_ptr + base + sp, mask=smask, other=float("-inf"))  # [BLOCK_S]
-    mx = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # masked splits weigh 0
-    o = tl.load(part_o_ptr + (base + sp)[:, None] * D + d[None, :], mask=smask[:, None],
-                other=0.0)  # [BLOCK_S, D]
-    wsum = tl.sum(w, axis=0)
-    res = tl.sum(o * w[:, None], axis=0) / tl.where(wsum > 0.0, wsum, 1.0)
-    tl.store(out_ptr + b * s_ob + h * s_oh + d, res.to(out_ptr.dtype.element_ty))
 
 
 # The fused merge's counters, one per (request, KV head), per device: zero between launches
@@ -283,10 +221,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
 
 
 def fp8_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                   device: torch.device) -> int:
-    """A float8 cache's split count: whole waves of FP8_RESIDENT_PER_SM programs a SM,
-    within most_splits."""
-    return wave_splits(max(1, batch * num_kv_heads), FP8_RESIDENT_PER_SM * _num_sms(device),
+                   device: torch.device, resident_per_sm: int | None = None) -> int:
+    """A float8 cache's split count: whole waves of resident_per_sm programs a SM (None:
+    FP8_RESIDENT_PER_SM, the pointer form's), within most_splits."""
+    resident = FP8_RESIDENT_PER_SM if resident_per_sm is None else resident_per_sm
+    return wave_splits(max(1, batch * num_kv_heads), resident * _num_sms(device),
                        most_splits(batch, num_kv_heads, max_seq_len), max_seq_len)
 
 
@@ -302,6 +241,13 @@ def most_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
 def min_split_tokens(batch: int, num_kv_heads: int) -> int:
     """The least tokens a split holds (see FEW_PAIRS)."""
     return FEW_PAIRS_MIN_SPLIT_TOKENS if batch * num_kv_heads <= FEW_PAIRS else MIN_SPLIT_TOKENS
+
+
+def _fp8_form() -> str:
+    if FP8_FORM not in FP8_FORMS:
+        raise ValueError(f"triton_decode_attention.FP8_FORM: {FP8_FORM!r} is not one of "
+                         f"{FP8_FORMS}")
+    return FP8_FORM
 
 
 def decode_attention(
@@ -339,8 +285,12 @@ def decode_attention(
     check_device(q, kv_layer, block_tables, seq_lens, out)
     if bsz == 0:
         return out
-    # the cache dtype's defaults for what the caller left out
-    defaults = ((FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES, FP8_PROGRAMS_PER_SM)
+    transposed = is_fp8(kv_layer) and _fp8_form() == "transposed" and block_n is None and \
+        dect.fits(q, hq // hkv)
+    # the cache dtype's (and form's) defaults for what the caller left out
+    defaults = ((dect.BLOCK_N, dect.NUM_WARPS, dect.NUM_STAGES, FP8_PROGRAMS_PER_SM)
+                if transposed else
+                (FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES, FP8_PROGRAMS_PER_SM)
                 if is_fp8(kv_layer) else (BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM))
     block_n, num_warps, num_stages = (
         d if v is None else v
@@ -351,7 +301,8 @@ def decode_attention(
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
         if is_fp8(kv_layer) and programs_per_sm is None and FP8_RESIDENT_PER_SM:
-            num_splits = fp8_num_splits(bsz, hkv, max_seq_len, q.device)
+            num_splits = fp8_num_splits(bsz, hkv, max_seq_len, q.device,
+                                        dect.RESIDENT_PER_SM if transposed else None)
         else:
             num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device,
                                            programs_per_sm or defaults[3])
@@ -380,31 +331,38 @@ def decode_attention(
     block_g = max(16, triton.next_power_of_2(g))
     fp16 = kv_fp16_products(q, kv_layer)
     pdl = pdl_for(q)
-    want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
-                               kv_layer.dtype, q.device, min_block_m=block_g)
-
-    def launch(t: Tiles) -> None:
-        _decode_kernel[(bsz, hkv, num_splits)](
-            q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+    compute = tl.float16 if fp16 else kv_compute_dtype(q, kv_layer)
+    merge_s = min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits)))
+    grid = (bsz, hkv, num_splits)
+    args = (q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
             cnt if cnt is not None else seq_lens,  # unused pointer when not fused
             q.stride(0), q.stride(1),
             kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
-            block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            scale * LOG2E * k_scale, float(v_scale), split_len, num_splits,
-            G=g, BLOCK_G=block_g, D=d, BS=bs,
-            BLOCK_N=t.block_n, SPLIT=split,
-            COMPUTE=tl.float16 if fp16 else kv_compute_dtype(q, kv_layer), CLAMP_Q=fp16,
-            IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
-            FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n,
-            MERGE_S=min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits))),
-            PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
-        )
+            block_tables.stride(0), out.stride(0), out.stride(1),
+            scale * LOG2E * k_scale, float(v_scale), split_len, num_splits)
+    if transposed:
+        dect.launch(grid, args, g=g, d=d, bs=bs, split=split, compute=compute,
+                    ieee=kv_ieee(q, kv_layer), dyn=dyn and split, fused=fused, merge_s=merge_s,
+                    round_n=block_n, clamp_q=fp16, pdl=pdl, num_warps=num_warps,
+                    num_stages=num_stages)
+    else:
+        want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
+                                   kv_layer.dtype, q.device, min_block_m=block_g)
 
-    # split_len is a multiple of block_n; shrinking halves block_n, so it still divides it.
-    launch_fitting(("decode", kv_layer.dtype, d, q.device), want, launch, min_block_m=block_g)
+        def launch(t: Tiles) -> None:
+            _decode_kernel[grid](
+                *args, G=g, BLOCK_G=block_g, D=d, BS=bs, BLOCK_N=t.block_n, SPLIT=split,
+                COMPUTE=compute, CLAMP_Q=fp16, IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
+                FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n, MERGE_S=merge_s,
+                PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
+            )
+
+        # split_len is a multiple of block_n; shrinking halves block_n, so it still divides
+        # it.
+        launch_fitting(("decode", kv_layer.dtype, d, q.device), want, launch,
+                       min_block_m=block_g)
     if split and not fused:
-        _merge_kernel[(bsz, hq)](
+        merge_kernel[(bsz, hq)](
             part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,
             num_splits, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
             BLOCK_N=block_n, DYN=dyn, PDL=pdl, num_warps=4, launch_pdl=pdl,
