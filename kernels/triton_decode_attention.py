@@ -126,8 +126,10 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # ROUND, not BLOCK_N: the merge must size the splits the same way
-    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, ROUND, DYN)
+    # ROUND, not BLOCK_N: the merge must size the splits the same way; split_len is now
+    # the request's own (DYN), which the fused merge counts its splits by
+    seq_len, split_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits,
+                                                 ROUND, DYN)
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, D)
     hq = kvh * G + g  # [BLOCK_G]: q heads sharing this KV head (SDPA's enable_gqa order)

@@ -19,9 +19,10 @@ def merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, b, kvh, seq_len, s
                   s_ob, s_oh, num_splits, G: tl.constexpr, D: tl.constexpr,
                   G_PAD: tl.constexpr, MERGE_S: tl.constexpr):
     """Called by every split program of (request b, KV head kvh) after its partial stores:
-    the last to arrive merges them all into out. The barrier orders every thread's partial
-    stores before the counter's release; the acquire orders the merger's loads after the
-    others'."""
+    the last to arrive merges them all into out. split_len is the request's own split size
+    (triton_split_len.split_range's), from which the splits that hold tokens are counted.
+    The barrier orders every thread's partial stores before the counter's release; the
+    acquire orders the merger's loads after the others'."""
     tl.debug_barrier()
     used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
     cnt = cnt_ptr + b * tl.num_programs(1) + kvh

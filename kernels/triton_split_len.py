@@ -20,13 +20,14 @@ def request_split_len(seq_len, least, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N: tl.constexpr,
                 DYN: tl.constexpr):
-    """Request b's length and the [start, end) of its context that split `split` reads
-    (DYN: split_len is the least per split, and the request sizes its own)."""
+    """Request b's length, its split size, and the [start, end) of its context that split
+    `split` reads (DYN: the split_len given is the least per split, and the request sizes
+    its own, which is the one returned: what counts the splits that hold tokens)."""
     seq_len = tl.load(lens_ptr + b).to(tl.int32)
     if DYN:
         split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
     start = split * split_len
-    return seq_len, start, tl.minimum(start + split_len, seq_len)
+    return seq_len, split_len, start, tl.minimum(start + split_len, seq_len)
 
 
 @triton.jit
@@ -37,6 +38,7 @@ def head_block_split(lens_ptr, split_len, num_splits, H, BLOCK_H: tl.constexpr,
     and the block's query heads with their mask."""
     b = tl.program_id(0)
     split = tl.program_id(2)
-    seq_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N, DYN)
+    seq_len, _, start, end = split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N,
+                                         DYN)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     return b, split, seq_len, start, end, h, h < H

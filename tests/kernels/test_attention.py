@@ -193,3 +193,25 @@ def test_decode_splits_sized_per_request_on_the_device(gen, device, close):
     ref = decode_attention_ref(q, kv, table, seq_lens, 0.125)
     out = decode_attention(q, kv, table, seq_lens, 0.125, num_splits=5, block_n=16)
     close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_decode_merges_the_splits_a_request_sized_for_itself(fused, gen, device, close):
+    # 520 tokens over 8 splits of at least 64 (the launch's least) size their own splits at
+    # 80 tokens (65 rounded up to the 16-token tile), so 7 of the 8 splits hold tokens: the
+    # merge must count 7 (from the request's split size), not ceil(520 / 64) = 9 clipped to 8,
+    # or the fused merge waits for an eighth split that never comes and writes nothing.
+    from kernels.triton_decode_attention import decode_attention, min_split_tokens
+
+    assert min_split_tokens(3, 1) == 64
+    lens = [520, 30, 1]
+    kv, table = paged_kv(lens, 16, 1, 64, torch.float32, gen, device)
+    # a 1,024-token table: 8 splits of 128 at the launch (none emptied by rounding)
+    table = torch.cat([table, table.new_zeros(len(lens), 64 - table.shape[1])], dim=1)
+    q = _rand((len(lens), 2, 64), torch.float32, gen, device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = decode_attention_ref(q, kv, table, seq_lens, 0.125)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, kv, table, seq_lens, 0.125, out=out, num_splits=8, block_n=16,
+                     fused_merge=fused)
+    close(out, ref, torch.float32)

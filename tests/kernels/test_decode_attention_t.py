@@ -48,6 +48,25 @@ def test_transposed_sizes_its_own_splits_in_graph_mode(transposed, gen, device):
     assert transposed == [1]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_transposed_merges_the_splits_a_request_sized_for_itself(fused, transposed, gen,
+                                                                  device):
+    """A 1,024-token table in 8 splits of at least 64 tokens: 520 tokens size their own at
+    128 (65 rounded up to the 64-token tile), so 5 splits hold tokens, which the merge must
+    count (not ceil(520 / 64) clipped to 8)."""
+    lens = [520, 30, 1]
+    kv, table = fp8_kv(lens, 16, 1, 32, gen, device)
+    table = torch.cat([table, table.new_zeros(len(lens), 64 - table.shape[1])], dim=1)
+    q = torch.randn(len(lens), 2, 32, generator=gen).to(device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = decode_attention_ref(q, kv, table, seq, 0.2, k_scale=K_SCALE, v_scale=V_SCALE)
+    out = torch.full_like(q, float("nan"))
+    dec.decode_attention(q, kv, table, seq, 0.2, out=out, k_scale=K_SCALE, v_scale=V_SCALE,
+                         num_splits=8, fused_merge=fused)
+    assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
+    assert transposed == [1]
+
+
 def test_group_past_sixteen_heads_runs_the_pointer_form(transposed, gen, device):
     run([20, 40], 1, 32, 16, torch.float32, gen, device, 1e-4, num_splits=1)
     assert transposed == []
