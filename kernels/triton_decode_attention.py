@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-import kernels.triton_decode_attention_t as dect
 from kernels.pdl import follow, pdl_for
 from kernels.tile_fit import Tiles, fit_attention_tiles, launch_fitting
 from kernels.triton_common import (
@@ -73,12 +72,6 @@ FP8_PROGRAMS_PER_SM = 8
 # 128 even (bench/RESULTS.md, "FP8 KV decode splits by waves"). 0: the programs-per-SM
 # rule, as for bf16 KV.
 FP8_RESIDENT_PER_SM = 6
-# Which kernel reads a float8 cache: "pointer" (this module's) or "transposed"
-# (kernels/triton_decode_attention_t.py: tokens as the products' rows, so both are warpgroup
-# MMAs on Hopper). Read at each call; a call the transposed form does not fit (a group over
-# 16 query heads, or a block_n given) runs the pointer form.
-FP8_FORM = "pointer"
-FP8_FORMS = ("pointer", "transposed")
 MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 # ... except when there are very few (request, KV head) pairs: at batch 1 (8 KV heads) the
 # whole step has 8 pairs, and 256-token splits leave a 512-token context on 16 SMs. Splits
@@ -223,11 +216,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
 
 
 def fp8_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
-                   device: torch.device, resident_per_sm: int | None = None) -> int:
-    """A float8 cache's split count: whole waves of resident_per_sm programs a SM (None:
-    FP8_RESIDENT_PER_SM, the pointer form's), within most_splits."""
-    resident = FP8_RESIDENT_PER_SM if resident_per_sm is None else resident_per_sm
-    return wave_splits(max(1, batch * num_kv_heads), resident * _num_sms(device),
+                   device: torch.device) -> int:
+    """A float8 cache's split count: whole waves of FP8_RESIDENT_PER_SM programs a SM,
+    within most_splits."""
+    return wave_splits(max(1, batch * num_kv_heads), FP8_RESIDENT_PER_SM * _num_sms(device),
                        most_splits(batch, num_kv_heads, max_seq_len), max_seq_len)
 
 
@@ -243,13 +235,6 @@ def most_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
 def min_split_tokens(batch: int, num_kv_heads: int) -> int:
     """The least tokens a split holds (see FEW_PAIRS)."""
     return FEW_PAIRS_MIN_SPLIT_TOKENS if batch * num_kv_heads <= FEW_PAIRS else MIN_SPLIT_TOKENS
-
-
-def _fp8_form() -> str:
-    if FP8_FORM not in FP8_FORMS:
-        raise ValueError(f"triton_decode_attention.FP8_FORM: {FP8_FORM!r} is not one of "
-                         f"{FP8_FORMS}")
-    return FP8_FORM
 
 
 def decode_attention(
@@ -287,12 +272,8 @@ def decode_attention(
     check_device(q, kv_layer, block_tables, seq_lens, out)
     if bsz == 0:
         return out
-    transposed = is_fp8(kv_layer) and _fp8_form() == "transposed" and block_n is None and \
-        dect.fits(q, hq // hkv)
-    # the cache dtype's (and form's) defaults for what the caller left out
-    defaults = ((dect.BLOCK_N, dect.NUM_WARPS, dect.NUM_STAGES, FP8_PROGRAMS_PER_SM)
-                if transposed else
-                (FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES, FP8_PROGRAMS_PER_SM)
+    # the cache dtype's defaults for what the caller left out
+    defaults = ((FP8_BLOCK_N, FP8_NUM_WARPS, FP8_NUM_STAGES, FP8_PROGRAMS_PER_SM)
                 if is_fp8(kv_layer) else (BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM))
     block_n, num_warps, num_stages = (
         d if v is None else v
@@ -303,8 +284,7 @@ def decode_attention(
         max_seq_len = block_tables.shape[1] * bs
     if num_splits is None:
         if is_fp8(kv_layer) and programs_per_sm is None and FP8_RESIDENT_PER_SM:
-            num_splits = fp8_num_splits(bsz, hkv, max_seq_len, q.device,
-                                        dect.RESIDENT_PER_SM if transposed else None)
+            num_splits = fp8_num_splits(bsz, hkv, max_seq_len, q.device)
         else:
             num_splits = choose_num_splits(bsz, hkv, max_seq_len, q.device,
                                            programs_per_sm or defaults[3])
@@ -335,34 +315,25 @@ def decode_attention(
     pdl = pdl_for(q)
     compute = tl.float16 if fp16 else kv_compute_dtype(q, kv_layer)
     merge_s = min(MERGE_CHUNK, max(2, triton.next_power_of_2(num_splits)))
-    grid = (bsz, hkv, num_splits)
-    args = (q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
+    want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
+                               kv_layer.dtype, q.device, min_block_m=block_g)
+
+    def launch(t: Tiles) -> None:
+        _decode_kernel[(bsz, hkv, num_splits)](
+            q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
             cnt if cnt is not None else seq_lens,  # unused pointer when not fused
             q.stride(0), q.stride(1),
             kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
             block_tables.stride(0), out.stride(0), out.stride(1),
-            scale * LOG2E * k_scale, float(v_scale), split_len, num_splits)
-    if transposed:
-        dect.launch(grid, args, g=g, d=d, bs=bs, split=split, compute=compute,
-                    ieee=kv_ieee(q, kv_layer), dyn=dyn and split, fused=fused, merge_s=merge_s,
-                    round_n=block_n, clamp_q=fp16, pdl=pdl, num_warps=num_warps,
-                    num_stages=num_stages)
-    else:
-        want = fit_attention_tiles(Tiles(block_g, block_n, num_stages, num_warps), d,
-                                   kv_layer.dtype, q.device, min_block_m=block_g)
+            scale * LOG2E * k_scale, float(v_scale), split_len, num_splits,
+            G=g, BLOCK_G=block_g, D=d, BS=bs, BLOCK_N=t.block_n, SPLIT=split,
+            COMPUTE=compute, CLAMP_Q=fp16, IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
+            FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n, MERGE_S=merge_s,
+            PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
+        )
 
-        def launch(t: Tiles) -> None:
-            _decode_kernel[grid](
-                *args, G=g, BLOCK_G=block_g, D=d, BS=bs, BLOCK_N=t.block_n, SPLIT=split,
-                COMPUTE=compute, CLAMP_Q=fp16, IEEE=kv_ieee(q, kv_layer), DYN=dyn and split,
-                FUSED=fused, G_PAD=triton.next_power_of_2(g), ROUND=block_n, MERGE_S=merge_s,
-                PDL=pdl, num_warps=t.num_warps, num_stages=t.num_stages, launch_pdl=pdl,
-            )
-
-        # split_len is a multiple of block_n; shrinking halves block_n, so it still divides
-        # it.
-        launch_fitting(("decode", kv_layer.dtype, d, q.device), want, launch,
-                       min_block_m=block_g)
+    # split_len is a multiple of block_n; shrinking halves block_n, so it still divides it.
+    launch_fitting(("decode", kv_layer.dtype, d, q.device), want, launch, min_block_m=block_g)
     if split and not fused:
         merge_kernel[(bsz, hq)](
             part_o, part_lse, out, seq_lens, out.stride(0), out.stride(1), split_len,

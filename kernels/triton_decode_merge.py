@@ -1,9 +1,8 @@
-"""The merge of split-K decode attention's partials (kernels/triton_decode_attention.py and
-its transposed float8 form, kernels/triton_decode_attention_t.py, which write the same
-partials): each split's [B, Hq, S, D] output and [B, Hq, S] log-sum-exp (log2 domain) are
-combined by their log-sum-exp, either in the last split program of a (request, KV head) to
-finish (merge_if_last: no second kernel, whose launch and gap cost more than the merge at
-small batches) or by merge_kernel over every query head."""
+"""The merge of split-K decode attention's partials (kernels/triton_decode_attention.py):
+each split's [B, Hq, S, D] output and [B, Hq, S] log-sum-exp (log2 domain) are combined by
+their log-sum-exp, either in the last split program of a (request, KV head) to finish
+(merge_if_last: no second kernel, whose launch and gap cost more than the merge at small
+batches) or by merge_kernel over every query head."""
 
 from __future__ import annotations
 

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import triton_mla_decode_t as t_mod
 from kernels import triton_mla_decode_tma as tma_mod
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import (
@@ -42,7 +41,6 @@ from kernels.triton_common import (
     check_int,
     check_kv,
     check_shape,
-    is_fp8,
     kv_compute_dtype,
     kv_ieee,
 )
@@ -73,12 +71,14 @@ FEW_PROGRAMS_MIN_SPLIT_TOKENS = 64
 # HBM read); batch 32 at 9 splits (288) 2.20 ms, at 8 1.84 (bench/RESULTS.md, "MLA decode
 # splits that fill one wave").
 PROGRAMS_PER_SM = 2
-# Which form of the kernel runs, read at call time: "pointer" (this module's), "tma" (each
+# Which form of the kernel runs, read at call time: "pointer" (this module's) or "tma" (each
 # page's tile by the copy engine, kernels/triton_mla_decode_tma.py, where the shapes allow;
-# else this one) or "transposed" (tokens as the products' rows, so that they are warpgroup
-# MMAs: kernels/triton_mla_decode_t.py). The pointer form until an H200 A/B says otherwise.
+# else this one). The pointer form until an H200 A/B says otherwise. (A third, tokens as the
+# products' rows so that they were warpgroup MMAs at one program an SM, took 1.3-1.4x the
+# pointer form's time on an H100 and was taken out: bench/RESULTS.md, "The transposed forms
+# on a GPU"; the tree of 3aa6029 has it.)
 FORM = "pointer"
-FORMS = ("pointer", "tma", "transposed")
+FORMS = ("pointer", "tma")
 MAX_SPLITS = 64  # each split's partial output is [B, H, C] float32 of scratch
 MERGE_CHUNK = 8  # splits the merge holds in registers at once ([8, 512] float32)
 
@@ -269,8 +269,8 @@ def mla_decode_unmerged(
     max_seq_len: int | None = None,  # host-side bound on seq_lens; sizes the splits
     num_splits: int | None = None,  # override the heuristic (tests, tuning)
     # tiles; None: the form's own defaults, read at call time (this module's BLOCK_N,
-    # NUM_WARPS, NUM_STAGES for the pointer form). A given block_n is the pointer or the
-    # transposed form's: the TMA form, whose tile is the page's, then gives way to pointers.
+    # NUM_WARPS, NUM_STAGES for the pointer form). A given block_n is the pointer form's:
+    # the TMA form, whose tile is the page's, then gives way to pointers.
     block_n: int | None = None,
     block_h: int | None = None,  # query heads per program (None: 16, or 32 past 16 heads)
     num_warps: int | None = None,
@@ -306,14 +306,10 @@ def mla_decode_unmerged(
     check(form in FORMS, f"form: {form!r} is not one of {FORMS}")
     if form == "tma" and (block_n is not None or not tma_mod.tma_fits(q, kv_layer, c)):
         form = "pointer"  # its tile is the page's (a given block_n is the pointer form's)
-    if form == "transposed" and is_fp8(kv_layer):
-        form = "pointer"  # widening float8 tiles in registers spilled there (ptxas sm_90)
     # the form's tile and residency (programs an SM; None: PROGRAMS_PER_SM)
     tile, per_sm = BLOCK_N, None
     if form == "tma":
         tile, per_sm = tma_mod.tile_rows(bs), tma_mod.PROGRAMS_PER_SM
-    elif form == "transposed":
-        tile, per_sm = t_mod.BLOCK_N, t_mod.PROGRAMS_PER_SM
     if block_n is None:
         block_n = tile
     if bsz == 0:
@@ -354,12 +350,6 @@ def mla_decode_unmerged(
                        cp, block_h, block_n, split, dyn and split,
                        kv_compute_dtype(q, kv_layer), kv_ieee(q, kv_layer), pdl, num_warps,
                        num_stages)
-        return done
-    if form == "transposed":
-        t_mod.launch(q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,
-                     scale * LOG2E * kv_scale, float(kv_scale), split_len, num_splits, c, cp,
-                     rp, block_h, block_n, split, dyn and split, kv_compute_dtype(q, kv_layer),
-                     kv_ieee(q, kv_layer), pdl, num_warps, num_stages)
         return done
     _mla_decode_kernel[(bsz, head_blocks, num_splits)](
         q, kv_layer, block_tables, seq_lens, out, part_o, part_lse,

@@ -212,6 +212,26 @@ def test_triton_decode_fp8(num_splits, gen, device):
                 num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_triton_decode_fp8_merges_the_splits_a_request_sized_for_itself(fused, gen, device):
+    """A 1,024-token table in 8 splits of at least 64 tokens (64-token float8 tiles): 520
+    tokens size their own splits at 128 (65 rounded up to the tile), so 5 splits hold
+    tokens, which the merge must count (not ceil(520 / 64) clipped to 8: then the fused
+    merge waits for splits that never come and leaves the output unwritten)."""
+    from kernels.triton_decode_attention import decode_attention
+
+    lens = [520, 30, 1]
+    kv, table = fp8_kv(lens, 16, 1, 32, gen, device)
+    table = torch.cat([table, table.new_zeros(len(lens), 64 - table.shape[1])], dim=1)
+    q = torch.randn(len(lens), 2, 32, generator=gen).to(device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    ref = decode_attention_ref(q, kv, table, seq, 0.2, k_scale=K_SCALE, v_scale=V_SCALE)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, kv, table, seq, 0.2, out=out, k_scale=K_SCALE, v_scale=V_SCALE,
+                     num_splits=8, fused_merge=fused)
+    assert rel_err(out, ref) < 1e-4, rel_err(out, ref)
+
+
 def test_triton_prefill_fp8(gen, device):
     _prefill_fp8([(0, 20), (16, 5), (3, 1)], 2, 2, 32, torch.float32, gen, device, 1e-4,
                  block_m=16, block_n=16)

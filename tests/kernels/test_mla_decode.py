@@ -189,14 +189,11 @@ def test_mla_decode_deepseek_sizes(heads, gen, device, close):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("bs", [16, 64])
-@pytest.mark.parametrize("form", ["tma", "transposed"])
-def test_other_forms_at_deepseek_sizes(form, bs, count_launches, gen, device, close):
-    # the TMA and transposed forms (tests/kernels/test_mla_decode_tma.py, _t.py) compiled
-    # for the GPU: DeepSeek's latent (512 + 64), long contexts, host-sized and graph-style
-    # splits
-    import importlib
-    mod = {"tma": "kernels.triton_mla_decode_tma", "transposed": "kernels.triton_mla_decode_t"}
-    launches = count_launches(importlib.import_module(mod[form]))
+def test_tma_form_at_deepseek_sizes(bs, count_launches, gen, device, close):
+    # the TMA form (tests/kernels/test_mla_decode_tma.py) compiled for the GPU: DeepSeek's
+    # latent (512 + 64), long contexts, host-sized and graph-style splits
+    import kernels.triton_mla_decode_tma as mod
+    launches = count_launches(mod)
     lens = [4096, 1, 777, 3000]
     for kw in ({}, {"max_seq_len": 4096}):
-        run_form(form, launches, lens, bs, 16, 512, 64, torch.bfloat16, gen, device, close, **kw)
+        run_form("tma", launches, lens, bs, 16, 512, 64, torch.bfloat16, gen, device, close, **kw)
