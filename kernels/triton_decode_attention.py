@@ -119,8 +119,8 @@ def _decode_kernel(
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # ROUND, not BLOCK_N: the merge must size the splits the same way; split_len is now
-    # the request's own (DYN), which the fused merge counts its splits by
+    # ROUND, not BLOCK_N: the merge must size the splits the same way. split_len becomes
+    # the request's own (DYN): the fused merge counts the splits that hold tokens by it
     seq_len, split_len, start, end = split_range(lens_ptr, b, split, split_len, num_splits,
                                                  ROUND, DYN)
     g = tl.arange(0, BLOCK_G)
