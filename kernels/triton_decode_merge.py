@@ -17,7 +17,8 @@ from kernels.triton_split_len import request_split_len
 def merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, b, kvh, seq_len, split_len,
                   s_ob, s_oh, num_splits, G: tl.constexpr, D: tl.constexpr,
                   G_PAD: tl.constexpr, MERGE_S: tl.constexpr):
-    """Called by every split program of (request b, KV head kvh) after its partial stores:
+    """Called by every split program of (request b, KV head kvh) that holds tokens, after its
+    partial stores:
     the last to arrive merges them all into out. split_len is the request's own split size
     (triton_split_len.split_range's), from which the splits that hold tokens are counted.
     The barrier orders every thread's partial stores before the counter's release; the
@@ -33,7 +34,7 @@ def merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, b, kvh, seq_len, s
 
 @triton.jit
 def merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, h0, s_ob, s_oh, num_splits, used,
-                 G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr):
+                G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, MERGE_S: tl.constexpr):
     """Merges the first `used` splits of q heads h0 .. h0+G-1 of request b, MERGE_S at a time
     (an online log-sum-exp across chunks), into out. Loads bypass L1 (.cg): the other
     programs' partials were written through L2."""

@@ -201,6 +201,7 @@ def test_decode_merges_the_splits_a_request_sized_for_itself(fused, gen, device,
     # 80 tokens (65 rounded up to the 16-token tile), so 7 of the 8 splits hold tokens: the
     # merge must count 7 (from the request's split size), not ceil(520 / 64) = 9 clipped to 8,
     # or the fused merge waits for an eighth split that never comes and writes nothing.
+    import kernels.triton_decode_attention as tda
     from kernels.triton_decode_attention import decode_attention, min_split_tokens
 
     assert min_split_tokens(3, 1) == 64
@@ -215,3 +216,5 @@ def test_decode_merges_the_splits_a_request_sized_for_itself(fused, gen, device,
     decode_attention(q, kv, table, seq_lens, 0.125, out=out, num_splits=8, block_n=16,
                      fused_merge=fused)
     close(out, ref, torch.float32)
+    if fused:  # and every pair's counter back at zero for the next launch
+        assert int(tda._counters[q.device].count_nonzero()) == 0
