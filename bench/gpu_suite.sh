@@ -10,7 +10,9 @@
 # rpds-py, so fetch those with pip download --no-deps --only-binary=:all: --python-version 3.12
 # --platform manylinux_2_31_x86_64 --platform manylinux_2_17_x86_64 -d .whl ...). Fetch
 # uvloop==0.23.0 the same way: the device's Python has none, and without it every serving
-# process there runs asyncio's loop, which a pip-installed pdserve would not.
+# process there runs asyncio's loop, which a pip-installed pdserve would not. And h2==4.4.1,
+# hpack and hyperframe (pure Python): the router's hand-framed door (--grpc-stream-port)
+# imports h2, and without it a router given that flag exits at start (session 43).
 #   bash bench/gpu_suite.sh OUT_DIR
 set -uo pipefail
 out=${1:?OUT_DIR}

@@ -72,12 +72,25 @@ start_router() {
     > "$out/router_$1.log" 2>&1 &
   echo $! > "$work/router.pid"
 }
-wait_workers() {  # until the router lists $1 workers
-  python3 - "$1" <<'EOF'
+wait_workers() {  # until the router lists $1 workers; at once if the router has exited
+  python3 - "$1" "$(cat "$work/router.pid")" <<'EOF'
 import sys, time, grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
-want, end = int(sys.argv[1]), time.time() + 400
+want, pid, end = int(sys.argv[1]), sys.argv[2], time.time() + 400
+
+
+def router_gone() -> bool:
+    # a child that exited stays a zombie until the script waits for it: kill -0 passes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 while time.time() < end:
+    if router_gone():  # e.g. a flag its Python lacks a module for: say so, spend no wait
+        sys.exit("the router exited before the workers registered: see its log")
     try:
         with grpc.insecure_channel("127.0.0.1:50051") as ch:
             st = router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(),
