@@ -5,6 +5,7 @@
 #   bash bench/h200_open_points.sh OUT_DIR kernels   # issue 27's batch-1 FP8 decode, issue 25's V2-Lite table
 #   bash bench/h200_open_points.sh OUT_DIR generate  # issue 25: V2-Lite against transformers' generate
 #   bash bench/h200_open_points.sh OUT_DIR hold      # issue 22's open points alone (~4 minutes)
+#   bash bench/h200_open_points.sh OUT_DIR switches  # issue 25: the switches no H200 has timed
 # `serving` runs bench/serving_path_gpu.sh (P and D sharing the GPU, the hold points, the long
 # outputs at c=256/512, the seeds' load, one colocated worker, the decode_bench reference) with
 # two router frontends and the bench's requests over 8 connections: at c=256 one router loop
@@ -17,11 +18,16 @@
 # `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
 # and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, the MoE and
 # MLA kernels alone, the 4k prefill); `generate` the V2-Lite step against transformers'
-# generate at batches 1 and 8 (its compile outlasted the kernels call's time once). All
+# generate at batches 1 and 8 (its compile outlasted the kernels call's time once).
+# `switches` times, against the defaults in the same call, what is off because only H100s
+# have timed it: the MLA decode kernel's TMA form (batches 8-128 x 4,096, the kernel alone;
+# on H100s -6% to +2%, bench/RESULTS.md "MLA decode with each page loaded by the copy
+# engine"), and the batch-1 launch fusions of the V2-Lite step ("The launch fusions timed").
+# All
 # refuse a card that is not an H200: the issues' targets are H200 numbers, and other cards'
 # runs belong in their own sections.
 set -uo pipefail
-out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels or generate}
+out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels, generate or switches}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
@@ -60,6 +66,16 @@ case $part in
       --hf-batches 1,8 --repeats 2 --out "$out/v2lite_generate.json" \
       > "$out/v2lite_generate.txt" 2>&1
     tail -12 "$out/v2lite_generate.txt" ;;
-  *) echo "h200_open_points.sh: the part is serving, hold, kernels or generate, not '$part'" >&2
+  switches)
+    timeout 280 python3 bench/moe_bench.py --shape v2lite --batches 8,32,128 --contexts 4096 \
+      --repeats 2 --kernel-variants "kernels.triton_mla_decode.FORM='tma'" \
+      --out "$out/mla_tma.json" > "$out/mla_tma.txt" 2>&1
+    grep mla_decode "$out/mla_tma.txt" | cut -c1-400
+    d=kernels.triton_moe.DOWN_SUM_MAX_TOKENS=1 m=engine.models.moe
+    timeout 260 python3 bench/moe_bench.py --shape v2lite --batches 1 --contexts 512 --repeats 2 \
+      --variants "$d;$d,$m.NEXT_NORM_FUSED=True;$m.ROUTER_ROUTE_FUSED=True,$m.ROUTER_PRENORM=True" \
+      --out "$out/step_switches.json" > "$out/step_switches.txt" 2>&1
+    tail -12 "$out/step_switches.txt" ;;
+  *) echo "h200_open_points.sh: the part is serving, hold, kernels, generate or switches, not '$part'" >&2
      exit 2 ;;
 esac
