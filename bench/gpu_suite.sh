@@ -4,7 +4,7 @@
 # gguf). Only the folders that hold gpu tests are collected (the device lacks some of the
 # other suites' client packages, e.g. openai). Logs go to OUT; the summary lines are what bench/results/gpu_suite.txt records.
 # The tree plus the default wheels is over a run's 64 MiB carry: run bench/slim_wheels.sh
-# after wheels.sh (libucx 42 -> 18 MB), which also leaves room for gguf, llguidance and
+# after wheels.sh (libucx 42 -> 12 MB), which also leaves room for gguf, llguidance and
 # jsonschema, whose tests otherwise skip on the device (llguidance 1.9.1 is tagged
 # manylinux_2_31 and jsonschema needs attrs, jsonschema-specifications, referencing and
 # rpds-py, so fetch those with pip download --no-deps --only-binary=:all: --python-version 3.12
