@@ -23,9 +23,8 @@
 # have timed it: the MLA decode kernel's TMA form (batches 8-128 x 4,096, the kernel alone;
 # on H100s -6% to +2%, bench/RESULTS.md "MLA decode with each page loaded by the copy
 # engine"), and the batch-1 launch fusions of the V2-Lite step ("The launch fusions timed").
-# All
-# refuse a card that is not an H200: the issues' targets are H200 numbers, and other cards'
-# runs belong in their own sections.
+# All refuse a card that is not an H200: the issues' targets are H200 numbers, and other
+# cards' runs belong in their own sections.
 set -uo pipefail
 out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels, generate or switches}
 mkdir -p "$out"

@@ -81,6 +81,8 @@ want, pid, end = int(sys.argv[1]), sys.argv[2], time.time() + 400
 
 def router_gone() -> bool:
     # a child that exited stays a zombie until the script waits for it: kill -0 passes
+    if not pid.isdigit():
+        return False  # no pid recorded: wait as before
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
