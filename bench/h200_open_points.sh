@@ -13,8 +13,9 @@
 # GPU, and the hold with several frontends"). FRONTENDS=1 runs one. Each run's host.txt says
 # how fast the host's CPU ran: the hold is host time.
 # `hold` runs only the points issue 22 still misses on an H200 (the first-token hold at c=16 and
-# c=256, the seeds' load and its ITL), as `serving` does them, for a call with less device
-# time left than the whole path needs.
+# c=256, the seeds' load and its ITL), as `serving` does them, with two frontends and then
+# four (FRONTENDS="2" for one run), for a call with less device time left than the whole
+# path needs.
 # `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
 # and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, the MoE and
 # MLA kernels alone, the 4k prefill); `generate` the V2-Lite step against transformers'
@@ -40,18 +41,24 @@ esac
 source "$(dirname "$0")/device_env.sh"
 case $part in
   serving|hold)
-    limit=570
-    [ "$part" = hold ] && export ONLY="pd_hold pd_hold256 pd_seeds" && limit=330
-    fe=${FRONTENDS:-2}
-    ra="" ba=""
-    [ "$fe" -gt 1 ] && ra="--frontends $fe" ba="--connections 8"
-    ROUTER_ARGS="$ra ${ROUTER_ARGS:-}" BENCH_ARGS="$ba ${BENCH_ARGS:-}" timeout $limit \
-      bash bench/serving_path_gpu.sh "$out/serving" > "$out/serving.log" 2>&1
-    for f in "$out"/serving/*.json; do
-      python3 bench/itl_split.py "$f" > "${f%.json}.split.txt" 2>&1
+    limit=570 fes=${FRONTENDS:-2}
+    # hold: two frontend counts in turn (a run of its three points took ~70 s on an H100);
+    # four cut c=256's tail further than two on the slow H100 hosts of session 39
+    [ "$part" = hold ] && export ONLY="pd_hold pd_hold256 pd_seeds" && limit=200 \
+      && fes=${FRONTENDS:-2 4}
+    for fe in $fes; do
+      ra="" ba="" dir="$out/serving"
+      [ "$part" = hold ] && dir="$out/serving_f$fe"
+      [ "$fe" -gt 1 ] && ra="--frontends $fe" ba="--connections 8"
+      ROUTER_ARGS="$ra ${ROUTER_ARGS:-}" BENCH_ARGS="$ba ${BENCH_ARGS:-}" timeout $limit \
+        bash bench/serving_path_gpu.sh "$dir" > "$dir.log" 2>&1
+      for f in "$dir"/*.json; do
+        python3 bench/itl_split.py "$f" > "${f%.json}.split.txt" 2>&1
+      done
+      tail -30 "$dir.log"
     done
     PYTHONPATH="$PYTHONPATH:$repo/bench" python3 bench/hold_summary.py "$out" > "$out/hold_summary.txt" 2>&1
-    tail -30 "$out/serving.log"; cat "$out/hold_summary.txt" ;;
+    cat "$out/hold_summary.txt" ;;
   kernels)
     timeout 130 python3 bench/fp8_bench.py --sections decode --batches 1,128 \
       --quantization fp8-all --out "$out/fp8_decode.json" > "$out/fp8_decode.txt" 2>&1
