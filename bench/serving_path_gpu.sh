@@ -66,11 +66,16 @@ common=(--model "$M" --load-format dummy --device "$dev" --max-model-len 4096
 common+=(${WORKER_ARGS:-})
 n() { if [ "$NUM" -gt 0 ] && [ "$NUM" -lt "$1" ]; then echo "$NUM"; else echo "$1"; fi; }
 
+# The processes this run started (router, workers): stop_all ends these and their children
+# only. A pattern (pkill -f "deploy.cli router") also ended any other cluster on the host, a
+# test suite's among them (session 43).
+started=()
 start_router() {
   # shellcheck disable=SC2086 # ROUTER_ARGS: several flags
   ${SERVE_PY:-python3} -m deploy.cli router --host 127.0.0.1 --grpc-port 50051 --model "$M" ${ROUTER_ARGS:-} \
     > "$out/router_$1.log" 2>&1 &
   echo $! > "$work/router.pid"
+  started+=($!)
 }
 wait_workers() {  # until the router lists $1 workers; at once if the router has exited
   python3 - "$1" "$(cat "$work/router.pid")" <<'EOF'
@@ -119,17 +124,37 @@ bench() {  # NAME, then pdserve bench flags
     --markdown "$out/$name.md" ${BENCH_ARGS:-} "$@" > "$out/$name.log" 2>&1
   echo "bench $name exit $?"; tail -4 "$out/$name.md" 2>/dev/null
 }
-stop_all() { pkill -TERM -f "deploy.cli (router|producer|consumer|colocated)"; sleep 5
-             pkill -KILL -f "deploy.cli (router|producer|consumer|colocated)"; sleep 2; }
+alive() {  # any of these pids still running (an exited child stays a zombie until waited for)
+  local p st
+  for p in "$@"; do
+    st=$(ps -o stat= -p "$p" 2>/dev/null) || continue
+    [ "${st#Z}" = "$st" ] && return 0
+  done
+  return 1
+}
+stop_all() {  # SIGTERM (workers drain, the router stops its mirror frontends), then SIGKILL
+  [ ${#started[@]} -gt 0 ] || return 0
+  kill -TERM "${started[@]}" 2>/dev/null
+  for _ in $(seq 20); do
+    alive "${started[@]}" || break
+    sleep 0.5
+  done
+  for p in "${started[@]}"; do pkill -KILL -P "$p"; kill -KILL "$p"; done 2>/dev/null
+  wait "${started[@]}" 2>/dev/null
+  started=()
+  sleep 1  # the ports' sockets closed before the next cluster binds them
+}
 
 # ---- P/D, sharing the GPU ----
 start_router pd
 ${SERVE_PY:-python3} -m deploy.cli producer --router 127.0.0.1:50051 "${common[@]}" \
   --max-num-batched-tokens "${P_TOKENS:-2048}" --kv-cache-mib 8000 \
   --metrics-port 9101 --worker-id worker-0 > "$out/producer.log" 2>&1 &
+started+=($!)
 # shellcheck disable=SC2086 # CONSUMER_ARGS: several flags
 ${SERVE_PY:-python3} -m deploy.cli consumer --router 127.0.0.1:50051 "${common[@]}" --kv-cache-mib "$ckv" \
   --metrics-port 9102 --worker-id worker-1 ${CONSUMER_ARGS:-} > "$out/consumer.log" 2>&1 &
+started+=($!)
 if wait_workers 2; then
   bench pd_prefill1 --input-len 2048 --output-len 1 --concurrency 1 --num-prompts "$(n 4)"
   bench pd_hold --input-len 128 --output-len 16 --concurrency 16 --num-prompts "$(n 256)"
@@ -147,6 +172,7 @@ start_router co
 ${SERVE_PY:-python3} -m deploy.cli colocated --router 127.0.0.1:50051 "${common[@]}" \
   --max-num-batched-tokens "${CO_TOKENS:-2048}" \
   --kv-cache-mib "$ckv" --metrics-port 9103 --worker-id worker-0 > "$out/colocated.log" 2>&1 &
+started+=($!)
 if wait_workers 1; then
   bench co_long --input-len 128 --output-len "$LONG" --concurrency 256 --num-prompts "$(n 256)"
 fi
