@@ -1,9 +1,12 @@
 """Runs a module as ``python -m`` would, with its garbage collections timed and, with
 ``--save-all``, the cyclic garbage they find counted by type: which of a serving process's
 objects only the cyclic collector frees, and how long the collections that free them stop
-the process. Lines go to stdout: ``GCPAUSE gen G <ms> ms collected N`` for each collection
-of at least --min-ms (and every full one), ``GARBAGE <count> [(type, n), ...]`` whenever
---save-all has kept more than --report-over objects (then cleared).
+the process. Lines go to stdout: ``GCPAUSE gen G <ms> ms collected N pid P at T`` for each
+collection of at least --min-ms (and every full one), T its start in Unix seconds, to set
+beside a bench record's stamps, P the process (the router's mirror frontends, started
+without this probe, write to the same log but print no such lines);
+``GARBAGE <count> [(type, n), ...]`` whenever --save-all has kept more than --report-over
+objects (then cleared).
 
     python bench/probes/gc_garbage_probe.py [--save-all] -m deploy.cli router ...
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import os
 import runpy
 import sys
 import time
@@ -27,17 +31,17 @@ from typing import Any
 def install(save_all: bool, min_ms: float, report_over: int) -> None:
     if save_all:
         gc.set_debug(gc.DEBUG_SAVEALL)
-    started = [0.0]
+    started = [0.0, 0.0]  # perf_counter, wall clock
 
     def on_gc(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            started[:] = [time.perf_counter(), time.time()]
             return
         ms = (time.perf_counter() - started[0]) * 1e3
         gen = info.get("generation")
-        if ms >= min_ms or gen == 2:
-            print(f"GCPAUSE gen {gen} {ms:.2f} ms collected {info.get('collected')}",
-                  flush=True)
+        if (ms >= min_ms or gen == 2) and not sys.stdout.closed:  # closed: at exit
+            print(f"GCPAUSE gen {gen} {ms:.2f} ms collected {info.get('collected')} "
+                  f"pid {os.getpid()} at {started[1]:.3f}", flush=True)
         if save_all and len(gc.garbage) > report_over:
             kinds = collections.Counter(
                 f"{getattr(type(o), '__module__', '?')}.{type(o).__qualname__}"
