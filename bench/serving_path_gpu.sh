@@ -77,38 +77,35 @@ start_router() {
   echo $! > "$work/router.pid"
   started+=($!)
 }
+alive() {  # any of these pids still running (an exited child stays a zombie until waited for)
+  local p st
+  for p in "$@"; do
+    st=$(ps -o stat= -p "$p" 2>/dev/null) || continue
+    [ "${st#Z}" = "$st" ] && return 0
+  done
+  return 1
+}
 wait_workers() {  # until the router lists $1 workers; at once if the router has exited
-  python3 - "$1" "$(cat "$work/router.pid")" <<'EOF'
-import sys, time, grpc
+  local pid stop=$((SECONDS + 400))
+  pid=$(cat "$work/router.pid" 2>/dev/null)
+  while [ $SECONDS -lt $stop ]; do
+    if [ -n "$pid" ] && ! alive "$pid"; then  # e.g. a flag its Python lacks a module for
+      echo "the router exited before the workers registered: see its log" >&2; return 1
+    fi
+    python3 - "$1" <<'EOF' && return 0
+import sys, grpc
 from pdserve.v1 import router_pb2, router_pb2_grpc
-want, pid, end = int(sys.argv[1]), sys.argv[2], time.time() + 400
-
-
-def router_gone() -> bool:
-    # a child that exited stays a zombie until the script waits for it: kill -0 passes
-    if not pid.isdigit():
-        return False  # no pid recorded: wait as before
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
-while time.time() < end:
-    if router_gone():  # e.g. a flag its Python lacks a module for: say so, spend no wait
-        sys.exit("the router exited before the workers registered: see its log")
-    try:
-        with grpc.insecure_channel("127.0.0.1:50051") as ch:
-            st = router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(),
-                                                            timeout=2)
-        if len(st.workers) >= want:
-            sys.exit(0)
-    except grpc.RpcError:
-        pass
-    time.sleep(2)
-sys.exit("workers did not register")
+try:
+    with grpc.insecure_channel("127.0.0.1:50051") as ch:
+        st = router_pb2_grpc.RouterStub(ch).ClusterStatus(router_pb2.ClusterStatusRequest(),
+                                                        timeout=2)
+    sys.exit(0 if len(st.workers) >= int(sys.argv[1]) else 1)
+except grpc.RpcError:
+    sys.exit(1)
 EOF
+    sleep 2
+  done
+  echo "workers did not register" >&2; return 1
 }
 seed=0
 bench() {  # NAME, then pdserve bench flags
@@ -123,14 +120,6 @@ bench() {  # NAME, then pdserve bench flags
     --request-timeout 300 --warmup 2 --seed "$seed" --result-json "$out/$name.json" \
     --markdown "$out/$name.md" ${BENCH_ARGS:-} "$@" > "$out/$name.log" 2>&1
   echo "bench $name exit $?"; tail -4 "$out/$name.md" 2>/dev/null
-}
-alive() {  # any of these pids still running (an exited child stays a zombie until waited for)
-  local p st
-  for p in "$@"; do
-    st=$(ps -o stat= -p "$p" 2>/dev/null) || continue
-    [ "${st#Z}" = "$st" ] && return 0
-  done
-  return 1
 }
 stop_all() {  # SIGTERM (workers drain, the router stops its mirror frontends), then SIGKILL
   [ ${#started[@]} -gt 0 ] || return 0
