@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import follow
-from kernels.triton_split_len import request_split_len
+from kernels.triton_split_len import request_splits_holding, splits_holding
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def merge_if_last(part_o_ptr, part_lse_ptr, out_ptr, cnt_ptr, b, kvh, seq_len, s
     The barrier orders every thread's partial stores before the counter's release; the
     acquire orders the merger's loads after the others'."""
     tl.debug_barrier()
-    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
+    used = splits_holding(seq_len, split_len, num_splits)
     cnt = cnt_ptr + b * tl.num_programs(1) + kvh
     if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == used - 1:
         tl.store(cnt, 0)  # zero again for the next launch (or graph replay)
@@ -76,10 +76,7 @@ def merge_kernel(
         follow()
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    if DYN:
-        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
-    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
+    used = request_splits_holding(lens_ptr, b, split_len, num_splits, BLOCK_N, DYN)
     sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     smask = sp < used

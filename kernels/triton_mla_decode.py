@@ -44,7 +44,7 @@ from kernels.triton_common import (
     kv_compute_dtype,
     kv_ieee,
 )
-from kernels.triton_split_len import head_block_split, request_split_len
+from kernels.triton_split_len import head_block_split, request_splits_holding
 from kernels.waves import wave_splits
 
 LOG2E = 1.4426950408889634
@@ -164,10 +164,7 @@ def _merge_row(part_o_ptr, part_lse_ptr, lens_ptr, b, h, H, split_len, num_split
     (a [splits, C] tile at once spills registers past a few splits, ptxas sm_90): its
     [CP] float32 output, unrounded. The merge kernel stores it; the W_UV product of
     kernels/triton_mla_up_merge.py multiplies it without a store between."""
-    seq_len = tl.load(lens_ptr + b).to(tl.int32)
-    if DYN:
-        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
-    used = tl.minimum(tl.cdiv(seq_len, split_len), num_splits)  # the splits that wrote
+    used = request_splits_holding(lens_ptr, b, split_len, num_splits, BLOCK_N, DYN)
     sp = tl.arange(0, MERGE_S)
     c = tl.arange(0, CP)
     base = (b * H + h).to(tl.int64) * num_splits

@@ -31,6 +31,24 @@ def split_range(lens_ptr, b, split, split_len, num_splits, BLOCK_N: tl.constexpr
 
 
 @triton.jit
+def splits_holding(seq_len, split_len, num_splits):
+    """How many of a request's splits hold tokens, given its own split size (split_range's):
+    the rest write no partial, so a merge must neither wait for nor read them."""
+    return tl.minimum(tl.cdiv(seq_len, split_len), num_splits)
+
+
+@triton.jit
+def request_splits_holding(lens_ptr, b, split_len, num_splits, BLOCK_N: tl.constexpr,
+                           DYN: tl.constexpr):
+    """splits_holding for request b, from the launch's split_len as its decode kernel had
+    it (DYN: the least per split, and the request sizes its own as split_range does)."""
+    seq_len = tl.load(lens_ptr + b).to(tl.int32)
+    if DYN:
+        split_len = request_split_len(seq_len, split_len, num_splits, BLOCK_N)
+    return splits_holding(seq_len, split_len, num_splits)
+
+
+@triton.jit
 def head_block_split(lens_ptr, split_len, num_splits, H, BLOCK_H: tl.constexpr,
                      BLOCK_N: tl.constexpr, DYN: tl.constexpr):
     """A (request, head block, split) program's coordinates, as the MLA decode forms lay
