@@ -111,6 +111,11 @@ class LLMEngine(PrefixCacheQueries):
         # H200"): the same commands, taken without waiting. Set (by the worker) only where
         # device_wait is, for the model's forward during step() alone.
         self.between_launches: Callable[[], None] | None = None
+        # Called with a step's outputs right after they are read back, when the step is read
+        # at once (a producer's), ahead of the step's result and the worker loop's own
+        # bookkeeping: a producer sends its token 0s from here, since the client's first
+        # token waits for the last of a step's 16 or so (bench/RESULTS.md, session 43).
+        self.on_read: Callable[[list[RequestOutput]], None] | None = None
 
     @property
     def defers_output(self) -> bool:
@@ -348,6 +353,8 @@ class LLMEngine(PrefixCacheQueries):
                 while not launched.out.ready():
                     self.device_wait(launched.out.left_s())
             outputs = self._process(launched) if launched else []
+            if outputs and self.on_read is not None:
+                self.on_read(outputs)
         else:
             outputs = self._process(self._inflight) if self._inflight else []
             self._inflight = launched

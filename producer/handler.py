@@ -34,7 +34,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.llm_engine import LLMEngine
-from engine.outputs import StepResult
+from engine.outputs import RequestOutput, StepResult
+from engine.request import LogprobRow
 from engine.request_state import RequestState
 from engine.scheduler import QueueFull
 from producer.transfer_phase import TransferPhase, check_transfer
@@ -113,6 +114,10 @@ class ProducerHandler(RoleHandler):
         self.transfers_ok = 0
         self.transfers_failed = 0
         self.aborts = 0
+        # The token 0s sent from the engine's read-back (_send_token0s), for on_outputs to
+        # go on with; None: this step's went nowhere yet (on_outputs sends them)
+        self._sent: list[tuple[Outgoing, RequestOutput, LogprobRow | None]] | None = None
+        engine.on_read = self._send_token0s
 
     # ---- commands ----------------------------------------------------------------------
 
@@ -170,13 +175,12 @@ class ProducerHandler(RoleHandler):
 
     # ---- engine outputs -----------------------------------------------------------------
 
-    def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
-        self._kv_written = step.kv_written
-        for rid, n in step.final_blocks.items():
-            if (o := self.out.get(rid)) is not None:
-                o.final = n
+    def _send_token0s(self, outputs: list[RequestOutput]) -> None:
+        """Emits and sends a step's token 0s at once (the engine's ``on_read``, called
+        right after the step's read-back): the client's first token must not wait for the
+        step's result, its KV pushes or the rest of the loop turn (the first-token hold)."""
         sampled = []
-        for out in step.outputs:
+        for out in outputs:
             o = self.out.get(out.request_id)
             if o is None or not out.new_token_ids:
                 continue
@@ -187,9 +191,17 @@ class ProducerHandler(RoleHandler):
                                   time.time_ns()))
             sampled.append((o, out, row))
         if sampled:
-            # token 0 leaves now: the client's first token must not wait for this step's
-            # KV pushes and the rest of the loop turn (the first-token hold)
             self.flush_events()
+        self._sent = sampled
+
+    def on_outputs(self, step: StepResult, step_end_ns: int) -> None:
+        self._kv_written = step.kv_written
+        for rid, n in step.final_blocks.items():
+            if (o := self.out.get(rid)) is not None:
+                o.final = n
+        if self._sent is None:  # not sent from the read-back (a step the engine deferred)
+            self._send_token0s(step.outputs)
+        sampled, self._sent = self._sent or [], None
         for o, out, row in sampled:
             tok = out.new_token_ids[0]
             if out.finished:  # token 0 ended it: the engine freed all but the pinned blocks
