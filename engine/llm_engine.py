@@ -114,7 +114,7 @@ class LLMEngine(PrefixCacheQueries):
         # Called with a step's outputs right after they are read back, when the step is read
         # at once (a producer's), ahead of the step's result and the worker loop's own
         # bookkeeping: a producer sends its token 0s from here, since the client's first
-        # token waits for the last of a step's 16 or so (bench/RESULTS.md, session 43).
+        # token waits for the last of a step's 16 or so (bench/RESULTS.md, sessions 43-44).
         self.on_read: Callable[[list[RequestOutput]], None] | None = None
 
     @property
