@@ -88,10 +88,9 @@ def count_launches(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], list[int]
 @pytest.fixture(autouse=True)
 def _return_cached_gpu_memory() -> Any:
     """After each test, the CUDA caching allocator's free blocks go back to the driver. The
-    GPU suite runs six workers on one card: a worker keeps what its largest test reserved
-    (tens of GiB for the 32k-context and tile-fit tests), and another worker's allocation
-    then fails with most of the card cached and unused (bench/results/gpu_suite.txt, sessions
-    41 and 44)."""
+    GPU suite runs six workers on one card, and a worker otherwise keeps what its largest test
+    reserved: in session 44's run five workers held 75 of the card's 80 GiB when a sixth
+    asked for 726 MiB and failed (bench/results/gpu_suite.txt, sessions 41 and 44)."""
     yield
     if HAS_CUDA and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
