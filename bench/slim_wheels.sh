@@ -9,7 +9,9 @@
 # libX.so.0.0.0 (readelf -d of every library in it; UCX_LOG_LEVEL=debug shows what loads).
 # That is ~16 MB unpacked, ~6 MB of the wheel (17.7 -> 11.8 MB), which the tree's growth
 # needs (session 43: tree plus wheels were at 62 of the 64 MiB). Also the headers and libtool
-# files. Checked on CPU: tests/transfer -k ucx with these cu13 wheels on PYTHONPATH, 53 passed.
+# files. Checked on CPU (tests/transfer -k ucx with these cu13 wheels on PYTHONPATH, 53 passed)
+# and on an H100, the transfer GPU tests among the GPU suite's (bench/results/gpu_suite.txt,
+# session 44).
 # Run from the project root, after wheels.sh:
 #   bash bench/slim_wheels.sh
 set -euo pipefail

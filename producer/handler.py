@@ -199,7 +199,8 @@ class ProducerHandler(RoleHandler):
         for rid, n in step.final_blocks.items():
             if (o := self.out.get(rid)) is not None:
                 o.final = n
-        if self._sent is None:  # not sent from the read-back (a step the engine deferred)
+        if self._sent is None:  # the hook did not run: a step without outputs, or a
+            # producer made to defer (defer_output, for benchmarks), read a step late
             self._send_token0s(step.outputs)
         sampled, self._sent = self._sent or [], None
         for o, out, row in sampled:

@@ -4,7 +4,9 @@ CPU) and its role handler, as the worker loop drives them (``engine.step()``, th
 ``on_outputs``), with a prefill step of --per-step prompts at a time. Per step, from the
 read-back (the outputs' ``sampled_ns``): the end of ``LLMEngine._process`` (every request's
 ``_update``), the step's return (its result), the first and the last emit, and the flush
-that sends them together; and each ``_update`` alone. --waiting keeps that many more
+that sends them together; and each ``_update`` alone. Since session 44 the handler emits
+and flushes from the engine's ``on_read`` hook, inside ``engine.step()``: the emits and the
+flush then come before the step's return (before, after it). --waiting keeps that many more
 requests queued behind each step (whether any of it grows with the waiting queue).
 
     python bench/probes/token0_emit_probe.py [--per-step 16] [--steps 40] [--waiting 240]
