@@ -378,7 +378,13 @@ class LLMEngine(PrefixCacheQueries):
         res.reserved_cached = {r.request_id: r.num_registered_blocks for r in sched.reserved
                                if r.num_registered_blocks}
         bs = self.config.block_size
-        for r in [c.request for c in sched.chunks] + sched.preempted:
+        reqs = [c.request for c in sched.chunks] + sched.preempted
+        if self.defers_output and self.config.prefills_only:
+            # a producer made to defer (benchmarks) reads token 0 a step after the chunk
+            # that sampled it: only then are all its blocks final (the partial last one too),
+            # and the request is in no chunk of the step that reads it
+            reqs += [r for o in outputs if (r := self.requests.get(o.request_id)) is not None]
+        for r in reqs:
             if r.prefill_only and not r.finished:
                 res.final_blocks[r.request_id] = (
                     len(r.block_ids) if r.state == RequestState.TRANSFERRING
