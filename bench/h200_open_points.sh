@@ -56,8 +56,10 @@ case $part in
         python3 bench/itl_split.py "$f" > "${f%.json}.split.txt" 2>&1
       done
       tail -30 "$dir.log"
+      # after each frontend count, not only at the end: a call cut short by its time limit
+      # still brings back the summary of the runs it finished
+      PYTHONPATH="$PYTHONPATH:$repo/bench" python3 bench/hold_summary.py "$out" > "$out/hold_summary.txt" 2>&1
     done
-    PYTHONPATH="$PYTHONPATH:$repo/bench" python3 bench/hold_summary.py "$out" > "$out/hold_summary.txt" 2>&1
     cat "$out/hold_summary.txt" ;;
   kernels)
     timeout 130 python3 bench/fp8_bench.py --sections decode --batches 1,128 \
