@@ -26,6 +26,31 @@ def kernel_totals(prof: Any, per: int) -> list[tuple[str, float, float]]:
             for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])]
 
 
+def gpu_timeline(prof: Any, per: int) -> dict[str, Any]:
+    """When the GPU ran: the union of the CUDA events' intervals (busy) and their extent
+    (span), each per step, and the last step's events in order (name, start after the
+    first, duration; µs). With PDL a kernel's recorded time includes its wait on the one
+    before, so durations overlap and their sum overstates the work; busy does not, and
+    the gaps in the timeline are where no kernel ran."""
+    iv = sorted((e.time_range.start, e.time_range.end, e.name[:80]) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not iv:
+        return {}
+    busy, cur_s, cur_e = 0.0, iv[0][0], iv[0][1]
+    for s, e, _ in iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    last = iv[-max(1, len(iv) // per):]
+    t0 = last[0][0]
+    return {"gpu_busy_ms_per_step": round(busy / per / 1e3, 4),
+            "gpu_span_ms_per_step": round((iv[-1][1] - iv[0][0]) / per / 1e3, 4),
+            "last_step": [[n, round(s - t0, 2), round(e - s, 2)] for s, e, n in last]}
+
+
 def profile_point(engine: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
     """Per-kernel GPU time of the graphed decode step at (batch, context): torch.profiler
     over `steps` steps after a warm-up, each kernel name's CUDA time and launches per step,
@@ -69,7 +94,7 @@ def profile_point(engine: Any, batch: int, context: int, steps: int) -> dict[str
             "step_wall_ms_under_profiler": round(wall_ms, 3),
             "kernel_ms_per_step": round(sum(r["ms_per_step"] for r in rows), 3),
             "kernels_per_step": round(sum(r["count_per_step"] for r in rows), 1),
-            "kernels": rows}
+            **gpu_timeline(prof, steps), "kernels": rows}
 
 
 def profile_table(engine: Any, batches: list[int], contexts: list[int],
@@ -83,7 +108,8 @@ def profile_table(engine: Any, batches: list[int], contexts: list[int],
                 p = profile_point(engine, b, ctx, steps)
             except Exception as e:
                 p = {"batch": b, "context": ctx, "error": repr(e)[:300]}
-            print(json.dumps({k: v for k, v in p.items() if k != "kernels"}), flush=True)
+            print(json.dumps({k: v for k, v in p.items() if k not in ("kernels", "last_step")}),
+                  flush=True)
             for row in p.get("kernels", [])[:30]:
                 print(f"  {row['ms_per_step']:8.4f} ms  {row['count_per_step']:6.1f}/step"
                       f"  {row['kernel']}", flush=True)
