@@ -1,8 +1,11 @@
 """The per-kernel table of a MoE model's graphed decode step (``moe_bench.py --profile``):
-torch.profiler's CUDA time and launches per step of each kernel, at each (batch, context).
-Where the decode benchmark says how far a step is from its byte floor, this says which
-kernels the step's time goes to. ``prefill_kernels`` does the same for one prefill
-(``--profile`` with ``--prefill-tokens``): what keeps it under the matmul rate."""
+torch.profiler's CUDA time and launches per step of each kernel, at each (batch, context),
+and when the GPU was busy (``gpu_timeline``). Where the decode benchmark says how far a step
+is from its byte floor, this says which kernels the step's time goes to. With PDL on, a
+kernel's recorded time includes its wait for the one before: for each kernel's own time,
+profile with ``kernels.pdl.ENABLED = False`` (bench/RESULTS.md, session 46).
+``prefill_kernels`` does the same for one prefill (``--profile`` with
+``--prefill-tokens``): what keeps it under the matmul rate."""
 
 from __future__ import annotations
 

@@ -61,10 +61,12 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
     return sorted_ids[:p], block_expert.to(torch.int32)
 
 
-# Up to this many (token, expert) pairs the align step is one Triton program (one launch in
-# place of the dozen small torch ops, which at decode would cost more than the GEMMs' own
+# Up to this many (token, expert) pairs the align step may be one Triton program (one launch
+# in place of the dozen small torch ops, which at decode would cost more than the GEMMs' own
 # launches); past it, moe_align_multi's three grids (one program walking every pair of a
-# prefill would be serial work the size of the call).
+# prefill would be serial work the size of the call). fused_moe's own calls switch much
+# earlier (kernels/triton_moe.ALIGN_ONE_PROGRAM_MAX_PAIRS): the serial walk already cost
+# ~48 µs at 1,024 pairs on an H100.
 ALIGN_KERNEL_MAX_PAIRS = 2048
 ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_local]
 

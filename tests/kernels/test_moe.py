@@ -156,6 +156,35 @@ def test_align_kernel_equals_torch_align(t, k, e, start, e_local, bm, device):
     assert got[1].tolist() == want[1].tolist()
 
 
+@pytest.mark.parametrize("t", [20, 22])
+def test_align_form_by_pair_count(t, gen, device, monkeypatch):
+    # Decode-sized calls align in one program up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs and
+    # in moe_align_multi's three launches past it (20 x 6 = 120 pairs, 22 x 6 = 132); the
+    # two forms give the same layout, so the output is the same bits either way
+    import kernels.triton_moe as m
+
+    monkeypatch.setattr(m, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 128)
+    x, w13, w2, weights, ids = _inputs(t, 32, 48, 16, 6, torch.float32, gen, device)
+    ran: list[str] = []
+
+    def spying(name: str):  # type: ignore[no-untyped-def]
+        f = getattr(m, name)
+
+        def spy(*a, **kw):  # type: ignore[no-untyped-def]
+            ran.append(name)
+            return f(*a, **kw)
+        return spy
+
+    for name in ("moe_align_triton", "moe_align_multi"):
+        monkeypatch.setattr(m, name, spying(name))
+    out = m.fused_moe(x, w13, w2, weights, ids)
+    assert ran == ["moe_align_triton" if t * 6 <= 128 else "moe_align_multi"]
+    monkeypatch.setattr(m, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0 if t * 6 <= 128 else 10**6)
+    other = m.fused_moe(x, w13, w2, weights, ids)
+    assert ran[1] != ran[0]
+    assert torch.equal(out, other)
+
+
 def test_tile_config_buckets():
     from kernels.triton_moe import tile_config
 
@@ -190,19 +219,21 @@ def test_fused_moe_gpu(t, dtype, gen, close):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fused_moe_gpu_expert_shard_and_graph(gen, close):
-    """Half the experts on this rank, launched from a captured CUDA graph."""
+@pytest.mark.parametrize("t", [16, 48])
+def test_fused_moe_gpu_expert_shard_and_graph(t, gen, close):
+    """Half the experts on this rank, launched from a captured CUDA graph: 96 pairs align
+    in one program, 288 in three launches (ALIGN_ONE_PROGRAM_MAX_PAIRS)."""
     from kernels.triton_moe import fused_moe
 
     dev = torch.device("cuda")
-    x, w13, w2, weights, ids = _inputs(16, 1024, 512, 64, 6, torch.bfloat16, gen, dev,
+    x, w13, w2, weights, ids = _inputs(t, 1024, 512, 64, 6, torch.bfloat16, gen, dev,
                                        e_local=32)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 32).to(x.dtype)
     fused_moe(x, w13, w2, weights, ids, 32)  # compile outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = fused_moe(x, w13, w2, weights, ids, 32)
-    ids.copy_(torch.rand(16, 64, generator=gen).argsort(dim=1)[:, :6].to(dev))
+    ids.copy_(torch.rand(t, 64, generator=gen).argsort(dim=1)[:, :6].to(dev))
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 32).to(x.dtype)
     g.replay()
     close(out, ref, torch.bfloat16)
