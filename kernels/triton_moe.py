@@ -112,10 +112,11 @@ PER_PAIR_BLOCK_N: int | None = None
 # launches (the same layout, bit for bit: tests/kernels/test_moe_align.py). The one
 # program walks every pair, 64 at a time, in series: ~48 µs a layer at 1,024 pairs
 # (DeepSeek-V2-Lite at batch 128, its 2 shared experts folded in: 8 pairs a token; H100),
-# where the three launches took ~7. Graphed decode step on an H100, every call through the
-# three launches against the one program up to ALIGN_KERNEL_MAX_PAIRS (bench/RESULTS.md,
-# "... the align step's form at decode"): V2-Lite batch 128 (1,024 pairs) 0.934, 32 (256)
-# 0.990, 8 (64) 1.012; Qwen3-30B-A3B batch 128 (1,024) 0.936, 32 (256) 0.997.
+# where the three launches take ~8 (the step's saving subtracted). Graphed decode step on
+# an H100, every call through the three launches against the one program up to
+# ALIGN_KERNEL_MAX_PAIRS (bench/RESULTS.md, "... the align step's form at decode"):
+# V2-Lite batch 128 (1,024 pairs) 0.934, 32 (256) 0.990, 8 (64) 1.012; Qwen3-30B-A3B
+# batch 128 (1,024) 0.936, 32 (256) 0.997.
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 128
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
