@@ -5,7 +5,11 @@ in the same run.
 Shapes (--shape; bf16, dummy weights): ``qwen3`` Qwen3-30B-A3B (48 layers, hidden 2048,
 32/4 heads of 128, 128 experts top-8, moe_intermediate 768, vocab 151936); ``v2lite``
 DeepSeek-V2-Lite (27 layers, hidden 2048, 16 MLA heads, kv_lora 512 + rope 64, a dense
-first layer, 64 routed experts top-6 + 2 shared, moe_intermediate 1408, vocab 102400).
+first layer, 64 routed experts top-6 + 2 shared, moe_intermediate 1408, vocab 102400);
+``mixtral`` Mixtral-8x7B (32 layers, hidden 4096, 32/8 heads of 128, 8 experts top-2,
+intermediate 14336, vocab 32000: 93 GB of bf16 weights, so ``--layers`` fewer on an 80 GB
+card; its top-2 routing gives the fewest (token, expert) pairs a token of the three).
+``--layers N`` sets any shape's layer count (a shape that does not fit, or a quicker A/B).
 In one run on one GPU:
   * HBM read rate (a sum over a 4 GiB tensor) and the bf16 matmul rate (8192^3 GEMM);
   * per (batch, context): the engine's decode step (CUDA graphs, deferred output; the
@@ -98,8 +102,18 @@ DEEPSEEK_V2_LITE = {
     "tie_word_embeddings": False, "bos_token_id": 100000, "eos_token_id": 100001,
     "torch_dtype": "bfloat16",
 }
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+    "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+    "sliding_window": None, "tie_word_embeddings": False, "hidden_act": "silu",
+    "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
 SHAPES = {"qwen3": ("Qwen3-30B-A3B shape, dummy", QWEN3_30B_A3B),
-          "v2lite": ("DeepSeek-V2-Lite shape, dummy", DEEPSEEK_V2_LITE)}
+          "v2lite": ("DeepSeek-V2-Lite shape, dummy", DEEPSEEK_V2_LITE),
+          "mixtral": ("Mixtral-8x7B shape, dummy", MIXTRAL_8X7B)}
 
 
 # N of the N vs 2N new tokens transformers' reference is timed over (decode_bench's
@@ -326,9 +340,26 @@ def prefill_flops(engine: Any, tokens: int) -> float:
                  + 2 * head)
 
 
+def shape_config(shape: str, layers: int | None = None, quantization: str | None = None
+                 ) -> tuple[str, dict[str, Any]]:
+    """(label, HF config) of a --shape: its layer count replaced by `layers` (None: the
+    model's), and fp8-block's quantization_config where asked."""
+    label, hf_config = SHAPES[shape]
+    if layers is not None:
+        label = f"{label}, {layers} layers"
+        hf_config = {**hf_config, "num_hidden_layers": layers}
+    if quantization == "fp8-block":
+        hf_config = {**hf_config, "quantization_config": {
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128]}}
+    return label, hf_config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="the shape's num_hidden_layers replaced (the label says so)")
     ap.add_argument("--batches", default="1,8,32,128")
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--steps", type=int, default=20)
@@ -378,11 +409,9 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",") if b]
     contexts = [int(c) for c in args.contexts.split(",") if c]
     cfg_dir = tempfile.mkdtemp()
-    label, hf_config = SHAPES[args.shape]
-    if args.quantization == "fp8-block":
-        hf_config = {**hf_config, "quantization_config": {
-            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [128, 128]}}
+    if args.layers is not None and args.layers < 1:
+        ap.error(f"--layers: expected >= 1, got {args.layers}")
+    label, hf_config = shape_config(args.shape, args.layers, args.quantization)
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
         json.dump(hf_config, f)
     result: dict[str, Any] = {

@@ -15,9 +15,9 @@ expert instead of per-tile expert ids, so the rows must be contiguous per expert
 3. down: one grouped GEMM of the activation against w2, rows of xs's order;
 and `row_of_pair`, each pair's row in that order, for fused_moe's sum step, which reads
 the rows through it (no scatter of the [T * k, H] rows back into pair order). Past
-ALIGN_KERNEL_MAX_PAIRS (2,048) pairs, so at MIN_TOKENS for any top-3 or wider routing, and
-with RUNS_FROM_ALIGN, the align's place kernel writes `offs` and `row_of_pair` as it places
-the pairs; otherwise they are computed from the align's output (expert_offsets, the
+kernels.triton_moe_align.ALIGN_ONE_PROGRAM_MAX_PAIRS (128) pairs, so at MIN_TOKENS for any
+routing, and with RUNS_FROM_ALIGN, the align's place kernel writes `offs` and `row_of_pair`
+as it places the pairs; otherwise they are computed from the align's output (expert_offsets, the
 row-map kernel).
 Rows past the last run are neither written by the GEMMs nor read: the activation of them
 is garbage nobody reads.
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels.triton_act import silu_and_mul
 from kernels.triton_common import check
-from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
+from kernels.triton_moe_align import moe_align_multi, moe_align_triton, one_program
 from kernels.triton_moe_tma import GATHER_ROWS, gather_sorted_rows
 
 # Calls with at least this many tokens take this form; None: none does. On an H100
@@ -47,7 +47,7 @@ MIN_TOKENS: int | None = 1024
 # GEMM itself takes any run length.
 ALIGN_ROWS = GATHER_ROWS
 MAP_ROWS = 1024  # sorted rows per program of the row-map kernel
-# Past ALIGN_KERNEL_MAX_PAIRS pairs the align's place kernel can write the run ends and the
+# Past the one-program align's bound the align's place kernel can write the run ends and the
 # row map itself (True); False computes them afterwards as the one-program align's calls do.
 # On since an H100 timed it (session 36, bench/RESULTS.md: the 4k-token prefill 1.4% faster
 # at V2-Lite's shape and 2.7% at Qwen3-30B-A3B's) and the -m gpu suite ran with it on
@@ -107,7 +107,7 @@ def expert_rows_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
           "x, w13, w2: expected contiguous rows (the grouped-GEMM form)")
     check(ids.is_contiguous(), "topk_ids: expected contiguous")
     row_of_pair = torch.empty(n, dtype=torch.int32, device=x.device)
-    multi = n > ALIGN_KERNEL_MAX_PAIRS
+    multi = not one_program(n)
     if multi and RUNS_FROM_ALIGN:
         # the place kernel writes the run ends and the row map as it places the pairs: ten
         # fewer launches a layer than the torch ops and the map kernel below

@@ -65,7 +65,7 @@ from kernels.moe_grouped_gemm import expert_rows_grouped
 from kernels.moe_scales import scale_groups
 from kernels.pdl import follow, pdl_for
 from kernels.triton_common import check, check_device, check_float, check_int, compute_dtype
-from kernels.triton_moe_align import moe_align_multi, moe_align_triton
+from kernels.triton_moe_align import moe_align_multi, moe_align_triton, one_program
 from kernels.triton_moe_down_sum import down_sum
 from kernels.triton_moe_gate_up_gemv import gate_up_gemv
 from kernels.triton_moe_tma import applies as tma_applies
@@ -107,17 +107,6 @@ GATE_UP_GEMV_MAX_TOKENS = 0
 # Qwen3's shapes; bench/moe_bench.py --variants "kernels.triton_moe.PER_PAIR_BLOCK_N=64"),
 # though the table's tuning predates the per-pair layout (it ran with the align step's tiles).
 PER_PAIR_BLOCK_N: int | None = None
-# Up to this many pairs the align step of these kernels' path (decode, and the prefills the
-# grouped-GEMM form does not take) is one Triton program; past it, moe_align_multi's three
-# launches (the same layout, bit for bit: tests/kernels/test_moe_align.py). The one
-# program walks every pair, 64 at a time, in series: ~48 µs a layer at 1,024 pairs
-# (DeepSeek-V2-Lite at batch 128, its 2 shared experts folded in: 8 pairs a token; H100),
-# where the three launches take ~8 (the step's saving subtracted). Graphed decode step on
-# an H100, every call through the three launches against the one program up to
-# ALIGN_KERNEL_MAX_PAIRS (bench/RESULTS.md, "... the align step's form at decode"):
-# V2-Lite batch 128 (1,024 pairs) 0.934, 32 (256) 0.990, 8 (64) 1.012; Qwen3-30B-A3B
-# batch 128 (1,024) 0.936, 32 (256) 0.997.
-ALIGN_ONE_PROGRAM_MAX_PAIRS = 128
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
 
@@ -439,7 +428,7 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         sorted_ids = block_expert = ids
         tiles_m = n
     else:
-        align = moe_align_triton if n <= ALIGN_ONE_PROGRAM_MAX_PAIRS else moe_align_multi
+        align = moe_align_triton if one_program(n) else moe_align_multi
         sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
         tiles_m = block_expert.shape[0]
     dot = compute_dtype(x)

@@ -61,13 +61,20 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
     return sorted_ids[:p], block_expert.to(torch.int32)
 
 
-# Up to this many (token, expert) pairs the align step may be one Triton program (one launch
-# in place of the dozen small torch ops, which at decode would cost more than the GEMMs' own
-# launches); past it, moe_align_multi's three grids (one program walking every pair of a
-# prefill would be serial work the size of the call). fused_moe's own calls switch much
-# earlier (kernels/triton_moe.ALIGN_ONE_PROGRAM_MAX_PAIRS): the serial walk already cost
-# ~48 µs at 1,024 pairs on an H100.
-ALIGN_KERNEL_MAX_PAIRS = 2048
+# Up to this many (token, expert) pairs the align step is one Triton program
+# (moe_align_triton, one launch); past it, moe_align_multi's three launches (the same layout,
+# bit for bit: tests/kernels/test_moe_align.py). The one program walks every pair, 64 at a
+# time, in series: ~48 µs a layer at 1,024 pairs on an H100 (DeepSeek-V2-Lite at batch 128,
+# its 2 shared experts folded in: 8 pairs a token), where the three launches take ~8 (the
+# step's saving subtracted). Graphed decode step on an H100, every call through the three
+# launches against the one program up to 2,048 pairs (bench/RESULTS.md, "... the align
+# step's form at decode"): V2-Lite batch 128 (1,024 pairs) 0.934, 32 (256) 0.990, 8 (64)
+# 1.012; Qwen3-30B-A3B batch 128 (1,024) 0.936, 32 (256) 0.997. Every form of the fused MoE
+# reads this one bound (one_program): the prefill forms (kernels/moe_grouped_gemm.py,
+# kernels/triton_moe_tma.py) kept 2,048 until session 47, which a top-1 or top-2 routing
+# still reached at their 1,024 tokens (Mixtral's 2,048 pairs: ~100 µs a layer in series at
+# the rate above).
+ALIGN_ONE_PROGRAM_MAX_PAIRS = 128
 ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_local]
 
 
@@ -122,9 +129,17 @@ def _align_kernel(ids_ptr, sorted_ptr, bexp_ptr, N, P, NUM_TILES, expert_start, 
                             BLOCK_T)
 
 
+def one_program(num_pairs: int) -> bool:
+    """Whether a call of num_pairs pairs aligns in one program (moe_align_triton) rather
+    than in moe_align_multi's three launches. The bound is read at call time, so a bench's
+    variant or a test may set it (bench/moe_bench.py --variants "kernels.triton_moe_align.
+    ALIGN_ONE_PROGRAM_MAX_PAIRS=2048")."""
+    return num_pairs <= ALIGN_ONE_PROGRAM_MAX_PAIRS
+
+
 def moe_align_triton(topk_ids: torch.Tensor, block_m: int, expert_start: int,
                      num_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """moe_align's result from one Triton program (for up to ALIGN_KERNEL_MAX_PAIRS)."""
+    """moe_align's result from one Triton program (for up to ALIGN_ONE_PROGRAM_MAX_PAIRS)."""
     n = topk_ids.numel()
     p = max_sorted_rows(n, num_local, block_m)
     sorted_ids = torch.empty(p, dtype=torch.int32, device=topk_ids.device)

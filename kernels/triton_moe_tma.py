@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.triton_common import check, compute_dtype
-from kernels.triton_moe_align import ALIGN_KERNEL_MAX_PAIRS, moe_align_multi, moe_align_triton
+from kernels.triton_moe_align import moe_align_multi, moe_align_triton, one_program
 
 # Calls with at least this many tokens take this form; None: none does (the decode form
 # serves every call). Off: timed on an H100 (bench/RESULTS.md, "The experts' prefill GEMMs
@@ -203,7 +203,7 @@ def expert_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch
     check(ids.is_contiguous(), "topk_ids: expected contiguous")
     bm = tile.block_m
     check(bm % GATHER_ROWS == 0, f"block_m: {bm} is not a multiple of {GATHER_ROWS}")
-    align = moe_align_triton if n <= ALIGN_KERNEL_MAX_PAIRS else moe_align_multi
+    align = moe_align_triton if one_program(n) else moe_align_multi
     sorted_ids, block_expert = align(ids, bm, expert_start, e_local)
     p = sorted_ids.shape[0]
     tiles_m = block_expert.shape[0]

@@ -68,7 +68,7 @@ def test_decode_step_kernels_per_layer(version, batch, tmp_path):
 # kernels per MoE layer of an eager prefill at most: the decode layer's, with the two
 # projections MLA's prefill adds (kv_b_proj's decompression, and gathering the request's
 # latent rows: its block ids, then the rows), the align step's three launches past
-# kernels.triton_moe.ALIGN_ONE_PROGRAM_MAX_PAIRS, the router's float32 GEMM and its
+# kernels.triton_moe_align.ALIGN_ONE_PROGRAM_MAX_PAIRS, the router's float32 GEMM and its
 # input's cast. The torch align ops (a dozen and more, a sort among them) and the queries'
 # gathers and the output's scatter of a prefill group were 34 more (bench/RESULTS.md).
 PREFILL_MOE_BOUND = 18
@@ -76,11 +76,11 @@ PREFILL_MOE_BOUND = 18
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
 def test_prefill_step_kernels_per_layer(tmp_path, monkeypatch):
-    import kernels.triton_moe as m
+    import kernels.triton_moe_align as ma
     from bench.decode_op_count import count_prefill_step, write_config
 
     # a prefill's pair count on a small model: 24 tokens x 4 pairs take the prefill align
-    monkeypatch.setattr(m, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 16)
+    monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 16)
     counts = count_prefill_step(write_config(str(tmp_path / "config.json"), "v2"), 24)
     for layer in ("layer.1", "layer.2"):
         c = counts[layer]

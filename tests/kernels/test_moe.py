@@ -162,8 +162,9 @@ def test_align_form_by_pair_count(t, gen, device, monkeypatch):
     # in moe_align_multi's three launches past it (20 x 6 = 120 pairs, 22 x 6 = 132); the
     # two forms give the same layout, so the output is the same bits either way
     import kernels.triton_moe as m
+    import kernels.triton_moe_align as ma
 
-    monkeypatch.setattr(m, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 128)
+    assert ma.ALIGN_ONE_PROGRAM_MAX_PAIRS == 128
     x, w13, w2, weights, ids = _inputs(t, 32, 48, 16, 6, torch.float32, gen, device)
     ran: list[str] = []
 
@@ -179,7 +180,7 @@ def test_align_form_by_pair_count(t, gen, device, monkeypatch):
         monkeypatch.setattr(m, name, spying(name))
     out = m.fused_moe(x, w13, w2, weights, ids)
     assert ran == ["moe_align_triton" if t * 6 <= 128 else "moe_align_multi"]
-    monkeypatch.setattr(m, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0 if t * 6 <= 128 else 10**6)
+    monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0 if t * 6 <= 128 else 10**6)
     other = m.fused_moe(x, w13, w2, weights, ids)
     assert ran[1] != ran[0]
     assert torch.equal(out, other)

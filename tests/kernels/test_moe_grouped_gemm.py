@@ -44,12 +44,12 @@ def _err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_grouped_form_equals_reference(t, h, inter, e, k, start, e_local, align, gen, device,
                                        monkeypatch):
     # "multi": the three-launch align, whose place kernel writes the run ends and the row
-    # map itself (past ALIGN_KERNEL_MAX_PAIRS pairs); "single": the one-program align, then
-    # expert_offsets and the row-map kernel; "multi-then-offsets": RUNS_FROM_ALIGN off
+    # map itself (past ALIGN_ONE_PROGRAM_MAX_PAIRS pairs); "single": the one-program align,
+    # then expert_offsets and the row-map kernel; "multi-then-offsets": RUNS_FROM_ALIGN off
     import kernels.moe_grouped_gemm as mg
+    import kernels.triton_moe_align as ma
 
-    if align != "single":
-        monkeypatch.setattr(mg, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 10**6 if align == "single" else 0)
     monkeypatch.setattr(mg, "RUNS_FROM_ALIGN", align == "multi")
     x, w13, w2, weights, ids = _inputs(t, h, inter, e, k, torch.bfloat16, gen, device, e_local)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, start)
@@ -64,14 +64,40 @@ def test_grouped_form_with_empty_experts(align, gen, device, monkeypatch):
     """Every pair routed to experts 1 and 4 of 6: the other experts' runs are empty (equal
     offsets), and the two runs span several gather tiles each."""
     import kernels.moe_grouped_gemm as mg
+    import kernels.triton_moe_align as ma
 
-    if align != "single":
-        monkeypatch.setattr(mg, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 10**6 if align == "single" else 0)
     monkeypatch.setattr(mg, "RUNS_FROM_ALIGN", align == "multi")
     x, w13, w2, weights, _ = _inputs(45, 32, 32, 6, 2, torch.bfloat16, gen, device)
     ids = torch.tensor([[1, 4]] * 45, dtype=torch.int32, device=device)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 0)
     assert _err(_rows_summed(x, w13, w2, weights, ids, 0), ref) < INTERP_BF16_TOL
+
+
+@needs_grouped_mm
+def test_top2_prefill_aligns_in_three_launches(gen, device, monkeypatch):
+    """The grouped form reads the align's one bound (kernels.triton_moe_align.one_program),
+    as fused_moe's decode path does: a top-2 routing at the form's 1,024 tokens is 2,048
+    pairs, which took one program walking them in series while this form had its own bound
+    of 2,048; now the three launches, the run ends and row map from the place kernel."""
+    import kernels.moe_grouped_gemm as mg
+
+    ran: list[str] = []
+
+    def spying(name: str):  # type: ignore[no-untyped-def]
+        f = getattr(mg, name)
+
+        def spy(*a, **kw):  # type: ignore[no-untyped-def]
+            ran.append(name)
+            return f(*a, **kw)
+        return spy
+
+    for name in ("moe_align_triton", "moe_align_multi"):
+        monkeypatch.setattr(mg, name, spying(name))
+    x, w13, w2, weights, ids = _inputs(1024, 32, 32, 8, 2, torch.bfloat16, gen, device)
+    ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 0)
+    assert _err(_rows_summed(x, w13, w2, weights, ids, 0), ref) < INTERP_BF16_TOL
+    assert ran == ["moe_align_multi"]
 
 
 def test_expert_offsets_end_each_padded_run(device):
