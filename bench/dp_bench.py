@@ -38,7 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_bench import DEEPSEEK_V2_LITE  # noqa: E402
+from moe_shapes import DEEPSEEK_V2_LITE  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import build_engine  # noqa: E402

@@ -69,11 +69,12 @@ def moe_align(topk_ids: torch.Tensor, block_m: int, expert_start: int,
 # step's saving subtracted). Graphed decode step on an H100, every call through the three
 # launches against the one program up to 2,048 pairs (bench/RESULTS.md, "... the align
 # step's form at decode"): V2-Lite batch 128 (1,024 pairs) 0.934, 32 (256) 0.990, 8 (64)
-# 1.012; Qwen3-30B-A3B batch 128 (1,024) 0.936, 32 (256) 0.997. Every form of the fused MoE
-# reads this one bound (one_program): the prefill forms (kernels/moe_grouped_gemm.py,
-# kernels/triton_moe_tma.py) kept 2,048 until session 47, which a top-1 or top-2 routing
-# still reached at their 1,024 tokens (Mixtral's 2,048 pairs: ~100 µs a layer in series at
-# the rate above).
+# 1.012; Qwen3-30B-A3B batch 128 (1,024) 0.936, 32 (256) 0.997. Whether one program beats
+# three launches is the align kernels' property, not the caller's, so every form of the
+# fused MoE reads this one bound (one_program). The prefill forms (kernels/
+# moe_grouped_gemm.py, kernels/triton_moe_tma.py) had a bound of their own, 2,048, which a
+# top-1 or top-2 routing reached at their 1,024 tokens (Mixtral's 2,048 pairs: ~100 µs a
+# layer in series at the rate above).
 ALIGN_ONE_PROGRAM_MAX_PAIRS = 128
 ALIGN_CHUNK = 64  # pairs per inner step: the one-hot tile is [ALIGN_CHUNK, E_local]
 

@@ -1,6 +1,7 @@
-"""bench/moe_bench.py's shapes are configs the engine loads (a field it refused would end a
-GPU run at its start, after the device's minute of start-up), with the sizes its docstring
-gives; --layers replaces the layer count and says so in the label."""
+"""bench/moe_bench.py's shapes (bench/moe_shapes.py) are configs the engine loads (a field
+it refused would end a GPU run at its start, after the device's minute of start-up), with
+the sizes moe_bench's docstring gives; --layers replaces the layer count, says so in the
+label, and is refused where it leaves no MoE layer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
 
-from moe_bench import SHAPES, shape_config  # noqa: E402
+from moe_shapes import SHAPES, shape_config  # noqa: E402
 
 from engine.config import ModelConfig  # noqa: E402
 
@@ -41,3 +42,11 @@ def test_layers_override_and_fp8_block():
     assert label.endswith(", 8 layers")
     assert hf["quantization_config"]["weight_block_size"] == [128, 128]
     assert SHAPES["mixtral"][1]["num_hidden_layers"] == 32  # the shape itself untouched
+
+
+@pytest.mark.parametrize("shape,layers", [("v2lite", 1), ("mixtral", 0)])
+def test_layers_that_leave_no_moe_layer_are_refused(shape, layers):
+    # V2-Lite's first layer is dense: one layer would leave the bench nothing to measure
+    with pytest.raises(ValueError, match="--layers"):
+        shape_config(shape, layers)
+    assert shape_config("v2lite", 2)[0].endswith(", 2 layers")
