@@ -156,6 +156,24 @@ def test_align_kernel_equals_torch_align(t, k, e, start, e_local, bm, device):
     assert got[1].tolist() == want[1].tolist()
 
 
+def spy_align_forms(monkeypatch, module) -> list[str]:  # type: ignore[no-untyped-def]
+    """The names of the align forms `module` calls, in order, as it calls them (its own
+    imported names moe_align_triton and moe_align_multi, wrapped)."""
+    ran: list[str] = []
+
+    def spying(name: str):  # type: ignore[no-untyped-def]
+        f = getattr(module, name)
+
+        def spy(*a, **kw):  # type: ignore[no-untyped-def]
+            ran.append(name)
+            return f(*a, **kw)
+        return spy
+
+    for name in ("moe_align_triton", "moe_align_multi"):
+        monkeypatch.setattr(module, name, spying(name))
+    return ran
+
+
 @pytest.mark.parametrize("t", [20, 22])
 def test_align_form_by_pair_count(t, gen, device, monkeypatch):
     # Decode-sized calls align in one program up to ALIGN_ONE_PROGRAM_MAX_PAIRS pairs and
@@ -166,18 +184,7 @@ def test_align_form_by_pair_count(t, gen, device, monkeypatch):
 
     assert ma.ALIGN_ONE_PROGRAM_MAX_PAIRS == 128
     x, w13, w2, weights, ids = _inputs(t, 32, 48, 16, 6, torch.float32, gen, device)
-    ran: list[str] = []
-
-    def spying(name: str):  # type: ignore[no-untyped-def]
-        f = getattr(m, name)
-
-        def spy(*a, **kw):  # type: ignore[no-untyped-def]
-            ran.append(name)
-            return f(*a, **kw)
-        return spy
-
-    for name in ("moe_align_triton", "moe_align_multi"):
-        monkeypatch.setattr(m, name, spying(name))
+    ran = spy_align_forms(monkeypatch, m)
     out = m.fused_moe(x, w13, w2, weights, ids)
     assert ran == ["moe_align_triton" if t * 6 <= 128 else "moe_align_multi"]
     monkeypatch.setattr(ma, "ALIGN_ONE_PROGRAM_MAX_PAIRS", 0 if t * 6 <= 128 else 10**6)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.ref_moe import fused_moe_ref
-from tests.kernels.test_moe import INTERP_BF16_TOL, _inputs
+from tests.kernels.test_moe import INTERP_BF16_TOL, _inputs, spy_align_forms
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_grouped_mm = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
@@ -82,18 +82,7 @@ def test_top2_prefill_aligns_in_three_launches(gen, device, monkeypatch):
     of 2,048; now the three launches, the run ends and row map from the place kernel."""
     import kernels.moe_grouped_gemm as mg
 
-    ran: list[str] = []
-
-    def spying(name: str):  # type: ignore[no-untyped-def]
-        f = getattr(mg, name)
-
-        def spy(*a, **kw):  # type: ignore[no-untyped-def]
-            ran.append(name)
-            return f(*a, **kw)
-        return spy
-
-    for name in ("moe_align_triton", "moe_align_multi"):
-        monkeypatch.setattr(mg, name, spying(name))
+    ran = spy_align_forms(monkeypatch, mg)
     x, w13, w2, weights, ids = _inputs(1024, 32, 32, 8, 2, torch.bfloat16, gen, device)
     ref = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids, 0)
     assert _err(_rows_summed(x, w13, w2, weights, ids, 0), ref) < INTERP_BF16_TOL
