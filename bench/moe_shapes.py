@@ -57,11 +57,11 @@ def shape_config(shape: str, layers: int | None = None, quantization: str | None
 
     label, hf_config = SHAPES[shape]
     if layers is not None:
-        moe = ModelConfig.from_hf({**hf_config, "num_hidden_layers": layers}).moe
+        hf_config = {**hf_config, "num_hidden_layers": layers}
+        moe = ModelConfig.from_hf(hf_config).moe
         if layers < 1 or moe is None or not moe.layers:
             raise ValueError(f"--layers: {layers} leaves the {shape} shape no MoE layer")
         label = f"{label}, {layers} layers"
-        hf_config = {**hf_config, "num_hidden_layers": layers}
     if quantization == "fp8-block":
         hf_config = {**hf_config, "quantization_config": {
             "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
