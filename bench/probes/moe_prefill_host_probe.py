@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.moe_bench import SHAPES  # noqa: E402
+from bench.moe_shapes import SHAPES  # noqa: E402
 from bench.probes.host_profile import profiled  # noqa: E402
 from bench.probes.sync_watch import syncs_in  # noqa: E402
 
