@@ -211,6 +211,15 @@ def count_prefill_step(config_json: str, tokens: int,
                        block_size: int = 16) -> dict[str, LayerCount]:
     """Kernels per layer of one request's `tokens`-token prefill (no cached prefix), with the
     host lengths an eager planned step carries, dummy weights in float32."""
+    model, ids, pos, kv, meta = prefill_inputs(config_json, tokens, block_size)
+    return _count_forward(model, ids, pos, kv, meta())
+
+
+def prefill_inputs(config_json: str, tokens: int, block_size: int = 16) -> tuple[Any, ...]:
+    """(model, ids, pos, kv, meta) for one request's `tokens`-token prefill of the model
+    config_json describes: the CUDA kernel set on CPU tensors, dummy float32 weights; meta()
+    makes the step's attention metadata (a fresh one per forward: MLA caches the step's
+    split on it)."""
     from engine.attention import AttentionMetadata, kernels_for
     from engine.weights import build_model, read_model_config
 
@@ -222,13 +231,16 @@ def count_prefill_step(config_json: str, tokens: int,
     kv = torch.zeros(nb + 1, *_block_shape(cfg, block_size))
     table = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
     pos = torch.arange(tokens)
-    meta = AttentionMetadata(
-        slot_mapping=pos + block_size, block_tables=table,
-        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
-        seq_lens=torch.tensor([tokens], dtype=torch.int32), decode_only=False,
-        max_seq_len=tokens, cu_seqlens_q_host=[0, tokens], seq_lens_host=[tokens])
+
+    def meta() -> Any:
+        return AttentionMetadata(
+            slot_mapping=pos + block_size, block_tables=table,
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32), decode_only=False,
+            max_seq_len=tokens, cu_seqlens_q_host=[0, tokens], seq_lens_host=[tokens])
+
     ids = torch.randint(3, cfg.vocab_size, (tokens,))
-    return _count_forward(model, ids, pos, kv, meta)
+    return model, ids, pos, kv, meta
 
 
 def _block_shape(cfg: Any, block_size: int) -> tuple[int, ...]:

@@ -38,37 +38,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--version", choices=sorted(decode_op_count.VERSIONS), default="v2")
     ap.add_argument("--tokens", type=int, default=160,
-                    help="prompt tokens (past 64 at top-2 the align step takes its "
-                         "three-launch form, as a long prefill's does)")
+                    help="prompt tokens (the default is past the align step's 128 "
+                         "(token, expert) pairs for every --version, so it takes the three "
+                         "launches a long prefill's does)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     from triton.runtime.interpreter import InterpretedFunction
 
-    from engine.attention import AttentionMetadata, kernels_for
-    from engine.weights import build_model, read_model_config
-
     with tempfile.TemporaryDirectory() as d:
         path = decode_op_count.write_config(os.path.join(d, "config.json"), args.version,
                                             num_hidden_layers=args.layers)
-        cfg = read_model_config(path)
-        model = build_model(path, cfg, kernels_for(torch.device("cuda")), torch.device("cpu"),
-                            "float32", "dummy", 64)
-    bs, t = 16, args.tokens
-    nb = -(-t // bs)
-    kv = torch.zeros(nb + 1, *decode_op_count._block_shape(cfg, bs))
-    table = torch.arange(1, nb + 1, dtype=torch.int32).view(1, nb)
-    pos = torch.arange(t)
-    ids = torch.randint(3, cfg.vocab_size, (t,))
+        model, ids, pos, kv, meta = decode_op_count.prefill_inputs(path, args.tokens)
 
     def forward() -> None:
-        # a fresh metadata each time: the MLA split it caches is the step's, built once
-        meta = AttentionMetadata(
-            slot_mapping=pos + bs, block_tables=table,
-            cu_seqlens_q=torch.tensor([0, t], dtype=torch.int32),
-            seq_lens=torch.tensor([t], dtype=torch.int32), decode_only=False,
-            max_seq_len=t, cu_seqlens_q_host=[0, t], seq_lens_host=[t])
-        model(ids, pos, kv, meta)
+        model(ids, pos, kv, meta())
 
     launches = [0]
 
@@ -90,8 +74,8 @@ def main() -> None:
     finally:
         InterpretedFunction.run = saved  # type: ignore[method-assign]
     ms = statistics.median(times)
-    print(f"{args.version}, {t} tokens, {args.layers} layers: forward {ms:.3f} ms of host "
-          f"Python (median of {args.rounds}), {ms / args.layers:.3f} ms a layer; "
+    print(f"{args.version}, {args.tokens} tokens, {args.layers} layers: forward {ms:.3f} ms "
+          f"of host Python (median of {args.rounds}), {ms / args.layers:.3f} ms a layer; "
           f"{launches[0] / args.rounds:.0f} Triton launches a forward, skipped")
 
 
