@@ -240,7 +240,7 @@ def fp8_vs_bf16_one_layer(block: Any, x: torch.Tensor, w: torch.Tensor,
 
 
 def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
-    from engine.sampling_params import SamplingParams
+    from fresh_prefill import fresh_prompt, prefill_uncached
 
     times = []
     runner = engine.runner
@@ -256,15 +256,14 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
     replayed = graphs.num_replays if graphs is not None else 0  # the warm-up's, before these
     runner.execute = timed_execute  # when the host has launched the step's last kernel
     try:
-        for r in range(3):  # the first run compiles the prefill shapes
-            # a new first token each run: no block of it is in the prefix cache
-            prompt = [1 + r] + [1 + (13 * j) % 30000 for j in range(1, tokens)]
-            engine.add_request(f"prefill-{r}", prompt, SamplingParams(max_tokens=1))
+        for _ in range(3):  # the first run compiles the prefill shapes
+            # a prompt new to this process: a --prefill-variants round after the first
+            # would otherwise find the last round's prompts in the prefix cache
+            prompt = fresh_prompt(tokens)
             torch.cuda.synchronize()
             launched.clear()
             t0 = time.perf_counter()
-            while engine.has_unfinished():
-                engine.step()
+            prefill_uncached(engine, f"prefill-{prompt[0]}", prompt)
             torch.cuda.synchronize()
             times.append(((time.perf_counter() - t0) * 1e3, (launched[-1] - t0) * 1e3))
     finally:

@@ -124,16 +124,11 @@ def prefill_kernels(engine: Any, tokens: int, runs: int = 2) -> dict[str, Any]:
     """One `tokens`-token prompt prefilled `runs` times under torch.profiler (after one
     unprofiled run that compiles its shapes): each kernel name's CUDA ms and launches per
     prefill, largest first, and the wall time per prefill under the profiler."""
+    from fresh_prefill import fresh_prompt, prefill_uncached
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.sampling_params import SamplingParams
-
     def one(r: int) -> None:
-        # a new first token each run: no block of it is in the prefix cache
-        prompt = [100 + r] + [1 + (13 * j) % 30000 for j in range(1, tokens)]
-        engine.add_request(f"prefill-prof-{r}", prompt, SamplingParams(max_tokens=1))
-        while engine.has_unfinished():
-            engine.step()
+        prefill_uncached(engine, f"prefill-prof-{r}", fresh_prompt(tokens))
 
     one(0)
     torch.cuda.synchronize()
