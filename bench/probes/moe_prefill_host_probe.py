@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench.fresh_prefill import fresh_prompt, prefill_uncached  # noqa: E402
 from bench.moe_shapes import SHAPES  # noqa: E402
 from bench.probes.host_profile import profiled  # noqa: E402
 from bench.probes.sync_watch import syncs_in  # noqa: E402
@@ -37,7 +38,6 @@ def main() -> None:
     args = ap.parse_args()
     from engine.config import EngineConfig
     from engine.llm import build_engine
-    from engine.sampling_params import SamplingParams
 
     cfg_dir = tempfile.mkdtemp()
     with open(os.path.join(cfg_dir, "config.json"), "w") as f:
@@ -46,16 +46,12 @@ def main() -> None:
         model=cfg_dir, dtype="bfloat16", device="cuda", load_format="dummy", max_num_seqs=1,
         max_model_len=args.tokens + 8, max_num_batched_tokens=args.tokens,
         gpu_memory_utilization=0.9))
-    n = [0]
 
     def run() -> float:
-        n[0] += 1
-        prompt = [1 + n[0]] + [1 + (13 * j) % 30000 for j in range(1, args.tokens)]
-        engine.add_request(f"p{n[0]}", prompt, SamplingParams(max_tokens=1))
+        prompt = fresh_prompt(args.tokens)  # a prompt the prefix cache has never seen
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        while engine.has_unfinished():
-            engine.step()
+        prefill_uncached(engine, f"p{prompt[0]}", prompt)
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) * 1e3
 
