@@ -71,10 +71,15 @@ def graph_time_ms(fn, iters: int = 20) -> float:
 
 
 def hbm_read_tbps() -> float:
+    """The fastest read of a 4 GiB tensor among bench/hbm_reader.py's readers (torch's sum
+    and a Triton streaming sum's sweep), in TB/s; each reader's rate is printed."""
+    from bench.hbm_reader import read_rates
+
     x = torch.ones(2 << 30, dtype=torch.bfloat16, device="cuda")  # 4 GiB
-    ms = graph_time_ms(lambda: x.sum(dtype=torch.float32))
-    n = x.numel() * 2
-    return n / (ms * 1e-3) / 1e12
+    rates = read_rates(graph_time_ms, x)
+    del x
+    print("HBM read TB/s by reader", {k: round(v, 3) for k, v in rates.items()}, flush=True)
+    return max(rates.values())
 
 
 def matmul_ms(model, batch: int) -> float:

@@ -135,7 +135,14 @@ def decode_point(engine: Any, batch: int, context: int, steps: int, repeats: int
 def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
                      tiles: dict[str, int] | None = None) -> dict[str, Any]:
     """The paged MLA decode kernel alone over every layer (one graph): ``batch`` requests
-    of ``context`` tokens each, on one latent cache the size of one layer's."""
+    of ``context`` tokens each, each layer on its own latent cache, as a step reads them.
+
+    Until session 49 every layer read one cache: where a layer's cache fits in L2 (V2-Lite
+    at batch 8 x 512, 32 x 512, 1 x 4,096) layers 2-27 read it from L2, and the kernel's
+    fraction of HBM read came out 9-20% high (bench/RESULTS.md). Where 27 caches do not fit
+    in half the free memory, as many as do take turns; past two they are each far larger
+    than L2. ``l2_resident`` marks a point whose caches all fit in L2 together (a graph's
+    replays then read them from there, where a step's weights would have evicted them)."""
     from decode_bench import graph_time_ms
 
     from kernels.triton_mla_decode import mla_decode
@@ -145,9 +152,13 @@ def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
     bs = 16
     per_req = -(-context // bs)
     nblocks = batch * per_req
-    if nblocks * bs * (c + r) * 2 * 2 > torch.cuda.mem_get_info()[0] * 0.5:
+    one = nblocks * bs * (c + r) * 2
+    room = int(torch.cuda.mem_get_info()[0] * 0.5)
+    if one * 2 > room:
         return {"batch": batch, "context": context, "skipped": "cache does not fit"}
-    kv = torch.randn(nblocks, 1, bs, 1, c + r, dtype=torch.bfloat16, device="cuda")
+    caches = [torch.randn(nblocks, 1, bs, 1, c + r, dtype=torch.bfloat16, device="cuda")
+              for _ in range(min(cfg.num_layers, room // one))]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     q = torch.randn(batch, heads, c + r, dtype=torch.bfloat16, device="cuda")
     tables = torch.arange(nblocks, dtype=torch.int32, device="cuda").view(batch, per_req)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -155,15 +166,16 @@ def mla_kernel_point(model: Any, batch: int, context: int, hbm: float,
     scale = (cfg.qk_nope_head_dim + r) ** -0.5
 
     def run() -> None:
-        for _ in range(cfg.num_layers):
-            mla_decode(q, kv, tables, lens, scale, c, out, max_seq_len=context,
-                       **(tiles or {}))
+        for layer in range(cfg.num_layers):
+            mla_decode(q, caches[layer % len(caches)], tables, lens, scale, c, out,
+                       max_seq_len=context, **(tiles or {}))
 
     ms = graph_time_ms(run)
     nbytes = cfg.num_layers * batch * context * (c + r) * 2
     tbps = nbytes / (ms * 1e-3) / 1e12
     return {"batch": batch, "context": context, "kernel_ms_all_layers": round(ms, 3),
-            "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3)}
+            "kernel_tb_s": round(tbps, 3), "fraction_of_hbm_read": round(tbps / hbm, 3),
+            "distinct_caches": len(caches), "l2_resident": len(caches) * one <= l2}
 
 
 def kernel_point(model: Any, batch: int, hbm: float, config: dict[str, int] | None = None,
@@ -280,17 +292,22 @@ def prefill_point(engine: Any, tokens: int, mm_tflops: float) -> dict[str, Any]:
 
 def prefill_flops(engine: Any, tokens: int) -> float:
     """The matmul FLOPs of one `tokens`-token prefill: a token's active weights (every
-    non-expert matrix but the embedding and the head, plus top-k routed experts per MoE
-    layer: shared experts and dense layers are non-expert), causal attention, and the head
-    for one row."""
+    non-expert matrix but the embedding and the head, plus per MoE layer its top-k routed
+    experts and its shared experts), causal attention, and the head for one row.
+
+    Shared experts are non-expert weights unless the block folded them into its stacked
+    experts (bf16 on one rank: SparseMoeBlock.folded_shared), where they count as that many
+    more experts every token runs. Until session 49 the folded ones were left out: V2-Lite's
+    bf16 prefill rates were 1/1.217 of the true ones (bench/RESULTS.md)."""
     cfg = engine.model_cfg
     model = engine.runner.model
     moe = cfg.moe
     assert moe is not None
     blocks = moe_blocks(model)
     head = cfg.vocab_size * cfg.hidden_size
+    per_token_experts = moe.top_k + blocks[0].folded_shared
     active = (dense_weight_params(model) - head
-              + len(blocks) * moe.top_k * expert_params(blocks[0]))
+              + len(blocks) * per_token_experts * expert_params(blocks[0]))
     # causal QK^T and PV: T^2/2 query-key pairs, 2 FLOPs per multiply-add, per dim
     qk_pv = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim if cfg.is_mla
              else 2 * cfg.head_dim)

@@ -30,22 +30,24 @@ def expert_params(block: Any) -> int:
     return int(block.experts.w13[0].numel() + block.experts.w2[0].numel())
 
 
+def _dense(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The weights a step reads whole besides the stacked experts: all but the embedding
+    table (a step reads only its rows), unless the head is tied to it. named_parameters()
+    gives a tied tensor once, under the embedding's name, and the head reads all of it."""
+    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    return [(name, p) for name, p in model.named_parameters()
+            if not name.endswith(EXPERT_PARAMS) and (tied or "embed_tokens" not in name)]
+
+
 def dense_weight_bytes(model: Any) -> int:
-    """Bytes of weights a decode step reads besides experts: all but the stacked experts
-    and the embedding table (a step reads only its rows)."""
-    total = 0
-    for name, p in model.named_parameters():
-        if name.endswith(EXPERT_PARAMS) or "embed_tokens" in name:
-            continue
-        total += p.numel() * p.element_size()
-    return total
+    """Bytes of weights a decode step reads besides experts (_dense)."""
+    return sum(p.numel() * p.element_size() for _, p in _dense(model))
 
 
 def dense_weight_params(model: Any) -> int:
     """dense_weight_bytes' weights counted in values (scales left out)."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if not name.endswith(EXPERT_PARAMS) and "embed_tokens" not in name
-               and not name.endswith(("weight_scale", "input_scale")))
+    return sum(p.numel() for name, p in _dense(model)
+               if not name.endswith(("weight_scale", "input_scale")))
 
 
 def touched_experts(engine: Any) -> list[int]:
