@@ -73,8 +73,11 @@ def build(ctx: dict[str, Any], quantization: str | None, args: argparse.Namespac
         gpu_memory_utilization=memory))
 
 
-def free(engine) -> None:
-    del engine
+def free() -> None:
+    """Returns what dropped engines held to the device. The caller drops its own name first
+    (`del eng`): a name deleted in here would leave the caller's, and the next build would
+    then run beside the old engine (on an 80 GB card the 8B bf16 and FP8 engines together
+    do not fit)."""
     gc.collect()
     torch.cuda.empty_cache()
 
@@ -108,7 +111,8 @@ def decode_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[s
 
     eng = build(ctx, None, args)
     bf16 = _points(eng, args)
-    free(eng)
+    del eng
+    free()
     eng = build(ctx, args.quantization, args)
     nbytes = full_read_bytes(eng.runner.model)
     ctx["fp8_read_bytes"] = nbytes
@@ -122,7 +126,8 @@ def decode_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[s
     fl.WEIGHT_ONLY_MAX_ROWS = default
     # KV bytes a token holds over all layers (the pool's own block layout)
     kv_token_bytes = eng.layout.block_nbytes / eng.layout.block_size
-    free(eng)
+    del eng
+    free()
     hbm = ctx["hbm_tb_s"] * 1e12
     # issue 27's floor is the weights alone; at batch >= 8 the step also reads KV as large as
     # them (batch 128 x 512 tokens: ~8.6 GB on the 8B shape), so the with-KV floor says how
@@ -184,7 +189,8 @@ def pdl_section(args: argparse.Namespace, ctx: dict[str, Any]) -> list[dict[str,
                     with setting(spec):
                         recapture(eng)
                         run(eng, f"fp8_pdl_{spec}_ms")
-            free(eng)
+            del eng
+            free()
     finally:
         pdl.ENABLED = default_on
     out = list(rows.values())
@@ -271,8 +277,8 @@ def prefill_ab_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[st
         drift[name] = float((h - ref).norm() / ref.norm())
     out["hidden_rel_diff_from_fp8"] = drift
     print(json.dumps(out), flush=True)
-    for e in engines.values():
-        free(e)
+    engines.clear()
+    free()
     return out
 
 
@@ -301,7 +307,8 @@ def prefill_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
                 out[f"fp8_{spec}_ms"] = round(vms, 2)
                 out[f"fp8_{spec}_tok_s"] = round(n / vms * 1e3, 1)
             out["fp8_again_ms"] = round(_prefill_ms(eng, n), 2)  # drift across the variants
-        free(eng)
+        del eng
+        free()
     out["fp8_speedup"] = round(out["fp8_tok_s"] / out["bf16_tok_s"], 3)
     print(json.dumps(out), flush=True)
     return out
@@ -333,7 +340,8 @@ def prefill_profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> di
               f"{out[name]['kernel_ms']} ms", flush=True)
         for row in out[name]["kernels"][:25]:
             print(f"  {row['ms']:8.3f} ms  {row['count']:6.1f}x  {row['kernel']}", flush=True)
-        free(eng)
+        del eng
+        free()
     return out
 
 
@@ -345,7 +353,8 @@ def profile_section(args: argparse.Namespace, ctx: dict[str, Any]) -> dict[str, 
         eng = build(ctx, quant, args)
         print(f"profile: {name}", flush=True)
         out[name] = profile_table(eng, args.batch_list, args.context_list, args.steps)
-        free(eng)
+        del eng
+        free()
     out["fp8_vs_bf16"] = [kernel_diff(b, f) for b, f in zip(out["bf16"], out["fp8"],
                                                               strict=True)]
     for d in out["fp8_vs_bf16"]:
