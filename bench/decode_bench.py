@@ -1,7 +1,7 @@
 """GPU decode benchmark: the engine's decode step against what its parts need.
 
 In one run on one GPU, for a Llama-3-8B-shaped model (bf16, dummy weights):
-  * HBM read rate (a sum over a 4 GiB tensor);
+  * HBM read rate (the fastest of bench/hbm_reader.py's readers over a 4 GiB tensor);
   * reference step = the model's linear layers as bare matmuls in one CUDA graph
     + the decode attention kernel alone (all layers, one CUDA graph) at the same batch
     and context;

@@ -11,7 +11,8 @@ intermediate 14336, vocab 32000: 93 GB of bf16 weights, so ``--layers`` fewer on
 card; its top-2 routing gives the fewest (token, expert) pairs a token of the three).
 ``--layers N`` sets any shape's layer count (a shape that does not fit, or a quicker A/B).
 In one run on one GPU:
-  * HBM read rate (a sum over a 4 GiB tensor) and the bf16 matmul rate (8192^3 GEMM);
+  * HBM read rate (the fastest of bench/hbm_reader.py's readers over a 4 GiB tensor) and
+    the bf16 matmul rate (8192^3 GEMM);
   * per (batch, context): the engine's decode step (CUDA graphs, deferred output; the
     median of --repeats windows of --steps steps), the distinct experts each layer's
     routing touched in one step (one eager step with hooks on the MoE blocks), and the
