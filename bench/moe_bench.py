@@ -325,7 +325,8 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,4096")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--prefill-tokens", type=int, default=4096,
+                    help="the prefill point's prompt length (0: no prefill point)")
     ap.add_argument("--hf-batches", default="", help="e.g. 1,8: transformers' static-cache "
                     "decode at context 512 (loads a second copy of the model)")
     ap.add_argument("--tune", action="store_true", help="time tile candidates only")
@@ -453,11 +454,12 @@ def main() -> None:
                 print(json.dumps(p), flush=True)
                 points.append(p)
         result["decode"] = points
-        try:
-            result["prefill"] = prefill_point(engine, args.prefill_tokens, mm)
-        except Exception as e:
-            result["prefill"] = {"error": repr(e)[:300]}
-        print(json.dumps(result["prefill"]), flush=True)
+        if args.prefill_tokens:  # 0: no prefill point
+            try:
+                result["prefill"] = prefill_point(engine, args.prefill_tokens, mm)
+            except Exception as e:
+                result["prefill"] = {"error": repr(e)[:300]}
+            print(json.dumps(result["prefill"]), flush=True)
     del engine, model
     gc.collect()
     torch.cuda.empty_cache()
