@@ -1,9 +1,10 @@
 """The HBM read rate the byte floors divide by: the fastest of the readers here.
 
 A floor is only as honest as its reader. Until session 49 the benches read with torch's
-`x.sum` over 4 GiB, which an audit on an H100 found ~3.5% slower than a plain Triton
-streaming sum (3.10-3.12 against 3.22 TB/s, bench/RESULTS.md): every floor was that much too
-high and every step/floor ratio that much too low. Here torch's sum and a small sweep of one
+`x.sum` over 4 GiB, which on an H100 reads ~3.3% slower than a plain Triton streaming sum
+(3.11-3.12 against 3.21-3.23 TB/s in that session's runs, each printed by hbm_read_tbps;
+bench/RESULTS.md): every floor was that much too high and every step/floor ratio that much
+too low. Here torch's sum and a small sweep of one
 grid-stride Triton kernel (each program streams BLOCK-element tiles, a grid of a few waves)
 read the same tensor in CUDA graphs, and the rate is the fastest of them.
 

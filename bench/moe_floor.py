@@ -34,7 +34,7 @@ def _dense(model: Any) -> list[tuple[str, torch.Tensor]]:
     """The weights a step reads whole besides the stacked experts: all but the embedding
     table (a step reads only its rows), unless the head is tied to it. named_parameters()
     gives a tied tensor once, under the embedding's name, and the head reads all of it."""
-    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    tied = model.cfg.tie_word_embeddings
     return [(name, p) for name, p in model.named_parameters()
             if not name.endswith(EXPERT_PARAMS) and (tied or "embed_tokens" not in name)]
 
