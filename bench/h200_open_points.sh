@@ -6,6 +6,7 @@
 #   bash bench/h200_open_points.sh OUT_DIR generate  # issue 25: V2-Lite against transformers' generate
 #   bash bench/h200_open_points.sh OUT_DIR hold      # issue 22's open points alone (~4 minutes)
 #   bash bench/h200_open_points.sh OUT_DIR switches  # issue 25: the switches no H200 has timed
+#   bash bench/h200_open_points.sh OUT_DIR tiles     # issue 25: the fused MoE kernel's decode tiles
 # `serving` runs bench/serving_path_gpu.sh (P and D sharing the GPU, the hold points, the long
 # outputs at c=256/512, the seeds' load, one colocated worker, the decode_bench reference) with
 # two router frontends and the bench's requests over 8 connections: at c=256 one router loop
@@ -24,10 +25,15 @@
 # have timed it: the MLA decode kernel's TMA form (batches 8-128 x 4,096, the kernel alone;
 # on H100s -6% to +2%, bench/RESULTS.md "MLA decode with each page loaded by the copy
 # engine"), and the batch-1 launch fusions of the V2-Lite step ("The launch fusions timed").
+# `tiles` times the fused MoE kernel alone (V2-Lite, Qwen3-30B-A3B) and the V2-Lite step with
+# the table's "default" tiles (what every H100 run read: 64-column tiles where the H200's
+# are 128, bench/moe_table.py) and with 64-column per-pair tiles only, against the H200's
+# own: the fused MoE kernel at batch 1 read 64% of HBM on the H200 and 73% on an H100 that
+# ran the default tiles (session 40).
 # All refuse a card that is not an H200: the issues' targets are H200 numbers, and other
 # cards' runs belong in their own sections.
 set -uo pipefail
-out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels, generate or switches}
+out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels, generate, switches or tiles}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
@@ -84,6 +90,18 @@ case $part in
       --variants "$d;$d,$m.NEXT_NORM_FUSED=True;$m.ROUTER_ROUTE_FUSED=True,$m.ROUTER_PRENORM=True" \
       --out "$out/step_switches.json" > "$out/step_switches.txt" 2>&1
     tail -12 "$out/step_switches.txt" ;;
-  *) echo "h200_open_points.sh: the part is serving, hold, kernels, generate or switches, not '$part'" >&2
+  tiles)
+    d="moe_table.NAME='default'" w="kernels.triton_moe.PER_PAIR_BLOCK_N=64"
+    for shape in v2lite qwen3; do
+      timeout 130 python3 bench/moe_bench.py --shape $shape --batches 1,8,32,128 --contexts 512 \
+        --repeats 2 --prefill-tokens 0 --kernel-variants "$d;$w" \
+        --out "$out/tiles_kernel_$shape.json" > "$out/tiles_kernel_$shape.txt" 2>&1
+      grep '"kernel": "fused_moe"' "$out/tiles_kernel_$shape.txt" | cut -c1-400
+    done
+    timeout 220 python3 bench/moe_bench.py --shape v2lite --batches 1,8,32,128 --contexts 512 \
+      --repeats 2 --prefill-tokens 0 --variants "$d;$w" --out "$out/tiles_step.json" \
+      > "$out/tiles_step.txt" 2>&1
+    grep -A6 best_over_defaults "$out/tiles_step.txt" | head -40 ;;
+  *) echo "h200_open_points.sh: the part is serving, hold, kernels, generate, switches or tiles, not '$part'" >&2
      exit 2 ;;
 esac

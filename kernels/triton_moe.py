@@ -102,10 +102,11 @@ GATE_UP_GEMV_MAX_TOKENS = 0
 # The gate/up tile's width in the per-pair layout (None: the table's; the down kernel's too
 # where the table gives no BLOCK_N_DOWN). At one token the
 # table's H200 tile (128 columns) gives V2-Lite's eight experts 8 x 11 = 88 programs, fewer
-# than the GPU's 132 SMs, each streaming 1 MB; 64 or 32 columns give 176 or 352. Off: 64
-# was within the runs' spread on an H100 (session 36: 0.5% and 0.3% at V2-Lite's and
-# Qwen3's shapes; bench/moe_bench.py --variants "kernels.triton_moe.PER_PAIR_BLOCK_N=64"),
-# though the table's tuning predates the per-pair layout (it ran with the align step's tiles).
+# than the GPU's 132 SMs, each streaming 1 MB; 64 or 32 columns give 176 or 352. Off. No
+# A/B of 64 has measured anything yet: sessions 36 and 40 ran it on H100s, which read the
+# table's "default" entry, whose tile is already 64 columns (so both sides ran the same
+# grid; bench/moe_table.py runs one card's tiles on another). 32 was slower there (1.43
+# against 1.19 ms, session 40). An H200's own A/B: bench/h200_open_points.sh's `switches`.
 PER_PAIR_BLOCK_N: int | None = None
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
