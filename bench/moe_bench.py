@@ -357,8 +357,14 @@ def main() -> None:
     ap.add_argument("--prefill-graph-max-tokens", type=int, default=None,
                     help="the engine's prefill graphs up to this many tokens (default: the "
                     "engine's own); MLA models build none")
+    ap.add_argument("--moe-table", default=None, metavar="NAME", help="the fused MoE "
+                    "kernel's tiles of this kernels/moe_configs.json entry, not the GPU's "
+                    "own (e.g. 'NVIDIA H200' on an H100: bench/moe_table.py)")
     ap.add_argument("--out", default="bench/results/moe_h200.json")
     args = ap.parse_args()
+    if args.moe_table:  # before any launch; a name the table lacks raises, naming it
+        import moe_table
+        moe_table.use(args.moe_table)
     if args.quantization and args.tune_mla:
         ap.error("--tune-mla: MLA reads bf16 weights; leave out --quantization")
     from decode_bench import hbm_read_tbps, hf_generate_ms
@@ -381,6 +387,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "model": label,
         "dtype": "bfloat16", "quantization": args.quantization,
         "torch": torch.__version__, "command": " ".join(sys.argv),
+        "moe_table": args.moe_table,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     hbm = hbm_read_tbps()
     result["hbm_read_tb_s"] = round(hbm, 3)

@@ -14,6 +14,7 @@ another card's tiles:
 
     python3 bench/moe_bench.py ... --kernel-variants "moe_table.NAME='NVIDIA H200'"   # on an H100
     python3 bench/moe_bench.py ... --kernel-variants "moe_table.NAME='default'"       # on an H200
+    python3 bench/moe_bench.py ... --moe-table 'NVIDIA H200'   # the whole run on those tiles
 
 A name the table does not have raises (a typo would otherwise read "default" unseen).
 Only the 16-bit or FP8 lookup by name changes; FP8 experts still look for "<NAME> fp8".
@@ -32,13 +33,26 @@ NAME: str | None = None  # the table entry to read (None: the GPU's own name)
 _own: Callable[[torch.device], str] = triton_moe._device_name
 
 
+def use(name: str | None) -> None:
+    """Sets NAME for the rest of the process (moe_bench.py --moe-table), refusing at once
+    a name the table lacks."""
+    global NAME
+    if name is not None:
+        _check(name)
+    NAME = name
+
+
+def _check(name: str) -> None:
+    known = sorted(triton_moe._config_table())
+    if name not in known:
+        raise ValueError(f"moe_table.NAME: {name!r} is not in kernels/moe_configs.json "
+                         f"(its entries: {', '.join(known)})")
+
+
 def _table_name(device: torch.device) -> str:
     if NAME is None or device.type != "cuda":
         return _own(device)
-    known = sorted(triton_moe._config_table())
-    if NAME not in known:
-        raise ValueError(f"moe_table.NAME: {NAME!r} is not in kernels/moe_configs.json "
-                         f"(its entries: {', '.join(known)})")
+    _check(NAME)
     return NAME
 
 

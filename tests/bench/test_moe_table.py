@@ -65,3 +65,13 @@ def test_the_bench_variant_syntax_sets_and_restores_it(mods):
         assert moe_table.NAME == "NVIDIA H200"
         assert triton_moe.tile_config(8, CUDA) == table["NVIDIA H200"]["8"]
     assert moe_table.NAME is None
+
+
+def test_use_refuses_an_unknown_name_at_once_and_sets_a_known_one(mods, monkeypatch):
+    triton_moe, moe_table, table = mods
+    monkeypatch.setattr(moe_table, "NAME", None)  # restored after: use() sets the global
+    with pytest.raises(ValueError, match="'H200' is not in kernels/moe_configs.json"):
+        moe_table.use("H200")
+    assert moe_table.NAME is None  # a refused name is not kept
+    moe_table.use("NVIDIA H200")
+    assert triton_moe.tile_config(1, CUDA) == table["NVIDIA H200"]["8"]
