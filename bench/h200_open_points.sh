@@ -28,8 +28,9 @@
 # `tiles` times the fused MoE kernel alone (V2-Lite, Qwen3-30B-A3B) and the V2-Lite step with
 # the table's "default" tiles (what every H100 run read: 64-column tiles where the H200's
 # are 128, bench/moe_table.py) and with 64-column per-pair tiles only, against the H200's
-# own: the fused MoE kernel at batch 1 read 64% of HBM on the H200 and 73% on an H100 that
-# ran the default tiles (session 40).
+# own. The fused MoE kernel at batch 1 read 64% of HBM on the H200 (session 40) and 73% on
+# an H100 with either table (session 50, where the H200's tiles were the faster at every
+# batch): this checks the H200's side.
 # All refuse a card that is not an H200: the issues' targets are H200 numbers, and other
 # cards' runs belong in their own sections.
 set -uo pipefail
