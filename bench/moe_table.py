@@ -1,12 +1,11 @@
 """Run the fused MoE kernel with another card's tiles: ``moe_table.NAME``.
 
-``kernels/moe_configs.json`` is keyed by the GPU's name, and only "NVIDIA H200" has tuned
-entries. Any other card, the H100s that stood in for the H200 from session 36 on among
-them, reads "default". That has other tiles at every decode batch: 64-column gate/up and
-down tiles where the H200's are 128, and at 65-256 tokens 32-row tiles where the H200's
-are 16. So an H100 run compared different grids with the H200's runs. At batch 1, V2-Lite's
-six routed experts give 132 gate/up programs with the default tile and 66 with the
-H200's.
+``kernels/moe_configs.json`` is keyed by the GPU's name. Cards without an entry read
+"default", as the H100s that stood in for the H200 did from session 36 until session 50
+gave them one. That entry has other tiles at every decode batch: 64-column gate/up and down
+tiles where the H200's are 128, and at 65-256 tokens 32-row tiles where the H200's are 16.
+So those H100 runs compared different grids with the H200's runs. At batch 1, V2-Lite's six
+routed experts give 132 gate/up programs with the default tile and 66 with the H200's.
 
 Importing this module wraps ``kernels.triton_moe._device_name``. While ``NAME`` is set,
 the table is read under that name instead of the GPU's own, so a run on one card uses

@@ -106,7 +106,7 @@ GATE_UP_GEMV_MAX_TOKENS = 0
 # A/B of 64 has measured anything yet: sessions 36 and 40 ran it on H100s, which read the
 # table's "default" entry, whose tile is already 64 columns (so both sides ran the same
 # grid; bench/moe_table.py runs one card's tiles on another). 32 was slower there (1.43
-# against 1.19 ms, session 40). An H200's own A/B: bench/h200_open_points.sh's `switches`.
+# against 1.19 ms, session 40). An H200's own A/B: bench/h200_open_points.sh's `tiles`.
 PER_PAIR_BLOCK_N: int | None = None
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
 
