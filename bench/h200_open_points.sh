@@ -63,6 +63,7 @@ case $part in
         python3 bench/itl_split.py "$f" > "${f%.json}.split.txt" 2>&1
       done
       tail -30 "$dir.log"
+      [ -f "$dir/stalls.txt" ] && head -80 "$dir/stalls.txt"  # STALLS=1 (serving_path_gpu.sh)
       # after each frontend count, not only at the end: a call cut short by its time limit
       # still brings back the summary of the runs it finished
       PYTHONPATH="$PYTHONPATH:$repo/bench" python3 bench/hold_summary.py "$out" > "$out/hold_summary.txt" 2>&1

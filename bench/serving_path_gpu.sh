@@ -29,6 +29,10 @@
 # "python3 bench/probes/gc_garbage_probe.py --save-all" for their collections and cyclic garbage
 # CONSUMER_ARGS: extra consumer flags, e.g. "--no-launch-pacing" (the launch at once, as
 # before worker/launch_pacer.py)
+# STALLS=1: the router, its frontends and the workers' gRPC processes record their event
+# loops' stalls (deploy/loop_stalls.py) under OUT/stalls, and bench/loop_stalls_report.py
+# lines them up with the P/D points' slowest holds in OUT/stalls.txt (a diagnosis: the
+# recorder's 1 ms ticker costs each loop ~1,000 wake-ups a second)
 set -uo pipefail
 out=${1:?OUT_DIR}; preset=${2:-llama3-8b}; dev=${3:-cuda:0}; ckv=${4:-76000}
 # The default consumer pool is sized for an H200 (141 GB beside two 8B models and the
@@ -46,6 +50,7 @@ fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 mkdir -p "$out"
+[ "${STALLS:-0}" = 1 ] && export PDSERVE_LOOP_STALLS="$out/stalls"
 # pdserve installs uvloop and its processes run on it ("auto"); a Python without it (the GPU
 # machine's, unless the run carries the wheel) measures asyncio's loop instead: say so
 # the host's CPU and load: the hold and the ITL tails are host time, and two machines with the
@@ -154,6 +159,9 @@ if wait_workers 2; then
   grep -c "stopped heartbeating\|no heartbeat" "$out/router_pd.log"
 fi
 stop_all
+if [ "${STALLS:-0}" = 1 ]; then
+  python3 bench/loop_stalls_report.py "$out/stalls" "$out"/pd_*.json > "$out/stalls.txt" 2>&1
+fi
 
 # ---- one colocated worker ----
 if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" co_long "* ]]; then rm -rf "$work"; exit 0; fi

@@ -14,6 +14,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from deploy.loop_stalls import with_loop_stalls
+
 log = logging.getLogger("pdserve.event_loop")
 T = TypeVar("T")
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
@@ -33,6 +35,7 @@ def resolve_event_loop(kind: str) -> str:
 def run_on(kind: str, main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)`` on the loop ``kind`` names (``resolve_event_loop``)."""
     resolved = resolve_event_loop(kind)
+    main = with_loop_stalls(main)  # deploy/loop_stalls.py: only where PDSERVE_LOOP_STALLS is set
     # said at start-up: "auto" quietly falls back to asyncio's loop where uvloop is missing
     # (the GPU machine's Python had none until its runs carried the wheel), and that loop
     # costs more per message on every serving path

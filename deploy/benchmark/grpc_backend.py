@@ -38,6 +38,7 @@ def apply_timing(rec: RequestRecord, t: router_pb2.ServerTiming) -> None:
     rec.hold_wire_ms = _delta_ms(t.router_token0_read_ns,
                                  t.producer_token0_taken_ns or t.producer_token0_sent_ns)
     rec.hold_router_ms = _delta_ms(t.router_token0_sent_ns, t.router_token0_read_ns)
+    rec.token0_sampled_ns = t.producer_token0_sampled_ns
     rec.prefill_ms = _delta_ms(t.producer_token0_sampled_ns, t.producer_received_ns)
     # 0 means "not applicable" (colocated, or token 0 ended the request at the producer).
     rec.kv_transfer_ms = t.kv_transfer_ms if t.kv_transfer_ms > 0 else None

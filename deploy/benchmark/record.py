@@ -34,6 +34,9 @@ class RequestRecord:
     hold_writer_ms: float | None = None
     hold_wire_ms: float | None = None
     hold_router_ms: float | None = None
+    # the producer's wall clock (time.time_ns) when it sampled token 0 (0: not reported):
+    # places the hold on the host's timeline, beside bench/loop_stalls_report.py's stalls
+    token0_sampled_ns: int = 0
     kv_transfer_ms: float | None = None  # producer's first push to the consumer's ack
     prefill_ms: float | None = None  # producer received the request -> sampled token 0
     # The P/D handoff, the first inter-token gap's server side: the router sent token 0 ->
@@ -107,6 +110,7 @@ class RequestRecord:
                 "hold_engine_ms": self.hold_engine_ms,
                 "hold_writer_ms": self.hold_writer_ms, "hold_wire_ms": self.hold_wire_ms,
                 "hold_router_ms": self.hold_router_ms,
+                "token0_sampled_ns": self.token0_sampled_ns,
                 "kv_transfer_ms": self.kv_transfer_ms,
                 "prefill_ms": self.prefill_ms, "kv_ready_ms": self.kv_ready_ms,
                 "first_step_wait_ms": self.first_step_wait_ms,

@@ -94,9 +94,12 @@ def test_kv_ready_splits_into_its_parts_only_with_every_stamp() -> None:
                                 consumer_notice_seen_ns=base + ms // 2,
                                 consumer_kv_done_ns=base + 3 * ms,
                                 consumer_kv_ready_ns=base + 10 * ms,
-                                consumer_first_step_ns=base + 12 * ms)
+                                consumer_first_step_ns=base + 12 * ms,
+                                producer_token0_sampled_ns=base - 2 * ms)
     r = rec(0, 0.0, [(0.1, 1)], 0.1)
     apply_timing(r, t)
+    # the hold's place on the host's timeline (bench/loop_stalls_report.py), as sent
+    assert r.hold_ms == pytest.approx(3.0) and r.to_json()["token0_sampled_ns"] == base - 2 * ms
     assert (r.notice_sent_ms, r.notice_wire_ms, r.kv_copy_ms, r.kv_poll_ms) == pytest.approx(
         (-1.0, 0.5, 2.5, 7.0))
     assert r.kv_ready_ms == pytest.approx(9.0) == pytest.approx(

@@ -1,0 +1,103 @@
+"""Which process's event loop was stalled while the first-token hold's slowest requests
+waited, and how: the stalls the serving processes recorded (deploy/loop_stalls.py, run with
+PDSERVE_LOOP_STALLS=DIR) against the hold of each request in `pdserve bench` result files.
+
+    python bench/loop_stalls_report.py STALLS_DIR RESULT.json [RESULT.json ...]
+
+For each point of each result: per process, the stalls above 1/2/4 ms inside the point's
+time span and how their late time splits (ran Python / waited for a CPU / neither: asleep,
+the GIL, a lock); then each of the slowest 1% of holds (at least 3) with the stalls that
+overlap it. A stall's late part is the last ``late_ms`` of its interval: the loop should
+have woken at its start plus one tick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def load_stalls(stall_dir: Path) -> list[dict[str, Any]]:
+    """One entry per process file, its stalls as (late_start_ns, late_end_ns, stall)."""
+    procs = []
+    for f in sorted(stall_dir.glob("*.json")):
+        d = json.loads(f.read_text())
+        tick_ns = int(d["tick_ms"] * 1e6)
+        d["spans"] = [(s["start_ns"] + tick_ns, s["start_ns"] + int(s["wall_ms"] * 1e6), s)
+                      for s in d["stalls"]]
+        d["label"] = f"{d['name']}-{d['pid']}"
+        procs.append(d)
+    return procs
+
+
+def split(stalls: list[dict[str, Any]]) -> str:
+    """The late time of these stalls, and how much of their intervals the thread ran, queued
+    for a CPU, or neither (as shares of their whole intervals)."""
+    wall = sum(s["wall_ms"] for s in stalls)
+    late = sum(s["late_ms"] for s in stalls)
+    cpu = sum(s["cpu_ms"] for s in stalls)
+    queued = sum(max(s["queued_ms"], 0.0) for s in stalls)
+    gc = sum(s["gc_ms"] for s in stalls)
+    if not wall:
+        return "none"
+    other = max(wall - cpu - queued, 0.0)
+    return (f"late {late:.1f} ms; of their {wall:.1f} ms: ran {100 * cpu / wall:.0f}% "
+            f"(gc {gc:.1f} ms), queued {100 * queued / wall:.0f}%, "
+            f"neither {100 * other / wall:.0f}%")
+
+
+def overlapping(procs: list[dict[str, Any]], lo: int, hi: int) -> list[tuple[str, dict[str, Any]]]:
+    return [(p["label"], s) for p in procs for a, b, s in p["spans"] if a < hi and b > lo]
+
+
+def report_point(name: str, point: dict[str, Any], procs: list[dict[str, Any]]) -> list[str]:
+    reqs = [r for r in point["requests"] if r.get("hold_ms") is not None
+            and r.get("token0_sampled_ns")]
+    if not reqs:
+        return [f"{name} {point['label']}: no request carries token0_sampled_ns (a result "
+                "from before it was recorded, or colocated)"]
+    first = min(r["token0_sampled_ns"] for r in reqs)
+    last = max(r["token0_sampled_ns"] + int(r["hold_ms"] * 1e6) for r in reqs)
+    lines = [f"{name} {point['label']}: {len(reqs)} holds over {(last - first) / 1e9:.2f} s"]
+    for p in procs:
+        inside = [s for a, b, s in p["spans"] if a < last and b > first]
+        counts = "/".join(str(sum(s["late_ms"] > t for s in inside)) for t in (1, 2, 4))
+        worst = max((s["late_ms"] for s in inside), default=0.0)
+        lines.append(f"  {p['label']:<24} stalls >1/2/4 ms {counts}, worst {worst:.1f} ms; "
+                     f">2 ms: {split([s for s in inside if s['late_ms'] > 2])}")
+    slow = sorted(reqs, key=lambda r: -r["hold_ms"])[:max(3, len(reqs) // 100)]
+    for r in slow:
+        lo = r["token0_sampled_ns"]
+        hi = lo + int(r["hold_ms"] * 1e6)
+        parts = ", ".join(f"{k[5:-3]} {r[k]:.2f}" for k in (
+            "hold_engine_ms", "hold_producer_ms", "hold_writer_ms", "hold_wire_ms",
+            "hold_router_ms") if r.get(k) is not None)
+        lines.append(f"  request {r['index']}: hold {r['hold_ms']:.2f} ms ({parts})")
+        for label, s in overlapping(procs, lo, hi):
+            lines.append(f"    {label}: late {s['late_ms']:.2f} ms, ran {s['cpu_ms']:.2f}, "
+                         f"queued {s['queued_ms']:.2f}, gc {s['gc_ms']:.2f} "
+                         f"(starts {(s['start_ns'] - lo) / 1e6:+.2f} ms from sampled)")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stalls", type=Path, help="the PDSERVE_LOOP_STALLS directory")
+    ap.add_argument("results", type=Path, nargs="+", help="pdserve bench result files")
+    args = ap.parse_args(argv)
+    procs = load_stalls(args.stalls)
+    if not procs:
+        print(f"{args.stalls}: no stall files (was PDSERVE_LOOP_STALLS set for the servers?)")
+        return 1
+    for path in args.results:
+        d = json.loads(path.read_text())
+        for cfg in d["configs"]:
+            for point in cfg["points"]:
+                print("\n".join(report_point(path.stem, point, procs)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

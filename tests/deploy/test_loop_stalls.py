@@ -1,0 +1,163 @@
+"""The event-loop stall recorder (deploy/loop_stalls.py): a late tick is split into the loop
+thread's CPU, its wait for a CPU and the rest, so a loop that ran Python is told from one
+that slept or waited for another thread; off unless PDSERVE_LOOP_STALLS is set; a bad
+threshold names its variable; a real router process writes its file when it stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from deploy.event_loop import run_on
+from deploy.loop_stalls import ENV_DIR, ENV_MS, StallRecorder, process_name, with_loop_stalls
+from deploy.ports import free_port
+
+
+async def _record(block: object, threshold_ms: float = 5.0) -> StallRecorder:
+    rec = StallRecorder("test", threshold_ms)
+    task = asyncio.get_running_loop().create_task(rec.run())
+    await asyncio.sleep(0.05)  # some plain ticks first
+    asyncio.get_running_loop().call_soon(block)  # type: ignore[arg-type]
+    await asyncio.sleep(0.1)
+    task.cancel()
+    return rec
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _one_long(rec: StallRecorder, at_least_ms: float) -> dict[str, float]:
+    longest = max(rec.stalls, key=lambda s: s.wall_ms)
+    assert longest.wall_ms >= at_least_ms, rec.stalls
+    return {"wall": longest.wall_ms, "cpu": longest.cpu_ms, "queued": longest.queued_ms}
+
+
+def test_a_loop_that_ran_python_shows_cpu() -> None:
+    rec = asyncio.run(_record(lambda: _spin(0.04)))
+    s = _one_long(rec, 40)
+    # the loop thread ran the whole stall (a busy 2-core runner may take a few ms of it)
+    assert s["cpu"] >= 0.6 * s["wall"], s
+
+
+def test_a_loop_that_slept_shows_neither_cpu_nor_queue() -> None:
+    rec = asyncio.run(_record(lambda: time.sleep(0.04)))
+    s = _one_long(rec, 40)
+    assert s["cpu"] < 0.3 * s["wall"], s
+    if s["queued"] >= 0:  # schedstat present: it was not waiting for a CPU either
+        assert s["queued"] < 0.3 * s["wall"], s
+
+
+def test_a_loop_waiting_for_the_gil_is_off_cpu() -> None:
+    # another thread of the process holds the GIL in one long C call: the loop's tick is
+    # late, and the loop thread neither ran nor queued for a CPU in that time
+    def hog() -> None:
+        time.sleep(0.02)
+        sum(range(30_000_000))  # in C, under the GIL, without releasing it for long
+
+    async def main() -> StallRecorder:
+        rec = StallRecorder("test", 5.0)
+        task = asyncio.get_running_loop().create_task(rec.run())
+        t = threading.Thread(target=hog)
+        t.start()
+        while t.is_alive():
+            await asyncio.sleep(0.001)
+        task.cancel()
+        return rec
+
+    rec = asyncio.run(main())
+    assert rec.stalls, "no stall while another thread held the GIL"
+    total_wall = sum(s.wall_ms for s in rec.stalls)
+    total_cpu = sum(s.cpu_ms for s in rec.stalls)
+    assert total_cpu < 0.5 * total_wall, rec.stalls
+
+
+def test_ticks_are_counted_by_lateness() -> None:
+    rec = asyncio.run(_record(lambda: _spin(0.02)))
+    assert rec.ticks >= 50 and sum(rec.hist) == rec.ticks
+    assert sum(rec.hist[5:]) >= 1  # the 20 ms tick: above the 8 ms edge
+
+
+def test_off_unless_the_variable_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_DIR, raising=False)
+
+    async def main() -> int:
+        return 7
+
+    coro = main()
+    assert with_loop_stalls(coro) is coro
+    assert asyncio.run(coro) == 7
+
+
+def test_run_on_writes_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(ENV_DIR, str(tmp_path / "stalls"))
+    monkeypatch.setenv(ENV_MS, "2")
+
+    async def main() -> str:
+        await asyncio.sleep(0.05)
+        _spin(0.03)
+        await asyncio.sleep(0.02)
+        return "done"
+
+    assert run_on("asyncio", main()) == "done"
+    (f,) = (tmp_path / "stalls").iterdir()
+    assert f.name == f"{process_name(sys.argv)}-{os.getpid()}.json"
+    d = json.loads(f.read_text())
+    assert d["threshold_ms"] == 2.0 and d["ticks"] > 10
+    assert any(s["wall_ms"] >= 30 and s["cpu_ms"] >= 15 for s in d["stalls"]), d["stalls"]
+
+
+@pytest.mark.parametrize("raw", ["fast", "0", "-1"])
+def test_a_bad_threshold_names_the_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                            raw: str) -> None:
+    monkeypatch.setenv(ENV_DIR, str(tmp_path))
+    monkeypatch.setenv(ENV_MS, raw)
+
+    async def main() -> None:
+        return None
+
+    with pytest.raises(SystemExit, match=f"{ENV_MS}: '{raw}'"):
+        with_loop_stalls(main())
+
+
+def test_process_names() -> None:
+    assert process_name(["-m", "router", "--grpc-port", "1"]) == "router"
+    assert process_name(["x", "router", "--primary", "a:1"]) == "router-mirror"
+    assert process_name(["x", "producer"]) == "producer"
+
+
+def test_a_router_process_leaves_its_stalls(tmp_path: Path) -> None:
+    out = tmp_path / "stalls"
+    env = {**os.environ, ENV_DIR: str(out)}
+    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--host", "127.0.0.1",
+                          "--grpc-port", str(free_port("127.0.0.1"))], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:
+            if line.startswith("pdserve router: gRPC"):
+                break
+        else:
+            pytest.fail(f"the router did not start: {p.wait(10)}")
+        time.sleep(0.5)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    (f,) = out.iterdir()
+    assert f.name == f"router-{p.pid}.json"
+    d = json.loads(f.read_text())
+    assert d["name"] == "router" and d["ticks"] > 100, d["ticks"]
