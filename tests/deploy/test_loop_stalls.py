@@ -73,6 +73,8 @@ def test_a_loop_waiting_for_the_gil_is_off_cpu() -> None:
         t.start()
         while t.is_alive():
             await asyncio.sleep(0.001)
+        # the ticker's late wake-up and this loop's may be ready together: let it run first
+        await asyncio.sleep(0.01)
         task.cancel()
         return rec
 
