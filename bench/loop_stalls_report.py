@@ -48,6 +48,15 @@ def split(stalls: list[dict[str, Any]]) -> str:
             f"neither {100 * other / wall:.0f}%")
 
 
+def _rest(s: dict[str, Any]) -> str:
+    """What the recorder adds for the time the loop thread neither ran nor queued (absent
+    from the files of its first version)."""
+    if "others_cpu_ms" not in s:
+        return ""
+    return (f", other threads ran {s['others_cpu_ms']:.2f}, blocked {s['blocked']}x, "
+            f"preempted {s['preempted']}x, major faults {s['major_faults']}")
+
+
 def overlapping(procs: list[dict[str, Any]], lo: int, hi: int) -> list[tuple[str, dict[str, Any]]]:
     return [(p["label"], s) for p in procs for a, b, s in p["spans"] if a < hi and b > lo]
 
@@ -77,7 +86,7 @@ def report_point(name: str, point: dict[str, Any], procs: list[dict[str, Any]]) 
         lines.append(f"  request {r['index']}: hold {r['hold_ms']:.2f} ms ({parts})")
         for label, s in overlapping(procs, lo, hi):
             lines.append(f"    {label}: late {s['late_ms']:.2f} ms, ran {s['cpu_ms']:.2f}, "
-                         f"queued {s['queued_ms']:.2f}, gc {s['gc_ms']:.2f} "
+                         f"queued {s['queued_ms']:.2f}, gc {s['gc_ms']:.2f}{_rest(s)} "
                          f"(starts {(s['start_ns'] - lo) / 1e6:+.2f} ms from sampled)")
     return lines
 

@@ -12,9 +12,12 @@ the router and its frontends, the workers' gRPC processes) runs a 1 ms ticker on
 tick later than ``PDSERVE_LOOP_STALLS_MS`` (default 1) is a stall, and its interval is split
 by the loop thread's CPU time, its wait on the run queue (``/proc/thread-self/schedstat``)
 and the collector's pauses; what is left is time the thread was off the CPU without waiting
-for one (the GIL, a lock, a blocking call). The process writes ``DIR/<command>-<pid>.json``
-every few seconds and at exit; ``bench/loop_stalls_report.py`` lines the stalls up with the
-hold's slowest requests. Off by default: the ticker is ~1,000 wake-ups a second.
+for one. For that rest, each stall also carries the CPU the process's other threads used
+meanwhile (a thread holding the GIL), the loop thread's voluntary and involuntary context
+switches (blocked on a futex, the GIL's among them, or in epoll; preempted) and its major
+page faults (a read from disk). The process writes ``DIR/<command>-<pid>.json`` when its
+loop ends; ``bench/loop_stalls_report.py`` lines the stalls up with the hold's slowest
+requests. Off by default: the ticker is ~1,000 wake-ups a second, each a few syscalls.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import sys
 import time
 from collections.abc import Coroutine
@@ -34,7 +38,6 @@ ENV_DIR = "PDSERVE_LOOP_STALLS"
 ENV_MS = "PDSERVE_LOOP_STALLS_MS"
 TICK_NS = 1_000_000
 KEEP = 400  # the longest stalls a file keeps (a run of minutes has a few hundred at most)
-DUMP_EVERY_S = 5.0  # a process killed before its exit still leaves its stalls
 # lateness histogram: a tick's lateness in ms, counted below each edge (the last: above)
 EDGES_MS = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 T = TypeVar("T")
@@ -48,6 +51,10 @@ class Stall:
     cpu_ms: float  # the loop thread ran (Python, the loop, a collection)
     queued_ms: float  # it was runnable and waited for a CPU (-1: no schedstat here)
     gc_ms: float  # collections in the process (any thread) within the interval
+    others_cpu_ms: float  # CPU of the process's other threads within the interval
+    blocked: int  # the loop thread's voluntary context switches (a futex, epoll, I/O)
+    preempted: int  # its involuntary ones (the scheduler took the CPU away)
+    major_faults: int  # its page faults that read from disk
 
 
 def process_name(argv: list[str]) -> str:
@@ -105,27 +112,36 @@ class StallRecorder:
 
     async def run(self) -> None:
         """The ticker: runs on the loop it watches until cancelled (must start there: the
-        CPU and run-queue clocks are the calling thread's)."""
+        CPU, run-queue and rusage clocks are the calling thread's)."""
         queue = _RunQueueClock()
         gc = gc_pauses()
+
+        def usage() -> tuple[int, int | None, float, int, resource.struct_rusage]:
+            return (time.thread_time_ns(), queue.read(), gc.total_s, time.process_time_ns(),
+                    resource.getrusage(resource.RUSAGE_THREAD))
+
         try:
             wall, perf = time.time_ns(), time.perf_counter_ns()
-            cpu, queued, gc_s = time.thread_time_ns(), queue.read(), gc.total_s
+            cpu, queued, gc_s, proc, ru = usage()
             while True:
                 await asyncio.sleep(TICK_NS / 1e9)
                 now_perf = time.perf_counter_ns()
-                now_cpu, now_queued, now_gc = time.thread_time_ns(), queue.read(), gc.total_s
+                now = usage()
                 elapsed = now_perf - perf
                 late = elapsed - TICK_NS
                 self.count(late / 1e6)
                 if late > self.threshold_ns:
-                    q = -1.0 if queued is None or now_queued is None else (
-                        (now_queued - queued) / 1e6)
+                    n_cpu, n_queued, n_gc, n_proc, n_ru = now
+                    q = -1.0 if queued is None or n_queued is None else (n_queued - queued) / 1e6
+                    mine = n_cpu - cpu
                     self.note(Stall(start_ns=wall, wall_ms=elapsed / 1e6, late_ms=late / 1e6,
-                                    cpu_ms=(now_cpu - cpu) / 1e6, queued_ms=q,
-                                    gc_ms=(now_gc - gc_s) * 1e3))
+                                    cpu_ms=mine / 1e6, queued_ms=q, gc_ms=(n_gc - gc_s) * 1e3,
+                                    others_cpu_ms=max(n_proc - proc - mine, 0) / 1e6,
+                                    blocked=n_ru.ru_nvcsw - ru.ru_nvcsw,
+                                    preempted=n_ru.ru_nivcsw - ru.ru_nivcsw,
+                                    major_faults=n_ru.ru_majflt - ru.ru_majflt))
                 wall, perf = time.time_ns(), time.perf_counter_ns()
-                cpu, queued, gc_s = now_cpu, now_queued, now_gc
+                cpu, queued, gc_s, proc, ru = now
         finally:
             queue.close()
 
@@ -150,18 +166,12 @@ async def _recorded(main: Coroutine[Any, Any, T], out_dir: str, threshold_ms: fl
     os.makedirs(out_dir, exist_ok=True)
     loop = asyncio.get_running_loop()
     ticker = loop.create_task(rec.run())
-
-    async def dump_now_and_then() -> None:
-        while True:
-            await asyncio.sleep(DUMP_EVERY_S)
-            rec.dump(path)
-
-    dumper = loop.create_task(dump_now_and_then())
     try:
         return await main
     finally:
+        # at the end only: a dump every 5 s took the loop 2-4 ms each time on the H200
+        # (session 52's first run of this), as long as the stalls it is there to find
         ticker.cancel()
-        dumper.cancel()
         rec.dump(path)
 
 

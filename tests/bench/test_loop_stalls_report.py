@@ -69,3 +69,16 @@ def test_no_stall_files_is_an_error(tmp_path: Path, capsys) -> None:
     _, result = _write(tmp_path, [])
     assert main([str(tmp_path / "empty"), str(result)]) == 1
     assert "no stall files" in capsys.readouterr().out
+
+
+def test_the_off_cpu_rest_is_shown_where_recorded(tmp_path: Path, capsys) -> None:
+    reqs = [_req(i, 10 * i, 0.5) for i in range(60)]
+    reqs[10] = _req(10, 98, 6.0)
+    stalls, result = _write(tmp_path, reqs)
+    f = stalls / "router-11.json"
+    d = json.loads(f.read_text())
+    d["stalls"][0].update(others_cpu_ms=3.5, blocked=2, preempted=0, major_faults=0)
+    f.write_text(json.dumps(d))
+    assert main([str(stalls), str(result)]) == 0
+    assert ("router-11: late 4.00 ms, ran 0.50, queued 0.50, gc 0.00, other threads ran "
+            "3.50, blocked 2x, preempted 0x, major faults 0") in capsys.readouterr().out

@@ -57,6 +57,9 @@ def test_a_loop_that_slept_shows_neither_cpu_nor_queue() -> None:
     assert s["cpu"] < 0.3 * s["wall"], s
     if s["queued"] >= 0:  # schedstat present: it was not waiting for a CPU either
         assert s["queued"] < 0.3 * s["wall"], s
+    longest = max(rec.stalls, key=lambda x: x.wall_ms)
+    # it blocked (the sleep), and no other thread of the process ran in its place
+    assert longest.blocked >= 1 and longest.others_cpu_ms < 0.3 * longest.wall_ms, longest
 
 
 def test_a_loop_waiting_for_the_gil_is_off_cpu() -> None:
@@ -83,6 +86,8 @@ def test_a_loop_waiting_for_the_gil_is_off_cpu() -> None:
     total_wall = sum(s.wall_ms for s in rec.stalls)
     total_cpu = sum(s.cpu_ms for s in rec.stalls)
     assert total_cpu < 0.5 * total_wall, rec.stalls
+    # ... while the other thread ran: its CPU is what the loop's stall was
+    assert sum(s.others_cpu_ms for s in rec.stalls) > 0.5 * total_wall, rec.stalls
 
 
 def test_ticks_are_counted_by_lateness() -> None:
