@@ -16,7 +16,9 @@
 # `hold` runs only the points issue 22 still misses on an H200 (the first-token hold at c=16 and
 # c=256, the seeds' load and its ITL), as `serving` does them, with two frontends and then
 # four (FRONTENDS="2" for one run), for a call with less device time left than the whole
-# path needs.
+# path needs. STALLS=1 (serving or hold) also records every serving loop's stalls and prints
+# stalls.txt: whose loop was late under the slowest holds, and how (deploy/loop_stalls.py;
+# its ticker perturbs the hold a little, so it is a diagnosis run, not the record).
 # `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
 # and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, the MoE and
 # MLA kernels alone, the 4k prefill); `generate` the V2-Lite step against transformers'
