@@ -163,7 +163,6 @@ class StallRecorder:
 async def _recorded(main: Coroutine[Any, Any, T], out_dir: str, threshold_ms: float) -> T:
     rec = StallRecorder(process_name(sys.argv), threshold_ms)
     path = os.path.join(out_dir, f"{rec.name}-{os.getpid()}.json")
-    os.makedirs(out_dir, exist_ok=True)
     loop = asyncio.get_running_loop()
     ticker = loop.create_task(rec.run())
     try:
@@ -177,8 +176,8 @@ async def _recorded(main: Coroutine[Any, Any, T], out_dir: str, threshold_ms: fl
 
 def with_loop_stalls(main: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
     """``main``, with the stall ticker beside it where PDSERVE_LOOP_STALLS names a directory;
-    ``main`` itself otherwise. A bad threshold ends the process at start, naming the
-    variable (SystemExit: its message, no traceback)."""
+    ``main`` itself otherwise. A bad threshold or a directory it cannot write ends the
+    process at start, naming the variable (SystemExit: its message, no traceback)."""
     out_dir = os.environ.get(ENV_DIR, "")
     if not out_dir:
         return main
@@ -191,4 +190,12 @@ def with_loop_stalls(main: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
     if not threshold_ms > 0:
         main.close()
         raise SystemExit(f"pdserve: {ENV_MS}: {raw!r} must be above 0")
+    try:  # now, not when the loop ends: a directory it cannot write is said at start
+        os.makedirs(out_dir, exist_ok=True)
+        if not os.access(out_dir, os.W_OK):
+            raise PermissionError(13, "not writable")
+    except OSError as e:
+        main.close()
+        raise SystemExit(f"pdserve: {ENV_DIR}: cannot write to {out_dir!r} "
+                         f"({e.strerror})") from None
     return _recorded(main, out_dir, threshold_ms)

@@ -138,6 +138,19 @@ def test_a_bad_threshold_names_the_variable(monkeypatch: pytest.MonkeyPatch, tmp
         with_loop_stalls(main())
 
 
+def test_a_directory_it_cannot_write_names_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(ENV_DIR, str(blocker / "stalls"))  # under a file: no directory there
+
+    async def main() -> None:
+        return None
+
+    with pytest.raises(SystemExit, match=f"{ENV_DIR}: cannot write to"):
+        with_loop_stalls(main())
+
+
 def test_process_names() -> None:
     assert process_name(["-m", "router", "--grpc-port", "1"]) == "router"
     assert process_name(["x", "router", "--primary", "a:1"]) == "router-mirror"
