@@ -18,6 +18,12 @@ switches (blocked on a futex, the GIL's among them, or in epoll; preempted) and 
 page faults (a read from disk). The process writes ``DIR/<command>-<pid>.json`` when its
 loop ends; ``bench/loop_stalls_report.py`` lines the stalls up with the hold's slowest
 requests. Off by default: the ticker is ~1,000 wake-ups a second, each a few syscalls.
+
+Reading a stall whose time the loop thread neither ran nor queued: other threads' CPU about
+as long, with two or more voluntary switches, is the GIL; one voluntary switch and nothing
+else is a wake-up that came late (the loop slept in epoll past its data, e.g. a virtual
+CPU the hypervisor did not run, whose time counts as neither); no switch at all is time
+taken from a running thread below the kernel (steal); major faults are reads from disk.
 """
 
 from __future__ import annotations
