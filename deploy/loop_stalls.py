@@ -29,6 +29,7 @@ taken from a running thread below the kernel (steal); major faults are reads fro
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import os
 import resource
@@ -110,11 +111,7 @@ class StallRecorder:
 
     def count(self, late_ms: float) -> None:
         self.ticks += 1
-        for i, edge in enumerate(EDGES_MS):
-            if late_ms < edge:
-                self.hist[i] += 1
-                return
-        self.hist[-1] += 1
+        self.hist[bisect.bisect_right(EDGES_MS, late_ms)] += 1
 
     async def run(self) -> None:
         """The ticker: runs on the loop it watches until cancelled (must start there: the
