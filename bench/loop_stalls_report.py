@@ -2,18 +2,22 @@
 waited, and how: the stalls the serving processes recorded (deploy/loop_stalls.py, run with
 PDSERVE_LOOP_STALLS=DIR) against the hold of each request in `pdserve bench` result files.
 
-    python bench/loop_stalls_report.py STALLS_DIR RESULT.json [RESULT.json ...]
+    python bench/loop_stalls_report.py STALLS_DIR RESULT.json [RESULT.json ...] [--timeline MS]
 
 For each point of each result: per process, the stalls above 1/2/4 ms inside the point's
 time span and how their late time splits (ran Python / waited for a CPU / neither: asleep,
 the GIL, a lock); then each of the slowest 1% of holds (at least 3) with the stalls that
 overlap it. A stall's late part is the last ``late_ms`` of its interval: the loop should
-have woken at its start plus one tick.
+have woken at its start plus one tick. ``--timeline MS`` then lists every stall late by MS or
+more, all processes in time order (ms from the first point's first hold), and the moments
+when three or more processes waited for a CPU at once (the host's CPUs all taken). Files
+may be gzipped (``.json.gz``), as bench/results keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from pathlib import Path
 from typing import Any
@@ -22,14 +26,21 @@ from typing import Any
 def load_stalls(stall_dir: Path) -> list[dict[str, Any]]:
     """One entry per process file, its stalls as (late_start_ns, late_end_ns, stall)."""
     procs = []
-    for f in sorted(stall_dir.glob("*.json")):
-        d = json.loads(f.read_text())
+    for f in sorted([*stall_dir.glob("*.json"), *stall_dir.glob("*.json.gz")]):
+        d = _read_json(f)
         tick_ns = int(d["tick_ms"] * 1e6)
         d["spans"] = [(s["start_ns"] + tick_ns, s["start_ns"] + int(s["wall_ms"] * 1e6), s)
                       for s in d["stalls"]]
         d["label"] = f"{d['name']}-{d['pid']}"
         procs.append(d)
     return procs
+
+
+def _read_json(path: Path) -> Any:
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            return json.load(f)
+    return json.loads(path.read_text())
 
 
 def split(stalls: list[dict[str, Any]]) -> str:
@@ -91,20 +102,56 @@ def report_point(name: str, point: dict[str, Any], procs: list[dict[str, Any]]) 
     return lines
 
 
+def timeline(procs: list[dict[str, Any]], t0: int, min_ms: float,
+             together_ms: float = 3.0) -> list[str]:
+    """Every stall late by ``min_ms`` or more, in time order; then the moments when three or
+    more processes' stalls, each mostly queued for a CPU, ended within ``together_ms``."""
+    rows = sorted((b, p["label"], s) for p in procs for _, b, s in p["spans"]
+                  if s["late_ms"] >= min_ms)
+    lines = [f"stalls late >= {min_ms:g} ms, ms from the first hold (at the stall's end):"]
+    lines += [f"  {(b - t0) / 1e6:10.1f} {label:<24} late {s['late_ms']:6.2f} ran "
+              f"{s['cpu_ms']:6.2f} queued {s['queued_ms']:6.2f} gc {s['gc_ms']:6.2f}{_rest(s)}"
+              for b, label, s in rows]
+    queued = [(b, label) for b, label, s in rows if s["queued_ms"] > s["late_ms"] / 2]
+    groups: list[list[tuple[int, str]]] = []
+    for b, label in queued:
+        if groups and b - groups[-1][-1][0] < together_ms * 1e6:
+            groups[-1].append((b, label))
+        else:
+            groups.append([(b, label)])
+    together = [g for g in groups if len({label for _, label in g}) >= 3]
+    lines.append(f"host-wide: {len(together)} moments when 3 or more processes queued for a CPU "
+                 f"at once: " + ", ".join(f"{(g[0][0] - t0) / 1e6:.0f} ms "
+                                         f"({len({lb for _, lb in g})} processes)"
+                                         for g in together))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("stalls", type=Path, help="the PDSERVE_LOOP_STALLS directory")
     ap.add_argument("results", type=Path, nargs="+", help="pdserve bench result files")
+    ap.add_argument("--timeline", type=float, metavar="MS", default=None,
+                    help="also list every stall late by MS or more, all processes in time order")
     args = ap.parse_args(argv)
     procs = load_stalls(args.stalls)
     if not procs:
         print(f"{args.stalls}: no stall files (was PDSERVE_LOOP_STALLS set for the servers?)")
         return 1
+    first: int | None = None
     for path in args.results:
-        d = json.loads(path.read_text())
+        d = _read_json(path)
         for cfg in d["configs"]:
             for point in cfg["points"]:
-                print("\n".join(report_point(path.stem, point, procs)))
+                print("\n".join(report_point(path.name.split(".")[0], point, procs)))
+                starts = [r["token0_sampled_ns"] for r in point["requests"]
+                          if r.get("token0_sampled_ns")]
+                if starts:
+                    first = min(starts) if first is None else min(first, min(starts))
+    if args.timeline is not None:
+        t0 = first if first is not None else min(
+            (a for p in procs for a, _, _ in p["spans"]), default=0)
+        print("\n".join(timeline(procs, t0, args.timeline)))
     return 0
 
 

@@ -4,6 +4,7 @@ from before the sampled stamp is said to be one."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -82,3 +83,30 @@ def test_the_off_cpu_rest_is_shown_where_recorded(tmp_path: Path, capsys) -> Non
     assert main([str(stalls), str(result)]) == 0
     assert ("router-11: late 4.00 ms, ran 0.50, queued 0.50, gc 0.00, other threads ran "
             "3.50, blocked 2x, preempted 0x, major faults 0") in capsys.readouterr().out
+
+
+def test_the_timeline_finds_moments_every_process_queued(tmp_path: Path, capsys) -> None:
+    # three processes each wait ~4 ms for a CPU ending at the same moment (a host-wide
+    # burst); a fourth stall, running Python, is on the timeline but not such a moment;
+    # files gzipped, as bench/results keeps them
+    stalls = tmp_path / "stalls"
+    stalls.mkdir()
+    for pid, name, s in ((1, "router", _stall(199, 5, 0.1, 3.9)),
+                         (2, "producer", _stall(199.5, 4.8, 0.1, 3.7)),
+                         (3, "consumer", _stall(200, 4.5, 0.1, 3.4)),
+                         (4, "router-mirror", _stall(700, 4, 3.0, 0))):
+        with gzip.open(stalls / f"{name}-{pid}.json.gz", "wt") as f:
+            json.dump({"name": name, "pid": pid, "tick_ms": 1.0, "stalls": [s]}, f)
+    result = tmp_path / "pd_hold.json.gz"
+    with gzip.open(result, "wt") as f:
+        json.dump({"configs": [{"points": [{"label": "c=16", "requests":
+                                            [_req(i, 10 * i, 0.5) for i in range(10)]}]}]}, f)
+    assert main([str(stalls), str(result), "--timeline", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pd_hold c=16: 10 holds" in out
+    rows = out.split("stalls late >= 2 ms")[1].splitlines()[1:-1]
+    # every stall on the timeline, in time order (ms from the first hold, at each one's end)
+    assert [r.split()[:2] for r in rows] == [["204.0", "router-1"], ["204.3", "producer-2"],
+                                            ["204.5", "consumer-3"], ["704.0", "router-mirror-4"]]
+    assert "host-wide: 1 moments when 3 or more processes queued for a CPU at once: " \
+           "204 ms (3 processes)" in out
