@@ -13,7 +13,7 @@ from typing import Any
 
 from deploy.event_loop import EVENT_LOOPS, resolve_event_loop, run_on
 from router.config import POLICY_NAMES, RouterConfig
-from worker.heap import freeze_startup_heap
+from worker.heap import freeze_startup_heap, space_full_collections
 
 
 def add_router_parser(sub: Any) -> None:
@@ -147,6 +147,7 @@ async def _serve(cfg: RouterConfig) -> int:
     mirrors = start_mirrors(cfg, server) if cfg.frontends > 1 else []
     # every stream waits out a full collection's walk of what start-up built; none needs to
     freeze_startup_heap()
+    space_full_collections()  # a burst of requests walks their live state a tenth as often
     print(f"pdserve router: gRPC {server.address} (policy {cfg.policy})"
           + (f", {cfg.frontends} frontends" if mirrors else ""), flush=True)
     if server.http_port:

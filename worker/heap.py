@@ -8,6 +8,16 @@ waits for it (measured on the H200: inter-token gaps of 100-200 ms at c=512, lat
 outputs, when enough allocations had accumulated to trigger one). Those objects live as
 long as the process, so collecting them is wasted work: ``gc.freeze()`` moves them to a
 generation no collection visits, leaving collections only what was built while serving.
+
+What is left for a full collection to walk while serving is the live state of the requests
+in flight (the router's cycles are gone: tests/router/test_run_no_cycles.py), and a burst
+of new requests is what makes CPython start one: its default, one full collection per 10
+generation-1 collections, came up every few hundred requests, so the router paused every
+stream for 21-30 ms on a 2-core VM (15 ms on an H200 host) as the seeds' 1,024-token
+prompts arrived. ``space_full_collections`` makes it one per 100 in the serving
+processes that were measured (the router and its frontends, the workers' gRPC processes;
+bench/RESULTS.md, "The router's full collections under a burst"): the same walk, a tenth as
+often, and cyclic garbage that reaches the oldest generation waits longer for it.
 """
 
 from __future__ import annotations
@@ -25,6 +35,19 @@ def freeze_startup_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+# one full collection per this many generation-1 collections while serving (CPython's: 10)
+SERVING_FULL_EVERY = 100
+
+
+def space_full_collections(every: int = SERVING_FULL_EVERY) -> None:
+    """Full collections only after ``every`` generation-1 collections; the young
+    generations' thresholds stay as they are."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, every)
 
 
 class GcPauses:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from worker.drain import DEFAULT_DRAIN_TIMEOUT_S, DrainGate, drain
-from worker.heap import freeze_startup_heap
+from worker.heap import freeze_startup_heap, space_full_collections
 from worker.registration import ROLES
 from worker.server import WorkerConfig, WorkerServer
 
@@ -82,6 +82,7 @@ async def serve(config_for: Callable[[str], WorkerConfig], role: str,
             addr = starting.result()
             print(f"{w.worker_id} ({role}) listening on {addr}", flush=True)
             freeze_startup_heap()  # worker/heap.py: no full collection walks the imports
+            space_full_collections()  # nor, as often, the requests in flight
             reg = w.registration
             assert reg is not None
             interrupted.cancel()

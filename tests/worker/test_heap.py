@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from worker.heap import freeze_startup_heap, gc_pauses
+from worker.heap import freeze_startup_heap, gc_pauses, space_full_collections
 
 
 class _Node:
@@ -18,8 +18,10 @@ class _Node:
 
 @pytest.fixture(autouse=True)
 def _thaw() -> Iterator[None]:
+    thresholds = gc.get_threshold()
     yield
     gc.unfreeze()  # the rest of the test process collects as before
+    gc.set_threshold(*thresholds)
 
 
 def _tracked(obj: object) -> bool:
@@ -58,3 +60,38 @@ def test_pauses_count_full_collections_and_keep_the_longest_until_taken() -> Non
     longest = p.take_max()
     assert longest > 0.0 and p.max_s == 0.0
     assert gc.callbacks.count(p._on_gc) == 1
+
+
+def _full_collections_while_growing(n: int) -> int:
+    """Full collections while n live containers pile up, as a burst of requests' state does."""
+    full: list[int] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info.get("generation") == 2:
+            full.append(1)
+
+    gc.callbacks.append(on_gc)
+    try:
+        live = [[i] for i in range(n)]
+    finally:
+        gc.callbacks.remove(on_gc)
+    del live
+    return len(full)
+
+
+def test_spaced_full_collections_come_a_tenth_as_often_under_a_burst() -> None:
+    freeze_startup_heap()
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, 10)  # CPython's default
+    by_default = _full_collections_while_growing(400_000)
+    freeze_startup_heap()
+    space_full_collections()
+    assert gc.get_threshold() == (gen0, gen1, 100)  # the young generations as they were
+    spaced = _full_collections_while_growing(400_000)
+    assert by_default >= 2  # the default walks the growing live state again and again
+    assert spaced < by_default / 2
+
+
+def test_spacing_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="every must be >= 1, got 0"):
+        space_full_collections(0)
