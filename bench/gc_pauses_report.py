@@ -5,8 +5,10 @@ their total and their longest, beside the point's ITL p99 and first gap p99.
 
     python bench/gc_pauses_report.py OUT_DIR [OUT_DIR...]
 
-A point's span is its first request's send (token 0 sampled less its TTFT) to its last
-request's end; the probe's lines carry each collection's start in Unix seconds.
+A point's span is its first token 0 (sampled, on the producer) to its last request's end:
+the stretch in which a pause can stretch a stream's gap. A collection before it (the bench
+client's own at the point's start, when it freezes its heap) is not counted. The probe's
+lines carry each collection's start in Unix seconds.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ def pauses(log: str) -> list[tuple[int, float, float]]:
 
 
 def span(requests: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """The point's requests in flight, in Unix seconds (None: no stamps in this record)."""
+    """First token 0 to last end, in Unix seconds (None: no stamps in this record)."""
     rows = [r for r in requests if r.get("token0_sampled_ns")]
     if not rows:
         return None
-    t0 = [r["token0_sampled_ns"] / 1e9 - r["ttft_ms"] / 1e3 for r in rows]
+    t0 = [r["token0_sampled_ns"] / 1e9 for r in rows]
     t1 = [r["token0_sampled_ns"] / 1e9 + (r["e2el_ms"] - r["ttft_ms"]) / 1e3 for r in rows]
     return min(t0), max(t1)
 

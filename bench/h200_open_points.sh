@@ -19,6 +19,10 @@
 # path needs. STALLS=1 (serving or hold) also records every serving loop's stalls and prints
 # stalls.txt: whose loop was late under the slowest holds, and how (deploy/loop_stalls.py;
 # its ticker perturbs the hold a little, so it is a diagnosis run, not the record).
+# `hold_ab` runs the hold (two frontends) with the stall recorder twice, as it is and with the
+# serving processes' GIL switch interval at 500 us (bench/probes/interpreter_probe.py): the
+# first run's stalls say whether the router's loop waited for the GIL (others_cpu, blocked),
+# the second whether a shorter interval removes the wait (~7 minutes in all).
 # `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
 # and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, the MoE and
 # MLA kernels alone, the 4k prefill); `generate` the V2-Lite step against transformers'
@@ -36,7 +40,7 @@
 # All refuse a card that is not an H200: the issues' targets are H200 numbers, and other
 # cards' runs belong in their own sections.
 set -uo pipefail
-out=${1:?OUT_DIR}; part=${2:?serving, hold, kernels, generate, switches or tiles}
+out=${1:?OUT_DIR}; part=${2:?serving, hold, hold_ab, kernels, generate, switches or tiles}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 2>/dev/null | head -1)
@@ -71,6 +75,16 @@ case $part in
       PYTHONPATH="$PYTHONPATH:$repo/bench" python3 bench/hold_summary.py "$out" > "$out/hold_summary.txt" 2>&1
     done
     cat "$out/hold_summary.txt" ;;
+  hold_ab)
+    for v in as_is switch500; do
+      sp=python3
+      [ $v = switch500 ] && sp="python3 bench/probes/interpreter_probe.py --switch-us 500"
+      STALLS=1 FRONTENDS=2 SERVE_PY="$sp" bash "$repo/bench/h200_open_points.sh" "$out/$v" hold > "$out/$v.log" 2>&1
+      echo "== $v"
+      grep -A8 "^pd_hold c=16" "$out/$v/serving_f2/stalls.txt" | head -10
+      grep -A6 "^pd_hold256" "$out/$v/serving_f2/stalls.txt" | head -7
+      tail -8 "$out/$v/hold_summary.txt"
+    done ;;
   kernels)
     timeout 130 python3 bench/fp8_bench.py --sections decode --batches 1,128 \
       --quantization fp8-all --out "$out/fp8_decode.json" > "$out/fp8_decode.txt" 2>&1
@@ -106,6 +120,6 @@ case $part in
       --repeats 2 --prefill-tokens 0 --variants "$d;$w" --out "$out/tiles_step.json" \
       > "$out/tiles_step.txt" 2>&1
     grep -A6 best_over_defaults "$out/tiles_step.txt" | head -40 ;;
-  *) echo "h200_open_points.sh: the part is serving, hold, kernels, generate, switches or tiles, not '$part'" >&2
+  *) echo "h200_open_points.sh: the part is serving, hold, hold_ab, kernels, generate, switches or tiles, not '$part'" >&2
      exit 2 ;;
 esac

@@ -27,6 +27,8 @@
 # "runs", as on a GPU: a CPU dry run of what the GPU's step overlap changes)
 # SERVE_PY: what runs the router and the workers (default python3), e.g.
 # "python3 bench/probes/gc_garbage_probe.py --save-all" for their collections and cyclic garbage
+# BENCH_PY: what runs the bench client (default python3), e.g. the same probe as SERVE_PY
+# for the client's own collections (they show up in its inter-token gaps as the server's)
 # CONSUMER_ARGS: extra consumer flags, e.g. "--no-launch-pacing" (the launch at once, as
 # before worker/launch_pacer.py)
 # STALLS=1: the router, its frontends and the workers' gRPC processes record their event
@@ -120,7 +122,7 @@ bench() {  # NAME, then pdserve bench flags
   seed=$((seed + 1))
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   # shellcheck disable=SC2086 # BENCH_ARGS: several flags
-  timeout 400 python3 -m deploy.cli bench --router "127.0.0.1:${DOOR:-50051}" \
+  timeout 400 ${BENCH_PY:-python3} -m deploy.cli bench --router "127.0.0.1:${DOOR:-50051}" \
     --status-router 127.0.0.1:50051 --model "$M" --ignore-eos \
     --request-timeout 300 --warmup 2 --seed "$seed" --result-json "$out/$name.json" \
     --markdown "$out/$name.md" ${BENCH_ARGS:-} "$@" > "$out/$name.log" 2>&1

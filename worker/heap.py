@@ -14,8 +14,8 @@ in flight (the router's cycles are gone: tests/router/test_run_no_cycles.py), an
 of new requests is what makes CPython start one: its default, one full collection per 10
 generation-1 collections, came up every few hundred requests, so the router paused every
 stream for 21-30 ms on a 2-core VM (15 ms on an H200 host) as the seeds' 1,024-token
-prompts arrived. ``space_full_collections`` makes it one per 100 in the serving
-processes that were measured (the router and its frontends, the workers' gRPC processes;
+prompts arrived. ``space_full_collections`` makes it one per 100 in the processes that
+were measured (the router and its frontends, the workers' gRPC processes;
 bench/RESULTS.md, "The router's full collections under a burst"): the same walk, a tenth as
 often, and cyclic garbage that reaches the oldest generation waits longer for it.
 """
