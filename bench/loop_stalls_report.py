@@ -10,8 +10,10 @@ the GIL, a lock); then each of the slowest 1% of holds (at least 3) with the sta
 overlap it. A stall's late part is the last ``late_ms`` of its interval: the loop should
 have woken at its start plus one tick. ``--timeline MS`` then lists every stall late by MS or
 more, all processes in time order (ms from the first point's first hold), and the moments
-when three or more processes waited for a CPU at once (the host's CPUs all taken). Files
-may be gzipped (``.json.gz``), as bench/results keeps them.
+when three or more processes waited for a CPU at once (the host's CPUs all taken). Last,
+the hypervisor's steal time per CPU over the longest-recorded process's run, where its file
+has it (a stall whose CPU shows none had no steal). Files may be gzipped (``.json.gz``), as
+bench/results keeps them.
 """
 
 from __future__ import annotations
@@ -64,8 +66,25 @@ def _rest(s: dict[str, Any]) -> str:
     from the files of its first version)."""
     if "others_cpu_ms" not in s:
         return ""
+    on = f", on CPU {s['cpu']}" if s.get("cpu", -1) >= 0 else ""
     return (f", other threads ran {s['others_cpu_ms']:.2f}, blocked {s['blocked']}x, "
-            f"preempted {s['preempted']}x, major faults {s['major_faults']}")
+            f"preempted {s['preempted']}x, major faults {s['major_faults']}{on}")
+
+
+def steal_line(procs: list[dict[str, Any]]) -> str | None:
+    """The steal time per CPU over the run of the process recorded longest (each file reads
+    the host's /proc/stat at its start and end); None if no file carries it."""
+    known = [p for p in procs if p.get("steal_known")]
+    if not known:
+        return None
+    p = max(known, key=lambda p: p["ended_ns"] - p["started_ns"])
+    steal = {int(c): v for c, v in p["steal_ms"].items()}
+    secs = (p["ended_ns"] - p["started_ns"]) / 1e9
+    if not steal:
+        return f"steal over {secs:.0f} s ({p['label']}): none on any CPU"
+    cpus = ", ".join(f"CPU {c} {v:.0f} ms" for c, v in sorted(steal.items()))
+    return (f"steal over {secs:.0f} s ({p['label']}): {sum(steal.values()):.0f} ms in all "
+            f"(/proc/stat, 10 ms units): {cpus}")
 
 
 def overlapping(procs: list[dict[str, Any]], lo: int, hi: int) -> list[tuple[str, dict[str, Any]]]:
@@ -152,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = first if first is not None else min(
             (a for p in procs for a, _, _ in p["spans"]), default=0)
         print("\n".join(timeline(procs, t0, args.timeline)))
+    steal = steal_line(procs)
+    if steal is not None:
+        print(steal)
     return 0
 
 

@@ -24,6 +24,9 @@ as long, with two or more voluntary switches, is the GIL; one voluntary switch a
 else is a wake-up that came late (the loop slept in epoll past its data, e.g. a virtual
 CPU the hypervisor did not run, whose time counts as neither); no switch at all is time
 taken from a running thread below the kernel (steal); major faults are reads from disk.
+Steal is also counted directly where the hypervisor reports it: each stall names the CPU
+its loop thread was on when the tick came, and the file carries each CPU's steal time over
+the whole run (``/proc/stat``, in 10 ms units: a CPU with none there had no stall of steal).
 """
 
 from __future__ import annotations
@@ -62,12 +65,41 @@ class Stall:
     blocked: int  # the loop thread's voluntary context switches (a futex, epoll, I/O)
     preempted: int  # its involuntary ones (the scheduler took the CPU away)
     major_faults: int  # its page faults that read from disk
+    cpu: int = -1  # the CPU the loop thread was on when the late tick came (-1: unknown)
 
 
 def process_name(argv: list[str]) -> str:
     """``router``, ``router-mirror`` (a frontend started by the primary), ``producer``, ..."""
     cmd = next((a for a in argv[1:] if not a.startswith("-")), "serve")
     return f"{cmd}-mirror" if "--primary" in argv else cmd
+
+
+def steal_ms() -> dict[int, float]:
+    """Each CPU's steal time so far (the hypervisor ran something else on it), in ms; empty
+    where /proc/stat is not readable."""
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu") or line.startswith("cpu "):
+                    continue
+                name, *vals = line.split()
+                if len(vals) >= 8:  # user nice system idle iowait irq softirq steal ...
+                    out[int(name[3:])] = int(vals[7]) * tick_ms
+    except (OSError, ValueError):
+        return {}
+    return out
+
+
+def on_cpu() -> int:
+    """The CPU the calling thread runs on (field 39 of /proc/thread-self/stat); -1 if
+    unreadable."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 class _RunQueueClock:
@@ -102,6 +134,7 @@ class StallRecorder:
         self.hist = [0] * (len(EDGES_MS) + 1)
         self.stalls: list[Stall] = []
         self.started_ns = time.time_ns()
+        self.steal_at_start = steal_ms()
 
     def note(self, stall: Stall) -> None:
         self.stalls.append(stall)
@@ -142,7 +175,8 @@ class StallRecorder:
                                     others_cpu_ms=max(n_proc - proc - mine, 0) / 1e6,
                                     blocked=n_ru.ru_nvcsw - ru.ru_nvcsw,
                                     preempted=n_ru.ru_nivcsw - ru.ru_nivcsw,
-                                    major_faults=n_ru.ru_majflt - ru.ru_majflt))
+                                    major_faults=n_ru.ru_majflt - ru.ru_majflt,
+                                    cpu=on_cpu()))
                 wall, perf = time.time_ns(), time.perf_counter_ns()
                 cpu, queued, gc_s, proc, ru = now
         finally:
@@ -150,9 +184,13 @@ class StallRecorder:
 
     def to_json(self) -> dict[str, Any]:
         longest = sorted(self.stalls, key=lambda s: -s.wall_ms)[:KEEP]
+        now = steal_ms()
+        steal = {c: round(now[c] - v, 3) for c, v in self.steal_at_start.items() if c in now}
         return {"name": self.name, "pid": os.getpid(), "tick_ms": TICK_NS / 1e6,
                 "threshold_ms": self.threshold_ns / 1e6, "started_ns": self.started_ns,
                 "ended_ns": time.time_ns(), "ticks": self.ticks,
+                "steal_known": bool(steal),  # /proc/stat was read at both ends
+                "steal_ms": {str(c): v for c, v in steal.items() if v > 0},
                 "late_hist": {"edges_ms": list(EDGES_MS), "counts": self.hist},
                 "stalls": [asdict(s) for s in sorted(longest, key=lambda s: s.start_ns)]}
 

@@ -81,8 +81,31 @@ def test_the_off_cpu_rest_is_shown_where_recorded(tmp_path: Path, capsys) -> Non
     d["stalls"][0].update(others_cpu_ms=3.5, blocked=2, preempted=0, major_faults=0)
     f.write_text(json.dumps(d))
     assert main([str(stalls), str(result)]) == 0
+    out = capsys.readouterr().out
     assert ("router-11: late 4.00 ms, ran 0.50, queued 0.50, gc 0.00, other threads ran "
-            "3.50, blocked 2x, preempted 0x, major faults 0") in capsys.readouterr().out
+            "3.50, blocked 2x, preempted 0x, major faults 0 (starts") in out
+    assert "steal over" not in out  # files from before the steal was recorded
+
+
+def test_the_cpu_and_the_runs_steal_are_shown_where_recorded(tmp_path: Path, capsys) -> None:
+    reqs = [_req(i, 10 * i, 0.5) for i in range(60)]
+    reqs[10] = _req(10, 98, 6.0)
+    stalls, result = _write(tmp_path, reqs)
+    for name, ended_s, steal in (("router-11", 30, {"3": 20.0, "5": 10.0}),
+                                 ("producer-12", 10, {})):
+        f = stalls / f"{name}.json"
+        d = json.loads(f.read_text())
+        d["stalls"][0].update(others_cpu_ms=0.1, blocked=1, preempted=0, major_faults=0,
+                              cpu=5)
+        d.update(started_ns=T0, ended_ns=T0 + ended_s * 1000 * MS, steal_known=True,
+                 steal_ms=steal)
+        f.write_text(json.dumps(d))
+    assert main([str(stalls), str(result)]) == 0
+    out = capsys.readouterr().out
+    assert "blocked 1x, preempted 0x, major faults 0, on CPU 5 (starts" in out
+    # the longest-recorded process's file speaks for the host
+    assert out.rstrip().endswith("steal over 30 s (router-11): 30 ms in all (/proc/stat, "
+                                 "10 ms units): CPU 3 20 ms, CPU 5 10 ms")
 
 
 def test_the_timeline_finds_moments_every_process_queued(tmp_path: Path, capsys) -> None:

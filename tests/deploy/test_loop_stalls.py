@@ -18,7 +18,15 @@ from pathlib import Path
 import pytest
 
 from deploy.event_loop import run_on
-from deploy.loop_stalls import ENV_DIR, ENV_MS, StallRecorder, process_name, with_loop_stalls
+from deploy.loop_stalls import (
+    ENV_DIR,
+    ENV_MS,
+    StallRecorder,
+    on_cpu,
+    process_name,
+    steal_ms,
+    with_loop_stalls,
+)
 from deploy.ports import free_port
 
 
@@ -123,6 +131,31 @@ def test_run_on_writes_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     d = json.loads(f.read_text())
     assert d["threshold_ms"] == 2.0 and d["ticks"] > 10
     assert any(s["wall_ms"] >= 30 and s["cpu_ms"] >= 15 for s in d["stalls"]), d["stalls"]
+    # each stall names a CPU this process may run on; the run's steal is per CPU, in ms
+    cpus = os.sched_getaffinity(0)
+    assert all(s["cpu"] in cpus for s in d["stalls"]), d["stalls"]
+    assert d["steal_known"] is True
+    assert all(int(c) in steal_ms() and v > 0 for c, v in d["steal_ms"].items()), d
+
+
+def test_the_cpu_is_the_one_the_thread_is_pinned_to() -> None:
+    before = os.sched_getaffinity(0)
+    try:
+        for cpu in sorted(before)[:2]:
+            os.sched_setaffinity(0, {cpu})
+            assert on_cpu() == cpu
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_steal_is_read_per_cpu_from_proc_stat() -> None:
+    steal = steal_ms()
+    assert set(steal) >= os.sched_getaffinity(0)  # every CPU this process may use
+    tick_ms = 1e3 / os.sysconf("SC_CLK_TCK")
+    for cpu, ms in steal.items():
+        line = next(ln for ln in Path("/proc/stat").read_text().splitlines()
+                    if ln.startswith(f"cpu{cpu} "))
+        assert ms == int(line.split()[8]) * tick_ms
 
 
 @pytest.mark.parametrize("raw", ["fast", "0", "-1"])
