@@ -1,7 +1,8 @@
 """The serving processes' collections within each point of a bench/serving_path_gpu.sh run
 (run with SERVE_PY="python3 bench/probes/gc_garbage_probe.py --min-ms 1"): per point and
 process log, how many collections of each generation ran while its requests were in flight,
-their total and their longest, beside the point's ITL p99 and first gap p99.
+their total and their longest, beside the point's first gap p50 and p99 (bench/itl_split.py
+splits the gaps further).
 
     python bench/gc_pauses_report.py OUT_DIR [OUT_DIR...]
 

@@ -83,5 +83,6 @@ def main() -> None:
         sys.argv = list(target)
         runpy.run_path(target[0], run_name="__main__")
 
+
 if __name__ == "__main__":
     main()
