@@ -19,10 +19,12 @@
 # path needs. STALLS=1 (serving or hold) also records every serving loop's stalls and prints
 # stalls.txt: whose loop was late under the slowest holds, and how (deploy/loop_stalls.py;
 # its ticker perturbs the hold a little, so it is a diagnosis run, not the record).
-# `hold_ab` runs the hold (two frontends) with the stall recorder twice, as it is and with the
-# serving processes' GIL switch interval at 500 us (bench/probes/interpreter_probe.py): the
-# first run's stalls say whether the router's loop waited for the GIL (others_cpu, blocked),
-# the second whether a shorter interval removes the wait (~7 minutes in all).
+# `hold_ab` runs the hold (two frontends) with the stall recorder twice, as it is and with
+# router loops that never sleep (bench/probes/spin_site: each frontend then busy-polls a
+# core): the first run's stalls say how the router's loop was late under the slowest holds
+# (a late wake-up, steal on its CPU, ...), the second whether the c=16 tail goes when there
+# is no wake-up to wait for (~7 minutes in all). The GIL is not a candidate: the router has
+# no other thread that takes it (bench/RESULTS.md, session 53).
 # `kernels` runs bench/fp8_bench.py's decode section (batches 1 and 128, FP8 weights and KV)
 # and bench/moe_bench.py's V2-Lite table (batches 1-128, contexts 512 and 4096, the MoE and
 # MLA kernels alone, the 4k prefill); `generate` the V2-Lite step against transformers'
@@ -76,10 +78,10 @@ case $part in
     done
     cat "$out/hold_summary.txt" ;;
   hold_ab)
-    for v in as_is switch500; do
-      sp=python3
-      [ $v = switch500 ] && sp="python3 bench/probes/interpreter_probe.py --switch-us 500"
-      STALLS=1 FRONTENDS=2 SERVE_PY="$sp" bash "$repo/bench/h200_open_points.sh" "$out/$v" hold > "$out/$v.log" 2>&1
+    for v in as_is spin; do
+      site=""
+      [ $v = spin ] && site="$repo/bench/probes/spin_site"
+      STALLS=1 FRONTENDS=2 SITE_DIR="$site" bash "$repo/bench/h200_open_points.sh" "$out/$v" hold > "$out/$v.log" 2>&1
       echo "== $v"
       grep -A8 "^pd_hold c=16" "$out/$v/serving_f2/stalls.txt" | head -10
       grep -A6 "^pd_hold256" "$out/$v/serving_f2/stalls.txt" | head -7

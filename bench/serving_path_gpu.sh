@@ -51,6 +51,10 @@ if [ -z "${4:-}" ] && [ "$dev" != cpu ] && command -v nvidia-smi >/dev/null; the
 fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONPATH="$repo:$repo/proto${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# SITE_DIR: a directory whose sitecustomize.py every Python process of the run imports first
+# (a probe that must reach the router's mirror frontends too, which start without SERVE_PY),
+# e.g. bench/probes/spin_site: router loops that never sleep
+[ -n "${SITE_DIR:-}" ] && export PYTHONPATH="$(cd "$SITE_DIR" && pwd):$PYTHONPATH"
 mkdir -p "$out"
 [ "${STALLS:-0}" = 1 ] && export PDSERVE_LOOP_STALLS="$out/stalls"
 # pdserve installs uvloop and its processes run on it ("auto"); a Python without it (the GPU
