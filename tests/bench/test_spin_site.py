@@ -5,15 +5,12 @@ idle) and still serves and stops; other commands are left alone."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from deploy.ports import free_port
+from bare_router import bare_router
 
 SITE = Path(__file__).resolve().parents[2] / "bench" / "probes" / "spin_site"
 
@@ -28,18 +25,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def test_an_idle_router_spins_and_still_stops() -> None:
-    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--host", "127.0.0.1",
-                          "--grpc-port", str(free_port("127.0.0.1"))], env=_env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert p.stdout is not None
-        seen = []
-        for line in p.stdout:
-            seen.append(line)
-            if line.startswith("pdserve router: gRPC"):
-                break
-        else:
-            pytest.fail(f"the router did not start: {p.wait(10)} {seen}")
+    with bare_router(_env()) as (p, seen):
         assert any("this router's loop never sleeps" in ln for ln in seen), seen
         before, t0 = _cpu_s(p.pid), time.monotonic()
         time.sleep(1.5)
@@ -47,12 +33,6 @@ def test_an_idle_router_spins_and_still_stops() -> None:
         # no request came: a loop that slept would use a few percent of a core (a busy
         # 2-core runner shares the core with the rest of the suite, hence not ~1.0)
         assert used > 0.3, used
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
 
 
 def test_other_commands_are_left_alone() -> None:

@@ -5,39 +5,20 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-from deploy.ports import free_port
+from bare_router import bare_router
 
 SITE = Path(__file__).resolve().parents[2] / "bench" / "probes" / "task_census_site"
 
 
 def test_a_router_counts_its_tasks_and_stops() -> None:
     env = {**os.environ, "PYTHONPATH": f"{SITE}:{os.environ.get('PYTHONPATH', '')}"}
-    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--host", "127.0.0.1",
-                          "--grpc-port", str(free_port("127.0.0.1"))], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with bare_router(env) as (p, _):
         assert p.stdout is not None
-        census = None
-        for line in p.stdout:
-            if line.startswith("TASKS "):
-                census = line
-                break
-        if census is None:
-            pytest.fail(f"no census line: {p.wait(10)}")
+        census = next((ln for ln in p.stdout if ln.startswith("TASKS ")), None)
+        assert census is not None, "no census line before the router's output ended"
         m = re.match(r"TASKS (\d+) pid (\d+) \[(.*)\]$", census.strip())
         assert m and int(m[2]) == p.pid, census
         # an idle router: its own sweep and the census itself among the counted tasks
         assert int(m[1]) >= 2 and "census" in m[3] and "RouterServer._sweep" in m[3], census
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from bare_router import bare_router
 
 from deploy.event_loop import run_on
 from deploy.loop_stalls import (
@@ -27,7 +26,6 @@ from deploy.loop_stalls import (
     steal_ms,
     with_loop_stalls,
 )
-from deploy.ports import free_port
 
 
 async def _record(block: object, threshold_ms: float = 5.0) -> StallRecorder:
@@ -192,24 +190,8 @@ def test_process_names() -> None:
 
 def test_a_router_process_leaves_its_stalls(tmp_path: Path) -> None:
     out = tmp_path / "stalls"
-    env = {**os.environ, ENV_DIR: str(out)}
-    p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "router", "--host", "127.0.0.1",
-                          "--grpc-port", str(free_port("127.0.0.1"))], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert p.stdout is not None
-        for line in p.stdout:
-            if line.startswith("pdserve router: gRPC"):
-                break
-        else:
-            pytest.fail(f"the router did not start: {p.wait(10)}")
+    with bare_router({**os.environ, ENV_DIR: str(out)}) as (p, _):
         time.sleep(0.5)
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(30) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
     (f,) = out.iterdir()
     assert f.name == f"router-{p.pid}.json"
     d = json.loads(f.read_text())
