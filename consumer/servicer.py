@@ -14,7 +14,7 @@ from worker.convert import tokens_pb
 from worker.messages import AbortCmd, DecodeCmd, FatalEvent, ReservedEvent
 from worker.metrics_server import WorkerMetrics
 from worker.output_hub import OutputsDone
-from worker.servicer import EngineBridge, EngineBusy, WorkerServicer
+from worker.servicer import EngineBridge, WorkerServicer
 from worker.token_batch import TokensEvent
 
 
@@ -41,22 +41,8 @@ class ConsumerServicer(WorkerServicer):
         rid = request.request_id
         wire = await self._admit("decode", rid, request.prompt_token_ids, request.sampling,
                                  request.seed, context, request.prior_output_ids)
-        await self._check_new(rid, context)
-        if not request.subscriber_id:
-            self._count("decode", "invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "subscriber_id: required (the Outputs stream that carries the "
-                                "request's outputs)")
-        hub = self.bridge.hub
-        sub = await self._named_subscriber("decode", request.subscriber_id, context)
-        await self._check_new(rid, context)  # the wait may have let the same id in
-        hub.attach(rid, sub)
-        try:
-            self.bridge.send_new(_decode_cmd(request, wire))
-        except EngineBusy as e:
-            hub.detach(rid)
-            self._count("decode", "busy")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        await self._start_routed("decode", rid, request.subscriber_id, "the request's outputs",
+                                 self.bridge.hub.attach, _decode_cmd(request, wire), context)
         return worker_pb2.DecodeStarted()
 
     async def Decode(self, request: worker_pb2.DecodeRequest,

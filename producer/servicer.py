@@ -1,7 +1,12 @@
 """The producer's gRPC face: Prefill streams token 0 and the transfer's outcome back to the
 router, and forwards the consumer's destination to the engine process. A Prefill that names
 the router's Outputs stream (``subscriber_id``) gets its token 0 there instead, in one
-message with the step's other token 0s (worker/output_hub.py)."""
+message with the step's other token 0s (worker/output_hub.py).
+
+StartPrefill only starts the request: token 0 and the transfer's outcome both go to the
+Outputs stream it names, and PrefillControl brings the destination and the lease renewals,
+so no call stays open per request (the router's side of a Prefill stream was three tasks
+per request in flight, the walk of every collection: bench/RESULTS.md, session 53)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 from pdserve.v1 import worker_pb2
 
+from engine.sampling_params import SamplingParams
 from worker.convert import fill_token0
 from worker.messages import (
     AbortCmd,
@@ -23,11 +29,60 @@ from worker.messages import (
     Token0SentCmd,
     TransferResultEvent,
 )
-from worker.output_hub import Token0Routed
-from worker.servicer import WorkerServicer
+from worker.metrics_server import WorkerMetrics
+from worker.output_hub import OutputsDone, Token0Routed
+from worker.servicer import EngineBridge, WorkerServicer
+
+
+def _prefill_cmd(req: worker_pb2.PrefillRequest, wire: SamplingParams,
+                 received_ns: int) -> PrefillCmd:
+    return PrefillCmd(req.request_id, tuple(req.prompt_token_ids), wire, received_ns,
+                      tuple(req.prior_output_ids), req.cache_salt,
+                      req.dp_rank if req.HasField("dp_rank") else -1)
 
 
 class ProducerServicer(WorkerServicer):
+    def __init__(self, bridge: EngineBridge, worker_id: str,
+                 metrics: WorkerMetrics | None = None, cluster_token: str = "") -> None:
+        super().__init__(bridge, worker_id, metrics, cluster_token)
+        bridge.on_done = self._ended
+
+    def _ended(self, done: OutputsDone) -> None:
+        """A StartPrefill request's last entry is queued on its Outputs stream."""
+        if done.prefill:
+            self._count("prefill", done.finish)
+
+    async def StartPrefill(self, request: worker_pb2.PrefillRequest,
+                           context: grpc.aio.ServicerContext) -> worker_pb2.PrefillStarted:
+        await self._check_token(context)
+        rid = request.request_id
+        wire = await self._admit("prefill", rid, request.prompt_token_ids, request.sampling,
+                                 request.seed, context, request.prior_output_ids)
+        await self._start_routed("prefill", rid, request.subscriber_id,
+                                 "token 0 and the transfer's result",
+                                 self.bridge.hub.attach_prefill,
+                                 _prefill_cmd(request, wire, time.time_ns()), context)
+        return worker_pb2.PrefillStarted()
+
+    async def PrefillControl(self, request: worker_pb2.PrefillControlRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> worker_pb2.PrefillControlResponse:
+        await self._check_token(context)
+        rid = request.request_id
+        kind = request.WhichOneof("kind")
+        if kind is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "kind: a destination or queued is required")
+        if not self.bridge.hub.prefilling(rid):
+            return worker_pb2.PrefillControlResponse(known=False)
+        if kind == "destination":
+            d = request.destination
+            self.bridge.send(DestinationCmd(rid, d.consumer_id, d.kv_address,
+                                            tuple(d.block_ids), d.cached_blocks))
+        else:
+            self.bridge.send(HoldCmd(rid, request.queued.consumer_id))
+        return worker_pb2.PrefillControlResponse(known=True)
+
     async def Prefill(self, request_iterator: AsyncIterator[worker_pb2.PrefillInput],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.PrefillOutput]:
         await self._check_token(context)
@@ -45,11 +100,7 @@ class ProducerServicer(WorkerServicer):
         q = await self._open(rid, context)
         if sub is not None:
             self.bridge.hub.attach_token0(rid, sub)
-        received = time.time_ns()
-        await self._start("prefill", rid,
-                          PrefillCmd(rid, tuple(req.prompt_token_ids), wire, received,
-                                     tuple(req.prior_output_ids), req.cache_salt,
-                                     req.dp_rank if req.HasField("dp_rank") else -1), context)
+        await self._start("prefill", rid, _prefill_cmd(req, wire, time.time_ns()), context)
 
         async def destinations() -> None:
             async for msg in request_iterator:

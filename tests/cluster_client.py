@@ -90,4 +90,13 @@ def wait_for_full_kv(stub: router_pb2_grpc.RouterStub, timeout: float = 10.0) ->
         time.sleep(0.25)
 
 
+def wait_whole(cluster: Any, timeout: float = 45.0) -> None:
+    """``wait_for_full_kv`` on a started cluster's router (its own channel)."""
+    ch, s = stub_for(cluster.router_address)
+    try:
+        wait_for_full_kv(s, timeout)
+    finally:
+        ch.close()
+
+
 FINISH = common_pb2

@@ -27,6 +27,11 @@ token), ``add_token0`` declines and the Prefill stream carries token 0 as before
 requests are not counted in ``running`` and are not handed back when their subscriber goes:
 their own Prefill stream ends them.
 
+A producer's request started with ``StartPrefill`` (``attach_prefill``) has no stream of its
+own: it is attached like a consumer's, counted in ``running`` and handed back with its
+subscriber. Its token 0 always goes to the subscriber (``add_token0``; one that ends the
+request ends its route there), then its transfer's result (``add_transfer``), which ends it.
+
 Nothing here waits on the engine-process pump: ``add`` and ``flush`` only append. A reader
 that falls behind gets its queued batches merged into one message (lossless, in order), so
 its backlog costs fewer, larger writes rather than more memory per batch.
@@ -43,7 +48,7 @@ from typing import Protocol
 from pdserve.v1 import worker_pb2
 
 from worker.convert import add_tokens, fill_token0, finish_reason_pb, token_logprob
-from worker.messages import ReservedEvent, Token0Event
+from worker.messages import ReservedEvent, Token0Event, TransferResultEvent
 from worker.token_batch import TokensBatchEvent, TokensEvent
 
 MAX_SUBSCRIBER_ID = 256  # bytes; a router's id is a uuid and a counter
@@ -59,7 +64,11 @@ class OutputsDone:
 
     rid: str
     seq: int
-    finish: str  # the engine's finish reason ("stop", "length", "abort", "error")
+    # the engine's finish reason ("stop", "length", "abort", "error"); for a StartPrefill
+    # request the Prefill outcome ("transferred", "busy", "transfer_failed", or token 0's
+    # finish reason)
+    finish: str
+    prefill: bool = False  # a StartPrefill request's end
 
 
 @dataclass(frozen=True)
@@ -161,8 +170,10 @@ class OutputHub:
         self.subscribers: dict[str, Subscriber] = {}
         self._owner: dict[str, Subscriber] = {}  # rid -> where its tokens go
         self._token0_owner: dict[str, Subscriber] = {}  # producer's rid -> where token 0 goes
+        self._prefills: set[str] = set()  # attached rids started with StartPrefill
         self._dirty: list[Subscriber] = []  # subscribers with pending tokens
-        self._finishing: list[tuple[str, str, Subscriber]] = []  # (rid, finish, sub)
+        # (rid, finish, sub, a StartPrefill request?)
+        self._finishing: list[tuple[str, str, Subscriber, bool]] = []
         self._opened = asyncio.Event()  # set whenever a subscriber opens (StartDecode waits)
         self.batches = 0  # batches queued, all subscribers (metrics, tests)
         self.tokens = 0  # Tokens entries queued
@@ -193,6 +204,7 @@ class OutputHub:
         orphans = sorted(sub.rids)
         for rid in orphans:
             self._owner.pop(rid, None)
+            self._prefills.discard(rid)
         sub.rids.clear()
         return orphans
 
@@ -215,6 +227,7 @@ class OutputHub:
         detached (their reader learns the error from the stream's end)."""
         self._finishing.clear()
         self._token0_owner.clear()  # their Prefill streams end with the engine's failure
+        self._prefills.clear()
         for sub in list(self.subscribers.values()):
             sub.failed = error
             for rid in sub.rids:
@@ -236,8 +249,14 @@ class OutputHub:
         self._owner[rid] = sub
         sub.rids.add(rid)
 
+    def attach_prefill(self, rid: str, sub: Subscriber) -> None:
+        """A StartPrefill request: its token 0 and transfer result go to ``sub``."""
+        self.attach(rid, sub)
+        self._prefills.add(rid)
+
     def detach(self, rid: str) -> None:
         self._token0_owner.pop(rid, None)
+        self._prefills.discard(rid)
         sub = self._owner.pop(rid, None)
         if sub is not None:
             sub.rids.discard(rid)
@@ -247,17 +266,52 @@ class OutputHub:
         self._token0_owner[rid] = sub
 
     def add_token0(self, ev: Token0Event) -> bool:
-        """Queues a producer's token 0 for its subscriber's next batch and detaches the
-        request; False when it has none, that one is gone, or the token ends the request
-        (its Prefill stream carries token 0 then)."""
-        sub = self._token0_owner.pop(ev.rid, None)
-        if sub is None or sub.closed or sub.failed or ev.finish:
+        """Queues a producer's token 0 for its subscriber's next batch; False when it has
+        none, that one is gone, or the token ends a Prefill stream's request (that stream
+        carries token 0 then). A Prefill stream's request is detached at once; a
+        StartPrefill one stays attached for its transfer's result, unless its token 0 ended
+        it."""
+        if ev.rid in self._prefills:
+            sub = self._owner[ev.rid]
+            if ev.finish:
+                self._end_prefill(ev.rid, str(ev.finish), sub)
+        else:
+            stream_sub = self._token0_owner.pop(ev.rid, None)
+            if stream_sub is None or stream_sub.closed or stream_sub.failed or ev.finish:
+                return False
+            sub = stream_sub
+        self._dirty_entry(sub)
+        fill_token0(sub.pending.token0s.add(request_id=ev.rid), ev, time.time_ns())
+        return True
+
+    def add_transfer(self, ev: TransferResultEvent) -> bool:
+        """Queues a StartPrefill request's transfer result, its last entry; False when the
+        request is not one (its Prefill stream carries the result)."""
+        if ev.rid not in self._prefills:
             return False
+        sub = self._owner[ev.rid]
+        self._end_prefill(ev.rid, "transferred" if ev.ok else
+                          "busy" if ev.busy else "transfer_failed", sub)
+        self._dirty_entry(sub)
+        sub.pending.transfers.add(request_id=ev.rid, ok=ev.ok, error=ev.error,
+                                  kv_transfer_ms=ev.kv_transfer_ms, busy=ev.busy)
+        return True
+
+    def _end_prefill(self, rid: str, outcome: str, sub: Subscriber) -> None:
+        self._prefills.discard(rid)
+        del self._owner[rid]
+        sub.rids.discard(rid)
+        self._finishing.append((rid, outcome, sub, True))
+
+    def _dirty_entry(self, sub: Subscriber) -> None:
+        """One more entry in ``sub``'s pending batch (queued at the pass's flush)."""
         if not sub.npending:
             self._dirty.append(sub)
         sub.npending += 1
-        fill_token0(sub.pending.token0s.add(request_id=ev.rid), ev, time.time_ns())
-        return True
+
+    def prefilling(self, rid: str) -> bool:
+        """``rid`` is a StartPrefill request still attached here."""
+        return rid in self._prefills
 
     def owns(self, rid: str) -> bool:
         return rid in self._owner
@@ -293,7 +347,7 @@ class OutputHub:
             # its last message: no more tokens may follow on any stream
             self._owner.pop(ev.rid, None)
             sub.rids.discard(ev.rid)
-            self._finishing.append((ev.rid, ev.finish or "", sub))
+            self._finishing.append((ev.rid, ev.finish or "", sub, False))
         return True
 
     def add_batch(self, b: TokensBatchEvent) -> list[int]:
@@ -355,7 +409,7 @@ class OutputHub:
                 rid = b.rids[i]  # its last message: no more tokens may follow on any stream
                 sub = self._owner.pop(rid)
                 sub.rids.discard(rid)
-                self._finishing.append((rid, finish, sub))
+                self._finishing.append((rid, finish, sub, False))
         return rest
 
     def flush(self) -> list[OutputsDone]:
@@ -370,7 +424,7 @@ class OutputHub:
             else:
                 sub._drop_pending()
         self._dirty.clear()
-        done = [OutputsDone(rid, seqs[id(sub)], finish) for rid, finish, sub in self._finishing
-                if id(sub) in seqs]
+        done = [OutputsDone(rid, seqs[id(sub)], finish, prefill)
+                for rid, finish, sub, prefill in self._finishing if id(sub) in seqs]
         self._finishing.clear()
         return done

@@ -36,6 +36,7 @@ from worker.messages import (
     StatsEvent,
     Token0Event,
     Token0SentCmd,
+    TransferResultEvent,
     decode,
     encode,
     rid_of,
@@ -187,11 +188,17 @@ class EngineBridge:
             pass  # its Outputs stream carries it
         elif isinstance(msg, Token0Event):
             if msg.rid not in self.queues:
-                self.hub.detach(msg.rid)
+                if self.hub.add_token0(msg):  # a StartPrefill request's
+                    self._routed_token0s.append(msg)
+                else:
+                    self.hub.detach(msg.rid)
             elif self.hub.add_token0(msg):
                 self._routed_token0s.append(msg)  # its stream learns after the flush
             else:
                 self.queues[msg.rid].put_nowait(msg)
+        elif isinstance(msg, TransferResultEvent) and msg.rid not in self.queues:
+            # a StartPrefill request's last entry (else a request that ended here already)
+            self.hub.add_transfer(msg)
         elif isinstance(msg, StatsEvent):
             self.load = msg.load
         elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):
@@ -223,8 +230,10 @@ class EngineBridge:
         # TOKEN0_SENT_WAIT_S) for it, and a busy loop's task wake-up is one hop more.
         if self._routed_token0s:
             for ev in self._routed_token0s:
-                if (q := self.queues.get(ev.rid)) is not None:
+                q = self.queues.get(ev.rid)
+                if q is not None or not ev.finish:  # a StartPrefill request has no queue
                     self.send(Token0SentCmd(ev.rid))
+                if q is not None:
                     q.put_nowait(Token0Routed(ev))
             self._routed_token0s.clear()
         if self.on_done is not None:
@@ -322,6 +331,30 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 " is open on this worker")
             raise AssertionError  # abort raises
         return sub
+
+    async def _start_routed(self, rpc: str, rid: str, subscriber_id: str, carries: str,
+                            attach: Callable[[str, Subscriber], None], cmd: Command,
+                            context: grpc.aio.ServicerContext) -> None:
+        """StartDecode's and StartPrefill's part after the request's checks: attaches it
+        to the Outputs stream it names (``attach``) and sends its first command, or refuses
+        it with the call's status (INVALID_ARGUMENT without a subscriber, FAILED_PRECONDITION
+        naming one not open, ALREADY_EXISTS, RESOURCE_EXHAUSTED when the engine process is
+        behind)."""
+        await self._check_new(rid, context)
+        if not subscriber_id:
+            self._count(rpc, "invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"subscriber_id: required (the Outputs stream that carries "
+                                f"{carries})")
+        sub = await self._named_subscriber(rpc, subscriber_id, context)
+        await self._check_new(rid, context)  # the wait may have let the same id in
+        attach(rid, sub)
+        try:
+            self.bridge.send_new(cmd)
+        except EngineBusy as e:
+            self.bridge.hub.detach(rid)
+            self._count(rpc, "busy")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
 
     async def _open(self, rid: str,
                     context: grpc.aio.ServicerContext) -> RequestQueue:

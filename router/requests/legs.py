@@ -1,4 +1,6 @@
-"""The two legs of a request: readers that turn worker streams into events.
+"""The two legs of a request: readers that turn worker streams into events. What both share,
+and the consumer's (or colocated worker's) leg; the producer's is in
+router/requests/producer_leg.py.
 
 A leg only reads its stream and reports what it saw (``Report``); it decides nothing.
 The request's run (``router.requests.request_run``) receives every report, so ordering questions
@@ -9,7 +11,6 @@ pairing step (forwarding the consumer's reservation to the producer) live in one
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -23,11 +24,8 @@ from router.requests.run_events import (
     DecodeEnded,
     Event,
     LegFailed,
-    ProducerEnded,
     Reserved,
-    Token0Read,
     TokensRead,
-    TransferRead,
 )
 from router.requests.worker_outputs import OutputsBroken, WorkerOutputs
 
@@ -136,177 +134,6 @@ class Leg:
         self._report_event = _dropped
 
 
-class ProducerLeg(Leg):
-    """The bidi Prefill stream: request first, destination when the consumer reserved.
-
-    With the producer's Outputs stream (``outputs``, ready) the request names it, and token
-    0 comes from there, in one message with the step's other token 0s; the Prefill stream
-    then carries only the transfer's result. The two streams are not ordered with each
-    other, so a result that says token 0 went before it (``token0_routed``) is reported
-    only once token 0 was: the run sees the producer's events in the order it sent them. A
-    result without it (a refusal before the prefill) and the stream's end wait for nothing;
-    a token 0 that ends the request comes on the Prefill stream. Without the Outputs stream
-    (an older worker, or it failed before the request) token 0 comes on the Prefill stream
-    as before.
-    """
-
-    def __init__(self, worker: WorkerInfo, call: Any, report: Report,
-                 outputs: WorkerOutputs | None = None) -> None:
-        super().__init__(worker, call, report, outputs)  # call: grpc.aio.StreamStreamCall
-        self._write_lock = asyncio.Lock()  # grpc.aio allows one outstanding write
-        self._closed_writing = False
-        # set once the request was written (or never will be): every later write waits for
-        # it. The reading task writes the request, and a task runs only at the loop's next
-        # turn, while a destination sent right after start() (a retried producer, whose
-        # consumer had reserved already) took the free lock at once: the producer got the
-        # destination and the stream's half-close before any request
-        self._request_sent = asyncio.Event()
-        self._holding: asyncio.Task[None] | None = None  # hold_until_reserved, kept alive
-        # set once token 0 came from the Outputs stream, or that stream broke first;
-        # None: token 0 comes on the Prefill stream
-        self._token0_came: asyncio.Event | None = None
-
-    def start(self, request: worker_pb2.PrefillRequest,
-              hold: tuple[DecodeLeg, float, Callable[[], bool]] | None = None) -> None:
-        """``hold``: (the consumer's leg, interval, the run ended?) for hold_until_reserved."""
-        self._start(self._read(request))
-        if hold is not None:  # it ends by itself: paired, the run ended, or a leg gone
-            self._holding = asyncio.get_running_loop().create_task(
-                hold_until_reserved(self, *hold))
-
-    async def linger(self, bound_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + bound_s
-        # bounded too: the half-close waits for the write lock (a destination write may
-        # hold it), and an unbounded wait here skipped the cancel
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.half_close(), bound_s)
-        await super().linger(max(0.0, end - loop.time()))
-
-    def cancel(self) -> None:
-        self._unroute()
-        self._request_sent.set()  # nothing waits for a request that will not be written
-        super().cancel()
-
-    async def _read(self, request: worker_pb2.PrefillRequest) -> None:
-        try:
-            # The request is the stream's first message: a hold or the destination waits
-            # for it (_request_sent), then for the lock.
-            try:
-                async with self._write_lock:
-                    if self._outputs is not None:
-                        await self._route(request, self._outputs)
-                    if not self._closed_writing:
-                        await self.call.write(worker_pb2.PrefillInput(request=request))
-            finally:
-                self._request_sent.set()
-            while True:
-                out = await self.call.read()
-                if out is grpc.aio.EOF:
-                    # after its result (reported in order), or its token 0 ended the request
-                    # (that one comes on this stream), or it broke the protocol: no wait
-                    self._unroute()
-                    self._report_event(ProducerEnded())
-                    return
-                kind = out.WhichOneof("kind")
-                if kind == "token0":
-                    self._unroute()
-                    self._report_event(Token0Read(out.token0, time.time_ns()))
-                elif kind == "transfer":
-                    if out.transfer.token0_routed:
-                        await self._after_token0()
-                    self._unroute()
-                    self._report_event(TransferRead(out.transfer))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any failure of the leg ends the request
-            self._unroute()
-            await self._report(e)
-
-    async def _route(self, request: worker_pb2.PrefillRequest, outputs: WorkerOutputs) -> None:
-        """Names the Outputs stream in the request and routes token 0 from it, when the
-        stream is ready; otherwise the Prefill stream carries token 0."""
-        try:
-            batched = await outputs.ready()
-        except OutputsBroken:
-            return  # the producer serves token 0 on the Prefill stream all the same
-        if not batched or not outputs.usable:
-            return
-        request.subscriber_id = outputs.subscriber_id
-        self._token0_came = asyncio.Event()
-        self._route_on(outputs, request.request_id)
-
-    async def _after_token0(self) -> None:
-        if self._token0_came is not None:
-            await self._token0_came.wait()
-
-    # Route: what the producer's Outputs stream calls
-    def on_token0(self, token0: worker_pb2.Token0, read_ns: int) -> None:
-        self._unroute()
-        self._report_event(Token0Read(token0, read_ns))
-        assert self._token0_came is not None
-        self._token0_came.set()
-
-    def on_tokens(self, tokens: worker_pb2.Tokens) -> None:
-        pass  # a producer sends none for its requests
-
-    def on_reserved(self, reserved: worker_pb2.Reserved) -> None:
-        pass  # nor reservations
-
-    def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
-        """The stream failed before token 0 came on it: the token may have gone with it."""
-        self._outputs_failed(code, f"before token 0: {message}")
-        assert self._token0_came is not None
-        self._token0_came.set()
-
-    async def send_destination(self, dest: worker_pb2.KVDestination) -> None:
-        """Forwards the consumer's reservation, then half-closes: nothing else will follow."""
-        try:
-            await self._write(worker_pb2.PrefillInput(destination=dest))
-            await self.half_close()
-        except Exception:  # noqa: BLE001 - the read side reports the call's real status
-            pass
-
-    @property
-    def paired(self) -> bool:
-        """The destination went out (and the input was closed): no more holds."""
-        return self._closed_writing
-
-    async def hold(self, consumer_id: str) -> None:
-        """The consumer is alive and its reservation waits: the producer keeps the blocks."""
-        await self._write(worker_pb2.PrefillInput(
-            queued=worker_pb2.ReservationQueued(consumer_id=consumer_id)))
-
-    async def half_close(self) -> None:
-        await self._request_sent.wait()
-        async with self._write_lock:
-            if not self._closed_writing and not self.call.done():
-                self._closed_writing = True
-                await self.call.done_writing()
-
-    async def _write(self, msg: worker_pb2.PrefillInput) -> None:
-        await self._request_sent.wait()
-        async with self._write_lock:
-            if self._closed_writing:
-                return
-            await self.call.write(msg)
-
-    async def _report(self, e: BaseException) -> None:
-        if not isinstance(e, grpc.aio.AioRpcError):
-            # A write on a failed call raises a generic error; the call's status says why.
-            try:
-                code = await asyncio.wait_for(self.call.code(), 1.0)
-                details = await self.call.details()
-                msg = (f"{self.worker.role_name} {self.worker.worker_id} "
-                       f"({self.worker.address}) failed: {code.name}: {details}")
-                self._report_event(LegFailed(self.worker, code, msg))
-                return
-            except Exception:  # noqa: BLE001
-                pass
-        code, msg = describe_rpc_error(self.worker, e)
-        self._report_event(LegFailed(self.worker, code, msg))
-
-
 class DecodeLeg(Leg):
     """A consumer's (reservation, then tokens) or a colocated worker's part of a request.
 
@@ -367,6 +194,9 @@ class DecodeLeg(Leg):
 
     def on_reserved(self, reserved: worker_pb2.Reserved) -> None:
         self._report_event(Reserved(self._destination(reserved)))
+
+    def on_transfer(self, result: worker_pb2.TransferResult) -> None:
+        pass  # a producer's
 
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None:
         self._outputs_failed(code, message)
@@ -431,22 +261,3 @@ class DecodeLeg(Leg):
             self._starting = False
         if self._abort_when_started:
             await abort_on_worker(self._stub, self.worker, rid, ABORT_AFTER_START_S)
-
-
-async def hold_until_reserved(producer: ProducerLeg, decode: DecodeLeg, interval_s: float,
-                              done: Callable[[], bool]) -> None:
-    """Until the destination went to the producer (or ``done()``: the run ended), renews its
-    lease on the prefilled blocks while the consumer's stream is open. A consumer that stops
-    heartbeating is dropped by the registry, which ends the attempt and so the renewals: the
-    producer then frees the blocks within its lease."""
-    try:
-        while True:
-            await asyncio.sleep(interval_s)
-            if (done() or producer.paired or not decode.reading
-                    or not producer.reading):
-                return
-            await producer.hold(decode.worker.worker_id)
-    except asyncio.CancelledError:
-        raise
-    except Exception:  # noqa: BLE001 - the leg's reader reports the call's failure
-        return

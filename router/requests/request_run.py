@@ -62,7 +62,8 @@ from router.control.registry import WorkerInfo
 from router.requests.direct_write import DirectWrite
 from router.requests.errors import Overloaded
 from router.requests.event_queue import EventQueue, is_open
-from router.requests.legs import DecodeLeg, ProducerLeg, abort_on_worker
+from router.requests.legs import DecodeLeg, abort_on_worker
+from router.requests.producer_leg import ProducerLeg
 from router.requests.request_info import RequestInfo
 from router.requests.run_events import (
     STOPS,
@@ -220,8 +221,7 @@ class RequestRun:
             return
         p, c = slot.producer, slot.consumer
         assert p is not None and c is not None
-        self.producer = ProducerLeg(p, self.stubs[p.worker_id].Prefill(), report,
-                                    self._outputs_for(p))
+        self.producer = ProducerLeg(p, self.stubs[p.worker_id], report, self._outputs_for(p))
         # (producer, group) pairs with (consumer, group): the KV moves between those two
         # attention data-parallel groups' ranks only
         dreq = self._decode_request(colocated=False)

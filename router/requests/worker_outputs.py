@@ -87,6 +87,8 @@ class Route(Protocol):
 
     def on_reserved(self, reserved: worker_pb2.Reserved) -> None: ...
 
+    def on_transfer(self, result: worker_pb2.TransferResult) -> None: ...
+
     def on_outputs_broken(self, code: grpc.StatusCode | None, message: str) -> None: ...
 
 
@@ -100,6 +102,9 @@ class WorkerOutputs:
         self.seq = 0  # the last batch handed on
         self._routes: dict[str, Route] = {}
         self._stub = stub
+        # the worker serves StartPrefill (False once a producer answered UNIMPLEMENTED: its
+        # requests go on Prefill streams)
+        self.start_prefill = True
         # ids aborted as orphans (insertion order: the oldest is forgotten first), and the
         # Abort calls in flight (kept so they are not collected before they finish)
         self._orphans: dict[str, None] = {}
@@ -153,13 +158,21 @@ class WorkerOutputs:
                     self.state = State.READY
                     self._ready.set_result(True)
                 # producers' token 0s first: each is a client's first token, the one the
-                # first-token hold measures (a token 0 of a run torn down is dropped: its
-                # Prefill call was cancelled, which ends the request on the producer)
+                # first-token hold measures (a token 0 of a run torn down: its Prefill call
+                # was cancelled, which ended the request on the producer, or its Abort was
+                # lost, and the producer holds it: aborted here)
                 if batch.token0s:
                     read_ns = time.time_ns()  # the router's part of the hold starts here
                     for t0 in batch.token0s:
                         if (leg := self._routes.get(t0.request_id)) is not None:
                             leg.on_token0(t0, read_ns)
+                        elif not t0.finish_reason:
+                            self._orphaned(t0.request_id)
+                for tr in batch.transfers:  # each a StartPrefill request's last entry
+                    if (leg := self._routes.get(tr.request_id)) is not None:
+                        leg.on_transfer(tr)
+                    else:
+                        self._orphans.pop(tr.request_id, None)
                 for r in batch.reserved:  # before any token of the same request
                     if (leg := self._routes.get(r.request_id)) is not None:
                         leg.on_reserved(r)

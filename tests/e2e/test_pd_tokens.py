@@ -186,11 +186,12 @@ def test_consumer_tokens_travel_in_one_batch_per_step(cluster_1p1d, colocated_ll
 
 def test_token0s_travel_on_the_producers_outputs_stream(cluster_1p1d, colocated_llm):
     """Each token 0 leaves the producer on the router's Outputs stream (the step's token 0s in
-    one message), not on the request's Prefill stream: one entry per request there, and the
-    tokens and the first-token stamps are what they were."""
+    one message), and so does its transfer's result (StartPrefill: no Prefill stream): two
+    entries per request there, and the tokens and the first-token stamps are what they
+    were."""
     results, batches, messages = _served_with_outputs_counts(cluster_1p1d, "worker-0",
                                                              colocated_llm)
-    assert messages == len(results) and 0 < batches <= messages, (batches, messages)
+    assert messages == 2 * len(results) and 0 < batches <= messages, (batches, messages)
     for r in results:
         t = r.timing
         assert t.producer == "worker-0"

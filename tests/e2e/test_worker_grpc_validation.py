@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from cluster_client import wait_whole
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pdserve.v1 import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
@@ -256,16 +257,6 @@ def test_malformed_prefill_is_invalid_argument_counted_and_worker_keeps_serving(
     assert prefill(stub, "good-p", [HI, 5, 6], sp(max_tokens=3, temperature=0)) == (
         grpc.StatusCode.OK, "")
     wait_whole(cluster_pdc)
-
-
-def wait_whole(cluster: Any, timeout: float = 45.0) -> None:
-    from cluster_client import stub_for, wait_for_full_kv
-
-    ch, s = stub_for(cluster.router_address)
-    try:
-        wait_for_full_kv(s, timeout)
-    finally:
-        ch.close()
 
 
 ids_st = st.lists(st.one_of(st.integers(0, VOCAB - 1), st.integers(0, 2**32 - 1)),

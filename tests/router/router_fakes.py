@@ -160,7 +160,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                  max_model_len: int = 2048, model: str = "smollm2",
                  outputs: bool = False, start_delay_s: float = 0.0,
                  refuse_start: tuple[grpc.StatusCode, str] | None = None,
-                 batch_all: bool = False, token0_delay_s: float = 0.0) -> None:
+                 batch_all: bool = False, token0_delay_s: float = 0.0,
+                 start_prefill: bool = True) -> None:
         """outputs: serve Outputs and StartDecode (the decode script's reservation and
         tokens go to the Outputs stream StartDecode names); start_delay_s: StartDecode
         answers that late, after its request's outputs went out; refuse_start: StartDecode
@@ -168,7 +169,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         when it leaves (one request's several tokens in one batch, as a service whose loop
         fell behind its engine sends them); token0_delay_s: with outputs, a Prefill that
         names the Outputs stream gets its token 0 there this late (and not on its own
-        stream, which goes on at once: its transfer result may overtake the token)."""
+        stream, which goes on at once: its transfer result may overtake the token);
+        start_prefill: with outputs, serve StartPrefill and PrefillControl (the prefill
+        script's token 0 and result go to the Outputs stream, in order, and PrefillControl
+        feeds its inputs); False: they answer UNIMPLEMENTED, as an older producer."""
         self.worker_id, self.role = worker_id, role
         self.prefill_script, self.decode_script = prefill, decode
         self.kv_fingerprint, self.max_model_len, self.model = kv_fingerprint, max_model_len, model
@@ -187,6 +191,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.outputs, self.start_delay_s = outputs, start_delay_s
         self.refuse_start, self.batch_all = refuse_start, batch_all
         self.token0_delay_s = token0_delay_s
+        self.start_prefill = start_prefill
+        self.prefill_inputs: dict[str, asyncio.Queue[Any]] = {}  # StartPrefill's requests
         self.subscribers: dict[str, asyncio.Queue[Any]] = {}
         self.started: dict[str, asyncio.Task[None]] = {}  # StartDecode's requests
         self.seq = 0
@@ -330,6 +336,59 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         await asyncio.sleep(self.start_delay_s)
         return worker_pb2.DecodeStarted()
 
+    async def StartPrefill(self, request: worker_pb2.PrefillRequest, context: Any
+                           ) -> worker_pb2.PrefillStarted:
+        if not (self.outputs and self.start_prefill):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no StartPrefill here")
+        self.prefill_requests.append(request)
+        q = self.subscribers.get(request.subscriber_id)
+        if q is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "subscriber_id: not open")
+        rid = request.request_id
+        inputs: asyncio.Queue[Any] = asyncio.Queue()
+        self.prefill_inputs[rid] = inputs
+
+        async def fed() -> AsyncIterator[Any]:
+            while True:
+                yield await inputs.get()
+
+        async def feed() -> None:
+            try:
+                async for out in self.prefill_script(self, request, fed()):
+                    if out.WhichOneof("kind") == "token0":
+                        out.token0.request_id = rid
+                        batch = worker_pb2.OutputBatch(token0s=[out.token0])
+                        if out.token0.finish_reason:
+                            self._queue_batch(q, batch)
+                            return
+                        if self.token0_delay_s:
+                            await asyncio.sleep(self.token0_delay_s)
+                    else:
+                        out.transfer.request_id = rid
+                        batch = worker_pb2.OutputBatch(transfers=[out.transfer])
+                    self._queue_batch(q, batch)
+            finally:
+                self.prefill_inputs.pop(rid, None)
+
+        task = asyncio.get_running_loop().create_task(feed())
+        task.add_done_callback(lambda t: t.cancelled() and self.cancelled.append(rid))
+        self.started[rid] = task
+        await asyncio.sleep(self.start_delay_s)
+        return worker_pb2.PrefillStarted()
+
+    async def PrefillControl(self, request: worker_pb2.PrefillControlRequest, context: Any
+                             ) -> worker_pb2.PrefillControlResponse:
+        if not (self.outputs and self.start_prefill):
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "no PrefillControl here")
+        inputs = self.prefill_inputs.get(request.request_id)
+        if inputs is None:
+            return worker_pb2.PrefillControlResponse(known=False)
+        msg = worker_pb2.PrefillInput()
+        kind = request.WhichOneof("kind")
+        getattr(msg, str(kind)).CopyFrom(getattr(request, str(kind)))
+        inputs.put_nowait(msg)
+        return worker_pb2.PrefillControlResponse(known=True)
+
     async def Outputs(self, request: worker_pb2.OutputsRequest, context: Any
                       ) -> AsyncIterator[worker_pb2.OutputBatch]:
         if not self.outputs:
@@ -346,6 +405,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 batch.tokens.extend(more.tokens)
                 batch.reserved.extend(more.reserved)
                 batch.token0s.extend(more.token0s)
+                batch.transfers.extend(more.transfers)
                 batch.seq = more.seq
             yield batch
 

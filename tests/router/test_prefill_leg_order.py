@@ -1,4 +1,4 @@
-"""The router's Prefill stream to a producer (router/requests/legs.py ProducerLeg) writes
+"""The router's Prefill stream to a producer (router/requests/producer_leg.py) writes
 the request first, whatever comes after it: a destination sent right after the leg starts
 (a retried producer, whose consumer had reserved already) used to take the write lock before
 the leg's reading task ran, so the producer's first message was the destination and the
@@ -14,7 +14,7 @@ import grpc
 from pdserve.v1 import common_pb2, worker_pb2
 
 from router.control.registry import WorkerInfo
-from router.requests.legs import ProducerLeg
+from router.requests.producer_leg import ProducerLeg
 
 
 class RecordingCall:
@@ -44,6 +44,16 @@ class RecordingCall:
         return True
 
 
+class StreamOnly:
+    """A stub whose Prefill is the recording call (no Outputs stream: no StartPrefill)."""
+
+    def __init__(self, call: RecordingCall) -> None:
+        self.call = call
+
+    def Prefill(self) -> RecordingCall:  # noqa: N802 - the stub's method name
+        return self.call
+
+
 def _worker() -> WorkerInfo:
     return WorkerInfo("p1", common_pb2.ROLE_PRODUCER, "127.0.0.1:1", "", "m", "", 4096,
                       common_pb2.WorkerLoad(), 0.0)
@@ -52,7 +62,7 @@ def _worker() -> WorkerInfo:
 def test_a_destination_sent_at_once_follows_the_request() -> None:
     async def main() -> None:
         call = RecordingCall()
-        leg = ProducerLeg(_worker(), call, lambda ev: None)
+        leg = ProducerLeg(_worker(), StreamOnly(call), lambda ev: None)  # type: ignore[arg-type]
         leg.start(worker_pb2.PrefillRequest(request_id="r1#retry1"))
         # no turn of the loop in between: the reading task has not run yet
         await leg.send_destination(worker_pb2.KVDestination(consumer_id="c0"))
@@ -66,7 +76,7 @@ def test_a_destination_sent_at_once_follows_the_request() -> None:
 def test_a_cancelled_leg_leaves_no_writer_waiting() -> None:
     async def main() -> None:
         call = RecordingCall()
-        leg = ProducerLeg(_worker(), call, lambda ev: None)
+        leg = ProducerLeg(_worker(), StreamOnly(call), lambda ev: None)  # type: ignore[arg-type]
         leg.start(worker_pb2.PrefillRequest(request_id="r1"))
         leg.cancel()  # before its reading task ever ran: the request is never written
         await asyncio.wait_for(leg.send_destination(worker_pb2.KVDestination()), 5)

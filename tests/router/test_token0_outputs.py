@@ -1,8 +1,9 @@
-"""A producer's token 0 on the router's Outputs stream (router/requests/legs.py ProducerLeg),
-against scripted workers: the Prefill names the stream and token 0 comes from there; the
-transfer result and the Prefill stream's end, which are not ordered with that stream, reach
-the run only after token 0; a stream that breaks before token 0 sends the request to another
-producer; a producer without the stream sends token 0 on the Prefill stream."""
+"""A producer's token 0 on the router's Outputs stream with a Prefill stream beside it (a
+producer without StartPrefill; router/requests/producer_leg.py), against scripted workers:
+the Prefill names the stream and token 0 comes from there; the transfer result and the
+Prefill stream's end, which are not ordered with that stream, reach the run only after token
+0; a stream that breaks before token 0 sends the request to another producer; a producer
+without the stream sends token 0 on the Prefill stream."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ P, C = 1, 2
 def test_token0_comes_on_the_producers_outputs_stream() -> None:
     async def main() -> None:
         async with Cluster() as cl:
-            p = await cl.add("p0", P, outputs=True)
+            p = await cl.add("p0", P, outputs=True, start_prefill=False)
             await cl.add("c0", C, outputs=True)
             got = await asyncio.gather(*(cl.generate(max_tokens=4) for _ in range(4)))
             for resps in got:
@@ -39,7 +40,7 @@ def test_a_transfer_result_that_overtakes_token0_waits_for_it() -> None:
     tokens are there first, and the client still gets token 0 first, then the rest."""
     async def main() -> None:
         async with Cluster() as cl:
-            p = await cl.add("p0", P, outputs=True, token0_delay_s=0.3)
+            p = await cl.add("p0", P, outputs=True, start_prefill=False, token0_delay_s=0.3)
             await cl.add("c0", C, outputs=True)
             resps = await cl.generate(request_id="r1", max_tokens=4)
             assert [list(r.token_ids) for r in resps] == [[TOKEN0], [101, 102], [103]]
@@ -52,12 +53,12 @@ def test_a_transfer_result_that_overtakes_token0_waits_for_it() -> None:
 def test_an_outputs_stream_broken_before_token0_sends_the_request_elsewhere() -> None:
     async def main() -> None:
         async with Cluster() as cl:
-            p0 = await cl.add("p0", P, outputs=True, token0_delay_s=3600)
+            p0 = await cl.add("p0", P, outputs=True, start_prefill=False, token0_delay_s=3600)
             await cl.add("c0", C, outputs=True)
             task = asyncio.get_running_loop().create_task(
                 cl.generate(request_id="r1", max_tokens=4))
             await wait_until(lambda: bool(p0.destinations))  # token 0 still to come
-            p1 = await cl.add("p1", P, outputs=True)
+            p1 = await cl.add("p1", P, outputs=True, start_prefill=False)
             p0.break_outputs()
             resps = await task
             assert [list(r.token_ids) for r in resps] == [[TOKEN0], [101, 102], [103]]
@@ -92,8 +93,8 @@ def test_a_refusal_before_token0_waits_for_no_token() -> None:
     never comes hung the request until its deadline)."""
     async def main() -> None:
         async with Cluster() as cl:
-            p0 = await cl.add("p0", P, outputs=True, prefill=prefill_busy)
-            p1 = await cl.add("p1", P, outputs=True)
+            p0 = await cl.add("p0", P, outputs=True, start_prefill=False, prefill=prefill_busy)
+            p1 = await cl.add("p1", P, outputs=True, start_prefill=False)
             await cl.add("c0", C, outputs=True)
             resps = await asyncio.wait_for(cl.generate(request_id="r1", max_tokens=4), 5)
             assert [list(r.token_ids) for r in resps] == [[TOKEN0], [101, 102], [103]]
@@ -111,7 +112,8 @@ async def prefill_stop_at_token0(w: Any, req: Any, inputs: Any) -> Any:
 def test_a_token0_that_ends_the_request_comes_on_the_prefill_stream() -> None:
     async def main() -> None:
         async with Cluster() as cl:
-            p = await cl.add("p0", P, outputs=True, prefill=prefill_stop_at_token0)
+            p = await cl.add("p0", P, outputs=True, start_prefill=False,
+                             prefill=prefill_stop_at_token0)
             await cl.add("c0", C, outputs=True)
             resps = await asyncio.wait_for(cl.generate(max_tokens=4), 5)
             assert [list(r.token_ids) for r in resps] == [[TOKEN0]]

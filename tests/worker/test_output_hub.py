@@ -9,7 +9,7 @@ import pytest
 from pdserve.v1 import common_pb2, worker_pb2
 
 from engine.request import LogprobRow
-from worker.messages import ReservedEvent, Token0Event
+from worker.messages import ReservedEvent, Token0Event, TransferResultEvent
 from worker.output_hub import OutputHub, OutputsDone, SubscriberFailed
 from worker.token_batch import TokensEvent
 
@@ -299,6 +299,44 @@ def test_a_token0_whose_subscriber_left_goes_on_its_prefill_stream() -> None:
         hub.attach_token0("p2", b)
         hub.fail("engine process failed")
         assert not hub.add_token0(t0("p2")) and not hub.add_token0(t0("p3"))
+
+    asyncio.run(main())
+
+
+def test_a_started_prefill_sends_token0_then_its_result_and_ends_with_it() -> None:
+    """StartPrefill's requests: attached (counted, handed back with their subscriber), token
+    0 keeps them attached for the result, which ends them; one whose token 0 ends it ends
+    there; a result for a request that is not one is declined (its Prefill stream's)."""
+    async def main() -> None:
+        hub = OutputHub()
+        a, _ = hub.subscribe("router-a")
+        for rid in ("s1", "s2", "s3"):
+            hub.attach_prefill(rid, a)
+        assert hub.running == 3 and hub.prefilling("s1") and hub.owns("s1")
+        assert hub.add_token0(t0("s1")) and hub.add_token0(t0("s2", 8, "stop"))
+        assert hub.flush() == [OutputsDone("s2", 1, "stop", prefill=True)]
+        assert hub.prefilling("s1") and not hub.prefilling("s2") and hub.running == 2
+        batch = await a.next_batch()
+        assert [(e.request_id, e.finish_reason) for e in batch.token0s] == [
+            ("s1", common_pb2.FINISH_REASON_UNSPECIFIED), ("s2", common_pb2.FINISH_REASON_STOP)]
+        assert hub.add_transfer(TransferResultEvent("s1", True, "", 2.5))
+        assert hub.add_transfer(TransferResultEvent("s3", False, "busy", 0.0, busy=True))
+        assert not hub.add_transfer(TransferResultEvent("s1", True, "", 1.0))  # ended
+        assert not hub.add_transfer(TransferResultEvent("stream", True, "", 1.0))
+        assert hub.flush() == [OutputsDone("s1", 2, "transferred", prefill=True),
+                               OutputsDone("s3", 2, "busy", prefill=True)]
+        batch = await a.next_batch()
+        assert [(e.request_id, e.ok, e.busy, e.kv_transfer_ms) for e in batch.transfers] == [
+            ("s1", True, False, 2.5), ("s3", False, True, 0.0)]
+        assert hub.running == 0 and not hub.owns("s1")
+        # a subscriber that leaves hands its started prefills back (to abort)
+        hub.attach_prefill("s4", a)
+        assert hub.unsubscribe(a) == ["s4"] and not hub.prefilling("s4")
+        b, _ = hub.subscribe("router-b")
+        hub.attach_prefill("s5", b)
+        hub.fail("engine process failed")
+        assert not hub.prefilling("s5") and not hub.add_transfer(
+            TransferResultEvent("s5", False, "x", 0.0))
 
     asyncio.run(main())
 

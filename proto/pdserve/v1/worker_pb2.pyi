@@ -136,16 +136,38 @@ class OutputsEnd(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("tokens", "seq", "reserved", "token0s")
+    __slots__ = ("tokens", "seq", "reserved", "token0s", "transfers")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TOKEN0S_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     seq: int
     reserved: _containers.RepeatedCompositeFieldContainer[Reserved]
     token0s: _containers.RepeatedCompositeFieldContainer[Token0]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ..., reserved: _Optional[_Iterable[_Union[Reserved, _Mapping]]] = ..., token0s: _Optional[_Iterable[_Union[Token0, _Mapping]]] = ...) -> None: ...
+    transfers: _containers.RepeatedCompositeFieldContainer[TransferResult]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., seq: _Optional[int] = ..., reserved: _Optional[_Iterable[_Union[Reserved, _Mapping]]] = ..., token0s: _Optional[_Iterable[_Union[Token0, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[TransferResult, _Mapping]]] = ...) -> None: ...
+
+class PrefillStarted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillControlRequest(_message.Message):
+    __slots__ = ("request_id", "destination", "queued")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    destination: KVDestination
+    queued: ReservationQueued
+    def __init__(self, request_id: _Optional[str] = ..., destination: _Optional[_Union[KVDestination, _Mapping]] = ..., queued: _Optional[_Union[ReservationQueued, _Mapping]] = ...) -> None: ...
+
+class PrefillControlResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
 
 class PrefillInput(_message.Message):
     __slots__ = ("request", "destination", "queued")
@@ -232,18 +254,20 @@ class Token0(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[_Union[_common_pb2.TokenLogprob, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., sampled_ns: _Optional[int] = ..., received_ns: _Optional[int] = ..., sent_ns: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., taken_ns: _Optional[int] = ..., emitted_ns: _Optional[int] = ...) -> None: ...
 
 class TransferResult(_message.Message):
-    __slots__ = ("ok", "error", "kv_transfer_ms", "busy", "token0_routed")
+    __slots__ = ("ok", "error", "kv_transfer_ms", "busy", "token0_routed", "request_id")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     BUSY_FIELD_NUMBER: _ClassVar[int]
     TOKEN0_ROUTED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     error: str
     kv_transfer_ms: float
     busy: bool
     token0_routed: bool
-    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., busy: _Optional[bool] = ..., token0_routed: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, ok: _Optional[bool] = ..., error: _Optional[str] = ..., kv_transfer_ms: _Optional[float] = ..., busy: _Optional[bool] = ..., token0_routed: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "colocated", "prior_output_ids", "source_tp_size", "subscriber_id", "cache_salt", "reuse_cached", "dp_rank")

@@ -207,6 +207,16 @@ class WorkerStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillInput.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillOutput.FromString,
                 _registered_method=True)
+        self.StartPrefill = channel.unary_unary(
+                '/pdserve.v1.Worker/StartPrefill',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillStarted.FromString,
+                _registered_method=True)
+        self.PrefillControl = channel.unary_unary(
+                '/pdserve.v1.Worker/PrefillControl',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillControlRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillControlResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.v1.Worker/Decode',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
@@ -237,6 +247,27 @@ class WorkerServicer:
     def Prefill(self, request_iterator, context):
         """Bidirectional: the first input is the request; a later one tells the producer where
         the consumer reserved blocks. Outputs: token 0 (at once), then the transfer outcome.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartPrefill(self, request, context):
+        """The same request, control only, for a router that reads this worker's Outputs stream
+        (PrefillRequest.subscriber_id names it; required): it answers once the producer took the
+        request (or refuses it with StartDecode's statuses), and token 0 and the transfer's
+        result then come on that stream, in order (OutputBatch.token0s, then .transfers; a
+        token 0 that ends the request is its last entry). The consumer's reservation and the
+        lease renewals go in with PrefillControl; Worker.Abort ends it early; a request whose
+        Outputs stream ends is aborted by the worker. No call stays open per request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillControl(self, request, context):
+        """Where the consumer reserved blocks for a StartPrefill request, or a renewal of the
+        producer's lease on its prefilled blocks while that reservation waits.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +322,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillInput.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillOutput.SerializeToString,
             ),
+            'StartPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartPrefill,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillStarted.SerializeToString,
+            ),
+            'PrefillControl': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillControl,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.PrefillControlRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.PrefillControlResponse.SerializeToString,
+            ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
@@ -341,6 +382,60 @@ class Worker:
             '/pdserve.v1.Worker/Prefill',
             pdserve_dot_v1_dot_worker__pb2.PrefillInput.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.PrefillOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/StartPrefill',
+            pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillStarted.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillControl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/PrefillControl',
+            pdserve_dot_v1_dot_worker__pb2.PrefillControlRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.PrefillControlResponse.FromString,
             options,
             channel_credentials,
             insecure,
