@@ -46,11 +46,17 @@ class ProducerServicer(WorkerServicer):
                  metrics: WorkerMetrics | None = None, cluster_token: str = "") -> None:
         super().__init__(bridge, worker_id, metrics, cluster_token)
         bridge.on_done = self._ended
+        bridge.on_transfer = self._transferred
 
     def _ended(self, done: OutputsDone) -> None:
         """A StartPrefill request's last entry is queued on its Outputs stream."""
         if done.prefill:
             self._count("prefill", done.finish)
+
+    def _transferred(self, result: TransferResultEvent) -> None:
+        """A StartPrefill request's transfer result (the Prefill stream's are seen there)."""
+        if result.ok and self.metrics is not None:
+            self.metrics.kv_transfer.observe(result.kv_transfer_ms / 1e3)
 
     async def StartPrefill(self, request: worker_pb2.PrefillRequest,
                            context: grpc.aio.ServicerContext) -> worker_pb2.PrefillStarted:

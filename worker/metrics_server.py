@@ -158,7 +158,7 @@ class WorkerMetrics:
     def __init__(self, worker_id: str, role: str, load: Callable[[], LoadReport | None],
                  serving: Callable[[], ServingCounters | None] = lambda: None) -> None:
         self.prom = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("pdserve_worker_requests", "Prefill/Decode streams by outcome",
+        self.requests = Counter("pdserve_worker_requests", "Prefill/Decode requests by outcome",
                                 ["rpc", "outcome"], registry=self.prom)
         self.kv_transfer = Histogram("pdserve_worker_kv_transfer_seconds",
                                      "First KV push -> consumer ack (producer side)",

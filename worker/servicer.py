@@ -86,8 +86,11 @@ class EngineBridge:
         self.fatal: str | None = None
         # where the engine's prefix-cache events go (worker/kv_publisher.py); None: nowhere
         self.on_kv: Callable[[KVEventsEvent | KVSnapshotEvent], None] | None = None
-        # told of each request started with StartDecode once its last tokens are queued
+        # told of each request started with StartDecode or StartPrefill once its last
+        # entry is queued
         self.on_done: Callable[[OutputsDone], None] | None = None
+        # told of each StartPrefill request's transfer result as it is queued (its metrics)
+        self.on_transfer: Callable[[TransferResultEvent], None] | None = None
         # called as the engine's events wake the loop (the loop watch ticks on it)
         self.on_wake: Callable[[], None] | None = None
 
@@ -198,7 +201,8 @@ class EngineBridge:
                 self.queues[msg.rid].put_nowait(msg)
         elif isinstance(msg, TransferResultEvent) and msg.rid not in self.queues:
             # a StartPrefill request's last entry (else a request that ended here already)
-            self.hub.add_transfer(msg)
+            if self.hub.add_transfer(msg) and self.on_transfer is not None:
+                self.on_transfer(msg)
         elif isinstance(msg, StatsEvent):
             self.load = msg.load
         elif isinstance(msg, (KVEventsEvent, KVSnapshotEvent)):

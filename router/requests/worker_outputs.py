@@ -2,8 +2,9 @@
 
 Each worker gets one ``Outputs`` call from this router process (its subscriber id is this
 process's id and a counter), opened on the first request placed there; every
-``StartDecode`` the router sends names it, and the worker then puts all of that router's
-outputs of one engine step (reservations, tokens, ends) into one ``OutputBatch``. Here each
+``StartDecode`` and ``StartPrefill`` the router sends names it, and the worker then puts all
+of that router's outputs of one engine step (reservations, tokens, ends; a producer's token
+0s and transfer results) into one ``OutputBatch``. Here each
 batch is read once and its entries handed to the legs by request id, so the per-token cost
 is a dict lookup and a callback instead of a gRPC message read per token per request, and
 a request holds no call of its own once the worker took it. A worker that advertised an

@@ -6,6 +6,8 @@ and the end of the Outputs stream end a started request and free its blocks."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,9 +62,23 @@ def kind(e: Any) -> str:
     return type(e).__name__
 
 
+def metric(cluster: Any, wid: str, pattern: str) -> float:
+    """The sum of a worker's /metrics samples whose line matches ``pattern``."""
+    port = cluster.metrics_ports[wid]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{pattern} (\S+)$", text, re.M))
+
+
+TRANSFERRED = r'pdserve_worker_requests_total\{[^}]*outcome="transferred"[^}]*\}'
+TRANSFER_SECONDS = r"pdserve_worker_kv_transfer_seconds_count"
+
+
 def test_a_started_prefill_hands_its_kv_to_a_consumer_over_the_outputs_streams(
         cluster_pdc: Any, stubs: dict[str, Any]) -> None:
     prod, cons, colo = stubs["worker-0"], stubs["worker-1"], stubs["worker-2"]
+    counted = (metric(cluster_pdc, "worker-0", TRANSFERRED),
+               metric(cluster_pdc, "worker-0", TRANSFER_SECONDS))
     p_out, c_out = subscribe(prod, "sp-p"), subscribe(cons, "sp-c")
     try:
         cons.StartDecode(worker_pb2.DecodeRequest(
@@ -96,6 +112,10 @@ def test_a_started_prefill_hands_its_kv_to_a_consumer_over_the_outputs_streams(
         colocated=True), timeout=60)
     want = [i for m in ref if m.WhichOneof("kind") == "tokens" for i in m.tokens.token_ids]
     assert [t0.token_id, *decoded] == want
+    # counted as a Prefill stream's would be: its outcome and its transfer's time
+    assert (metric(cluster_pdc, "worker-0", TRANSFERRED),
+            metric(cluster_pdc, "worker-0", TRANSFER_SECONDS)) == (counted[0] + 1,
+                                                                  counted[1] + 1)
     wait_whole(cluster_pdc)
 
 
