@@ -73,6 +73,9 @@ class ProducerLeg(Leg):
         self._control = False  # started with StartPrefill: no call of its own
         self._starting = False  # StartPrefill in flight
         self._abort_when_started = False  # cancelled while StartPrefill was in flight
+        # when the destination went out (Unix ns; 0: not yet): as it is written on a Prefill
+        # stream, as its PrefillControl call is made, not when that call answers
+        self.destination_sent_ns = 0
 
     def start(self, request: worker_pb2.PrefillRequest,
               hold: tuple[DecodeLeg, float, Callable[[], bool]] | None = None) -> None:
@@ -290,6 +293,8 @@ class ProducerLeg(Leg):
         async with self._write_lock:
             if self._closed_writing:
                 return
+            if msg.HasField("destination"):
+                self.destination_sent_ns = time.time_ns()
             if not self._control:
                 if self.call is not None:
                     await self.call.write(msg)

@@ -305,7 +305,8 @@ class RequestRun:
         assert self.producer is not None
         await self.producer.send_destination(dest)
         # the handoff's timing: a destination later than token 0 holds the notice back
-        self.out.timing.router_destination_sent_ns = time.time_ns()
+        self.out.timing.router_destination_sent_ns = (self.producer.destination_sent_ns
+                                                      or time.time_ns())
 
     # -- the client's stream ---------------------------------------------------------------
 

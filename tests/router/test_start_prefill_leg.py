@@ -46,7 +46,10 @@ def test_a_started_prefill_comes_back_on_the_outputs_stream_with_no_stream_of_it
             for resps in got:
                 assert [list(r.token_ids) for r in resps] == WANT
                 assert resps[-1].finish_reason == LENGTH and not resps[-1].error
-                assert resps[-1].timing.kv_transfer_ms == 1.5  # the result reached the run
+                t = resps[-1].timing
+                assert t.kv_transfer_ms == 1.5  # the result reached the run
+                # stamped as its PrefillControl call went out
+                assert 0 < t.router_received_ns < t.router_destination_sent_ns
             await wait_until(lambda: len(p.destinations) == 4)  # the last may trail its end
             assert len(p.prefill_requests) == 4
             assert {r.subscriber_id for r in p.prefill_requests} != {""}
