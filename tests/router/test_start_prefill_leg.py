@@ -177,7 +177,8 @@ def test_a_client_that_leaves_aborts_the_started_prefill() -> None:
     run(main())
 
 
-def test_a_producer_without_start_prefill_is_asked_once() -> None:
+def test_a_producer_without_start_prefill_is_remembered_and_served_on_prefill_streams(
+        ) -> None:
     async def main() -> None:
         async with Cluster() as cl:
             p = await cl.add("p0", P, outputs=True, start_prefill=False)
